@@ -1,0 +1,595 @@
+"""One typed configuration tree: defaults < TOML file < command line, validated before anything is built.
+
+Names follow torchtitan v0.2.2 where the concept matches, so a torchtitan TOML mostly carries over::
+
+    python train.py --job.config_file configs/debug_model.toml --training.steps 100 --parallelism.tensor_parallel_degree=2
+
+Every problem raises :class:`ConfigError` with one line that names the key and the fix; ``train.py`` prints it and
+exits with code 2 before a model is built or a process group started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message is one line naming the key and the fix."""
+
+
+@dataclass
+class Job:
+    config_file: str | None = None
+    dump_folder: str = "./outputs"
+    description: str = ""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    flavor: str = "debugmodel"
+    tokenizer: str = "test"  # "gpt2", "cl100k", "test" (2k ranks) or a path to a .tiktoken rank file
+    vocab_multiple: int = 64  # pad the vocabulary to a multiple of this (keeps vocab % tp == 0 and matmuls aligned)
+    tie_embeddings: bool | None = None  # None: the flavor's choice
+    kernels: str = "torch"  # "torch" or "te" (Transformer Engine, CUDA only)
+    # Optional overrides of the flavor's shape (0 / None = keep the flavor's value).
+    dim: int = 0
+    n_layers: int = 0
+    n_heads: int = 0
+    n_kv_heads: int = 0
+    ffn_hidden_dim: int = 0
+    max_seq_len: int = 0
+    rope_theta: float = 0.0
+
+
+@dataclass
+class Training:
+    steps: int = 1000
+    local_batch_size: int = 8
+    global_batch_size: int = -1  # -1: local_batch_size x data-parallel degree (no accumulation)
+    seq_len: int = 256
+    seed: int = 42
+    deterministic: bool = False
+    dtype: str = "float32"  # float32 | bfloat16 (mixed precision over float32 master weights) | float64
+    max_norm: float = 1.0  # gradient clipping by global norm; <= 0 disables clipping
+    max_nonfinite_steps: int = 3  # non-finite loss/grad-norm steps skipped before the run stops
+    device: str = "auto"  # auto | cpu | cuda
+
+
+@dataclass
+class Optimizer:
+    name: str = "AdamW"
+    lr: float = 8e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    implementation: str = "auto"  # auto (fused on CUDA, foreach otherwise) | fused | foreach | for-loop
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 10
+    decay_type: str = "cosine"  # cosine | linear | wsd (warmup-stable-decay) | constant
+    decay_ratio: float = 0.2  # wsd: the fraction of the steps spent decaying at the end
+    min_lr_factor: float = 0.1  # the final learning rate as a fraction of optimizer.lr
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    data_parallel_shard_degree: int = -1  # -1: whatever is left of the world size
+    fsdp_reshard_after_forward: str = "default"  # default | always | never
+    tensor_parallel_degree: int = 1
+    enable_sequence_parallel: bool = False
+    disable_loss_parallel: bool = False
+    loss_chunk_size: int = 0  # tokens per chunk of the cross entropy (0: all at once)
+    context_parallel_degree: int = 1
+    pipeline_parallel_degree: int = 1
+    pipeline_parallel_schedule: str = "1F1B"
+    pipeline_parallel_microbatch_size: int = 1
+    pipeline_parallel_layers_per_stage: int = 0  # 0: one stage per rank (two for V-shaped schedules)
+    pipeline_parallel_stages_per_rank: int = 0  # alternative to layers_per_stage (0: derive)
+    pipeline_parallel_first_stage_less_layers: int = 0  # count the embedding as this many layers
+    pipeline_parallel_last_stage_less_layers: int = 0  # count the norm + head (+ loss) as this many layers
+    pipeline_parallel_module_names: list[str] = field(default_factory=list)  # by hand: "layers.0,layers.1" per stage
+    gpus_per_node: int = 0  # 0: the local world size (LOCAL_WORLD_SIZE)
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    folder: str = "checkpoint"  # relative to job.dump_folder unless absolute
+    interval: int = 500
+    keep_latest_k: int = 0  # 0: keep all
+    load_step: int = -1  # -1: the newest complete checkpoint
+    async_mode: str = "disabled"  # disabled | async
+    initial_load_path: str = ""  # a seed checkpoint folder or a Hugging Face safetensors file to start from
+    create_seed_checkpoint: bool = False
+    export_safetensors: bool = False  # write <folder>/final/model.safetensors + config.json at the end
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    enable_tensorboard: bool = True
+    save_tb_folder: str = "tb"
+    enable_jsonl: bool = True
+    peak_tflops: float = 0.0  # override the peak table (dense bf16 TFLOP/s of one device)
+
+
+@dataclass
+class Data:
+    path: str = ""  # a text file, folder of .txt, .jsonl or pre-tokenized .bin ("" = the shipped corpus)
+    text_field: str = "text"
+    val_fraction: float = 0.05
+    shuffle: bool = True
+    num_workers: int = 0
+
+
+@dataclass
+class Validation:
+    enable: bool = True
+    freq: int = 100
+    steps: int = 4  # batches of local_batch_size per rank
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = "none"  # none | full | selective
+    selective_ac_option: str = "op"  # "op" (save matmul/attention outputs) or an integer N (every N-th block)
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    backend: str = "inductor"
+
+
+@dataclass
+class Float8:
+    recipe: str = ""  # "" (off) | delayed | current | block | mxfp8
+
+
+@dataclass
+class Comm:
+    timeout_seconds: int = 300
+    init_timeout_seconds: int = 300
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    save_traces_folder: str = "profile_traces"
+    profile_freq: int = 10
+    profile_warmup: int = 3
+    profile_active: int = 1
+    ranks: list[int] = field(default_factory=lambda: [0])
+    enable_memory_snapshot: bool = False
+    save_memory_snapshot_folder: str = "memory_snapshot"
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    data: Data = field(default_factory=Data)
+    validation: Validation = field(default_factory=Validation)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
+    comm: Comm = field(default_factory=Comm)
+    profiling: Profiling = field(default_factory=Profiling)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+CHOICES = {
+    "training.dtype": ("float32", "bfloat16", "float64"),
+    "training.device": ("auto", "cpu", "cuda"),
+    "optimizer.name": ("AdamW",),
+    "optimizer.implementation": ("auto", "fused", "foreach", "for-loop"),
+    "lr_scheduler.decay_type": ("cosine", "linear", "wsd", "constant"),
+    "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
+    "parallelism.pipeline_parallel_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
+                                               "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"),
+    "checkpoint.async_mode": ("disabled", "async"),
+    "activation_checkpoint.mode": ("none", "full", "selective"),
+    "model.kernels": ("torch", "te"),
+    "float8.recipe": ("", "delayed", "current", "block", "mxfp8"),
+    "model.name": ("llama3",),
+}
+# key -> (lowest allowed value, what it means)
+MINIMUM = {
+    "training.steps": 0, "training.local_batch_size": 1, "training.seq_len": 1, "training.max_nonfinite_steps": 0,
+    "optimizer.lr": 0.0, "optimizer.eps": 0.0, "optimizer.weight_decay": 0.0,
+    "lr_scheduler.warmup_steps": 0, "lr_scheduler.decay_ratio": 0.0, "lr_scheduler.min_lr_factor": 0.0,
+    "model.vocab_multiple": 1, "model.dim": 0, "model.n_layers": 0, "model.n_heads": 0, "model.n_kv_heads": 0,
+    "model.ffn_hidden_dim": 0, "model.max_seq_len": 0,
+    "parallelism.data_parallel_replicate_degree": 1, "parallelism.tensor_parallel_degree": 1,
+    "parallelism.context_parallel_degree": 1, "parallelism.pipeline_parallel_degree": 1,
+    "parallelism.pipeline_parallel_microbatch_size": 1, "parallelism.pipeline_parallel_layers_per_stage": 0,
+    "parallelism.pipeline_parallel_stages_per_rank": 0, "parallelism.loss_chunk_size": 0,
+    "parallelism.gpus_per_node": 0,
+    "checkpoint.interval": 1, "checkpoint.keep_latest_k": 0, "metrics.log_freq": 1, "validation.freq": 1,
+    "validation.steps": 1, "data.num_workers": 0, "comm.timeout_seconds": 1, "comm.init_timeout_seconds": 1,
+    "profiling.profile_freq": 1, "profiling.profile_warmup": 0, "profiling.profile_active": 1,
+}
+MAXIMUM = {"lr_scheduler.decay_ratio": 1.0, "lr_scheduler.min_lr_factor": 1.0, "data.val_fraction": 0.5,
+           "optimizer.beta1": 1.0, "optimizer.beta2": 1.0}
+
+
+def _sections() -> dict[str, type]:
+    hints = typing.get_type_hints(JobConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+
+
+def _field_types(section_cls: type) -> dict[str, typing.Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _suggest(name: str, valid) -> str:
+    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+            type(None): "none"}.get(tp, str(tp))
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _coerce(key: str, value, tp, from_cli: bool):
+    """Convert ``value`` (from TOML, or a string from the command line) to the field type ``tp``."""
+    origin = typing.get_origin(tp)
+    bad = ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (from_cli and isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        return _coerce(key, value, args[0], from_cli)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if from_cli and isinstance(value, str):
+            value = [v for v in (p.strip() for p in value.split(";" if item is str else ",")) if v] \
+                if value.strip() else []
+        if not isinstance(value, list):
+            raise bad
+        return [_coerce(key, v, item, from_cli) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+            return value.lower() in _TRUE
+        raise bad
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if from_cli and isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, (int, float)):
+            return float(value)
+        if from_cli and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    raise bad  # pragma: no cover
+
+
+def _set(cfg: JobConfig, dotted: str, value, from_cli: bool) -> None:
+    section, _, key = dotted.partition(".")
+    sections = _sections()
+    if section not in sections:
+        raise ConfigError(f"unknown config section '{section}'{_suggest(section, sections)}; "
+                          f"valid sections: {', '.join(sections)}")
+    if not key:
+        raise ConfigError(f"'{dotted}' names a section, not a key: use --{section}.<key>")
+    types_ = _field_types(sections[section])
+    if key not in types_:
+        full = [f"{section}.{k}" for k in types_]
+        other = [f"{s}.{k}" for s, c in sections.items() for k in _field_types(c)]
+        hint = _suggest(dotted, full) or _suggest(dotted, other)
+        raise ConfigError(f"unknown config key '{dotted}'{hint}")
+    setattr(getattr(cfg, section), key, _coerce(dotted, value, types_[key], from_cli))
+
+
+def _parse_cli(argv: list[str]) -> list[tuple[str, str | None]]:
+    """``--a.b value`` / ``--a.b=value`` / a bare boolean ``--a.b`` -> [(dotted, value-or-None)]."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument '{arg}': options look like --section.key value")
+        name = arg[2:]
+        if "=" in name:
+            name, value = name.split("=", 1)
+            i += 1
+        elif i + 1 < len(argv) and not (argv[i + 1].startswith("--") and len(argv[i + 1]) > 2
+                                        and not argv[i + 1][2:3].isdigit()):
+            value = argv[i + 1]
+            i += 2
+        else:
+            value = None  # a bare flag: true for booleans
+            i += 1
+        out.append((name, value))
+    return out
+
+
+def load_config(argv: list[str] | None = None, world_size: int | None = None) -> JobConfig:
+    """Defaults, then ``--job.config_file``'s TOML, then the other command-line options; then validation.
+
+    ``world_size`` (default: the ``WORLD_SIZE`` environment variable set by torchrun, else 1) is used to check
+    the parallel layout before any process group exists.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg = JobConfig()
+    cli = _parse_cli(argv)
+    files = [v for k, v in cli if k == "job.config_file"]
+    if files:
+        path = files[-1]
+        if path is None:
+            raise ConfigError("--job.config_file needs a path to a TOML file")
+        _load_toml(cfg, path)
+        cfg.job.config_file = path
+    for key, value in cli:
+        if key == "job.config_file":
+            continue
+        if value is None:
+            section, _, name = key.partition(".")
+            sections = _sections()
+            tp = _field_types(sections[section]).get(name) if section in sections else None
+            if tp is not bool and tp is not None:
+                raise ConfigError(f"--{key} needs a value ({_type_name(tp)})")
+            value = "true"
+        _set(cfg, key, value, from_cli=True)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(cfg, world_size)
+    return cfg
+
+
+def _load_toml(cfg: JobConfig, path: str) -> None:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"job.config_file: no such file '{path}' (configs live in configs/, e.g. "
+                          f"configs/debug_model.toml)")
+    try:
+        with open(p, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"job.config_file: '{path}' is not valid TOML: {e}") from None
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: top-level key '{section}' must be a [section] table"
+                              f"{_suggest(section, _sections())}")
+        for key, value in values.items():
+            _set(cfg, f"{section}.{key}", value, from_cli=False)
+
+
+def validate(cfg: JobConfig, world_size: int = 1) -> None:
+    """Per-key ranges and choices, then every cross-field rule; raise the first problem as a ConfigError."""
+    for dotted, choices in CHOICES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if value not in choices:
+            raise ConfigError(f"{dotted}: '{value}' is not one of {', '.join(repr(c) for c in choices)}"
+                              f"{_suggest(str(value), [str(c) for c in choices])}")
+    for dotted, lo in MINIMUM.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if value < lo:
+            raise ConfigError(f"{dotted}: {value} is below the minimum {lo}")
+    for dotted, hi in MAXIMUM.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if value > hi:
+            raise ConfigError(f"{dotted}: {value} is above the maximum {hi}")
+    problems = layout_violations(cfg, world_size)
+    if problems:
+        raise ConfigError(problems[0])
+
+
+def model_args_from_config(cfg: JobConfig, vocab_size: int | None = None):
+    """The flavor's ModelArgs with the config's overrides, the vocabulary padded to ``model.vocab_multiple``."""
+    from titanlike.models import MODELS, pad_vocab
+
+    flavors = MODELS[cfg.model.name]
+    if cfg.model.flavor not in flavors:
+        raise ConfigError(f"model.flavor: unknown flavor '{cfg.model.flavor}'{_suggest(cfg.model.flavor, flavors)}"
+                          f"; valid: {', '.join(flavors)}")
+    m = cfg.model
+    overrides = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim",
+                                            "max_seq_len", "rope_theta") if getattr(m, k)}
+    if m.tie_embeddings is not None:
+        overrides["tie_embeddings"] = m.tie_embeddings
+    args = flavors[cfg.model.flavor].replace(**overrides)
+    if "n_heads" in overrides and "n_kv_heads" not in overrides and args.n_kv_heads > args.n_heads:
+        args = args.replace(n_kv_heads=args.n_heads)
+    vocab = vocab_size if vocab_size is not None else args.vocab_size
+    if vocab and vocab > 0:
+        args = args.replace(vocab_size=pad_vocab(vocab, m.vocab_multiple))
+    return args
+
+
+def layout_violations(cfg: JobConfig, world_size: int, model_args=None) -> list[str]:
+    """Every rule a configuration must satisfy for ``world_size`` ranks, one line (with the fix) per violation.
+
+    Pure arithmetic: no process group, no model. Used up front by ``load_config`` and in full by the planner.
+    """
+    p = cfg.parallelism
+    t = cfg.training
+    out: list[str] = []
+    try:
+        args = model_args or model_args_from_config(cfg)
+    except ConfigError as e:
+        return [str(e)]
+    # Model shape.
+    if args.dim % args.n_heads:
+        out.append(f"model: dim {args.dim} is not divisible by n_heads {args.n_heads}; choose n_heads dividing dim")
+    if args.n_heads % args.n_kv_heads:
+        out.append(f"model: n_heads {args.n_heads} is not divisible by n_kv_heads {args.n_kv_heads}; "
+                   f"choose n_kv_heads dividing n_heads")
+    if args.head_dim % 2:
+        out.append(f"model: head_dim {args.head_dim} (dim / n_heads) must be even for RoPE")
+    if t.seq_len > args.max_seq_len:
+        out.append(f"training.seq_len {t.seq_len} exceeds the model's max_seq_len {args.max_seq_len}; "
+                   f"lower training.seq_len or raise model.max_seq_len")
+    # Degrees.
+    tp, pp, cp, dpr = p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree, \
+        p.data_parallel_replicate_degree
+    dps = p.data_parallel_shard_degree
+    rest = tp * pp * cp * dpr
+    if dps == -1:
+        if world_size % rest:
+            out.append(f"parallelism: world size {world_size} is not divisible by tp {tp} x pp {pp} x cp {cp} x "
+                       f"dp_replicate {dpr} = {rest}; change the degrees or the number of processes")
+            dps = 1
+        else:
+            dps = world_size // rest
+    elif dps < 1:
+        out.append(f"parallelism.data_parallel_shard_degree: {dps} must be -1 (infer) or >= 1")
+        dps = 1
+    elif rest * dps != world_size:
+        out.append(f"parallelism: pp {pp} x dp_replicate {dpr} x dp_shard {dps} x cp {cp} x tp {tp} = "
+                   f"{rest * dps} != world size {world_size}; set data_parallel_shard_degree = -1 to infer it or "
+                   f"change the degrees")
+    if cp > 1:
+        out.append("parallelism.context_parallel_degree: context parallelism is not implemented yet; set it to 1")
+    dp = dpr * dps
+    # Tensor / sequence parallel.
+    if tp > 1:
+        if args.n_heads % tp:
+            out.append(f"parallelism.tensor_parallel_degree {tp} does not divide n_heads {args.n_heads}; "
+                       f"choose a tp degree dividing {args.n_heads}")
+        if args.n_kv_heads % tp:
+            out.append(f"parallelism.tensor_parallel_degree {tp} does not divide n_kv_heads {args.n_kv_heads}; "
+                       f"choose a tp degree dividing {args.n_kv_heads}")
+        if args.hidden_dim % tp:
+            out.append(f"parallelism.tensor_parallel_degree {tp} does not divide the ffn hidden size "
+                       f"{args.hidden_dim}")
+        if args.vocab_size > 0 and args.vocab_size % tp:
+            out.append(f"parallelism.tensor_parallel_degree {tp} does not divide the vocabulary {args.vocab_size}; "
+                       f"set model.vocab_multiple to a multiple of {tp}")
+        if p.enable_sequence_parallel and t.seq_len % tp:
+            out.append(f"training.seq_len {t.seq_len} is not divisible by tensor_parallel_degree {tp} under "
+                       f"sequence parallelism; choose a multiple of {tp}")
+    elif p.enable_sequence_parallel:
+        out.append("parallelism.enable_sequence_parallel needs tensor_parallel_degree > 1; "
+                   "turn it off or raise the tp degree")
+    # Batch.
+    gbs = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp
+    if gbs < 1:
+        out.append(f"training.global_batch_size: {gbs} must be -1 or >= 1")
+    elif gbs % (t.local_batch_size * dp):
+        out.append(f"training.global_batch_size {gbs} is not divisible by local_batch_size {t.local_batch_size} x "
+                   f"data-parallel degree {dp}; use a multiple of {t.local_batch_size * dp}")
+    # Pipeline.
+    if pp > 1:
+        out += _pipeline_violations(cfg, args, pp)
+    elif p.pipeline_parallel_module_names:
+        out.append("parallelism.pipeline_parallel_module_names needs pipeline_parallel_degree > 1")
+    if cfg.activation_checkpoint.mode == "selective":
+        opt = cfg.activation_checkpoint.selective_ac_option
+        if opt != "op" and not (opt.isdigit() and int(opt) >= 1):
+            out.append(f"activation_checkpoint.selective_ac_option: '{opt}' must be 'op' or a positive integer")
+    if cfg.checkpoint.async_mode != "disabled" and not cfg.checkpoint.enable:
+        pass  # harmless: async mode only matters when checkpointing is on
+    return out
+
+
+def pipeline_stage_count(cfg: JobConfig, args) -> int:
+    """Total number of pipeline stages (pp x virtual stages per rank)."""
+    p = cfg.parallelism
+    pp = p.pipeline_parallel_degree
+    v_schedule = p.pipeline_parallel_schedule in ("ZBVZeroBubble", "DualPipeV")
+    if p.pipeline_parallel_module_names:
+        return len(p.pipeline_parallel_module_names)
+    if p.pipeline_parallel_stages_per_rank:
+        return pp * p.pipeline_parallel_stages_per_rank
+    if p.pipeline_parallel_layers_per_stage:
+        eff = args.n_layers + p.pipeline_parallel_first_stage_less_layers + p.pipeline_parallel_last_stage_less_layers
+        return max(1, eff // p.pipeline_parallel_layers_per_stage)
+    multi = p.pipeline_parallel_schedule in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+    return pp * (2 if v_schedule or multi else 1)
+
+
+def _pipeline_violations(cfg: JobConfig, args, pp: int) -> list[str]:
+    p, t = cfg.parallelism, cfg.training
+    out = []
+    sched = p.pipeline_parallel_schedule
+    n_stages = pipeline_stage_count(cfg, args)
+    single = sched in ("GPipe", "1F1B")
+    if n_stages % pp:
+        out.append(f"pipeline: {n_stages} stages do not divide evenly over pp {pp} ranks; adjust "
+                   f"pipeline_parallel_layers_per_stage or pipeline_parallel_stages_per_rank")
+    v = n_stages // pp if n_stages % pp == 0 else 1
+    if single and v != 1:
+        out.append(f"parallelism.pipeline_parallel_schedule {sched} runs one stage per rank but the split gives "
+                   f"{v}; use Interleaved1F1B / LoopedBFS / InterleavedZeroBubble or fewer stages")
+    if not single and sched in ("ZBVZeroBubble", "DualPipeV") and v != 2:
+        out.append(f"parallelism.pipeline_parallel_schedule {sched} needs exactly 2 stages per rank (V shape), "
+                   f"got {v}")
+    if not single and sched not in ("ZBVZeroBubble", "DualPipeV") and v < 2:
+        out.append(f"parallelism.pipeline_parallel_schedule {sched} needs at least 2 stages per rank; use "
+                   f"GPipe / 1F1B or set pipeline_parallel_stages_per_rank >= 2")
+    if not p.pipeline_parallel_module_names:
+        eff = args.n_layers + p.pipeline_parallel_first_stage_less_layers + p.pipeline_parallel_last_stage_less_layers
+        if eff % n_stages:
+            out.append(f"pipeline: {args.n_layers} layers (+{p.pipeline_parallel_first_stage_less_layers} for the "
+                       f"embedding, +{p.pipeline_parallel_last_stage_less_layers} for the head) do not split evenly "
+                       f"into {n_stages} stages; change n_layers or list pipeline_parallel_module_names per stage")
+        elif eff // n_stages <= max(p.pipeline_parallel_first_stage_less_layers,
+                                    p.pipeline_parallel_last_stage_less_layers):
+            out.append(f"pipeline: {n_stages} stages of {eff // n_stages} layers leave the first or last stage "
+                       f"without a transformer block; use fewer stages")
+    mbs = p.pipeline_parallel_microbatch_size
+    if t.local_batch_size % mbs:
+        out.append(f"training.local_batch_size {t.local_batch_size} is not divisible by "
+                   f"pipeline_parallel_microbatch_size {mbs}")
+    else:
+        m = t.local_batch_size // mbs
+        if sched not in ("GPipe",) and m < pp:
+            out.append(f"pipeline: {m} microbatches (local_batch_size / pipeline_parallel_microbatch_size) are fewer "
+                       f"than pp {pp} stages for {sched}; raise local_batch_size to at least {pp * mbs}")
+    return out
