@@ -1,0 +1,136 @@
+"""One optimizer step: forward/backward over the micro-batches, gradient-norm clipping, the update.
+
+The loss contract that makes every layout train like one device:
+
+* the loss is the mean over **all** non-ignored tokens of the **global** batch (not a mean of per-rank or
+  per-micro-batch means): every micro-batch contributes ``sum(CE) / global_tokens``, where ``global_tokens`` is
+  counted once per step with one all-reduce over the data-parallel ranks;
+* gradients are therefore *summed* over micro-batches, pipeline microbatches and data-parallel ranks (the FSDP
+  wrapper is told not to average);
+* the reported loss is the sum of those contributions over the data-parallel ranks (and taken from the last
+  pipeline stage), identical on every rank.
+
+This module is used by the trainer and, unchanged, by the numerics tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+def count_tokens(micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], dp_group=None) -> torch.Tensor:
+    """Non-ignored label tokens of this step's global batch (summed over the data-parallel ranks)."""
+    n = sum((labels != IGNORE_INDEX).sum() for _, labels in micro_batches)
+    n = torch.as_tensor(n, dtype=torch.float64, device=micro_batches[0][1].device)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(n, group=dp_group)
+    return n
+
+
+class ScaledLoss:
+    """``loss_fn(output, labels) / denominator``; the denominator is set once per step (pipeline schedules hold
+    on to the callable, so it is an object rather than a closure over a step-local value)."""
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.loss_fn = loss_fn
+        self.denominator: torch.Tensor | float = 1.0
+
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, labels) / self.denominator
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean CE over the global batch's tokens, identical on every rank
+    grad_norm: float  # global gradient norm before clipping, identical on every rank
+    tokens: int  # non-ignored tokens of the global batch
+    skipped: bool  # True when loss or grad norm was not finite and the update was skipped
+
+
+def forward_backward(
+    model_parts: list[nn.Module],
+    micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    loss: ScaledLoss,
+    *,
+    dp_group=None,
+    pp_schedule=None,
+    pp_group=None,
+    has_last_stage: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run forward and backward over this rank's micro-batches; return (global mean loss, global token count).
+
+    Without pipelining, ``model_parts`` is one module mapping token ids to logits. With pipelining,
+    ``pp_schedule.step`` splits each micro-batch into the schedule's microbatches; only the last stage sees
+    labels and losses.
+    """
+    tokens = count_tokens(micro_batches, dp_group)
+    loss.denominator = tokens
+    device = micro_batches[0][0].device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for inputs, labels in micro_batches:
+        if pp_schedule is None:
+            out = loss(model_parts[0](inputs), labels)
+            out.backward()
+            total += out.detach().to(torch.float64)
+        else:
+            losses: list[torch.Tensor] = []
+            targets = labels if has_last_stage else None
+            pp_schedule.step(inputs, target=targets, losses=losses)
+            if has_last_stage:
+                total += sum(l.detach().to(torch.float64) for l in losses)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total, group=pp_group)  # only the last stage contributed
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(total, group=dp_group)
+    return total, tokens
+
+
+def train_step(
+    model_parts: list[nn.Module],
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    loss: ScaledLoss,
+    *,
+    max_norm: float,
+    clip_fn: Callable[..., torch.Tensor],
+    lr_scheduler=None,
+    dp_group=None,
+    pp_schedule=None,
+    pp_group=None,
+    has_last_stage: bool = True,
+) -> StepResult:
+    """zero_grad -> forward/backward -> global grad norm (clip) -> finite check -> optimizer step.
+
+    ``clip_fn(parameters, max_norm) -> total_norm`` must return the norm over every parameter of the model on
+    every rank (the parallel layer supplies one that reduces across DTensor meshes and pipeline stages). A
+    non-finite loss or norm, identical on every rank by construction, skips the update on every rank.
+    """
+    for m in model_parts:
+        m.zero_grad(set_to_none=True)
+    total, tokens = forward_backward(model_parts, micro_batches, loss, dp_group=dp_group, pp_schedule=pp_schedule,
+                                     pp_group=pp_group, has_last_stage=has_last_stage)
+    params = [p for m in model_parts for p in m.parameters()]
+    norm = clip_fn(params, max_norm)
+    loss_value, norm_value = float(total), float(norm)
+    finite = torch.isfinite(torch.tensor([loss_value, norm_value])).all().item()
+    if finite:
+        optimizer.step()
+    if lr_scheduler is not None:
+        lr_scheduler.step()
+    return StepResult(loss=loss_value, grad_norm=norm_value, tokens=int(tokens), skipped=not finite)
+
+
+def plain_clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """Gradient clipping for a model without DTensor parameters or pipeline stages."""
+    params = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
