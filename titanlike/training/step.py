@@ -15,6 +15,7 @@ This module is used by the trainer and, unchanged, by the numerics tests.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -63,12 +64,13 @@ def forward_backward(
     pp_schedule=None,
     pp_group=None,
     has_last_stage: bool = True,
+    forward_ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run forward and backward over this rank's micro-batches; return (global mean loss, global token count).
 
     Without pipelining, ``model_parts`` is one module mapping token ids to logits. With pipelining,
     ``pp_schedule.step`` splits each micro-batch into the schedule's microbatches; only the last stage sees
-    labels and losses.
+    labels and losses. ``forward_ctx`` (e.g. bf16 autocast) wraps the forward and loss, not the backward.
     """
     tokens = count_tokens(micro_batches, dp_group)
     loss.denominator = tokens
@@ -76,7 +78,8 @@ def forward_backward(
     total = torch.zeros((), dtype=torch.float64, device=device)
     for inputs, labels in micro_batches:
         if pp_schedule is None:
-            out = loss(model_parts[0](inputs), labels)
+            with forward_ctx():
+                out = loss(model_parts[0](inputs), labels)
             out.backward()
             total += out.detach().to(torch.float64)
         else:
@@ -105,6 +108,7 @@ def train_step(
     pp_schedule=None,
     pp_group=None,
     has_last_stage: bool = True,
+    forward_ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> StepResult:
     """zero_grad -> forward/backward -> global grad norm (clip) -> finite check -> optimizer step.
 
@@ -115,7 +119,7 @@ def train_step(
     for m in model_parts:
         m.zero_grad(set_to_none=True)
     total, tokens = forward_backward(model_parts, micro_batches, loss, dp_group=dp_group, pp_schedule=pp_schedule,
-                                     pp_group=pp_group, has_last_stage=has_last_stage)
+                                     pp_group=pp_group, has_last_stage=has_last_stage, forward_ctx=forward_ctx)
     params = [p for m in model_parts for p in m.parameters()]
     norm = clip_fn(params, max_norm)
     loss_value, norm_value = float(total), float(norm)

@@ -1,0 +1,94 @@
+"""Rank-0 metrics: a console line, tensorboard scalars and ``<dump_folder>/metrics.jsonl``."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: the CUDA caching allocator's peak, or the host's max RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return kib / 2**20
+
+
+def format_eta(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class MetricsLogger:
+    """Writes on rank 0 only; other ranks get a logger that does nothing."""
+
+    def __init__(self, dump_folder: str | Path, *, enabled: bool, tensorboard: bool, tb_folder: str,
+                 jsonl: bool):
+        self.enabled = enabled
+        self.writer = None
+        self.jsonl = None
+        if not enabled:
+            return
+        folder = Path(dump_folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(folder / tb_folder))
+        if jsonl:
+            self.jsonl = open(folder / "metrics.jsonl", "a", buffering=1)
+
+    def log(self, step: int, values: dict[str, float], *, console: str | None = None) -> None:
+        if not self.enabled:
+            return
+        if console:
+            print(console, flush=True)
+        if self.writer is not None:
+            for k, v in values.items():
+                if v is not None and isinstance(v, (int, float)) and math.isfinite(v):
+                    self.writer.add_scalar(k, v, step)
+        if self.jsonl is not None:
+            # repr-precision floats: json writes the shortest string that round-trips the float64 exactly.
+            self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+
+
+class Throughput:
+    """Tokens/s between log points (wall clock, after a device synchronize) and the ETA to the last step."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.start = self.last = time.perf_counter()
+        self.tokens = 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def measure(self, steps_done_since: int, steps_left: int) -> tuple[float, float]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        elapsed = max(now - self.last, 1e-9)
+        tps = self.tokens / elapsed
+        eta = elapsed / max(steps_done_since, 1) * steps_left
+        self.last, self.tokens = now, 0
+        return tps, eta
+
+
+def stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

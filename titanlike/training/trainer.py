@@ -1,0 +1,308 @@
+"""The trainer: config -> (process group, mesh) -> model -> parallelize -> data -> train loop.
+
+Runs as one plain process (``python train.py``) or under ``torchrun`` (gloo on CPU, nccl on CUDA, chosen from the
+device). Every configuration error is raised before a process group exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from titanlike.config import ConfigError, JobConfig, layout_violations, load_config, model_args_from_config
+from titanlike.models import Transformer
+from titanlike.training.metrics import MetricsLogger, Throughput, format_eta, peak_memory_gib
+from titanlike.training.optim import build_lr_scheduler, build_optimizer
+from titanlike.training.step import IGNORE_INDEX, ScaledLoss, plain_clip_grad_norm_, train_step
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def resolve_device(cfg: JobConfig) -> torch.device:
+    kind = cfg.training.device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("training.device: cuda was asked for but no GPU is visible; use --training.device cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def default_corpus() -> list[str]:
+    from titanlike.data import asset_path
+
+    return [str(asset_path("corpus", "tinyshakespeare.txt"))]
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.device = resolve_device(cfg)
+
+        # Everything that can be wrong with the input is checked before the process group starts.
+        from titanlike.data import build_tokenizer
+
+        try:
+            self.tokenizer = build_tokenizer(cfg.model.tokenizer)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"model.tokenizer: {e}") from None
+        self.model_args = model_args_from_config(cfg, self.tokenizer.vocab_size)
+        problems = layout_violations(cfg, self.world_size, self.model_args)
+        if problems:
+            raise ConfigError(problems[0])
+        data_path = cfg.data.path or None
+        if data_path is not None and not Path(data_path).exists():
+            raise ConfigError(f"data.path: '{data_path}' does not exist; give a text file, a folder of .txt, "
+                              f"a .jsonl or a .bin from scripts/preprocess_data.py (or leave it empty for the "
+                              f"shipped corpus)")
+
+        self.distributed = self.world_size > 1
+        if self.distributed:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.comm.timeout_seconds))
+        self.rank = dist.get_rank() if self.distributed else 0
+        self._build()
+
+    # ------------------------------------------------------------------ build
+    def _build(self) -> None:
+        cfg, args = self.cfg, self.model_args
+        dtype = DTYPES[cfg.training.dtype]
+        param_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # bf16 = mixed precision
+        self.dims = self.mesh = None
+        dp_rank, dp_degree = 0, 1
+        self.dp_group = self.pp_group = None
+        if self.distributed:
+            from titanlike.parallel import ParallelDims, describe_layout
+
+            self.dims = ParallelDims.from_config(cfg, self.world_size)
+            self.mesh = self.dims.build_mesh(self.device.type)
+            if self.rank == 0:
+                gpn = cfg.parallelism.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+                print(describe_layout(self.dims, gpn), flush=True)
+            if self.dims.dp_enabled:
+                dp_mesh = self.mesh["dp"]
+                self.dp_group = dp_mesh.get_group()
+                dp_rank, dp_degree = dp_mesh.get_local_rank(), dp_mesh.size()
+
+        # The full model is initialised on the CPU from the seed, then parallelized: the initial weights are the
+        # same under every layout (large models start from a seed checkpoint instead: checkpoint.initial_load_path).
+        torch.manual_seed(cfg.training.seed)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(param_dtype)
+        try:
+            model = Transformer(args)
+            model.init_weights()
+        finally:
+            torch.set_default_dtype(prev)
+        self.num_params = sum(p.numel() for p in model.parameters())
+
+        self.pp_schedule = None
+        self.has_last_stage = True
+        if self.distributed and self.dims.pp_enabled:
+            from titanlike.parallel.pipeline import apply_pp
+
+            pp = apply_pp(model, self.dims, self.mesh, cfg, self.device)
+            self.model_parts, self.pp_schedule = pp.model_parts, pp.schedule
+            self.has_last_stage, self.pp_group = pp.has_last_stage, pp.pp_group
+            self.loss = pp.loss
+        else:
+            if self.distributed:
+                from titanlike.parallel import build_loss_fn, parallelize_model
+
+                model = parallelize_model(model, self.dims, self.mesh, cfg)
+                loss_fn = build_loss_fn(cfg, self.dims, self.mesh)
+            else:
+                from titanlike.training.loss import cross_entropy_loss
+
+                chunk = cfg.parallelism.loss_chunk_size or None
+                loss_fn = lambda logits, labels: cross_entropy_loss(logits, labels, reduction="sum",  # noqa: E731
+                                                                    chunk_size=chunk)
+                if cfg.activation_checkpoint.mode != "none":
+                    from titanlike.parallel.activation_checkpoint import apply_ac
+
+                    apply_ac(model, cfg.activation_checkpoint)
+                if cfg.compile.enable:
+                    from titanlike.parallel.compile import apply_compile
+
+                    apply_compile(model, cfg.compile)
+            model.to(self.device)
+            self.model_parts = [model]
+            self.loss = ScaledLoss(loss_fn)
+        # bf16 without FSDP's mixed precision (one process): autocast over float32 master weights.
+        fsdp = self.distributed and (self.dims.dp_shard_enabled or self.dims.dp_replicate_enabled)
+        self.autocast = dtype == torch.bfloat16 and not fsdp
+        if self.distributed:
+            from titanlike.parallel.clip import clip_grad_norm_
+
+            self.clip_fn = lambda params, max_norm: clip_grad_norm_(params, max_norm, pp_group=self.pp_group)
+        else:
+            self.clip_fn = plain_clip_grad_norm_
+
+        self.optimizer = build_optimizer(self.model_parts, cfg)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
+
+        # Data: the global sample order depends only on the seed; this rank reads its data-parallel slice.
+        from titanlike.data import build_dataloader, build_validation_loader, load_token_stream, split_stream
+
+        t0 = time.perf_counter()
+        tokens = load_token_stream(cfg.data.path or default_corpus(), self.tokenizer, text_field=cfg.data.text_field)
+        train_tokens, val_tokens = split_stream(tokens, cfg.data.val_fraction)
+        t = cfg.training
+        self.global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp_degree
+        self.accum_steps = self.global_batch // (t.local_batch_size * dp_degree)
+        self.dataloader = build_dataloader(train_tokens, seq_len=t.seq_len, global_batch_size=self.global_batch,
+                                           local_batch_size=t.local_batch_size, dp_rank=dp_rank,
+                                           dp_degree=dp_degree, seed=t.seed, shuffle=cfg.data.shuffle,
+                                           num_workers=cfg.data.num_workers)
+        self.val_tokens = val_tokens if cfg.validation.enable and len(val_tokens) > t.seq_len + 1 else None
+        self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        if self.rank == 0:
+            print(f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params / 1e6:.2f}M parameters, "
+                  f"vocab {args.vocab_size}; data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens "
+                  f"(loaded in {time.perf_counter() - t0:.1f}s); global batch {self.global_batch} x {t.seq_len} "
+                  f"tokens, {self.accum_steps} accumulation step(s); {self.world_size} process(es) on "
+                  f"{self.device.type}, {cfg.training.dtype}", flush=True)
+
+        self.step = 0
+        self.nonfinite_steps = 0
+        self.checkpointer = None
+        if cfg.checkpoint.enable or cfg.checkpoint.initial_load_path or cfg.checkpoint.create_seed_checkpoint:
+            from titanlike.checkpoint import CheckpointManager
+
+            self.checkpointer = CheckpointManager(self)
+
+    # ------------------------------------------------------------------ loop
+    def _next_micro_batches(self, it) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+                for x, y in (next(it) for _ in range(self.accum_steps))]
+
+    def forward_context(self):
+        if self.autocast:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def train(self) -> list[float]:
+        cfg = self.cfg
+        if self.checkpointer is not None:
+            if self.checkpointer.maybe_create_seed_checkpoint():
+                return []
+            self.checkpointer.load()
+        logger = MetricsLogger(cfg.job.dump_folder, enabled=self.rank == 0, tensorboard=cfg.metrics.enable_tensorboard,
+                               tb_folder=cfg.metrics.save_tb_folder, jsonl=cfg.metrics.enable_jsonl)
+        from titanlike.training.mfu import device_peak_flops, mfu
+        from titanlike.training.profiling import maybe_profile
+
+        peak = device_peak_flops(self.device, "bf16" if cfg.training.dtype == "bfloat16" else "tf32",
+                                 cfg.metrics.peak_tflops)
+        flops_per_token = self.model_args.flops_per_token(cfg.training.seq_len)
+        throughput = Throughput(self.device)
+        data_iter = iter(self.dataloader)
+        losses: list[float] = []
+        last_logged = self.step
+        with maybe_profile(cfg, self.rank, cfg.job.dump_folder) as profiler:
+            while self.step < cfg.training.steps:
+                self.step += 1
+                micro_batches = self._next_micro_batches(data_iter)
+                res = train_step(self.model_parts, self.optimizer, micro_batches, self.loss,
+                                 max_norm=cfg.training.max_norm, clip_fn=self.clip_fn,
+                                 lr_scheduler=self.lr_scheduler, dp_group=self.dp_group,
+                                 pp_schedule=self.pp_schedule, pp_group=self.pp_group,
+                                 has_last_stage=self.has_last_stage, forward_ctx=self.forward_context)
+                throughput.add(res.tokens)
+                losses.append(res.loss)
+                if res.skipped:
+                    self.nonfinite_steps += 1
+                    if self.rank == 0:
+                        print(f"step {self.step}: non-finite loss {res.loss} or grad norm {res.grad_norm}: update "
+                              f"skipped ({self.nonfinite_steps}/{cfg.training.max_nonfinite_steps})", flush=True)
+                    if self.nonfinite_steps > cfg.training.max_nonfinite_steps:
+                        raise RuntimeError(f"stopping: {self.nonfinite_steps} non-finite steps exceed "
+                                           f"training.max_nonfinite_steps={cfg.training.max_nonfinite_steps}")
+                if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps or self.step == 1:
+                    tps, eta = throughput.measure(self.step - last_logged, cfg.training.steps - self.step)
+                    last_logged = self.step
+                    tps_dev = tps / self.world_size
+                    util = mfu(tps_dev, flops_per_token, peak) if peak else None
+                    lr = self.lr_scheduler.get_last_lr()[0]
+                    mem = peak_memory_gib(self.device)
+                    line = (f"step {self.step:5d}  loss {res.loss:8.4f}  lr {lr:.3e}  grad_norm {res.grad_norm:7.3f}"
+                            f"  tok/s {tps:9.0f}" + (f"  mfu {100 * util:5.1f}%" if util is not None else "")
+                            + f"  mem {mem:6.2f}GiB  eta {format_eta(eta)}")
+                    logger.log(self.step, {"loss": res.loss, "lr": lr, "grad_norm": res.grad_norm,
+                                           "tokens_per_s": tps, "tokens_per_s_per_device": tps_dev,
+                                           "mfu": util, "memory_gib": mem, "skipped": res.skipped}, console=line)
+                if self.val_tokens is not None and (self.step % cfg.validation.freq == 0
+                                                    or self.step == cfg.training.steps):
+                    val = self.validate()
+                    logger.log(self.step, {"val_loss": val}, console=f"step {self.step:5d}  val_loss {val:8.4f}")
+                if self.checkpointer is not None:
+                    self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps)
+                profiler.step()
+        if self.checkpointer is not None:
+            self.checkpointer.finish()
+        logger.close()
+        return losses
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Mean token loss over the held-out tail, identical on every rank."""
+        from titanlike.data import build_validation_loader
+
+        cfg = self.cfg
+        loader = build_validation_loader(self.val_tokens, seq_len=cfg.training.seq_len,
+                                         batch_size=cfg.training.local_batch_size, dp_rank=self.dp_rank,
+                                         dp_degree=self.dp_degree, max_batches=cfg.validation.steps)
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for m in self.model_parts:
+            m.eval()
+        for inputs, labels in loader:
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            if self.pp_schedule is not None:
+                from titanlike.parallel.pipeline import pipeline_eval_loss
+
+                loss_sum = pipeline_eval_loss(self, inputs, labels)
+            else:
+                with self.forward_context():
+                    loss_sum = self.loss.loss_fn(self.model_parts[0](inputs), labels)
+            total[0] += loss_sum.detach().to(torch.float64)
+            total[1] += (labels != IGNORE_INDEX).sum()
+        for m in self.model_parts:
+            m.train()
+        if self.dp_group is not None:
+            dist.all_reduce(total, group=self.dp_group)
+        return float(total[0] / total[1].clamp(min=1))
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = load_config(argv)
+        trainer = Trainer(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        trainer.train()
+    finally:
+        distributed = trainer.distributed
+        trainer.close()
+    if distributed:
+        # Avoid a rare SIGABRT at interpreter exit after gloo shutdown (see the CPU notes): leave now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0
