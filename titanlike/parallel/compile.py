@@ -1,0 +1,38 @@
+"""``torch.compile`` per transformer block, in place, parameter names unchanged.
+
+Each block of ``model.layers`` is compiled with :meth:`nn.Module.compile` (``fullgraph=True``): the module
+keeps its identity and its parameter names, unlike ``torch.compile(block)``, which returns an
+``OptimizedModule`` that prefixes every name with ``_orig_mod.``. All blocks share one code object, and
+dynamo lifts their parameters to graph inputs, so one compilation serves every block of the same shape.
+
+Order (``parallelize_model``): tensor parallelism, then activation checkpointing, then this, then FSDP.
+Compiling after AC lets dynamo trace ``torch.utils.checkpoint`` (including selective op-level policies) into
+the graph; FSDP2's hooks, registered afterwards, are disabled for dynamo and run eagerly around the compiled
+block. With tensor parallelism, blocks must exchange DTensors (``use_local_output=False`` on the layers that
+feed and leave the blocks): compiled blocks returning plain local tensors fail in the backward on torch 2.13
+(see the notes in ``docs/performance.md``).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["apply_compile"]
+
+
+def apply_compile(model: nn.Module, compile_config) -> nn.Module:
+    """Compile every block of ``model.layers`` in place if ``compile_config.enable``; returns ``model``.
+
+    ``compile_config`` has ``enable`` and ``backend``, as :class:`titanlike.config.Compile`. Compilation
+    itself is lazy: it happens on the first forward of each new input shape.
+    """
+    if not compile_config.enable:
+        return model
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise ValueError(f"compile needs a model with .layers, got {type(model).__name__}")
+    for block in layers.values():
+        if getattr(block, "_compiled_call_impl", None) is not None:
+            raise ValueError(f"block {type(block).__name__} is already compiled")
+        block.compile(backend=compile_config.backend, fullgraph=True)
+    return model
