@@ -362,6 +362,18 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
     ``world_size`` (default: the ``WORLD_SIZE`` environment variable set by torchrun, else 1) is used to check
     the parallel layout before any process group exists.
     """
+    cfg = parse_config(argv)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(cfg, world_size)
+    return cfg
+
+
+def parse_config(argv: list[str] | None = None) -> JobConfig:
+    """:func:`load_config` without :func:`validate`: keys and types are checked, values and layout are not.
+
+    For tools that report every problem at once (the layout planner) instead of stopping at the first.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = JobConfig()
     cli = _parse_cli(argv)
@@ -383,9 +395,6 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
                 raise ConfigError(f"--{key} needs a value ({_type_name(tp)})")
             value = "true"
         _set(cfg, key, value, from_cli=True)
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    validate(cfg, world_size)
     return cfg
 
 
