@@ -44,7 +44,7 @@ def _flatten(logits: Tensor, labels: Tensor, reduction: str, chunk_size: int | N
     if logits.ndim < 1 or labels.shape != logits.shape[:-1]:
         raise ValueError(f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab dim, "
                          f"{tuple(logits.shape[:-1])}")
-    return logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).long()
+    return logits.reshape(labels.numel(), logits.shape[-1]), labels.reshape(-1).long()
 
 
 def _reduce(loss_sum: Tensor, labels: Tensor, ignore_index: int, reduction: str) -> Tensor:
