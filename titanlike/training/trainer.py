@@ -37,9 +37,9 @@ def resolve_device(cfg: JobConfig) -> torch.device:
 
 
 def default_corpus() -> list[str]:
-    from titanlike.data import asset_path
+    from titanlike.data import shipped_corpus
 
-    return [str(asset_path("corpus", "tinyshakespeare.txt"))]
+    return shipped_corpus()
 
 
 class Trainer:

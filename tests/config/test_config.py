@@ -1,0 +1,112 @@
+"""Config parsing, overrides, precedence and every error path."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titanlike.config import ConfigError, JobConfig, layout_violations, load_config, model_args_from_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_defaults_and_shipped_configs_load():
+    cfg = load_config([])
+    assert isinstance(cfg, JobConfig) and cfg.training.steps == 1000
+    cfg = load_config(["--job.config_file", str(ROOT / "configs/debug_model.toml")])
+    assert cfg.model.flavor == "debugmodel" and cfg.training.steps == 200
+
+
+def test_precedence_cli_over_toml_over_defaults(tmp_path):
+    path = write(tmp_path, "[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 0.5\n")
+    cfg = load_config(["--job.config_file", path, "--training.steps", "9", "--optimizer.lr=0.25"])
+    assert cfg.training.steps == 9  # CLI beats TOML
+    assert cfg.training.seq_len == 64  # TOML beats default
+    assert cfg.optimizer.lr == 0.25
+    assert cfg.training.local_batch_size == 8  # default
+    # the config file may come after other options and still sits below them
+    cfg = load_config(["--training.steps", "3", "--job.config_file", path])
+    assert cfg.training.steps == 3
+
+
+def test_value_forms():
+    cfg = load_config(["--training.seq_len=32", "--metrics.enable_tensorboard", "false",
+                       "--training.global_batch_size", "-1", "--profiling.ranks", "0,1",
+                       "--model.tie_embeddings", "true", "--training.dtype", "float64", "--checkpoint.enable"])
+    assert cfg.training.seq_len == 32 and cfg.metrics.enable_tensorboard is False
+    assert cfg.profiling.ranks == [0, 1] and cfg.model.tie_embeddings is True
+    assert cfg.training.dtype == "float64" and cfg.checkpoint.enable is True
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--training.step", "5"], "unknown config key 'training.step' (did you mean 'training.steps'?)"),
+    (["--trainng.steps", "5"], "unknown config section 'trainng' (did you mean 'training'?)"),
+    (["--training.steps", "many"], "training.steps: expected an integer, got 'many'"),
+    (["--training.steps", "-3"], "training.steps: -3 is below the minimum 0"),
+    (["--optimizer.lr", "fast"], "optimizer.lr: expected a number"),
+    (["--training.dtype", "fp16"], "training.dtype: 'fp16' is not one of"),
+    (["--lr_scheduler.decay_type", "cosin"], "did you mean 'cosine'?"),
+    (["--job.config_file", "missing.toml"], "job.config_file: no such file 'missing.toml'"),
+    (["--training.steps"], "--training.steps needs a value"),
+    (["steps=3"], "unexpected argument 'steps=3'"),
+    (["--model.flavor", "debugmodle"], "model.flavor: unknown flavor 'debugmodle' (did you mean 'debugmodel'?)"),
+    (["--model.n_heads", "8", "--model.n_kv_heads", "3"], "n_heads 8 is not divisible by n_kv_heads 3"),
+    (["--model.dim", "100", "--model.n_heads", "8", "--model.n_kv_heads", "8"], "dim 100 is not divisible by n_heads 8"),
+    (["--training.seq_len", "4096"], "exceeds the model's max_seq_len"),
+    (["--training.global_batch_size", "12"], "global_batch_size 12 is not divisible by local_batch_size 8"),
+    (["--parallelism.enable_sequence_parallel"], "enable_sequence_parallel needs tensor_parallel_degree > 1"),
+])
+def test_errors_are_one_line_naming_the_fix(argv, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(argv)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_toml_errors(tmp_path):
+    with pytest.raises(ConfigError, match="unknown config key 'training.stepz'"):
+        load_config(["--job.config_file", write(tmp_path, "[training]\nstepz = 3\n")])
+    with pytest.raises(ConfigError, match="training.steps: expected an integer, got '3'"):
+        load_config(["--job.config_file", write(tmp_path, "[training]\nsteps = '3'\n")])
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(["--job.config_file", write(tmp_path, "[training\n")])
+    with pytest.raises(ConfigError, match="must be a \\[section\\] table"):
+        load_config(["--job.config_file", write(tmp_path, "steps = 3\n")])
+
+
+def test_layout_rules_need_the_world_size():
+    with pytest.raises(ConfigError, match="world size 3 is not divisible by tp 2"):
+        load_config(["--parallelism.tensor_parallel_degree", "2"], world_size=3)
+    with pytest.raises(ConfigError, match="!= world size 4"):
+        load_config(["--parallelism.data_parallel_shard_degree", "3"], world_size=4)
+    cfg = load_config(["--parallelism.tensor_parallel_degree", "2"], world_size=4)
+    assert cfg.parallelism.tensor_parallel_degree == 2
+    # heads vs tp, vocab vs tp, seq_len vs tp under SP: all reported at once
+    cfg = load_config([])
+    cfg.parallelism.tensor_parallel_degree = 8
+    cfg.parallelism.enable_sequence_parallel = True
+    cfg.training.seq_len = 100
+    args = model_args_from_config(cfg, vocab_size=2002).replace(vocab_size=2002)
+    problems = layout_violations(cfg, 8, args)
+    text = "\n".join(problems)
+    assert "does not divide n_kv_heads 4" in text and "vocabulary 2002" in text and "seq_len 100" in text
+
+
+def test_vocab_is_padded():
+    cfg = load_config(["--model.vocab_multiple", "64"])
+    assert model_args_from_config(cfg, vocab_size=2002).vocab_size == 2048
+
+
+def test_train_py_exits_2_with_one_line_before_anything_starts(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--training.stesp", "3",
+                        "--job.dump_folder", str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "error: unknown config key 'training.stesp' (did you mean 'training.steps'?)"
+    assert not (tmp_path / "out").exists()  # nothing half-written

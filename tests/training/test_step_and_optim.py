@@ -1,0 +1,107 @@
+"""LR schedules, and gradient accumulation equal to one big batch (the global-token loss contract)."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from titanlike.config import load_config
+from titanlike.models import FLAVORS, Transformer
+from titanlike.training.loss import cross_entropy_loss
+from titanlike.training.optim import build_lr_scheduler, build_optimizer, lr_factor
+from titanlike.training.step import IGNORE_INDEX, ScaledLoss, plain_clip_grad_norm_, train_step
+
+
+def cfg_for(*argv):
+    return load_config(list(argv))
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "wsd", "constant"])
+def test_lr_schedule_shapes(decay):
+    cfg = cfg_for("--training.steps", "100", "--lr_scheduler.warmup_steps", "10", "--lr_scheduler.decay_type", decay,
+                  "--lr_scheduler.min_lr_factor", "0.1", "--lr_scheduler.decay_ratio", "0.2")
+    f = [lr_factor(s, cfg) for s in range(1, 101)]
+    assert f[0] == pytest.approx(1 / 11) and f[9] == pytest.approx(10 / 11)  # linear warmup, never 0
+    assert all(a < b for a, b in zip(f[:9], f[1:10]))
+    if decay == "constant":
+        assert all(v == 1.0 for v in f[10:])
+        return
+    assert f[-1] == pytest.approx(0.1)  # ends at min_lr_factor
+    assert all(a >= b - 1e-12 for a, b in zip(f[10:], f[11:]))  # monotone decay
+    if decay == "cosine":
+        assert f[54] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 45 / 90)))
+    if decay == "wsd":
+        assert f[10:82] == [1.0] * 72 and f[82] < 1.0  # stable, then the last 20% decays
+
+
+def test_lr_scheduler_drives_the_optimizer():
+    cfg = cfg_for("--training.steps", "10", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "1.0")
+    model = torch.nn.Linear(2, 2)
+    opt = build_optimizer([model], cfg)
+    sched = build_lr_scheduler(opt, cfg)
+    seen = []
+    for step in range(1, 11):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([lr_factor(s, cfg) for s in range(1, 11)])
+    # no weight decay on 1-D parameters (biases, norm weights)
+    assert [g["weight_decay"] for g in opt.param_groups] == [cfg.optimizer.weight_decay, 0.0]
+
+
+def _model():
+    torch.manual_seed(0)
+    m = Transformer(FLAVORS["tiny"].replace(vocab_size=64)).double()
+    m.init_weights()
+    return m
+
+
+def _loss():
+    return ScaledLoss(lambda logits, labels: cross_entropy_loss(logits, labels, reduction="sum"))
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    cfg = cfg_for("--training.steps", "3", "--optimizer.lr", "0.01")
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 64, (8, 17), generator=g) for _ in range(3)]
+    big, acc = _model(), _model()
+    opt_big, opt_acc = build_optimizer([big], cfg), build_optimizer([acc], cfg)
+    for b in batches:
+        x, y = b[:, :-1], b[:, 1:].clone()
+        y[0, :5] = IGNORE_INDEX  # uneven token counts across micro-batches: a mean of means would be wrong
+        r1 = train_step([big], opt_big, [(x, y)], _loss(), max_norm=0.5, clip_fn=plain_clip_grad_norm_)
+        micro = [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)]
+        r2 = train_step([acc], opt_acc, micro, _loss(), max_norm=0.5, clip_fn=plain_clip_grad_norm_)
+        assert abs(r1.loss - r2.loss) <= 1e-12 and abs(r1.grad_norm - r2.grad_norm) <= 1e-12
+        assert r1.tokens == r2.tokens == 8 * 16 - 5
+        for (n, p), q in zip(big.named_parameters(), acc.parameters()):
+            assert (p.grad - q.grad).abs().max() <= 1e-12, n
+            assert (p - q).abs().max() <= 1e-12, n
+
+
+def test_mean_of_means_is_caught():
+    """The accumulation test can fail: averaging per micro-batch (the classic bug) changes the update."""
+    cfg = cfg_for("--optimizer.lr", "0.01")
+    g = torch.Generator().manual_seed(2)
+    b = torch.randint(0, 64, (8, 17), generator=g)
+    x, y = b[:, :-1], b[:, 1:].clone()
+    y[0, :9] = IGNORE_INDEX
+    big, acc = _model(), _model()
+    train_step([big], build_optimizer([big], cfg), [(x, y)], _loss(), max_norm=0, clip_fn=plain_clip_grad_norm_)
+    wrong = ScaledLoss(lambda lg, lb: cross_entropy_loss(lg, lb, reduction="mean") / 4)
+    micro = [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)]
+    train_step([acc], build_optimizer([acc], cfg), micro, wrong, max_norm=0, clip_fn=plain_clip_grad_norm_)
+    assert max((p.grad - q.grad).abs().max() for p, q in zip(big.parameters(), acc.parameters())) > 1e-6
+
+
+def test_nonfinite_step_is_skipped():
+    cfg = cfg_for()
+    m = _model()
+    before = copy.deepcopy(m.state_dict())
+    opt = build_optimizer([m], cfg)
+    x = torch.randint(0, 64, (2, 8))
+    nan_loss = ScaledLoss(lambda lg, lb: cross_entropy_loss(lg, lb, reduction="sum") * float("nan"))
+    r = train_step([m], opt, [(x, x)], nan_loss, max_norm=1.0, clip_fn=plain_clip_grad_norm_)
+    assert r.skipped and not math.isfinite(r.loss)
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())
