@@ -165,7 +165,9 @@ class Trainer:
                                            local_batch_size=t.local_batch_size, dp_rank=dp_rank,
                                            dp_degree=dp_degree, seed=t.seed, shuffle=cfg.data.shuffle,
                                            num_workers=cfg.data.num_workers)
-        self.val_tokens = val_tokens if cfg.validation.enable and len(val_tokens) > t.seq_len + 1 else None
+        val_windows = (len(val_tokens) - 1) // t.seq_len
+        self.val_tokens = val_tokens if cfg.validation.enable and val_windows >= t.local_batch_size * dp_degree \
+            else None
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         if self.rank == 0:
             print(f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params / 1e6:.2f}M parameters, "
