@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 from titanlike.config import ActivationCheckpoint, Compile
 from titanlike.models.llama import FLAVORS, Transformer
 from titanlike.parallel.activation_checkpoint import apply_ac
-from titanlike.parallel.compile import apply_compile
+from titanlike.parallel.compile import _fullgraph, apply_compile
 
 
 def _loss_and_grads(model, tokens):
@@ -49,3 +49,11 @@ def test_compiled_blocks_match_eager_and_keep_names():
             torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # one graph serves both blocks
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_fullgraph_except_around_transformer_engine_modules():
+    block = Transformer(FLAVORS["tiny"].replace(vocab_size=64)).layers["0"]
+    assert _fullgraph(block)
+    te_like = type("Linear", (torch.nn.Linear,), {"__module__": "transformer_engine.pytorch.module.linear"})
+    block.attention.wq = te_like(32, 32, bias=False)
+    assert not _fullgraph(block)

@@ -1,6 +1,7 @@
 """``torch.compile`` per transformer block, in place, parameter names unchanged.
 
-Each block of ``model.layers`` is compiled with :meth:`nn.Module.compile` (``fullgraph=True``): the module
+Each block of ``model.layers`` is compiled with :meth:`nn.Module.compile` (``fullgraph=True``, except for blocks
+holding Transformer Engine modules, whose custom kernels make dynamo break the graph around them): the module
 keeps its identity and its parameter names, unlike ``torch.compile(block)``, which returns an
 ``OptimizedModule`` that prefixes every name with ``_orig_mod.``. All blocks share one code object, and
 dynamo lifts their parameters to graph inputs, so one compilation serves every block of the same shape.
@@ -20,6 +21,11 @@ from torch import nn
 __all__ = ["apply_compile"]
 
 
+def _fullgraph(block: nn.Module) -> bool:
+    """Whether dynamo can capture ``block`` as one graph: not with Transformer Engine modules inside."""
+    return not any(type(m).__module__.startswith("transformer_engine") for m in block.modules())
+
+
 def apply_compile(model: nn.Module, compile_config) -> nn.Module:
     """Compile every block of ``model.layers`` in place if ``compile_config.enable``; returns ``model``.
 
@@ -34,5 +40,5 @@ def apply_compile(model: nn.Module, compile_config) -> nn.Module:
     for block in layers.values():
         if getattr(block, "_compiled_call_impl", None) is not None:
             raise ValueError(f"block {type(block).__name__} is already compiled")
-        block.compile(backend=compile_config.backend, fullgraph=True)
+        block.compile(backend=compile_config.backend, fullgraph=_fullgraph(block))
     return model
