@@ -178,8 +178,10 @@ class Trainer:
 
         self.step = 0
         self.nonfinite_steps = 0
+        self.tokens_seen = 0  # non-ignored label tokens trained on (checkpointed)
         self.checkpointer = None
-        if cfg.checkpoint.enable or cfg.checkpoint.initial_load_path or cfg.checkpoint.create_seed_checkpoint:
+        c = cfg.checkpoint
+        if c.enable or c.initial_load_path or c.create_seed_checkpoint or c.export_safetensors or c.load_step >= 0:
             from titanlike.checkpoint import CheckpointManager
 
             self.checkpointer = CheckpointManager(self)
@@ -222,6 +224,7 @@ class Trainer:
                                  pp_schedule=self.pp_schedule, pp_group=self.pp_group,
                                  has_last_stage=self.has_last_stage, forward_ctx=self.forward_context)
                 throughput.add(res.tokens)
+                self.tokens_seen += res.tokens
                 losses.append(res.loss)
                 if res.skipped:
                     self.nonfinite_steps += 1
@@ -299,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         trainer.train()
+    except ConfigError as e:  # input found bad once training started (e.g. a corrupted checkpoint file)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     finally:
         distributed = trainer.distributed
         trainer.close()
