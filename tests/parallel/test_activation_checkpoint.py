@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+import json
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,3 +121,20 @@ def test_eval_forward_skips_checkpointing_and_matches():
     tokens = torch.randint(0, 64, (2, 9))
     with torch.no_grad():
         assert torch.equal(model(tokens), ref(tokens))
+
+
+def test_ac_under_tensor_parallelism_two_ranks():
+    """tp=2 (plain and sequence-parallel), float64: every AC mode gives the one-device gradients; op-level AC
+    issues no collective in the backward beyond what no-AC does (their outputs are saved), full AC does."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from dist_utils import run_script
+
+    proc = run_script(Path(__file__).with_name("ac_tp_worker.py"), timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["worst"] <= 1e-12, out
+    res = out["results"]
+    for layout in ("tp", "sp"):
+        assert all(res[f"{layout}/{m}"]["same_names"] for m in ("none", "full", "every2", "op"))
+        none, full, op = (res[f"{layout}/{m}"]["backward_collectives"] for m in ("none", "full", "op"))
+        assert op == none < full, res
