@@ -115,6 +115,17 @@ def test_no_ac_is_a_no_op_and_bad_options_are_one_line_errors():
         apply_ac(model, ActivationCheckpoint(mode="full"))
 
 
+def test_pipeline_stage_uses_global_layer_indices():
+    """A stage holding layers 1..3 checkpoints the same blocks as the full model does (every 2nd: 0, 2)."""
+    args = FLAVORS["tiny"].replace(vocab_size=64, n_layers=4)
+    stage = Transformer(args, layer_ids=range(1, 4), has_embedding=False, has_head=False)
+    apply_ac(stage, ActivationCheckpoint(mode="selective", selective_ac_option="2"))
+    assert {k: is_checkpointed(b) for k, b in stage.layers.items()} == {"1": False, "2": True, "3": False}
+    h = torch.randn(2, 5, 32, requires_grad=True)
+    stage(h).sum().backward()
+    assert h.grad is not None and all(p.grad is not None for p in stage.parameters())
+
+
 def test_eval_forward_skips_checkpointing_and_matches():
     ref = _model(n_layers=2)
     model = apply_ac(copy.deepcopy(ref), ActivationCheckpoint(mode="full"))
@@ -123,18 +134,20 @@ def test_eval_forward_skips_checkpointing_and_matches():
         assert torch.equal(model(tokens), ref(tokens))
 
 
-def test_ac_under_tensor_parallelism_two_ranks():
-    """tp=2 (plain and sequence-parallel), float64: every AC mode gives the one-device gradients; op-level AC
-    issues no collective in the backward beyond what no-AC does (their outputs are saved), full AC does."""
+def test_ac_under_tensor_parallelism_and_fsdp_two_ranks():
+    """tp=2 (plain and sequence-parallel) and FSDP dp=2, float64: every AC mode gives the one-device gradients;
+    under TP, op-level AC issues no collective in the backward beyond what no-AC does (their outputs are
+    saved), full AC does."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from dist_utils import run_script
 
-    proc = run_script(Path(__file__).with_name("ac_tp_worker.py"), timeout=240)
+    proc = run_script(Path(__file__).with_name("ac_parallel_worker.py"), timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["worst"] <= 1e-12, out
     res = out["results"]
-    for layout in ("tp", "sp"):
+    for layout in ("tp", "sp", "fsdp"):
         assert all(res[f"{layout}/{m}"]["same_names"] for m in ("none", "full", "every2", "op"))
+    for layout in ("tp", "sp"):
         none, full, op = (res[f"{layout}/{m}"]["backward_collectives"] for m in ("none", "full", "op"))
         assert op == none < full, res

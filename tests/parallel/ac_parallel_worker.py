@@ -1,7 +1,8 @@
-"""Activation checkpointing under tensor parallelism (tp=2, with and without SP), float64: gradients equal the
-single-device ones without AC, and op-level AC recomputes no collective while full AC does.
+"""Activation checkpointing on 2 ranks, float64: under tensor parallelism (tp=2, with and without SP) and
+under FSDP2 (dp=2), every AC mode gives the single-device gradients without AC; under TP, op-level AC
+recomputes no collective in the backward while full AC does.
 
-Run by ``test_activation_checkpoint.py``: ``python tests/parallel/ac_tp_worker.py`` prints one JSON line.
+Run by ``test_activation_checkpoint.py``: ``python tests/parallel/ac_parallel_worker.py`` prints one JSON line.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dist_utils import spawn  # noqa: E402
 from titanlike.config import ActivationCheckpoint  # noqa: E402
 from titanlike.models.llama import FLAVORS, Transformer  # noqa: E402
 from titanlike.parallel.activation_checkpoint import apply_ac  # noqa: E402
+from titanlike.parallel.fsdp import apply_fsdp  # noqa: E402
 from titanlike.parallel.tensor_parallel import apply_tp  # noqa: E402
 
 CONFIGS = {"none": ActivationCheckpoint(mode="none"), "full": ActivationCheckpoint(mode="full"),
@@ -79,6 +81,21 @@ def worker(rank: int, world_size: int) -> None:
             backward_collectives = comm.count
             result[f"{'sp' if sp else 'tp'}/{name}"] = {"max_grad_diff": diff, "same_names": same_names,
                                                         "backward_collectives": backward_collectives}
+    # FSDP dp=2: each rank takes half the batch; the loss is its CE sum over the global token count and
+    # the FSDP wrapper sums gradients, so they equal the one-device mean-loss gradients.
+    n_tokens = tokens[:, 1:].numel()
+    for name, cfg in CONFIGS.items():
+        model = copy.deepcopy(base)
+        names = [n for n, _ in model.named_parameters()]
+        apply_ac(model, cfg)
+        apply_fsdp(model, mesh)
+        same_names = names == [n for n, _ in model.named_parameters()]
+        local = tokens[rank::world_size]
+        logits = model(local[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), local[:, 1:].flatten(), reduction="sum") / n_tokens
+        loss.backward()
+        diff = max(p.grad.full_tensor().sub(ref_grads[n]).abs().max().item() for n, p in model.named_parameters())
+        result[f"fsdp/{name}"] = {"max_grad_diff": diff, "same_names": same_names}
     # Identical on every rank or not: reduce the worst diff so every rank agrees on pass/fail.
     worst = torch.tensor(max(r["max_grad_diff"] for r in result.values()), dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
