@@ -30,6 +30,7 @@ from titanlike.config import ConfigError, JobConfig
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
              "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+_BUILT: dict[tuple, dict] = {}  # (shape, device type, default process group) -> meshes, see build_mesh
 
 
 @dataclass
@@ -113,7 +114,8 @@ class ParallelDims:
 
         Needs an initialised default process group of ``world_size`` ranks. Collective: every rank must call it.
         Take submeshes with :meth:`get_mesh` (it keeps the flattened meshes: slicing a flattened dim from the
-        root mesh, ``mesh["dp"]``, still works but is deprecated since torch 2.11).
+        root mesh, ``mesh["dp"]``, still works but is deprecated since torch 2.11). Building the same shape again
+        in the same process group returns the same meshes (no new process groups).
         """
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -121,9 +123,12 @@ class ParallelDims:
         if dist.get_world_size() != self.world_size:
             raise ConfigError(f"ParallelDims: built for world size {self.world_size} but the process group has "
                               f"{dist.get_world_size()} ranks")
-        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
-        self._meshes = {"world": mesh, **{name: mesh[parts]._flatten(name) for name, parts in FLATTENED.items()}}
-        return mesh
+        key = (self.shape, device_type, dist.group.WORLD)
+        if key not in _BUILT:
+            mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
+            _BUILT[key] = {"world": mesh, **{name: mesh[parts]._flatten(name) for name, parts in FLATTENED.items()}}
+        self._meshes = _BUILT[key]
+        return self._meshes["world"]
 
     @property
     def world_mesh(self):

@@ -9,7 +9,7 @@ The Llama plan (``seq`` = ``Shard(1)`` under sequence parallelism, else ``Replic
 ``tok_embeddings``             RowwiseParallel: vocab-sharded table, output ``seq`` (all-reduce, or
                                reduce-scatter under SP)
 ``layers.*.attention_norm``    SP: SequenceParallel (runs on the local sequence shard, weight replicated);
-``layers.*.ffn_norm``, norm    else the norm runs on the plain local tensor (weight stays a plain tensor)
+``layers.*.ffn_norm``, norm    else ReplicateParallel (runs on the replicated stream, returns a local tensor)
 ``layers.*.attention``         PrepareModuleInput ``seq`` -> Replicate: the "f" operator, identity forward /
 ``layers.*.feed_forward``      all-reduce backward (SP: all-gather forward / reduce-scatter backward)
 ``wq wk wv w1 w3``             ColwiseParallel: output-feature shards, local heads / hidden units
@@ -25,6 +25,9 @@ weight gradients, each rank having seen a different part of the sequence). The e
 RowwiseParallel projections return DTensors (``use_local_output=False``), so the residual stream between
 blocks is a DTensor: per-block ``torch.compile`` needs that, and SP needs it to know the stream is sharded.
 
+Every parameter of the parallelized model is a DTensor (norm weights ``Replicate``): one foreach optimizer
+step handles them all (it refuses a mix of DTensors and plain tensors), and checkpoints see one kind.
+
 Tied embeddings: RowwiseParallel on the embedding and ColwiseParallel on the head both shard the shared
 (vocab, dim) weight as ``Shard(0)``; :func:`apply_tp` re-ties them so the model keeps ONE parameter.
 Rotary tables are root buffers, untouched. Gradients of replicated DTensor parameters (SP norm weights)
@@ -35,10 +38,11 @@ parameter's placements (clipping, optimizer and checkpoints see ordinary gradien
 from __future__ import annotations
 
 from fnmatch import fnmatch
+from functools import partial
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -48,17 +52,48 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-__all__ = ["tp_plan", "apply_tp"]
+__all__ = ["tp_plan", "apply_tp", "ReplicateParallel"]
+
+
+class ReplicateParallel(ParallelStyle):
+    """Run a module (typically a norm) on a replicated input, with its parameters as ``Replicate`` DTensors.
+
+    Input: a DTensor is redistributed to ``Replicate`` if it is not already; a plain tensor is taken as the
+    (identical) replica. Output: the local tensor (``use_local_output=True``, the default), so that the next
+    module's style places the f operator (identity forward, all-reduce backward); or the DTensor.
+    Every replica computes the same parameter gradients: no communication of its own.
+    """
+
+    def __init__(self, *, use_local_output: bool = True):
+        super().__init__()
+        self.use_local_output = use_local_output
+
+    @staticmethod
+    def _prepare_input_fn(mod, inputs, device_mesh):
+        x, *rest = inputs
+        replicate = (Replicate(),) * device_mesh.ndim
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, device_mesh, replicate, run_check=False)
+        elif tuple(x.placements) != replicate:
+            x = x.redistribute(device_mesh, replicate)
+        return (x, *rest)
+
+    @staticmethod
+    def _prepare_output_fn(use_local_output, mod, outputs, device_mesh):
+        return outputs.to_local() if use_local_output else outputs
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, None, self._prepare_input_fn,
+                                 partial(self._prepare_output_fn, self.use_local_output))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(use_local_output={self.use_local_output})"
 
 
 def _norm_style(sequence_parallel: bool) -> ParallelStyle:
-    """SP: the norm runs on the sequence shard with a replicated weight. Without SP the residual stream is a
-    replicated DTensor; the norm runs on its local tensor and the next ``PrepareModuleInput`` (the f operator)
-    turns the result back into a DTensor."""
-    if sequence_parallel:
-        return SequenceParallel()
-    return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
-                              use_local_output=True)
+    """SP: the norm runs on the local sequence shard, weight replicated (SequenceParallel). Without SP it runs
+    on the replicated stream and hands a local tensor to the next module's f operator."""
+    return SequenceParallel() if sequence_parallel else ReplicateParallel()
 
 
 def tp_plan(sequence_parallel: bool = False, loss_parallel: bool = True) -> dict[str, ParallelStyle]:
