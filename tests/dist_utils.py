@@ -1,0 +1,88 @@
+"""Run a function on N gloo ranks: one fresh interpreter that forks N workers (no torchrun start-up per rank).
+
+A test calls :func:`run_script` with a worker script; the script's ``__main__`` calls :func:`spawn`, which
+imports nothing new per rank: the parent imports torch once, hosts a ``TCPStore`` and forks the ranks
+before any compute (so no OpenMP pool exists yet). Every rank gets ``RANK`` / ``WORLD_SIZE`` /
+``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` like under torchrun, a gloo process group with a short timeout, one
+intra-op thread, and leaves with ``os._exit`` after ``destroy_process_group`` (a plain interpreter exit after
+gloo aborts now and then, see shared/notes/torch-cpu-facts.md). If a rank fails, the others are killed.
+
+Start-up on the shared 2-core machine: about 3 s for the import plus well under a second per rank, against
+5 / 8 / 20 s for torchrun at 2 / 4 / 8 ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _rank_main(fn, rank: int, world_size: int, port: int, timeout_s: float, args: tuple) -> None:
+    code = 1
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        fn(rank, world_size, *args)
+        dist.destroy_process_group()
+        code = 0
+    except BaseException:  # noqa: BLE001 - report anything, then exit non-zero
+        traceback.print_exc()
+        sys.stderr.flush()
+    finally:
+        sys.stdout.flush()
+        os._exit(code)
+
+
+def spawn(fn: Callable[..., None], world_size: int, *args, timeout_s: float = 60.0) -> int:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks; return 0 if all succeeded.
+
+    ``timeout_s`` is the gloo timeout: a collective that waits longer (a rank died, or the ranks disagree
+    on the sequence of collectives) fails instead of hanging.
+    """
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, store.port, timeout_s, args))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    failed = False
+    while any(p.is_alive() for p in procs):
+        if any(p.exitcode not in (None, 0) for p in procs):
+            failed = True
+            break
+        time.sleep(0.05)
+    if failed:  # one rank failed: the others would wait for it until the gloo timeout
+        time.sleep(1.0)  # let the failing rank's traceback reach stderr
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+    for p in procs:
+        p.join()
+    return 0 if all(p.exitcode == 0 for p in procs) else 1
+
+
+def run_script(script: str | Path, *args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
+    """Run ``python script *args`` from the repository root (one thread per process), capturing its output."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)

@@ -1,0 +1,440 @@
+"""The equality gate: every parallel layout trains exactly like one device (float64, <= 1e-10).
+
+Run once per world size (``python tests/parallel/gate.py --world-size 4 --out gate4.json``; the test
+``test_parallel_gate.py`` does it for 2, 4 and 8). One process group runs the whole matrix of that world size:
+for each :class:`Layout` every rank builds the same seeded tiny model in float64, trains a copy on one
+"device" (in-process, on the full global batches) and a copy parallelized by the layout on its slice of the
+same batches, with the real ``train_step`` (AdamW, clipping that acts, 3 different global batches), and
+compares after every step: loss, gradient norm, every gradient and every weight (``full_tensor()``).
+
+Mutations (:data:`MUTATIONS`) plant a known bug for the duration of one layout; the gate must then fail,
+and ``test_parallel_gate.py`` asserts that it does.
+
+Extending: a layout kind is a builder in :data:`BUILDERS` that turns ``(layout, cfg, ctx)`` into a
+:class:`Built` (model parts, optimizer, loss, ``train_step`` keyword arguments, how to cut a global batch into
+this rank's micro-batches). The comparison, the reference, the mutations and the reporting are shared. A
+pipeline layout adds ``BUILDERS["pp"]`` and ``Layout(..., kind="pp")`` entries; parameters a rank does not
+hold are simply not compared there (the coverage check asserts that some rank compared each of them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: dist_utils
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
+
+from titanlike.config import JobConfig, load_config, model_args_from_config  # noqa: E402
+from titanlike.models import Transformer  # noqa: E402
+from titanlike.training.optim import build_optimizer  # noqa: E402
+from titanlike.training.step import IGNORE_INDEX, ScaledLoss, plain_clip_grad_norm_, train_step  # noqa: E402
+
+TOL = 1e-10
+STEPS = 3
+GLOBAL_BATCH = 8
+SEQ = 16
+VOCAB = 128
+# Shared by every layout and the reference: float64, AdamW, clipping with a small max_norm (it acts every step).
+BASE_ARGS = ("--model.flavor", "tiny", "--model.dim", "64", "--model.max_seq_len", str(SEQ),
+             "--training.seq_len", str(SEQ), "--training.dtype", "float64", "--training.max_norm", "0.05",
+             "--training.global_batch_size", str(GLOBAL_BATCH), "--optimizer.lr", "0.01",
+             "--optimizer.weight_decay", "0.1")
+# Model shapes: tiny = dim 64, 2 layers, 4 heads, 2 kv heads (GQA), SwiGLU 176, vocab 128.
+MODELS = {
+    "gqa": (),
+    "gqa8": ("--model.n_heads", "8", "--model.n_kv_heads", "4"),  # tp 4 divides the kv heads
+    "tied": ("--model.tie_embeddings", "true"),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    world_size: int
+    args: tuple[str, ...] = ()  # command-line overrides (parallel degrees, batch size, ...)
+    model: str = "gqa"  # key of MODELS
+    kind: str = "spmd"  # key of BUILDERS
+    mutation: str | None = None  # key of MUTATIONS: the gate must fail
+    meta_init: bool = False  # build on the meta device, parallelize, to_empty + init_weights, load the weights
+
+
+def _tp(n, *more):
+    return ("--parallelism.tensor_parallel_degree", str(n), *more)
+
+
+SP = ("--parallelism.enable_sequence_parallel", "true")
+NO_LP = ("--parallelism.disable_loss_parallel", "true")
+
+
+def _dp(replicate, shard, local_batch):
+    return ("--parallelism.data_parallel_replicate_degree", str(replicate),
+            "--parallelism.data_parallel_shard_degree", str(shard), "--training.local_batch_size", str(local_batch))
+
+
+LAYOUTS = [
+    # 2 ranks
+    Layout("tp2", 2, _tp(2, *_dp(1, 1, 8))),
+    Layout("tp2_sp", 2, _tp(2, *SP, *_dp(1, 1, 8))),
+    Layout("tp2_no_loss_parallel", 2, _tp(2, *NO_LP, *_dp(1, 1, 8))),
+    Layout("tp2_sp_no_loss_parallel", 2, _tp(2, *SP, *NO_LP, *_dp(1, 1, 8))),
+    Layout("tp2_sp_loss_chunks", 2, _tp(2, *SP, "--parallelism.loss_chunk_size", "48", *_dp(1, 1, 8))),
+    Layout("tp2_tied", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="tied"),
+    Layout("fsdp2", 2, _dp(1, 2, 4)),
+    Layout("fsdp2_accum2", 2, _dp(1, 2, 2)),
+    Layout("fsdp2_tied", 2, _dp(1, 2, 4), model="tied"),
+    Layout("fsdp2_reshard_never", 2, ("--parallelism.fsdp_reshard_after_forward", "never", *_dp(1, 2, 4))),
+    Layout("ddp2", 2, _dp(2, 1, 4)),
+    Layout("MUT tp2 no f backward all-reduce", 2, _tp(2, *_dp(1, 1, 8)), mutation="tp_no_backward_reduce"),
+    Layout("MUT tp2_sp no f backward reduce-scatter", 2, _tp(2, *SP, *_dp(1, 1, 8)),
+           mutation="tp_no_backward_reduce"),
+    Layout("MUT tp2 CE without max all-reduce", 2, _tp(2, *_dp(1, 1, 8)), mutation="ce_no_max_all_reduce"),
+    Layout("MUT tp2_sp norms not sequence-parallel", 2, _tp(2, *SP, *_dp(1, 1, 8)), mutation="sp_norm_plain"),
+    Layout("MUT fsdp2 loss averaged per rank", 2, _dp(1, 2, 4), mutation="loss_mean_per_rank"),
+    Layout("MUT fsdp2 gradients averaged", 2, _dp(1, 2, 4), mutation="fsdp_average"),
+    # 4 ranks
+    Layout("tp4_gqa", 4, _tp(4, *_dp(1, 1, 8)), model="gqa8"),
+    Layout("fsdp4", 4, _dp(1, 4, 2)),
+    Layout("hsdp2x2", 4, _dp(2, 2, 2)),
+    Layout("tp2_fsdp2", 4, _tp(2, *_dp(1, 2, 4))),
+    Layout("tp2_sp_fsdp2", 4, _tp(2, *SP, *_dp(1, 2, 4))),
+    Layout("tp2_sp_fsdp2_tied_accum2_meta", 4, _tp(2, *SP, *_dp(1, 2, 2)), model="tied", meta_init=True),
+    Layout("MUT hsdp2x2 gradients averaged", 4, _dp(2, 2, 2), mutation="fsdp_average"),
+    # 8 ranks
+    Layout("tp2_hsdp2x2", 8, _tp(2, *_dp(2, 2, 2))),
+    Layout("tp2_sp_fsdp4", 8, _tp(2, *SP, *_dp(1, 4, 2))),
+]
+
+
+# ---------------------------------------------------------------------------------------------- mutations
+@contextlib.contextmanager
+def patched(owner, name: str, value):
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
+
+
+class _GradNotReduced(torch.autograd.Function):
+    """Identity forward; backward takes each rank's partial gradient as if it were the sum (no all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor):
+            return DTensor.from_local(grad.to_local(), grad.device_mesh, [Replicate()] * grad.device_mesh.ndim,
+                                      run_check=False)
+        return grad
+
+
+@contextlib.contextmanager
+def _tp_no_backward_reduce():
+    """The f operator at the attention / feed-forward entry loses its backward all-reduce (reduce-scatter
+    under SP): the forward, hence the loss, stays right; the gradients entering the norms are per-rank partials."""
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    original = PrepareModuleInput._prepare_input_arg
+
+    def prepare(self, input, mesh, input_layout, desired_layout):
+        out = original(self, input, mesh, input_layout, desired_layout)
+        if isinstance(out, DTensor) and desired_layout == Replicate():
+            out = _GradNotReduced.apply(out)
+        return out
+
+    with patched(PrepareModuleInput, "_prepare_input_arg", prepare):
+        yield
+
+
+@contextlib.contextmanager
+def _ce_no_max_all_reduce():
+    """The vocab-parallel cross entropy uses each rank's own row max instead of the global one."""
+    import titanlike.parallel.loss_parallel as lp
+
+    original = lp._all_reduce
+    with patched(lp, "_all_reduce", lambda t, op, group: t if op == dist.ReduceOp.MAX else original(t, op, group)):
+        yield
+
+
+@contextlib.contextmanager
+def _sp_norm_plain():
+    """Under SP, the norms are left plain modules running on the local sequence shard (the norm is per token, so
+    the forward stays right): each rank's weight gradient covers only its part of the sequence, never summed."""
+    import titanlike.parallel.tensor_parallel as tpm
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    def plain_norm(sequence_parallel):
+        seq = Shard(1) if sequence_parallel else Replicate()
+        return PrepareModuleInputOutput(input_layouts=seq, desired_input_layouts=seq, use_local_input=True,
+                                        output_layouts=seq, desired_output_layouts=seq, use_local_output=False)
+
+    with patched(tpm, "_norm_style", plain_norm):
+        yield
+
+
+@contextlib.contextmanager
+def _loss_mean_per_rank():
+    """Each data-parallel rank divides by its own token count (count_tokens skips the dp all-reduce)."""
+    import titanlike.training.step as step
+
+    original = step.count_tokens
+    with patched(step, "count_tokens", lambda micro_batches, dp_group=None: original(micro_batches, None)):
+        yield
+
+
+@contextlib.contextmanager
+def _fsdp_average():
+    """FSDP keeps its default: gradients averaged over the data-parallel ranks instead of summed."""
+    import titanlike.parallel.fsdp as fsdp
+
+    with patched(fsdp, "_sum_gradients", lambda module: None):
+        yield
+
+
+MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "tp_no_backward_reduce": _tp_no_backward_reduce,
+    "ce_no_max_all_reduce": _ce_no_max_all_reduce,
+    "sp_norm_plain": _sp_norm_plain,
+    "loss_mean_per_rank": _loss_mean_per_rank,
+    "fsdp_average": _fsdp_average,
+}
+
+
+# ---------------------------------------------------------------------------------------------- data, reference
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch: different tokens every step, and an uneven number of ignored labels per
+    row, so every data-parallel rank holds a different number of tokens."""
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    inputs, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    for row in range(GLOBAL_BATCH):
+        labels[row, : (3 * row + step) % 11] = IGNORE_INDEX
+    return inputs, labels
+
+
+def config(layout: Layout, world_size: int) -> JobConfig:
+    return load_config([*BASE_ARGS, *MODELS[layout.model], *layout.args], world_size=world_size)
+
+
+def build_model(cfg: JobConfig, device: str = "cpu") -> Transformer:
+    """The seeded float64 model (same weights on every rank and for every layout of the same model)."""
+    args = model_args_from_config(cfg, vocab_size=VOCAB)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Transformer(args).to(torch.float64)
+    if device != "meta":
+        model.init_weights()
+    return model
+
+
+@dataclass
+class Record:
+    loss: float
+    grad_norm: float
+    grads: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor]
+
+
+def _all_names(model: nn.Module) -> dict[str, nn.Parameter]:
+    return dict(model.named_parameters(remove_duplicate=False))
+
+
+class Context:
+    """Per-process state: the world size, the reference run per model."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+        self.references: dict[str, list[Record]] = {}
+
+    def mesh(self, dims):
+        """``dims.build_mesh("cpu")``: built once per shape for the whole run (``build_mesh`` caches)."""
+        return dims.build_mesh("cpu")
+
+    def reference(self, layout: Layout, cfg: JobConfig) -> tuple[nn.Module, list[Record]]:
+        """The initial model and, per step, what one device computes on the full global batch."""
+        model = build_model(cfg)
+        if layout.model not in self.references:
+            ref = copy.deepcopy(model)
+            opt = build_optimizer([ref], cfg)
+            records = []
+            for step in range(1, STEPS + 1):
+                res = train_step([ref], opt, [global_batch(step)], ScaledLoss(_plain_loss(cfg)),
+                                 max_norm=cfg.training.max_norm, clip_fn=plain_clip_grad_norm_)
+                named = _all_names(ref)
+                records.append(Record(res.loss, res.grad_norm,
+                                      {n: p.grad.detach().clone() for n, p in named.items()},
+                                      {n: p.detach().clone() for n, p in named.items()}))
+            self.references[layout.model] = records
+        return model, self.references[layout.model]
+
+
+def _plain_loss(cfg: JobConfig):
+    from titanlike.training.loss import cross_entropy_loss
+
+    return partial(cross_entropy_loss, reduction="sum")
+
+
+# ---------------------------------------------------------------------------------------------- builders
+@dataclass
+class Built:
+    model_parts: list[nn.Module]
+    optimizer: torch.optim.Optimizer
+    loss: ScaledLoss
+    clip_fn: Callable
+    micro_batches: Callable[[torch.Tensor, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]
+    step_kwargs: dict = field(default_factory=dict)
+    aliases_checked: bool = True  # tied weights are still one parameter in the parallel model
+
+
+def _load_full_weights(model: nn.Module, source: nn.Module) -> None:
+    """Copy ``source``'s full weights into the (sharded) parameters of ``model``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, source.state_dict(), options=StateDictOptions(full_state_dict=True))
+
+
+def build_spmd(layout: Layout, cfg: JobConfig, ctx: Context, initial: nn.Module) -> Built:
+    """Everything but pipelining: ``parallelize_model`` over the layout's mesh, exactly as the trainer does."""
+    from titanlike.parallel import ParallelDims, build_loss_fn, clip_grad_norm_, parallelize_model
+
+    dims = ParallelDims.from_config(cfg, ctx.world_size)
+    mesh = ctx.mesh(dims)
+    if layout.meta_init:
+        model = build_model(cfg, device="meta")
+        parallelize_model(model, dims, mesh, cfg)
+        model.to_empty(device="cpu")
+        model.init_weights()
+        _load_full_weights(model, initial)
+    else:
+        model = parallelize_model(copy.deepcopy(initial), dims, mesh, cfg)
+    aliases = [names for names in _alias_groups(initial)]
+    tied_ok = all(len({id(model.get_parameter(n)) for n in names}) == 1 for names in aliases)
+    dp_rank, dp = dims.get_mesh("dp").get_local_rank(), dims.dp
+    n_micro = cfg.training.global_batch_size // (cfg.training.local_batch_size * dp)
+
+    def micro_batches(inputs, labels):
+        rows = GLOBAL_BATCH // dp
+        mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
+        return list(zip(inputs[mine].chunk(n_micro), labels[mine].chunk(n_micro)))
+
+    return Built(model_parts=[model], optimizer=build_optimizer([model], cfg),
+                 loss=ScaledLoss(build_loss_fn(cfg, dims, mesh)),
+                 clip_fn=lambda params, max_norm: clip_grad_norm_(params, max_norm),
+                 micro_batches=micro_batches,
+                 step_kwargs={"dp_group": dims.get_mesh("dp").get_group() if dims.dp_enabled else None},
+                 aliases_checked=tied_ok)
+
+
+def _alias_groups(model: nn.Module) -> list[list[str]]:
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+BUILDERS: dict[str, Callable[[Layout, JobConfig, Context, nn.Module], Built]] = {"spmd": build_spmd}
+
+
+# ---------------------------------------------------------------------------------------------- the gate
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return math.inf
+    return (a.detach().to(torch.float64) - b.to(torch.float64)).abs().max().item()
+
+
+def run_layout(layout: Layout, ctx: Context) -> dict:
+    """Train the reference and the layout side by side; return the max differences (reduced over ranks)."""
+    t0 = time.perf_counter()
+    cfg = config(layout, ctx.world_size)
+    initial, records = ctx.reference(layout, cfg)
+    diffs = dict(loss=0.0, loss_step1=0.0, grad_norm=0.0, grads=0.0, weights=0.0)
+    compared: set[str] = set()
+    mutation = MUTATIONS[layout.mutation]() if layout.mutation else contextlib.nullcontext()
+    with mutation:
+        built = BUILDERS[layout.kind](layout, cfg, ctx, initial)
+        for step in range(1, STEPS + 1):
+            ref = records[step - 1]
+            res = train_step(built.model_parts, built.optimizer, built.micro_batches(*global_batch(step)), built.loss,
+                             max_norm=cfg.training.max_norm, clip_fn=built.clip_fn, **built.step_kwargs)
+            loss_diff = abs(res.loss - ref.loss)
+            diffs["loss"] = max(diffs["loss"], loss_diff)
+            if step == 1:
+                diffs["loss_step1"] = loss_diff
+            diffs["grad_norm"] = max(diffs["grad_norm"], abs(res.grad_norm - ref.grad_norm))
+            for part in built.model_parts:
+                for name, p in part.named_parameters():
+                    compared.add(name)
+                    g = math.inf if p.grad is None else _max_abs(_full(p.grad), ref.grads[name])
+                    diffs["grads"] = max(diffs["grads"], g)
+                    diffs["weights"] = max(diffs["weights"], _max_abs(_full(p), ref.weights[name]))
+    # Reduce over ranks: NaN counts as infinitely wrong.
+    values = torch.tensor([v if v == v else math.inf for v in diffs.values()], dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    diffs = dict(zip(diffs, values.tolist()))
+    names: list = [None] * ctx.world_size
+    dist.all_gather_object(names, sorted(compared))
+    every = set(_all_names(initial))
+    unique = {n for n, _ in initial.named_parameters()}
+    union = set().union(*map(set, names))
+    aliases = torch.tensor([int(built.aliases_checked)])
+    dist.all_reduce(aliases, op=dist.ReduceOp.MIN)
+    checks = {"coverage": unique <= union <= every, "tied_still_tied": bool(aliases.item())}
+    return {"mutation": layout.mutation, "model": layout.model, **diffs, **checks,
+            "ok": all(diffs[k] <= TOL for k in ("loss", "grad_norm", "grads", "weights")) and all(checks.values()),
+            "ref_grad_norms": [r.grad_norm for r in records], "max_norm": cfg.training.max_norm,
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def gate_main(rank: int, world_size: int, out: str, only: list[str] | None = None) -> None:
+    ctx = Context(world_size)
+    results = {}
+    for layout in LAYOUTS:
+        if layout.world_size != world_size or (only and layout.name not in only):
+            continue
+        results[layout.name] = run_layout(layout, ctx)
+        if rank == 0:
+            r = results[layout.name]
+            print(f"[gate ws={world_size}] {layout.name:45s} ok={r['ok']!s:5} loss {r['loss']:.1e} "
+                  f"grad_norm {r['grad_norm']:.1e} grads {r['grads']:.1e} weights {r['weights']:.1e} "
+                  f"({r['seconds']} s)", flush=True)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"world_size": world_size, "tolerance": TOL, "layouts": results}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dist_utils import spawn
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--out", required=True, help="JSON file for the per-layout max differences")
+    ap.add_argument("--only", default="", help="comma-separated layout names (default: all of this world size)")
+    ap.add_argument("--timeout", type=float, default=60.0, help="gloo timeout in seconds")
+    a = ap.parse_args(argv)
+    only = [s for s in a.only.split(",") if s] or None
+    return spawn(gate_main, a.world_size, a.out, only, timeout_s=a.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

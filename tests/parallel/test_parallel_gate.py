@@ -1,0 +1,79 @@
+"""The equality gate (tests/parallel/gate.py): one launch per world size, every layout <= 1e-10 of one device in
+float64, and every planted mutation caught where it should be."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # tests/: dist_utils
+sys.path.insert(0, str(HERE))  # gate.py
+import gate  # noqa: E402
+from dist_utils import run_script  # noqa: E402
+
+# Where each mutation must show. "forward" mutations change the loss of step 1; the others leave the forward
+# (and so the loss of step 1) exactly right and only break gradients: a forward-only test would pass them.
+EXPECTED_BREAK = {
+    "tp_no_backward_reduce": ("grads", False),
+    "ce_no_max_all_reduce": ("loss_step1", True),
+    "sp_norm_plain": ("grads", False),
+    "loss_mean_per_rank": ("loss_step1", True),
+    "fsdp_average": ("grad_norm", False),
+}
+BROKEN = 1e-6  # a mutation must move something by at least this much (the gate's tolerance is 1e-10)
+
+
+@pytest.fixture(scope="module", params=[2, 4, 8], ids=lambda n: f"world{n}")
+def gate_results(request, tmp_path_factory):
+    world = request.param
+    out = tmp_path_factory.mktemp("gate") / f"gate{world}.json"
+    proc = run_script(HERE / "gate.py", "--world-size", str(world), "--out", str(out), "--timeout", "60",
+                      timeout=420)
+    assert proc.returncode == 0, f"gate worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    results = json.loads(out.read_text())
+    print(f"\ngate world size {world} (max |diff| over 3 steps):")
+    for name, r in results["layouts"].items():
+        print(f"  {name:45s} loss {r['loss']:.1e} grad_norm {r['grad_norm']:.1e} grads {r['grads']:.1e} "
+              f"weights {r['weights']:.1e}  {r['seconds']} s")
+    return world, results
+
+
+def test_every_layout_of_the_world_size_ran(gate_results):
+    world, results = gate_results
+    expected = {layout.name for layout in gate.LAYOUTS if layout.world_size == world}
+    assert set(results["layouts"]) == expected
+
+
+def test_layouts_train_exactly_like_one_device(gate_results):
+    world, results = gate_results
+    bad = {}
+    for name, r in results["layouts"].items():
+        if r["mutation"]:
+            continue
+        if not r["ok"]:
+            bad[name] = {k: r[k] for k in ("loss", "grad_norm", "grads", "weights", "coverage", "tied_still_tied")}
+        # Clipping acted on every step (the reference norm exceeds max_norm), so it was tested too.
+        assert min(r["ref_grad_norms"]) > 2 * r["max_norm"], name
+    assert not bad, f"layouts differ from one device by more than {gate.TOL}: {bad}"
+
+
+def test_mutations_break_the_gate(gate_results):
+    world, results = gate_results
+    for name, r in results["layouts"].items():
+        if not r["mutation"]:
+            continue
+        field, forward_breaks = EXPECTED_BREAK[r["mutation"]]
+        assert not r["ok"], f"{name}: the gate did not notice the mutation"
+        assert r[field] > BROKEN, f"{name}: expected {field} to break, got {r}"
+        if not forward_breaks:
+            assert r["loss_step1"] <= gate.TOL, f"{name}: expected a correct forward, got {r['loss_step1']}"
+
+
+def test_matrix_covers_the_required_layouts():
+    by_name = {layout.name: layout for layout in gate.LAYOUTS}
+    required = ["tp2", "tp2_sp", "tp4_gqa", "tp2_no_loss_parallel", "fsdp2", "fsdp4", "hsdp2x2", "tp2_fsdp2",
+                "tp2_sp_fsdp2", "tp2_hsdp2x2", "fsdp2_accum2", "tp2_tied", "fsdp2_tied"]
+    assert all(n in by_name for n in required)
+    assert {layout.mutation for layout in gate.LAYOUTS if layout.mutation} == set(EXPECTED_BREAK)

@@ -1,0 +1,94 @@
+"""Two-rank probes (tests/parallel/tp_probe_worker.py, one launch): collective counts and bytes under tp 2, a user's
+own module under apply_tp / apply_fsdp, FSDP mixed precision, cross-stage clipping, apply_tp's errors."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # tests/: dist_utils
+from dist_utils import run_script  # noqa: E402
+
+# The tiny gate model: batch 8 x seq 16 x dim 64 in float64 = one activation of 65536 bytes; 2 blocks;
+# vocab 128; the vocab-parallel CE all-reduces 3 vectors of 128 rows (1024 bytes each); a norm weight is 512 bytes.
+ACT, ROWS, NORM, LOGITS = 8 * 16 * 64 * 8, 8 * 16 * 8, 64 * 8, 8 * 16 * 128 * 8
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("probes") / "probes.json"
+    proc = run_script(HERE / "tp_probe_worker.py", str(out), timeout=300)
+    assert proc.returncode == 0, f"probe worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return json.loads(out.read_text())
+
+
+def test_one_block_two_all_reduces_each_way_without_sp(probes):
+    block = probes["comms"]["block sp=False"]
+    assert block["forward"] == {"all_reduce": [2, 2 * ACT]}  # g: after wo and after w2
+    assert block["backward"] == {"all_reduce": [2, 2 * ACT]}  # f: at the attention and feed-forward entries
+
+
+def test_one_block_with_sp_swaps_each_all_reduce_for_a_reduce_scatter_and_an_all_gather(probes):
+    plain, sp = probes["comms"]["block sp=False"], probes["comms"]["block sp=True"]
+    for direction in ("forward", "backward"):
+        count, nbytes = plain[direction]["all_reduce"]
+        assert sp[direction]["all_gather_into_tensor"] == [count, nbytes]
+        assert sp[direction]["reduce_scatter_tensor"] == [count, nbytes]
+    assert "all_reduce" not in sp["forward"]
+    # The only extra: the two norm weights' gradients, computed from different sequence shards, are summed.
+    assert sp["backward"]["all_reduce"] == [2, 2 * NORM]
+    assert len(sp["forward"]) == 2 and len(sp["backward"]) == 3
+
+
+def test_whole_model_collectives_are_pinned(probes):
+    """Embedding + 2 blocks + final norm + head + vocab-parallel loss: any extra redistribution fails here."""
+    comms = probes["comms"]
+    ce = [3, 3 * ROWS]  # max, sum-exp, target logit
+    assert comms["model sp=False lp=True"] == {
+        "forward": {"all_reduce": [1 + 4 + 3, 5 * ACT + 3 * ROWS]},  # embedding, blocks, loss
+        "backward": {"all_reduce": [4 + 1, 5 * ACT]},  # blocks, head input (f)
+    }
+    assert comms["model sp=True lp=True"] == {
+        "forward": {"reduce_scatter_tensor": [1 + 4, 5 * ACT], "all_gather_into_tensor": [4 + 1, 5 * ACT],
+                    "all_reduce": ce},
+        "backward": {"reduce_scatter_tensor": [4 + 1, 5 * ACT], "all_gather_into_tensor": [4 + 1, 5 * ACT],
+                     "all_reduce": [5, 5 * NORM]},  # 2 norm weights per block + the final norm
+    }
+    assert comms["model sp=False lp=False"] == {  # the head all-gathers the logits, the loss needs nothing
+        "forward": {"all_reduce": [5, 5 * ACT], "all_gather_into_tensor": [1, LOGITS]},
+        "backward": {"all_reduce": [5, 5 * ACT]},
+    }
+    assert comms["model sp=True lp=False"]["forward"]["all_gather_into_tensor"] == [6, 5 * ACT + LOGITS]
+
+
+def test_a_users_own_module_with_a_user_plan_matches_one_device(probes):
+    user = probes["user_module"]
+    assert user["tp_diff"] <= 1e-12 and user["fsdp_diff"] <= 1e-12, user
+    assert user["tp_placements"] == {"ln.weight": ["R"], "ln.bias": ["R"], "up.weight": ["S(0)"],
+                                     "up.bias": ["S(0)"], "gate.weight": ["S(0)"], "gate.bias": ["S(0)"],
+                                     "down.weight": ["S(1)"], "down.bias": ["R"]}
+
+
+def test_bf16_training_uses_fsdp_mixed_precision(probes):
+    mp = probes["mixed_precision"]
+    assert mp["logits_dtype"] == "torch.bfloat16"  # bf16 compute
+    assert mp["param_dtypes"] == ["torch.float32"] and mp["param_types"] == ["DTensor"]  # fp32 sharded master
+    assert mp["grad_dtypes"] == ["torch.float32"]  # fp32 reduction
+    assert mp["loss_rel_diff"] < 1e-2
+
+
+def test_clip_sums_squared_norms_across_pipeline_stages(probes):
+    ok, dropped = probes["clip_pp"]["reduce=True"], probes["clip_pp"]["reduce=False"]
+    assert ok["norms"] == [pytest.approx(math.sqrt(20))] * 2  # identical on both stages
+    assert ok["grad0"] == pytest.approx(1 / math.sqrt(20), rel=1e-5)  # rank 0's grads: 1 * max_norm / norm
+    assert ok["extra"] == pytest.approx(10 / math.sqrt(20), rel=1e-5)  # clipped though not counted
+    assert dropped["norms"] == [pytest.approx(2.0), pytest.approx(4.0)]  # the mutation: stages disagree
+
+
+def test_apply_tp_errors_name_the_fix(probes):
+    errors = probes["errors"]
+    assert "match no submodule" in errors["unknown key"] and "wqq" in errors["unknown key"]
+    assert "tied parameters 'tok_embeddings.weight' and 'output.weight'" in errors["tied different layouts"]

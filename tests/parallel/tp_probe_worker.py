@@ -1,0 +1,272 @@
+"""Two-rank probes of the parallel layer, one launch (``test_parallel_probes.py`` asserts on the JSON it writes).
+
+* ``comms``: CommDebugMode counts (and bytes) of the collectives of ONE transformer block's forward and
+  backward under tp 2, with and without SP, and of the whole model's training step (embedding, blocks, head,
+  loss) for the plan variants.
+* ``user_module``: a differently written module (other names, biases, LayerNorm) parallelized with a user
+  plan via ``apply_tp``, and with ``apply_fsdp``, trained against one device.
+* ``mixed_precision``: ``parallelize_model`` with ``training.dtype = bfloat16`` under FSDP: bf16 compute,
+  fp32 master weights and gradients.
+* ``clip_pp``: ``clip_grad_norm_`` over two "stages" holding different parameters, with and without the
+  cross-stage reduction.
+* ``errors``: apply_tp's errors for a plan key that matches nothing and for tied weights sharded differently.
+
+    python tests/parallel/tp_probe_worker.py OUT.json
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gate.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # dist_utils.py
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
+from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
+from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops  # noqa: E402
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # noqa: E402
+
+from gate import GLOBAL_BATCH, build_model, config, global_batch, Layout  # noqa: E402
+from titanlike.parallel import ParallelDims, apply_fsdp, apply_tp, build_loss_fn, clip_grad_norm_  # noqa: E402
+from titanlike.parallel import parallelize_model  # noqa: E402
+from titanlike.parallel.tensor_parallel import ReplicateParallel  # noqa: E402
+from titanlike.training.step import ScaledLoss, count_tokens  # noqa: E402
+
+
+class BytesCommDebugMode(CommDebugMode):
+    """CommDebugMode that also records, per collective, the bytes of the full (unsharded) tensor it reduces or
+    gathers: all-reduce and reduce-scatter inputs, all-gather outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if out is NotImplemented or isinstance(func, torch._ops.HigherOrderOperator):
+            return out
+        packet = func._overloadpacket
+        if packet in self.comm_registry or packet in c10d_collective_ops:
+            name = _canonical(packet.__name__)
+            first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+            nbytes = first.numel() * first.element_size()
+            if name == "all_gather_into_tensor":
+                nbytes *= args[1] if isinstance(args[1], int) else args[1].size()
+            elif name not in ("all_reduce", "reduce_scatter_tensor"):
+                nbytes = -1  # anything else is reported (and fails the exact-count checks)
+            self.records.append((name, nbytes))
+        return out
+
+    def summary(self) -> dict[str, list[int]]:
+        """``{collective: [count, total bytes]}``."""
+        out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for name, nbytes in self.records:
+            out[name][0] += 1
+            out[name][1] += nbytes
+        return dict(out)
+
+
+def _canonical(name: str) -> str:
+    return {"allreduce_": "all_reduce", "_reduce_scatter_base_": "reduce_scatter_tensor",
+            "_allgather_base_": "all_gather_into_tensor"}.get(name, name)
+
+
+def _tp_args(*extra):
+    return ("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+            "--training.local_batch_size", str(GLOBAL_BATCH), *extra)
+
+
+def _tp2_model(sp: bool, lp: bool):
+    extra = (("--parallelism.enable_sequence_parallel", "true") if sp else ()) + \
+        (() if lp else ("--parallelism.disable_loss_parallel", "true"))
+    cfg = config(Layout("probe", 2, _tp_args(*extra)), 2)
+    dims = ParallelDims.from_config(cfg, 2)
+    mesh = dims.build_mesh("cpu")
+    model = parallelize_model(build_model(cfg), dims, mesh, cfg)
+    return cfg, dims, mesh, model
+
+
+def probe_comms() -> dict:
+    out = {}
+    inputs, labels = global_batch(1)
+    for sp in (False, True):
+        cfg, dims, mesh, model = _tp2_model(sp, lp=True)
+        block = model.layers["0"]
+        h = model.tok_embeddings(inputs).detach().requires_grad_()
+        with BytesCommDebugMode() as fwd:
+            y = block(h, model.rope_cos, model.rope_sin)
+        with BytesCommDebugMode() as bwd:
+            y.to_local().sum().backward()
+        out[f"block sp={sp}"] = {"forward": fwd.summary(), "backward": bwd.summary(),
+                                 "activation_bytes": inputs.numel() * cfg_dim(cfg) * 8}
+    for sp, lp in ((False, True), (True, True), (False, False), (True, False)):
+        cfg, dims, mesh, model = _tp2_model(sp, lp)
+        loss = ScaledLoss(build_loss_fn(cfg, dims, mesh))
+        loss.denominator = count_tokens([(inputs, labels)])
+        with BytesCommDebugMode() as fwd:
+            value = loss(model(inputs), labels)
+        with BytesCommDebugMode() as bwd:
+            value.backward()
+        out[f"model sp={sp} lp={lp}"] = {"forward": fwd.summary(), "backward": bwd.summary()}
+    return out
+
+
+def cfg_dim(cfg) -> int:
+    return cfg.model.dim
+
+
+class UserMLP(nn.Module):
+    """Not the Llama block: other names, biases, a LayerNorm, GELU gating."""
+
+    def __init__(self, d: int = 16, h: int = 32):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.up = nn.Linear(d, h)
+        self.gate = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+
+    def forward(self, x):
+        x = self.ln(x)
+        return self.down(F.gelu(self.up(x)) * self.gate(x))
+
+
+USER_PLAN = {"ln": ReplicateParallel(), "up": ColwiseParallel(), "gate": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _train_user(model, batches, n_total, dp_group=None, steps=3):
+    """AdamW on sum((out - y)^2) / n_total; returns (loss, grads, weights) per step, gathered to full tensors."""
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, foreach=True)
+    history = []
+    for x, y in batches[:steps]:
+        opt.zero_grad()
+        out = model(x)
+        loss = ((out - y) ** 2).sum() / n_total
+        loss.backward()
+        total = loss.detach().clone()
+        if dp_group is not None:
+            dist.all_reduce(total, group=dp_group)
+        grads = {n: _full(p.grad).clone() for n, p in model.named_parameters()}
+        opt.step()
+        history.append((total, grads, {n: _full(p).detach().clone() for n, p in model.named_parameters()}))
+    return history
+
+
+def _max_diff(h1, h2) -> float:
+    worst = 0.0
+    for (l1, g1, w1), (l2, g2, w2) in zip(h1, h2, strict=True):
+        worst = max(worst, abs(float(l1) - float(l2)))
+        for n in g2:
+            worst = max(worst, (g1[n] - g2[n]).abs().max().item(), (w1[n] - w2[n]).abs().max().item())
+    return worst
+
+
+def probe_user_module() -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    reference = UserMLP().double()
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 5, 16, generator=g, dtype=torch.float64),
+                torch.randn(8, 5, 16, generator=g, dtype=torch.float64)) for _ in range(3)]
+    n_total = batches[0][1].numel()
+    one_device = _train_user(copy.deepcopy(reference), batches, n_total)
+    # TP 2 with the user's plan: same batches on both ranks.
+    tp_dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, world_size=2)
+    tp_dims.build_mesh("cpu")
+    tp_model = apply_tp(copy.deepcopy(reference), tp_dims.get_mesh("tp"), USER_PLAN)
+    placements = {n: [str(x) for x in p.placements] if isinstance(p, DTensor) else "plain"
+                  for n, p in tp_model.named_parameters()}
+    tp_diff = _max_diff(_train_user(tp_model, batches, n_total), one_device)
+    # FSDP 2: each rank trains on half of every batch (the loss still divides by the global count).
+    dp_dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, world_size=2)
+    dp_dims.build_mesh("cpu")
+    dp_mesh = dp_dims.get_mesh("dp_shard_cp")
+    model = copy.deepcopy(reference)
+    fsdp_model = apply_fsdp(model, dp_mesh, blocks=[model.down])
+    halves = [(x.chunk(2)[rank], y.chunk(2)[rank]) for x, y in batches]
+    fsdp_diff = _max_diff(_train_user(fsdp_model, halves, n_total, dp_group=dp_mesh.get_group()), one_device)
+    return {"tp_diff": tp_diff, "fsdp_diff": fsdp_diff, "tp_placements": placements}
+
+
+def probe_mixed_precision() -> dict:
+    """FSDP 2 with training.dtype = bfloat16: bf16 forward, fp32 sharded parameters and gradients."""
+    cfg = config(Layout("bf16", 2, ("--training.dtype", "bfloat16", "--parallelism.data_parallel_shard_degree", "2",
+                                    "--training.local_batch_size", "4")), 2)
+    dims = ParallelDims.from_config(cfg, 2)
+    mesh = dims.build_mesh("cpu")
+    reference = build_model(cfg).float()
+    model = parallelize_model(copy.deepcopy(reference), dims, mesh, cfg)
+    inputs, labels = global_batch(1)
+    rows = slice(dist.get_rank() * 4, dist.get_rank() * 4 + 4)
+    logits = model(inputs[rows])
+    loss = build_loss_fn(cfg, dims, mesh)(logits, labels[rows])
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    expected = build_loss_fn(cfg, ParallelDims(1, 1, 1, 1, 1, 1))(reference(inputs), labels)
+    return {"logits_dtype": str(logits.dtype),
+            "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            "param_types": sorted({type(p).__name__ for p in model.parameters()}),
+            "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()}),
+            "loss_rel_diff": abs(total.item() - expected.item()) / expected.item()}
+
+
+def probe_clip_pp() -> dict:
+    """Two "stages" (the two ranks) with different parameters: the norm must cover both."""
+    import titanlike.parallel.clip as clip
+    from gate import patched
+
+    rank = dist.get_rank()
+    out = {}
+    for reduce in (True, False):
+        p, extra = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2))
+        p.grad = torch.full((4,), float(rank + 1))  # squared norms 4 and 16: global sqrt(20)
+        extra.grad = torch.full((2,), 10.0)  # clipped, but left out of the norm via norm_parameters
+        with patched(clip, "reduce_across_stages", clip.reduce_across_stages if reduce else lambda sq, group: sq):
+            norm = clip.clip_grad_norm_([p, extra], 1.0, pp_group=dist.group.WORLD, norm_parameters=[p])
+        norms = [None, None]
+        dist.all_gather_object(norms, norm.item())
+        out[f"reduce={reduce}"] = {"norms": norms, "grad0": p.grad[0].item(), "extra": extra.grad[0].item()}
+    return out
+
+
+def probe_errors() -> dict:
+    from titanlike.models import ModelArgs, Transformer
+
+    mesh = ParallelDims(1, 1, 1, 2, 1, 2).build_mesh("cpu")
+    out = {}
+    for name, plan, tied in (("unknown key", {"layers.*.attention.wqq": ColwiseParallel()}, False),
+                             ("tied different layouts", {"tok_embeddings": ColwiseParallel(),
+                                                         "output": ColwiseParallel()}, True)):
+        args = ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=32, multiple_of=16, max_seq_len=8,
+                         tie_embeddings=tied)
+        try:
+            apply_tp(Transformer(args), mesh["tp"], plan)
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def main_probe(rank: int, world_size: int, out: str) -> None:
+    results = {"comms": probe_comms(), "user_module": probe_user_module(), "mixed_precision": probe_mixed_precision(),
+               "clip_pp": probe_clip_pp(), "errors": probe_errors()}
+    if rank == 0:
+        Path(out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    from dist_utils import spawn
+
+    sys.exit(spawn(main_probe, 2, sys.argv[1], timeout_s=60.0))
