@@ -18,7 +18,7 @@ import importlib
 _EXPORTS = {
     "ParallelDims": "dims", "describe_layout": "dims", "rank_groups": "dims", "rank_of": "dims",
     "MESH_DIMS": "dims",
-    "tp_plan": "tensor_parallel", "apply_tp": "tensor_parallel",
+    "tp_plan": "tensor_parallel", "apply_tp": "tensor_parallel", "ReplicateParallel": "tensor_parallel",
     "apply_fsdp": "fsdp",
     "clip_grad_norm_": "clip",
     "parallelize_model": "parallelize", "build_loss_fn": "parallelize", "loss_parallel_enabled": "parallelize",

@@ -2,23 +2,25 @@
 
 The norm is taken over every parameter of the *whole* model, identical on every rank:
 
-* gradients are grouped by (mesh, placements); each group's norm is a DTensor reduction whose
-  ``full_tensor()`` combines the shards over every mesh dim they are sharded on (tp, dp, both), while
-  replicated dims are counted once: one small all-reduce per group, a handful per model;
-* plain-tensor gradients (a rank's own parameters, e.g. replicated norm weights under TP without SP) count as
-  they are;
+* each rank squares its local shards; a shard replicated over mesh dims of total size R (e.g. a norm weight on
+  the tp dim) is weighted 1/R, so that summing over all the ranks of the mesh counts every entry once;
+* those sums are all-reduced over each dim of the gradients' mesh, one scalar all-reduce per mesh dim (a
+  DTensor ``full_tensor()`` of each parameter group's norm gives the same number with more collectives);
+* ``Partial`` gradients (not produced by ``apply_tp`` / ``apply_fsdp``) are reduced first;
+* plain-tensor gradients (a rank's own parameters, replicated or pipeline-stage local) count as they are;
 * with pipeline parallelism each stage holds different parameters: the squared norms are summed over
   ``pp_group`` (:func:`reduce_across_stages`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 __all__ = ["clip_grad_norm_", "grad_norm_squared", "reduce_across_stages"]
 
@@ -34,14 +36,27 @@ def _groups(params: list[Tensor]) -> list[list[Tensor]]:
 
 
 def grad_norm_squared(groups: list[list[Tensor]], device: torch.device, foreach: bool | None = None) -> Tensor:
-    """Sum of squared gradient entries of this pipeline stage (every shard counted once), a float64 plain tensor
-    (one dtype on every stage, whatever the gradients' dtypes, for the cross-stage all-reduce)."""
+    """Sum of squared gradient entries of this pipeline stage (every entry counted once), a float64 plain tensor
+    identical on the ranks of the gradients' meshes (one dtype on every stage, for the cross-stage all-reduce)."""
     total = torch.zeros((), dtype=torch.float64, device=device)
+    per_mesh: dict[object, Tensor] = {}  # mesh -> this rank's weighted local sum, reduced below
     for params in groups:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, foreach=foreach)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        total = total + norm.to(torch.float64) ** 2
+        grads = [p.grad for p in params]
+        if not isinstance(grads[0], DTensor):
+            total = total + torch.nn.utils.get_total_norm(grads, 2.0, foreach=foreach).to(torch.float64) ** 2
+            continue
+        mesh, placements = grads[0].device_mesh, grads[0].placements
+        if any(pl.is_partial() for pl in placements):
+            placements = [Replicate() if pl.is_partial() else pl for pl in placements]
+            grads = [g.redistribute(mesh, placements) for g in grads]
+        replicas = math.prod(mesh.size(i) for i, pl in enumerate(placements) if pl.is_replicate())
+        local = torch.nn.utils.get_total_norm([g.to_local() for g in grads], 2.0, foreach=foreach)
+        per_mesh[mesh] = per_mesh.get(mesh, 0) + local.to(torch.float64) ** 2 / replicas
+    for mesh, local_sq in per_mesh.items():
+        for dim in range(mesh.ndim):
+            if mesh.size(dim) > 1:
+                dist.all_reduce(local_sq, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
+        total = total + local_sq
     return total
 
 
