@@ -94,6 +94,8 @@ LAYOUTS = [
     Layout("tp2_sp_no_loss_parallel", 2, _tp(2, *SP, *NO_LP, *_dp(1, 1, 8))),
     Layout("tp2_sp_loss_chunks", 2, _tp(2, *SP, "--parallelism.loss_chunk_size", "48", *_dp(1, 1, 8))),
     Layout("tp2_tied", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="tied"),
+    Layout("tp2_meta", 2, _tp(2, *_dp(1, 1, 8)), meta_init=True),
+    Layout("tp2_sp_accum2", 2, _tp(2, *SP, *_dp(1, 1, 4))),
     Layout("fsdp2", 2, _dp(1, 2, 4)),
     Layout("fsdp2_accum2", 2, _dp(1, 2, 2)),
     Layout("fsdp2_tied", 2, _dp(1, 2, 4), model="tied"),
