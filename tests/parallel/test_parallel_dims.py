@@ -40,6 +40,30 @@ def test_tp_is_innermost_and_pp_outermost():
         rank_groups(d, "ep")
 
 
+@pytest.mark.parametrize("rank", [0, 13])
+def test_the_device_mesh_matches_the_pure_python_grid(rank):
+    """build_mesh / get_mesh on a fake 16-rank process group give the groups rank_groups predicts."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=16, store=FakeStore())
+    try:
+        d = ParallelDims(dp_replicate=2, dp_shard=-1, cp=1, tp=2, pp=2, world_size=16)
+        mesh = d.build_mesh("cpu")
+        assert mesh.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+        assert d.build_mesh("cpu") is mesh  # built once per shape
+        for name in ("tp", "pp", "dp", "dp_replicate", "dp_shard_cp", "dp_cp"):
+            mine = next(g for g in rank_groups(d, name) if rank in g)
+            assert d.get_mesh(name).mesh.flatten().tolist() == mine, name
+        hsdp = d.get_mesh(("dp_replicate", "dp_shard_cp"))
+        assert hsdp.ndim == 2 and sorted(hsdp.mesh.flatten().tolist()) == next(
+            g for g in rank_groups(d, "dp") if rank in g)
+        with pytest.raises(ValueError, match="must be one of"):
+            d.get_mesh(("dp", "tp"))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_describe_layout_lists_groups_and_warns_for_tp_across_nodes():
     d = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=4, pp=1, world_size=8)
     text = describe_layout(d, gpus_per_node=8)
