@@ -91,7 +91,7 @@ class Trainer:
                 gpn = cfg.parallelism.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
                 print(describe_layout(self.dims, gpn), flush=True)
             if self.dims.dp_enabled:
-                dp_mesh = self.mesh["dp"]
+                dp_mesh = self.dims.get_mesh("dp")
                 self.dp_group = dp_mesh.get_group()
                 dp_rank, dp_degree = dp_mesh.get_local_rank(), dp_mesh.size()
 
