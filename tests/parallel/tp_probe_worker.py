@@ -29,13 +29,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
 from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # noqa: E402
 
 from gate import GLOBAL_BATCH, build_model, config, global_batch, Layout  # noqa: E402
-from titanlike.parallel import ParallelDims, apply_fsdp, apply_tp, build_loss_fn, clip_grad_norm_  # noqa: E402
+from titanlike.parallel import ParallelDims, apply_fsdp, apply_tp, build_loss_fn  # noqa: E402
 from titanlike.parallel import parallelize_model  # noqa: E402
 from titanlike.parallel.tensor_parallel import ReplicateParallel  # noqa: E402
 from titanlike.training.step import ScaledLoss, count_tokens  # noqa: E402
@@ -105,8 +105,7 @@ def probe_comms() -> dict:
             y = block(h, model.rope_cos, model.rope_sin)
         with BytesCommDebugMode() as bwd:
             y.to_local().sum().backward()
-        out[f"block sp={sp}"] = {"forward": fwd.summary(), "backward": bwd.summary(),
-                                 "activation_bytes": inputs.numel() * cfg_dim(cfg) * 8}
+        out[f"block sp={sp}"] = {"forward": fwd.summary(), "backward": bwd.summary()}
     for sp, lp in ((False, True), (True, True), (False, False), (True, False)):
         cfg, dims, mesh, model = _tp2_model(sp, lp)
         loss = ScaledLoss(build_loss_fn(cfg, dims, mesh))
@@ -117,10 +116,6 @@ def probe_comms() -> dict:
             value.backward()
         out[f"model sp={sp} lp={lp}"] = {"forward": fwd.summary(), "backward": bwd.summary()}
     return out
-
-
-def cfg_dim(cfg) -> int:
-    return cfg.model.dim
 
 
 class UserMLP(nn.Module):
