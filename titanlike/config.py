@@ -582,9 +582,22 @@ def _pipeline_violations(cfg: JobConfig, args, pp: int) -> list[str]:
     if not single and sched not in ("ZBVZeroBubble", "DualPipeV") and v < 2:
         out.append(f"parallelism.pipeline_parallel_schedule {sched} needs at least 2 stages per rank; use "
                    f"GPipe / 1F1B or set pipeline_parallel_stages_per_rank >= 2")
-    if not p.pipeline_parallel_module_names:
-        eff = args.n_layers + p.pipeline_parallel_first_stage_less_layers + p.pipeline_parallel_last_stage_less_layers
-        if eff % n_stages:
+    eff = args.n_layers + p.pipeline_parallel_first_stage_less_layers + p.pipeline_parallel_last_stage_less_layers
+    lps = p.pipeline_parallel_layers_per_stage
+    if p.pipeline_parallel_module_names:
+        from titanlike.parallel.pipeline import parse_module_names
+
+        try:
+            parse_module_names(p.pipeline_parallel_module_names, args.n_layers)
+        except ConfigError as e:
+            out.append(str(e))
+    else:
+        if lps and (eff % lps or (p.pipeline_parallel_stages_per_rank and eff != lps * n_stages)):
+            out.append(f"parallelism.pipeline_parallel_layers_per_stage {lps} does not fit {args.n_layers} layers "
+                       f"(+{p.pipeline_parallel_first_stage_less_layers} for the embedding, "
+                       f"+{p.pipeline_parallel_last_stage_less_layers} for the head) in {n_stages} stages; "
+                       f"choose a divisor of {eff} (or drop pipeline_parallel_stages_per_rank)")
+        elif eff % n_stages:
             out.append(f"pipeline: {args.n_layers} layers (+{p.pipeline_parallel_first_stage_less_layers} for the "
                        f"embedding, +{p.pipeline_parallel_last_stage_less_layers} for the head) do not split evenly "
                        f"into {n_stages} stages; change n_layers or list pipeline_parallel_module_names per stage")
@@ -601,4 +614,13 @@ def _pipeline_violations(cfg: JobConfig, args, pp: int) -> list[str]:
         if sched not in ("GPipe",) and m < pp:
             out.append(f"pipeline: {m} microbatches (local_batch_size / pipeline_parallel_microbatch_size) are fewer "
                        f"than pp {pp} stages for {sched}; raise local_batch_size to at least {pp * mbs}")
+        elif sched == "DualPipeV" and m < n_stages:
+            out.append(f"pipeline: DualPipeV needs at least as many microbatches as stages ({n_stages}), got {m}; "
+                       f"raise local_batch_size to at least {n_stages * mbs}")
+        elif sched in ("Interleaved1F1B", "InterleavedZeroBubble") and m % max(1, m // pp):
+            out.append(f"pipeline: {sched} runs the {m} microbatches in rounds of pp={pp} and needs m divisible by "
+                       f"m // pp = {m // pp}; use a multiple of {pp} microbatches")
+    if p.fsdp_reshard_after_forward == "always" and sched in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        out.append(f"parallelism.fsdp_reshard_after_forward 'always' gives wrong gradients with {sched} (its "
+                   f"weight-gradient passes run outside FSDP's hooks); use 'default' or 'never'")
     return out

@@ -1,0 +1,407 @@
+"""Pipeline parallelism: split the plain model into stages and run them with a torch.distributed.pipelining schedule.
+
+The pieces, in the order :func:`apply_pp` uses them:
+
+* **Split** (:func:`stage_module_names`): stage ``s`` holds a contiguous slice of ``layers.*``; the first stage also
+  the embedding, the last the final norm and the output head (and computes the loss). By default the blocks are
+  split evenly, the embedding / head counting as ``pipeline_parallel_first/last_stage_less_layers`` extra blocks;
+  ``pipeline_parallel_module_names`` lists the modules of every stage by hand.
+* **Place** (:func:`stage_ids_for_rank`): loop style for single-stage and interleaved schedules (pp rank ``r`` holds
+  stages ``r, r + pp, r + 2pp, ...``), V style for ZBVZeroBubble / DualPipeV (rank ``r`` holds ``r`` and
+  ``2pp - 1 - r``, so rank 0 holds both the first and the last stage).
+* **Build** (:func:`build_stage_module`): the model's own partial constructor on the meta device, then storage on
+  the target device filled from the full model's state dict by name: the stage keeps the plain model's FQNs.
+* **Parallelize** each stage module with ``parallelize_model`` over the non-pp mesh dims (TP, AC, compile, FSDP).
+  FSDP keeps parameters unsharded between forward and backward under PP (``reshard_after_forward=False``): the
+  zero-bubble schedules run the weight-gradient half of the backward outside FSDP's hooks, and resharding after
+  forward gives wrong or missing gradients there (shared/notes/torch-cpu-facts.md); it also saves one all-gather
+  per microbatch, which is the point of keeping a few stages resident.
+* **Schedule** by name, ``local_batch_size / pipeline_parallel_microbatch_size`` microbatches, the trainer's
+  :class:`ScaledLoss` (``sum(CE) / global_tokens``) as the last stage's loss and ``scale_grads=False``: torch's
+  default divides the accumulated gradients by the number of microbatches, which is right for a per-microbatch
+  *mean* loss and wrong for ours, whose microbatch losses already add up to the batch's share of the global mean.
+
+**Tied embeddings across stages.** With ``tie_embeddings`` the input embedding lives on the first stage and the
+output head on the last, usually on different ranks. Each holds its own copy of the weight (equal initial values,
+both from the full model), and :meth:`PipelineParallel.finalize_grads` sums the two gradients after the backward
+between exactly the two ranks that hold them (one two-rank group per (dp, tp) position, the pp group itself when
+pp = 2; a local add under V placement, where rank 0 holds both). Equal gradients, equal AdamW states: the copies
+stay bitwise equal. Under FSDP / TP the gradient is a DTensor with the same placements on both sides, so the local
+shards are summed. The gradient norm counts the weight once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
+
+from titanlike.config import ConfigError, JobConfig, pipeline_stage_count
+from titanlike.models import Transformer
+from titanlike.training.step import ScaledLoss
+
+__all__ = [
+    "SCHEDULES",
+    "PipelineParallel",
+    "apply_pp",
+    "build_stage_module",
+    "pipeline_eval_loss",
+    "split_module_names",
+    "stage_ids_for_rank",
+    "stage_module_names",
+]
+
+SCHEDULES = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "LoopedBFS": ScheduleLoopedBFS,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "DualPipeV": ScheduleDualPipeV,
+}
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+_LAYER = re.compile(r"layers\.(\d+)")
+
+
+# ---------------------------------------------------------------------------------------------------- the split
+def split_module_names(n_layers: int, n_stages: int, first_less: int = 0, last_less: int = 0) -> list[list[str]]:
+    """Module names of each of ``n_stages`` stages, the blocks split evenly.
+
+    The embedding counts as ``first_less`` blocks and the norm + head as ``last_less`` blocks, so the first and
+    last stage get that many fewer: 6 layers, 4 stages, 1 + 1 -> [emb, 0], [1, 2], [3, 4], [5, head].
+    """
+    eff = n_layers + first_less + last_less
+    if n_stages < 1 or eff % n_stages:
+        raise ConfigError(f"pipeline: {n_layers} layers (+{first_less} for the embedding, +{last_less} for the "
+                          f"head) do not split evenly into {n_stages} stages; change n_layers or list "
+                          f"pipeline_parallel_module_names per stage")
+    per = eff // n_stages
+    counts = [per - (first_less if s == 0 else 0) - (last_less if s == n_stages - 1 else 0) for s in range(n_stages)]
+    if min(counts) < 0:
+        raise ConfigError(f"pipeline: {n_stages} stages of {per} layers cannot absorb the embedding weight "
+                          f"{first_less} and head weight {last_less}; use fewer stages or lower the weights")
+    names, start = [], 0
+    for s, count in enumerate(counts):
+        stage = ["tok_embeddings"] if s == 0 else []
+        stage += [f"layers.{i}" for i in range(start, start + count)]
+        start += count
+        if s == n_stages - 1:
+            stage += ["norm", "output"]
+        names.append(stage)
+    return names
+
+
+def parse_module_names(specs: Sequence[str], n_layers: int) -> list[list[str]]:
+    """``pipeline_parallel_module_names`` (one comma-separated string per stage) -> module names per stage.
+
+    Every block appears exactly once and in order; the embedding is on the first stage, the norm and the head
+    together on the last; no stage is empty.
+    """
+    key = "parallelism.pipeline_parallel_module_names"
+    stages = [[n.strip() for n in spec.split(",") if n.strip()] for spec in specs]
+    if len(stages) < 2:
+        raise ConfigError(f"{key}: give at least 2 stages (one comma-separated string of module names each)")
+    layers: list[int] = []
+    for s, names in enumerate(stages):
+        if not names:
+            raise ConfigError(f"{key}: stage {s} is empty; every stage needs at least one module")
+        for name in names:
+            m = _LAYER.fullmatch(name)
+            if m:
+                layers.append(int(m.group(1)))
+            elif name == "tok_embeddings":
+                if s != 0:
+                    raise ConfigError(f"{key}: tok_embeddings must be on the first stage, found on stage {s}")
+            elif name in ("norm", "output"):
+                if s != len(stages) - 1:
+                    raise ConfigError(f"{key}: {name} must be on the last stage, found on stage {s}")
+            else:
+                raise ConfigError(f"{key}: unknown module '{name}' on stage {s}; valid: tok_embeddings, "
+                                  f"layers.<i> (0 <= i < {n_layers}), norm, output")
+    if layers != list(range(n_layers)):
+        raise ConfigError(f"{key}: the stages must list layers.0 .. layers.{n_layers - 1} each exactly once and in "
+                          f"order, got {', '.join(f'layers.{i}' for i in layers)}")
+    for name, s in (("tok_embeddings", 0), ("norm", -1), ("output", -1)):
+        if sum(n == name for names in stages for n in names) != 1 or name not in stages[s]:
+            raise ConfigError(f"{key}: {name} must appear exactly once, on the {'first' if s == 0 else 'last'} "
+                              f"stage")
+    return stages
+
+
+def stage_module_names(cfg: JobConfig, args) -> list[list[str]]:
+    """The module names of every pipeline stage for this configuration (raises ConfigError on a bad layout)."""
+    p = cfg.parallelism
+    if p.pipeline_parallel_module_names:
+        return parse_module_names(p.pipeline_parallel_module_names, args.n_layers)
+    return split_module_names(args.n_layers, pipeline_stage_count(cfg, args), p.pipeline_parallel_first_stage_less_layers,
+                              p.pipeline_parallel_last_stage_less_layers)
+
+
+def stage_ids_for_rank(pp_rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:
+    """Stages held by pipeline rank ``pp_rank``: loop style ``r, r+pp, ...`` or V style ``r, 2pp-1-r``."""
+    if n_stages % pp:
+        raise ValueError(f"{n_stages} stages do not divide over {pp} pipeline ranks")
+    if schedule in V_SCHEDULES:
+        if n_stages != 2 * pp:
+            raise ValueError(f"{schedule} needs exactly 2 stages per rank, got {n_stages} stages on {pp} ranks")
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return list(range(pp_rank, n_stages, pp))
+
+
+# ---------------------------------------------------------------------------------------------------- the build
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def build_stage_module(full_model: Transformer, names: Iterable[str], device: torch.device) -> Transformer:
+    """The stage holding ``names``, built on meta by the model's partial constructor and filled by FQN.
+
+    Parameters are *copies* of the full model's (never shared storage: two stages of a rank must not alias a
+    tied weight, or the optimizer would update it twice); buffers (RoPE tables) are copied as they are.
+    """
+    names = list(names)
+    layer_ids = [int(m.group(1)) for m in map(_LAYER.fullmatch, names) if m]
+    dtype = next(full_model.parameters()).dtype
+    with torch.device("meta"), _default_dtype(dtype):
+        stage = Transformer(full_model.args, layer_ids=layer_ids, has_embedding="tok_embeddings" in names,
+                            has_head="output" in names)
+    stage.to_empty(device=device)
+    full_sd = full_model.state_dict()
+    stage.load_state_dict({k: full_sd[k] for k in stage.state_dict()}, strict=True)
+    full_buffers = dict(full_model.named_buffers())
+    for name, _ in list(stage.named_buffers()):
+        prefix, _, leaf = name.rpartition(".")
+        stage.get_submodule(prefix)._buffers[leaf] = full_buffers[name].detach().clone().to(device)
+    return stage
+
+
+# ---------------------------------------------------------------------------------------------------- the runtime
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class PipelineParallel:
+    """What :func:`apply_pp` returns: this rank's stages and the schedule that runs them."""
+
+    model_parts: list[nn.Module]  # this rank's stage modules, in stage order
+    stages: list[PipelineStage]
+    stage_ids: list[int]
+    num_stages: int
+    schedule: object  # a torch.distributed.pipelining schedule
+    loss: ScaledLoss  # the last stage's loss_fn (the trainer sets its denominator every step)
+    pp_group: dist.ProcessGroup
+    has_first_stage: bool
+    has_last_stage: bool
+    microbatch_size: int
+    schedule_name: str
+    tied_group: dist.ProcessGroup | None = None  # the two ranks holding the tied weight's copies (None: same rank)
+    tied_params: list[nn.Parameter] = field(default_factory=list)  # this rank's copies: [first's] / [last's] / both
+
+    def stage_rank(self, stage: int) -> int:
+        """Global rank of the member of this rank's pipeline that holds ``stage``."""
+        pp = dist.get_world_size(self.pp_group)
+        pp_rank = (stage if stage < pp else 2 * pp - 1 - stage) if self.schedule_name in V_SCHEDULES else stage % pp
+        return dist.get_process_group_ranks(self.pp_group)[pp_rank]
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Sum of the cross entropy over ``labels``, the same float64 scalar on every pp rank. Forward only.
+
+        Torch's ``schedule.eval`` replays the training action list and fails for the V schedules, so this runs
+        its own forward pass, independent of the schedule: microbatch by microbatch, stage by stage in global
+        order, with blocking send / recv of the hidden states (their local tensors, which the next stage's
+        parallel plan accepts like the schedule's). Every rank's sequence of (microbatch, stage) is ordered like
+        the global one and only depends on earlier pairs, so the blocking P2P cannot deadlock.
+        """
+        device = inputs.device
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        modules = dict(zip(self.stage_ids, self.model_parts))
+        last = self.num_stages - 1
+        for x, y in zip(inputs.split(self.microbatch_size), labels.split(self.microbatch_size)):
+            for s in self.stage_ids:
+                if s == 0:
+                    h = x
+                elif s - 1 in modules:
+                    h = carry
+                else:
+                    meta: list = [None]
+                    dist.recv_object_list(meta, src=self.stage_rank(s - 1), group=self.pp_group, device=device)
+                    h = torch.empty(meta[0][0], dtype=meta[0][1], device=device)
+                    dist.recv(h, src=self.stage_rank(s - 1), group=self.pp_group)
+                out = modules[s](h)
+                if s == last:
+                    loss = self.loss.loss_fn(out, y)
+                    total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).to(torch.float64)
+                elif s + 1 in modules:
+                    carry = out
+                else:
+                    out = _local(out).contiguous()
+                    dist.send_object_list([(tuple(out.shape), out.dtype)], dst=self.stage_rank(s + 1),
+                                          group=self.pp_group, device=device)
+                    dist.send(out, dst=self.stage_rank(s + 1), group=self.pp_group)
+        dist.all_reduce(total, group=self.pp_group)  # only the last stage contributed
+        # FSDP groups that keep their parameters after forward (all of them under PP) would stay unsharded: the
+        # modules would hold the gathered copies, not the sharded parameters the optimizer and checkpoints see.
+        for part in self.model_parts:
+            for m in part.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+        return total
+
+    @torch.no_grad()
+    def finalize_grads(self) -> None:
+        """Sum the tied embedding's gradient over its two copies. Call once per optimizer step, after the last
+        backward (and before the gradient norm): :meth:`finalize_grads_and_clip_` does."""
+        if not self.tied_params:
+            return
+        for p in self.tied_params:
+            if p.grad is None:  # the other copy's gradient still has to be added in
+                p.grad = torch.zeros_like(p)
+        grads = [_local(p.grad) for p in self.tied_params]
+        if len(grads) == 2:  # V placement: both copies on this rank
+            total = grads[0] + grads[1]
+            for g in grads:
+                g.copy_(total)
+        else:
+            dist.all_reduce(grads[0], group=self.tied_group)
+
+    def finalize_grads_and_clip_(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """The trainer's ``clip_fn`` under PP: :meth:`finalize_grads`, then the global gradient norm over all
+        stages (pp group) and the non-pp mesh dims, counting the tied weight once, then clipping (``max_norm > 0``).
+        """
+        from titanlike.parallel.clip import clip_grad_norm_
+
+        self.finalize_grads()
+        params = list(parameters)
+        duplicate = {id(self.tied_params[-1])} if self.tied_params and self.has_last_stage else set()
+        return clip_grad_norm_(params, max_norm, pp_group=self.pp_group,
+                               norm_parameters=[p for p in params if id(p) not in duplicate])
+
+
+def _plain_tensors_between_stages(stage: Transformer, tp_mesh, sequence_parallel: bool) -> None:
+    """Under TP the residual stream is a DTensor (``Shard(1)`` under SP, else ``Replicate()``); between stages it
+    travels as its plain local tensor, like the data into the first stage: a stage without the embedding turns
+    its input back into the DTensor, one without the head returns the local tensor. (The P2P of torch's stages
+    then moves ordinary tensors, as in every supported torch version.)"""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    if stage.tok_embeddings is None:
+        parallelize_module(stage, tp_mesh, PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(seq,),
+                                                              use_local_output=False))
+    if stage.output is None:
+        stage.register_forward_hook(_local_copy)
+
+
+def _local_copy(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    """The stage output's local tensor, as a new tensor: the zero-bubble schedules ``detach_()`` stage outputs
+    after the input-gradient pass, which a view (what ``to_local`` returns) does not allow."""
+    return output.to_local().clone() if isinstance(output, DTensor) else output
+
+
+def _tied_copies(parts: Sequence[Transformer]) -> list[nn.Parameter]:
+    """This rank's copies of the tied weight: the first stage's embedding, then the last stage's head."""
+    out = [m.tok_embeddings.weight for m in parts if m.tok_embeddings is not None]
+    out += [m.output.weight for m in parts if m.output is not None]
+    return out
+
+
+def _tied_group(pp_group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The group of the two ranks of this pipeline (this rank's pp group) that hold pp ranks 0 and pp - 1: the pp
+    group itself when pp = 2, else a two-rank group created by its two members only."""
+    ranks = dist.get_process_group_ranks(pp_group)  # global ranks in pp order
+    if len(ranks) == 2:
+        return pp_group
+    return dist.new_group([ranks[0], ranks[-1]], use_local_synchronization=True)
+
+
+def _check_tied_layout(tied: list[nn.Parameter], group) -> None:
+    """Both copies must have the same placements and local shape, or summing local shards would be wrong."""
+    def layout(p):
+        return (tuple(map(str, p.placements)) if isinstance(p, DTensor) else None, tuple(_local(p).shape))
+
+    mine = [layout(p) for p in tied]
+    if len(tied) == 2:
+        others = mine[:1]
+    else:
+        gathered: list = [None, None]
+        dist.all_gather_object(gathered, mine[0], group=group)
+        others = gathered
+    if any(o != mine[0] for o in others):
+        raise RuntimeError(f"tied embeddings: the first and last stages shard the tied weight differently "
+                           f"({mine[0]} vs {others}); give tok_embeddings and output the same layout")
+
+
+def apply_pp(model: Transformer, dims, mesh, cfg: JobConfig, device: torch.device) -> PipelineParallel:
+    """Split the full (materialised) ``model`` into this rank's stages, parallelize them, build the schedule."""
+    from titanlike.parallel.parallelize import build_loss_fn, parallelize_model
+
+    p = cfg.parallelism
+    schedule_name = p.pipeline_parallel_schedule
+    pp_mesh = mesh["pp"]
+    pp_group, pp_rank, pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), pp_mesh.size()
+    names = stage_module_names(cfg, model.args)
+    n_stages = len(names)
+    stage_ids = stage_ids_for_rank(pp_rank, pp, n_stages, schedule_name)
+
+    parts = [build_stage_module(model, names[s], device) for s in stage_ids]
+    if dims.tp_enabled:
+        for m in parts:
+            _plain_tensors_between_stages(m, mesh["tp"], p.enable_sequence_parallel)
+    parts = [parallelize_model(m, dims, mesh, cfg) for m in parts]
+    stages = [PipelineStage(m, s, n_stages, device, group=pp_group) for m, s in zip(parts, stage_ids)]
+
+    loss = ScaledLoss(build_loss_fn(cfg, dims, mesh))
+    n_microbatches = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
+    cls = SCHEDULES[schedule_name]
+    single = schedule_name in SINGLE_STAGE_SCHEDULES
+    if single and len(stages) != 1:
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule {schedule_name} runs one stage per rank, "
+                          f"the split gives {len(stages)}")
+    schedule = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
+
+    tied, tied_group = [], None
+    if model.args.tie_embeddings:
+        tied = _tied_copies(parts)  # after parallelize: FSDP / TP have replaced the parameters by DTensors
+        last_stage_on_rank0 = schedule_name in V_SCHEDULES  # else the last stage is on pp rank pp - 1
+        if not last_stage_on_rank0 and tied:  # only the two holders take part
+            tied_group = _tied_group(pp_group)
+        if tied:
+            _check_tied_layout(tied, tied_group)
+    return PipelineParallel(model_parts=parts, stages=stages, stage_ids=stage_ids, num_stages=n_stages,
+                            schedule=schedule, loss=loss, pp_group=pp_group, has_first_stage=0 in stage_ids,
+                            has_last_stage=n_stages - 1 in stage_ids,
+                            microbatch_size=p.pipeline_parallel_microbatch_size, schedule_name=schedule_name,
+                            tied_group=tied_group, tied_params=tied)
+
+
+def pipeline_eval_loss(trainer, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The trainer's validation hook under PP: ``trainer.pp.eval_loss`` (sum of the cross entropy of this data-
+    parallel rank's batch, identical on every pp rank)."""
+    return trainer.pp.eval_loss(inputs, labels)
