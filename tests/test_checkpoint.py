@@ -1,0 +1,194 @@
+"""Checkpointing in one process through the real Trainer: bitwise-exact resume (sync and async saves), retention,
+seed checkpoints, injected non-finite losses, and kill -9 in the middle of a save (a subprocess)."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from titanlike.checkpoint import committed_checkpoints, read_meta, read_model_state_dict
+from titanlike.config import load_config
+from titanlike.data import asset_path
+from titanlike.training.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+KILL_WORKER = Path(__file__).with_name("checkpoint_kill_worker.py")
+CORPUS = str(asset_path("corpus", "tinyshakespeare.txt"))
+
+
+def base_args(dump: Path, steps: int = 8, *extra: str) -> list[str]:
+    return ["--model.flavor", "tiny", "--training.steps", str(steps), "--training.local_batch_size", "4",
+            "--training.seq_len", "32", "--data.path", CORPUS, "--validation.enable", "false",
+            "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "100", "--lr_scheduler.warmup_steps", "2",
+            "--job.dump_folder", str(dump), *extra]
+
+
+def run(dump: Path, steps: int = 8, *extra: str) -> tuple[Trainer, list[float]]:
+    trainer = Trainer(load_config(base_args(dump, steps, *extra), world_size=1))
+    return trainer, trainer.train()
+
+
+def assert_same_state(a: Trainer, b: Trainer) -> None:
+    """Model weights and optimizer states bitwise equal."""
+    sa, sb = a.model_parts[0].state_dict(), b.model_parts[0].state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+    oa, ob = a.optimizer.state_dict(), b.optimizer.state_dict()
+    assert oa["param_groups"] == ob["param_groups"]
+    for i, st in oa["state"].items():
+        for name, t in st.items():
+            assert torch.equal(t, ob["state"][i][name]), (i, name)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """8 steps straight, saving every 4 steps (the reference of every resume below)."""
+    dump = tmp_path_factory.mktemp("straight")
+    trainer, losses = run(dump, 8, "--checkpoint.enable", "--checkpoint.interval", "4")
+    return dump, trainer, losses
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_resume_is_bitwise_exact(straight, tmp_path, mode):
+    dump_a, a, losses_a = straight
+    assert len(losses_a) == 8 and all(math.isfinite(x) for x in losses_a)
+    # Saved under the mode tested, then resumed from step-4 in a fresh folder with the same config.
+    source = dump_a
+    if mode == "async":
+        source = tmp_path / "first"
+        first, _ = run(source, 8, "--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.async_mode", mode)
+        assert first.checkpointer.last_step == 8
+    shutil.copytree(source / "checkpoint" / "step-4", tmp_path / "b" / "checkpoint" / "step-4")
+    b, losses_b = run(tmp_path / "b", 8, "--checkpoint.enable", "--checkpoint.interval", "4",
+                      "--checkpoint.async_mode", mode)
+    assert losses_b == losses_a[4:]  # bitwise: float equality of every loss
+    assert (b.step, b.tokens_seen, b.nonfinite_steps) == (a.step, a.tokens_seen, a.nonfinite_steps)
+    assert b.lr_scheduler.state_dict() == a.lr_scheduler.state_dict()
+    assert_same_state(a, b)
+    meta = read_meta(tmp_path / "b" / "checkpoint" / "step-8")
+    assert meta["step"] == 8 and meta["data_position"] == 8 * 4 and meta["tokens_seen"] == 8 * 4 * 32
+
+
+def test_keep_latest_k_and_leftovers_of_killed_saves(tmp_path):
+    folder = tmp_path / "checkpoint"
+    leftover = folder / "step-1.tmp-deadbeef"
+    leftover.mkdir(parents=True)
+    (leftover / "__0_0.distcp").write_bytes(b"partial")
+    not_ours = folder / "notes.txt"
+    not_ours.write_text("keep me")
+    run(tmp_path, 6, "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2")
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt", "step-4", "step-6"]
+
+
+def test_seed_checkpoint_then_start_from_it_under_another_seed(tmp_path):
+    seed_dump = tmp_path / "seed"
+    trainer, losses = run(seed_dump, 4, "--checkpoint.create_seed_checkpoint")
+    assert losses == [] and trainer.step == 0
+    step0 = seed_dump / "checkpoint" / "step-0"
+    assert list(committed_checkpoints(seed_dump / "checkpoint")) == [0]
+    assert read_meta(step0)["kind"] == "seed"
+    seed_weights = read_model_state_dict(step0)
+    assert not any(k.startswith("optimizer") for k in seed_weights)
+    for k, v in trainer.model_parts[0].state_dict().items():
+        assert torch.equal(seed_weights[k], v), k
+
+    # A run with a different training.seed starts from the seed checkpoint's weights, at step 0.
+    other = Trainer(load_config(base_args(tmp_path / "other", 2, "--training.seed", "7", "--data.shuffle", "false",
+                                          "--checkpoint.initial_load_path", str(step0)), world_size=1))
+    assert not torch.equal(other.model_parts[0].tok_embeddings.weight, seed_weights["tok_embeddings.weight"])
+    assert other.checkpointer.load() == 0
+    for k, v in other.model_parts[0].state_dict().items():
+        assert torch.equal(seed_weights[k], v), k
+
+    # And trains exactly like a run initialised from the same seed (the seed checkpoint's own; the data order is
+    # made independent of training.seed).
+    _, ref = run(tmp_path / "ref", 2, "--data.shuffle", "false")
+    other.checkpointer = None  # weights already loaded
+    assert other.train() == ref
+
+
+def test_injected_nonfinite_losses_are_skipped_counted_and_never_saved(tmp_path, monkeypatch):
+    """NaN losses at steps 3 and 5: both skipped (weights unchanged), counted, and no checkpoint holds a non-finite
+    value; with a third one at step 6 the run stops after max_nonfinite_steps=2."""
+    trainer = Trainer(load_config(base_args(tmp_path, 8, "--checkpoint.enable", "--checkpoint.interval", "1",
+                                            "--training.max_nonfinite_steps", "2"), world_size=1))
+    loss_fn = trainer.loss.loss_fn
+    bad_steps = {3, 5, 6}
+    weights_before: dict[int, torch.Tensor] = {}
+
+    def poisoned(logits, labels):
+        weights_before[trainer.step] = trainer.model_parts[0].output.weight.detach().clone()
+        out = loss_fn(logits, labels)
+        return out * float("nan") if trainer.step in bad_steps else out
+
+    trainer.loss.loss_fn = poisoned
+    with pytest.raises(RuntimeError, match=r"3 non-finite steps exceed training.max_nonfinite_steps=2"):
+        trainer.train()
+    assert trainer.step == 6 and trainer.nonfinite_steps == 3
+    folder = tmp_path / "checkpoint"
+    assert list(committed_checkpoints(folder)) == [1, 2, 3, 4, 5]  # step 6 stopped the run before its save
+    assert torch.equal(read_model_state_dict(folder / "step-3")["output.weight"], weights_before[3])  # skipped
+    assert read_meta(folder / "step-5")["nonfinite_steps"] == 2
+    for step, path in committed_checkpoints(folder).items():
+        sd = read_model_state_dict(path)
+        assert all(torch.isfinite(t).all() for t in sd.values()), step
+
+    # Resuming from step-5 restores the counter: one more non-finite step is tolerated, the next one is not.
+    resumed = Trainer(load_config(base_args(tmp_path, 8, "--checkpoint.enable", "--checkpoint.interval", "1",
+                                            "--training.max_nonfinite_steps", "2"), world_size=1))
+    resumed.checkpointer.load()
+    assert (resumed.step, resumed.nonfinite_steps) == (5, 2)
+
+
+KILL_POINTS = ["write_data", "finish"]
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """For every pause point, a run (8 steps, a save every 2) SIGKILLed inside its save of step 4 (side by side)."""
+    # The thread count of this process: a different one may change float32 sums, and the runs must be bitwise equal.
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), PYTHONPATH=str(REPO))
+    runs = {}
+    for pause in KILL_POINTS:
+        dump = tmp_path_factory.mktemp(f"killed_{pause}")
+        proc = subprocess.Popen([sys.executable, str(KILL_WORKER), pause, str(dump / "paused"),
+                                 *base_args(dump, 8, "--checkpoint.enable", "--checkpoint.interval", "2")],
+                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        runs[pause] = (dump, proc)
+    deadline = time.monotonic() + 180
+    for pause, (dump, proc) in runs.items():
+        while not (dump / "paused").exists():
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, f"the {pause} worker never reached its pause point"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL, out
+    return {pause: dump for pause, (dump, _) in runs.items()}
+
+
+@pytest.mark.parametrize("pause", KILL_POINTS)
+def test_kill_9_during_a_save_leaves_the_previous_checkpoint(straight, killed, pause):
+    """Killed after the data files of step 4 were written (``write_data``) or even after DCP's .metadata
+    (``finish``, before the commit): step-4 does not exist, step-2 resumes, and the run ends as the straight one."""
+    dump = killed[pause]
+    folder = dump / "checkpoint"
+    assert list(committed_checkpoints(folder)) == [2]
+    leftovers = [p.name for p in folder.iterdir() if p.name.startswith("step-4.tmp-")]
+    assert len(leftovers) == 1
+    assert (folder / leftovers[0] / ".metadata").exists() == (pause == "finish")
+    b, losses = run(dump, 8, "--checkpoint.enable", "--checkpoint.interval", "2")
+    assert losses == straight[2][2:]
+    assert_same_state(b, straight[1])
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2", "step-4", "step-6", "step-8"]  # leftover gone
+    assert read_meta(folder / "step-4")["step"] == 4

@@ -1,0 +1,630 @@
+"""Checkpoints that survive anything: DCP save/load, atomic commits, resume under any layout, seed checkpoints.
+
+Layout on disk (``checkpoint.folder``, relative to ``job.dump_folder``)::
+
+    step-200/                  a committed checkpoint: DCP files (.metadata, __<rank>_0.distcp) + checkpoint.json
+    step-300.tmp-1a2b3c4d/     a save in progress, or one killed mid-write: ignored, removed after the next commit
+    final/                     checkpoint.export_safetensors: model.safetensors + config.json (Hugging Face Llama)
+
+What a checkpoint holds (one DCP state dict, keyed by the plain model's FQNs):
+
+* ``model.<fqn>``: every parameter, from all model parts (pipeline stages) of all ranks. DTensor shards (FSDP, TP)
+  are saved as shards of the full tensor, so a checkpoint loads under any other layout, or in one process;
+* ``optimizer.state.<fqn>.exp_avg`` ... : AdamW, flattened by FQN (``flatten_optimizer_state_dict``) so it reshards
+  the same way;
+* ``train.*``: step, tokens seen, non-finite step count, the data position (a *global* sample index, valid for any
+  data-parallel degree) and the LR scheduler;
+* ``rng.rank<r>.*``: each rank's torch RNG state, restored only when the world size is unchanged.
+
+**Atomic commit.** Every rank writes into ``step-N.tmp-<run id>/``. DCP's coordinator writes ``.metadata`` only after
+gathering every rank's write results (so after all data files exist); then rank 0 adds ``checkpoint.json`` and renames
+the folder to ``step-N``. A rename is atomic, so a ``step-N`` folder is always complete and a kill -9 at any moment
+leaves the previous one loadable. Old checkpoints (``keep_latest_k``) are renamed aside before they are deleted.
+
+**Resume.** With ``checkpoint.enable``, the newest committed ``step-N`` (or ``checkpoint.load_step``) is loaded; a
+seed checkpoint (model only) starts at step 0. Without one, ``checkpoint.initial_load_path`` (a seed / step folder,
+or a Hugging Face ``.safetensors``) gives the initial weights. Every problem with the input is found before anything
+is loaded or written, by rank 0, and raised on every rank as one :class:`ConfigError` line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from titanlike.config import ConfigError, JobConfig
+from titanlike.models import ModelArgs
+
+META_NAME = "checkpoint.json"
+FORMAT = "titanlike-dcp-1"
+STEP_DIR = re.compile(r"step-(\d+)")
+_LEFTOVER_DIR = re.compile(r"(step-\d+|final)\.(tmp|new|trash)-\w+")  # killed saves, deletions in progress
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _dcp(fn, *args, **kwargs):
+    """Call a DCP function without its warnings that a single-process run "assumes the intent" (it is ours) and
+    that async saves are experimental."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message=r".*experimental")
+        return fn(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------- the folder
+def checkpoint_folder(cfg: JobConfig) -> Path:
+    folder = Path(cfg.checkpoint.folder)
+    return folder if folder.is_absolute() else Path(cfg.job.dump_folder) / folder
+
+
+def committed_checkpoints(folder: str | os.PathLike) -> dict[int, Path]:
+    """step -> folder of every committed checkpoint in ``folder`` (``step-N`` holding DCP metadata), by step."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return {}
+    found = {}
+    for p in folder.iterdir():
+        m = STEP_DIR.fullmatch(p.name)
+        if m and (p / ".metadata").is_file():
+            found[int(m.group(1))] = p
+    return dict(sorted(found.items()))
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """The checkpoint.json of a checkpoint folder ({} when there is none, e.g. a checkpoint written by hand)."""
+    p = Path(path) / META_NAME
+    if not p.is_file():
+        return {}
+    try:
+        return json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"checkpoint '{path}': {META_NAME} is corrupted ({e})") from None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps(data, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _remove_dir(path: Path, run_id: str) -> None:
+    """Rename aside (atomic: the folder stops looking committed at once), then delete."""
+    trash = path.with_name(f"{path.name}.trash-{run_id}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def check_writable(folder: Path) -> None:
+    """Create ``folder`` if needed and prove a file can be written in it; ConfigError otherwise."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"checkpoint.folder: cannot write checkpoints to '{folder}' ({e.strerror or e}); "
+                          f"choose a writable checkpoint.folder or job.dump_folder") from None
+
+
+# ---------------------------------------------------------------------------------------------------- validation
+def read_dcp_metadata(path: str | os.PathLike):
+    """The DCP metadata of a checkpoint folder, after checking every data file it names is there in full.
+
+    A truncated or missing file, or an unreadable ``.metadata``, is a ConfigError naming the checkpoint.
+    """
+    path = Path(path)
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - pickle raises anything on a corrupted file
+        raise ConfigError(f"checkpoint '{path}' is corrupted: its .metadata cannot be read "
+                          f"({type(e).__name__}: {e}); set checkpoint.load_step to another step") from None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        f = path / name
+        have = f.stat().st_size if f.is_file() else None
+        if have is None or have < size:
+            what = "is missing" if have is None else f"is truncated ({have} of {size} bytes)"
+            raise ConfigError(f"checkpoint '{path}' is corrupted: {name} {what}; "
+                              f"set checkpoint.load_step to another step")
+    return metadata
+
+
+def check_model_fits(metadata, expected: dict[str, torch.Size], path: str | os.PathLike) -> None:
+    """ConfigError unless the checkpoint's ``model.*`` entries are exactly the model's FQNs with its shapes."""
+    saved = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    if not saved:
+        raise ConfigError(f"checkpoint '{path}' holds no model weights; is it a titanlike checkpoint?")
+    for fqn, shape in expected.items():
+        if fqn not in saved:
+            raise ConfigError(f"checkpoint '{path}' is for a different model: it has no '{fqn}'")
+        have = tuple(getattr(saved[fqn], "size", ()))
+        if have != tuple(shape):
+            raise ConfigError(f"checkpoint '{path}' is for a different model: '{fqn}' has shape {have} there, "
+                              f"{tuple(shape)} here")
+    extra = sorted(set(saved) - set(expected))
+    if extra:
+        raise ConfigError(f"checkpoint '{path}' is for a different model: it has '{extra[0]}', which this model "
+                          f"has not")
+
+
+# ---------------------------------------------------------------------------------------------------- model parts
+class ModelPartsView(nn.Module):
+    """One module whose parameters are those of several model parts under their plain-model FQNs.
+
+    Under pipeline parallelism a rank holds several stages (``Transformer(args, layer_ids=...)``), each with FQNs of
+    the full model; their top-level children are disjoint except ``layers``, whose entries are merged. The view only
+    references the parts' modules (FSDP's state-dict hooks live on those), so ``get/set_model_state_dict`` and
+    ``get/set_optimizer_state_dict`` on it see exactly the plain model's names.
+    """
+
+    def __init__(self, parts: Sequence[nn.Module]):
+        super().__init__()
+        for part in parts:
+            if next(part.parameters(recurse=False), None) is not None:
+                raise ValueError("model parts with parameters of their own (not in a child module) cannot be merged")
+            self._merge(self, part)
+
+    @staticmethod
+    def _merge(into: nn.Module, part: nn.Module) -> None:
+        for name, child in part.named_children():
+            have = into._modules.get(name)
+            if have is None:
+                into.add_module(name, child if not isinstance(child, nn.ModuleDict) else nn.ModuleDict(child))
+            elif isinstance(have, nn.ModuleDict) and isinstance(child, nn.ModuleDict):
+                for key, sub in child.items():
+                    if key in have:
+                        raise ValueError(f"model parts both hold '{name}.{key}'")
+                    have[key] = sub
+            elif have is not child:
+                raise ValueError(f"model parts both hold '{name}'")
+
+
+def merged_model(parts: Sequence[nn.Module]) -> nn.Module:
+    return parts[0] if len(parts) == 1 else ModelPartsView(parts)
+
+
+def _local_tensors(state: dict) -> list[torch.Tensor]:
+    out = []
+    for v in state.values():
+        if isinstance(v, dict):
+            out += _local_tensors(v)
+        elif isinstance(v, torch.Tensor) and v.is_floating_point():
+            out.append(v.to_local() if isinstance(v, DTensor) else v)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- single process
+def read_model_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The full (unsharded) model weights of a checkpoint folder written under any layout, read in this process."""
+    metadata = read_dcp_metadata(path)
+    sd = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and hasattr(md, "size"):
+            sd[key[len("model."):]] = torch.empty(md.size, dtype=md.properties.dtype)
+    if not sd:
+        raise ConfigError(f"checkpoint '{path}' holds no model weights; is it a titanlike checkpoint?")
+    _dcp(dcp.load, {"model": sd}, checkpoint_id=str(path), no_dist=True)
+    return sd
+
+
+def write_seed_checkpoint(state_dict: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | os.PathLike,
+                          source: str = "") -> Path:
+    """Write model weights (plain tensors, our FQNs) as a DCP seed checkpoint in ``out_dir``, atomically, in this
+    process. ``out_dir`` must not exist. Any layout can start from it (``checkpoint.initial_load_path``)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"'{out_dir}' already exists; not overwriting it")
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
+    _dcp(dcp.save, {"model": state_dict}, checkpoint_id=str(tmp), no_dist=True)
+    _write_json(tmp / META_NAME, _meta(0, "seed", args, world_size=1, source=source))
+    os.rename(tmp, out_dir)
+    return out_dir
+
+
+def _meta(step: int, kind: str, args: ModelArgs, world_size: int, **extra) -> dict:
+    return {"format": FORMAT, "step": step, "kind": kind, "model_args": dataclasses.asdict(args),
+            "world_size": world_size, "torch": torch.__version__,
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **extra}
+
+
+def model_args_of(path: str | os.PathLike) -> ModelArgs:
+    """The ModelArgs recorded in a checkpoint's checkpoint.json."""
+    meta = read_meta(path)
+    if "model_args" not in meta:
+        raise ConfigError(f"checkpoint '{path}' has no {META_NAME} with the model's shape; is it a titanlike "
+                          f"checkpoint?")
+    return ModelArgs(**meta["model_args"])
+
+
+def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Write a checkpoint's weights as a Hugging Face Llama folder (model.safetensors + config.json)."""
+    from titanlike.hf import save_hf
+
+    return save_hf(read_model_state_dict(step_dir), model_args_of(step_dir), out_dir)
+
+
+def _tied_alias(key: str) -> str | None:
+    """The optimizer-state key of the input embedding for one of the (tied) output head, else None.
+
+    A tied model saved without pipelining has one parameter under two names, and the flattened optimizer state
+    lists it once, as ``tok_embeddings.weight``; a last pipeline stage holds its own copy as ``output.weight``.
+    """
+    for prefix in ("optimizer.state.output.weight.", "optimizer.param_groups.output.weight."):
+        if key.startswith(prefix):
+            return key.replace(".output.weight.", ".tok_embeddings.weight.", 1)
+    return None
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- the manager
+class CheckpointManager:
+    """Saves and restores a trainer's state; created by the Trainer when checkpointing is configured.
+
+    The trainer provides ``cfg``, ``model_parts``, ``optimizer``, ``lr_scheduler``, ``dataloader`` (a
+    ``TokenDataLoader``), ``model_args``, ``rank``, ``world_size``, ``distributed``, ``device`` and the counters
+    ``step``, ``tokens_seen``, ``nonfinite_steps``. Constructing the manager is collective when distributed, and
+    validates every input (raising the same :class:`ConfigError` on every rank); ``load``, ``maybe_save`` and
+    ``finish`` are collective too.
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.cfg = trainer.cfg.checkpoint
+        self.timeout = datetime.timedelta(seconds=trainer.cfg.comm.timeout_seconds)
+        self.folder = checkpoint_folder(trainer.cfg)
+        self.rank, self.distributed = trainer.rank, trainer.distributed
+        self.model = merged_model(trainer.model_parts)
+        # A gloo group of its own: DCP exchanges only plans and metadata (any device), an async save runs its
+        # collectives on it from a background thread without interleaving with the training collectives, and
+        # gloo has monitored_barrier, which names the ranks that do not arrive.
+        self.pg = dist.new_group(backend="gloo") if self.distributed else None
+        self.pending: tuple | None = None  # async save in flight: (future, step, tmp folder, start, meta)
+        self.last_step: int | None = None  # newest step committed or loaded by this run
+        self.plan = self._agree(self._make_plan)
+
+    # ------------------------------------------------------------------------------------------ input checks
+    def _agree(self, fn):
+        """Run ``fn`` on rank 0 and give its result, or its error, to every rank (none is left waiting)."""
+        result = None
+        if self.rank == 0:
+            try:
+                result = fn()
+            except ConfigError as e:
+                result = {"error": str(e)}
+            except Exception as e:  # noqa: BLE001 - not the input's fault: re-raised below as what it is
+                result = {"failure": f"checkpoint setup failed on rank 0: {type(e).__name__}: {e}"}
+        if self.distributed:
+            box = [result]
+            dist.broadcast_object_list(box, src=0, group=self.pg)
+            result = box[0]
+        if "error" in result:
+            raise ConfigError(result["error"])
+        if "failure" in result:
+            raise RuntimeError(result["failure"])
+        return result
+
+    def _expected_model(self) -> dict[str, torch.Size]:
+        from titanlike.hf import expected_shapes
+
+        return expected_shapes(self.trainer.model_args)
+
+    def _make_plan(self) -> dict:
+        c, folder = self.cfg, self.folder
+        plan = {"run_id": uuid.uuid4().hex[:8], "action": "fresh"}
+        if c.create_seed_checkpoint:
+            if self.trainer.world_size != 1:
+                raise ConfigError(f"checkpoint.create_seed_checkpoint writes the initial weights from one process; "
+                                  f"run it with plain python, not {self.trainer.world_size} processes")
+            existing = committed_checkpoints(folder)
+            if existing:
+                raise ConfigError(f"checkpoint.create_seed_checkpoint: '{folder}' already holds checkpoints "
+                                  f"({', '.join(f'step-{s}' for s in existing)}); not overwriting them, choose an "
+                                  f"empty checkpoint.folder")
+            check_writable(folder)
+            return {**plan, "action": "seed"}
+        if c.export_safetensors and not c.enable:
+            raise ConfigError("checkpoint.export_safetensors exports the final checkpoint: set checkpoint.enable = "
+                              "true as well")
+        if c.load_step >= 0 and not c.enable:
+            raise ConfigError(f"checkpoint.load_step {c.load_step} needs checkpoint.enable = true")
+        expected = self._expected_model()
+        if c.enable:
+            check_writable(folder)
+            found = committed_checkpoints(folder)
+            if c.load_step >= 0:
+                if c.load_step not in found:
+                    have = ", ".join(map(str, found)) or "none"
+                    raise ConfigError(f"checkpoint.load_step {c.load_step}: there is no committed checkpoint "
+                                      f"step-{c.load_step} in '{folder}' (steps there: {have})")
+                later = [s for s in found if s > c.load_step]
+                if later:
+                    raise ConfigError(f"checkpoint.load_step {c.load_step}: '{folder}' also holds later checkpoints "
+                                      f"({', '.join(map(str, later))}) that this run would overwrite or purge; move "
+                                      f"them away or resume into another checkpoint.folder")
+                found = {c.load_step: found[c.load_step]}
+            if found:
+                step, path = max(found.items())
+                metadata = read_dcp_metadata(path)
+                check_model_fits(metadata, expected, path)
+                keys = metadata.state_dict_metadata
+                return {**plan, "action": "resume", "path": str(path), "step": step,
+                        "full": any(k.startswith("optimizer.") for k in keys),
+                        "tied_alias": not any(k.startswith("optimizer.state.output.weight.") for k in keys),
+                        "rng_world_size": read_meta(path).get("world_size")}
+        if c.initial_load_path:
+            return {**plan, **self._plan_initial(Path(c.initial_load_path), expected)}
+        return plan
+
+    def _plan_initial(self, path: Path, expected: dict[str, torch.Size]) -> dict:
+        from titanlike import hf
+
+        if not path.exists():
+            raise ConfigError(f"checkpoint.initial_load_path: '{path}' does not exist")
+        if path.is_dir() and (path / ".metadata").is_file():
+            check_model_fits(read_dcp_metadata(path), expected, path)
+            return {"action": "initial_dcp", "path": str(path)}
+        try:
+            weights = hf.resolve_safetensors(path)
+            shapes = hf.safetensors_shapes(weights)
+            config = hf.read_hf_config(weights)
+            if config is not None:
+                hf.check_same_architecture(hf.model_args_from_hf_config(config), self.trainer.model_args,
+                                           f"'{weights}'")
+            hf.from_hf({k: torch.empty(s, device="meta") for k, s in shapes.items()}, self.trainer.model_args)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"checkpoint.initial_load_path: {e}; give a checkpoint step folder or a Hugging "
+                              f"Face Llama .safetensors") from None
+        return {"action": "initial_hf", "path": str(weights)}
+
+    # ------------------------------------------------------------------------------------------ state
+    def _train_state(self) -> dict:
+        from titanlike.data import loader_position
+
+        t = self.trainer
+        return {"step": t.step, "tokens_seen": t.tokens_seen, "nonfinite_steps": t.nonfinite_steps,
+                "data_position": loader_position(t.dataloader), "lr_scheduler": t.lr_scheduler.state_dict()}
+
+    def _rng_state(self) -> dict:
+        state = {"cpu": torch.get_rng_state()}
+        if self.trainer.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.trainer.device)
+        return {f"rank{self.rank}": state}
+
+    def _state(self) -> dict:
+        return {"model": get_model_state_dict(self.model),
+                "optimizer": get_optimizer_state_dict(self.model, self.trainer.optimizer, options=_OPTIM_OPTIONS),
+                "train": self._train_state(), "rng": self._rng_state()}
+
+    def _dcp_kwargs(self) -> dict:
+        return {"process_group": self.pg} if self.distributed else {"no_dist": True}
+
+    # ------------------------------------------------------------------------------------------ seed
+    def maybe_create_seed_checkpoint(self) -> bool:
+        """With checkpoint.create_seed_checkpoint: write the initial weights as ``step-0`` and return True."""
+        if self.plan["action"] != "seed":
+            return False
+        t0 = time.perf_counter()
+        write_seed_checkpoint(get_model_state_dict(self.model), self.trainer.model_args, self.folder / "step-0")
+        print(f"checkpoint: wrote the seed checkpoint {self.folder / 'step-0'} in {time.perf_counter() - t0:.2f}s; "
+              f"start training with checkpoint.initial_load_path={self.folder / 'step-0'}", flush=True)
+        return True
+
+    # ------------------------------------------------------------------------------------------ load
+    def load(self) -> int | None:
+        """Restore what the plan says (resume / initial weights / nothing); return the step resumed from."""
+        plan, t0 = self.plan, time.perf_counter()
+        action = plan["action"]
+        if action == "resume":
+            self._load_dcp(plan["path"], full=plan["full"], tied_alias=plan["tied_alias"],
+                           rng=plan["rng_world_size"] == self.trainer.world_size)
+            what = f"resumed from {plan['path']} (step {self.trainer.step})" if plan["full"] else \
+                f"loaded the seed weights {plan['path']}"
+            self.last_step = plan["step"]
+        elif action == "initial_dcp":
+            self._load_dcp(plan["path"], full=False, tied_alias=False, rng=False)
+            what = f"loaded the initial weights {plan['path']}"
+        elif action == "initial_hf":
+            self._load_hf(plan["path"])
+            what = f"loaded the initial weights {plan['path']} (Hugging Face)"
+        else:
+            return None
+        if self.rank == 0:
+            print(f"checkpoint: {what} in {time.perf_counter() - t0:.2f}s", flush=True)
+        return self.trainer.step
+
+    def _load_dcp(self, path: str, *, full: bool, tied_alias: bool, rng: bool) -> None:
+        state: dict = {"model": get_model_state_dict(self.model)}
+        if full:
+            state["optimizer"] = get_optimizer_state_dict(self.model, self.trainer.optimizer, options=_OPTIM_OPTIONS)
+            state["train"] = self._train_state()
+            if rng:
+                state["rng"] = self._rng_state()
+        flat = _flatten(state)
+        # Tied embeddings: optimizer entries of a pipeline stage's own output.weight copy come from the embedding's.
+        aliased = {}
+        if full and tied_alias and self.trainer.model_args.tie_embeddings:
+            aliased = {_tied_alias(k): flat.pop(k) for k in list(flat) if _tied_alias(k)}
+        try:
+            _dcp(dcp.load, flat, checkpoint_id=path, **self._dcp_kwargs())
+            if tied_alias and self.trainer.model_args.tie_embeddings and full:
+                _dcp(dcp.load, aliased, checkpoint_id=path, **self._dcp_kwargs())  # same count of calls on every rank
+        except Exception as e:  # noqa: BLE001 - DCP wraps every rank's failure into one CheckpointException
+            first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"checkpoint '{path}' could not be loaded ({first}); set checkpoint.load_step to "
+                              f"another step") from None
+        for k, v in aliased.items():
+            flat[k.replace(".tok_embeddings.weight.", ".output.weight.", 1)] = v
+        model_sd = {k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")}
+        set_model_state_dict(self.model, model_sd)
+        if not full:
+            return
+        optim_sd = {k[len("optimizer."):]: v for k, v in flat.items() if k.startswith("optimizer.")}
+        set_optimizer_state_dict(self.model, self.trainer.optimizer, optim_sd, options=_OPTIM_OPTIONS)
+        from titanlike.data import set_loader_position
+
+        t = self.trainer
+        t.step, t.tokens_seen, t.nonfinite_steps = (flat["train.step"], flat["train.tokens_seen"],
+                                                   flat["train.nonfinite_steps"])
+        set_loader_position(t.dataloader, flat["train.data_position"])
+        sched = {k[len("train.lr_scheduler."):]: v for k, v in flat.items() if k.startswith("train.lr_scheduler.")}
+        t.lr_scheduler.load_state_dict(sched)
+        if rng:
+            torch.set_rng_state(flat[f"rng.rank{self.rank}.cpu"])
+            if f"rng.rank{self.rank}.cuda" in flat:
+                torch.cuda.set_rng_state(flat[f"rng.rank{self.rank}.cuda"], self.trainer.device)
+
+    def _load_hf(self, path: str) -> None:
+        from titanlike.hf import load_hf
+
+        full, _ = load_hf(path, self.trainer.model_args)
+        mine = get_model_state_dict(self.model)  # this rank's FQNs (a pipeline rank holds only its stages')
+        set_model_state_dict(self.model, {k: full[k] for k in mine},
+                             options=StateDictOptions(full_state_dict=True))
+
+    # ------------------------------------------------------------------------------------------ save
+    def maybe_save(self, step: int, last: bool = False) -> None:
+        """Call after every step: commits a finished async save, saves at every ``interval`` and the last step."""
+        self._poll()
+        if self.cfg.enable and (step % self.cfg.interval == 0 or last) and step != self.last_step:
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        self._wait()
+        t0 = time.perf_counter()
+        if self.distributed:
+            self._barrier(f"the checkpoint save of step {step}")
+        state = self._state()
+        self._check_finite(state, step)
+        train = state["train"]
+        meta = _meta(step, "full", self.trainer.model_args, world_size=self.trainer.world_size,
+                     dp_degree=getattr(self.trainer, "dp_degree", None), tokens_seen=train["tokens_seen"],
+                     data_position=train["data_position"], nonfinite_steps=train["nonfinite_steps"])
+        tmp = self.folder / f"step-{step}.tmp-{self.plan['run_id']}"
+        if self.cfg.async_mode == "async":
+            future = _dcp(dcp.async_save, state, checkpoint_id=str(tmp), **self._dcp_kwargs())
+            future = getattr(future, "upload_completion", future)  # AsyncSaveResponse on some stagers
+            self.pending = (future, step, tmp, t0, meta)
+            if self.rank == 0:
+                print(f"checkpoint: step {step} staged in {time.perf_counter() - t0:.2f}s, writing in the background",
+                      flush=True)
+        else:
+            _dcp(dcp.save, state, checkpoint_id=str(tmp), **self._dcp_kwargs())
+            self._commit(step, tmp, t0, meta)
+
+    def _barrier(self, what: str) -> None:
+        """A barrier that names the ranks which do not arrive within comm.timeout_seconds (instead of hanging)."""
+        try:
+            dist.monitored_barrier(group=self.pg, timeout=self.timeout, wait_all_ranks=True)
+        except RuntimeError as e:
+            raise RuntimeError(f"rank {self.rank}: {what} did not start on every rank: {e}") from None
+
+    def _check_finite(self, state: dict, step: int) -> None:
+        local = [t for t in _local_tensors({"m": state["model"], "o": state["optimizer"]}) if t.numel()]
+        ok = torch.tensor([all(bool(torch.isfinite(t).all()) for t in local)], dtype=torch.int32)
+        if self.distributed:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.pg)
+        if not ok.item():
+            raise RuntimeError(f"step {step}: the model or optimizer state holds non-finite values; not saving a "
+                               f"checkpoint from it (the previous one, if any, is intact)")
+
+    def _poll(self) -> None:
+        if self.pending is not None and self.pending[0].done():
+            self._wait()
+
+    def _wait(self) -> None:
+        if self.pending is None:
+            return
+        future, step, tmp, t0, meta = self.pending
+        self.pending = None
+        future.result()
+        self._commit(step, tmp, t0, meta)
+
+    def _commit(self, step: int, tmp: Path, t0: float, meta: dict) -> None:
+        """Rank 0 publishes a fully written checkpoint folder by renaming it, then purges old ones.
+
+        When DCP returns (or its future resolves), the coordinator has written ``.metadata``, which it does only
+        after every rank reported its data files written: no barrier is needed before the rename.
+        """
+        self.last_step = step
+        if self.rank != 0:
+            return
+        _write_json(tmp / META_NAME, meta)
+        final = self.folder / f"step-{step}"
+        if final.exists():
+            raise RuntimeError(f"checkpoint '{final}' already exists; not overwriting it (the new one is left in "
+                               f"'{tmp}')")
+        os.rename(tmp, final)
+        _fsync_dir(self.folder)
+        size = sum(f.stat().st_size for f in final.iterdir()) / 2**20
+        print(f"checkpoint: saved step {step} to {final} ({size:.1f} MiB) in {time.perf_counter() - t0:.2f}s",
+              flush=True)
+        self._purge()
+
+    def _purge(self) -> None:
+        """Delete checkpoints beyond keep_latest_k (oldest first) and leftovers of killed saves."""
+        run_id = self.plan["run_id"]
+        found = committed_checkpoints(self.folder)
+        if self.cfg.keep_latest_k > 0:
+            for step in list(found)[:-self.cfg.keep_latest_k]:
+                _remove_dir(found[step], run_id)
+        for p in self.folder.iterdir():
+            if p.is_dir() and _LEFTOVER_DIR.fullmatch(p.name):
+                shutil.rmtree(p, ignore_errors=True)
+
+    # ------------------------------------------------------------------------------------------ end
+    def finish(self) -> None:
+        """Wait for an async save; with export_safetensors, rank 0 writes ``<folder>/final`` from the newest one."""
+        self._wait()
+        if self.cfg.export_safetensors and self.rank == 0 and self.last_step is not None:
+            t0 = time.perf_counter()
+            out, run_id = self.folder / "final", self.plan["run_id"]
+            new = export_hf(self.folder / f"step-{self.last_step}", out.with_name(f"final.new-{run_id}"))
+            if out.exists():  # a previous run's export of an older step: replace it
+                _remove_dir(out, run_id)
+            os.rename(new, out)
+            print(f"checkpoint: exported step {self.last_step} as Hugging Face Llama to {out} in "
+                  f"{time.perf_counter() - t0:.2f}s", flush=True)
+        if self.distributed:
+            dist.barrier(group=self.pg)
