@@ -1,0 +1,170 @@
+"""Resharding cases for tests/test_checkpoint_dist.py: save under one layout, resume under another, in one launch.
+
+    python tests/checkpoint_dist_worker.py OUT_DIR
+
+Forks 4 processes once and runs every case of ``CASES`` in order through the real ``Trainer`` (float64, 6 steps,
+global batch 8): a case of n ranks runs on processes 0..n-1 with WORLD_SIZE=n and a process group of its own
+(n = 1: a plain single process), the other processes wait for it. A ``resume_from`` case starts from a copy of that
+case's ``step-3``. Rank 0 of every case writes ``OUT_DIR/<case>.json`` with the losses; a process that fails
+writes ``OUT_DIR/error_rank<r>.txt`` and the launcher stops the others. Per-rank logs: ``OUT_DIR/log_rank<r>.txt``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+PROCS = 4
+SAVE_STEP = 3
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"]
+TIED = ["--model.tie_embeddings", "true", "--model.n_layers", "4", "--training.local_batch_size", "4"]
+ZBV = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
+# (name, ranks, extra train.py options, the case whose step-3 it resumes from)
+CASES = [
+    ("tp2_fsdp2", 4, TP2, None),
+    ("fsdp4", 4, [], None),
+    ("fsdp4_from_tp2_fsdp2", 4, [], "tp2_fsdp2"),
+    ("pp2_fsdp2", 4, PP2, None),
+    ("pp2_fsdp2_from_tp2_fsdp2", 4, PP2, "tp2_fsdp2"),
+    ("fsdp2", 2, [], None),
+    ("single", 1, [], None),
+    ("single_from_fsdp2", 1, [], "fsdp2"),
+    ("tp2", 2, TP2, None),
+    ("tp2_from_fsdp2", 2, TP2, "fsdp2"),
+    ("tied_fsdp2", 2, TIED, None),
+    # V placement: pp rank 0 holds the first stage (embedding) and the last (head), each with its copy of the tied
+    # weight; the non-pipelined checkpoint has one optimizer state for both, saved as tok_embeddings.weight.
+    ("tied_zbv_pp2_from_tied_fsdp2", 2, TIED + ZBV, "tied_fsdp2"),
+]
+
+
+def train_args(out: Path, name: str, extra: list[str]) -> list[str]:
+    from titanlike.data import asset_path
+
+    return ["--model.flavor", "tiny", "--training.dtype", "float64", "--training.steps", "6",
+            "--training.global_batch_size", "8", "--training.local_batch_size", "2", "--training.seq_len", "32",
+            "--data.path", str(asset_path("corpus", "tinyshakespeare.txt")), "--validation.enable", "false",
+            "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "100", "--lr_scheduler.warmup_steps", "2",
+            "--comm.timeout_seconds", "60", "--checkpoint.enable", "--checkpoint.interval", str(SAVE_STEP),
+            "--job.dump_folder", str(out / name), *extra]
+
+
+def _barrier(store, key: str) -> None:
+    store.add(key, 1)
+    while int(store.add(key, 0)) < PROCS:
+        time.sleep(0.01)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _record_tied_states_on_load(trainer, record: dict) -> None:
+    """After the load, on a rank holding both copies of the tied weight, compare their AdamW states."""
+    import torch
+
+    load = trainer.checkpointer.load
+
+    def load_and_record():
+        step = load()
+        emb = [m.tok_embeddings.weight for m in trainer.model_parts if m.tok_embeddings is not None]
+        head = [m.output.weight for m in trainer.model_parts if m.output is not None]
+        if emb and head:
+            a, b = trainer.optimizer.state[emb[0]], trainer.optimizer.state[head[0]]
+            record["tied_state_keys"] = sorted(b)
+            record["tied_state_equal"] = all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+            record["tied_exp_avg_norm"] = float(b["exp_avg"].norm())
+        return step
+
+    trainer.checkpointer.load = load_and_record
+
+
+def _run_cases(rank: int, store, out: Path) -> None:
+    import torch
+
+    from titanlike.config import load_config
+    from titanlike.training.trainer import Trainer
+
+    torch.set_num_threads(1)
+    for i, (name, n, extra, source) in enumerate(CASES):
+        if rank == 0:
+            if source is not None:
+                src = out / source / "checkpoint" / f"step-{SAVE_STEP}"
+                shutil.copytree(src, out / name / "checkpoint" / src.name)
+            store.set(f"port/{i}", str(_free_port()))
+        _barrier(store, f"start/{i}")
+        if rank < n:
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=store.get(f"port/{i}").decode())
+            print(f"=== case {name} (rank {rank} of {n})", flush=True)
+            trainer = Trainer(load_config(train_args(out, name, extra), world_size=n))
+            tied = {}
+            if "tied" in name and source is not None:
+                _record_tied_states_on_load(trainer, tied)
+            losses = trainer.train()
+            resumed_at = trainer.checkpointer.plan.get("step")
+            trainer.close()
+            if rank == 0:
+                (out / f"{name}.json").write_text(json.dumps({"losses": losses, "resumed_at": resumed_at, **tied}))
+        _barrier(store, f"end/{i}")
+
+
+def _proc_main(rank: int, port: int, out: Path) -> None:
+    code = 1
+    log = open(out / f"log_rank{rank}.txt", "w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    try:
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", port, PROCS + 1, is_master=False,
+                              timeout=datetime.timedelta(seconds=300))
+        _run_cases(rank, store, out)
+        code = 0
+    except BaseException:  # noqa: BLE001 - report anything, then leave at once
+        (out / f"error_rank{rank}.txt").write_text(traceback.format_exc())
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def main() -> int:
+    import torch.distributed as dist
+
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    store = dist.TCPStore("127.0.0.1", 0, PROCS + 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=300))
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_proc_main, args=(r, store.port, out)) for r in range(PROCS)]
+    for p in procs:
+        p.start()
+    while any(p.is_alive() for p in procs):
+        if any(p.exitcode not in (None, 0) for p in procs):
+            time.sleep(1.0)  # let the failing process write its report
+            for p in procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    for p in procs:
+        p.join()
+    return 0 if all(p.exitcode == 0 for p in procs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
