@@ -187,11 +187,12 @@ def run_titanlike(a, args: ModelArgs, batches, device: torch.device) -> tuple[fl
     chunk = cfg.parallelism.loss_chunk_size or None
     loss = ScaledLoss(lambda logits, labels: cross_entropy_loss(logits, labels, reduction="sum", chunk_size=chunk))
 
+    def forward_ctx():
+        return torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+
     def step(batch):
-        ctx = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-        with ctx:
-            return train_step([model], optimizer, [batch], loss, max_norm=cfg.training.max_norm,
-                              clip_fn=clip_grad_norm_).loss
+        return train_step([model], optimizer, [batch], loss, max_norm=cfg.training.max_norm,
+                          clip_fn=clip_grad_norm_, forward_ctx=forward_ctx).loss
 
     _reset_peak(device)
     seconds, last = _timed(step, batches, a.warmup, a.steps, device)
