@@ -1,0 +1,244 @@
+"""The pipeline-parallel part of the equality gate: every schedule, tied embeddings, PP x FSDP x TP, in float64.
+
+    python tests/parallel/pipeline_gate.py --world-size 4 --out pp4.json [--only NAME,NAME]
+
+Extends ``tests/parallel/gate.py`` without changing it: registers the ``"pp"`` builder (``apply_pp`` exactly
+as the trainer calls it), deeper models (8 blocks: pp 4 x 2 stages per rank needs a block per stage) and the
+pipeline mutations, then runs gate.py's ``run_layout`` (3 AdamW steps with clipping that acts, loss / grad norm /
+every gradient and weight against one device, <= 1e-10) for each layout of this world size in one process group.
+On top, each layout checks the validation loss (``PipelineParallel.eval_loss``) before training, which training
+must survive, and after the last step, against the one-device model with the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gate.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # dist_utils.py
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import gate  # noqa: E402
+from gate import GLOBAL_BATCH, STEPS, TOL, Built, Layout, global_batch, patched  # noqa: E402
+from titanlike.models import Transformer  # noqa: E402
+from titanlike.training.optim import build_optimizer  # noqa: E402
+
+gate.MODELS.update({
+    "deep": ("--model.n_layers", "8"),
+    "deep_tied": ("--model.n_layers", "8", "--model.tie_embeddings", "true"),
+    "six": ("--model.n_layers", "6"),
+})
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+SP = ("--parallelism.enable_sequence_parallel", "true")
+
+
+def _pp(degree: int, schedule: str, local_batch: int, microbatch: int = 1, *more: str) -> tuple[str, ...]:
+    return ("--parallelism.pipeline_parallel_degree", str(degree), "--parallelism.pipeline_parallel_schedule",
+            schedule, "--training.local_batch_size", str(local_batch),
+            "--parallelism.pipeline_parallel_microbatch_size", str(microbatch), *more)
+
+
+def _tp2(*more: str) -> tuple[str, ...]:
+    return ("--parallelism.tensor_parallel_degree", "2", *more)
+
+
+def _layout(name, world, args, model="deep", mutation=None) -> Layout:
+    return Layout(name, world, args, model=model, kind="pp", mutation=mutation)
+
+
+HAND = "tok_embeddings,layers.0;layers.1,layers.2,layers.3;layers.4,layers.5,layers.6;layers.7,norm,output"
+LAYOUTS = [
+    # 2 ranks: pure pp 2, 8 blocks, 8 rows -> 4 microbatches of 2.
+    *[_layout(f"pp2 {s}", 2, _pp(2, s, 8, 2)) for s in SCHEDULES],
+    _layout("pp2 1F1B tied", 2, _pp(2, "1F1B", 8, 2), model="deep_tied"),
+    _layout("pp2 ZBVZeroBubble tied", 2, _pp(2, "ZBVZeroBubble", 8, 2), model="deep_tied"),
+    _layout("pp2 1F1B accum2", 2, _pp(2, "1F1B", 4, 2)),
+    _layout("pp2 Interleaved1F1B module_names", 2, _pp(2, "Interleaved1F1B", 8, 2,
+                                                       "--parallelism.pipeline_parallel_module_names", HAND)),
+    _layout("pp2 Interleaved1F1B less_layers 1+1", 2, _pp(
+        2, "Interleaved1F1B", 8, 2, "--parallelism.pipeline_parallel_first_stage_less_layers", "1",
+        "--parallelism.pipeline_parallel_last_stage_less_layers", "1"), model="six"),
+    _layout("MUT pp2 tied grads not summed", 2, _pp(2, "1F1B", 8, 2), "deep_tied", "pp_tied_not_summed"),
+    _layout("MUT pp2 V tied grads not summed", 2, _pp(2, "ZBVZeroBubble", 8, 2), "deep_tied", "pp_tied_not_summed"),
+    _layout("MUT pp2 microbatch loss / m", 2, _pp(2, "1F1B", 8, 2), mutation="pp_loss_over_microbatches"),
+    _layout("MUT pp2 norm not reduced over stages", 2, _pp(2, "1F1B", 8, 2), mutation="pp_norm_not_reduced"),
+    _layout("MUT pp2 tied weight counted twice in norm", 2, _pp(2, "1F1B", 8, 2), "deep_tied",
+            "pp_tied_norm_twice"),
+    # 4 ranks: pure pp 4 (8 microbatches of 1), pp 2 x fsdp 2, pp 2 x tp 2 (4 microbatches of 1).
+    *[_layout(f"pp4 {s}", 4, _pp(4, s, 8)) for s in SCHEDULES],
+    _layout("pp4 Interleaved1F1B tied", 4, _pp(4, "Interleaved1F1B", 8), model="deep_tied"),
+    _layout("pp4 DualPipeV tied", 4, _pp(4, "DualPipeV", 8), model="deep_tied"),
+    *[_layout(f"pp2 fsdp2 {s}", 4, _pp(2, s, 4)) for s in ("1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")],
+    _layout("pp2 fsdp2 1F1B tied accum2", 4, _pp(2, "1F1B", 2), model="deep_tied"),
+    _layout("pp2 tp2 1F1B", 4, _tp2(*_pp(2, "1F1B", 8))),
+    _layout("pp2 tp2_sp Interleaved1F1B", 4, _tp2(*SP, *_pp(2, "Interleaved1F1B", 8))),
+    _layout("pp2 tp2_sp DualPipeV tied", 4, _tp2(*SP, *_pp(2, "DualPipeV", 8)), model="deep_tied"),
+    _layout("MUT pp4 tied grads not summed", 4, _pp(4, "Interleaved1F1B", 8), "deep_tied", "pp_tied_not_summed"),
+    _layout("MUT pp4 norm not reduced over stages", 4, _pp(4, "1F1B", 8), mutation="pp_norm_not_reduced"),
+    # 8 ranks: pp 2 x fsdp 2 x tp 2 (+SP).
+    *[_layout(f"pp2 fsdp2 tp2_sp {s}", 8, _tp2(*SP, *_pp(2, s, 4)))
+      for s in ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")],
+    _layout("pp2 fsdp2 tp2 GPipe tied", 8, _tp2(*_pp(2, "GPipe", 4)), model="deep_tied"),
+    _layout("pp2 fsdp2 tp2_sp ZBVZeroBubble tied", 8, _tp2(*SP, *_pp(2, "ZBVZeroBubble", 4)), model="deep_tied"),
+]
+
+
+# ---------------------------------------------------------------------------------------------- mutations
+@contextlib.contextmanager
+def _tied_not_summed():
+    """The first and last stage keep their own gradient of the tied weight: the copies drift apart."""
+    from titanlike.parallel.pipeline import PipelineParallel
+
+    with patched(PipelineParallel, "finalize_grads", lambda self: None):
+        yield
+
+
+@contextlib.contextmanager
+def _loss_over_microbatches():
+    """The schedule keeps torch's default ``scale_grads=True``: gradients divided by the number of microbatches
+    on top of the loss's own global-token scaling."""
+    import titanlike.parallel.pipeline as pipeline
+
+    def default_scaling(cls):
+        return lambda *a, **kw: cls(*a, **{**kw, "scale_grads": True})
+
+    with patched(pipeline, "SCHEDULES", {k: default_scaling(v) for k, v in pipeline.SCHEDULES.items()}):
+        yield
+
+
+@contextlib.contextmanager
+def _norm_not_reduced():
+    """Each stage clips with the norm of its own parameters only."""
+    import titanlike.parallel.clip as clip
+
+    with patched(clip, "reduce_across_stages", lambda norm_sq, pp_group: norm_sq):
+        yield
+
+
+@contextlib.contextmanager
+def _tied_norm_twice():
+    """Both copies of the tied weight enter the gradient norm."""
+    import titanlike.parallel.clip as clip
+
+    original = clip.clip_grad_norm_  # finalize_grads_and_clip_ looks it up in the module at call time
+
+    def counting_all(params, max_norm, pp_group=None, *, norm_parameters=None, foreach=None):
+        return original(params, max_norm, pp_group, foreach=foreach)
+
+    with patched(clip, "clip_grad_norm_", counting_all):
+        yield
+
+
+gate.MUTATIONS.update({
+    "pp_tied_not_summed": _tied_not_summed,
+    "pp_loss_over_microbatches": _loss_over_microbatches,
+    "pp_norm_not_reduced": _norm_not_reduced,
+    "pp_tied_norm_twice": _tied_norm_twice,
+})
+
+
+# ---------------------------------------------------------------------------------------------- builder, eval
+EVAL: dict[str, list[float]] = {}  # layout name -> [eval diff before training, after the last step]
+_BUILT: dict = {}
+
+
+def _dp_slice(mesh, dims, t: torch.Tensor) -> torch.Tensor:
+    rows = GLOBAL_BATCH // dims.dp
+    r = dims.get_mesh("dp").get_local_rank()
+    return t[r * rows:(r + 1) * rows]
+
+
+def _eval_diff(pp, mesh, dims, reference: Transformer) -> float:
+    """|sum CE of the pipeline over the global eval batch - one device's|, this rank's view."""
+    from titanlike.training.loss import cross_entropy_loss
+
+    inputs, labels = global_batch(STEPS + 1)
+    total = pp.eval_loss(_dp_slice(mesh, dims, inputs), _dp_slice(mesh, dims, labels))
+    if dims.dp_enabled:
+        dist.all_reduce(total, group=dims.get_mesh("dp").get_group())
+    with torch.no_grad():
+        expected = cross_entropy_loss(reference(inputs), labels, reduction="sum")
+    return abs(total.item() - expected.item())
+
+
+def build_pp(layout: Layout, cfg, ctx, initial) -> Built:
+    """``apply_pp`` on the full model, as the trainer does; the validation loss is checked once before training."""
+    from titanlike.parallel import ParallelDims
+    from titanlike.parallel.pipeline import apply_pp
+
+    dims = ParallelDims.from_config(cfg, ctx.world_size)
+    mesh = dims.build_mesh("cpu")  # cached per shape: no new process groups per layout
+    pp = apply_pp(initial, dims, mesh, cfg, torch.device("cpu"))
+    EVAL[layout.name] = [_eval_diff(pp, mesh, dims, initial)]
+    _BUILT.update(pp=pp, mesh=mesh, dims=dims)
+    n_micro = cfg.training.global_batch_size // (cfg.training.local_batch_size * dims.dp)
+
+    def micro_batches(inputs, labels):
+        return list(zip(_dp_slice(mesh, dims, inputs).chunk(n_micro), _dp_slice(mesh, dims, labels).chunk(n_micro)))
+
+    return Built(model_parts=pp.model_parts, optimizer=build_optimizer(pp.model_parts, cfg), loss=pp.loss,
+                 clip_fn=pp.finalize_grads_and_clip_, micro_batches=micro_batches,
+                 step_kwargs={"dp_group": dims.get_mesh("dp").get_group() if dims.dp_enabled else None,
+                              "pp_schedule": pp.schedule, "pp_group": pp.pp_group,
+                              "has_last_stage": pp.has_last_stage})
+
+
+gate.BUILDERS["pp"] = build_pp
+
+
+def run(layout: Layout, ctx) -> dict:
+    result = gate.run_layout(layout, ctx)
+    t0 = time.perf_counter()
+    cfg = gate.config(layout, ctx.world_size)
+    _, records = ctx.reference(layout, cfg)
+    final = gate.build_model(cfg)
+    final.load_state_dict(records[-1].weights)
+    EVAL[layout.name].append(_eval_diff(_BUILT["pp"], _BUILT["mesh"], _BUILT["dims"], final))
+    diffs = torch.tensor([v if v == v else math.inf for v in EVAL[layout.name]], dtype=torch.float64)
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+    result["eval"] = max(diffs.tolist())
+    result["ok"] = result["ok"] and result["eval"] <= TOL
+    result["seconds"] = round(result["seconds"] + time.perf_counter() - t0, 2)
+    _BUILT.clear()
+    return result
+
+
+def gate_main(rank: int, world_size: int, out: str, only: list[str] | None) -> None:
+    ctx = gate.Context(world_size)
+    results = {}
+    for layout in LAYOUTS:
+        if layout.world_size != world_size or (only and layout.name not in only):
+            continue
+        results[layout.name] = r = run(layout, ctx)
+        if rank == 0:
+            print(f"[pp gate ws={world_size}] {layout.name:42s} ok={r['ok']!s:5} loss {r['loss']:.1e} grad_norm "
+                  f"{r['grad_norm']:.1e} grads {r['grads']:.1e} weights {r['weights']:.1e} eval {r['eval']:.1e} "
+                  f"({r['seconds']} s)", flush=True)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"world_size": world_size, "tolerance": TOL, "layouts": results}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dist_utils import spawn
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--out", required=True, help="JSON file for the per-layout max differences")
+    ap.add_argument("--only", default="", help="comma-separated layout names (default: all of this world size)")
+    ap.add_argument("--timeout", type=float, default=60.0, help="gloo timeout in seconds")
+    a = ap.parse_args(argv)
+    only = [s for s in a.only.split(",") if s] or None
+    return spawn(gate_main, a.world_size, a.out, only, timeout_s=a.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

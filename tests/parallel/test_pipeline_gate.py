@@ -1,0 +1,78 @@
+"""The pipeline part of the equality gate (tests/parallel/pipeline_gate.py): one launch per world size (2, 4, 8),
+every schedule / tied / 3-D layout within 1e-10 of one device in float64 (loss, grad norm, gradients, weights and
+the validation loss), and every planted pipeline mutation caught where it should show."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # tests/: dist_utils
+sys.path.insert(0, str(HERE))  # pipeline_gate.py, gate.py
+import pipeline_gate  # noqa: E402
+from dist_utils import run_script  # noqa: E402
+
+TOL = pipeline_gate.TOL
+BROKEN = 1e-6  # a mutation must move its metric by at least this much
+# Where each mutation must show. None of them changes the loss of step 1: they only break gradients (or the norm),
+# which a loss-only test would miss.
+EXPECTED_BREAK = {
+    "pp_tied_not_summed": "weights",  # the two copies of the tied weight drift apart
+    "pp_loss_over_microbatches": "grad_norm",  # gradients / m: the norm before clipping is off by m
+    "pp_norm_not_reduced": "grad_norm",  # each stage reports (and clips by) its own norm
+    "pp_tied_norm_twice": "grad_norm",  # the tied weight's gradient counted on both stages
+}
+
+
+@pytest.fixture(scope="module", params=[2, 4, 8], ids=lambda n: f"world{n}")
+def gate_results(request, tmp_path_factory):
+    world = request.param
+    out = tmp_path_factory.mktemp("ppgate") / f"ppgate{world}.json"
+    proc = run_script(HERE / "pipeline_gate.py", "--world-size", str(world), "--out", str(out), "--timeout", "120",
+                      timeout=480)
+    assert proc.returncode == 0, f"pipeline gate worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    results = json.loads(out.read_text())
+    print(f"\npipeline gate, world size {world} (max |diff| over 3 steps):")
+    for name, r in results["layouts"].items():
+        print(f"  {name:42s} loss {r['loss']:.1e} grad_norm {r['grad_norm']:.1e} grads {r['grads']:.1e} "
+              f"weights {r['weights']:.1e} eval {r['eval']:.1e}  {r['seconds']} s")
+    return world, results
+
+
+def test_every_layout_of_the_world_size_ran(gate_results):
+    world, results = gate_results
+    expected = {layout.name for layout in pipeline_gate.LAYOUTS if layout.world_size == world}
+    assert expected and set(results["layouts"]) == expected
+
+
+def test_pipelines_train_and_evaluate_exactly_like_one_device(gate_results):
+    world, results = gate_results
+    bad = {}
+    for name, r in results["layouts"].items():
+        if r["mutation"]:
+            continue
+        if not r["ok"]:
+            bad[name] = {k: r[k] for k in ("loss", "grad_norm", "grads", "weights", "eval", "coverage")}
+        assert min(r["ref_grad_norms"]) > 2 * r["max_norm"], name  # clipping acted on every step
+    assert not bad, f"pipeline layouts differ from one device by more than {TOL}: {bad}"
+
+
+def test_planted_pipeline_mutations_are_caught(gate_results):
+    world, results = gate_results
+    mutated = {name: r for name, r in results["layouts"].items() if r["mutation"]}
+    assert mutated or world == 8
+    for name, r in mutated.items():
+        metric = EXPECTED_BREAK[r["mutation"]]
+        assert not r["ok"], f"{name}: the gate passed a planted bug"
+        assert r[metric] > BROKEN, f"{name}: expected {metric} to break, got {r[metric]:.1e}"
+        assert r["loss_step1"] <= TOL, f"{name}: the first forward should still be exact"
+
+
+def test_every_mutation_and_schedule_is_exercised():
+    layouts = pipeline_gate.LAYOUTS
+    assert {l.mutation for l in layouts if l.mutation} == set(EXPECTED_BREAK)
+    for degree in (2, 4):
+        ran = {l.name.split()[-1] for l in layouts if l.name.startswith(f"pp{degree} ") and not l.mutation}
+        assert set(pipeline_gate.SCHEDULES) <= ran, degree
