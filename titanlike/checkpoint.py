@@ -144,6 +144,9 @@ def read_dcp_metadata(path: str | os.PathLike):
     A truncated or missing file, or an unreadable ``.metadata``, is a ConfigError naming the checkpoint.
     """
     path = Path(path)
+    if not (path / ".metadata").is_file():
+        what = "does not exist" if not path.exists() else "is not a checkpoint folder (it has no .metadata)"
+        raise ConfigError(f"checkpoint '{path}' {what}")
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001 - pickle raises anything on a corrupted file

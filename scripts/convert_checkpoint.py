@@ -1,0 +1,55 @@
+"""Convert between titanlike checkpoints (DCP, any layout) and Hugging Face Llama weights (safetensors).
+
+    # a checkpoint step folder -> model.safetensors + config.json (LlamaForCausalLM)
+    python scripts/convert_checkpoint.py to-hf outputs/debug/checkpoint/step-200 outputs/debug/hf
+
+    # a Hugging Face Llama folder (or .safetensors file with config.json beside it) -> a DCP seed checkpoint
+    python scripts/convert_checkpoint.py from-hf outputs/debug/hf outputs/finetune/checkpoint/step-0
+    python train.py ... --checkpoint.initial_load_path outputs/finetune/checkpoint/step-0
+
+The q/k projections are permuted between our interleaved-pair RoPE layout and Hugging Face's rotate-half layout
+(see titanlike/hf.py), so either side computes the same logits. Runs in one process, needs no process group, and
+never writes over an existing path. Bad input: one line on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titanlike.checkpoint import export_hf, write_seed_checkpoint  # noqa: E402
+from titanlike.config import ConfigError  # noqa: E402
+from titanlike.hf import load_hf  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="direction", required=True)
+    to_hf = sub.add_parser("to-hf", help="checkpoint step folder -> Hugging Face Llama folder")
+    to_hf.add_argument("checkpoint", help="a step-N folder (DCP) written by titanlike")
+    to_hf.add_argument("out", help="new folder for model.safetensors and config.json")
+    from_hf = sub.add_parser("from-hf", help="Hugging Face Llama weights -> DCP seed checkpoint")
+    from_hf.add_argument("weights", help="model.safetensors (config.json beside it) or the folder holding both")
+    from_hf.add_argument("out", help="new checkpoint folder, e.g. <dump>/checkpoint/step-0")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        if args.direction == "to-hf":
+            out = export_hf(args.checkpoint, args.out)
+        else:
+            state_dict, model_args = load_hf(args.weights)
+            state_dict = {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}
+            out = write_seed_checkpoint(state_dict, model_args, args.out, source=str(args.weights))
+    except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    print(f"wrote {out} in {time.perf_counter() - t0:.2f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
