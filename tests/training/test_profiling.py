@@ -26,7 +26,8 @@ def test_off_by_default_is_a_shared_no_op(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("global_step,expected", [(0, ["iteration_3", "iteration_6"]), (4, ["iteration_6", "iteration_9"])])
+@pytest.mark.parametrize("global_step,expected", [(0, ["iteration_3", "iteration_6"]),
+                                                  (4, ["iteration_6", "iteration_9"])])
 def test_traces_for_the_scheduled_window(tmp_path, global_step, expected):
     pcfg = Profiling(enable_profiling=True, save_traces_folder="traces", profile_freq=3, profile_warmup=1,
                      profile_active=1, ranks=[0, 2])
