@@ -151,7 +151,7 @@ def read_dcp_metadata(path: str | os.PathLike):
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001 - pickle raises anything on a corrupted file
         raise ConfigError(f"checkpoint '{path}' is corrupted: its .metadata cannot be read "
-                          f"({type(e).__name__}: {e}); set checkpoint.load_step to another step") from None
+                          f"({type(e).__name__}: {e})") from None
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -160,8 +160,7 @@ def read_dcp_metadata(path: str | os.PathLike):
         have = f.stat().st_size if f.is_file() else None
         if have is None or have < size:
             what = "is missing" if have is None else f"is truncated ({have} of {size} bytes)"
-            raise ConfigError(f"checkpoint '{path}' is corrupted: {name} {what}; "
-                              f"set checkpoint.load_step to another step")
+            raise ConfigError(f"checkpoint '{path}' is corrupted: {name} {what}")
     return metadata
 
 
@@ -389,7 +388,12 @@ class CheckpointManager:
                 found = {c.load_step: found[c.load_step]}
             if found:
                 step, path = max(found.items())
-                metadata = read_dcp_metadata(path)
+                try:
+                    metadata = read_dcp_metadata(path)
+                    _ = read_meta(path)
+                except ConfigError as e:
+                    raise ConfigError(f"{e}; move it out of '{folder}' to resume from the checkpoint before it, or "
+                                      f"repair it") from None
                 check_model_fits(metadata, expected, path)
                 keys = metadata.state_dict_metadata
                 return {**plan, "action": "resume", "path": str(path), "step": step,
@@ -493,10 +497,11 @@ class CheckpointManager:
             _dcp(dcp.load, flat, checkpoint_id=path, **self._dcp_kwargs())
             if tied_alias and self.trainer.model_args.tie_embeddings and full:
                 _dcp(dcp.load, aliased, checkpoint_id=path, **self._dcp_kwargs())  # same count of calls on every rank
-        except Exception as e:  # noqa: BLE001 - DCP wraps every rank's failure into one CheckpointException
+        except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's failure into
+            # one CheckpointException (a BaseException), raised on every rank; its last line is the root cause
             first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise ConfigError(f"checkpoint '{path}' could not be loaded ({first}); set checkpoint.load_step to "
-                              f"another step") from None
+            raise ConfigError(f"checkpoint '{path}' could not be loaded ({first}); move it out of its folder to "
+                              f"resume from the checkpoint before it, or repair it") from None
         for k, v in aliased.items():
             flat[k.replace(".tok_embeddings.weight.", ".output.weight.", 1)] = v
         model_sd = {k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")}
