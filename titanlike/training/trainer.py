@@ -107,12 +107,12 @@ class Trainer:
             torch.set_default_dtype(prev)
         self.num_params = sum(p.numel() for p in model.parameters())
 
-        self.pp_schedule = None
+        self.pp = self.pp_schedule = None
         self.has_last_stage = True
         if self.distributed and self.dims.pp_enabled:
             from titanlike.parallel.pipeline import apply_pp
 
-            pp = apply_pp(model, self.dims, self.mesh, cfg, self.device)
+            self.pp = pp = apply_pp(model, self.dims, self.mesh, cfg, self.device)
             self.model_parts, self.pp_schedule = pp.model_parts, pp.schedule
             self.has_last_stage, self.pp_group = pp.has_last_stage, pp.pp_group
             self.loss = pp.loss
@@ -142,7 +142,9 @@ class Trainer:
         # bf16 without FSDP's mixed precision (one process): autocast over float32 master weights.
         fsdp = self.distributed and (self.dims.dp_shard_enabled or self.dims.dp_replicate_enabled)
         self.autocast = dtype == torch.bfloat16 and not fsdp
-        if self.distributed:
+        if self.pp is not None:  # sums the tied embedding's gradient over its two stages first
+            self.clip_fn = self.pp.finalize_grads_and_clip_
+        elif self.distributed:
             from titanlike.parallel.clip import clip_grad_norm_
 
             self.clip_fn = lambda params, max_norm: clip_grad_norm_(params, max_norm, pp_group=self.pp_group)
