@@ -249,12 +249,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.ac not in ("none", "full", "op") and not a.ac.isdigit():
         ap.error(f"--ac must be none, full, op or a positive integer, got {a.ac!r}")
+    if a.float8 and a.kernels != "te":
+        ap.error(f"--float8 {a.float8} needs --kernels te")
     return a
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     device = _device(a.device)
+    if a.kernels == "te":
+        from titanlike.kernels import TEUnavailableError, load_te
+
+        try:
+            load_te()
+        except TEUnavailableError as e:
+            print(f"benchmark: {e}", file=sys.stderr)
+            return 2
     args = model_args(a.flavor, a.seq_len, a.vocab)
     batches = make_batches(min(a.steps + a.warmup, 8), a.batch, a.seq_len, args.vocab_size, device, a.seed)
     tokens = a.batch * a.seq_len * a.steps

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -32,3 +34,14 @@ def test_benchmark_prints_both_rows(tmp_path):
     for r in result["rows"]:
         assert r["tokens_per_s"] > 0 and r["peak_mem_gib"] > 0 and r["mfu"] > 0 and r["loss"] > 0
     assert result["ratio"] > 0
+
+
+def test_benchmark_te_without_transformer_engine_is_one_line():
+    from titanlike.kernels import te_available
+
+    if te_available():
+        pytest.skip("Transformer Engine is installed here: the missing-TE error cannot occur")
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--kernels", "te", "--device", "cpu"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "model.kernels=te needs NVIDIA Transformer Engine" in proc.stderr
