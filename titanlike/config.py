@@ -542,8 +542,9 @@ def layout_violations(cfg: JobConfig, world_size: int, model_args=None) -> list[
         opt = cfg.activation_checkpoint.selective_ac_option
         if opt != "op" and not (opt.isdigit() and int(opt) >= 1):
             out.append(f"activation_checkpoint.selective_ac_option: '{opt}' must be 'op' or a positive integer")
-    if cfg.checkpoint.async_mode != "disabled" and not cfg.checkpoint.enable:
-        pass  # harmless: async mode only matters when checkpointing is on
+    if cfg.float8.recipe and cfg.model.kernels != "te":
+        out.append(f"float8.recipe={cfg.float8.recipe} needs Transformer Engine kernels: set model.kernels=te "
+                   f"(on a CUDA machine with TE) or leave float8.recipe empty")
     return out
 
 

@@ -62,6 +62,7 @@ def test_value_forms():
     (["--training.seq_len", "4096"], "exceeds the model's max_seq_len"),
     (["--training.global_batch_size", "12"], "global_batch_size 12 is not divisible by local_batch_size 8"),
     (["--parallelism.enable_sequence_parallel"], "enable_sequence_parallel needs tensor_parallel_degree > 1"),
+    (["--float8.recipe", "current"], "float8.recipe=current needs Transformer Engine kernels: set model.kernels=te"),
 ])
 def test_errors_are_one_line_naming_the_fix(argv, message):
     with pytest.raises(ConfigError) as e:

@@ -59,6 +59,13 @@ class Trainer:
         problems = layout_violations(cfg, self.world_size, self.model_args)
         if problems:
             raise ConfigError(problems[0])
+        if cfg.model.kernels == "te":
+            from titanlike.kernels import TEUnavailableError, load_te
+
+            try:
+                load_te()
+            except TEUnavailableError as e:
+                raise ConfigError(str(e)) from None
         data_path = cfg.data.path or None
         if data_path is not None and not Path(data_path).exists():
             raise ConfigError(f"data.path: '{data_path}' does not exist; give a text file, a folder of .txt, "
@@ -105,6 +112,10 @@ class Trainer:
             model.init_weights()
         finally:
             torch.set_default_dtype(prev)
+        if cfg.model.kernels != "torch":
+            from titanlike.kernels import convert_kernels
+
+            model = convert_kernels(model, cfg.model.kernels, cfg.float8.recipe)
         self.num_params = sum(p.numel() for p in model.parameters())
 
         self.pp = self.pp_schedule = None
@@ -206,17 +217,17 @@ class Trainer:
             self.checkpointer.load()
         logger = MetricsLogger(cfg.job.dump_folder, enabled=self.rank == 0, tensorboard=cfg.metrics.enable_tensorboard,
                                tb_folder=cfg.metrics.save_tb_folder, jsonl=cfg.metrics.enable_jsonl)
-        from titanlike.training.mfu import device_peak_flops, mfu
+        from titanlike.training.mfu import device_peak_flops, mfu, peak_key
         from titanlike.training.profiling import maybe_profile
 
-        peak = device_peak_flops(self.device, "bf16" if cfg.training.dtype == "bfloat16" else "tf32",
-                                 cfg.metrics.peak_tflops)
+        key = "tf32" if cfg.training.dtype == "float64" else peak_key(cfg.training.dtype, cfg.float8.recipe)
+        peak = device_peak_flops(self.device, key, cfg.metrics.peak_tflops)
         flops_per_token = self.model_args.flops_per_token(cfg.training.seq_len)
         throughput = Throughput(self.device)
         data_iter = iter(self.dataloader)
         losses: list[float] = []
         last_logged = self.step
-        with maybe_profile(cfg, self.rank, cfg.job.dump_folder) as profiler:
+        with maybe_profile(cfg, self.rank, cfg.job.dump_folder, global_step=self.step) as profiler:
             while self.step < cfg.training.steps:
                 self.step += 1
                 micro_batches = self._next_micro_batches(data_iter)
