@@ -1,0 +1,277 @@
+"""What one optimizer step costs a rank: every message by dimension, compute, the pipeline bubble, step time, MFU.
+
+**Messages.** The inventory lists, for one rank and one optimizer step, every collective titanlike's
+parallelisms issue, with its size ``M`` (the full tensor: the all-gather's output, the reduce-scatter's input,
+the all-reduce's tensor, the p2p payload). A ring moves ``(g-1)/g * M`` per GPU for an all-gather or a
+reduce-scatter over ``g`` ranks and ``2(g-1)/g * M`` for an all-reduce; a p2p send moves ``M``. Per microbatch of
+``b`` sequences of ``s`` tokens, model dim ``h``, activation bytes ``a``:
+
+* **TP** (every block): 2 all-reduces of ``b s h a`` forward (after ``wo`` and ``w2``) and 2 backward (the inputs
+  of ``wq/wk/wv`` and ``w1/w3``): ``8 (t-1)/t b s h a`` per block, Megatron's ``8 L (t-1)/t b s h``. Under SP each
+  all-reduce becomes an all-gather + a reduce-scatter (same bytes, twice the messages) and each block adds two
+  tiny all-reduces of its norm weights' gradients. Plus the embedding (1 all-reduce, or SP: reduce-scatter
+  forward + all-gather backward), the head (its input's all-gather / all-reduce) and the vocab-parallel loss
+  (3 all-reduces of one float32 per token and loss chunk). Blocks recomputed by full activation checkpointing
+  repeat their forward collectives; selective op-level checkpointing saves them.
+* **PP**: a stage sends its output forward and its input gradient backward once per microbatch it holds:
+  ``2 m b s h a`` (``x v`` stages per rank when interleaved), divided by ``t`` under SP (each tp rank sends its
+  sequence shard).
+* **DP** (FSDP2): per group, an all-gather of the bf16 parameters before its forward (and again before its
+  backward when it resharded after the forward) and a reduce-scatter of its float32 gradients:
+  ``~ (2 or 3) (d-1)/d P`` per pass; HSDP adds an all-reduce of the gradient shard over ``dp_replicate``. Without
+  pp every microbatch pass repeats them (gradient accumulation does not pause the reduce-scatter); under pp the
+  schedule gathers once and reduces once per step, after the stage's last backward (phase "step").
+
+A group's messages ride NVLink when every group of that dim sits inside a node, the network otherwise (the
+slowest group sets the pace); time = wire bytes / bandwidth + count x latency.
+
+**Step time.** ``compute`` = this rank's FLOPs (the model's training FLOPs of its stage and tokens, plus the
+forward of recomputed blocks) / (peak x efficiency). TP collectives sit on the critical path; they and the
+compute stretch by the bubble ``(p-1)/(v m)`` (the simulated schedule's idle/busy ratio, exact for every
+schedule); PP messages are added in full; FSDP's collectives overlap the compute and only the excess shows,
+except the reductions that pp defers to after the last backward, which are exposed in full.
+``MFU = model FLOPs of the step / (world x peak x step time)``, the trainer's definition (recomputation is not
+model FLOPs).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import lru_cache
+
+from titanlike.planner.hardware import Hardware
+from titanlike.planner.layout import Layout
+from titanlike.planner.memory import fsdp_units, rank_param_shards
+
+__all__ = ["Message", "StepCost", "bubble", "messages", "step_cost", "wire_factor"]
+
+
+@dataclass(frozen=True)
+class Message:
+    dim: str  # tp | pp | dp_shard | dp_replicate
+    op: str  # all_reduce | all_gather | reduce_scatter | send
+    phase: str  # forward | backward | step (between the last backward and the optimizer)
+    count: int  # per optimizer step
+    nbytes: int  # size M of one message
+    group: int  # ranks in the group
+    what: str
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes this rank puts on the wire for all ``count`` messages."""
+        return self.count * self.nbytes * wire_factor(self.op, self.group)
+
+
+def wire_factor(op: str, group: int) -> float:
+    if op == "send":
+        return 1.0
+    ring = (group - 1) / group
+    return 2 * ring if op == "all_reduce" else ring
+
+
+def _layer_ids(names) -> list[int]:
+    return [int(n.split(".")[1]) for n in names if n.startswith("layers.")]
+
+
+def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
+    """Every message ``rank`` sends in one optimizer step, aggregated by (dim, op, phase, size, what)."""
+    out: dict[tuple, int] = defaultdict(int)
+    lo = layout
+    b, s, h = lo.microbatch_size, lo.seq_len, args.dim
+    a, t = lo.act_bytes, lo.tp
+    A = b * s * h * a
+    pp_rank = lo.pp_rank_of(rank)
+    stage_ids = lo.stage_ids(pp_rank)
+    passes = lo.accum_steps * lo.n_microbatches  # microbatch forwards per stage per step
+
+    def add(dim, op, phase, nbytes, group, what, count):
+        if group > 1 and count:
+            out[(dim, op, phase, int(nbytes), group, what)] += count
+
+    for sid in stage_ids:
+        names = lo.stages[sid]
+        ids = _layer_ids(names)
+        # ---------------------------------------------------------------------------------- tensor parallel
+        if t > 1:
+            # Blocks under full AC rerun their forward in the backward up to the last op whose saved tensors the
+            # backward needs (torch.utils.checkpoint's early stop): every forward collective but w2's.
+            recomputed = sum(lo.checkpointed(i) == "full" for i in ids)
+            if lo.sequence_parallel:
+                n = len(ids)
+                add("tp", "all_gather", "forward", A, t, "block inputs of attention / ffn", 2 * n * passes)
+                add("tp", "reduce_scatter", "forward", A, t, "block outputs of wo / w2", 2 * n * passes)
+                add("tp", "all_gather", "backward", A, t, "block outputs of wo / w2", 2 * n * passes)
+                add("tp", "reduce_scatter", "backward", A, t, "block inputs of attention / ffn", 2 * n * passes)
+                add("tp", "all_gather", "backward", A, t, "recomputed inputs of attention / ffn (full AC)",
+                    2 * recomputed * passes)
+                add("tp", "reduce_scatter", "backward", A, t, "recomputed output of wo (full AC)",
+                    recomputed * passes)
+                n_norms = 2 * len(ids) + ("norm" in names)
+                add("tp", "all_reduce", "backward", h * a if lo.fsdp else h * lo.param_bytes, t,
+                    "norm weight gradients (SP)", n_norms * passes)
+                if "tok_embeddings" in names:
+                    add("tp", "reduce_scatter", "forward", A, t, "embedding output", passes)
+                    add("tp", "all_gather", "backward", A, t, "embedding output grad", passes)
+                if "output" in names:
+                    add("tp", "all_gather", "forward", A, t, "head input", passes)
+                    add("tp", "reduce_scatter", "backward", A, t, "head input grad", passes)
+            else:
+                add("tp", "all_reduce", "forward", A, t, "block outputs of wo / w2", 2 * len(ids) * passes)
+                add("tp", "all_reduce", "backward", A, t, "block input grads of attention / ffn",
+                    2 * len(ids) * passes)
+                add("tp", "all_reduce", "backward", A, t, "recomputed output of wo (full AC)", recomputed * passes)
+                if "tok_embeddings" in names:
+                    add("tp", "all_reduce", "forward", A, t, "embedding output", passes)
+                if "output" in names:
+                    add("tp", "all_reduce", "backward", A, t, "head input grad", passes)
+            if "output" in names:
+                if lo.loss_parallel:
+                    rows = b * s
+                    chunk = lo.loss_chunk_size or rows
+                    full, rest = divmod(rows, chunk)
+                    add("tp", "all_reduce", "forward", chunk * lo.compute_bytes, t, "vocab-parallel loss (max, sum, "
+                        "target)", 3 * full * passes)
+                    add("tp", "all_reduce", "forward", rest * lo.compute_bytes, t, "vocab-parallel loss (max, sum, "
+                        "target)", 3 * (rest > 0) * passes)
+                else:
+                    add("tp", "all_gather", "forward", b * s * args.vocab_size * a, t, "logits", passes)
+        # ---------------------------------------------------------------------------------- pipeline
+        if lo.pp > 1:
+            p2p = A // t if lo.sequence_parallel else A
+            if sid != len(lo.stages) - 1:
+                add("pp", "send", "forward", p2p, 2, "stage output", passes)
+            if sid != 0:
+                add("pp", "send", "backward", p2p, 2, "stage input grad", passes)
+            tied = args.tie_embeddings and (sid == 0 or sid == len(lo.stages) - 1) and not lo.v_placement
+            if tied:  # finalize_grads: the two copies of the tied weight sum their gradient shards
+                shard = next(p for p in rank_param_shards(lo, args, rank)[sid]
+                             if p.name in ("tok_embeddings.weight", "output.weight"))
+                add("pp", "all_reduce", "step", shard.numel * lo.param_bytes, 2, "tied embedding grads", 1)
+    # -------------------------------------------------------------------------------------- data parallel
+    if lo.fsdp:
+        shards = rank_param_shards(lo, args, rank)
+        ds, dr = lo.dp_shard, lo.dp_replicate
+        for sid in stage_ids:
+            for kind, params in fsdp_units(lo, args, shards[sid], lo.stages[sid]):
+                padded = sum(p.padded_numel for p in params)
+                reshard = lo.reshard(kind)
+                if lo.pp > 1:  # the schedule keeps the stage gathered and reduces once per schedule step
+                    fwd_ag = lo.accum_steps * (lo.n_microbatches if reshard else 1)
+                    bwd_ag = lo.accum_steps * lo.n_microbatches if reshard else 0
+                    rs = lo.accum_steps
+                else:
+                    fwd_ag, bwd_ag, rs = lo.accum_steps, lo.accum_steps if reshard else 0, lo.accum_steps
+                what = f"{kind} {'params' if kind != 'block' else 'params (per block)'}"
+                # Under pp the schedule runs FSDP's post-backward itself after the stage's last backward:
+                # the reduction waits for the whole backward instead of overlapping it.
+                reduce_phase = "step" if lo.pp > 1 else "backward"
+                add("dp_shard", "all_gather", "forward", padded * ds * a, ds, what, fwd_ag)
+                add("dp_shard", "all_gather", "backward", padded * ds * a, ds, what, bwd_ag)
+                add("dp_shard", "reduce_scatter", reduce_phase, padded * ds * lo.reduce_bytes, ds,
+                    what.replace("params", "grads"), rs)
+                add("dp_replicate", "all_reduce", reduce_phase, padded * lo.reduce_bytes, dr,
+                    what.replace("params", "grad shards"), rs)
+    return [Message(dim, op, phase, count, nbytes, group, what)
+            for (dim, op, phase, nbytes, group, what), count in out.items()]
+
+
+@lru_cache(maxsize=512)
+def bubble(schedule: str, pp: int, m: int, v: int) -> float:
+    """Idle over busy time of the schedule (0 without pp): the simulated value, which is ``(p-1)/(v m)`` for
+    GPipe / 1F1B / interleaved 1F1B and less for the zero-bubble schedules."""
+    if pp == 1:
+        return 0.0
+    from titanlike.parallel.schedule_viz import schedule_timeline
+
+    return schedule_timeline(schedule, pp, m, v).bubble_ratio
+
+
+@dataclass(frozen=True)
+class DimCost:
+    dim: str
+    messages: int
+    wire_bytes: float
+    link: str
+    seconds: float
+    exposed: float  # seconds on the critical path
+
+
+@dataclass(frozen=True)
+class StepCost:
+    compute: float  # seconds of this rank's kernels per step
+    model_flops: float  # FLOPs of the step (the whole job), MFU's numerator
+    rank_flops: float  # FLOPs this rank executes (its share, plus recomputation)
+    bubble: float
+    dims: dict[str, DimCost]
+    step_time: float
+    mfu: float
+    tokens_per_s: float
+    world_size: int
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_s / self.world_size
+
+
+def _stage_flops_per_token(layout: Layout, args, names) -> tuple[float, float]:
+    """(training FLOPs per token of the stage's blocks and head, forward FLOPs of its recomputed blocks), with
+    ModelArgs.flops_per_token's convention: 6 per matmul parameter, 12 h s per block for attention."""
+    h, kv = args.dim, args.n_kv_heads * args.head_dim
+    per_block = 6 * (2 * h * h + 2 * h * kv + 3 * h * args.hidden_dim) + 12 * h * layout.seq_len
+    ids = _layer_ids(names)
+    train = per_block * len(ids) + (6 * args.vocab_size * h if "output" in names else 0)
+    recompute = sum(per_block / 3 for i in ids if layout.checkpointed(i) == "full")
+    return train, recompute
+
+
+def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
+    lo = layout
+    tokens = lo.tokens_per_step
+    model_flops = args.flops_per_token(lo.seq_len) * tokens
+    # The slowest pipeline rank sets the pace (the embedding / head make the first and last ones differ).
+    per_rank = []
+    for pp_rank in range(lo.pp):
+        train = recompute = 0.0
+        for sid in lo.stage_ids(pp_rank):
+            tr, rc = _stage_flops_per_token(lo, args, lo.stages[sid])
+            train, recompute = train + tr, recompute + rc
+        per_rank.append((train + recompute) * tokens / (lo.dp * lo.tp))
+    rank_flops = max(per_rank)
+    compute = rank_flops / (hw.peak_flops * hw.compute_efficiency)
+
+    by_dim: dict[str, list[Message]] = defaultdict(list)
+    for msg in messages(lo, args, rank):
+        by_dim[msg.dim].append(msg)
+    dims, after = {}, {}  # after: seconds of the dim's messages that wait for the end of the backward
+    for dim, msgs in by_dim.items():
+        gm = lo.groups[dim]
+        bw = hw.link_bw(gm.crosses_nodes)
+
+        def seconds(ms):
+            return sum(m.wire_bytes for m in ms) / bw + sum(m.count for m in ms) * hw.latency_s
+
+        dims[dim] = DimCost(dim, sum(m.count for m in msgs), sum(m.wire_bytes for m in msgs), gm.link,
+                            seconds(msgs), 0.0)
+        after[dim] = seconds([m for m in msgs if m.phase == "step"])
+    bub = bubble(lo.schedule or "1F1B", lo.pp, lo.n_microbatches, lo.stages_per_rank)
+    tp_s = dims["tp"].seconds if "tp" in dims else 0.0
+    pp_s = dims["pp"].seconds if "pp" in dims else 0.0
+    dp = [d for d in ("dp_shard", "dp_replicate") if d in dims]
+    dp_after = sum(after[d] for d in dp)  # reductions after the last backward: nothing left to hide them under
+    dp_overlap = sum(dims[d].seconds for d in dp) - dp_after
+    dp_exposed = dp_after + max(0.0, dp_overlap - compute)
+    step = (compute + tp_s) * (1 + bub) + pp_s + dp_exposed
+    for d, exposed in (("tp", tp_s * (1 + bub)), ("pp", pp_s)):
+        if d in dims:
+            dims[d] = _replace(dims[d], exposed)
+    for d in dp:  # split the exposed time in proportion
+        total = sum(dims[x].seconds for x in dp)
+        dims[d] = _replace(dims[d], dp_exposed * dims[d].seconds / total if total else 0.0)
+    mfu = model_flops / (lo.world_size * hw.peak_flops * step)
+    return StepCost(compute=compute, model_flops=model_flops, rank_flops=rank_flops, bubble=bub, dims=dims,
+                    step_time=step, mfu=mfu, tokens_per_s=tokens / step, world_size=lo.world_size)
+
+
+def _replace(d: DimCost, exposed: float) -> DimCost:
+    return DimCost(d.dim, d.messages, d.wire_bytes, d.link, d.seconds, exposed)

@@ -1,0 +1,217 @@
+"""A run's layout as the planner sees it: degrees, batch split, pipeline stages, and where each group lives.
+
+Everything is derived from the same config and helpers the trainer uses (``ParallelDims``, the pipeline split,
+the stage placement), so the plan describes the run that ``train.py`` would start, not a look-alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from titanlike.config import ConfigError, JobConfig, layout_violations
+from titanlike.parallel.dims import FLATTENED, MESH_DIMS, ParallelDims
+from titanlike.parallel.pipeline import V_SCHEDULES, stage_ids_for_rank, stage_module_names
+
+__all__ = ["GroupMap", "Layout", "group_map"]
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One configuration's parallel layout. Build with :meth:`from_config`; fields are plain numbers."""
+
+    dims: ParallelDims
+    gpus_per_node: int
+    sequence_parallel: bool
+    loss_parallel: bool
+    schedule: str  # the pipeline schedule ("" without pipeline parallelism)
+    stages: tuple[tuple[str, ...], ...]  # module names of every stage (one stage: the whole model)
+    microbatch_size: int  # sequences per forward: the pp microbatch, or the local batch without pp
+    n_microbatches: int  # forwards per schedule step (1 without pp)
+    accum_steps: int  # forward-backward passes (schedule steps) per optimizer step
+    seq_len: int
+    global_batch: int  # sequences per optimizer step
+    dtype: str  # training.dtype: float32 | bfloat16 (fp32 master weights, bf16 compute) | float64
+    reshard_after_forward: str  # default | always | never
+    ac_mode: str  # none | full | selective
+    ac_option: str  # selective: "op" or every N-th block
+    loss_chunk_size: int
+
+    @classmethod
+    def from_config(cls, cfg: JobConfig, world_size: int, args, gpus_per_node: int) -> Layout:
+        """The layout of ``cfg`` on ``world_size`` ranks; ConfigError if the layout itself is illegal."""
+        problems = layout_violations(cfg, world_size, args)
+        if problems:
+            raise ConfigError(problems[0])
+        p, t = cfg.parallelism, cfg.training
+        dims = ParallelDims.from_config(cfg, world_size)
+        pp = dims.pp > 1
+        stages = tuple(tuple(s) for s in stage_module_names(cfg, args)) if pp else \
+            (("tok_embeddings",) + tuple(f"layers.{i}" for i in range(args.n_layers)) + ("norm", "output"),)
+        global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
+        return cls(dims=dims, gpus_per_node=gpus_per_node, sequence_parallel=p.enable_sequence_parallel,
+                   loss_parallel=dims.tp > 1 and not p.disable_loss_parallel,
+                   schedule=p.pipeline_parallel_schedule if pp else "", stages=stages,
+                   microbatch_size=p.pipeline_parallel_microbatch_size if pp else t.local_batch_size,
+                   n_microbatches=t.local_batch_size // p.pipeline_parallel_microbatch_size if pp else 1,
+                   accum_steps=global_batch // (t.local_batch_size * dims.dp), seq_len=t.seq_len,
+                   global_batch=global_batch, dtype=t.dtype, reshard_after_forward=p.fsdp_reshard_after_forward,
+                   ac_mode=cfg.activation_checkpoint.mode, ac_option=cfg.activation_checkpoint.selective_ac_option,
+                   loss_chunk_size=p.loss_chunk_size)
+
+    # ----------------------------------------------------------------------------------------- degrees
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dims.dp_shard
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.dims.dp_replicate
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    @property
+    def n_nodes(self) -> int:
+        return -(-self.world_size // self.gpus_per_node)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return len(self.stages) // self.pp
+
+    @property
+    def fsdp(self) -> bool:
+        """Parameters live in FSDP2 groups (sharded, or HSDP with a shard group of one)."""
+        return self.dims.fsdp_enabled or self.dims.dp_replicate_enabled
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.dtype == "bfloat16"
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per element of the stored (master) parameters, their gradients and AdamW states."""
+        return 8 if self.dtype == "float64" else 4
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per element of activations (bf16 under mixed precision) and of FSDP's gathered parameters."""
+        return _BYTES[self.dtype]
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes per element of FSDP's gradient reduce-scatter (float32 under mixed precision)."""
+        return self.param_bytes
+
+    @property
+    def compute_bytes(self) -> int:
+        """Norms, RoPE and the loss compute in at least float32."""
+        return 8 if self.dtype == "float64" else 4
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def reshard(self, group: str) -> bool:
+        """Does FSDP free the gathered parameters of ``group`` ("block", "embedding", "head", "root") after its
+        forward? Mirrors titanlike.parallel.fsdp.apply_fsdp."""
+        if self.reshard_after_forward == "always":
+            return True
+        if self.reshard_after_forward == "never" or group in ("head", "root"):
+            return False
+        return self.pp == 1
+
+    def checkpointed(self, layer_id: int) -> str:
+        """How block ``layer_id`` is checkpointed: "none", "full" or "op" (selective op-level)."""
+        if self.ac_mode == "full":
+            return "full"
+        if self.ac_mode == "selective":
+            if self.ac_option == "op":
+                return "op"
+            return "full" if layer_id % int(self.ac_option) == 0 else "none"
+        return "none"
+
+    # ----------------------------------------------------------------------------------------- stages
+    def stage_ids(self, pp_rank: int) -> list[int]:
+        return stage_ids_for_rank(pp_rank, self.pp, len(self.stages), self.schedule or "1F1B")
+
+    def pp_rank_of(self, rank: int) -> int:
+        return rank // (self.world_size // self.pp)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        out, rest = {}, rank
+        for name, size in reversed(list(zip(MESH_DIMS, self.dims.shape))):
+            out[name] = rest % size
+            rest //= size
+        return out
+
+    @property
+    def v_placement(self) -> bool:
+        return self.schedule in V_SCHEDULES
+
+    # ----------------------------------------------------------------------------------------- the grid
+    @cached_property
+    def groups(self) -> dict[str, GroupMap]:
+        """tp, cp, dp_shard, dp_replicate, dp and pp groups against node boundaries."""
+        return {name: group_map(self.dims, name, self.gpus_per_node)
+                for name in ("tp", "cp", "dp_shard", "dp_replicate", "dp", "pp")}
+
+
+@dataclass(frozen=True)
+class GroupMap:
+    """The groups of one mesh dim (or flattened dims) on the node grid."""
+
+    name: str
+    size: int
+    n_groups: int
+    stride: int  # rank distance between consecutive members
+    spanning: tuple[tuple[int, ...], ...]  # groups whose members sit on more than one node
+    max_nodes: int  # most nodes one group touches
+    example: tuple[int, ...]  # the group of rank 0
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return bool(self.spanning)
+
+    @property
+    def link(self) -> str:
+        if self.size == 1:
+            return "-"
+        if not self.spanning:
+            return "nvlink"
+        return "network" if len(self.spanning) == self.n_groups else f"network ({len(self.spanning)}/{self.n_groups})"
+
+
+def group_map(dims: ParallelDims, name: str, gpus_per_node: int) -> GroupMap:
+    """Where the groups of mesh dim ``name`` ("tp", "dp", ...) sit: the same groups as
+    ``titanlike.parallel.dims.rank_groups``, computed with numpy so that 16k-rank grids take milliseconds."""
+    members = FLATTENED.get(name, (name,))
+    axes = [MESH_DIMS.index(m) for m in members]
+    grid = np.arange(dims.world_size).reshape(dims.shape)
+    rest = [a for a in range(len(MESH_DIMS)) if a not in axes]
+    groups = np.transpose(grid, rest + axes).reshape(-1, int(np.prod([dims.shape[a] for a in axes])))
+    size = groups.shape[1]
+    nodes = groups // gpus_per_node
+    crossing = nodes.min(axis=1) != nodes.max(axis=1)
+    spanning = tuple(tuple(int(r) for r in g) for g in groups[crossing])
+    max_nodes = max(len(np.unique(row)) for row in nodes[crossing]) if crossing.any() else 1
+    stride = int(groups[0, 1] - groups[0, 0]) if size > 1 else 0
+    return GroupMap(name=name, size=size, n_groups=groups.shape[0], stride=stride,
+                    spanning=spanning if size > 1 else (), max_nodes=max_nodes, example=tuple(int(r) for r in groups[0]))

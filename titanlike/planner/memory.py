@@ -1,0 +1,295 @@
+"""Memory per rank: parameter shards, gradients, AdamW states, FSDP buffers and activations.
+
+Shapes are exact. Each parameter's local shape follows the layouts titanlike applies: tensor parallelism shards
+``wq wk wv w1 w3 output tok_embeddings`` on dim 0 and ``wo w2`` on dim 1 (norm weights are replicated), then
+FSDP2 shards dim 0 of the tp-local tensor over ``dp_shard``. Both split like ``torch.chunk``: ``ceil(n / k)``
+per rank, the last ranks smaller or empty. FSDP's collectives move the padded size (every rank ``ceil(n / k)``
+rows). AdamW holds ``exp_avg`` and ``exp_avg_sq`` per parameter shard plus a float32 ``step`` scalar.
+
+Activations are what autograd keeps between a block's forward and its backward, per token, with ``h`` the model
+dim, ``H`` the SwiGLU width, ``n`` the heads, ``a`` the activation bytes (2 in bf16), ``c`` the norms' compute
+bytes (4), ``t`` the tp degree and ``t_sp`` = t under sequence parallelism else 1. Derived from the model's code
+and checked against the saved tensors of real runs (tests/test_planner_memory.py):
+
+* each RMSNorm: its float32 input copy and rstd, its bf16 normalised input ``(c h + c + a h) / t_sp``, and its
+  output as saved by the next matmuls, ``a h`` (all-gathered to full length under SP);
+* attention: q, the repeated k and v, the output (``4 a h / t``) and the log-sum-exp (``4 n / t``);
+* SwiGLU: w1 and w3 outputs, SiLU output, their product (``4 a H / t``).
+
+Activation checkpointing keeps, per block, ``full``: the block input ``a h / t_sp``; selective ``op``: the input
+plus every matmul / attention / collective output (titanlike.parallel.activation_checkpoint.SAC_SAVE_OPS);
+and recomputes one block at a time in the backward (a transient block's worth).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from titanlike.planner.layout import Layout
+
+__all__ = ["MemoryItem", "ParamShard", "block_activation_bytes", "chunk", "fsdp_units", "inflight_microbatches",
+           "param_shapes", "rank_memory", "rank_param_shards", "tp_shard_dim"]
+
+_LAYER_PARAMS = ("attention_norm.weight", "attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
+                 "attention.wo.weight", "ffn_norm.weight", "feed_forward.w1.weight", "feed_forward.w2.weight",
+                 "feed_forward.w3.weight")
+
+
+def chunk(n: int, parts: int, index: int) -> int:
+    """Length of piece ``index`` when ``torch.chunk`` / ``Shard`` splits ``n`` into ``parts``."""
+    c = -(-n // parts)
+    return max(0, min(c, n - c * index))
+
+
+def param_shapes(args, names: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """Full shapes of the parameters of a stage holding modules ``names`` (the model's own FQNs, in
+    ``named_parameters`` order; a tied head inside the stage is the embedding's parameter)."""
+    h, hd = args.dim, args.head_dim
+    shapes = {
+        "attention_norm.weight": (h,), "attention.wq.weight": (args.n_heads * hd, h),
+        "attention.wk.weight": (args.n_kv_heads * hd, h), "attention.wv.weight": (args.n_kv_heads * hd, h),
+        "attention.wo.weight": (h, args.n_heads * hd), "ffn_norm.weight": (h,),
+        "feed_forward.w1.weight": (args.hidden_dim, h), "feed_forward.w2.weight": (h, args.hidden_dim),
+        "feed_forward.w3.weight": (args.hidden_dim, h),
+    }
+    out: dict[str, tuple[int, ...]] = {}
+    if "tok_embeddings" in names:
+        out["tok_embeddings.weight"] = (args.vocab_size, h)
+    for name in names:
+        if name.startswith("layers."):
+            out.update({f"{name}.{k}": shapes[k] for k in _LAYER_PARAMS})
+    if "norm" in names:
+        out["norm.weight"] = (h,)
+    if "output" in names and not (args.tie_embeddings and "tok_embeddings" in names):
+        out["output.weight"] = (args.vocab_size, h)
+    return out
+
+
+def tp_shard_dim(name: str) -> int | None:
+    """The dim tensor parallelism shards parameter ``name`` on (titanlike.parallel.tensor_parallel.tp_plan)."""
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        return 1
+    if name.endswith("norm.weight"):
+        return None
+    return 0
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    name: str
+    shape: tuple[int, ...]  # full
+    tp_shape: tuple[int, ...]  # after tensor parallelism: what FSDP all-gathers
+    local_shape: tuple[int, ...]  # what this rank stores
+    padded_numel: int  # FSDP's per-rank all-gather share (dim 0 padded to ceil(n / dp_shard))
+
+    @property
+    def numel(self) -> int:
+        return _prod(self.local_shape)
+
+    @property
+    def tp_numel(self) -> int:
+        return _prod(self.tp_shape)
+
+
+def _prod(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def rank_param_shards(layout: Layout, args, rank: int = 0) -> dict[int, list[ParamShard]]:
+    """Per stage held by ``rank``: its parameters' full, tp-local and stored shapes."""
+    c = layout.coords(rank)
+    ds = layout.dp_shard
+    out = {}
+    for s in layout.stage_ids(c["pp"]):
+        shards = []
+        for name, shape in param_shapes(args, layout.stages[s]).items():
+            tp_shape = list(shape)
+            d = tp_shard_dim(name)
+            if d is not None and layout.tp > 1:
+                tp_shape[d] = chunk(shape[d], layout.tp, c["tp"])
+            local, padded = list(tp_shape), _prod(tp_shape)
+            if layout.fsdp:
+                local[0] = chunk(tp_shape[0], ds, c["dp_shard"])
+                padded = -(-tp_shape[0] // ds) * _prod(tp_shape[1:])
+            shards.append(ParamShard(name, tuple(shape), tuple(tp_shape), tuple(local), padded))
+        out[s] = shards
+    return out
+
+
+def fsdp_units(layout: Layout, args, shards: list[ParamShard], names: Sequence[str]) -> list[tuple[str, list[ParamShard]]]:
+    """FSDP groups of one stage module as titanlike.parallel.fsdp.apply_fsdp builds them: (kind, params) with kind
+    "block", "embedding", "head" or "root"; groups without parameters are left out."""
+    by_name = {p.name: p for p in shards}
+    tied = args.tie_embeddings and "tok_embeddings" in names and "output" in names
+    units: list[tuple[str, list[ParamShard]]] = []
+    taken: set[str] = set()
+
+    def add(kind, prefixes):
+        params = [p for p in shards if p.name.startswith(prefixes) and p.name not in taken]
+        taken.update(p.name for p in params)
+        if params:
+            units.append((kind, params))
+
+    for name in names:
+        if name.startswith("layers."):
+            add("block", (name + ".",))
+    if not tied:
+        add("embedding", ("tok_embeddings.",))
+        add("head", ("norm.", "output."))
+    rest = [p for p in by_name.values() if p.name not in taken]
+    if rest:
+        units.append(("root", rest))
+    return units
+
+
+# ------------------------------------------------------------------------------------------------- activations
+def block_activation_bytes(layout: Layout, args, tokens: int, mode: str = "none") -> int:
+    """Bytes one transformer block keeps for its backward, for ``tokens`` tokens of one microbatch."""
+    h, H, n = args.dim, args.hidden_dim, args.n_heads
+    a, c, t = layout.act_bytes, layout.compute_bytes, layout.tp
+    tsp = t if layout.sequence_parallel else 1
+    kv = args.n_kv_heads / args.n_heads
+    if mode == "full":
+        per_token = a * h / tsp
+    elif mode == "op":
+        mm = a * h / t * (1 + 2 * kv) + a * h + 2 * a * H / t + a * h  # wq, wk, wv, wo (local partial), w1, w3, w2
+        sdpa = a * h / t + 4 * n / t
+        if t > 1 and layout.sequence_parallel:
+            coll = 2 * a * h + 2 * a * h / t  # all-gathers before attention / ffn, reduce-scatters after
+        elif t > 1:
+            coll = 2 * a * h  # all-reduces after wo / w2
+        else:
+            coll = 0
+        per_token = a * h / tsp + mm + sdpa + coll
+    else:
+        norms = 2 * ((c * h + c + a * h) / tsp + a * h)
+        per_token = norms + (4 * a * h + 4 * n + 4 * a * H) / t
+    return round(per_token * tokens)
+
+
+def head_activation_bytes(layout: Layout, args, tokens: int) -> tuple[int, int]:
+    """(kept until the backward, transient peak) of the final norm, the logits and the loss for ``tokens``."""
+    h, V = args.dim, args.vocab_size
+    a, c, t = layout.act_bytes, layout.compute_bytes, layout.tp
+    tsp = t if layout.sequence_parallel else 1
+    v_local = V / t if layout.loss_parallel else V  # without loss parallel the logits are all-gathered
+    kept = (c * h + c + a * h) / tsp + a * h + a * v_local  # final norm, head input, logits saved by the loss
+    rows = min(tokens, layout.loss_chunk_size) if layout.loss_chunk_size else tokens
+    transient = 3 * c * v_local * rows + a * v_local * tokens  # float32 working set + the logits' gradient
+    return round(kept * tokens), round(transient)
+
+
+@lru_cache(maxsize=512)
+def inflight_microbatches(schedule: str, pp: int, m: int, v: int) -> tuple[tuple[int, ...], ...]:
+    """Peak number of (stage, microbatch) activations alive at once on each pp rank, per stage it holds.
+
+    Simulated with titanlike.parallel.schedule_viz (the orders torch's schedules run); an activation lives from
+    the end of its forward to the end of its last backward action (B, or W for zero-bubble schedules). Returned
+    per rank as a tuple over that rank's stages (in stage order) of the counts at the rank's peak moment.
+    """
+    from titanlike.parallel.schedule_viz import schedule_timeline
+
+    tl = schedule_timeline(schedule, pp, m, v)
+    out = []
+    for blocks in tl.ranks:
+        stages = sorted({b.stage for b in blocks})
+        last_bwd = {}
+        for b in blocks:
+            if b.kind != "F":
+                key = (b.stage, b.microbatch)
+                last_bwd[key] = max(last_bwd.get(key, 0.0), b.end)
+        events = []
+        for b in blocks:
+            if b.kind == "F":
+                events.append((b.end, 1, b.stage))
+                events.append((last_bwd[(b.stage, b.microbatch)], -1, b.stage))
+        alive = dict.fromkeys(stages, 0)
+        best, best_total = dict(alive), 0
+        for _, delta, stage in sorted(events, key=lambda e: (e[0], e[1])):
+            alive[stage] += delta
+            total = sum(alive.values())
+            if total > best_total:
+                best_total, best = total, dict(alive)
+        out.append(tuple(best[s] for s in stages))
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------------------------------- the total
+@dataclass(frozen=True)
+class MemoryItem:
+    name: str
+    bytes: float
+    note: str = ""
+
+
+def rank_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
+    """Memory of ``rank`` at its peak (the start of its first backward), item by item."""
+    shards = rank_param_shards(layout, args, rank)
+    pb, a = layout.param_bytes, layout.act_bytes
+    n_local = sum(p.numel for ps in shards.values() for p in ps)
+    n_tensors = sum(len(ps) for ps in shards.values())
+    sharded = f"sharded over dp_shard {layout.dp_shard}" if layout.fsdp and layout.dp_shard > 1 else "unsharded"
+    items = [
+        MemoryItem("parameters", n_local * pb, f"{n_local / 1e6:,.1f}M elements, fp{8 * pb} master copy, {sharded}"),
+        MemoryItem("gradients", n_local * pb, f"fp{8 * pb}, same shards"),
+        MemoryItem("optimizer", 2 * n_local * pb + 4 * n_tensors, "AdamW exp_avg + exp_avg_sq (+ step scalars)"),
+    ]
+    # Gathered parameters / unsharded gradients.
+    stage_units = {s: fsdp_units(layout, args, ps, layout.stages[s]) for s, ps in shards.items()}
+    if layout.fsdp:
+        resident = [u for units in stage_units.values() for u in units if not layout.reshard(u[0])]
+        blocks = [u for units in stage_units.values() for u in units if layout.reshard(u[0])]
+        gathered = sum(p.tp_numel for _, ps in resident for p in ps)
+        largest = sorted((sum(p.tp_numel for p in ps) for _, ps in blocks), reverse=True)[:2]
+        gathered += sum(largest)
+        note = ("every group gathered for the whole step (no reshard after forward)" if not blocks else
+                f"two groups in flight (current + prefetched){' + head/root kept' if resident else ''}")
+        items.append(MemoryItem("gathered params", gathered * a, f"{note}, {_dtype(a)}"))
+        if layout.pp > 1:  # gradient sync is off until the last microbatch: unsharded grads accumulate
+            grads = sum(p.tp_numel for units in stage_units.values() for _, ps in units for p in ps)
+            items.append(MemoryItem("unsharded grads", grads * layout.reduce_bytes,
+                                    "accumulated across microbatches until the last backward (pp)"))
+        else:
+            unit = max((sum(p.tp_numel for p in ps) for units in stage_units.values() for _, ps in units), default=0)
+            items.append(MemoryItem("unsharded grads", unit * (a + layout.reduce_bytes),
+                                    "one group before its reduce-scatter"))
+    elif layout.mixed_precision:
+        items.append(MemoryItem("autocast weights", n_local * 2, "bf16 copies of every weight during fwd+bwd"))
+    # Activations.
+    c = layout.coords(rank)
+    stage_ids = layout.stage_ids(c["pp"])
+    tokens = layout.microbatch_size * layout.seq_len
+    if layout.pp > 1:
+        counts = inflight_microbatches(layout.schedule or "1F1B", layout.pp, layout.n_microbatches,
+                                       layout.stages_per_rank)[c["pp"]]
+    else:
+        counts = (1,)
+    act = transient = 0.0
+    detail = []
+    for s, count in zip(stage_ids, counts):
+        ids = [int(n.split(".")[1]) for n in layout.stages[s] if n.startswith("layers.")]
+        per_mb = sum(block_activation_bytes(layout, args, tokens, layout.checkpointed(i)) for i in ids)
+        if "output" in layout.stages[s]:
+            kept, tr = head_activation_bytes(layout, args, tokens)
+            per_mb += kept
+            transient = max(transient, tr)
+        act += count * per_mb
+        detail.append(f"{count} x stage {s}" if layout.pp > 1 else "1 microbatch")
+        if any(layout.checkpointed(i) != "none" for i in ids):
+            recompute = max(block_activation_bytes(layout, args, tokens) -
+                            block_activation_bytes(layout, args, tokens, layout.checkpointed(i)) for i in ids)
+            transient = max(transient, recompute)
+    ac = layout.ac_mode if layout.ac_mode != "selective" else f"selective {layout.ac_option}"
+    items.append(MemoryItem("activations", act, f"{' + '.join(detail)} of {layout.microbatch_size} x "
+                                                f"{layout.seq_len} tokens, AC {ac}, SP {'on' if layout.sequence_parallel else 'off'}"))
+    items.append(MemoryItem("transient", transient, "largest of: loss working set, one block's recomputation"))
+    return items
+
+
+def _dtype(nbytes: int) -> str:
+    return {2: "bf16", 4: "fp32", 8: "fp64"}[nbytes]
