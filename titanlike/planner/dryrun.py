@@ -1,0 +1,145 @@
+"""Dry run: titanlike's own parallelize functions, for the real world size, in this one process.
+
+A fake process group (``torch.testing._internal.distributed.fake_pg``: collectives return at once, nothing is
+sent) of ``world_size`` ranks stands in for the job; this process plays one rank. It builds the same mesh as the
+trainer (``ParallelDims.build_mesh``), the stage modules that rank holds on the meta device (no memory), and runs
+``parallelize_model`` on them exactly as ``apply_pp`` / the trainer do: TP (+SP), activation checkpointing, FSDP2.
+What comes out are the rank's real parameter shards: DTensor placements and local shapes.
+
+The activation probe then measures one transformer block as that rank runs it: the block is built on meta, given
+the run's tensor parallelism and activation checkpointing, materialised under ``FakeTensorMode`` (shapes and
+dtypes, no storage) and run forward on a fake microbatch under ``MemTracker``; what the block holds after its
+forward (saved tensors and selective-checkpoint caches, less its output) is its activation memory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from titanlike.config import JobConfig
+from titanlike.planner.layout import Layout
+
+__all__ = ["DryRun", "ParamRecord", "dry_run"]
+
+
+@dataclass(frozen=True)
+class ParamRecord:
+    stage: int
+    name: str
+    shape: tuple[int, ...]  # global
+    local_shape: tuple[int, ...]  # this rank's shard
+    dtype: torch.dtype
+    placements: str  # "(Shard(dim=0), Shard(dim=0)) on (dp_shard_cp, tp)" or "plain tensor"
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.local_shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+@dataclass
+class DryRun:
+    rank: int
+    world_size: int
+    params: list[ParamRecord]
+    seconds: float
+    block_activation_bytes: int | None = None  # measured for one block and one microbatch (None: not probed)
+    probe_layer: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _describe(p) -> tuple[tuple[int, ...], tuple[int, ...], str]:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        names = p.device_mesh.mesh_dim_names or ()
+        return tuple(p.shape), tuple(p.to_local().shape), f"{tuple(p.placements)} on {names}"
+    return tuple(p.shape), tuple(p.shape), "plain tensor"
+
+
+def dry_run(cfg: JobConfig, layout: Layout, args, rank: int = 0, probe_activations: bool = True) -> DryRun:
+    """Parallelize ``rank``'s stage modules for ``layout.world_size`` fake ranks; see the module docstring.
+
+    Needs no process group (and refuses to run inside one): it creates the fake one and destroys it.
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from titanlike.models import Transformer
+    from titanlike.parallel.parallelize import parallelize_model
+
+    if dist.is_initialized():
+        raise RuntimeError("dry_run creates its own fake process group; call it outside torch.distributed")
+    t0 = time.perf_counter()
+    dist.init_process_group("fake", rank=rank, world_size=layout.world_size, store=FakeStore())
+    try:
+        mesh = layout.dims.build_mesh("cpu")
+        records = []
+        for sid in layout.stage_ids(layout.pp_rank_of(rank)):
+            names = layout.stages[sid]
+            layer_ids = [int(n.split(".")[1]) for n in names if n.startswith("layers.")]
+            with torch.device("meta"):
+                stage = Transformer(args, layer_ids=layer_ids, has_embedding="tok_embeddings" in names,
+                                    has_head="output" in names)
+            parallelize_model(stage, layout.dims, mesh, cfg)
+            for name, p in stage.named_parameters():
+                shape, local, placements = _describe(p)
+                records.append(ParamRecord(sid, name, shape, local, p.dtype, placements))
+        result = DryRun(rank, layout.world_size, records, 0.0)
+        if probe_activations:
+            first = next(n for sid in layout.stage_ids(layout.pp_rank_of(rank)) for n in layout.stages[sid]
+                         if n.startswith("layers."))
+            result.probe_layer = int(first.split(".")[1])
+            result.block_activation_bytes = _probe_block(cfg, layout, args, mesh, result.probe_layer)
+        result.seconds = time.perf_counter() - t0
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+def _probe_block(cfg: JobConfig, layout: Layout, args, mesh, layer_id: int) -> int:
+    """Activation bytes one block (global index ``layer_id``) holds after its forward on one microbatch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from titanlike.models import Transformer
+    from titanlike.parallel.activation_checkpoint import apply_ac
+    from titanlike.parallel.parallelize import loss_parallel_enabled
+    from titanlike.parallel.tensor_parallel import apply_tp
+
+    with torch.device("meta"):
+        block = Transformer(args, layer_ids=[layer_id], has_embedding=False, has_head=False)
+    if layout.tp > 1:
+        apply_tp(block, mesh["tp"], sequence_parallel=layout.sequence_parallel,
+                 loss_parallel=loss_parallel_enabled(cfg, layout.dims))
+    if layout.ac_mode != "none":
+        apply_ac(block, cfg.activation_checkpoint)
+    act = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}[layout.dtype]
+    seq = layout.seq_len // (layout.tp if layout.sequence_parallel else 1)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        block.to_empty(device="cpu")
+        rope = torch.float64 if act == torch.float64 else torch.float32  # the model keeps its tables in fp32
+        for name, p in list(block.named_parameters()):  # FSDP's mixed precision computes with bf16 copies
+            owner, _, leaf = name.rpartition(".")
+            setattr(block.get_submodule(owner), leaf, torch.nn.Parameter(p.detach().to(act)))
+        block.rope_cos, block.rope_sin = block.rope_cos.to(rope), block.rope_sin.to(rope)
+        x_leaf = torch.empty(layout.microbatch_size, seq, args.dim, dtype=act, requires_grad=True)
+        if layout.tp > 1:
+            x_leaf = DTensor.from_local(x_leaf, mesh["tp"], [Shard(1) if layout.sequence_parallel else Replicate()],
+                                        run_check=False)
+        tracker = MemTracker()
+        tracker.track_external(block, x_leaf)
+        with tracker:
+            x = x_leaf * 1  # the block input as the previous block hands it over: kept only if the block saves it
+            y = block(x)
+            del x
+            snapshot = tracker.get_tracker_snapshot("current")
+        held = sum(v for dev in snapshot.values() for k, v in dev.items() if str(k).endswith("ACT"))
+        out = y.to_local() if isinstance(y, DTensor) else y
+        return held - out.numel() * out.element_size()
