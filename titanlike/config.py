@@ -621,7 +621,18 @@ def _pipeline_violations(cfg: JobConfig, args, pp: int) -> list[str]:
         elif sched in ("Interleaved1F1B", "InterleavedZeroBubble") and m % max(1, m // pp):
             out.append(f"pipeline: {sched} runs the {m} microbatches in rounds of pp={pp} and needs m divisible by "
                        f"m // pp = {m // pp}; use a multiple of {pp} microbatches")
-    if p.fsdp_reshard_after_forward == "always" and sched in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
-        out.append(f"parallelism.fsdp_reshard_after_forward 'always' gives wrong gradients with {sched} (its "
-                   f"weight-gradient passes run outside FSDP's hooks); use 'default' or 'never'")
+    # The zero-bubble schedules split each backward into an input-gradient and a later weight-gradient pass
+    # over the same graph (retain_graph); these features assume one backward per forward.
+    if sched in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        if p.fsdp_reshard_after_forward == "always":
+            out.append(f"parallelism.fsdp_reshard_after_forward 'always' gives wrong gradients with {sched} (its "
+                       f"weight-gradient passes run outside FSDP's hooks); use 'default' or 'never'")
+        ac = cfg.activation_checkpoint
+        if ac.mode == "selective" and ac.selective_ac_option == "op":
+            out.append(f"activation_checkpoint: op-level selective checkpointing allows one backward per region, "
+                       f"{sched} runs two; use mode 'full', selective_ac_option N (every N-th block) or another "
+                       f"schedule")
+        if cfg.compile.enable:
+            out.append(f"compile.enable: compiled blocks allow one backward per forward, {sched} runs two; turn "
+                       f"compile off or use 1F1B / Interleaved1F1B")
     return out

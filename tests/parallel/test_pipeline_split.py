@@ -148,6 +148,20 @@ def test_config_rules_for_the_schedules():
     # FSDP resharding after forward gives wrong gradients with the zero-bubble schedules.
     assert "reshard" in _violations(world=4, pipeline_parallel_degree=2, pipeline_parallel_schedule="ZBVZeroBubble",
                                     fsdp_reshard_after_forward="always")
+    # Split backward (input grads, later weight grads) vs features that allow one backward per forward.
+    for sched in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        cfg = _cfg(pipeline_parallel_degree=2, pipeline_parallel_schedule=sched)
+        cfg.compile.enable = True
+        assert any("compile.enable" in v for v in layout_violations(cfg, 2, args)), sched
+        cfg = _cfg(pipeline_parallel_degree=2, pipeline_parallel_schedule=sched)
+        cfg.activation_checkpoint.mode = "selective"
+        assert any("op-level selective" in v for v in layout_violations(cfg, 2, args)), sched
+        cfg.activation_checkpoint.selective_ac_option = "2"  # every 2nd block fully checkpointed: fine
+        assert layout_violations(cfg, 2, args) == [], sched
+    cfg = _cfg(pipeline_parallel_degree=2, pipeline_parallel_schedule="1F1B")
+    cfg.compile.enable = True
+    cfg.activation_checkpoint.mode = "selective"
+    assert layout_violations(cfg, 2, args) == []
     assert "must be on the last stage" in _violations(
         pipeline_parallel_degree=2, pipeline_parallel_module_names=["tok_embeddings,layers.0,norm",
                                                                     "layers.1,layers.2,layers.3,output"])
