@@ -1,0 +1,302 @@
+"""One configuration, fully planned: validation, rank map, price per step, memory per rank, dry run; as text."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from titanlike.config import ConfigError, JobConfig, layout_violations, validate
+from titanlike.parallel.dims import MESH_DIMS
+from titanlike.planner.cost import StepCost, messages, step_cost
+from titanlike.planner.dryrun import DryRun, dry_run
+from titanlike.planner.hardware import GiB, Hardware
+from titanlike.planner.layout import Layout
+from titanlike.planner.memory import MemoryItem, block_activation_bytes, rank_memory, rank_param_shards
+
+__all__ = ["Plan", "make_plan", "render_plan", "fmt_bytes", "fmt_seconds"]
+
+
+@dataclass
+class Plan:
+    cfg: JobConfig
+    args: object  # ModelArgs
+    hardware: Hardware
+    world_size: int
+    violations: list[str]
+    layout: Layout | None = None
+    warnings: list[str] = field(default_factory=list)
+    cost: StepCost | None = None
+    memory: dict[int, list[MemoryItem]] = field(default_factory=dict)  # rank -> items
+    rank: int = 0
+    dry: DryRun | None = None
+
+    @property
+    def legal(self) -> bool:
+        return not self.violations
+
+    def total_memory(self, rank: int) -> float:
+        return sum(it.bytes for it in self.memory[rank])
+
+    @property
+    def peak_rank(self) -> int:
+        return max(self.memory, key=self.total_memory)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_memory(self.peak_rank) <= self.hardware.usable_memory
+
+
+def make_plan(cfg: JobConfig, world_size: int, hardware: Hardware, args, *, rank: int = 0,
+              run_dry: bool = True) -> Plan:
+    """Validate ``cfg`` for ``world_size`` ranks of ``hardware`` and, if it is legal, price, size and dry-run it."""
+    violations = layout_violations(cfg, world_size, args)
+    try:
+        validate(cfg, world_size)  # per-key ranges and choices come first there; keep any the layout rules lack
+    except ConfigError as e:
+        if str(e) not in violations:
+            violations.insert(0, str(e))
+    plan = Plan(cfg, args, hardware, world_size, violations, rank=rank)
+    if violations:
+        return plan
+    lo = plan.layout = Layout.from_config(cfg, world_size, args, hardware.gpus_per_node)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, {world_size})")
+    for dim in ("tp", "cp"):
+        gm = lo.groups[dim]
+        if gm.spanning:
+            shown = "; ".join(_ranks(g) for g in gm.spanning[:4])
+            more = f" (and {len(gm.spanning) - 4} more)" if len(gm.spanning) > 4 else ""
+            plan.warnings.append(f"{len(gm.spanning)} of {gm.n_groups} {dim} groups span nodes: {shown}{more}; every "
+                                 f"layer's {dim} collectives then ride the inter-node network; keep {dim} <= "
+                                 f"gpus_per_node ({lo.gpus_per_node}) and a divisor of it")
+    plan.cost = step_cost(lo, args, hardware, rank)
+    per_pp = lo.world_size // lo.pp
+    for r in sorted({rank} | {p * per_pp for p in range(lo.pp)}):
+        plan.memory[r] = rank_memory(lo, args, r)
+    if not plan.fits:
+        r = plan.peak_rank
+        plan.warnings.append(f"memory: rank {r} needs {plan.total_memory(r) / GiB:.1f} GiB, more than the "
+                             f"{hardware.usable_memory / GiB:.1f} GiB usable on a {hardware.gpu}; see the memory "
+                             f"section (activation checkpointing, smaller microbatches, more pp/tp)")
+    if run_dry:
+        plan.dry = dry_run(cfg, lo, args, rank)
+    return plan
+
+
+# ------------------------------------------------------------------------------------------------------ text
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("TiB", 1024**4), ("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _ranks(group) -> str:
+    g = list(group)
+    if len(g) > 2 and all(b - a == g[1] - g[0] for a, b in zip(g, g[1:])):
+        step = g[1] - g[0]
+        return f"[{g[0]}..{g[-1]}{'' if step == 1 else f' step {step}'}]"
+    return "[" + ",".join(map(str, g)) + "]"
+
+
+def _flops(f: float) -> str:
+    for unit, size in (("EFLOP", 1e18), ("PFLOP", 1e15), ("TFLOP", 1e12)):
+        if f >= size:
+            return f"{f / size:.2f} {unit}"
+    return f"{f / 1e9:.2f} GFLOP"
+
+
+def fmt_seconds(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def _header(plan: Plan) -> list[str]:
+    cfg, args, hw = plan.cfg, plan.args, plan.hardware
+    n_nodes = -(-plan.world_size // hw.gpus_per_node)
+    lines = [f"titanlike layout plan: {cfg.model.name}/{cfg.model.flavor} ({args.num_params() / 1e9:.2f}B parameters, "
+             f"{args.n_layers} layers, dim {args.dim}, {args.n_heads} heads / {args.n_kv_heads} kv, vocab "
+             f"{args.vocab_size}) on {plan.world_size:,} x {hw.gpu} ({n_nodes:,} node{'s' * (n_nodes > 1)} of "
+             f"{hw.gpus_per_node})"]
+    lines.append(f"  links per GPU and direction: NVLink {hw.nvlink_bw / 1e9:.0f} GB/s inside a node, network "
+                 f"{hw.network_bw / 1e9:.0f} GB/s between nodes; peak {hw.peak_flops / 1e12:.0f} TFLOP/s "
+                 f"({cfg.training.dtype}), kernels at {hw.compute_efficiency:.0%} of it; "
+                 f"{hw.memory_bytes / GiB:.1f} GiB memory")
+    lo = plan.layout
+    if lo is not None:
+        sched = (f" ({lo.schedule}, {lo.stages_per_rank} stage{'s' * (lo.stages_per_rank > 1)}/rank, "
+                 f"{len(lo.stages)} stages)") if lo.pp > 1 else ""
+        lines.append(f"  layout: tp {lo.tp}{' +SP' if lo.sequence_parallel else ''} x pp {lo.pp}{sched} x dp_shard "
+                     f"{lo.dp_shard} x dp_replicate {lo.dp_replicate} x cp {lo.dims.cp}; AC {_ac(lo)}; "
+                     f"FSDP reshard after forward: {lo.reshard_after_forward}")
+        lines.append(f"  batch: {lo.global_batch:,} x {lo.seq_len:,} = {lo.tokens_per_step / 1e6:.2f}M tokens per step; "
+                     f"{lo.global_batch // (lo.dp * lo.accum_steps)} sequences per dp rank per pass, microbatch "
+                     f"{lo.microbatch_size} -> {lo.n_microbatches} microbatch{'es' * (lo.n_microbatches > 1)}, "
+                     f"{lo.accum_steps} accumulation step{'s' * (lo.accum_steps > 1)}")
+    return lines
+
+
+def _ac(lo: Layout) -> str:
+    return lo.ac_mode if lo.ac_mode != "selective" else f"selective {lo.ac_option}"
+
+
+def _validation(plan: Plan) -> list[str]:
+    out = ["", "== validation"]
+    if plan.violations:
+        out.append(f"  {len(plan.violations)} violation{'s' * (len(plan.violations) > 1)}:")
+        out += [f"  - {v}" for v in plan.violations]
+    else:
+        out.append("  OK: every layout rule holds (titanlike.config.layout_violations)")
+    out += [f"  WARNING: {w}" for w in plan.warnings]
+    return out
+
+
+def _map(plan: Plan) -> list[str]:
+    lo = plan.layout
+    gpn = lo.gpus_per_node
+    out = ["", "== map",
+           f"  rank = (((pp * {lo.dp_replicate} + dp_replicate) * {lo.dp_shard} + dp_shard) * {lo.dims.cp} + cp) * "
+           f"{lo.tp} + tp;  node = rank // {gpn};  {lo.n_nodes:,} nodes",
+           f"  {'dim':<13}{'size':>6}{'stride':>8}{'groups':>8}  {'nodes/group':>11}  link     rank {plan.rank}'s group"]
+    for name in ("tp", "cp", "dp_shard", "dp_replicate", "dp", "pp"):
+        gm = lo.groups[name]
+        if gm.size == 1 or (name == "dp" and 1 in (lo.dp_shard, lo.dp_replicate)):
+            continue
+        mine = _group_of(lo, name, plan.rank)
+        out.append(f"  {name:<13}{gm.size:>6}{gm.stride:>8}{gm.n_groups:>8}  {gm.max_nodes:>11}  {gm.link:<8} "
+                   f"{_ranks(mine)}")
+    if all(lo.groups[n].size == 1 for n in ("tp", "cp", "dp", "pp")):
+        out.append("  single rank: nothing to map")
+    tp = lo.groups["tp"]
+    out.append(f"  tp groups {'stay inside a node' if not tp.spanning else 'SPAN NODES (see the warning above)'}"
+               + (f"; each node holds {gpn // lo.tp} tp group(s)" if lo.tp <= gpn and not tp.spanning else ""))
+    return out
+
+
+def _group_of(lo: Layout, name: str, rank: int) -> tuple[int, ...]:
+    from titanlike.parallel.dims import FLATTENED
+
+    c = lo.coords(rank)
+    members = FLATTENED.get(name, (name,))
+    sizes = dict(zip(MESH_DIMS, lo.dims.shape))
+    stride = {d: 1 for d in MESH_DIMS}
+    acc = 1
+    for d in reversed(MESH_DIMS):
+        stride[d] = acc
+        acc *= sizes[d]
+    base = rank - sum(c[m] * stride[m] for m in members)
+    inner = members[-1]
+    n = 1
+    for m in members:
+        n *= sizes[m]
+    return tuple(base + i * stride[inner] for i in range(n))
+
+
+def _price(plan: Plan) -> list[str]:
+    lo, c, hw = plan.layout, plan.cost, plan.hardware
+    out = ["", f"== price per step (rank {plan.rank}; one optimizer step)",
+           f"  {'dim':<13}{'op':<15}{'phase':<9}{'count':>7}  {'message':>11}  {'wire/GPU':>11}  what"]
+    for m in sorted(messages(lo, plan.args, plan.rank), key=lambda m: (_DIM_ORDER.index(m.dim), -m.wire_bytes)):
+        out.append(f"  {m.dim:<13}{m.op:<15}{m.phase:<9}{m.count:>7}  {fmt_bytes(m.nbytes):>11}  "
+                   f"{fmt_bytes(m.wire_bytes):>11}  {m.what}")
+    out.append("")
+    out.append(f"  {'dim':<13}{'messages':>9}  {'wire/GPU':>11}  {'link':<10}{'time':>10}  {'exposed':>10}")
+    for dim in _DIM_ORDER:
+        d = c.dims.get(dim)
+        if d:
+            out.append(f"  {dim:<13}{d.messages:>9}  {fmt_bytes(d.wire_bytes):>11}  {d.link:<10}"
+                       f"{fmt_seconds(d.seconds):>10}  {fmt_seconds(d.exposed):>10}")
+    b, s, h, t = lo.microbatch_size, lo.seq_len, plan.args.dim, lo.tp
+    if t > 1:
+        per_mb = 8 * plan.args.n_layers / lo.pp * (t - 1) / t * b * s * h * lo.act_bytes
+        out.append(f"  check: Megatron's TP volume 8 L/pp (t-1)/t b s h = {fmt_bytes(per_mb)} per microbatch x "
+                   f"{lo.n_microbatches * lo.accum_steps} = {fmt_bytes(per_mb * lo.n_microbatches * lo.accum_steps)}")
+    if lo.pp > 1:
+        v, m = lo.stages_per_rank, lo.n_microbatches
+        out.append(f"  bubble: (p-1)/(v m) = {lo.pp - 1}/({v} x {m}) = {(lo.pp - 1) / (v * m):.3f}; simulated "
+                   f"{lo.schedule}: {c.bubble:.3f} (idle / busy)")
+    out.append(f"  compute: {_flops(c.rank_flops)} on this rank at {hw.compute_efficiency:.0%} x "
+               f"{hw.peak_flops / 1e12:.0f} TFLOP/s = {fmt_seconds(c.compute)}"
+               + (" (includes recomputation)" if lo.ac_mode != "none" else ""))
+    out.append(f"  step = (compute + tp) x (1 + bubble) + pp + max(0, dp - compute) = {fmt_seconds(c.step_time)}")
+    out.append(f"  MFU {c.mfu:.1%}; {c.tokens_per_s:,.0f} tokens/s ({c.tokens_per_s_per_gpu:,.0f} per GPU); "
+               f"model FLOPs {_flops(c.model_flops)} per step")
+    return out
+
+
+_DIM_ORDER = ("tp", "pp", "dp_shard", "dp_replicate")
+
+
+def _memory(plan: Plan) -> list[str]:
+    hw = plan.hardware
+    ranks = [plan.rank] + ([plan.peak_rank] if plan.peak_rank != plan.rank else [])
+    out = ["", "== memory per rank (at the first backward: every in-flight microbatch's activations held)"]
+    for r in ranks:
+        lo = plan.layout
+        stages = lo.stage_ids(lo.pp_rank_of(r))
+        out.append(f"  rank {r} (pp rank {lo.pp_rank_of(r)}, stage{'s' * (len(stages) > 1)} "
+                   f"{', '.join(map(str, stages))}):")
+        for it in plan.memory[r]:
+            out.append(f"    {it.name:<18}{fmt_bytes(it.bytes):>12}  {it.note}")
+        total = plan.total_memory(r)
+        verdict = "fits" if total <= hw.usable_memory else "DOES NOT FIT"
+        out.append(f"    {'total':<18}{fmt_bytes(total):>12}  of {hw.memory_bytes / GiB:.1f} GiB "
+                   f"({hw.usable_memory / GiB:.1f} usable): {verdict}")
+    lo = plan.layout
+    tokens = lo.microbatch_size * lo.seq_len
+    alts = []
+    for mode in ("none", "op", "full"):
+        sizes = [fmt_bytes(block_activation_bytes(_replace_layout(lo, sequence_parallel=False), plan.args, tokens,
+                                                  mode))]
+        if lo.tp > 1:
+            sizes.append(f"SP {fmt_bytes(block_activation_bytes(_replace_layout(lo, sequence_parallel=True), plan.args, tokens, mode))}")
+        alts.append(f"AC {mode} {' / '.join(sizes)}")
+    out.append(f"  one block's activations per microbatch of {tokens:,} tokens (tp {lo.tp}): " + ";  ".join(alts))
+    return out
+
+
+def _replace_layout(lo: Layout, **kw) -> Layout:
+    from dataclasses import replace
+
+    return replace(lo, **kw)
+
+
+def _dry(plan: Plan) -> list[str]:
+    d, lo = plan.dry, plan.layout
+    out = ["", f"== dry run (titanlike.parallel.parallelize_model on a fake process group of {d.world_size:,} ranks, "
+               f"meta device; rank {d.rank})"]
+    analytic = {(s, p.name): p for s, ps in rank_param_shards(lo, plan.args, d.rank).items() for p in ps}
+    groups: dict[tuple, list] = defaultdict(list)
+    for r in d.params:
+        key = (r.stage, re.sub(r"layers\.\d+\.", "layers.*.", r.name), r.shape, r.local_shape, r.placements)
+        groups[key].append(r)
+    out.append(f"  {'stage':>5}  {'parameter':<34}{'x':>3}  {'global shape':<17}{'local shape':<15}{'bytes':>11}  "
+               f"placements (mesh dims)")
+    for (stage, name, shape, local, placements), recs in groups.items():
+        out.append(f"  {stage:>5}  {name:<34}{len(recs):>3}  {str(shape):<17}{str(local):<15}"
+                   f"{fmt_bytes(recs[0].nbytes):>11}  {placements}")
+    mismatches = [r.name for r in d.params if (r.stage, r.name) not in analytic
+                  or analytic[(r.stage, r.name)].local_shape != r.local_shape]
+    missing = len(analytic) - (len(d.params) - len(mismatches))
+    total = sum(r.nbytes for r in d.params)
+    out.append(f"  {len(d.params)} parameters, {fmt_bytes(total)} on this rank; analytic shard shapes: "
+               + ("all equal" if not mismatches and not missing else
+                  f"{len(mismatches)} differ ({', '.join(mismatches[:3])}), {missing} missing"))
+    if d.block_activation_bytes is not None:
+        tokens = lo.microbatch_size * lo.seq_len
+        analytic_act = block_activation_bytes(lo, plan.args, tokens, lo.checkpointed(d.probe_layer))
+        same = "equal" if analytic_act == d.block_activation_bytes else \
+            f"analytic {fmt_bytes(analytic_act)} ({analytic_act / max(d.block_activation_bytes, 1) - 1:+.1%})"
+        out.append(f"  activation probe: block layers.{d.probe_layer} under FakeTensorMode, {lo.microbatch_size} x "
+                   f"{lo.seq_len} tokens: {fmt_bytes(d.block_activation_bytes)} held after its forward; {same}")
+    out.append(f"  took {d.seconds:.1f} s")
+    return out
+
+
+def render_plan(plan: Plan) -> str:
+    lines = _header(plan) + _validation(plan)
+    if plan.layout is not None:
+        lines += _map(plan) + _price(plan) + _memory(plan)
+        if plan.dry is not None:
+            lines += _dry(plan)
+    return "\n".join(lines)

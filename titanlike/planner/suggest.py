@@ -1,0 +1,144 @@
+"""Enumerate the legal layouts of a model on a world size and rank them by estimated step time.
+
+The global batch (sequences per optimizer step) and sequence length are the configuration's and stay fixed, so
+every candidate trains the same tokens per step and step times compare directly. For each
+(tp, pp, dp_shard, dp_replicate, schedule, microbatch) the candidate takes the least activation checkpointing that
+fits in memory (none, then selective op-level, then full) and, without pipelining, the fewest gradient
+accumulation steps that fit. Sequence parallelism is on whenever tp > 1 (same bytes as plain TP, less memory).
+Layouts whose tp groups span nodes are kept but marked: the ranking shows what they cost.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from titanlike.config import JobConfig, layout_violations
+from titanlike.planner.cost import step_cost
+from titanlike.planner.hardware import Hardware
+from titanlike.planner.layout import Layout
+from titanlike.planner.memory import rank_memory
+
+__all__ = ["Candidate", "suggest_layouts"]
+
+_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2))
+_AC = (("none", "op"), ("selective", "op"), ("full", "op"))
+_ENDS = ((0, 0), (1, 1), (0, 1), (1, 0), (2, 2), (0, 2), (2, 0))  # embedding / head weights to even the split
+
+
+@dataclass(frozen=True)
+class Candidate:
+    tp: int
+    pp: int
+    dp_shard: int
+    dp_replicate: int
+    schedule: str
+    stages_per_rank: int
+    microbatch: int
+    local_batch: int
+    accum_steps: int
+    ac: str
+    memory: float  # bytes on the most loaded rank
+    step_time: float
+    mfu: float
+    bubble: float
+    tp_spans_nodes: bool
+    overrides: tuple[str, ...]  # command-line options that turn the base config into this layout
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _configure(base: JobConfig, sets: dict[str, object]) -> JobConfig:
+    cfg = copy.deepcopy(base)
+    for dotted, value in sets.items():
+        section, key = dotted.split(".")
+        setattr(getattr(cfg, section), key, value)
+    return cfg
+
+
+def _overrides(base: JobConfig, sets: dict[str, object]) -> tuple[str, ...]:
+    """The command-line options that change ``base`` into the candidate (values equal to base's left out)."""
+    out = []
+    for k, v in sets.items():
+        section, key = k.split(".")
+        if getattr(getattr(base, section), key) == v:
+            continue
+        if isinstance(v, list):
+            v = ";".join(v)
+        out += [f"--{k}", str(v).lower() if isinstance(v, bool) else str(v)]
+    return tuple(out)
+
+
+def suggest_layouts(cfg: JobConfig, world_size: int, hardware: Hardware, args, *, global_batch: int,
+                    max_tp: int | None = None) -> tuple[list[Candidate], dict[str, int]]:
+    """All fitting layouts, fastest first, and counts of what was rejected (illegal, out of memory)."""
+    stats = {"evaluated": 0, "illegal": 0, "out of memory": 0}
+    found: list[Candidate] = []
+    tps = [t for t in _divisors(world_size) if t <= (max_tp or world_size) and args.n_heads % t == 0
+           and args.n_kv_heads % t == 0 and args.hidden_dim % t == 0 and args.vocab_size % t == 0]
+    for tp in tps:
+        for pp in [p for p in _divisors(world_size // tp) if p <= args.n_layers]:
+            dp = world_size // (tp * pp)
+            if global_batch % dp:
+                continue
+            shards = sorted({dp} | {s for s in (8, 32, 128) if s < dp and dp % s == 0}, reverse=True)
+            for dp_shard in shards:
+                for schedule, v in (_SCHEDULES if pp > 1 else (("1F1B", 1),)):
+                    for mbs in ((1, 2, 4) if pp > 1 else (1,)):
+                        c = _best(cfg, world_size, hardware, args, global_batch, tp, pp, dp_shard, dp // dp_shard,
+                                  schedule, v, mbs, stats)
+                        if c is not None:
+                            found.append(c)
+    found.sort(key=lambda c: c.step_time)
+    return found, stats
+
+
+def _best(cfg, world_size, hw: Hardware, args, global_batch, tp, pp, dp_shard, dp_replicate, schedule, v, mbs,
+          stats) -> Candidate | None:
+    dp = dp_shard * dp_replicate
+    accums = [1] if pp > 1 else [a for a in _divisors(global_batch // dp)]
+    n_stages = pp * v
+    ends = next(((f, l) for f, l in _ENDS if (args.n_layers + f + l) % n_stages == 0
+                 and (args.n_layers + f + l) // n_stages > max(f, l)), None) if pp > 1 else (0, 0)
+    if ends is None:
+        stats["illegal"] += 1
+        return None
+    oom = False
+    for accum in accums:
+        local = global_batch // (dp * accum)
+        for ac, option in _AC:
+            sets = {
+                "parallelism.tensor_parallel_degree": tp, "parallelism.enable_sequence_parallel": tp > 1,
+                "parallelism.pipeline_parallel_degree": pp, "parallelism.data_parallel_shard_degree": dp_shard,
+                "parallelism.data_parallel_replicate_degree": dp_replicate, "parallelism.context_parallel_degree": 1,
+                "training.local_batch_size": local, "training.global_batch_size": global_batch,
+                "activation_checkpoint.mode": ac, "activation_checkpoint.selective_ac_option": option,
+            }
+            if pp > 1:
+                sets.update({"parallelism.pipeline_parallel_schedule": schedule,
+                             "parallelism.pipeline_parallel_microbatch_size": mbs,
+                             "parallelism.pipeline_parallel_stages_per_rank": v,
+                             "parallelism.pipeline_parallel_layers_per_stage": 0,
+                             "parallelism.pipeline_parallel_module_names": [],
+                             "parallelism.pipeline_parallel_first_stage_less_layers": ends[0],
+                             "parallelism.pipeline_parallel_last_stage_less_layers": ends[1]})
+            cand_cfg = _configure(cfg, sets)
+            stats["evaluated"] += 1
+            if layout_violations(cand_cfg, world_size, args):
+                stats["illegal"] += 1
+                return None
+            lo = Layout.from_config(cand_cfg, world_size, args, hw.gpus_per_node)
+            per_pp = world_size // pp
+            memory = max(sum(it.bytes for it in rank_memory(lo, args, r)) for r in {0, (pp - 1) * per_pp})
+            if memory > hw.usable_memory:
+                oom = True
+                continue
+            cost = step_cost(lo, args, hw)
+            return Candidate(tp, pp, dp_shard, dp_replicate, schedule if pp > 1 else "", v, mbs if pp > 1 else local,
+                             local, accum, ac if ac != "selective" else "selective op", memory, cost.step_time,
+                             cost.mfu, cost.bubble, lo.groups["tp"].crosses_nodes, _overrides(cfg, sets))
+    if oom:
+        stats["out of memory"] += 1
+    return None
