@@ -150,6 +150,22 @@ def test_injected_nonfinite_losses_are_skipped_counted_and_never_saved(tmp_path,
     assert (resumed.step, resumed.nonfinite_steps) == (5, 2)
 
 
+def test_a_non_finite_state_is_never_saved(tmp_path):
+    """The last line of defence: a NaN weight refuses the save (no folder is written); finite values whose sum
+    overflows float32 are saved."""
+    trainer = Trainer(load_config(base_args(tmp_path, 2, "--checkpoint.enable"), world_size=1))
+    weight = trainer.model_parts[0].layers["1"].feed_forward.w2.weight
+    with torch.no_grad():
+        weight.fill_(3e38)  # finite, sums to inf
+    trainer.checkpointer.save(1)
+    assert list(committed_checkpoints(tmp_path / "checkpoint")) == [1]
+    with torch.no_grad():
+        weight[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="step 2: the model or optimizer state holds non-finite values"):
+        trainer.checkpointer.save(2)
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-1"]
+
+
 KILL_POINTS = ["write_data", "finish"]
 
 

@@ -1,0 +1,112 @@
+"""Measure checkpoint save / async save / load / HF export times of the real Trainer in one process.
+
+    python scripts/bench_checkpoint.py --out /tmp/ckpt_bench                  # debugmodel and a 115M model
+    python scripts/bench_checkpoint.py --out /tmp/ckpt_bench --flavor 1B --tokenizer cl100k
+
+For each flavor: build the Trainer (checkpointing on, keep_latest_k 1), then time ``save`` (sync, model + AdamW +
+train state), ``save`` with ``async_mode=async`` (the time training is blocked, and until the commit), a resume
+(``load`` in a fresh Trainer, which also checks the files first) and the Hugging Face export. Loads read files the
+save has just written, so they come from the page cache: a cold read from disk adds size / disk bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titanlike.checkpoint import export_hf  # noqa: E402
+from titanlike.config import load_config  # noqa: E402
+from titanlike.data import asset_path  # noqa: E402
+from titanlike.training.trainer import Trainer  # noqa: E402
+
+
+def _trainer(out: Path, flavor: str, tokenizer: str, mode: str) -> Trainer:
+    argv = ["--model.flavor", flavor, "--model.tokenizer", tokenizer, "--training.steps", "1000",
+            "--training.local_batch_size", "1", "--training.seq_len", "64",
+            "--data.path", str(asset_path("corpus", "tinyshakespeare.txt")), "--validation.enable", "false",
+            "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(out), "--checkpoint.enable",
+            "--checkpoint.keep_latest_k", "1", "--checkpoint.async_mode", mode]
+    return Trainer(load_config(argv, world_size=1))
+
+
+def _quiet(fn, *args):
+    """Run fn with its stdout (the checkpoint log lines) silenced."""
+    saved = os.dup(1)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 1)
+        try:
+            return fn(*args)
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def bench(out: Path, flavor: str, tokenizer: str, repeat: int) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    trainer = _quiet(_trainer, out, flavor, tokenizer, "disabled")
+    ckpt = trainer.checkpointer
+    sync = []
+    for i in range(repeat):
+        trainer.step = i + 1
+        t0 = time.perf_counter()
+        _quiet(ckpt.save, trainer.step)
+        sync.append(time.perf_counter() - t0)
+    step_dir = out / "checkpoint" / f"step-{repeat}"
+    size = sum(f.stat().st_size for f in step_dir.iterdir())
+
+    blocked, total = [], []
+    ckpt.cfg.async_mode = "async"
+    for i in range(repeat):
+        trainer.step = repeat + i + 1
+        t0 = time.perf_counter()
+        _quiet(ckpt.save, trainer.step)
+        blocked.append(time.perf_counter() - t0)
+        _quiet(ckpt._wait)
+        total.append(time.perf_counter() - t0)
+
+    loads = []
+    for _ in range(repeat):
+        fresh = _quiet(_trainer, out, flavor, tokenizer, "disabled")
+        t0 = time.perf_counter()
+        _quiet(fresh.checkpointer.load)
+        loads.append(time.perf_counter() - t0)
+        assert fresh.step == 2 * repeat
+
+    t0 = time.perf_counter()
+    export_hf(out / "checkpoint" / f"step-{2 * repeat}", out / "hf")
+    export = time.perf_counter() - t0
+    return {"flavor": flavor, "params": trainer.num_params, "size_mib": size / 2**20,
+            "save_s": statistics.median(sync), "async_blocked_s": statistics.median(blocked),
+            "async_total_s": statistics.median(total), "load_s": statistics.median(loads), "export_hf_s": export}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="scratch folder (deleted and rewritten)")
+    parser.add_argument("--flavor", action="append", help="model flavors (default: debugmodel and gpt2_small)")
+    parser.add_argument("--tokenizer", default="test", help="tokenizer (sets the vocabulary; default: test, 2k)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed repetitions (the median is reported)")
+    args = parser.parse_args()
+    flavors = args.flavor or ["debugmodel", "gpt2_small"]  # gpt2_small's shape with the 2k vocabulary: 115M
+    print(f"torch threads {__import__('torch').get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
+    print("| model | parameters | checkpoint | save (sync) | async: training blocked | async: until committed | "
+          "load (resume) | HF export |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for flavor in flavors:
+        r = bench(Path(args.out) / flavor, flavor, args.tokenizer, args.repeat)
+        print(f"| {flavor} | {r['params'] / 1e6:.1f}M | {r['size_mib']:.0f} MiB | {r['save_s']:.2f} s | "
+              f"{r['async_blocked_s']:.2f} s | {r['async_total_s']:.2f} s | {r['load_s']:.2f} s | "
+              f"{r['export_hf_s']:.2f} s |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
