@@ -36,7 +36,7 @@ CASES = [
     ("fsdp4_from_tp2_fsdp2", 4, [], "tp2_fsdp2"),
     ("pp2_fsdp2", 4, PP2, None),
     ("pp2_fsdp2_from_tp2_fsdp2", 4, PP2, "tp2_fsdp2"),
-    ("fsdp2", 2, [], None),
+    ("fsdp2", 2, ["--checkpoint.async_mode", "async"], None),  # saved in the background while training goes on
     ("single", 1, [], None),
     ("single_from_fsdp2", 1, [], "fsdp2"),
     ("tp2", 2, TP2, None),

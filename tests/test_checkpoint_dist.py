@@ -22,7 +22,7 @@ SAVE_STEP = 3
 # (resumed case, the uninterrupted run under the same layout, the case whose step-3 it resumed from)
 RESHARDS = [
     ("fsdp4_from_tp2_fsdp2", "fsdp4", "tp2_fsdp2"),  # tp2 x fsdp2 -> fsdp4 (dp 2 -> 4)
-    ("single_from_fsdp2", "single", "fsdp2"),  # fsdp2 -> one process without a process group (dp 2 -> 1)
+    ("single_from_fsdp2", "single", "fsdp2"),  # fsdp2 (async saves) -> one process, no process group (dp 2 -> 1)
     ("tp2_from_fsdp2", "tp2", "fsdp2"),  # fsdp2 -> tp2 (dp 2 -> 1)
     ("pp2_fsdp2_from_tp2_fsdp2", "pp2_fsdp2", "tp2_fsdp2"),  # tp2 x fsdp2 -> pp2 x fsdp2
 ]
