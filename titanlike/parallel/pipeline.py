@@ -375,6 +375,11 @@ def apply_pp(model: Transformer, dims, mesh, cfg: JobConfig, device: torch.devic
         for m in parts:
             _plain_tensors_between_stages(m, mesh["tp"], p.enable_sequence_parallel)
     parts = [parallelize_model(m, dims, mesh, cfg) for m in parts]
+    if cfg.training.dtype == "bfloat16" and not (dims.fsdp_enabled or dims.dp_replicate_enabled):
+        # bf16 without FSDP's mixed precision is autocast over float32 weights. The schedule interleaves forwards
+        # and backwards, so the trainer cannot wrap the forward alone: each stage's forward enters autocast.
+        for m in parts:
+            m.forward = torch.autocast(device.type, dtype=torch.bfloat16)(m.forward)
     stages = [PipelineStage(m, s, n_stages, device, group=pp_group) for m, s in zip(parts, stage_ids)]
 
     loss = ScaledLoss(build_loss_fn(cfg, dims, mesh))

@@ -1,0 +1,69 @@
+"""``apply_pp`` in a one-rank process group (pp = 1: one stage holding the whole model): the plumbing without
+launching processes. The stage keeps the model's FQNs and values, a schedule step gives the plain model's loss
+and gradients, and bf16 without FSDP makes each stage's forward autocast (the schedule interleaves forward and
+backward, so the trainer cannot wrap the forward alone)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from titanlike.config import JobConfig
+from titanlike.models import ModelArgs, Transformer
+from titanlike.parallel import ParallelDims
+from titanlike.parallel.pipeline import apply_pp
+from titanlike.training.loss import cross_entropy_loss
+
+ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16)
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)
+    yield dims, dims.build_mesh("cpu")
+    dist.destroy_process_group()
+
+
+def _model() -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    model.init_weights()
+    return model
+
+
+def _cfg(dtype: str) -> JobConfig:
+    cfg = JobConfig()
+    cfg.training.dtype = dtype
+    cfg.training.local_batch_size = 4
+    cfg.parallelism.pipeline_parallel_microbatch_size = 2
+    cfg.parallelism.pipeline_parallel_schedule = "GPipe"
+    return cfg
+
+
+def test_one_stage_pipeline_is_the_model(one_rank):
+    dims, mesh = one_rank
+    model = _model()
+    pp = apply_pp(model, dims, mesh, _cfg("float32"), torch.device("cpu"))
+    (stage,) = pp.model_parts
+    assert pp.stage_ids == [0] and pp.has_first_stage and pp.has_last_stage
+    assert dict(stage.named_parameters()).keys() == dict(model.named_parameters()).keys()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 8), generator=g)
+    pp.loss.denominator = 32.0
+    losses = []
+    pp.schedule.step(x, target=y, losses=losses)
+    expected = cross_entropy_loss(model(x), y, reduction="sum") / 32.0
+    expected.backward()
+    torch.testing.assert_close(sum(losses), expected, rtol=1e-6, atol=0)  # microbatch losses add up: no 1/m
+    for name, p in stage.named_parameters():
+        torch.testing.assert_close(p.grad, model.get_parameter(name).grad, rtol=1e-5, atol=1e-7)
+    assert abs(pp.eval_loss(x, y).item() - 32.0 * expected.item()) < 1e-3
+
+
+@pytest.mark.parametrize("dtype,compute", [("float32", torch.float32), ("bfloat16", torch.bfloat16)])
+def test_bf16_stages_autocast_over_float32_weights(one_rank, dtype, compute):
+    dims, mesh = one_rank
+    pp = apply_pp(_model(), dims, mesh, _cfg(dtype), torch.device("cpu"))
+    (stage,) = pp.model_parts
+    assert all(p.dtype == torch.float32 for p in stage.parameters())
+    assert stage(torch.randint(0, 64, (2, 8))).dtype == compute
