@@ -131,6 +131,9 @@ def _remove_dir(path: Path, run_id: str) -> None:
 
 def check_writable(folder: Path) -> None:
     """Create ``folder`` if needed and prove a file can be written in it; ConfigError otherwise."""
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"checkpoint.folder: '{folder}' is a file, not a folder; choose another checkpoint.folder "
+                          f"or job.dump_folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".write-test-{uuid.uuid4().hex[:8]}"
