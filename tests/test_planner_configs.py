@@ -1,0 +1,33 @@
+"""The cluster configs: each loads with load_config at its intended world size, and its plan is legal and fits."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+from titanlike.config import load_config, model_args_from_config
+from titanlike.data import build_tokenizer
+from titanlike.planner import hardware_for, make_plan
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+WORLD = {"gpt2_small": 8, "llama3_1b": 8, "llama3_8b": 64, "llama3_70b": 256, "llama3_405b": 16384}
+
+
+@lru_cache
+def _vocab(name: str) -> int:
+    return build_tokenizer(name).vocab_size
+
+
+@pytest.mark.parametrize("name", sorted(WORLD))
+def test_config_loads_and_plans(name):
+    world = WORLD[name]
+    cfg = load_config(["--job.config_file", str(CONFIGS / f"{name}.toml")], world_size=world)
+    assert cfg.training.dtype == "bfloat16" and cfg.model.tokenizer in ("cl100k", "gpt2")
+    assert cfg.parallelism.gpus_per_node == 8
+    args = model_args_from_config(cfg, _vocab(cfg.model.tokenizer))
+    plan = make_plan(cfg, world, hardware_for("H100", gpus_per_node=8), args, run_dry=False)
+    assert plan.legal and plan.fits and plan.warnings == [], plan.warnings
+    assert not plan.layout.groups["tp"].spanning
+    assert plan.layout.tokens_per_step >= 64 * 1024
