@@ -94,13 +94,13 @@ def render_suggestions(plan, top: int) -> str:
     found, stats = suggest_layouts(cfg, ws, plan.hardware, plan.args, global_batch=gbs)
     lines = [f"== suggest: layouts of {cfg.model.flavor} on {ws:,} x {plan.hardware.gpu} for {gbs:,} x "
              f"{cfg.training.seq_len:,} tokens per step, fastest first",
-             f"  {stats['evaluated']} evaluated; {stats['illegal']} illegal; {stats['out of memory']} over memory "
-             f"even with full AC; {len(found)} fit",
-             f"  {'#':>3} {'tp':>3} {'pp':>3} {'dp_sh':>6} {'dp_rep':>6} {'schedule':<16}{'mb':>3}{'acc':>4}  "
+             f"  {stats['layouts']} layouts considered: {stats['illegal']} illegal, {stats['out of memory']} over "
+             f"memory even with full AC, {len(found)} fit",
+             f"  {'#':>3} {'tp':>3} {'pp':>3} {'dp_sh':>6} {'dp_rep':>6} {'schedule':<19}{'mb':>3}{'acc':>4}  "
              f"{'AC':<13}{'memory':>11}  {'step':>9}  {'MFU':>6}  {'bubble':>6}"]
     for i, c in enumerate(found[:top], 1):
         sched = f"{c.schedule} v{c.stages_per_rank}" if c.pp > 1 else "-"
-        lines.append(f"  {i:>3} {c.tp:>3} {c.pp:>3} {c.dp_shard:>6} {c.dp_replicate:>6} {sched:<16}{c.microbatch:>3}"
+        lines.append(f"  {i:>3} {c.tp:>3} {c.pp:>3} {c.dp_shard:>6} {c.dp_replicate:>6} {sched:<19}{c.microbatch:>3}"
                      f"{c.accum_steps:>4}  {c.ac:<13}{fmt_bytes(c.memory):>11}  {fmt_seconds(c.step_time):>9}  "
                      f"{c.mfu:>6.1%}  {c.bubble:>6.3f}{'  TP ACROSS NODES' if c.tp_spans_nodes else ''}")
     crossing = [c for c in found if c.tp_spans_nodes]

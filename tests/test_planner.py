@@ -80,7 +80,7 @@ def test_lab1_tp16_is_legal_but_flagged_and_slow():
 def test_lab1_suggest_ranks_node_local_tp_first_and_marks_the_rest():
     plan = _plan(16, *LAB1)
     found, stats = suggest_layouts(plan.cfg, 16, H100, plan.args, global_batch=8)
-    assert found and stats["evaluated"] > len(found)
+    assert found and stats["layouts"] == len(found) + stats["illegal"] + stats["out of memory"]
     assert not found[0].tp_spans_nodes and found[0].tp <= 8
     crossing = [c for c in found if c.tp_spans_nodes]
     assert crossing and all(c.tp == 16 for c in crossing)

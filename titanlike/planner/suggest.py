@@ -73,8 +73,9 @@ def _overrides(base: JobConfig, sets: dict[str, object]) -> tuple[str, ...]:
 
 def suggest_layouts(cfg: JobConfig, world_size: int, hardware: Hardware, args, *, global_batch: int,
                     max_tp: int | None = None) -> tuple[list[Candidate], dict[str, int]]:
-    """All fitting layouts, fastest first, and counts of what was rejected (illegal, out of memory)."""
-    stats = {"evaluated": 0, "illegal": 0, "out of memory": 0}
+    """All fitting layouts, fastest first, and counts: layouts considered, and rejected as illegal (titanlike.config.layout_violations, with the base config's other settings, e.g. compile) or over
+    memory even with full activation checkpointing."""
+    stats = {"layouts": 0, "illegal": 0, "out of memory": 0}
     found: list[Candidate] = []
     tps = [t for t in _divisors(world_size) if t <= (max_tp or world_size) and args.n_heads % t == 0
            and args.n_kv_heads % t == 0 and args.hidden_dim % t == 0 and args.vocab_size % t == 0]
@@ -97,6 +98,7 @@ def suggest_layouts(cfg: JobConfig, world_size: int, hardware: Hardware, args, *
 
 def _best(cfg, world_size, hw: Hardware, args, global_batch, tp, pp, dp_shard, dp_replicate, schedule, v, mbs,
           stats) -> Candidate | None:
+    stats["layouts"] += 1
     dp = dp_shard * dp_replicate
     accums = [1] if pp > 1 else [a for a in _divisors(global_batch // dp)]
     n_stages = pp * v
@@ -105,7 +107,7 @@ def _best(cfg, world_size, hw: Hardware, args, global_batch, tp, pp, dp_shard, d
     if ends is None:
         stats["illegal"] += 1
         return None
-    oom = False
+    legal = False
     for accum in accums:
         local = global_batch // (dp * accum)
         for ac, option in _AC:
@@ -125,20 +127,17 @@ def _best(cfg, world_size, hw: Hardware, args, global_batch, tp, pp, dp_shard, d
                              "parallelism.pipeline_parallel_first_stage_less_layers": ends[0],
                              "parallelism.pipeline_parallel_last_stage_less_layers": ends[1]})
             cand_cfg = _configure(cfg, sets)
-            stats["evaluated"] += 1
-            if layout_violations(cand_cfg, world_size, args):
-                stats["illegal"] += 1
-                return None
+            if layout_violations(cand_cfg, world_size, args):  # e.g. op-level AC under a zero-bubble schedule
+                continue
+            legal = True
             lo = Layout.from_config(cand_cfg, world_size, args, hw.gpus_per_node)
             per_pp = world_size // pp
             memory = max(sum(it.bytes for it in rank_memory(lo, args, r)) for r in {0, (pp - 1) * per_pp})
             if memory > hw.usable_memory:
-                oom = True
                 continue
             cost = step_cost(lo, args, hw)
             return Candidate(tp, pp, dp_shard, dp_replicate, schedule if pp > 1 else "", v, mbs if pp > 1 else local,
                              local, accum, ac if ac != "selective" else "selective op", memory, cost.step_time,
                              cost.mfu, cost.bubble, lo.groups["tp"].crosses_nodes, _overrides(cfg, sets))
-    if oom:
-        stats["out of memory"] += 1
+    stats["out of memory" if legal else "illegal"] += 1
     return None

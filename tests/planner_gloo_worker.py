@@ -1,0 +1,290 @@
+"""Gloo ranks that run titanlike's real parallelisms and compare what they do with what the planner predicts.
+
+For every case (a layout of 4 ranks on a small model), each rank parallelizes the model with
+``parallelize_model``, runs one forward + loss + backward under a ``CommDebugMode`` that also records each
+collective's size and group, takes one optimizer step, and then compares:
+
+* per (dim, op, phase): the number of collectives and their total size against ``planner.messages``;
+* the bytes it holds in parameters, gradients and AdamW states against ``planner.rank_memory``.
+
+Rank 0 writes ``{"cases": {name: {rank: {...}}}}`` (every rank's measured and planned numbers) to the JSON file
+named on the command line; tests/test_planner_gloo.py asserts on it. The ranks are fresh interpreters (one
+``python`` per rank, like torchrun without its start-up cost), not forks of a parent that runs threads.
+
+    python tests/planner_gloo_worker.py OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # titanlike
+
+WORLD = 4
+# name -> config overrides (small model: the model section is set below)
+CASES = {
+    "tp2_sp_fsdp2_bf16": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel",
+                          "--training.dtype", "bfloat16"],
+    "tp2_fsdp2_fp32_fullac_chunked": ["--parallelism.tensor_parallel_degree", "2",
+                                      "--activation_checkpoint.mode", "full", "--parallelism.loss_chunk_size", "24"],
+    "hsdp2x2_bf16_accum2": ["--parallelism.data_parallel_replicate_degree", "2", "--training.dtype", "bfloat16",
+                            "--training.global_batch_size", "16"],
+    "tp2_sp_fsdp2_bf16_ac_every2": ["--parallelism.tensor_parallel_degree", "2",
+                                    "--parallelism.enable_sequence_parallel", "--training.dtype", "bfloat16",
+                                    "--activation_checkpoint.mode", "selective",
+                                    "--activation_checkpoint.selective_ac_option", "2"],
+    "tp2_sp_fsdp2_selective_always": ["--parallelism.tensor_parallel_degree", "2",
+                                      "--parallelism.enable_sequence_parallel", "--activation_checkpoint.mode",
+                                      "selective", "--parallelism.fsdp_reshard_after_forward", "always"],
+    "pp2_fsdp2_1f1b_bf16_tied": ["--parallelism.pipeline_parallel_degree", "2", "--training.dtype", "bfloat16",
+                                 "--training.local_batch_size", "4", "--model.tie_embeddings", "true",
+                                 "--model.n_layers", "4"],
+    "pp2_tp2_sp_interleaved_accum2": ["--parallelism.pipeline_parallel_degree", "2",
+                                      "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                                      "--parallelism.tensor_parallel_degree", "2",
+                                      "--parallelism.enable_sequence_parallel", "--training.local_batch_size", "2",
+                                      "--training.global_batch_size", "8", "--model.n_layers", "4"],
+}
+MODEL = ["--model.flavor", "tiny", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
+         "--model.n_kv_heads", "2", "--model.ffn_hidden_dim", "96", "--model.max_seq_len", "32",
+         "--training.seq_len", "16", "--training.local_batch_size", "2"]
+VOCAB = 250  # with vocab_multiple 2: 250 rows, uneven FSDP chunks under tp 2 x dp_shard 2 (125 -> 63 / 62)
+
+
+def case_config(name: str):
+    from titanlike.config import model_args_from_config, parse_config
+
+    cfg = parse_config(MODEL + ["--model.vocab_multiple", "2"] + CASES[name])
+    return cfg, model_args_from_config(cfg, VOCAB)
+
+
+def _recorder():
+    """A dispatch mode that records (op, bytes, group ranks, phase) of every collective and pipeline send.
+
+    CommDebugMode counts the same collectives but its module tracker does not survive a pipeline schedule
+    (multi-grad hooks under ``autograd.grad``), so it runs alongside, outside pipelines, as a cross-check.
+    The phase is "backward" while the autograd engine runs a graph task.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    c10d = dist.distributed_c10d
+    ops = {torch.ops._c10d_functional.all_gather_into_tensor, torch.ops._c10d_functional.reduce_scatter_tensor,
+           torch.ops._c10d_functional.all_reduce, torch.ops.c10d._allgather_base_,
+           torch.ops.c10d._reduce_scatter_base_, torch.ops.c10d.allreduce_, torch.ops.c10d.send}
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.records = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(t is DTensor for t in types):  # let DTensor run the op with this mode on: its redistributions
+                return NotImplemented  # inside the op (e.g. Replicate += Partial) are collectives too
+            if func._overloadpacket in ops:
+                phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+                self.records.append(_describe(func, args, phase, c10d))
+            return func(*args, **(kwargs or {}))
+
+    return Recorder()
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def _describe(func, args, phase: str, c10d) -> tuple[str, int, tuple[int, ...], str]:
+    name = func._overloadpacket.__name__
+    if name == "all_gather_into_tensor":  # functional: (input, group_size, group_name)
+        pg = c10d._resolve_process_group(args[2])
+        return "all_gather", _nbytes(args[0]) * args[1], tuple(c10d.get_process_group_ranks(pg)), phase
+    if name == "reduce_scatter_tensor":  # (input, op, group_size, group_name)
+        pg = c10d._resolve_process_group(args[3])
+        return "reduce_scatter", _nbytes(args[0]), tuple(c10d.get_process_group_ranks(pg)), phase
+    if name == "all_reduce":  # (input, op, group_name)
+        pg = c10d._resolve_process_group(args[2])
+        return "all_reduce", _nbytes(args[0]), tuple(c10d.get_process_group_ranks(pg)), phase
+    def ranks(script_pg):  # c10d ops carry the process group as a TorchScript object
+        return tuple(c10d.get_process_group_ranks(c10d.ProcessGroup.unbox(script_pg)))
+
+    if name == "_allgather_base_":  # c10d: (output, input, pg, ...)
+        return "all_gather", _nbytes(args[0]), ranks(args[2]), phase
+    if name == "_reduce_scatter_base_":  # (output, input, pg, ...)
+        return "reduce_scatter", _nbytes(args[1]), ranks(args[2]), phase
+    if name == "send":  # (tensors, pg, dst, tag): pipeline p2p, which CommDebugMode does not count
+        return "send", sum(map(_nbytes, args[0])), ranks(args[1]), phase
+    if name == "allreduce_":  # (tensors, pg, ...)
+        return "all_reduce", sum(map(_nbytes, args[0])), ranks(args[1]), phase
+    raise AssertionError(f"collective {func} not described")
+
+
+def _key(dim: str, op: str, phase: str, pipelined: bool) -> str:
+    """Comparison key. The phase of a pipeline send, and of FSDP's reductions that the pipeline schedule issues
+    after the last backward ("step" in the plan), cannot be told apart from a forward by the autograd state."""
+    if op == "send" or (pipelined and dim.startswith("dp")):
+        phase = "any"
+    return f"{dim} {op} {phase}"
+
+
+def _local_bytes(t) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return _nbytes(t.to_local() if isinstance(t, DTensor) else t)
+
+
+def run_case(rank: int, name: str) -> dict:
+    import torch
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from titanlike.models import Transformer
+    from titanlike.parallel import ParallelDims, build_loss_fn, parallelize_model, rank_groups
+    from titanlike.planner.cost import messages
+    from titanlike.planner.layout import Layout
+    from titanlike.planner.memory import rank_memory
+    from titanlike.training.optim import build_optimizer
+
+    cfg, args = case_config(name)
+    layout = Layout.from_config(cfg, WORLD, args, gpus_per_node=WORLD)
+    dims = ParallelDims.from_config(cfg, WORLD)
+    mesh = dims.build_mesh("cpu")
+    dim_of = {}
+    for dim in ("tp", "dp_shard", "dp_replicate", "pp"):
+        for g in rank_groups(dims, dim):
+            if rank in g and len(g) > 1:
+                dim_of[tuple(g)] = dim
+
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    pp = None
+    if dims.pp > 1:
+        from titanlike.parallel.pipeline import apply_pp
+
+        pp = apply_pp(model, dims, mesh, cfg, torch.device("cpu"))
+        parts = pp.model_parts
+    else:
+        parts = [parallelize_model(model, dims, mesh, cfg)]
+        loss_fn = build_loss_fn(cfg, dims, mesh)
+    optimizer = build_optimizer(parts, cfg)
+    g = torch.Generator().manual_seed(rank // dims.tp % dims.dp)
+    shape = (cfg.training.local_batch_size, cfg.training.seq_len)
+    measured, comm_debug, recorded = defaultdict(lambda: [0, 0]), 0, 0
+
+    def run(fn, phase=None):
+        nonlocal comm_debug, recorded
+        recorder = _recorder()
+        if pp is None:  # CommDebugMode's own count must agree with the recorder's
+            cdm = CommDebugMode()
+            with cdm, recorder:
+                fn()
+            comm_debug += cdm.get_total_counts()
+            recorded += sum(op != "send" for op, *_ in recorder.records)
+        else:
+            with recorder:
+                fn()
+        for op, nbytes, ranks, is_phase in recorder.records:
+            key = _key(dim_of[ranks], op, phase or is_phase, pp is not None)
+            measured[key][0] += 1
+            measured[key][1] += nbytes
+
+    if pp is not None:  # the first schedule step also infers the stages' shapes (meta forwards, object sends)
+        x = torch.randint(0, args.vocab_size, shape, generator=g)
+        pp.schedule.step(x, target=x if pp.has_last_stage else None, losses=[])
+        for part in parts:
+            part.zero_grad(set_to_none=True)
+    for _ in range(layout.accum_steps):  # one CommDebugMode per pass: its module tracker handles one forward
+        x = torch.randint(0, args.vocab_size, shape, generator=g)
+        y = torch.randint(0, args.vocab_size, shape, generator=g)
+        if pp is None:
+            run(lambda: loss_fn(parts[0](x), y).backward())
+        else:
+            run(lambda: pp.schedule.step(x, target=y if pp.has_last_stage else None, losses=[]))
+    if pp is not None:
+        run(pp.finalize_grads, "step")
+    optimizer.step()
+    planned = defaultdict(lambda: [0, 0])
+    for m in messages(layout, args, rank):
+        key = _key(m.dim, m.op, m.phase, pp is not None)
+        planned[key][0] += m.count
+        planned[key][1] += m.count * m.nbytes
+    params = [p for part in parts for p in part.parameters()]
+    held = {
+        "parameters": sum(_local_bytes(p) for p in params),
+        "gradients": sum(_local_bytes(p.grad) for p in params),
+        "optimizer": sum(_local_bytes(v) for p in params for v in optimizer.state[p].values()),
+    }
+    plan_mem = {it.name: it.bytes for it in rank_memory(layout, args, rank) if it.name in held}
+    return {"measured": dict(measured), "planned": dict(planned), "held": held, "plan_memory": plan_mem,
+            "comm_debug_total": comm_debug, "recorded_total": recorded}
+
+
+def main(rank: int, world_size: int, out_path: str) -> None:
+    import torch.distributed as dist
+
+    results = {name: run_case(rank, name) for name in CASES}
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps({"cases": {name: {str(r): gathered[r][name] for r in range(world_size)}
+                                                        for name in CASES}}))
+
+
+def _rank_entry(rank: int, world_size: int, port: int, out_path: str) -> None:
+    """One rank: a gloo group through a TCPStore hosted by rank 0, a short timeout, ``os._exit`` at the end."""
+    code = 1
+    try:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        timeout = datetime.timedelta(seconds=90)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        main(rank, world_size, out_path)
+        dist.destroy_process_group()
+        code = 0
+    except BaseException:  # noqa: BLE001 - report anything, exit non-zero
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def launch(out_path: str, timeout_s: float = 240.0) -> int:
+    """Start WORLD fresh interpreters (no fork of a process with threads), wait, kill the rest if one fails."""
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), str(port), out_path], env=env)
+             for r in range(WORLD)]
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs):
+        if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.1)
+    return 0 if all(p.wait() == 0 for p in procs) else 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--rank":
+        _rank_entry(int(sys.argv[2]), WORLD, int(sys.argv[3]), sys.argv[4])
+    sys.exit(launch(sys.argv[1]))

@@ -1,0 +1,71 @@
+"""The dry run: titanlike's parallelize functions at the real world size, in one process, on a fake process group.
+
+The per-rank shard shapes it produces must equal the planner's analytic ones, and the activation probe (one block
+run under FakeTensorMode) must equal the analytic activation bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import sys
+import time
+from contextlib import redirect_stdout
+from pathlib import Path
+
+from titanlike.config import model_args_from_config, parse_config
+from titanlike.planner import block_activation_bytes, dry_run, rank_param_shards
+from titanlike.planner.layout import Layout
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import plan as plan_cli  # noqa: E402
+
+
+def test_405b_4d_layout_on_16384_ranks_end_to_end():
+    out = io.StringIO()
+    t0 = time.perf_counter()
+    with redirect_stdout(out):
+        rc = plan_cli.main(["--job.config_file", str(REPO / "configs/llama3_405b.toml"), "--world-size", "16384",
+                            "--gpus-per-node", "8"])
+    seconds = time.perf_counter() - t0
+    text = out.getvalue()
+    assert rc == 0, text
+    assert seconds < 60
+    for section in ("== validation", "== map", "== price per step", "== memory per rank", "== dry run"):
+        assert section in text
+    assert "OK: every layout rule holds" in text and "fits" in text and "WARNING" not in text
+    assert re.search(r"tp\s+8\s+1\s+2048\s+1\s+nvlink\s+\[0\.\.7\]", text)
+    assert re.search(r"pp\s+16\s+1024\s+1024\s+16\s+network", text)
+    assert "64 parameters" in text and "analytic shard shapes: all equal" in text  # rank 0: stages 0 and 16
+    assert re.search(r"activation probe: block layers\.0 .* held after its forward; equal", text)
+    took = float(re.search(r"took ([\d.]+) s", text).group(1))
+    assert took < 60
+
+
+def test_dry_run_shards_and_probe_equal_the_analytic_ones_on_any_rank():
+    cfg = parse_config(["--model.flavor", "70B", "--training.seq_len", "4096", "--training.dtype", "bfloat16",
+                        "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "8",
+                        "--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule",
+                        "Interleaved1F1B", "--parallelism.data_parallel_replicate_degree", "2",
+                        "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
+                        "2", "--model.vocab_multiple", "8"])
+    args = model_args_from_config(cfg, 100003)  # 100,008 rows: 12,501 per tp rank, uneven FSDP chunks
+    layout = Layout.from_config(cfg, 1024, args, gpus_per_node=8)
+    assert (layout.dp_shard, layout.dp_replicate, layout.stages_per_rank) == (16, 2, 2)
+    for rank in (0, 1023, 777):  # first stage + embedding, last stage + head, a middle one
+        d = dry_run(cfg, layout, args, rank=rank)
+        analytic = {(s, p.name): p.local_shape for s, ps in rank_param_shards(layout, args, rank).items() for p in ps}
+        assert {(r.stage, r.name): r.local_shape for r in d.params} == analytic
+        assert {r.dtype for r in d.params} == {args_dtype()}
+        tokens = layout.microbatch_size * layout.seq_len
+        assert d.block_activation_bytes == block_activation_bytes(layout, args, tokens,
+                                                                  layout.checkpointed(d.probe_layer))
+    wq = next(r for r in d.params if r.name.endswith("attention.wq.weight"))  # HSDP x TP: a 3-D layout
+    assert wq.placements == "(Replicate(), _StridedShard(dim=0, sf=8), Shard(dim=0)) on ('dp_replicate', 'dp_shard', 'tp')"
+
+
+def args_dtype():
+    import torch
+
+    return torch.float32  # master weights; FSDP's bf16 copies exist only while gathered
