@@ -218,7 +218,9 @@ def _price(plan: Plan) -> list[str]:
     out.append(f"  compute: {_flops(c.rank_flops)} on this rank at {hw.compute_efficiency:.0%} x "
                f"{hw.peak_flops / 1e12:.0f} TFLOP/s = {fmt_seconds(c.compute)}"
                + (" (includes recomputation)" if lo.ac_mode != "none" else ""))
-    out.append(f"  step = (compute + tp) x (1 + bubble) + pp + max(0, dp - compute) = {fmt_seconds(c.step_time)}")
+    hidden = "reductions deferred past the last backward + what compute cannot hide" if lo.pp > 1 else \
+        "what compute cannot hide"
+    out.append(f"  step = (compute + tp) x (1 + bubble) + pp + dp exposed ({hidden}) = {fmt_seconds(c.step_time)}")
     out.append(f"  MFU {c.mfu:.1%}; {c.tokens_per_s:,.0f} tokens/s ({c.tokens_per_s_per_gpu:,.0f} per GPU); "
                f"model FLOPs {_flops(c.model_flops)} per step")
     return out
