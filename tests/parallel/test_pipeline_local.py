@@ -24,9 +24,9 @@ def one_rank():
     dist.destroy_process_group()
 
 
-def _model() -> Transformer:
+def _model(tied: bool = False) -> Transformer:
     torch.manual_seed(0)
-    model = Transformer(ARGS)
+    model = Transformer(ARGS.replace(tie_embeddings=tied))
     model.init_weights()
     return model
 
@@ -40,13 +40,17 @@ def _cfg(dtype: str) -> JobConfig:
     return cfg
 
 
-def test_one_stage_pipeline_is_the_model(one_rank):
+@pytest.mark.parametrize("tied", [False, True])
+def test_one_stage_pipeline_is_the_model(one_rank, tied):
     dims, mesh = one_rank
-    model = _model()
+    model = _model(tied)
     pp = apply_pp(model, dims, mesh, _cfg("float32"), torch.device("cpu"))
     (stage,) = pp.model_parts
     assert pp.stage_ids == [0] and pp.has_first_stage and pp.has_last_stage
     assert dict(stage.named_parameters()).keys() == dict(model.named_parameters()).keys()
+    assert pp.tied_params == []  # one stage holding embedding and head: one tied parameter, nothing to sum
+    if tied:
+        assert stage.output.weight is stage.tok_embeddings.weight
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 8), generator=g)
     pp.loss.denominator = 32.0
@@ -57,6 +61,8 @@ def test_one_stage_pipeline_is_the_model(one_rank):
     torch.testing.assert_close(sum(losses), expected, rtol=1e-6, atol=0)  # microbatch losses add up: no 1/m
     for name, p in stage.named_parameters():
         torch.testing.assert_close(p.grad, model.get_parameter(name).grad, rtol=1e-5, atol=1e-7)
+    norm = pp.finalize_grads_and_clip_(list(stage.parameters()), 0.0)
+    torch.testing.assert_close(norm.float(), torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
     assert abs(pp.eval_loss(x, y).item() - 32.0 * expected.item()) < 1e-3
 
 

@@ -184,7 +184,8 @@ def build_stage_module(full_model: Transformer, names: Iterable[str], device: to
     """The stage holding ``names``, built on meta by the model's partial constructor and filled by FQN.
 
     Parameters are *copies* of the full model's (never shared storage: two stages of a rank must not alias a
-    tied weight, or the optimizer would update it twice); buffers (RoPE tables) are copied as they are.
+    tied weight, or the optimizer would update it twice); a stage holding both the embedding and the head keeps
+    them tied as the constructor made them. Buffers (RoPE tables) are copied as they are.
     """
     names = list(names)
     layer_ids = [int(m.group(1)) for m in map(_LAYER.fullmatch, names) if m]
@@ -192,7 +193,14 @@ def build_stage_module(full_model: Transformer, names: Iterable[str], device: to
     with torch.device("meta"), _default_dtype(dtype):
         stage = Transformer(full_model.args, layer_ids=layer_ids, has_embedding="tok_embeddings" in names,
                             has_head="output" in names)
+    tied: dict[int, list[str]] = {}
+    for name, p in stage.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(p), []).append(name)
     stage.to_empty(device=device)
+    for names in tied.values():  # to_empty gives each module its own tensor: tie them again
+        for name in names[1:]:
+            owner, _, leaf = name.rpartition(".")
+            setattr(stage.get_submodule(owner), leaf, stage.get_parameter(names[0]))
     full_sd = full_model.state_dict()
     stage.load_state_dict({k: full_sd[k] for k in stage.state_dict()}, strict=True)
     full_buffers = dict(full_model.named_buffers())
@@ -326,10 +334,11 @@ def _local_copy(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
 
 
 def _tied_copies(parts: Sequence[Transformer]) -> list[nn.Parameter]:
-    """This rank's copies of the tied weight: the first stage's embedding, then the last stage's head."""
+    """This rank's copies of the tied weight: the first stage's embedding, then the last stage's head (none when
+    one stage holds both: the model's constructor ties them into one parameter then)."""
     out = [m.tok_embeddings.weight for m in parts if m.tok_embeddings is not None]
     out += [m.output.weight for m in parts if m.output is not None]
-    return out
+    return [] if len(out) == 2 and out[0] is out[1] else out
 
 
 def _tied_group(pp_group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -391,14 +400,12 @@ def apply_pp(model: Transformer, dims, mesh, cfg: JobConfig, device: torch.devic
                           f"the split gives {len(stages)}")
     schedule = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
 
-    tied, tied_group = [], None
-    if model.args.tie_embeddings:
-        tied = _tied_copies(parts)  # after parallelize: FSDP / TP have replaced the parameters by DTensors
-        last_stage_on_rank0 = schedule_name in V_SCHEDULES  # else the last stage is on pp rank pp - 1
-        if not last_stage_on_rank0 and tied:  # only the two holders take part
-            tied_group = _tied_group(pp_group)
-        if tied:
-            _check_tied_layout(tied, tied_group)
+    # After parallelize: FSDP / TP have replaced the parameters by DTensors. A rank holds no copy, one (its peer
+    # holds the other: only the two take part in the group) or both (V placement: a local add).
+    tied = _tied_copies(parts) if model.args.tie_embeddings else []
+    tied_group = _tied_group(pp_group) if len(tied) == 1 else None
+    if tied:
+        _check_tied_layout(tied, tied_group)
     return PipelineParallel(model_parts=parts, stages=stages, stage_ids=stage_ids, num_stages=n_stages,
                             schedule=schedule, loss=loss, pp_group=pp_group, has_first_stage=0 in stage_ids,
                             has_last_stage=n_stages - 1 in stage_ids,
