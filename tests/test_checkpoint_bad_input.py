@@ -108,7 +108,8 @@ def test_load_step_that_does_not_exist_or_is_not_the_newest(dump, capsys):
 
 def test_unwritable_checkpoint_folder(tmp_path, capsys):
     (tmp_path / "checkpoint").write_text("a file where the folder should be")
-    fails_with(capsys, tmp_path, args(tmp_path, "--checkpoint.enable"), "checkpoint.folder: '", "is a file, not a folder")
+    fails_with(capsys, tmp_path, args(tmp_path, "--checkpoint.enable"),
+               "checkpoint.folder: '", "is a file, not a folder")
     fails_with(capsys, tmp_path, args(tmp_path, "--checkpoint.create_seed_checkpoint"), "is a file, not a folder")
     (tmp_path / "blocker").write_text("a file where a parent folder should be")
     fails_with(capsys, tmp_path, args(tmp_path, "--checkpoint.enable", "--checkpoint.folder",

@@ -74,7 +74,8 @@ def hf_llama_logits(sd: dict[str, torch.Tensor], config: dict, tokens: torch.Ten
         att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(hd) + mask, dim=-1) @ v
         h = h + att.transpose(1, 2).reshape(bsz, seq, dim) @ w["self_attn.o_proj.weight"].T
         x = rms(h, w["post_attention_layernorm.weight"])
-        h = h + (F.silu(x @ w["mlp.gate_proj.weight"].T) * (x @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
+        gate, up = F.silu(x @ w["mlp.gate_proj.weight"].T), x @ w["mlp.up_proj.weight"].T
+        h = h + (gate * up) @ w["mlp.down_proj.weight"].T
     head = sd["model.embed_tokens.weight"] if config["tie_word_embeddings"] else sd["lm_head.weight"]
     return rms(h, sd["model.norm.weight"]) @ head.T
 

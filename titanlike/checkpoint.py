@@ -60,7 +60,7 @@ from titanlike.models import ModelArgs
 META_NAME = "checkpoint.json"
 FORMAT = "titanlike-dcp-1"
 STEP_DIR = re.compile(r"step-(\d+)")
-_LEFTOVER_DIR = re.compile(r"(step-\d+|final)\.(tmp|new|trash)-\w+")  # killed saves, deletions in progress
+_LEFTOVER_DIR = re.compile(r"(step-\d+|final)\.(tmp|new|trash)-[\w.-]+")  # killed saves, deletions in progress
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _SINGLE_PROCESS_NOTE = r"torch\.distributed is (disabled, )?unavailable or uninitialized"
 # DCP notes on every single-process save/load that it "assumes the intent": it is ours. Filtered for the process
@@ -579,7 +579,7 @@ class CheckpointManager:
         local = [t for t in _local_tensors({"m": state["model"], "o": state["optimizer"]}) if t.numel()]
         # A sum is non-finite when an element is (10x faster than isfinite on every element); a finite tensor whose
         # sum overflows is told apart by the exact check, run only on the suspects.
-        sums = torch.stack([t.sum().float().cpu() for t in local]) if local else torch.zeros(0)
+        sums = torch.stack([t.sum().float() for t in local]).cpu() if local else torch.zeros(0)
         suspects = [t for t, s in zip(local, sums) if not torch.isfinite(s)]
         ok = torch.tensor([all(bool(torch.isfinite(t).all()) for t in suspects)], dtype=torch.int32)
         if self.distributed:

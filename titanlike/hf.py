@@ -19,7 +19,6 @@ products, and everything after them, are unchanged: the exported model computes 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -280,7 +279,3 @@ def load_hf(path: str | os.PathLike, args: ModelArgs | None = None) -> tuple[dic
     except (SafetensorError, OSError) as e:
         raise ValueError(f"'{weights}' is not a readable safetensors file ({e})") from None
     return from_hf(hf_sd, use), use
-
-
-def model_args_dict(args: ModelArgs) -> dict:
-    return dataclasses.asdict(args)
