@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if not 0 <= opts.rank < opts.world_size:
+        print(f"config error: --rank {opts.rank} is not in [0, {opts.world_size})", file=sys.stderr)
+        return 2
     plan = make_plan(cfg, opts.world_size, hw, args, rank=opts.rank, run_dry=not opts.no_dry_run)
     print(render_plan(plan), flush=True)
     if opts.suggest:

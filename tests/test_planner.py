@@ -185,7 +185,8 @@ def test_group_map_matches_the_rank_grid(shape):
         groups = rank_groups(dims, name)
         gm = group_map(dims, name, gpus_per_node=4)
         assert gm.n_groups == len(groups) and gm.example == tuple(groups[0]) and gm.size == len(groups[0])
-        assert set(gm.spanning) == ({tuple(g) for g in groups if len({r // 4 for r in g}) > 1} if gm.size > 1 else set())
+        crossing = {tuple(g) for g in groups if len({r // 4 for r in g}) > 1}
+        assert set(gm.spanning) == (crossing if gm.size > 1 else set())
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -62,7 +62,8 @@ def test_dry_run_shards_and_probe_equal_the_analytic_ones_on_any_rank():
         assert d.block_activation_bytes == block_activation_bytes(layout, args, tokens,
                                                                   layout.checkpointed(d.probe_layer))
     wq = next(r for r in d.params if r.name.endswith("attention.wq.weight"))  # HSDP x TP: a 3-D layout
-    assert wq.placements == "(Replicate(), _StridedShard(dim=0, sf=8), Shard(dim=0)) on ('dp_replicate', 'dp_shard', 'tp')"
+    assert wq.placements == ("(Replicate(), _StridedShard(dim=0, sf=8), Shard(dim=0)) "
+                             "on ('dp_replicate', 'dp_shard', 'tp')")
 
 
 def args_dtype():

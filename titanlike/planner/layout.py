@@ -214,4 +214,5 @@ def group_map(dims: ParallelDims, name: str, gpus_per_node: int) -> GroupMap:
     max_nodes = max(len(np.unique(row)) for row in nodes[crossing]) if crossing.any() else 1
     stride = int(groups[0, 1] - groups[0, 0]) if size > 1 else 0
     return GroupMap(name=name, size=size, n_groups=groups.shape[0], stride=stride,
-                    spanning=spanning if size > 1 else (), max_nodes=max_nodes, example=tuple(int(r) for r in groups[0]))
+                    spanning=spanning if size > 1 else (), max_nodes=max_nodes,
+                    example=tuple(int(r) for r in groups[0]))

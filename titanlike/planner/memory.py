@@ -121,7 +121,8 @@ def rank_param_shards(layout: Layout, args, rank: int = 0) -> dict[int, list[Par
     return out
 
 
-def fsdp_units(layout: Layout, args, shards: list[ParamShard], names: Sequence[str]) -> list[tuple[str, list[ParamShard]]]:
+def fsdp_units(layout: Layout, args, shards: list[ParamShard],
+               names: Sequence[str]) -> list[tuple[str, list[ParamShard]]]:
     """FSDP groups of one stage module as titanlike.parallel.fsdp.apply_fsdp builds them: (kind, params) with kind
     "block", "embedding", "head" or "root"; groups without parameters are left out."""
     by_name = {p.name: p for p in shards}
@@ -285,8 +286,9 @@ def rank_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
                             block_activation_bytes(layout, args, tokens, layout.checkpointed(i)) for i in ids)
             transient = max(transient, recompute)
     ac = layout.ac_mode if layout.ac_mode != "selective" else f"selective {layout.ac_option}"
+    sp = "on" if layout.sequence_parallel else "off"
     items.append(MemoryItem("activations", act, f"{' + '.join(detail)} of {layout.microbatch_size} x "
-                                                f"{layout.seq_len} tokens, AC {ac}, SP {'on' if layout.sequence_parallel else 'off'}"))
+                                                f"{layout.seq_len} tokens, AC {ac}, SP {sp}"))
     items.append(MemoryItem("transient", transient, "largest of: loss working set, one block's recomputation"))
     return items
 

@@ -44,7 +44,8 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.total_memory(self.peak_rank) <= self.hardware.usable_memory
+        """The most loaded rank fits in the usable memory (False when nothing was sized: an illegal layout)."""
+        return bool(self.memory) and self.total_memory(self.peak_rank) <= self.hardware.usable_memory
 
 
 def make_plan(cfg: JobConfig, world_size: int, hardware: Hardware, args, *, rank: int = 0,
@@ -56,12 +57,12 @@ def make_plan(cfg: JobConfig, world_size: int, hardware: Hardware, args, *, rank
     except ConfigError as e:
         if str(e) not in violations:
             violations.insert(0, str(e))
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, {world_size})")
     plan = Plan(cfg, args, hardware, world_size, violations, rank=rank)
     if violations:
         return plan
     lo = plan.layout = Layout.from_config(cfg, world_size, args, hardware.gpus_per_node)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in [0, {world_size})")
     for dim in ("tp", "cp"):
         gm = lo.groups[dim]
         if gm.spanning:
@@ -129,7 +130,7 @@ def _header(plan: Plan) -> list[str]:
         lines.append(f"  layout: tp {lo.tp}{' +SP' if lo.sequence_parallel else ''} x pp {lo.pp}{sched} x dp_shard "
                      f"{lo.dp_shard} x dp_replicate {lo.dp_replicate} x cp {lo.dims.cp}; AC {_ac(lo)}; "
                      f"FSDP reshard after forward: {lo.reshard_after_forward}")
-        lines.append(f"  batch: {lo.global_batch:,} x {lo.seq_len:,} = {lo.tokens_per_step / 1e6:.2f}M tokens per step; "
+        lines.append(f"  batch: {lo.global_batch:,} x {lo.seq_len:,} = {lo.tokens_per_step:,} tokens per step; "
                      f"{lo.global_batch // (lo.dp * lo.accum_steps)} sequences per dp rank per pass, microbatch "
                      f"{lo.microbatch_size} -> {lo.n_microbatches} microbatch{'es' * (lo.n_microbatches > 1)}, "
                      f"{lo.accum_steps} accumulation step{'s' * (lo.accum_steps > 1)}")
@@ -157,7 +158,8 @@ def _map(plan: Plan) -> list[str]:
     out = ["", "== map",
            f"  rank = (((pp * {lo.dp_replicate} + dp_replicate) * {lo.dp_shard} + dp_shard) * {lo.dims.cp} + cp) * "
            f"{lo.tp} + tp;  node = rank // {gpn};  {lo.n_nodes:,} nodes",
-           f"  {'dim':<13}{'size':>6}{'stride':>8}{'groups':>8}  {'nodes/group':>11}  link     rank {plan.rank}'s group"]
+           f"  {'dim':<13}{'size':>6}{'stride':>8}{'groups':>8}  {'nodes/group':>11}  link     "
+           f"rank {plan.rank}'s group"]
     for name in ("tp", "cp", "dp_shard", "dp_replicate", "dp", "pp"):
         gm = lo.groups[name]
         if gm.size == 1 or (name == "dp" and 1 in (lo.dp_shard, lo.dp_replicate)):
@@ -248,11 +250,10 @@ def _memory(plan: Plan) -> list[str]:
     tokens = lo.microbatch_size * lo.seq_len
     alts = []
     for mode in ("none", "op", "full"):
-        sizes = [fmt_bytes(block_activation_bytes(_replace_layout(lo, sequence_parallel=False), plan.args, tokens,
-                                                  mode))]
-        if lo.tp > 1:
-            sizes.append(f"SP {fmt_bytes(block_activation_bytes(_replace_layout(lo, sequence_parallel=True), plan.args, tokens, mode))}")
-        alts.append(f"AC {mode} {' / '.join(sizes)}")
+        def size(sp: bool) -> str:
+            return fmt_bytes(block_activation_bytes(_replace_layout(lo, sequence_parallel=sp), plan.args, tokens, mode))
+
+        alts.append(f"AC {mode} {size(False)}" + (f" / SP {size(True)}" if lo.tp > 1 else ""))
     out.append(f"  one block's activations per microbatch of {tokens:,} tokens (tp {lo.tp}): " + ";  ".join(alts))
     return out
 

@@ -73,7 +73,8 @@ def _overrides(base: JobConfig, sets: dict[str, object]) -> tuple[str, ...]:
 
 def suggest_layouts(cfg: JobConfig, world_size: int, hardware: Hardware, args, *, global_batch: int,
                     max_tp: int | None = None) -> tuple[list[Candidate], dict[str, int]]:
-    """All fitting layouts, fastest first, and counts: layouts considered, and rejected as illegal (titanlike.config.layout_violations, with the base config's other settings, e.g. compile) or over
+    """All fitting layouts, fastest first, and counts: layouts considered, and rejected as illegal
+    (titanlike.config.layout_violations, with the base config's other settings, e.g. compile) or over
     memory even with full activation checkpointing."""
     stats = {"layouts": 0, "illegal": 0, "out of memory": 0}
     found: list[Candidate] = []
