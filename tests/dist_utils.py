@@ -56,15 +56,23 @@ def spawn(fn: Callable[..., None], world_size: int, *args, timeout_s: float = 60
     ``timeout_s`` is the gloo timeout: a collective that waits longer (a rank died, or the ranks disagree
     on the sequence of collectives) fails instead of hanging.
     """
+    import socket
+
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    # Fork before anything in this process starts a thread: the TCPStore server runs a background thread, and
+    # forking while it holds a lock (malloc's, say) can deadlock a child before it reaches gloo. So pick a free
+    # port, fork the ranks, and only then host the store on that port (the clients retry until it is up).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, store.port, timeout_s, args))
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, timeout_s, args))
              for r in range(world_size)]
     for p in procs:
         p.start()
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False,  # noqa: F841
+                          timeout=datetime.timedelta(seconds=timeout_s))
     failed = False
     while any(p.is_alive() for p in procs):
         if any(p.exitcode not in (None, 0) for p in procs):
