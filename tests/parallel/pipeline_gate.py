@@ -73,22 +73,27 @@ LAYOUTS = [
     _layout("MUT pp2 norm not reduced over stages", 2, _pp(2, "1F1B", 8, 2), mutation="pp_norm_not_reduced"),
     _layout("MUT pp2 tied weight counted twice in norm", 2, _pp(2, "1F1B", 8, 2), "deep_tied",
             "pp_tied_norm_twice"),
-    # 4 ranks: pure pp 4 (8 microbatches of 1), pp 2 x fsdp 2, pp 2 x tp 2 (4 microbatches of 1).
+    # 4 ranks: pure pp 4 (8 microbatches of 1), pp 2 x fsdp 2 (4 of 1), pp 2 x tp 2 (4 of 2).
     *[_layout(f"pp4 {s}", 4, _pp(4, s, 8)) for s in SCHEDULES],
     _layout("pp4 Interleaved1F1B tied", 4, _pp(4, "Interleaved1F1B", 8), model="deep_tied"),
     _layout("pp4 DualPipeV tied", 4, _pp(4, "DualPipeV", 8), model="deep_tied"),
     *[_layout(f"pp2 fsdp2 {s}", 4, _pp(2, s, 4)) for s in ("1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")],
     _layout("pp2 fsdp2 1F1B tied accum2", 4, _pp(2, "1F1B", 2), model="deep_tied"),
-    _layout("pp2 tp2 1F1B", 4, _tp2(*_pp(2, "1F1B", 8))),
-    _layout("pp2 tp2_sp Interleaved1F1B", 4, _tp2(*SP, *_pp(2, "Interleaved1F1B", 8))),
-    _layout("pp2 tp2_sp DualPipeV tied", 4, _tp2(*SP, *_pp(2, "DualPipeV", 8)), model="deep_tied"),
+    _layout("pp2 tp2 1F1B", 4, _tp2(*_pp(2, "1F1B", 8, 2))),
+    _layout("pp2 tp2_sp Interleaved1F1B", 4, _tp2(*SP, *_pp(2, "Interleaved1F1B", 8, 2))),
+    _layout("pp2 tp2_sp DualPipeV tied", 4, _tp2(*SP, *_pp(2, "DualPipeV", 8, 2)), model="deep_tied"),
+    _layout("pp2 fsdp2 1F1B reshard_after_forward always", 4,
+            _pp(2, "1F1B", 4, 1, "--parallelism.fsdp_reshard_after_forward", "always")),
+    _layout("MUT pp2 fsdp2 ZBVZeroBubble resharding after forward", 4, _pp(2, "ZBVZeroBubble", 4),
+            mutation="pp_fsdp_reshard_after_forward"),
     _layout("MUT pp4 tied grads not summed", 4, _pp(4, "Interleaved1F1B", 8), "deep_tied", "pp_tied_not_summed"),
     _layout("MUT pp4 norm not reduced over stages", 4, _pp(4, "1F1B", 8), mutation="pp_norm_not_reduced"),
-    # 8 ranks: pp 2 x fsdp 2 x tp 2 (+SP).
-    *[_layout(f"pp2 fsdp2 tp2_sp {s}", 8, _tp2(*SP, *_pp(2, s, 4)))
-      for s in ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")],
-    _layout("pp2 fsdp2 tp2 GPipe tied", 8, _tp2(*_pp(2, "GPipe", 4)), model="deep_tied"),
-    _layout("pp2 fsdp2 tp2_sp ZBVZeroBubble tied", 8, _tp2(*SP, *_pp(2, "ZBVZeroBubble", 4)), model="deep_tied"),
+    # 8 ranks: pp 2 x fsdp 2 x tp 2 (+SP); 2 microbatches of 2 (DualPipeV needs 4 of 1).
+    _layout("pp2 fsdp2 tp2_sp 1F1B", 8, _tp2(*SP, *_pp(2, "1F1B", 4, 2))),
+    _layout("pp2 fsdp2 tp2_sp InterleavedZeroBubble", 8, _tp2(*SP, *_pp(2, "InterleavedZeroBubble", 4, 2))),
+    _layout("pp2 fsdp2 tp2_sp DualPipeV", 8, _tp2(*SP, *_pp(2, "DualPipeV", 4))),
+    _layout("pp2 fsdp2 tp2 GPipe tied", 8, _tp2(*_pp(2, "GPipe", 4, 2)), model="deep_tied"),
+    _layout("pp2 fsdp2 tp2_sp ZBVZeroBubble tied", 8, _tp2(*SP, *_pp(2, "ZBVZeroBubble", 4, 2)), model="deep_tied"),
 ]
 
 
@@ -138,11 +143,27 @@ def _tied_norm_twice():
         yield
 
 
+@contextlib.contextmanager
+def _fsdp_reshard_after_forward():
+    """FSDP frees the gathered parameters after each forward (what ``fsdp_reshard_after_forward = "always"``, which
+    the configuration refuses with the zero-bubble schedules, would do)."""
+    import titanlike.parallel.fsdp as fsdp
+
+    original = fsdp.apply_fsdp
+
+    def always(model, dp_mesh, **kw):
+        return original(model, dp_mesh, **{**kw, "reshard_after_forward": "always"})
+
+    with patched(fsdp, "apply_fsdp", always):
+        yield
+
+
 gate.MUTATIONS.update({
     "pp_tied_not_summed": _tied_not_summed,
     "pp_loss_over_microbatches": _loss_over_microbatches,
     "pp_norm_not_reduced": _norm_not_reduced,
     "pp_tied_norm_twice": _tied_norm_twice,
+    "pp_fsdp_reshard_after_forward": _fsdp_reshard_after_forward,
 })
 
 

@@ -23,6 +23,7 @@ EXPECTED_BREAK = {
     "pp_loss_over_microbatches": "grad_norm",  # gradients / m: the norm before clipping is off by m
     "pp_norm_not_reduced": "grad_norm",  # each stage reports (and clips by) its own norm
     "pp_tied_norm_twice": "grad_norm",  # the tied weight's gradient counted on both stages
+    "pp_fsdp_reshard_after_forward": "grads",  # the trap the configuration refuses: weight grads lost
 }
 
 
