@@ -154,8 +154,8 @@ def stage_module_names(cfg: JobConfig, args) -> list[list[str]]:
     p = cfg.parallelism
     if p.pipeline_parallel_module_names:
         return parse_module_names(p.pipeline_parallel_module_names, args.n_layers)
-    return split_module_names(args.n_layers, pipeline_stage_count(cfg, args), p.pipeline_parallel_first_stage_less_layers,
-                              p.pipeline_parallel_last_stage_less_layers)
+    return split_module_names(args.n_layers, pipeline_stage_count(cfg, args),
+                              p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers)
 
 
 def stage_ids_for_rank(pp_rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:
