@@ -7,6 +7,10 @@ global batch 8): a case of n ranks runs on processes 0..n-1 with WORLD_SIZE=n an
 (n = 1: a plain single process), the other processes wait for it. A ``resume_from`` case starts from a copy of that
 case's ``step-3``. Rank 0 of every case writes ``OUT_DIR/<case>.json`` with the losses; a process that fails
 writes ``OUT_DIR/error_rank<r>.txt`` and the launcher stops the others. Per-rank logs: ``OUT_DIR/log_rank<r>.txt``.
+
+The processes meet between cases in a TCPStore hosted by process 0 on a socket the launcher bound before forking:
+the launcher itself starts no thread (a store server's thread would be forked mid-lock now and then, and a child
+would hang on that lock forever).
 """
 
 from __future__ import annotations
@@ -121,7 +125,7 @@ def _run_cases(rank: int, store, out: Path) -> None:
         _barrier(store, f"end/{i}")
 
 
-def _proc_main(rank: int, port: int, out: Path) -> None:
+def _proc_main(rank: int, listener: socket.socket, out: Path) -> None:
     code = 1
     log = open(out / f"log_rank{rank}.txt", "w")
     os.dup2(log.fileno(), 1)
@@ -129,9 +133,21 @@ def _proc_main(rank: int, port: int, out: Path) -> None:
     try:
         import torch.distributed as dist
 
-        store = dist.TCPStore("127.0.0.1", port, PROCS + 1, is_master=False,
-                              timeout=datetime.timedelta(seconds=300))
+        port = listener.getsockname()[1]
+        timeout = datetime.timedelta(seconds=300)
+        if rank == 0:
+            store = dist.TCPStore("127.0.0.1", port, PROCS, is_master=True, master_listen_fd=listener.fileno(),
+                                  wait_for_workers=False, timeout=timeout)
+        else:
+            listener.close()
+            store = dist.TCPStore("127.0.0.1", port, PROCS, is_master=False, timeout=timeout)
         _run_cases(rank, store, out)
+        _barrier(store, "exit")  # the store lives in process 0: it leaves last
+        if rank == 0:
+            while int(store.add("left", 0)) < PROCS - 1:
+                time.sleep(0.01)
+        else:
+            store.add("left", 1)
         code = 0
     except BaseException:  # noqa: BLE001 - report anything, then leave at once
         (out / f"error_rank{rank}.txt").write_text(traceback.format_exc())
@@ -143,16 +159,19 @@ def _proc_main(rank: int, port: int, out: Path) -> None:
 
 
 def main() -> int:
-    import torch.distributed as dist
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: with it, importing torch starts no thread
+    import titanlike.training.trainer  # noqa: F401 - imported once, before the fork, for every process
 
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore("127.0.0.1", 0, PROCS + 1, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=300))
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_proc_main, args=(r, store.port, out)) for r in range(PROCS)]
+    procs = [ctx.Process(target=_proc_main, args=(r, listener, out)) for r in range(PROCS)]
     for p in procs:
         p.start()
+    listener.close()
     while any(p.is_alive() for p in procs):
         if any(p.exitcode not in (None, 0) for p in procs):
             time.sleep(1.0)  # let the failing process write its report

@@ -26,8 +26,10 @@ import sys
 import time
 from pathlib import Path
 
-import titanlike.training.trainer as trainer_module
-from titanlike.checkpoint import CheckpointManager
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: then importing it starts no thread, and forking is safe
+
+import titanlike.training.trainer as trainer_module  # noqa: E402
+from titanlike.checkpoint import CheckpointManager  # noqa: E402
 
 
 def _stop(mode: str, dump: Path) -> None:
