@@ -179,13 +179,16 @@ def killed(tmp_path_factory):
         dump = tmp_path_factory.mktemp(f"killed_{pause}")
         proc = subprocess.Popen([sys.executable, str(KILL_WORKER), pause, str(dump / "paused"),
                                  *base_args(dump, 8, "--checkpoint.enable", "--checkpoint.interval", "2")],
-                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
         runs[pause] = (dump, proc)
     deadline = time.monotonic() + 180
     for pause, (dump, proc) in runs.items():
         while not (dump / "paused").exists():
-            assert proc.poll() is None, proc.communicate()[0]
-            assert time.monotonic() < deadline, f"the {pause} worker never reached its pause point"
+            if proc.poll() is not None or time.monotonic() > deadline:
+                for _, other in runs.values():
+                    other.kill()
+                pytest.fail(f"the {pause} worker never reached its pause point:\n{proc.communicate()[0][-3000:]}")
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
         out, _ = proc.communicate(timeout=60)

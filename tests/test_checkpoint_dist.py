@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -32,11 +33,23 @@ def _env() -> dict:
                                                                                os.environ.get("PYTHONPATH", "")]))
 
 
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run a launcher in a session of its own; on a timeout kill it with every process it forked."""
+    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{cmd[1]} did not finish in {timeout} s:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     out = tmp_path_factory.mktemp("reshard")
-    proc = subprocess.run([sys.executable, str(WORKER), str(out)], env=_env(), capture_output=True, text=True,
-                          timeout=600)
+    proc = _run([sys.executable, str(WORKER), str(out)], timeout=400)
     errors = "".join(p.read_text() for p in sorted(out.glob("error_rank*.txt")))
     assert proc.returncode == 0, f"worker failed (rc {proc.returncode}):\n{errors}\n{proc.stderr[-3000:]}"
     results = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
@@ -95,8 +108,7 @@ def test_a_hung_or_dead_rank_ends_the_job_within_the_timeout(tmp_path):
             "--training.seq_len", "32", "--data.path", str(asset_path("corpus", "tinyshakespeare.txt")),
             "--validation.enable", "false", "--metrics.enable_tensorboard", "false", "--checkpoint.enable",
             "--checkpoint.interval", "1", "--comm.timeout_seconds", str(TIMEOUT_S)]
-    proc = subprocess.run([sys.executable, str(FAULT_WORKER), str(tmp_path), *FAULTS, "--", *args], env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = _run([sys.executable, str(FAULT_WORKER), str(tmp_path), *FAULTS, "--", *args], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for mode in FAULTS:
         dump = tmp_path / mode
