@@ -48,6 +48,7 @@ CASES = [
     ("tied_fsdp2", 2, TIED, None),
     # V placement: pp rank 0 holds the first stage (embedding) and the last (head), each with its copy of the tied
     # weight; the non-pipelined checkpoint has one optimizer state for both, saved as tok_embeddings.weight.
+    ("tied_zbv_pp2", 2, TIED + ZBV, None),
     ("tied_zbv_pp2_from_tied_fsdp2", 2, TIED + ZBV, "tied_fsdp2"),
 ]
 

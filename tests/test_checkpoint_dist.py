@@ -25,6 +25,7 @@ RESHARDS = [
     ("single_from_fsdp2", "single", "fsdp2"),  # fsdp2 (async saves) -> one process, no process group (dp 2 -> 1)
     ("tp2_from_fsdp2", "tp2", "fsdp2"),  # fsdp2 -> tp2 (dp 2 -> 1)
     ("pp2_fsdp2_from_tp2_fsdp2", "pp2_fsdp2", "tp2_fsdp2"),  # tp2 x fsdp2 -> pp2 x fsdp2
+    ("tied_zbv_pp2_from_tied_fsdp2", "tied_zbv_pp2", "tied_fsdp2"),  # tied embeddings: fsdp2 -> ZBV pp2
 ]
 
 
@@ -82,13 +83,12 @@ def test_resume_under_another_layout_continues_the_loss_curve(cases, resumed, re
 def test_tied_checkpoint_loads_into_both_pipeline_copies(cases):
     """A tied model saved without pipelining (one parameter, one optimizer state under tok_embeddings.weight)
     resumes under ZBV pipelining, where pp rank 0 holds the embedding and the head as two parameters: both get the
-    weights and the AdamW state, and the first step after the resume has the loss the saved run had."""
+    weights and the AdamW state (the loss curve is checked with the other layouts above)."""
     out, results = cases
-    res, src = results["tied_zbv_pp2_from_tied_fsdp2"], results["tied_fsdp2"]
+    res = results["tied_zbv_pp2_from_tied_fsdp2"]
     assert res["resumed_at"] == SAVE_STEP
     assert res["tied_state_keys"] == ["exp_avg", "exp_avg_sq", "step"]
     assert res["tied_state_equal"] and res["tied_exp_avg_norm"] > 0
-    assert abs(res["losses"][0] - src["losses"][SAVE_STEP]) <= TOL
     saved = read_model_state_dict(out / "tied_fsdp2" / "checkpoint" / f"step-{SAVE_STEP}")
     assert torch.equal(saved["tok_embeddings.weight"], saved["output.weight"])
 
