@@ -288,25 +288,13 @@ def _coerce(key: str, value, tp, from_cli: bool):
         if from_cli and isinstance(value, str) and value.lower() in _TRUE + _FALSE:
             return value.lower() in _TRUE
         raise bad
-    if tp is int:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, int):
-            return value
+    if tp in (int, float):
+        accepted = (int,) if tp is int else (int, float)
+        if isinstance(value, accepted) and not isinstance(value, bool):
+            return tp(value)
         if from_cli and isinstance(value, str):
             try:
-                return int(value)
-            except ValueError:
-                raise bad from None
-        raise bad
-    if tp is float:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, (int, float)):
-            return float(value)
-        if from_cli and isinstance(value, str):
-            try:
-                return float(value)
+                return tp(value)
             except ValueError:
                 raise bad from None
         raise bad
