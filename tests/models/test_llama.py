@@ -126,3 +126,17 @@ def test_model_package_never_imports_torch_distributed():
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         assert not any(n.startswith("torch.distributed") or n.startswith("titanlike.parallel") for n in names), path
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_initial_loss_is_near_uniform(tie):
+    """At init the model should be close to a uniform guess (ln V), tied or not (a tied table that is too large
+    makes every token predict itself)."""
+    from titanlike.training.loss import cross_entropy_loss
+
+    args = FLAVORS["debugmodel"].replace(vocab_size=2048, tie_embeddings=tie)
+    m = build(args)
+    x = torch.randint(0, 2048, (4, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        loss = float(cross_entropy_loss(m(x)[:, :-1], x[:, 1:], reduction="mean"))
+    assert abs(loss - torch.log(torch.tensor(2048.0)).item()) < 0.75, loss

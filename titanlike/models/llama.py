@@ -244,8 +244,11 @@ class Transformer(nn.Module):
         self.rope_cos = cos.to(device=device, dtype=dtype)
         self.rope_sin = sin.to(device=device, dtype=dtype)
         d = self.args.dim
+        # A tied table is also the output head: with std s, a token's own logit starts near s * dim (the final
+        # norm rescales its embedding to unit RMS), so it gets GPT-2's 0.02 rather than the untied table's 1.0.
+        tied_std = 0.02
         if self.tok_embeddings is not None:
-            std = d ** -0.5 if self.args.tie_embeddings else 1.0
+            std = tied_std if self.args.tie_embeddings else 1.0
             nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
         for layer in self.layers.values():
             layer.init_weights()
@@ -253,7 +256,7 @@ class Transformer(nn.Module):
             self.norm.reset_parameters()
         if self.output is not None and not (self.args.tie_embeddings and self.tok_embeddings is not None):
             if self.args.tie_embeddings:  # a last pipeline stage holding its copy of the tied weight
-                nn.init.normal_(self.output.weight, mean=0.0, std=d ** -0.5)
+                nn.init.normal_(self.output.weight, mean=0.0, std=tied_std)
             else:
                 nn.init.trunc_normal_(self.output.weight, mean=0.0, std=d ** -0.5, a=-3 * d ** -0.5,
                                       b=3 * d ** -0.5)
