@@ -430,7 +430,8 @@ def gate_main(rank: int, world_size: int, out: str, only: list[str] | None = Non
         Path(out).write_text(json.dumps({"world_size": world_size, "tolerance": TOL, "layouts": results}, indent=1))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, entry=None) -> int:
+    """Command line of a gate worker; ``entry`` (default: this gate's ``gate_main``) runs on every rank."""
     from dist_utils import spawn
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -440,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=60.0, help="gloo timeout in seconds")
     a = ap.parse_args(argv)
     only = [s for s in a.only.split(",") if s] or None
-    return spawn(gate_main, a.world_size, a.out, only, timeout_s=a.timeout)
+    return spawn(entry or gate_main, a.world_size, a.out, only, timeout_s=a.timeout)
 
 
 if __name__ == "__main__":

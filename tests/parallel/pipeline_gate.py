@@ -12,7 +12,6 @@ must survive, and after the last step, against the one-device model with the sam
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -249,16 +248,7 @@ def gate_main(rank: int, world_size: int, out: str, only: list[str] | None) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dist_utils import spawn
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world-size", type=int, required=True)
-    ap.add_argument("--out", required=True, help="JSON file for the per-layout max differences")
-    ap.add_argument("--only", default="", help="comma-separated layout names (default: all of this world size)")
-    ap.add_argument("--timeout", type=float, default=60.0, help="gloo timeout in seconds")
-    a = ap.parse_args(argv)
-    only = [s for s in a.only.split(",") if s] or None
-    return spawn(gate_main, a.world_size, a.out, only, timeout_s=a.timeout)
+    return gate.main(argv, entry=gate_main)
 
 
 if __name__ == "__main__":
