@@ -71,6 +71,7 @@ def test_resume_is_bitwise_exact(straight, tmp_path, mode):
     shutil.copytree(source / "checkpoint" / "step-4", tmp_path / "b" / "checkpoint" / "step-4")
     b, losses_b = run(tmp_path / "b", 8, "--checkpoint.enable", "--checkpoint.interval", "4",
                       "--checkpoint.async_mode", mode)
+    assert not a.meta_init and b.meta_init  # the resumed run never initialised weights it would overwrite
     assert losses_b == losses_a[4:]  # bitwise: float equality of every loss
     assert (b.step, b.tokens_seen, b.nonfinite_steps) == (a.step, a.tokens_seen, a.nonfinite_steps)
     assert b.lr_scheduler.state_dict() == a.lr_scheduler.state_dict()

@@ -185,7 +185,8 @@ def build_stage_module(full_model: Transformer, names: Iterable[str], device: to
 
     Parameters are *copies* of the full model's (never shared storage: two stages of a rank must not alias a
     tied weight, or the optimizer would update it twice); a stage holding both the embedding and the head keeps
-    them tied as the constructor made them. Buffers (RoPE tables) are copied as they are.
+    them tied as the constructor made them. Buffers (RoPE tables) are copied as they are. A full model on the meta
+    device (its weights will come from a checkpoint) gives a stage initialised in place instead.
     """
     names = list(names)
     layer_ids = [int(m.group(1)) for m in map(_LAYER.fullmatch, names) if m]
@@ -201,6 +202,10 @@ def build_stage_module(full_model: Transformer, names: Iterable[str], device: to
         for name in names[1:]:
             owner, _, leaf = name.rpartition(".")
             setattr(stage.get_submodule(owner), leaf, stage.get_parameter(names[0]))
+    if next(full_model.parameters()).is_meta:  # the trainer loads the weights from a checkpoint afterwards
+        with torch.no_grad():
+            stage.init_weights(buffer_device=device)
+        return stage
     full_sd = full_model.state_dict()
     stage.load_state_dict({k: full_sd[k] for k in stage.state_dict()}, strict=True)
     full_buffers = dict(full_model.named_buffers())

@@ -103,13 +103,18 @@ class Trainer:
                 dp_rank, dp_degree = dp_mesh.get_local_rank(), dp_mesh.size()
 
         # The full model is initialised on the CPU from the seed, then parallelized: the initial weights are the
-        # same under every layout (large models start from a seed checkpoint instead: checkpoint.initial_load_path).
+        # same under every layout. When the weights come from a checkpoint anyway (a resume, or a seed checkpoint /
+        # Hugging Face file as checkpoint.initial_load_path), the model is built on the meta device instead and
+        # only this rank's shards are ever allocated: that is how models too large for one host start.
+        self.meta_init = self._weights_come_from_a_checkpoint()
         torch.manual_seed(cfg.training.seed)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(param_dtype)
         try:
-            model = Transformer(args)
-            model.init_weights()
+            with torch.device("meta") if self.meta_init else contextlib.nullcontext():
+                model = Transformer(args)
+            if not self.meta_init:
+                model.init_weights()
         finally:
             torch.set_default_dtype(prev)
         if cfg.model.kernels != "torch":
@@ -147,7 +152,12 @@ class Trainer:
                     from titanlike.parallel.compile import apply_compile
 
                     apply_compile(model, cfg.compile)
-            model.to(self.device)
+            if self.meta_init:  # allocate this rank's shards; values are placeholders until the checkpoint loads
+                model.to_empty(device=self.device)
+                with torch.no_grad():
+                    model.init_weights(buffer_device=self.device)
+            else:
+                model.to(self.device)
             self.model_parts = [model]
             self.loss = ScaledLoss(loss_fn)
         # bf16 without FSDP's mixed precision (one process): autocast over float32 master weights.
@@ -198,6 +208,18 @@ class Trainer:
             from titanlike.checkpoint import CheckpointManager
 
             self.checkpointer = CheckpointManager(self)
+
+    def _weights_come_from_a_checkpoint(self) -> bool:
+        c = self.cfg.checkpoint
+        if c.create_seed_checkpoint:
+            return False
+        if c.initial_load_path:
+            return True
+        if not c.enable:
+            return False
+        from titanlike.checkpoint import checkpoint_folder, committed_checkpoints
+
+        return bool(committed_checkpoints(checkpoint_folder(self.cfg)))
 
     # ------------------------------------------------------------------ loop
     def _next_micro_batches(self, it) -> list[tuple[torch.Tensor, torch.Tensor]]:
