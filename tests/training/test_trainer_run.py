@@ -26,3 +26,14 @@ def test_debug_config_learns(tmp_path):
     assert len(val) == 1 and val[0] < first - 1.0
     assert list((out / "tb").glob("events.out.tfevents.*"))
     assert "step    60" in r.stdout
+
+
+def test_a_model_too_large_for_the_host_is_refused_up_front_with_the_fix(tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "train.py", "--model.flavor", "405B", "--model.tokenizer", "cl100k",
+                        "--training.seq_len", "128", "--job.dump_folder", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    line = r.stderr.strip()
+    assert "\n" not in line and "404.9B-parameter model" in line and "--checkpoint.initial_load_path" in line, line
+    assert not out.exists()

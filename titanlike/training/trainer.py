@@ -66,6 +66,7 @@ class Trainer:
                 load_te()
             except TEUnavailableError as e:
                 raise ConfigError(str(e)) from None
+        self._check_host_memory_for_init()
         data_path = cfg.data.path or None
         if data_path is not None and not Path(data_path).exists():
             raise ConfigError(f"data.path: '{data_path}' does not exist; give a text file, a folder of .txt, "
@@ -208,6 +209,23 @@ class Trainer:
             from titanlike.checkpoint import CheckpointManager
 
             self.checkpointer = CheckpointManager(self)
+
+    def _check_host_memory_for_init(self) -> None:
+        """A fresh start initialises the whole model once per rank on the host: refuse up front if this node's
+        ranks cannot hold it, naming the fix (a seed checkpoint, after which only shards are allocated)."""
+        if self._weights_come_from_a_checkpoint():
+            return
+        elem = 8 if self.cfg.training.dtype == "float64" else 4
+        need = self.model_args.num_params() * elem
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if need * ranks > 0.8 * host:
+            raise ConfigError(
+                f"initialising the {self.model_args.num_params() / 1e9:.1f}B-parameter model takes "
+                f"{need / 2**30:.0f} GiB of host memory per rank x {ranks} ranks on this node, more than the "
+                f"{host / 2**30:.0f} GiB here allows; create a seed checkpoint once (python train.py ... "
+                f"--checkpoint.create_seed_checkpoint on a large-memory host) and start from it with "
+                f"--checkpoint.initial_load_path <folder>/step-0")
 
     def _weights_come_from_a_checkpoint(self) -> bool:
         c = self.cfg.checkpoint
