@@ -134,25 +134,12 @@ class Trainer:
             self.has_last_stage, self.pp_group = pp.has_last_stage, pp.pp_group
             self.loss = pp.loss
         else:
-            if self.distributed:
-                from titanlike.parallel import build_loss_fn, parallelize_model
+            from titanlike.parallel import ParallelDims, build_loss_fn, parallelize_model
 
-                model = parallelize_model(model, self.dims, self.mesh, cfg)
-                loss_fn = build_loss_fn(cfg, self.dims, self.mesh)
-            else:
-                from titanlike.training.loss import cross_entropy_loss
-
-                chunk = cfg.parallelism.loss_chunk_size or None
-                loss_fn = lambda logits, labels: cross_entropy_loss(logits, labels, reduction="sum",  # noqa: E731
-                                                                    chunk_size=chunk)
-                if cfg.activation_checkpoint.mode != "none":
-                    from titanlike.parallel.activation_checkpoint import apply_ac
-
-                    apply_ac(model, cfg.activation_checkpoint)
-                if cfg.compile.enable:
-                    from titanlike.parallel.compile import apply_compile
-
-                    apply_compile(model, cfg.compile)
+            # One process: all degrees 1, so the composition applies only activation checkpointing and compile.
+            dims = self.dims or ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)
+            model = parallelize_model(model, dims, self.mesh, cfg)
+            loss_fn = build_loss_fn(cfg, dims, self.mesh)
             if self.meta_init:  # allocate this rank's shards; values are placeholders until the checkpoint loads
                 model.to_empty(device=self.device)
                 with torch.no_grad():
