@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from titanlike import restricted_unpickle
 from titanlike.config import ConfigError, JobConfig
 from titanlike.models import ModelArgs
 
@@ -102,9 +103,12 @@ def read_meta(path: str | os.PathLike) -> dict:
     if not p.is_file():
         return {}
     try:
-        return json.loads(p.read_text())
+        meta = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"checkpoint '{path}': {META_NAME} is corrupted ({e})") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"checkpoint '{path}': {META_NAME} is corrupted (not a JSON object)")
+    return meta
 
 
 def _fsync_dir(path: Path) -> None:
@@ -155,7 +159,9 @@ def read_dcp_metadata(path: str | os.PathLike):
         what = "does not exist" if not path.exists() else "is not a checkpoint folder (it has no .metadata)"
         raise ConfigError(f"checkpoint '{path}' {what}")
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        metadata = restricted_unpickle.read_metadata(path)  # executes nothing from the file (restricted_unpickle.py)
+    except restricted_unpickle.UnsafeCheckpointError as e:
+        raise ConfigError(f"checkpoint '{path}' is refused: its .metadata {e}") from None
     except Exception as e:  # noqa: BLE001 - pickle raises anything on a corrupted file
         raise ConfigError(f"checkpoint '{path}' is corrupted: its .metadata cannot be read "
                           f"({type(e).__name__}: {e})") from None
@@ -245,7 +251,7 @@ def read_model_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             sd[key[len("model."):]] = torch.empty(md.size, dtype=md.properties.dtype)
     if not sd:
         raise ConfigError(f"checkpoint '{path}' holds no model weights; is it a titanlike checkpoint?")
-    _dcp(dcp.load, {"model": sd}, checkpoint_id=str(path), no_dist=True)
+    _dcp(restricted_unpickle.load, {"model": sd}, checkpoint_id=str(path), no_dist=True)
     return sd
 
 
@@ -501,9 +507,10 @@ class CheckpointManager:
         if full and tied_alias and self.trainer.model_args.tie_embeddings:
             aliased = {_tied_alias(k): flat.pop(k) for k in list(flat) if _tied_alias(k)}
         try:
-            _dcp(dcp.load, flat, checkpoint_id=path, **self._dcp_kwargs())
+            _dcp(restricted_unpickle.load, flat, checkpoint_id=path, **self._dcp_kwargs())
             if tied_alias and self.trainer.model_args.tie_embeddings and full:
-                _dcp(dcp.load, aliased, checkpoint_id=path, **self._dcp_kwargs())  # same count of calls on every rank
+                # the same count of calls on every rank
+                _dcp(restricted_unpickle.load, aliased, checkpoint_id=path, **self._dcp_kwargs())
         except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's failure into
             # one CheckpointException (a BaseException), raised on every rank; its last line is the root cause
             first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
