@@ -7,20 +7,30 @@ For each flavor: build the Trainer (checkpointing on, keep_latest_k 1), then tim
 train state), ``save`` with ``async_mode=async`` (the time training is blocked, and until the commit), a resume
 (``load`` in a fresh Trainer, which also checks the files first) and the Hugging Face export. Loads read files the
 save has just written, so they come from the page cache: a cold read from disk adds size / disk bandwidth.
+
+Validation (titanlike/restricted_unpickle.py): a resume reads ``.metadata`` twice on a rank (the up-front check and
+DCP's own read), each time with the restricted unpickler and the field checks, and the byte entries with
+``torch.load(weights_only=True)``. Both are timed against stock ``pickle.load`` / ``weights_only=False`` on the same
+files, side by side, and printed as a share of the resume time.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import os
+import pickle
 import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from titanlike import restricted_unpickle  # noqa: E402
 from titanlike.checkpoint import export_hf  # noqa: E402
 from titanlike.config import load_config  # noqa: E402
 from titanlike.data import asset_path  # noqa: E402
@@ -47,6 +57,38 @@ def _quiet(fn, *args):
             sys.stdout.flush()
             os.dup2(saved, 1)
             os.close(saved)
+
+
+def _median_s(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_validation(step_dir: Path, repeat: int) -> dict:
+    """Seconds per resume in the restricted paths, and in the stock ones they replace, on the same files."""
+    raw = (step_dir / ".metadata").read_bytes()
+    md = restricted_unpickle.unpickle_metadata(raw)
+    blobs = []
+    for index, info in md.storage_data.items():
+        if type(md.state_dict_metadata[index.fqn]).__name__ == "BytesStorageMetadata":
+            with open(step_dir / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                blobs.append(f.read(info.length))
+
+    def load_bytes(weights_only: bool):
+        for b in blobs:
+            torch.load(io.BytesIO(b), weights_only=weights_only)
+
+    n = 5 * repeat
+    return {"metadata_kib": len(raw) / 2**10, "byte_entries": len(blobs),
+            "metadata_s": 2 * _median_s(lambda: restricted_unpickle.unpickle_metadata(raw), n),
+            "metadata_stock_s": 2 * _median_s(lambda: pickle.loads(raw), n),
+            "bytes_s": _median_s(lambda: load_bytes(True), n),
+            "bytes_stock_s": _median_s(lambda: load_bytes(False), n)}
 
 
 def bench(out: Path, flavor: str, tokenizer: str, repeat: int) -> dict:
@@ -80,12 +122,13 @@ def bench(out: Path, flavor: str, tokenizer: str, repeat: int) -> dict:
         loads.append(time.perf_counter() - t0)
         assert fresh.step == 2 * repeat
 
+    validation = bench_validation(out / "checkpoint" / f"step-{2 * repeat}", repeat)
     t0 = time.perf_counter()
     export_hf(out / "checkpoint" / f"step-{2 * repeat}", out / "hf")
     export = time.perf_counter() - t0
     return {"flavor": flavor, "params": trainer.num_params, "size_mib": size / 2**20,
             "save_s": statistics.median(sync), "async_blocked_s": statistics.median(blocked),
-            "async_total_s": statistics.median(total), "load_s": statistics.median(loads), "export_hf_s": export}
+            "async_total_s": statistics.median(total), "load_s": statistics.median(loads), "export_hf_s": export, **validation}
 
 
 def main() -> int:
@@ -96,15 +139,27 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions (the median is reported)")
     args = parser.parse_args()
     flavors = args.flavor or ["debugmodel", "gpt2_small"]  # gpt2_small's shape with the 2k vocabulary: 115M
-    print(f"torch threads {__import__('torch').get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
+    print(f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
     print("| model | parameters | checkpoint | save (sync) | async: training blocked | async: until committed | "
           "load (resume) | HF export |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    results = []
     for flavor in flavors:
         r = bench(Path(args.out) / flavor, flavor, args.tokenizer, args.repeat)
         print(f"| {flavor} | {r['params'] / 1e6:.1f}M | {r['size_mib']:.0f} MiB | {r['save_s']:.2f} s | "
               f"{r['async_blocked_s']:.2f} s | {r['async_total_s']:.2f} s | {r['load_s']:.2f} s | "
               f"{r['export_hf_s']:.2f} s |", flush=True)
+        results.append(r)
+    print("\n| model | .metadata | byte entries | resume | metadata read x 2, restricted (stock) | byte entries, "
+          "weights_only (stock) | restricted reads / resume | added by validation / resume |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        valid = r["metadata_s"] + r["bytes_s"]
+        extra = valid - r["metadata_stock_s"] - r["bytes_stock_s"]
+        print(f"| {r['flavor']} | {r['metadata_kib']:.0f} KiB | {r['byte_entries']} | {r['load_s']:.2f} s | "
+              f"{r['metadata_s'] * 1e3:.1f} ms ({r['metadata_stock_s'] * 1e3:.1f} ms) | {r['bytes_s'] * 1e3:.1f} ms "
+              f"({r['bytes_stock_s'] * 1e3:.1f} ms) | {valid / r['load_s']:.2%} | {extra / r['load_s']:.2%} |",
+              flush=True)
     return 0
 
 

@@ -129,13 +129,12 @@ def unpickle_metadata(data: bytes | io.IOBase) -> md.Metadata:
     return obj
 
 
-def _need(ok: bool, what: str) -> None:
-    if not ok:
-        raise ValueError(f"not DCP metadata: {what}")
+def _bad(what: str) -> ValueError:
+    return ValueError(f"not DCP metadata: {what}")
 
 
-def _check_size(s, what: str) -> None:
-    _need(type(s) is torch.Size and all(type(x) is int and x >= 0 for x in s), f"{what} is not a torch.Size")
+def _size(s) -> bool:
+    return type(s) is torch.Size and min(s, default=0) >= 0  # torch.Size holds ints only
 
 
 def _plain(x, depth: int = 0) -> bool:
@@ -149,36 +148,36 @@ def _plain(x, depth: int = 0) -> bool:
 
 
 def _check_metadata(m) -> None:
-    """Every field of DCP metadata has the type DCP gives it, and data files are named inside the folder."""
-    _need(type(m) is md.Metadata, f"the file holds a {type(m).__name__}")
-    _need(type(m.state_dict_metadata) is dict, "state_dict_metadata is not a dict")
-    for key, entry in m.state_dict_metadata.items():
-        _need(type(key) is str, f"key {key!r} is not a string")
-        if type(entry) is md.BytesStorageMetadata:
+    """Every field of DCP metadata has the type DCP gives it, and data files are named inside the folder (messages
+    are formatted only on failure: this runs for every entry of every load)."""
+    if type(m) is not md.Metadata:
+        raise _bad(f"the file holds a {type(m).__name__}")
+    if type(m.state_dict_metadata) is not dict or type(m.storage_data) is not dict:
+        raise _bad("state_dict_metadata or storage_data is not a dict")
+    tensor, props, chunk_t, dtype = md.TensorStorageMetadata, md.TensorProperties, md.ChunkStorageMetadata, torch.dtype
+    for key, e in m.state_dict_metadata.items():
+        if type(key) is not str:
+            raise _bad(f"the key {key!r} is not a string")
+        if type(e) is md.BytesStorageMetadata:
             continue
-        _need(type(entry) is md.TensorStorageMetadata, f"entry {key!r} is a {type(entry).__name__}")
-        p = entry.properties
-        _need(type(p) is md.TensorProperties and isinstance(p.dtype, torch.dtype), f"entry {key!r}: bad properties")
-        _check_size(entry.size, f"entry {key!r}: size")
-        _need(type(entry.chunks) is list, f"entry {key!r}: chunks is not a list")
-        for c in entry.chunks:
-            _need(type(c) is md.ChunkStorageMetadata, f"entry {key!r}: a chunk is a {type(c).__name__}")
-            _check_size(c.offsets, f"entry {key!r}: chunk offsets")
-            _check_size(c.sizes, f"entry {key!r}: chunk sizes")
-    _need(type(m.storage_data) is dict, "storage_data is not a dict")
+        if not (type(e) is tensor and type(e.properties) is props and type(e.properties.dtype) is dtype
+                and _size(e.size) and type(e.chunks) is list
+                and all(type(c) is chunk_t and _size(c.offsets) and _size(c.sizes) for c in e.chunks)):
+            raise _bad(f"the entry {key!r} is not a well-formed tensor or bytes entry")
     for index, info in m.storage_data.items():
-        _need(type(index) is md.MetadataIndex and type(index.fqn) is str, f"a storage key is a {type(index).__name__}")
-        _need(type(info) is _StorageInfo, f"storage of {index.fqn!r} is a {type(info).__name__}")
+        if not (type(index) is md.MetadataIndex and type(index.fqn) is str and type(info) is _StorageInfo):
+            raise _bad(f"a storage entry is a {type(index).__name__}: {type(info).__name__}")
         name = info.relative_path
-        _need(type(name) is str and name not in ("", ".", "..") and "/" not in name and os.sep not in name
-              and "\0" not in name, f"storage of {index.fqn!r} names the file {name!r}, outside the checkpoint")
-        _need(type(info.offset) is int and type(info.length) is int and info.offset >= 0 and info.length >= 0,
-              f"storage of {index.fqn!r}: bad offset or length")
-        _need(info.transform_descriptors is None or (type(info.transform_descriptors) in (list, tuple) and all(
-            type(t) is str for t in info.transform_descriptors)), f"storage of {index.fqn!r}: bad transforms")
-    _need(_plain(m.planner_data), "planner_data is not plain data")
-    _need(m.storage_meta is None or type(m.storage_meta) is md.StorageMeta, "bad storage_meta")
-    _need(m.version is None or type(m.version) is str, "version is not a string")
+        if not (type(name) is str and name not in ("", ".", "..") and "/" not in name and os.sep not in name
+                and "\0" not in name):
+            raise _bad(f"storage of {index.fqn!r} names the file {name!r}, outside the checkpoint")
+        if not (type(info.offset) is int and type(info.length) is int and info.offset >= 0 and info.length >= 0
+                and (info.transform_descriptors is None or (type(info.transform_descriptors) in (list, tuple) and all(
+                    type(t) is str for t in info.transform_descriptors)))):
+            raise _bad(f"storage of {index.fqn!r} has a bad offset, length or transform")
+    if not (_plain(m.planner_data) and (m.storage_meta is None or type(m.storage_meta) is md.StorageMeta)
+            and (m.version is None or type(m.version) is str)):
+        raise _bad("planner_data, storage_meta or version is not what DCP writes")
 
 
 def read_metadata(path: str | os.PathLike, rank: int | None = None) -> md.Metadata:
