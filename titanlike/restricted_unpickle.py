@@ -9,9 +9,9 @@ the moment it is opened. Here:
 * ``.metadata`` is read by :class:`_MetadataUnpickler`, which resolves only the globals DCP metadata is made of
   (``METADATA_GLOBALS``: the ``torch.distributed.checkpoint.metadata`` dataclasses, ``_StorageInfo``, ``torch.Size``,
   torch dtypes and layouts, ``pathlib`` paths; found by reading the ``.metadata`` of checkpoints written under every
-  layout with torch 2.11-2.13, whose metadata classes are identical). Any other global is refused by name without
-  being imported or called; every refused name of the file is reported at once. Pickle's BUILD can also set
-  attributes on an allowed *class* (not only on instances); the classes are compared with a snapshot after each
+  layout with torch 2.13; DCP's metadata classes are the same in torch 2.11). Any other global is refused by name
+  without being imported or called; every refused name of the file is reported at once. Pickle's BUILD can also set
+  attributes on an allowed *class* (not only on instances); the classes are compared with a snapshot around each
   read and restored, and such a file is refused too. The object is then checked field by field (types, and data
   file names that stay inside the checkpoint folder) before DCP sees it.
 * byte entries are read by :class:`SafeLoadPlanner` with ``torch.load(weights_only=True)`` (plain Python data and
