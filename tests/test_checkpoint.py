@@ -120,9 +120,9 @@ def test_seed_checkpoint_then_start_from_it_under_another_seed(tmp_path):
 
 def test_injected_nonfinite_losses_are_skipped_counted_and_never_saved(tmp_path, monkeypatch):
     """NaN losses at steps 3 and 5: both skipped (weights unchanged), counted, and no checkpoint holds a non-finite
-    value; with a third one at step 6 the run stops after max_nonfinite_steps=2."""
+    value; a third one at step 6 is the max_nonfinite_steps=3rd skip: the run stops there."""
     trainer = Trainer(load_config(base_args(tmp_path, 8, "--checkpoint.enable", "--checkpoint.interval", "1",
-                                            "--training.max_nonfinite_steps", "2"), world_size=1))
+                                            "--training.max_nonfinite_steps", "3"), world_size=1))
     loss_fn = trainer.loss.loss_fn
     bad_steps = {3, 5, 6}
     weights_before: dict[int, torch.Tensor] = {}
@@ -133,7 +133,8 @@ def test_injected_nonfinite_losses_are_skipped_counted_and_never_saved(tmp_path,
         return out * float("nan") if trainer.step in bad_steps else out
 
     trainer.loss.loss_fn = poisoned
-    with pytest.raises(RuntimeError, match=r"3 non-finite steps exceed training.max_nonfinite_steps=2"):
+    with pytest.raises(RuntimeError, match=r"stopping at step 6: 3 non-finite steps skipped, "
+                                           r"training.max_nonfinite_steps=3"):
         trainer.train()
     assert trainer.step == 6 and trainer.nonfinite_steps == 3
     folder = tmp_path / "checkpoint"
@@ -146,7 +147,7 @@ def test_injected_nonfinite_losses_are_skipped_counted_and_never_saved(tmp_path,
 
     # Resuming from step-5 restores the counter: one more non-finite step is tolerated, the next one is not.
     resumed = Trainer(load_config(base_args(tmp_path, 8, "--checkpoint.enable", "--checkpoint.interval", "1",
-                                            "--training.max_nonfinite_steps", "2"), world_size=1))
+                                            "--training.max_nonfinite_steps", "3"), world_size=1))
     resumed.checkpointer.load()
     assert (resumed.step, resumed.nonfinite_steps) == (5, 2)
 

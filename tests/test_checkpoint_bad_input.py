@@ -95,7 +95,11 @@ def test_corrupted_entry_found_while_loading(dump, capsys):
     raw = bytearray((step4 / info.relative_path).read_bytes())
     raw[info.offset: info.offset + info.length] = b"\x00" * info.length
     (step4 / info.relative_path).write_bytes(bytes(raw))
-    fails_with(capsys, dump, args(dump, "--checkpoint.enable"), "step-4' could not be loaded")
+    fails_with(capsys, dump, args(dump, "--checkpoint.enable", "--checkpoint.checksum", "false"),
+               "step-4' could not be loaded")
+    # With the checksums (the default) the damage is found before anything is read, naming the file.
+    fails_with(capsys, dump, args(dump, "--checkpoint.enable"),
+               f"step-4' is corrupted: {info.relative_path} does not match its checksum")
 
 
 def test_load_step_that_does_not_exist_or_is_not_the_newest(dump, capsys):

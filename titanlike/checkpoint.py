@@ -38,6 +38,7 @@ import shutil
 import time
 import uuid
 import warnings
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -52,9 +53,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
-from titanlike import restricted_unpickle
+from titanlike import fault, restricted_unpickle
 from titanlike.config import ConfigError, JobConfig
 from titanlike.models import ModelArgs
 
@@ -62,6 +64,10 @@ META_NAME = "checkpoint.json"
 FORMAT = "titanlike-dcp-1"
 STEP_DIR = re.compile(r"step-(\d+)")
 _LEFTOVER_DIR = re.compile(r"(step-\d+|final)\.(tmp|new|trash)-[\w.-]+")  # killed saves, deletions in progress
+# What a save of ours writes into such a folder: a leftover holding anything else is not removed.
+_OUR_FILES = re.compile(r"\.metadata(\.tmp)?|__\d+_\d+\.distcp|__\d+_crc32\.json|checkpoint\.json|checksums\.json"
+                        r"|model\.safetensors|config\.json|\.write-test-\w+")
+CHECKSUMS_NAME = "checksums.json"
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _SINGLE_PROCESS_NOTE = r"torch\.distributed is (disabled, )?unavailable or uninitialized"
 # DCP notes on every single-process save/load that it "assumes the intent": it is ours. Filtered for the process
@@ -133,6 +139,11 @@ def _remove_dir(path: Path, run_id: str) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def _only_ours(folder: Path) -> bool:
+    """True when ``folder`` holds only files that a checkpoint save or export writes (safe to delete)."""
+    return all(f.is_file() and _OUR_FILES.fullmatch(f.name) for f in folder.iterdir())
+
+
 def check_writable(folder: Path) -> None:
     """Create ``folder`` if needed and prove a file can be written in it; ConfigError otherwise."""
     if folder.exists() and not folder.is_dir():
@@ -193,6 +204,72 @@ def check_model_fits(metadata, expected: dict[str, torch.Size], path: str | os.P
     if extra:
         raise ConfigError(f"checkpoint '{path}' is for a different model: it has '{extra[0]}', which this model "
                           f"has not")
+
+
+# ---------------------------------------------------------------------------------------------------- checksums
+_CHUNK = 16 << 20
+
+
+def file_crc32(path: Path) -> str:
+    """CRC-32 of a file's bytes (zlib's, read in 16 MiB chunks), as 8 hex digits."""
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+    return f"{crc:08x}"
+
+
+class ChecksummingWriter(FileSystemWriter):
+    """DCP's file writer that, once this rank's data files are written (and fsynced), records their CRC-32 in a
+    small ``__<rank>_crc32.json`` beside them. The ranks hash in parallel (and, for an async save, in the
+    background thread), before DCP's coordinator writes ``.metadata``; at the commit rank 0 merges the records into
+    ``checksums.json``."""
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        results = future.wait()
+        files = sorted({r.storage_data.relative_path for r in results})
+        sums = {name: {"crc32": file_crc32(Path(self.path) / name), "size": (Path(self.path) / name).stat().st_size}
+                for name in files}
+        _write_json(Path(self.path) / f"{plan.storage_data.prefix}crc32.json", sums)
+        return future
+
+
+def _merge_checksums(folder: Path) -> None:
+    """Rank 0, at the commit: every rank's records plus .metadata and checkpoint.json -> checksums.json."""
+    sums = {}
+    for part in sorted(folder.glob("__*_crc32.json")):
+        sums.update(json.loads(part.read_text()))
+    for name in (".metadata", META_NAME):
+        sums[name] = {"crc32": file_crc32(folder / name), "size": (folder / name).stat().st_size}
+    _write_json(folder / CHECKSUMS_NAME, {"algorithm": "crc32", "files": dict(sorted(sums.items()))})
+    for part in folder.glob("__*_crc32.json"):
+        part.unlink()
+
+
+def verify_checksums(path: str | os.PathLike) -> str | None:
+    """Compare every file of a checkpoint with its ``checksums.json``; the first mismatch as text (None: all equal,
+    or no checksums were recorded)."""
+    path = Path(path)
+    record = path / CHECKSUMS_NAME
+    if not record.is_file():
+        return None
+    try:
+        files = json.loads(record.read_text())["files"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        return f"its {CHECKSUMS_NAME} cannot be read ({type(e).__name__}: {e})"
+    for name, want in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != want["size"]:
+            return f"{name} has {f.stat().st_size} bytes, {want['size']} were written"
+        have = file_crc32(f)
+        if have != want["crc32"]:
+            return f"{name} does not match its checksum (crc32 {have}, {want['crc32']} was written)"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------- model parts
@@ -314,6 +391,28 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- the manager
+class CheckpointSaveError(fault.ReportedError):
+    """A save could not be written; its partial folder is removed and the previous checkpoint is intact."""
+
+
+def _root_cause(exc: BaseException) -> str:
+    """'[Errno 28] No space left on device' for an OSError anywhere in ``exc`` (DCP wraps the ranks' failures),
+    else its telling line."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return f"[Errno {e.errno}] {e.strerror}"
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [e.__cause__, e.__context__]
+    return fault.first_line(exc)
+
+
 class CheckpointManager:
     """Saves and restores a trainer's state; created by the Trainer when checkpointing is configured.
 
@@ -334,10 +433,16 @@ class CheckpointManager:
         # A gloo group of its own: DCP exchanges only plans and metadata (any device), an async save runs its
         # collectives on it from a background thread without interleaving with the training collectives, and
         # gloo has monitored_barrier, which names the ranks that do not arrive.
-        self.pg = dist.new_group(backend="gloo") if self.distributed else None
+        # Its timeout is comm.timeout_seconds like every other group's (torch's default would be 30 minutes).
+        self.pg = dist.new_group(backend="gloo", timeout=self.timeout) if self.distributed else None
         self.pending: tuple | None = None  # async save in flight: (future, step, tmp folder, start, meta)
         self.last_step: int | None = None  # newest step committed or loaded by this run
         self.plan = self._agree(self._make_plan)
+
+    def _op(self, what: str):
+        """A phase whose failed collectives are reported naming the ranks that stopped answering (fault.py)."""
+        return fault.operation(what, rank=self.rank, world_size=self.trainer.world_size,
+                               timeout_s=self.timeout.total_seconds(), enabled=self.distributed)
 
     # ------------------------------------------------------------------------------------------ input checks
     def _agree(self, fn):
@@ -352,7 +457,8 @@ class CheckpointManager:
                 result = {"failure": f"checkpoint setup failed on rank 0: {type(e).__name__}: {e}"}
         if self.distributed:
             box = [result]
-            dist.broadcast_object_list(box, src=0, group=self.pg)
+            with self._op("the checkpoint setup (rank 0 checks the checkpoint folder)"):
+                dist.broadcast_object_list(box, src=0, group=self.pg)
             result = box[0]
         if "error" in result:
             raise ConfigError(result["error"])
@@ -399,23 +505,73 @@ class CheckpointManager:
                                       f"({', '.join(map(str, later))}) that this run would overwrite or purge; move "
                                       f"them away or resume into another checkpoint.folder")
                 found = {c.load_step: found[c.load_step]}
-            if found:
-                step, path = max(found.items())
+            corrupt: list[tuple[Path, str]] = []  # newest first, set aside when an older one resumes
+            for step, path in sorted(found.items(), reverse=True):
                 try:
-                    metadata = read_dcp_metadata(path)
-                    _ = read_meta(path)
+                    metadata = self._check_intact(path)
                 except ConfigError as e:
-                    raise ConfigError(f"{e}; move it out of '{folder}' to resume from the checkpoint before it, or "
-                                      f"repair it") from None
+                    if c.on_corrupt == "previous" and c.load_step < 0:
+                        corrupt.append((path, str(e)))
+                        continue
+                    raise ConfigError(f"{e}; move it out of '{folder}' to resume from the checkpoint before it "
+                                      f"(or set checkpoint.on_corrupt = \"previous\"), or repair it") from None
                 check_model_fits(metadata, expected, path)
                 keys = metadata.state_dict_metadata
+                self._tidy(corrupt, plan["run_id"])
                 return {**plan, "action": "resume", "path": str(path), "step": step,
                         "full": any(k.startswith("optimizer.") for k in keys),
                         "tied_alias": not any(k.startswith("optimizer.state.output.weight.") for k in keys),
                         "rng_world_size": read_meta(path).get("world_size")}
+            if corrupt:
+                raise ConfigError(f"no intact checkpoint in '{folder}' to resume from (checkpoint.on_corrupt = "
+                                  f"\"previous\"): {corrupt[-1][1]}; repair one or move them away to start over")
         if c.initial_load_path:
-            return {**plan, **self._plan_initial(Path(c.initial_load_path), expected)}
+            plan = {**plan, **self._plan_initial(Path(c.initial_load_path), expected)}
+        if c.enable:
+            self._tidy([], plan["run_id"])
         return plan
+
+    def _check_intact(self, path: Path):
+        """The DCP metadata of a committed checkpoint after checking its files (sizes; checksums when recorded and
+        checkpoint.checksum is on); a ConfigError naming the first problem otherwise."""
+        metadata = read_dcp_metadata(path)
+        read_meta(path)
+        if self.cfg.checksum:
+            bad = verify_checksums(path)
+            if bad:
+                raise ConfigError(f"checkpoint '{path}' is corrupted: {bad}")
+        return metadata
+
+    def _tidy(self, corrupt: list[tuple[Path, str]], run_id: str) -> None:
+        """Rank 0, once the input is known good: set aside corrupted checkpoints that are skipped and ``step-N``
+        folders without their commit marker (.metadata; never "newest", and their step is saved again without a
+        conflict), and delete the temporary folders of dead runs when they hold only files a save writes."""
+        folder = self.folder
+        for path, why in corrupt:
+            aside = path.with_name(f"{path.name}.corrupt-{run_id}")
+            os.rename(path, aside)
+            print(f"checkpoint: {why}; set aside as {aside.name}, resuming from an older checkpoint", flush=True)
+        removed, kept = [], []
+        for p in sorted(folder.iterdir()):
+            if not p.is_dir():
+                continue
+            if STEP_DIR.fullmatch(p.name) and not (p / ".metadata").is_file():
+                aside = p.with_name(f"{p.name}.incomplete-{run_id}")
+                os.rename(p, aside)
+                print(f"checkpoint: {p} has no .metadata (its save was never committed): set aside as {aside.name}",
+                      flush=True)
+            elif _LEFTOVER_DIR.fullmatch(p.name):
+                if _only_ours(p):
+                    shutil.rmtree(p, ignore_errors=True)
+                    removed.append(p.name)
+                else:
+                    kept.append(p.name)
+        if removed:
+            print(f"checkpoint: removed {len(removed)} temporary folder(s) of interrupted saves: "
+                  f"{', '.join(removed)}", flush=True)
+        if kept:
+            print(f"checkpoint: not removing {', '.join(kept)}: they hold files a checkpoint save does not write",
+                  flush=True)
 
     def _plan_initial(self, path: Path, expected: dict[str, torch.Size]) -> dict:
         from titanlike import hf
@@ -477,13 +633,15 @@ class CheckpointManager:
         plan, t0 = self.plan, time.perf_counter()
         action = plan["action"]
         if action == "resume":
-            self._load_dcp(plan["path"], full=plan["full"], tied_alias=plan["tied_alias"],
-                           rng=plan["rng_world_size"] == self.trainer.world_size)
+            with self._op(f"the checkpoint load of step {plan['step']}"):
+                self._load_dcp(plan["path"], full=plan["full"], tied_alias=plan["tied_alias"],
+                               rng=plan["rng_world_size"] == self.trainer.world_size)
             what = f"resumed from {plan['path']} (step {self.trainer.step})" if plan["full"] else \
                 f"loaded the seed weights {plan['path']}"
             self.last_step = plan["step"]
         elif action == "initial_dcp":
-            self._load_dcp(plan["path"], full=False, tied_alias=False, rng=False)
+            with self._op("the load of the initial weights"):
+                self._load_dcp(plan["path"], full=False, tied_alias=False, rng=False)
             what = f"loaded the initial weights {plan['path']}"
         elif action == "initial_hf":
             self._load_hf(plan["path"])
@@ -513,6 +671,8 @@ class CheckpointManager:
                 _dcp(restricted_unpickle.load, aliased, checkpoint_id=path, **self._dcp_kwargs())
         except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's failure into
             # one CheckpointException (a BaseException), raised on every rank; its last line is the root cause
+            if fault.is_comm_failure(e):  # a rank stopped answering: not the checkpoint's fault (reported by _op)
+                raise
             first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise ConfigError(f"checkpoint '{path}' could not be loaded ({first}); move it out of its folder to "
                               f"resume from the checkpoint before it, or repair it") from None
@@ -555,32 +715,57 @@ class CheckpointManager:
     def save(self, step: int) -> None:
         self._wait()
         t0 = time.perf_counter()
-        if self.distributed:
-            self._barrier(f"the checkpoint save of step {step}")
-        state = self._state()
-        self._check_finite(state, step)
-        train = state["train"]
-        meta = _meta(step, "full", self.trainer.model_args, world_size=self.trainer.world_size,
-                     dp_degree=getattr(self.trainer, "dp_degree", None), tokens_seen=train["tokens_seen"],
-                     data_position=train["data_position"], nonfinite_steps=train["nonfinite_steps"])
-        tmp = self.folder / f"step-{step}.tmp-{self.plan['run_id']}"
+        what = f"the checkpoint save of step {step}"
+        with self._op(what):
+            if self.distributed:
+                self._barrier(what)
+            state = self._state()
+            self._check_finite(state, step)
+            train = state["train"]
+            meta = _meta(step, "full", self.trainer.model_args, world_size=self.trainer.world_size,
+                         dp_degree=getattr(self.trainer, "dp_degree", None), tokens_seen=train["tokens_seen"],
+                         data_position=train["data_position"], nonfinite_steps=train["nonfinite_steps"])
+            tmp = self.folder / f"step-{step}.tmp-{self.plan['run_id']}"
+            kwargs = {**self._dcp_kwargs(), "checkpoint_id": str(tmp)}
+            if self.cfg.checksum:
+                kwargs["storage_writer"] = ChecksummingWriter(str(tmp))
+            try:
+                if self.cfg.async_mode == "async":
+                    future = _dcp(dcp.async_save, state, **kwargs)
+                    future = getattr(future, "upload_completion", future)  # AsyncSaveResponse on some stagers
+                else:
+                    _dcp(dcp.save, state, **kwargs)
+            except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP raises its gathered failures
+                if fault.is_comm_failure(e):
+                    raise
+                self._save_failed(step, tmp, e)
         if self.cfg.async_mode == "async":
-            future = _dcp(dcp.async_save, state, checkpoint_id=str(tmp), **self._dcp_kwargs())
-            future = getattr(future, "upload_completion", future)  # AsyncSaveResponse on some stagers
             self.pending = (future, step, tmp, t0, meta)
             if self.rank == 0:
                 print(f"checkpoint: step {step} staged in {time.perf_counter() - t0:.2f}s, writing in the background",
                       flush=True)
         else:
-            _dcp(dcp.save, state, checkpoint_id=str(tmp), **self._dcp_kwargs())
             self._commit(step, tmp, t0, meta)
+
+    def _save_failed(self, step: int, tmp: Path, exc: BaseException):
+        """A save that could not be written (disk full, I/O error, ...): remove its temporary folder (rank 0; DCP
+        raises the failure of any rank on every rank, after all of them stopped writing) and stop the run with one
+        line naming the folder and the free space. The previous checkpoint was never touched."""
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        newest = max(committed_checkpoints(self.folder), default=None)
+        previous = f"step-{newest} is intact" if newest is not None else "there is no earlier checkpoint"
+        raise CheckpointSaveError(
+            f"rank {self.rank}: the checkpoint save of step {step} into '{self.folder}' failed ({_root_cause(exc)}); "
+            f"{fault.free_space(self.folder)} there; removed its partial folder {tmp.name}, {previous}") from exc
 
     def _barrier(self, what: str) -> None:
         """A barrier that names the ranks which do not arrive within comm.timeout_seconds (instead of hanging)."""
         try:
             dist.monitored_barrier(group=self.pg, timeout=self.timeout, wait_all_ranks=True)
         except RuntimeError as e:
-            raise RuntimeError(f"rank {self.rank}: {what} did not start on every rank: {e}") from None
+            raise fault.CollectiveFailure(f"rank {self.rank}: {what} did not start on every rank: "
+                                          f"{fault.first_line(e)}") from None
 
     def _check_finite(self, state: dict, step: int) -> None:
         local = [t for t in _local_tensors({"m": state["model"], "o": state["optimizer"]}) if t.numel()]
@@ -604,7 +789,13 @@ class CheckpointManager:
             return
         future, step, tmp, t0, meta = self.pending
         self.pending = None
-        future.result()
+        with self._op(f"the background checkpoint save of step {step}"):
+            try:
+                future.result()
+            except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001
+                if fault.is_comm_failure(e):
+                    raise
+                self._save_failed(step, tmp, e)
         self._commit(step, tmp, t0, meta)
 
     def _commit(self, step: int, tmp: Path, t0: float, meta: dict) -> None:
@@ -616,11 +807,17 @@ class CheckpointManager:
         self.last_step = step
         if self.rank != 0:
             return
-        _write_json(tmp / META_NAME, meta)
+        try:
+            _write_json(tmp / META_NAME, meta)
+            if self.cfg.checksum:
+                _merge_checksums(tmp)
+        except OSError as e:
+            self._save_failed(step, tmp, e)
         final = self.folder / f"step-{step}"
-        if final.exists():
-            raise RuntimeError(f"checkpoint '{final}' already exists; not overwriting it (the new one is left in "
-                               f"'{tmp}')")
+        if final.exists():  # not there at the start (_tidy): another job writes into this folder
+            aside = final.with_name(f"{final.name}.replaced-{self.plan['run_id']}")
+            os.rename(final, aside)
+            print(f"checkpoint: {final} appeared while this run was training; set aside as {aside.name}", flush=True)
         os.rename(tmp, final)
         _fsync_dir(self.folder)
         size = sum(f.stat().st_size for f in final.iterdir()) / 2**20
@@ -636,7 +833,7 @@ class CheckpointManager:
             for step in list(found)[:-self.cfg.keep_latest_k]:
                 _remove_dir(found[step], run_id)
         for p in self.folder.iterdir():
-            if p.is_dir() and _LEFTOVER_DIR.fullmatch(p.name):
+            if p.is_dir() and _LEFTOVER_DIR.fullmatch(p.name) and _only_ours(p):
                 shutil.rmtree(p, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------ end
@@ -653,4 +850,5 @@ class CheckpointManager:
             print(f"checkpoint: exported step {self.last_step} as Hugging Face Llama to {out} in "
                   f"{time.perf_counter() - t0:.2f}s", flush=True)
         if self.distributed:
-            dist.barrier(group=self.pg)
+            with self._op("the end-of-training barrier"):
+                dist.barrier(group=self.pg)

@@ -64,7 +64,7 @@ class Training:
     deterministic: bool = False
     dtype: str = "float32"  # float32 | bfloat16 (mixed precision over float32 master weights) | float64
     max_norm: float = 1.0  # gradient clipping by global norm; <= 0 disables clipping
-    max_nonfinite_steps: int = 3  # non-finite loss/grad-norm steps skipped before the run stops
+    max_nonfinite_steps: int = 3  # the run stops at the N-th skipped step (non-finite loss or grad norm)
     device: str = "auto"  # auto | cpu | cuda
 
 
@@ -119,6 +119,8 @@ class Checkpoint:
     initial_load_path: str = ""  # a seed checkpoint folder or a Hugging Face safetensors file to start from
     create_seed_checkpoint: bool = False
     export_safetensors: bool = False  # write <folder>/final/model.safetensors + config.json at the end
+    checksum: bool = True  # a CRC-32 per file, written at the commit and verified before a resume
+    on_corrupt: str = "stop"  # stop | previous: a corrupted newest checkpoint stops the run or is set aside
 
 
 @dataclass
@@ -213,6 +215,7 @@ CHOICES = {
     "parallelism.pipeline_parallel_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
                                                "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"),
     "checkpoint.async_mode": ("disabled", "async"),
+    "checkpoint.on_corrupt": ("stop", "previous"),
     "activation_checkpoint.mode": ("none", "full", "selective"),
     "model.kernels": ("torch", "te"),
     "float8.recipe": ("", "delayed", "current", "block", "mxfp8"),
@@ -220,7 +223,7 @@ CHOICES = {
 }
 # key -> (lowest allowed value, what it means)
 MINIMUM = {
-    "training.steps": 0, "training.local_batch_size": 1, "training.seq_len": 1, "training.max_nonfinite_steps": 0,
+    "training.steps": 0, "training.local_batch_size": 1, "training.seq_len": 1, "training.max_nonfinite_steps": 1,
     "optimizer.lr": 0.0, "optimizer.eps": 0.0, "optimizer.weight_decay": 0.0,
     "lr_scheduler.warmup_steps": 0, "lr_scheduler.decay_ratio": 0.0, "lr_scheduler.min_lr_factor": 0.0,
     "model.vocab_multiple": 1, "model.dim": 0, "model.n_layers": 0, "model.n_heads": 0, "model.n_kv_heads": 0,

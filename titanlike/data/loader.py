@@ -150,7 +150,11 @@ def build_dataloader(tokens: np.ndarray, *, seq_len: int, global_batch_size: int
                                 dp_rank=dp_rank, dp_degree=dp_degree, start_sample=start_sample)
     with warnings.catch_warnings():  # torchdata <= 0.11 calls torch.set_vital, deprecated in recent torch
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-        return TokenDataLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory)
+        # A generator of its own: every iter() draws the workers' base seed from it, and from the global one
+        # otherwise, which would put the global RNG one draw off after a resume (the model's dropout, say, would
+        # then not continue bitwise). The batches never depend on it (the order is a function of the seed).
+        return TokenDataLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
+                               generator=torch.Generator().manual_seed(seed))
 
 
 class _ValidationBatches(torch.utils.data.Dataset):
@@ -189,4 +193,5 @@ def build_validation_loader(tokens: np.ndarray, *, seq_len: int, batch_size: int
     if max_batches is not None:
         n_batches = min(n_batches, max_batches)
     windows = PackedWindows(tokens, seq_len, shuffle=False)
-    return DataLoader(_ValidationBatches(windows, batch_size, dp_rank, dp_degree, n_batches), batch_size=None)
+    return DataLoader(_ValidationBatches(windows, batch_size, dp_rank, dp_degree, n_batches), batch_size=None,
+                      generator=torch.Generator().manual_seed(0))  # leaves the global RNG alone

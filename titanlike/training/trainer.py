@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from titanlike import fault
 from titanlike.config import ConfigError, JobConfig, layout_violations, load_config, model_args_from_config
 from titanlike.models import Transformer
 from titanlike.training.metrics import MetricsLogger, Throughput, format_eta, peak_memory_gib
@@ -42,10 +43,15 @@ def default_corpus() -> list[str]:
     return shipped_corpus()
 
 
+class NonFiniteError(fault.ReportedError):
+    """The run stops: too many non-finite steps, or an update made the weights non-finite."""
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.timeout = datetime.timedelta(seconds=cfg.comm.timeout_seconds)
         self.device = resolve_device(cfg)
 
         # Everything that can be wrong with the input is checked before the process group starts.
@@ -78,9 +84,14 @@ class Trainer:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.comm.timeout_seconds))
+            # init_timeout_seconds bounds the rendezvous (ranks may start minutes apart); every collective after it,
+            # on every group created later too (bound_process_groups), is bounded by timeout_seconds.
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.comm.init_timeout_seconds))
+            fault.bound_process_groups(self.timeout)
         self.rank = dist.get_rank() if self.distributed else 0
         self._build()
+        if self.distributed:
+            fault.bound_process_groups(self.timeout)  # the mesh's and the pipeline's groups (default: 30 min)
 
     # ------------------------------------------------------------------ build
     def _build(self) -> None:
@@ -257,23 +268,27 @@ class Trainer:
         with maybe_profile(cfg, self.rank, cfg.job.dump_folder, global_step=self.step) as profiler:
             while self.step < cfg.training.steps:
                 self.step += 1
-                micro_batches = self._next_micro_batches(data_iter)
-                res = train_step(self.model_parts, self.optimizer, micro_batches, self.loss,
-                                 max_norm=cfg.training.max_norm, clip_fn=self.clip_fn,
-                                 lr_scheduler=self.lr_scheduler, dp_group=self.dp_group,
-                                 pp_schedule=self.pp_schedule, pp_group=self.pp_group,
-                                 has_last_stage=self.has_last_stage, forward_ctx=self.forward_context)
+                with self._op(f"training step {self.step}"):
+                    micro_batches = self._next_micro_batches(data_iter)
+                    res = train_step(self.model_parts, self.optimizer, micro_batches, self.loss,
+                                     max_norm=cfg.training.max_norm, clip_fn=self.clip_fn,
+                                     lr_scheduler=self.lr_scheduler, dp_group=self.dp_group,
+                                     pp_schedule=self.pp_schedule, pp_group=self.pp_group,
+                                     has_last_stage=self.has_last_stage, forward_ctx=self.forward_context)
+                    if not res.skipped:
+                        self._check_update_finite(res)
                 throughput.add(res.tokens)
                 self.tokens_seen += res.tokens
                 losses.append(res.loss)
                 if res.skipped:
                     self.nonfinite_steps += 1
+                    limit = cfg.training.max_nonfinite_steps
                     if self.rank == 0:
                         print(f"step {self.step}: non-finite loss {res.loss} or grad norm {res.grad_norm}: update "
-                              f"skipped ({self.nonfinite_steps}/{cfg.training.max_nonfinite_steps})", flush=True)
-                    if self.nonfinite_steps > cfg.training.max_nonfinite_steps:
-                        raise RuntimeError(f"stopping: {self.nonfinite_steps} non-finite steps exceed "
-                                           f"training.max_nonfinite_steps={cfg.training.max_nonfinite_steps}")
+                              f"skipped ({self.nonfinite_steps} of at most {limit})", flush=True)
+                    if self.nonfinite_steps >= limit:
+                        raise NonFiniteError(f"stopping at step {self.step}: {self.nonfinite_steps} non-finite steps "
+                                             f"skipped, training.max_nonfinite_steps={limit}")
                 if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps or self.step == 1:
                     tps, eta = throughput.measure(self.step - last_logged, cfg.training.steps - self.step)
                     last_logged = self.step
@@ -289,7 +304,8 @@ class Trainer:
                                            "mfu": util, "memory_gib": mem, "skipped": res.skipped}, console=line)
                 if self.val_tokens is not None and (self.step % cfg.validation.freq == 0
                                                     or self.step == cfg.training.steps):
-                    val = self.validate()
+                    with self._op(f"the validation at step {self.step}"):
+                        val = self.validate()
                     logger.log(self.step, {"val_loss": val}, console=f"step {self.step:5d}  val_loss {val:8.4f}")
                 if self.checkpointer is not None:
                     self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps)
@@ -298,6 +314,47 @@ class Trainer:
             self.checkpointer.finish()
         logger.close()
         return losses
+
+    def _op(self, what: str):
+        """A phase whose failed collectives are reported naming the ranks that stopped answering (fault.py)."""
+        return fault.operation(what, rank=self.rank, world_size=self.world_size,
+                               timeout_s=self.timeout.total_seconds(), enabled=self.distributed)
+
+    @torch.no_grad()
+    def _check_update_finite(self, res) -> None:
+        """After an update whose loss and gradient norm were finite, check the parameters are still finite, on every
+        rank at this step (AdamW can still make them non-finite, e.g. 0/0 with optimizer.eps = 0 on rows that got
+        no gradient). Cheap: one L1 norm per local tensor (a non-finite element makes it non-finite) and one
+        all-reduce of a flag; only when it trips are the tensors checked element-wise to name the first one.
+        A non-finite update cannot be undone without a copy of the state, so the run stops before saving it."""
+        from torch.distributed.tensor import DTensor
+
+        named = [(n, p.to_local() if isinstance(p, DTensor) else p)
+                 for part in self.model_parts for n, p in part.named_parameters()]
+        named = [(n, t) for n, t in named if t.numel()]
+        ok = torch.ones(1, device=self.device)
+        if named:
+            norms = torch.stack(torch._foreach_norm([t.detach() for _, t in named], 1))
+            ok = torch.isfinite(norms).all().to(ok.dtype).reshape(1)
+        if self.distributed:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if ok.item():
+            return
+        # A finite tensor whose L1 norm overflows is told apart by the exact check.
+        bad = next((n for n, t in named if not torch.isfinite(t).all()), None)
+        names = [bad]
+        if self.distributed:
+            names = [None] * self.world_size
+            dist.all_gather_object(names, bad)
+        found = [(r, n) for r, n in enumerate(names) if n is not None]
+        if not found:
+            return
+        rank, name = found[0]
+        where = f" on rank {rank}" if self.distributed else ""
+        raise NonFiniteError(
+            f"stopping at step {self.step}: the optimizer update made parameter '{name}' non-finite{where} although "
+            f"the loss ({res.loss:.4g}) and the gradient norm ({res.grad_norm:.4g}) were finite; it is not saved "
+            f"(resume from the last checkpoint; check optimizer.eps = {self.cfg.optimizer.eps:g} and optimizer.lr)")
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -345,6 +402,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # input found bad once training started (e.g. a corrupted checkpoint file)
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except fault.ReportedError as e:  # one line says it all (a silent rank, a failed save, non-finite weights)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if trainer.distributed:  # no teardown: a peer may be stopped or gone, and the launcher ends the job
+            sys.stdout.flush()
+            os._exit(1)
+        return 1
     finally:
         distributed = trainer.distributed
         trainer.close()
