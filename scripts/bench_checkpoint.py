@@ -4,8 +4,9 @@
     python scripts/bench_checkpoint.py --out /tmp/ckpt_bench --flavor 1B --tokenizer cl100k
 
 For each flavor: build the Trainer (checkpointing on, keep_latest_k 1), then time ``save`` (sync, model + AdamW +
-train state), ``save`` with ``async_mode=async`` (the time training is blocked, and until the commit), a resume
-(``load`` in a fresh Trainer, which also checks the files first) and the Hugging Face export. Loads read files the
+train state) with and without ``checkpoint.checksum`` (alternating, so that both see the same machine load; the
+ratio is printed), ``save`` with ``async_mode=async`` (the time training is blocked, and until the commit), a resume
+(``load`` in a fresh Trainer), the checksum verification a resume runs first, and the Hugging Face export. Loads read files the
 save has just written, so they come from the page cache: a cold read from disk adds size / disk bandwidth.
 
 Validation (titanlike/restricted_unpickle.py): a resume reads ``.metadata`` twice on a rank (the up-front check and
@@ -34,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titanlike import restricted_unpickle  # noqa: E402
-from titanlike.checkpoint import export_hf  # noqa: E402
+from titanlike.checkpoint import export_hf, verify_checksums  # noqa: E402
 from titanlike.config import load_config  # noqa: E402
 from titanlike.data import asset_path  # noqa: E402
 from titanlike.training.trainer import Trainer  # noqa: E402
@@ -99,19 +100,27 @@ def bench(out: Path, flavor: str, tokenizer: str, repeat: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     trainer = _quiet(_trainer, out, flavor, tokenizer, "disabled")
     ckpt = trainer.checkpointer
-    sync = []
+    sync, plain = [], []
     for i in range(repeat):
-        trainer.step = i + 1
-        t0 = time.perf_counter()
-        _quiet(ckpt.save, trainer.step)
-        sync.append(time.perf_counter() - t0)
-    step_dir = out / "checkpoint" / f"step-{repeat}"
+        for checksum, times in ((False, plain), (True, sync)):
+            ckpt.cfg.checksum = checksum
+            trainer.step = 2 * i + 1 + checksum
+            t0 = time.perf_counter()
+            _quiet(ckpt.save, trainer.step)
+            times.append(time.perf_counter() - t0)
+    ckpt.cfg.checksum = True
+    step_dir = out / "checkpoint" / f"step-{2 * repeat}"  # the newest, saved with checksums
     size = sum(f.stat().st_size for f in step_dir.iterdir())
+    verify = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        assert verify_checksums(step_dir) is None
+        verify.append(time.perf_counter() - t0)
 
     blocked, total = [], []
     ckpt.cfg.async_mode = "async"
     for i in range(repeat):
-        trainer.step = repeat + i + 1
+        trainer.step = 2 * repeat + i + 1
         t0 = time.perf_counter()
         _quiet(ckpt.save, trainer.step)
         blocked.append(time.perf_counter() - t0)
@@ -125,14 +134,15 @@ def bench(out: Path, flavor: str, tokenizer: str, repeat: int) -> dict:
         _quiet(fresh.checkpointer.load)
         loads.append(time.perf_counter() - t0)
         loads_cpu.append(time.process_time() - c0)
-        assert fresh.step == 2 * repeat
+        assert fresh.step == 3 * repeat
 
-    validation = bench_validation(out / "checkpoint" / f"step-{2 * repeat}", repeat)
+    validation = bench_validation(out / "checkpoint" / f"step-{3 * repeat}", repeat)
     t0 = time.perf_counter()
-    export_hf(out / "checkpoint" / f"step-{2 * repeat}", out / "hf")
+    export_hf(out / "checkpoint" / f"step-{3 * repeat}", out / "hf")
     export = time.perf_counter() - t0
     return {"flavor": flavor, "params": trainer.num_params, "size_mib": size / 2**20,
-            "save_s": statistics.median(sync), "async_blocked_s": statistics.median(blocked),
+            "save_s": statistics.median(sync), "save_plain_s": statistics.median(plain),
+            "verify_s": statistics.median(verify), "async_blocked_s": statistics.median(blocked),
             "async_total_s": statistics.median(total), "load_s": statistics.median(loads), "export_hf_s": export,
             "load_cpu_s": statistics.median(loads_cpu), **validation}
 
@@ -146,15 +156,16 @@ def main() -> int:
     args = parser.parse_args()
     flavors = args.flavor or ["debugmodel", "gpt2_small"]  # gpt2_small's shape with the 2k vocabulary: 115M
     print(f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
-    print("| model | parameters | checkpoint | save (sync) | async: training blocked | async: until committed | "
-          "load (resume) | HF export |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | parameters | checkpoint | save (sync) | save, no checksum | checksum cost | "
+          "async: training blocked | async: until committed | load (resume) | verify checksums | HF export |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     results = []
     for flavor in flavors:
         r = bench(Path(args.out) / flavor, flavor, args.tokenizer, args.repeat)
         print(f"| {flavor} | {r['params'] / 1e6:.1f}M | {r['size_mib']:.0f} MiB | {r['save_s']:.2f} s | "
+              f"{r['save_plain_s']:.2f} s | {r['save_s'] / r['save_plain_s']:.3f}x | "
               f"{r['async_blocked_s']:.2f} s | {r['async_total_s']:.2f} s | {r['load_s']:.2f} s | "
-              f"{r['export_hf_s']:.2f} s |", flush=True)
+              f"{r['verify_s']:.2f} s | {r['export_hf_s']:.2f} s |", flush=True)
         results.append(r)
     print("\nCPU time of this process (other processes on the machine do not inflate it):\n"
           "| model | .metadata | byte entries | resume | metadata validation x 2 (stock pickle.load) | byte "

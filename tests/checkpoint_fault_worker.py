@@ -8,7 +8,9 @@ group with ``comm.timeout_seconds``), with ``--job.dump_folder OUT_DIR/MODE``. R
 
 * ``hang_at_save``: it stops answering (sleeps) when it should join the checkpoint save of step 2;
 * ``hang_in_step``: it sleeps before training step 3, so rank 0 waits in the step's first collective;
-* ``exit_in_step``: it leaves with exit code 0 before training step 3, as if a bug returned early.
+* ``exit_in_step``: it leaves with exit code 0 before training step 3, as if a bug returned early;
+* ``sigstop_in_save``: it stops itself with SIGSTOP inside the checkpoint save of step 2, once its data files are
+  written (rank 0 then waits for it in DCP's gather of the write results).
 
 Rank 1 writes the time it stopped to ``OUT_DIR/MODE/fault_time``. Like torchrun, this launcher ends a job as soon as
 a rank fails, killing the rest; it writes ``OUT_DIR/MODE/job.json`` (exit codes, seconds from the fault to the end
@@ -34,6 +36,9 @@ from titanlike.checkpoint import CheckpointManager  # noqa: E402
 
 def _stop(mode: str, dump: Path) -> None:
     (dump / "fault_time").write_text(repr(time.time()))
+    if mode == "sigstop_in_save":
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGSTOP)
     if mode.startswith("hang"):
         time.sleep(3600)
     sys.stdout.flush()
@@ -50,6 +55,19 @@ def _make_faulty(mode: str, dump: Path) -> None:
             return save(self, step)
 
         CheckpointManager.save = faulty_save
+    elif mode == "sigstop_in_save":
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        write_data = FileSystemWriter.write_data
+
+        def stopping_write_data(self, plan, planner):
+            out = write_data(self, plan, planner)
+            if Path(str(self.path)).name.startswith("step-2."):
+                out.wait()
+                _stop(mode, dump)
+            return out
+
+        FileSystemWriter.write_data = stopping_write_data
     else:
         train_step, calls = trainer_module.train_step, []
 

@@ -283,3 +283,35 @@ def test_kill_9_at_each_phase_of_a_save(straight, killed, pause, capsys):
     assert sorted(p.name for p in folder.iterdir()) == ["step-6"]
     assert torch.equal(read_model_state_dict(folder / "step-6")["output.weight"],
                        read_model_state_dict(straight[0] / "checkpoint" / "step-6")["output.weight"])
+
+
+def test_every_process_group_gets_the_timeout(tmp_path):
+    """torch gives a new gloo group (DeviceMesh's, new_group's) a 30-minute timeout; bound_process_groups sets
+    comm.timeout_seconds on every group of the job, the default one included."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from titanlike.fault import bound_process_groups, group_timeout_seconds
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=77))
+    try:
+        group = dist.new_group(backend="gloo")
+        assert (group_timeout_seconds(dist.group.WORLD), group_timeout_seconds(group)) == (77, 1800)
+        assert bound_process_groups(datetime.timedelta(seconds=5)) == 2
+        assert (group_timeout_seconds(dist.group.WORLD), group_timeout_seconds(group)) == (5, 5)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_comm_failure_is_told_apart_from_a_bug():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from titanlike.fault import is_comm_failure
+
+    gloo = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv operation")
+    assert is_comm_failure(gloo)
+    assert is_comm_failure(CheckpointException("save", {1: (gloo, None)}))
+    assert not is_comm_failure(CheckpointException("save", {0: (OSError(28, "No space left on device"), None)}))
+    assert not is_comm_failure(ValueError("shapes do not match"))

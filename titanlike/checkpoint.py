@@ -433,8 +433,10 @@ class CheckpointManager:
         # A gloo group of its own: DCP exchanges only plans and metadata (any device), an async save runs its
         # collectives on it from a background thread without interleaving with the training collectives, and
         # gloo has monitored_barrier, which names the ranks that do not arrive.
-        # Its timeout is comm.timeout_seconds like every other group's (torch's default would be 30 minutes).
-        self.pg = dist.new_group(backend="gloo", timeout=self.timeout) if self.distributed else None
+        # Created (a store rendezvous) under comm.init_timeout_seconds; the trainer then bounds it, like every other
+        # group, by comm.timeout_seconds (torch's default for a new gloo group would be 30 minutes).
+        init_timeout = datetime.timedelta(seconds=trainer.cfg.comm.init_timeout_seconds)
+        self.pg = dist.new_group(backend="gloo", timeout=init_timeout) if self.distributed else None
         self.pending: tuple | None = None  # async save in flight: (future, step, tmp folder, start, meta)
         self.last_step: int | None = None  # newest step committed or loaded by this run
         self.plan = self._agree(self._make_plan)

@@ -27,7 +27,7 @@ from titanlike.config import ConfigError
 _COMM_WORDS = ("timed out", "timeout", "connection reset", "connection closed", "connection refused", "broken pipe",
                "gloo", "nccl", "monitoredbarrier", "socket", "by peer")
 _ALIVE_PREFIX = "titanlike/alive/"
-GRACE_S = 5.0  # how long a failed rank waits for the others to report in before naming the silent ones
+GRACE_S = 3.0  # how long a failed rank waits for the others to report in before naming the silent ones
 
 
 class ReportedError(RuntimeError):

@@ -84,14 +84,14 @@ class Trainer:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            # init_timeout_seconds bounds the rendezvous (ranks may start minutes apart); every collective after it,
-            # on every group created later too (bound_process_groups), is bounded by timeout_seconds.
+            # init_timeout_seconds bounds the start: the rendezvous and the creation of every group (ranks may reach
+            # it seconds or minutes apart) and the collectives of the build; once built, every collective on every
+            # group is bounded by timeout_seconds (bound_process_groups below).
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.comm.init_timeout_seconds))
-            fault.bound_process_groups(self.timeout)
         self.rank = dist.get_rank() if self.distributed else 0
         self._build()
         if self.distributed:
-            fault.bound_process_groups(self.timeout)  # the mesh's and the pipeline's groups (default: 30 min)
+            fault.bound_process_groups(self.timeout)  # the default, mesh, pipeline and checkpoint groups
 
     # ------------------------------------------------------------------ build
     def _build(self) -> None:
