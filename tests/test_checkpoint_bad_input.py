@@ -30,7 +30,8 @@ def args(dump: Path, *extra: str) -> list[str]:
 def saved(tmp_path_factory) -> Path:
     """A dump folder whose checkpoint folder holds step-2 and step-4 of the tiny model."""
     dump = tmp_path_factory.mktemp("saved")
-    Trainer(load_config(args(dump, "--checkpoint.enable", "--checkpoint.interval", "2"), world_size=1)).train()
+    Trainer(load_config(args(dump, "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.checksum"),
+                        world_size=1)).train()
     return dump
 
 
@@ -97,8 +98,8 @@ def test_corrupted_entry_found_while_loading(dump, capsys):
     (step4 / info.relative_path).write_bytes(bytes(raw))
     fails_with(capsys, dump, args(dump, "--checkpoint.enable", "--checkpoint.checksum", "false"),
                "step-4' could not be loaded")
-    # With the checksums (the default) the damage is found before anything is read, naming the file.
-    fails_with(capsys, dump, args(dump, "--checkpoint.enable"),
+    # With checksums (the saved fixture wrote them) the damage is found before anything is read, naming the file.
+    fails_with(capsys, dump, args(dump, "--checkpoint.enable", "--checkpoint.checksum"),
                f"step-4' is corrupted: {info.relative_path} does not match its checksum")
 
 

@@ -37,7 +37,8 @@ def base_args(dump: Path, *extra: str) -> list[str]:
     return ["--model.flavor", "tiny", "--training.steps", str(STEPS), "--training.local_batch_size", "4",
             "--training.seq_len", "32", "--data.path", CORPUS, "--validation.enable", "false",
             "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "100", "--lr_scheduler.warmup_steps", "2",
-            "--checkpoint.enable", "--checkpoint.interval", "2", "--job.dump_folder", str(dump), *extra]
+            "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.checksum", "--job.dump_folder",
+            str(dump), *extra]
 
 
 def run(dump: Path, *extra: str) -> tuple[Trainer, list[float]]:
@@ -154,9 +155,9 @@ def flip_a_weight_byte(step_dir: Path) -> str:
 
 
 def test_a_flipped_byte_is_caught_by_the_checksum(straight, tmp_path, capsys):
-    """One bit flipped inside a weight of step-4: with on_corrupt = "stop" (the default) the run refuses with one
-    line naming the file and changes nothing; with "previous" step-4 is set aside and the run resumes from step-2,
-    ending exactly as the straight run."""
+    """One bit flipped inside a weight of step-4 (checkpoint.checksum on): with on_corrupt = "stop" (the default)
+    the run refuses with one line naming the file and changes nothing; with "previous" step-4 is set aside and the
+    run resumes from step-2, ending exactly as the straight run."""
     folder = copy_checkpoints(straight, tmp_path)
     name = flip_a_weight_byte(folder / "step-4")
     capsys.readouterr()

@@ -119,7 +119,7 @@ class Checkpoint:
     initial_load_path: str = ""  # a seed checkpoint folder or a Hugging Face safetensors file to start from
     create_seed_checkpoint: bool = False
     export_safetensors: bool = False  # write <folder>/final/model.safetensors + config.json at the end
-    checksum: bool = True  # a CRC-32 per file, written at the commit and verified before a resume
+    checksum: bool = False  # a CRC-32 per file, written at the commit and verified before a resume
     on_corrupt: str = "stop"  # stop | previous: a corrupted newest checkpoint stops the run or is set aside
 
 
