@@ -3,7 +3,9 @@
 Layout on disk (``checkpoint.folder``, relative to ``job.dump_folder``)::
 
     step-200/                  a committed checkpoint: DCP files (.metadata, __<rank>_0.distcp) + checkpoint.json
-    step-300.tmp-1a2b3c4d/     a save in progress, or one killed mid-write: ignored, removed after the next commit
+                               (+ checksums.json with checkpoint.checksum)
+    step-300.tmp-1a2b3c4d/     a save in progress, or one killed mid-write: ignored, removed at the next start
+    step-400.incomplete-…/     a step folder without .metadata found at the start, set aside (never resumed)
     final/                     checkpoint.export_safetensors: model.safetensors + config.json (Hugging Face Llama)
 
 What a checkpoint holds (one DCP state dict, keyed by the plain model's FQNs):
@@ -20,6 +22,10 @@ What a checkpoint holds (one DCP state dict, keyed by the plain model's FQNs):
 gathering every rank's write results (so after all data files exist); then rank 0 adds ``checkpoint.json`` and renames
 the folder to ``step-N``. A rename is atomic, so a ``step-N`` folder is always complete and a kill -9 at any moment
 leaves the previous one loadable. Old checkpoints (``keep_latest_k``) are renamed aside before they are deleted.
+
+**Faults.** Every collective runs on a group bounded by ``comm.timeout_seconds`` and inside ``fault.operation``,
+which names the ranks that stopped answering; a failed write removes its temporary folder and names the free space;
+``checkpoint.checksum`` records a CRC-32 per file, verified before a resume (``checkpoint.on_corrupt``).
 
 **Resume.** With ``checkpoint.enable``, the newest committed ``step-N`` (or ``checkpoint.load_step``) is loaded; a
 seed checkpoint (model only) starts at step 0. Without one, ``checkpoint.initial_load_path`` (a seed / step folder,
@@ -512,7 +518,9 @@ class CheckpointManager:
                 try:
                     metadata = self._check_intact(path)
                 except ConfigError as e:
-                    if c.on_corrupt == "previous" and c.load_step < 0:
+                    if c.load_step >= 0:
+                        raise ConfigError(f"{e}; repair it or choose another checkpoint.load_step") from None
+                    if c.on_corrupt == "previous":
                         corrupt.append((path, str(e)))
                         continue
                     raise ConfigError(f"{e}; move it out of '{folder}' to resume from the checkpoint before it "
