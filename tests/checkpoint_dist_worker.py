@@ -40,11 +40,14 @@ CASES = [
     ("fsdp4_from_tp2_fsdp2", 4, [], "tp2_fsdp2"),
     ("pp2_fsdp2", 4, PP2, None),
     ("pp2_fsdp2_from_tp2_fsdp2", 4, PP2, "tp2_fsdp2"),
-    ("fsdp2", 2, ["--checkpoint.async_mode", "async"], None),  # saved in the background while training goes on
+    # saved in the background while training goes on, with checksums (hashed in the background thread too)
+    ("fsdp2", 2, ["--checkpoint.async_mode", "async", "--checkpoint.checksum"], None),
     ("single", 1, [], None),
     ("single_from_fsdp2", 1, [], "fsdp2"),
     ("tp2", 2, TP2, None),
-    ("tp2_from_fsdp2", 2, TP2, "fsdp2"),
+    ("tp2_from_fsdp2", 2, TP2 + ["--checkpoint.checksum"], "fsdp2"),  # the 2 ranks share the verification
+    # step-6 is there too, with a bit flipped in rank 0's data file (verified by rank 1): set aside, step-3 resumes
+    ("tp2_from_corrupt_fsdp2", 2, TP2 + ["--checkpoint.checksum", "--checkpoint.on_corrupt", "previous"], "fsdp2"),
     ("tied_fsdp2", 2, TIED, None),
     # V placement: pp rank 0 holds the first stage (embedding) and the last (head), each with its copy of the tied
     # weight; the non-pipelined checkpoint has one optimizer state for both, saved as tok_embeddings.weight.
@@ -108,6 +111,11 @@ def _run_cases(rank: int, store, out: Path) -> None:
             if source is not None:
                 src = out / source / "checkpoint" / f"step-{SAVE_STEP}"
                 shutil.copytree(src, out / name / "checkpoint" / src.name)
+                if "corrupt" in name:
+                    newest = shutil.copytree(src.with_name("step-6"), out / name / "checkpoint" / "step-6")
+                    raw = bytearray((newest / "__0_0.distcp").read_bytes())
+                    raw[len(raw) // 2] ^= 0x01
+                    (newest / "__0_0.distcp").write_bytes(bytes(raw))
             store.set(f"port/{i}", str(_free_port()))
         _barrier(store, f"start/{i}")
         if rank < n:

@@ -23,7 +23,8 @@ SAVE_STEP = 3
 RESHARDS = [
     ("fsdp4_from_tp2_fsdp2", "fsdp4", "tp2_fsdp2"),  # tp2 x fsdp2 -> fsdp4 (dp 2 -> 4)
     ("single_from_fsdp2", "single", "fsdp2"),  # fsdp2 (async saves) -> one process, no process group (dp 2 -> 1)
-    ("tp2_from_fsdp2", "tp2", "fsdp2"),  # fsdp2 -> tp2 (dp 2 -> 1)
+    ("tp2_from_fsdp2", "tp2", "fsdp2"),  # fsdp2 -> tp2 (dp 2 -> 1), checksums verified by both ranks
+    ("tp2_from_corrupt_fsdp2", "tp2", "fsdp2"),  # same, after setting aside a newer step-6 with a flipped bit
     ("pp2_fsdp2_from_tp2_fsdp2", "pp2_fsdp2", "tp2_fsdp2"),  # tp2 x fsdp2 -> pp2 x fsdp2
     ("tied_zbv_pp2_from_tied_fsdp2", "tied_zbv_pp2", "tied_fsdp2"),  # tied embeddings: fsdp2 -> ZBV pp2
 ]
@@ -78,6 +79,18 @@ def test_resume_under_another_layout_continues_the_loss_curve(cases, resumed, re
     b = read_model_state_dict(out / reference / "checkpoint" / "step-6")
     assert a.keys() == b.keys()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= TOL
+
+
+def test_a_corrupted_newest_checkpoint_is_set_aside_under_two_ranks(cases):
+    """The flipped bit in step-6's rank-0 file was found by rank 1's share of the verification; with on_corrupt =
+    "previous" both ranks went on from step-3 (the loss curve is checked above) and step-6 was saved anew."""
+    out, _ = cases
+    folder = out / "tp2_from_corrupt_fsdp2" / "checkpoint"
+    aside = [p.name for p in folder.iterdir() if p.name.startswith("step-6.corrupt-")]
+    assert len(aside) == 1 and list(committed_checkpoints(folder)) == [3, 6]
+    log = (out / "log_rank0.txt").read_text()
+    assert "step-6' is corrupted: __0_0.distcp does not match its checksum" in log
+    assert (folder / "step-6" / "checksums.json").is_file()
 
 
 def test_tied_checkpoint_loads_into_both_pipeline_copies(cases):

@@ -255,18 +255,29 @@ def _merge_checksums(folder: Path) -> None:
         part.unlink()
 
 
-def verify_checksums(path: str | os.PathLike) -> str | None:
-    """Compare every file of a checkpoint with its ``checksums.json``; the first mismatch as text (None: all equal,
-    or no checksums were recorded)."""
-    path = Path(path)
-    record = path / CHECKSUMS_NAME
+def read_checksums(path: str | os.PathLike) -> dict | str | None:
+    """The ``{file: {"crc32", "size"}}`` recorded in a checkpoint's ``checksums.json``; None when there is none, a
+    text saying why when it cannot be read."""
+    record = Path(path) / CHECKSUMS_NAME
     if not record.is_file():
         return None
     try:
         files = json.loads(record.read_text())["files"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        if not all(isinstance(v, dict) and {"crc32", "size"} <= v.keys() for v in files.values()):
+            raise TypeError("an entry lacks crc32 or size")
+        return files
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
         return f"its {CHECKSUMS_NAME} cannot be read ({type(e).__name__}: {e})"
-    for name, want in files.items():
+
+
+def verify_checksums(path: str | os.PathLike, rank: int = 0, world_size: int = 1) -> str | None:
+    """Compare the files of a checkpoint with its ``checksums.json`` (this rank's share: every ``world_size``-th
+    file from ``rank``); the first mismatch as text (None: all equal, or no checksums were recorded)."""
+    path = Path(path)
+    files = read_checksums(path)
+    if files is None or isinstance(files, str):
+        return files
+    for name, want in sorted(files.items())[rank::world_size]:
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
@@ -445,7 +456,10 @@ class CheckpointManager:
         self.pg = dist.new_group(backend="gloo", timeout=init_timeout) if self.distributed else None
         self.pending: tuple | None = None  # async save in flight: (future, step, tmp folder, start, meta)
         self.last_step: int | None = None  # newest step committed or loaded by this run
+        self._corrupt: dict[str, str] = {}  # path -> why, of checkpoints whose checksums did not match (_verify)
         self.plan = self._agree(self._make_plan)
+        self._verify()
+        self._tidy()
 
     def _op(self, what: str):
         """A phase whose failed collectives are reported naming the ranks that stopped answering (fault.py)."""
@@ -527,8 +541,8 @@ class CheckpointManager:
                                       f"(or set checkpoint.on_corrupt = \"previous\"), or repair it") from None
                 check_model_fits(metadata, expected, path)
                 keys = metadata.state_dict_metadata
-                self._tidy(corrupt, plan["run_id"])
                 return {**plan, "action": "resume", "path": str(path), "step": step,
+                        "corrupt": [(str(p), why) for p, why in corrupt],
                         "full": any(k.startswith("optimizer.") for k in keys),
                         "tied_alias": not any(k.startswith("optimizer.state.output.weight.") for k in keys),
                         "rng_world_size": read_meta(path).get("world_size")}
@@ -537,27 +551,54 @@ class CheckpointManager:
                                   f"\"previous\"): {corrupt[-1][1]}; repair one or move them away to start over")
         if c.initial_load_path:
             plan = {**plan, **self._plan_initial(Path(c.initial_load_path), expected)}
-        if c.enable:
-            self._tidy([], plan["run_id"])
         return plan
 
     def _check_intact(self, path: Path):
-        """The DCP metadata of a committed checkpoint after checking its files (sizes; checksums when recorded and
-        checkpoint.checksum is on); a ConfigError naming the first problem otherwise."""
+        """The DCP metadata of a committed checkpoint after checking its files' sizes (and, with checkpoint.checksum,
+        that its checksums.json is readable; the CRCs are compared by every rank, see _verify); a ConfigError naming
+        the first problem otherwise. A checkpoint found corrupted by _verify is reported here on the re-plan."""
+        if str(path) in self._corrupt:
+            raise ConfigError(self._corrupt[str(path)])
         metadata = read_dcp_metadata(path)
         read_meta(path)
-        if self.cfg.checksum:
-            bad = verify_checksums(path)
-            if bad:
-                raise ConfigError(f"checkpoint '{path}' is corrupted: {bad}")
+        if self.cfg.checksum and isinstance(read_checksums(path), str):
+            raise ConfigError(f"checkpoint '{path}' is corrupted: {read_checksums(path)}")
         return metadata
 
-    def _tidy(self, corrupt: list[tuple[Path, str]], run_id: str) -> None:
+    def _verify(self) -> None:
+        """With checkpoint.checksum, before a resume: every rank compares its share of the checkpoint's files with
+        their CRC-32 (the reading is spread over the ranks), the first mismatch is shared, and it stops the run
+        (on_corrupt = "stop", or a load_step) or sends rank 0 back to plan the newest intact checkpoint
+        ("previous"). Nothing on disk is changed here; set-asides happen in _tidy once a checkpoint passed."""
+        c = self.cfg
+        while c.checksum and self.plan["action"] == "resume":
+            path, world = self.plan["path"], self.trainer.world_size if self.distributed else 1
+            problem = verify_checksums(path, self.rank, world)
+            if self.distributed:
+                problems = [None] * world
+                with self._op(f"the checksum verification of step {self.plan['step']}"):
+                    dist.all_gather_object(problems, problem, group=self.pg)
+                problem = next((p for p in problems if p is not None), None)
+            if problem is None:
+                return
+            msg = f"checkpoint '{path}' is corrupted: {problem}"
+            if c.load_step >= 0:
+                raise ConfigError(f"{msg}; repair it or choose another checkpoint.load_step")
+            if c.on_corrupt != "previous":
+                raise ConfigError(f"{msg}; move it out of '{self.folder}' to resume from the checkpoint before it "
+                                  f"(or set checkpoint.on_corrupt = \"previous\"), or repair it")
+            self._corrupt[path] = msg
+            self.plan = self._agree(self._make_plan)
+
+    def _tidy(self) -> None:
         """Rank 0, once the input is known good: set aside corrupted checkpoints that are skipped and ``step-N``
         folders without their commit marker (.metadata; never "newest", and their step is saved again without a
         conflict), and delete the temporary folders of dead runs when they hold only files a save writes."""
-        folder = self.folder
-        for path, why in corrupt:
+        if self.rank != 0 or not self.cfg.enable or self.plan["action"] == "seed":
+            return
+        folder, run_id = self.folder, self.plan["run_id"]
+        for path, why in self.plan.get("corrupt", []):
+            path = Path(path)
             aside = path.with_name(f"{path.name}.corrupt-{run_id}")
             os.rename(path, aside)
             print(f"checkpoint: {why}; set aside as {aside.name}, resuming from an older checkpoint", flush=True)
