@@ -6,8 +6,9 @@
 For each flavor: build the Trainer (checkpointing on, keep_latest_k 1), then time ``save`` (sync, model + AdamW +
 train state) with and without ``checkpoint.checksum`` (alternating, so that both see the same machine load; the
 ratio is printed), ``save`` with ``async_mode=async`` (the time training is blocked, and until the commit), a resume
-(``load`` in a fresh Trainer), the checksum verification a resume runs first, and the Hugging Face export. Loads read files the
-save has just written, so they come from the page cache: a cold read from disk adds size / disk bandwidth.
+(``load`` in a fresh Trainer), the checksum verification a resume runs first, and the Hugging Face export. Loads
+read files the save has just written, so they come from the page cache: a cold read from disk adds size / disk
+bandwidth.
 
 Validation (titanlike/restricted_unpickle.py): a resume reads ``.metadata`` twice on a rank (the up-front check and
 DCP's own read), each time with the restricted unpickler and the field checks; that is the validation, printed as a

@@ -169,7 +169,7 @@ def test_a_flipped_byte_is_caught_by_the_checksum(straight, tmp_path, capsys):
 
     b, losses = run(tmp_path, "--checkpoint.on_corrupt", "previous")
     out = capsys.readouterr().out
-    assert f"does not match its checksum" in out and "set aside as step-4.corrupt-" in out, out
+    assert "does not match its checksum" in out and "set aside as step-4.corrupt-" in out, out
     assert losses == straight[2][2:]
     assert_same_run(straight[1], b)
 
