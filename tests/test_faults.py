@@ -316,3 +316,14 @@ def test_a_comm_failure_is_told_apart_from_a_bug():
     assert is_comm_failure(CheckpointException("save", {1: (gloo, None)}))
     assert not is_comm_failure(CheckpointException("save", {0: (OSError(28, "No space left on device"), None)}))
     assert not is_comm_failure(ValueError("shapes do not match"))
+
+
+def test_the_new_keys_are_validated(tmp_path, capsys):
+    assert main(base_args(tmp_path, "--checkpoint.on_corrupt", "prev")) == 2
+    assert "checkpoint.on_corrupt: 'prev' is not one of 'stop', 'previous' (did you mean 'previous'?)" in \
+        capsys.readouterr().err
+    assert main(base_args(tmp_path, "--checkpoint.checksum", "maybe")) == 2
+    assert "checkpoint.checksum: expected true or false" in capsys.readouterr().err
+    assert main(base_args(tmp_path, "--training.max_nonfinite_steps", "0")) == 2
+    assert "training.max_nonfinite_steps: 0 is below the minimum 1" in capsys.readouterr().err
+    assert not (tmp_path / "checkpoint").exists()
