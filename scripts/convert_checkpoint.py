@@ -1,9 +1,12 @@
 """Convert between titanlike checkpoints (DCP, any layout) and Hugging Face Llama weights (safetensors).
 
-    # a checkpoint step folder -> model.safetensors + config.json (LlamaForCausalLM)
+    # a checkpoint step folder -> model.safetensors (or shards above --max-shard-size) + config.json
     python scripts/convert_checkpoint.py to-hf outputs/debug/checkpoint/step-200 outputs/debug/hf
+    python scripts/convert_checkpoint.py to-hf outputs/8b/checkpoint/step-1000 outputs/8b/hf --max-shard-size 5GB \
+        --dtype bfloat16
 
-    # a Hugging Face Llama folder (or .safetensors file with config.json beside it) -> a DCP seed checkpoint
+    # a Hugging Face Llama folder (single file or sharded; or a .safetensors with config.json beside it) -> a DCP
+    # seed checkpoint (or start training from the folder directly: --checkpoint.initial_load_path <folder>)
     python scripts/convert_checkpoint.py from-hf outputs/debug/hf outputs/finetune/checkpoint/step-0
     python train.py ... --checkpoint.initial_load_path outputs/finetune/checkpoint/step-0
 
@@ -19,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titanlike.checkpoint import export_hf, write_seed_checkpoint  # noqa: E402
@@ -32,6 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     to_hf = sub.add_parser("to-hf", help="checkpoint step folder -> Hugging Face Llama folder")
     to_hf.add_argument("checkpoint", help="a step-N folder (DCP) written by titanlike")
     to_hf.add_argument("out", help="new folder for model.safetensors and config.json")
+    to_hf.add_argument("--max-shard-size", default="5GB",
+                       help="split the weights into model-0000i-of-0000n.safetensors + index above this (default 5GB)")
+    to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                       help="cast the weights (default: as saved)")
+    to_hf.add_argument("--tokenizer", default=None,
+                       help="bos/eos ids from this tokenizer (default: the one recorded in the checkpoint)")
     from_hf = sub.add_parser("from-hf", help="Hugging Face Llama weights -> DCP seed checkpoint")
     from_hf.add_argument("weights", help="model.safetensors (config.json beside it) or the folder holding both")
     from_hf.add_argument("out", help="new checkpoint folder, e.g. <dump>/checkpoint/step-0")
@@ -39,7 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         if args.direction == "to-hf":
-            out = export_hf(args.checkpoint, args.out)
+            tokenizer = None
+            if args.tokenizer:
+                from titanlike.data import build_tokenizer
+
+                tokenizer = build_tokenizer(args.tokenizer)
+            out = export_hf(args.checkpoint, args.out, max_shard_size=args.max_shard_size,
+                            dtype=getattr(torch, args.dtype) if args.dtype else None, tokenizer=tokenizer)
         else:
             state_dict, model_args = load_hf(args.weights)
             state_dict = {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}

@@ -137,8 +137,10 @@ def test_bad_initial_load_path(dump, tmp_path, capsys):
     from titanlike.models import Transformer
 
     save_hf(Transformer(other).state_dict(), other, hf_dir)
-    fails_with(capsys, dump, args(dump, "--checkpoint.initial_load_path", str(hf_dir / "model.safetensors")),
-               "is for a different model: dim 64 there, 32 here")
+    # config.json sets the architecture; a model option that disagrees with it is refused
+    fails_with(capsys, dump, args(dump, "--checkpoint.initial_load_path", str(hf_dir / "model.safetensors"),
+                                  "--model.dim", "32"),
+               "sets the architecture from its config.json, which disagrees with model.dim 32 (config.json has 64)")
     (hf_dir / "config.json").unlink()  # without config.json the shapes still decide
     fails_with(capsys, dump, args(dump, "--checkpoint.initial_load_path", str(hf_dir)),
                "model.embed_tokens.weight has shape (2048, 64), the model needs (2048, 32)")

@@ -58,7 +58,8 @@ def hf_llama_logits(sd: dict[str, torch.Tensor], config: dict, tokens: torch.Ten
     def rotate_half(x):
         return torch.cat((-x[..., hd // 2:], x[..., : hd // 2]), dim=-1)
 
-    inv_freq = 1.0 / config["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    theta = config["rope_parameters"]["rope_theta"] if "rope_parameters" in config else config["rope_theta"]
+    inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
     freqs = torch.outer(torch.arange(seq, dtype=torch.float64), inv_freq)
     cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
     mask = torch.full((seq, seq), float("-inf"), dtype=torch.float64).triu(1)
@@ -136,11 +137,12 @@ def test_convert_script_both_ways_keeps_the_logits(tmp_path):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
     assert {k: config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                                   "num_key_value_heads", "head_dim", "vocab_size", "rope_theta", "rms_norm_eps",
-                                   "tie_word_embeddings", "max_position_embeddings", "torch_dtype")} == {
+                                   "num_key_value_heads", "head_dim", "vocab_size", "rope_parameters", "rms_norm_eps",
+                                   "tie_word_embeddings", "max_position_embeddings", "dtype")} == {
         "hidden_size": 64, "intermediate_size": args.hidden_dim, "num_hidden_layers": 2, "num_attention_heads": 8,
-        "num_key_value_heads": 4, "head_dim": 8, "vocab_size": 96, "rope_theta": 500000.0, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False, "max_position_embeddings": args.max_seq_len, "torch_dtype": "float32"}
+        "num_key_value_heads": 4, "head_dim": 8, "vocab_size": 96,
+        "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "max_position_embeddings": args.max_seq_len, "dtype": "float32"}
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as f:
         assert set(f.keys()) == set(to_hf(sd, args))
 
@@ -152,6 +154,16 @@ def test_convert_script_both_ways_keeps_the_logits(tmp_path):
     imported.load_state_dict(back)
     tokens = torch.randint(0, args.vocab_size, (2, 9))
     assert torch.equal(imported(tokens), model(tokens))
+
+    # Sharded above --max-shard-size (as save_pretrained names the files), cast on request; loads back.
+    assert main(["to-hf", str(tmp_path / "step-0"), str(tmp_path / "hf16"), "--max-shard-size", "20KB",
+                 "--dtype", "bfloat16", "--tokenizer", "test"]) == 0
+    shards = sorted(p.name for p in (tmp_path / "hf16").glob("model-*.safetensors"))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    config16 = json.loads((tmp_path / "hf16" / "config.json").read_text())
+    assert (config16["dtype"], config16["bos_token_id"], config16["eos_token_id"]) == ("bfloat16", 2001, 2000)
+    back16, _ = load_hf(tmp_path / "hf16")
+    assert all(torch.equal(back16[k], sd[k].to(torch.bfloat16)) for k in sd)
 
     # Nothing is written over: both directions refuse an existing output.
     assert main(["to-hf", str(tmp_path / "step-0"), str(tmp_path / "hf")]) == 2

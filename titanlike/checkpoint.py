@@ -350,7 +350,7 @@ def read_model_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def write_seed_checkpoint(state_dict: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | os.PathLike,
-                          source: str = "") -> Path:
+                          source: str = "", **extra) -> Path:
     """Write model weights (plain tensors, our FQNs) as a DCP seed checkpoint in ``out_dir``, atomically, in this
     process. ``out_dir`` must not exist. Any layout can start from it (``checkpoint.initial_load_path``)."""
     out_dir = Path(out_dir)
@@ -358,7 +358,7 @@ def write_seed_checkpoint(state_dict: dict[str, torch.Tensor], args: ModelArgs, 
         raise FileExistsError(f"'{out_dir}' already exists; not overwriting it")
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
     _dcp(dcp.save, {"model": state_dict}, checkpoint_id=str(tmp), no_dist=True)
-    _write_json(tmp / META_NAME, _meta(0, "seed", args, world_size=1, source=source))
+    _write_json(tmp / META_NAME, _meta(0, "seed", args, world_size=1, source=source, **extra))
     os.rename(tmp, out_dir)
     return out_dir
 
@@ -378,11 +378,22 @@ def model_args_of(path: str | os.PathLike) -> ModelArgs:
     return ModelArgs(**meta["model_args"])
 
 
-def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """Write a checkpoint's weights as a Hugging Face Llama folder (model.safetensors + config.json)."""
-    from titanlike.hf import save_hf
+def tokenizer_meta(tokenizer) -> dict:
+    """What checkpoint.json records of the tokenizer (Hugging Face export writes bos/eos ids from it)."""
+    return {"tokenizer": tokenizer.name, "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id}
 
-    return save_hf(read_model_state_dict(step_dir), model_args_of(step_dir), out_dir)
+
+def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard_size: int | str | None = None,
+              dtype: torch.dtype | None = None, tokenizer=None) -> Path:
+    """Write a checkpoint's weights as a Hugging Face Llama folder (model.safetensors or shards above
+    ``max_shard_size`` + config.json), cast to ``dtype`` if given. bos/eos ids come from ``tokenizer`` or, by
+    default, the tokenizer recorded in the checkpoint."""
+    from titanlike.hf import DEFAULT_MAX_SHARD_SIZE, save_hf
+
+    meta = tokenizer_meta(tokenizer) if tokenizer is not None else read_meta(step_dir)
+    return save_hf(read_model_state_dict(step_dir), model_args_of(step_dir), out_dir,
+                   max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE, dtype=dtype,
+                   bos_id=meta.get("bos_id"), eos_id=meta.get("eos_id"))
 
 
 def _tied_alias(key: str) -> str | None:
@@ -633,16 +644,17 @@ class CheckpointManager:
             check_model_fits(read_dcp_metadata(path), expected, path)
             return {"action": "initial_dcp", "path": str(path)}
         try:
-            weights = hf.resolve_safetensors(path)
-            shapes = hf.safetensors_shapes(weights)
-            config = hf.read_hf_config(weights)
+            files, folder = hf.resolve_weights(path)
+            shapes = hf.safetensors_shapes(files)
+            config = hf.read_hf_config(folder)
             if config is not None:
-                hf.check_same_architecture(hf.model_args_from_hf_config(config), self.trainer.model_args,
-                                           f"'{weights}'")
+                hf.check_same_architecture(hf.model_args_from_hf_config(config, str(folder / hf.CONFIG_NAME)),
+                                           self.trainer.model_args, f"'{path}'")
             hf.from_hf({k: torch.empty(s, device="meta") for k, s in shapes.items()}, self.trainer.model_args)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"checkpoint.initial_load_path: {e}; give a checkpoint step folder or a Hugging "
-                              f"Face Llama .safetensors") from None
+                              f"Face Llama folder / .safetensors") from None
+        weights = path
         return {"action": "initial_hf", "path": str(weights)}
 
     # ------------------------------------------------------------------------------------------ state
@@ -673,7 +685,8 @@ class CheckpointManager:
         if self.plan["action"] != "seed":
             return False
         t0 = time.perf_counter()
-        write_seed_checkpoint(get_model_state_dict(self.model), self.trainer.model_args, self.folder / "step-0")
+        write_seed_checkpoint(get_model_state_dict(self.model), self.trainer.model_args, self.folder / "step-0",
+                              **tokenizer_meta(self.trainer.tokenizer))
         print(f"checkpoint: wrote the seed checkpoint {self.folder / 'step-0'} in {time.perf_counter() - t0:.2f}s; "
               f"start training with checkpoint.initial_load_path={self.folder / 'step-0'}", flush=True)
         return True
@@ -751,8 +764,9 @@ class CheckpointManager:
     def _load_hf(self, path: str) -> None:
         from titanlike.hf import load_hf
 
-        full, _ = load_hf(path, self.trainer.model_args)
         mine = get_model_state_dict(self.model)  # this rank's FQNs (a pipeline rank holds only its stages')
+        dtype = next(iter(mine.values())).dtype  # the file may be bfloat16 / float16: cast to the parameters'
+        full, _ = load_hf(path, self.trainer.model_args, dtype=dtype)
         set_model_state_dict(self.model, {k: full[k] for k in mine},
                              options=StateDictOptions(full_state_dict=True))
 
@@ -775,7 +789,8 @@ class CheckpointManager:
             train = state["train"]
             meta = _meta(step, "full", self.trainer.model_args, world_size=self.trainer.world_size,
                          dp_degree=getattr(self.trainer, "dp_degree", None), tokens_seen=train["tokens_seen"],
-                         data_position=train["data_position"], nonfinite_steps=train["nonfinite_steps"])
+                         data_position=train["data_position"], nonfinite_steps=train["nonfinite_steps"],
+                         **tokenizer_meta(self.trainer.tokenizer))
             tmp = self.folder / f"step-{step}.tmp-{self.plan['run_id']}"
             kwargs = {**self._dcp_kwargs(), "checkpoint_id": str(tmp)}
             if self.cfg.checksum:

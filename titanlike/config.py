@@ -52,6 +52,14 @@ class Model:
     ffn_hidden_dim: int = 0
     max_seq_len: int = 0
     rope_theta: float = 0.0
+    norm_eps: float = 0.0  # RMSNorm epsilon (0: the flavor's)
+    # RoPE scaling: "" (the flavor's), "none", or "llama3" (Llama 3.1+ long context) with its four parameters
+    # (0: Llama 3.1's 8, 1, 4, 8192).
+    rope_scaling: str = ""
+    rope_scaling_factor: float = 0.0
+    rope_low_freq_factor: float = 0.0
+    rope_high_freq_factor: float = 0.0
+    rope_original_max_seq_len: int = 0
 
 
 @dataclass
@@ -220,6 +228,7 @@ CHOICES = {
     "model.kernels": ("torch", "te"),
     "float8.recipe": ("", "delayed", "current", "block", "mxfp8"),
     "model.name": ("llama3",),
+    "model.rope_scaling": ("", "none", "llama3"),
 }
 # key -> (lowest allowed value, what it means)
 MINIMUM = {
@@ -227,7 +236,8 @@ MINIMUM = {
     "optimizer.lr": 0.0, "optimizer.eps": 0.0, "optimizer.weight_decay": 0.0,
     "lr_scheduler.warmup_steps": 0, "lr_scheduler.decay_ratio": 0.0, "lr_scheduler.min_lr_factor": 0.0,
     "model.vocab_multiple": 1, "model.dim": 0, "model.n_layers": 0, "model.n_heads": 0, "model.n_kv_heads": 0,
-    "model.ffn_hidden_dim": 0, "model.max_seq_len": 0,
+    "model.ffn_hidden_dim": 0, "model.max_seq_len": 0, "model.norm_eps": 0.0, "model.rope_scaling_factor": 0.0,
+    "model.rope_low_freq_factor": 0.0, "model.rope_high_freq_factor": 0.0, "model.rope_original_max_seq_len": 0,
     "parallelism.data_parallel_replicate_degree": 1, "parallelism.tensor_parallel_degree": 1,
     "parallelism.context_parallel_degree": 1, "parallelism.pipeline_parallel_degree": 1,
     "parallelism.pipeline_parallel_microbatch_size": 1, "parallelism.pipeline_parallel_layers_per_stage": 0,
@@ -430,8 +440,18 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
         raise ConfigError(problems[0])
 
 
+_SHAPE_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len", "rope_theta",
+                    "norm_eps", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                    "rope_original_max_seq_len")
+
+
 def model_args_from_config(cfg: JobConfig, vocab_size: int | None = None):
-    """The flavor's ModelArgs with the config's overrides, the vocabulary padded to ``model.vocab_multiple``."""
+    """The flavor's ModelArgs with the config's overrides, the vocabulary padded to ``model.vocab_multiple``.
+
+    When ``checkpoint.initial_load_path`` is a Hugging Face checkpoint with a config.json, the architecture is that
+    file's instead of the flavor's (vocabulary exact, not padded); an explicit ``model.*`` override that disagrees
+    with it is refused.
+    """
     from titanlike.models import MODELS, pad_vocab
 
     flavors = MODELS[cfg.model.name]
@@ -439,17 +459,52 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int | None = None):
         raise ConfigError(f"model.flavor: unknown flavor '{cfg.model.flavor}'{_suggest(cfg.model.flavor, flavors)}"
                           f"; valid: {', '.join(flavors)}")
     m = cfg.model
-    overrides = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim",
-                                            "max_seq_len", "rope_theta") if getattr(m, k)}
+    overrides = {k: getattr(m, k) for k in _SHAPE_OVERRIDES if getattr(m, k)}
     if m.tie_embeddings is not None:
         overrides["tie_embeddings"] = m.tie_embeddings
+    hf_args = hf_architecture_of(cfg)
+    if hf_args is not None:
+        return _hf_model_args(cfg, hf_args, overrides, vocab_size)
     args = flavors[cfg.model.flavor].replace(**overrides)
     if "n_heads" in overrides and "n_kv_heads" not in overrides and args.n_kv_heads > args.n_heads:
         args = args.replace(n_kv_heads=args.n_heads)
+    scaling_params = [k for k in overrides if k.startswith("rope_") and k not in ("rope_theta", "rope_scaling")]
+    if args.rope_scaling == "none" and scaling_params:
+        raise ConfigError(f"model.{scaling_params[0]} is set but RoPE scaling is off; set model.rope_scaling = "
+                          f"'llama3' or drop it")
     vocab = vocab_size if vocab_size is not None else args.vocab_size
     if vocab and vocab > 0:
         args = args.replace(vocab_size=pad_vocab(vocab, m.vocab_multiple))
     return args
+
+
+def hf_architecture_of(cfg: JobConfig):
+    """ModelArgs from the config.json of a Hugging Face ``checkpoint.initial_load_path``, else None."""
+    path = cfg.checkpoint.initial_load_path
+    if not path:
+        return None
+    from titanlike.hf import hf_architecture
+
+    try:
+        return hf_architecture(path)
+    except ValueError as e:
+        raise ConfigError(f"checkpoint.initial_load_path: {e}") from None
+
+
+def _hf_model_args(cfg: JobConfig, hf_args, overrides: dict, vocab_size: int | None):
+    conflicts = []
+    for key, value in overrides.items():
+        theirs = hf_args.hidden_dim if key == "ffn_hidden_dim" else getattr(hf_args, key)
+        if value != theirs:
+            conflicts.append(f"model.{key} {value} (config.json has {theirs})")
+    if conflicts:
+        raise ConfigError(f"checkpoint.initial_load_path '{cfg.checkpoint.initial_load_path}' sets the architecture "
+                          f"from its config.json, which disagrees with {', '.join(conflicts)}; drop those model.* "
+                          f"options")
+    if vocab_size is not None and vocab_size > hf_args.vocab_size:
+        raise ConfigError(f"model.tokenizer '{cfg.model.tokenizer}' has {vocab_size} ids but the Hugging Face model "
+                          f"at '{cfg.checkpoint.initial_load_path}' only {hf_args.vocab_size}; use its tokenizer")
+    return hf_args
 
 
 def layout_violations(cfg: JobConfig, world_size: int, model_args=None) -> list[str]:
@@ -472,6 +527,14 @@ def layout_violations(cfg: JobConfig, world_size: int, model_args=None) -> list[
                    f"choose n_kv_heads dividing n_heads")
     if args.head_dim % 2:
         out.append(f"model: head_dim {args.head_dim} (dim / n_heads) must be even for RoPE")
+    if args.rope_scaling == "llama3":
+        if args.rope_scaling_factor < 1:
+            out.append(f"model.rope_scaling_factor {args.rope_scaling_factor} must be >= 1")
+        if not args.rope_low_freq_factor < args.rope_high_freq_factor:
+            out.append(f"model.rope_low_freq_factor {args.rope_low_freq_factor} must be below "
+                       f"model.rope_high_freq_factor {args.rope_high_freq_factor}")
+        if args.rope_original_max_seq_len < 1:
+            out.append("model.rope_original_max_seq_len must be >= 1")
     if t.seq_len > args.max_seq_len:
         out.append(f"training.seq_len {t.seq_len} exceeds the model's max_seq_len {args.max_seq_len}; "
                    f"lower training.seq_len or raise model.max_seq_len")

@@ -36,10 +36,18 @@ class ModelArgs:
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    # RoPE frequency scaling: "none" or "llama3" (Llama 3.1's long-context rule, see ``rope_inv_freq``).
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
 
     def __post_init__(self):
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
+        if self.rope_scaling not in ("none", "llama3"):
+            raise ValueError(f"rope_scaling {self.rope_scaling!r} is not 'none' or 'llama3'")
 
     @property
     def head_dim(self) -> int:
@@ -121,9 +129,30 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (max_seq_len, head_dim // 2), computed in float64."""
+def rope_inv_freq(head_dim: int, theta: float, args: ModelArgs | None = None) -> torch.Tensor:
+    """The head_dim // 2 rotation frequencies theta^(-2i/head_dim), in float64, with ``args.rope_scaling``.
+
+    "llama3" (Llama 3.1+, as Meta's reference code and transformers' ``rope_type: llama3``): wavelengths longer than
+    ``original_max_seq_len / low_freq_factor`` are stretched by ``factor``, those shorter than
+    ``original_max_seq_len / high_freq_factor`` are kept, and the band between is interpolated smoothly.
+    """
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if args is None or args.rope_scaling == "none":
+        return inv_freq
+    factor, low, high = args.rope_scaling_factor, args.rope_low_freq_factor, args.rope_high_freq_factor
+    old_len = args.rope_original_max_seq_len
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float,
+                args: ModelArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (max_seq_len, head_dim // 2), computed in float64 (``args``: rope scaling)."""
+    inv_freq = rope_inv_freq(head_dim, theta, args)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -223,7 +252,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if has_head else None
         if args.tie_embeddings and has_embedding and has_head:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args)
         self.register_buffer("rope_cos", cos.float(), persistent=False)
         self.register_buffer("rope_sin", sin.float(), persistent=False)
 
@@ -239,7 +268,7 @@ class Transformer(nn.Module):
     def init_weights(self, buffer_device: torch.device | None = None):
         """(Re)initialise every parameter and buffer; works on sharded (DTensor) parameters too."""
         device = buffer_device or self.rope_cos.device
-        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.args)
         dtype = self.rope_cos.dtype if self.rope_cos.dtype == torch.float64 else torch.float32
         self.rope_cos = cos.to(device=device, dtype=dtype)
         self.rope_sin = sin.to(device=device, dtype=dtype)

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from titanlike import fault
-from titanlike.config import ConfigError, JobConfig, layout_violations, load_config, model_args_from_config
+from titanlike.config import (ConfigError, JobConfig, hf_architecture_of, layout_violations, load_config,
+                              model_args_from_config)
 from titanlike.models import Transformer
 from titanlike.training.metrics import MetricsLogger, Throughput, format_eta, peak_memory_gib
 from titanlike.training.optim import build_lr_scheduler, build_optimizer
@@ -62,6 +63,12 @@ class Trainer:
         except (ValueError, OSError) as e:
             raise ConfigError(f"model.tokenizer: {e}") from None
         self.model_args = model_args_from_config(cfg, self.tokenizer.vocab_size)
+        self.architecture_note = None
+        if hf_architecture_of(cfg) is not None:
+            from titanlike.hf import describe_args
+
+            self.architecture_note = (f"model: architecture from {cfg.checkpoint.initial_load_path} config.json "
+                                      f"(overrides flavor {cfg.model.flavor}): {describe_args(self.model_args)}")
         problems = layout_violations(cfg, self.world_size, self.model_args)
         if problems:
             raise ConfigError(problems[0])
@@ -98,6 +105,8 @@ class Trainer:
         cfg, args = self.cfg, self.model_args
         dtype = DTYPES[cfg.training.dtype]
         param_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # bf16 = mixed precision
+        if self.rank == 0 and self.architecture_note:
+            print(self.architecture_note, flush=True)
         self.dims = self.mesh = None
         dp_rank, dp_degree = 0, 1
         self.dp_group = self.pp_group = None
