@@ -550,6 +550,11 @@ class CheckpointManager:
                         continue
                     raise ConfigError(f"{e}; move it out of '{folder}' to resume from the checkpoint before it "
                                       f"(or set checkpoint.on_corrupt = \"previous\"), or repair it") from None
+                if read_meta(path).get("kind") == "model_only":
+                    raise ConfigError(f"checkpoint '{path}' is the model-only last save of a finished run "
+                                      f"(checkpoint.last_save_model_only): it cannot resume training; start a new "
+                                      f"run from it with checkpoint.initial_load_path (in another checkpoint.folder), "
+                                      f"or move it away to resume from the checkpoint before it")
                 check_model_fits(metadata, expected, path)
                 keys = metadata.state_dict_metadata
                 return {**plan, "action": "resume", "path": str(path), "step": step,
@@ -775,22 +780,33 @@ class CheckpointManager:
         """Call after every step: commits a finished async save, saves at every ``interval`` and the last step."""
         self._poll()
         if self.cfg.enable and (step % self.cfg.interval == 0 or last) and step != self.last_step:
-            self.save(step)
+            self.save(step, model_only=last and self.cfg.last_save_model_only)
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, model_only: bool = False) -> None:
+        """Save step ``step``; ``model_only`` (checkpoint.last_save_model_only at the last step): the model weights
+        only, cast to checkpoint.export_dtype (torchtitan's last save)."""
         self._wait()
         t0 = time.perf_counter()
         what = f"the checkpoint save of step {step}"
         with self._op(what):
             if self.distributed:
                 self._barrier(what)
-            state = self._state()
-            self._check_finite(state, step)
-            train = state["train"]
-            meta = _meta(step, "full", self.trainer.model_args, world_size=self.trainer.world_size,
-                         dp_degree=getattr(self.trainer, "dp_degree", None), tokens_seen=train["tokens_seen"],
-                         data_position=train["data_position"], nonfinite_steps=train["nonfinite_steps"],
-                         **tokenizer_meta(self.trainer.tokenizer))
+            if model_only:
+                dtype = getattr(torch, self.cfg.export_dtype)
+                state = {"model": {k: v.to(dtype) for k, v in get_model_state_dict(self.model).items()},
+                         "optimizer": {}}
+                meta = _meta(step, "model_only", self.trainer.model_args, world_size=self.trainer.world_size,
+                             dtype=self.cfg.export_dtype, **tokenizer_meta(self.trainer.tokenizer))
+                self._check_finite(state, step)
+                state = {"model": state["model"]}
+            else:
+                state = self._state()
+                self._check_finite(state, step)
+                train = state["train"]
+                meta = _meta(step, "full", self.trainer.model_args, world_size=self.trainer.world_size,
+                             dp_degree=getattr(self.trainer, "dp_degree", None), tokens_seen=train["tokens_seen"],
+                             data_position=train["data_position"], nonfinite_steps=train["nonfinite_steps"],
+                             **tokenizer_meta(self.trainer.tokenizer))
             tmp = self.folder / f"step-{step}.tmp-{self.plan['run_id']}"
             kwargs = {**self._dcp_kwargs(), "checkpoint_id": str(tmp)}
             if self.cfg.checksum:
@@ -909,7 +925,8 @@ class CheckpointManager:
         if self.cfg.export_safetensors and self.rank == 0 and self.last_step is not None:
             t0 = time.perf_counter()
             out, run_id = self.folder / "final", self.plan["run_id"]
-            new = export_hf(self.folder / f"step-{self.last_step}", out.with_name(f"final.new-{run_id}"))
+            new = export_hf(self.folder / f"step-{self.last_step}", out.with_name(f"final.new-{run_id}"),
+                            dtype=getattr(torch, self.cfg.export_dtype))
             if out.exists():  # a previous run's export of an older step: replace it
                 _remove_dir(out, run_id)
             os.rename(new, out)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import sys
 import types
@@ -33,7 +34,8 @@ class ConfigError(ValueError):
 class Job:
     config_file: str | None = None
     dump_folder: str = "./outputs"
-    description: str = ""
+    description: str = "default job"  # printed at the start of the run
+    print_config: bool = False  # print the full configuration (after the file and the command line) at the start
 
 
 @dataclass
@@ -89,10 +91,13 @@ class Optimizer:
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = 10
-    decay_type: str = "cosine"  # cosine | linear | wsd (warmup-stable-decay) | constant
-    decay_ratio: float = 0.2  # wsd: the fraction of the steps spent decaying at the end
-    min_lr_factor: float = 0.1  # the final learning rate as a fraction of optimizer.lr
+    # torchtitan's schedule: linear warmup -> stable -> decay over the last decay_ratio of the steps (all the steps
+    # after warmup when decay_ratio is unset), for every decay type.
+    warmup_steps: int = 200
+    total_steps: int | None = None  # the steps the schedule spans (None: training.steps)
+    decay_type: str = "linear"  # linear | sqrt | cosine | wsd (linear, decay_ratio 0.2 if unset) | constant
+    decay_ratio: float | None = None  # the fraction of total_steps spent decaying at the end (None: all after warmup)
+    min_lr_factor: float = 0.0  # the final learning rate as a fraction of optimizer.lr
 
 
 @dataclass
@@ -129,12 +134,15 @@ class Checkpoint:
     export_safetensors: bool = False  # write <folder>/final/model.safetensors + config.json at the end
     checksum: bool = False  # a CRC-32 per file, written at the commit and verified before a resume
     on_corrupt: str = "stop"  # stop | previous: a corrupted newest checkpoint stops the run or is set aside
+    last_save_model_only: bool = False  # the checkpoint of the last step holds the model weights only
+    export_dtype: str = "float32"  # dtype of a model-only last save and of export_safetensors
 
 
 @dataclass
 class Metrics:
     log_freq: int = 10
-    enable_tensorboard: bool = True
+    enable_tensorboard: bool = False
+    disable_color_printing: bool = False  # plain console lines (colors are used only on a terminal anyway)
     save_tb_folder: str = "tb"
     enable_jsonl: bool = True
     peak_tflops: float = 0.0  # override the peak table (dense bf16 TFLOP/s of one device)
@@ -153,7 +161,7 @@ class Data:
 class Validation:
     enable: bool = True
     freq: int = 100
-    steps: int = 4  # batches of local_batch_size per rank
+    steps: int = 4  # batches of local_batch_size per rank (-1: the whole held-out tail)
 
 
 @dataclass
@@ -218,7 +226,8 @@ CHOICES = {
     "training.device": ("auto", "cpu", "cuda"),
     "optimizer.name": ("AdamW",),
     "optimizer.implementation": ("auto", "fused", "foreach", "for-loop"),
-    "lr_scheduler.decay_type": ("cosine", "linear", "wsd", "constant"),
+    "lr_scheduler.decay_type": ("linear", "sqrt", "cosine", "wsd", "constant"),
+    "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
     "parallelism.pipeline_parallel_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
                                                "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"),
@@ -244,7 +253,7 @@ MINIMUM = {
     "parallelism.pipeline_parallel_stages_per_rank": 0, "parallelism.loss_chunk_size": 0,
     "parallelism.gpus_per_node": 0,
     "checkpoint.interval": 1, "checkpoint.keep_latest_k": 0, "metrics.log_freq": 1, "validation.freq": 1,
-    "validation.steps": 1, "data.num_workers": 0, "comm.timeout_seconds": 1, "comm.init_timeout_seconds": 1,
+    "validation.steps": -1, "data.num_workers": 0, "comm.timeout_seconds": 1, "comm.init_timeout_seconds": 1,
     "profiling.profile_freq": 1, "profiling.profile_warmup": 0, "profiling.profile_active": 1,
 }
 MAXIMUM = {"lr_scheduler.decay_ratio": 1.0, "lr_scheduler.min_lr_factor": 1.0, "data.val_fraction": 0.5,
@@ -363,28 +372,60 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
     ``world_size`` (default: the ``WORLD_SIZE`` environment variable set by torchrun, else 1) is used to check
     the parallel layout before any process group exists.
     """
-    cfg = parse_config(argv)
+    cfg = parse_config(argv, raise_problems=False)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    problems = cfg._problems
+    if problems:  # the values too, so that a file's every problem is in the one message
+        problems = problems + value_problems(cfg)
+    _raise_all(cfg, problems)
     validate(cfg, world_size)
     return cfg
 
 
-def parse_config(argv: list[str] | None = None) -> JobConfig:
+def parse_config(argv: list[str] | None = None, raise_problems: bool = True) -> JobConfig:
     """:func:`load_config` without :func:`validate`: keys and types are checked, values and layout are not.
 
-    For tools that report every problem at once (the layout planner) instead of stopping at the first.
+    For tools that report every problem at once (the layout planner) instead of stopping at the first. Keys of
+    torchtitan v0.2.2 are read through ``titanlike.torchtitan``'s table; every problem of the file and of the
+    command line is reported in one ConfigError; the notes on torchtitan keys are in ``cfg.notes``.
     """
+    from titanlike import torchtitan as tt
+
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = JobConfig()
     cli = _parse_cli(argv)
     files = [v for k, v in cli if k == "job.config_file"]
+    reading = tt.Reading()
+    problems: list[str] = []
+    explicit: set[str] = set()
+    file_pairs: list[tuple[str, object]] = []
     if files:
         path = files[-1]
         if path is None:
             raise ConfigError("--job.config_file needs a path to a TOML file")
-        _load_toml(cfg, path)
+        file_pairs = _read_toml(path, problems)
         cfg.job.config_file = path
+    torchtitan_file = any(k in tt.TORCHTITAN_KEYS and k not in _all_keys() for k, _ in file_pairs)
+    if torchtitan_file:  # torchtitan's defaults where the file is silent and titanlike's default differs
+        given = {k for k, _ in file_pairs}
+        for key, value in tt.TORCHTITAN_DEFAULTS.items():
+            if key not in given and key not in ("training.dtype", "parallelism.enable_sequence_parallel"):
+                _set(cfg, key, value, from_cli=False)
+                reading.notes.append(f"{key} = {value!r}: torchtitan's default (the file does not set it)")
+        tt_dtype = dict(file_pairs).get("training.dtype", "float32")
+        mixed = dict(file_pairs).get("training.mixed_precision_param", "bfloat16")
+        file_pairs = [(k, v) for k, v in file_pairs if k not in ("training.dtype", "training.mixed_precision_param")]
+        if tt_dtype == "bfloat16":
+            problems.append("torchtitan's training.dtype = 'bfloat16' trains bf16 weights without float32 master "
+                            "weights, which titanlike does not do: use training.dtype = 'float32' (torchtitan's "
+                            "mixed_precision_param = 'bfloat16' is then titanlike's training.dtype = 'bfloat16')")
+        elif tt_dtype != "float32":
+            problems.append(f"training.dtype: '{tt_dtype}' is not a torchtitan dtype ('float32' or 'bfloat16')")
+        else:
+            file_pairs.append(("training.mixed_precision_param", mixed))
+    _apply_pairs(cfg, file_pairs, False, reading, problems, explicit)
+    cli_pairs = []
     for key, value in cli:
         if key == "job.config_file":
             continue
@@ -393,48 +434,167 @@ def parse_config(argv: list[str] | None = None) -> JobConfig:
             sections = _sections()
             tp = _field_types(sections[section]).get(name) if section in sections else None
             if tp is not bool and tp is not None:
-                raise ConfigError(f"--{key} needs a value ({_type_name(tp)})")
+                problems.append(f"--{key} needs a value ({_type_name(tp)})")
+                continue
             value = "true"
-        _set(cfg, key, value, from_cli=True)
+        cli_pairs.append((key, value))
+    _apply_pairs(cfg, cli_pairs, True, reading, problems, explicit)
+    if torchtitan_file and "parallelism.enable_sequence_parallel" not in explicit:
+        cfg.parallelism.enable_sequence_parallel = cfg.parallelism.tensor_parallel_degree > 1
+        if cfg.parallelism.enable_sequence_parallel:
+            reading.notes.append("parallelism.enable_sequence_parallel = True: torchtitan shards sequences "
+                                 "whenever tensor_parallel_degree > 1")
+    problems += reading.problems
+    for key, value in reading.settings:  # torchtitan's validation sizes: titanlike validates with the training's
+        if key.startswith("_validation."):
+            name = key.rpartition(".")[2]
+            if value != getattr(cfg.training, name):
+                problems.append(f"torchtitan's validation.{name} = {value!r}: titanlike validates with "
+                                f"training.{name} ({getattr(cfg.training, name)}); remove it or make them equal")
+    object.__setattr__(cfg, "notes", reading.notes)
+    object.__setattr__(cfg, "_problems", problems)
+    if raise_problems:
+        _raise_all(cfg, problems)
     return cfg
 
 
-def _load_toml(cfg: JobConfig, path: str) -> None:
+def _raise_all(cfg: JobConfig, problems: list[str]) -> None:
+    """One ConfigError line with every problem (numbered when there are several), naming the file if any."""
+    if not problems:
+        return
+    where = cfg.job.config_file
+    if len(problems) == 1:
+        raise ConfigError(f"{where}: {problems[0]}" if where else problems[0])
+    raise ConfigError(f"{where or 'the command line'}: {len(problems)} problems: "
+                      + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
+
+
+def format_config(cfg: JobConfig) -> str:
+    """The whole configuration as TOML (job.print_config): what the run uses, defaults included."""
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is None:
+                lines.append(f"# {key} = (unset)")
+            elif isinstance(value, str):
+                lines.append(f"{key} = {json.dumps(value)}")
+            elif isinstance(value, bool):
+                lines.append(f"{key} = {'true' if value else 'false'}")
+            else:
+                lines.append(f"{key} = {json.dumps(value)}")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def _all_keys() -> dict[str, typing.Any]:
+    return {f"{s}.{k}": t for s, c in _sections().items() for k, t in _field_types(c).items()}
+
+
+def _apply_pairs(cfg: JobConfig, pairs, from_cli: bool, reading, problems: list[str], explicit: set[str]) -> None:
+    """Set each (dotted key, value): titanlike keys directly, torchtitan keys through their table entry; every
+    problem is collected."""
+    from titanlike import torchtitan as tt
+
+    known = _all_keys()
+    for dotted, value in pairs:
+        try:
+            entry = tt.TORCHTITAN_KEYS.get(dotted)
+            if dotted in known and (entry is None or entry.fate == tt.SHARED):
+                _set(cfg, dotted, value, from_cli=from_cli)
+                explicit.add(dotted)
+            elif entry is not None:
+                before = len(reading.settings)
+                tt.read_key(dotted, _literal(value) if from_cli else value, reading)
+                for key, v in reading.settings[before:]:
+                    if not key.startswith("_"):
+                        _set(cfg, key, v, from_cli=from_cli and isinstance(v, str))
+                        explicit.add(key)
+            else:
+                section = dotted.partition(".")[0]
+                if section not in _sections() and not any(k.startswith(section + ".") for k in tt.TORCHTITAN_KEYS):
+                    problems.append(f"unknown config section '{section}'{_suggest(section, _sections())}; "
+                                    f"valid sections: {', '.join(_sections())}")
+                elif "." not in dotted:
+                    problems.append(f"'{dotted}' names a section, not a key: use --{section}.<key>")
+                else:
+                    problems.append(f"unknown config key '{dotted}'{tt.suggestion(dotted, list(known))}")
+        except ConfigError as e:
+            problems.append(str(e))
+
+
+def _literal(value):
+    """A command-line value of a torchtitan key as TOML reads it (true, 3, "x", [..]), else the string."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return value
+
+
+def _flatten(table: dict, prefix: str, out: list, path: str, problems: list[str]) -> None:
+    for key, value in table.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, dict):
+            _flatten(value, dotted, out, path, problems)
+        elif not prefix:
+            problems.append(f"top-level key '{key}' must be a [section] table{_suggest(key, _sections())}")
+        else:
+            out.append((dotted, value))
+
+
+def _read_toml(path: str, problems: list[str]) -> list[tuple[str, object]]:
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"job.config_file: no such file '{path}' (configs live in configs/, e.g. "
+        what = "is a folder, not a TOML file" if p.is_dir() else "no such file"
+        raise ConfigError(f"job.config_file: {what} '{path}' (configs live in configs/, e.g. "
                           f"configs/debug_model.toml)")
     try:
         with open(p, "rb") as f:
             data = tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"job.config_file: '{path}' is not valid TOML: {e}") from None
-    for section, values in data.items():
-        if not isinstance(values, dict):
-            raise ConfigError(f"{path}: top-level key '{section}' must be a [section] table"
-                              f"{_suggest(section, _sections())}")
-        for key, value in values.items():
-            _set(cfg, f"{section}.{key}", value, from_cli=False)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"job.config_file: '{path}' is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    out: list[tuple[str, object]] = []
+    _flatten(data, "", out, path, problems)
+    return out
 
 
-def validate(cfg: JobConfig, world_size: int = 1) -> None:
-    """Per-key ranges and choices, then every cross-field rule; raise the first problem as a ConfigError."""
+def value_problems(cfg: JobConfig) -> list[str]:
+    """Every per-key choice and range violation, one line each."""
+    out = []
     for dotted, choices in CHOICES.items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
         if value not in choices:
-            raise ConfigError(f"{dotted}: '{value}' is not one of {', '.join(repr(c) for c in choices)}"
-                              f"{_suggest(str(value), [str(c) for c in choices])}")
+            out.append(f"{dotted}: '{value}' is not one of {', '.join(repr(c) for c in choices)}"
+                       f"{_suggest(str(value), [str(c) for c in choices])}")
     for dotted, lo in MINIMUM.items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
-        if value < lo:
-            raise ConfigError(f"{dotted}: {value} is below the minimum {lo}")
+        if value is not None and value < lo:
+            out.append(f"{dotted}: {value} is below the minimum {lo}")
     for dotted, hi in MAXIMUM.items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
-        if value > hi:
-            raise ConfigError(f"{dotted}: {value} is above the maximum {hi}")
+        if value is not None and value > hi:
+            out.append(f"{dotted}: {value} is above the maximum {hi}")
+    return out
+
+
+def validate(cfg: JobConfig, world_size: int = 1) -> None:
+    """Per-key ranges and choices, then every cross-field rule; raise the first problem as a ConfigError."""
+    problems = value_problems(cfg)
+    if problems:
+        raise ConfigError(problems[0])
+    if cfg.validation.steps == 0:
+        raise ConfigError("validation.steps: 0 batches validates nothing; use -1 (the whole held-out tail), a "
+                          "positive count, or validation.enable = false")
+    if cfg.lr_scheduler.total_steps is not None and cfg.lr_scheduler.total_steps < 1:
+        raise ConfigError(f"lr_scheduler.total_steps: {cfg.lr_scheduler.total_steps} must be >= 1 (or unset: "
+                          f"training.steps)")
     problems = layout_violations(cfg, world_size)
     if problems:
         raise ConfigError(problems[0])

@@ -17,22 +17,50 @@ def cfg_for(*argv):
     return load_config(list(argv))
 
 
-@pytest.mark.parametrize("decay", ["cosine", "linear", "wsd", "constant"])
-def test_lr_schedule_shapes(decay):
+def torchtitan_lambda(i, total, warmup, ratio, kind, floor):
+    """torchtitan v0.2.2's linear_warmup_stable_decay (components/lr_scheduler.py), written out from its formula."""
+    warmup = min(warmup, total)
+    decay = total - warmup if ratio is None else min(round(total * ratio), total - warmup)
+    stable = total + 1 - warmup - decay
+    if i < warmup:
+        return (i + 1) / warmup
+    if i < warmup + stable:
+        return 1.0
+    p = (i + 1 - warmup - stable) / decay
+    adj = {"linear": 1 - p, "sqrt": 1 - math.sqrt(p), "cosine": 0.5 * (1 + math.cos(math.pi * p))}[kind]
+    return floor + (1 - floor) * adj
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "sqrt"])
+@pytest.mark.parametrize("ratio", [None, 0.2, 0.8])
+def test_lr_schedule_is_torchtitans(decay, ratio):
+    extra = ["--lr_scheduler.decay_ratio", str(ratio)] if ratio is not None else []
     cfg = cfg_for("--training.steps", "100", "--lr_scheduler.warmup_steps", "10", "--lr_scheduler.decay_type", decay,
-                  "--lr_scheduler.min_lr_factor", "0.1", "--lr_scheduler.decay_ratio", "0.2")
+                  "--lr_scheduler.min_lr_factor", "0.1", *extra)
     f = [lr_factor(s, cfg) for s in range(1, 101)]
-    assert f[0] == pytest.approx(1 / 11) and f[9] == pytest.approx(10 / 11)  # linear warmup, never 0
-    assert all(a < b for a, b in zip(f[:9], f[1:10]))
-    if decay == "constant":
-        assert all(v == 1.0 for v in f[10:])
-        return
-    assert f[-1] == pytest.approx(0.1)  # ends at min_lr_factor
-    assert all(a >= b - 1e-12 for a, b in zip(f[10:], f[11:]))  # monotone decay
-    if decay == "cosine":
-        assert f[54] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 45 / 90)))
-    if decay == "wsd":
-        assert f[10:82] == [1.0] * 72 and f[82] < 1.0  # stable, then the last 20% decays
+    assert f == pytest.approx([torchtitan_lambda(i, 100, 10, ratio, decay, 0.1) for i in range(100)], abs=1e-15)
+    assert f[0] == pytest.approx(0.1) and f[9] == 1.0  # linear warmup: step s gets s / warmup
+    stable_until = 10 if ratio is None else 100 - round(100 * ratio)  # warmup -> stable -> decay, any decay type
+    assert f[9:stable_until + 1] == [1.0] * (stable_until - 8) and f[stable_until + 1] < 1.0
+    assert all(a >= b - 1e-12 for a, b in zip(f[10:], f[11:]))  # monotone decay towards min_lr_factor
+    assert 0.1 < f[-1] < 0.2
+
+
+def test_lr_schedule_wsd_constant_and_the_debug_file_case():
+    # torchtitan's debug file (warmup 2, decay_ratio 0.8, linear) run for 100 steps: stable at step 20.
+    cfg = cfg_for("--training.steps", "100", "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0.8",
+                  "--lr_scheduler.decay_type", "cosine")
+    assert lr_factor(20, cfg) == 1.0 and lr_factor(22, cfg) < 1.0
+    wsd = cfg_for("--training.steps", "100", "--lr_scheduler.warmup_steps", "10", "--lr_scheduler.decay_type", "wsd")
+    assert [lr_factor(s, wsd) for s in range(1, 101)] == pytest.approx(
+        [torchtitan_lambda(i, 100, 10, 0.2, "linear", 0.0) for i in range(100)])
+    const = cfg_for("--training.steps", "50", "--lr_scheduler.warmup_steps", "5", "--lr_scheduler.decay_type",
+                    "constant")
+    assert [lr_factor(s, const) for s in range(5, 51)] == [1.0] * 46
+    # total_steps shorter than the run: the factor stays at min_lr_factor afterwards
+    longer = cfg_for("--training.steps", "30", "--lr_scheduler.total_steps", "20", "--lr_scheduler.warmup_steps", "2",
+                     "--lr_scheduler.min_lr_factor", "0.25")
+    assert lr_factor(25, longer) == 0.25 and lr_factor(30, longer) == 0.25
 
 
 def test_lr_scheduler_drives_the_optimizer():

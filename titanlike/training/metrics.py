@@ -29,12 +29,40 @@ def format_eta(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
+_COLORS = {"step": "\033[36m", "loss": "\033[32m", "val_loss": "\033[32m", "lr": "\033[33m",
+           "grad_norm": "\033[35m", "tok/s": "\033[34m", "mfu": "\033[34m", "mem": "\033[33m", "eta": "\033[37m"}
+_RESET = "\033[0m"
+
+
+def colorize(line: str) -> str:
+    """The console line with each 'name value' pair colored (ANSI), as torchtitan's logger does on a terminal."""
+    words = line.split()
+    out = []
+    i = 0
+    while i < len(words):
+        if words[i] in _COLORS and i + 1 < len(words):
+            out.append(f"{_COLORS[words[i]]}{words[i]} {words[i + 1]}{_RESET}")
+            i += 2
+        else:
+            out.append(words[i])
+            i += 1
+    return "  ".join(out)
+
+
+def use_color(disabled: bool) -> bool:
+    """Colors only on a terminal, and never with metrics.disable_color_printing (or NO_COLOR set)."""
+    import os
+
+    return not disabled and sys.stdout.isatty() and "NO_COLOR" not in os.environ
+
+
 class MetricsLogger:
     """Writes on rank 0 only; other ranks get a logger that does nothing."""
 
     def __init__(self, dump_folder: str | Path, *, enabled: bool, tensorboard: bool, tb_folder: str,
-                 jsonl: bool):
+                 jsonl: bool, color: bool = False):
         self.enabled = enabled
+        self.color = color
         self.writer = None
         self.jsonl = None
         if not enabled:
@@ -52,7 +80,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         if console:
-            print(console, flush=True)
+            print(colorize(console) if self.color else console, flush=True)
         if self.writer is not None:
             for k, v in values.items():
                 if v is not None and isinstance(v, (int, float)) and math.isfinite(v):

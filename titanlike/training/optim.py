@@ -1,4 +1,4 @@
-"""AdamW over every model part, and the learning-rate schedule (linear warmup, then cosine / linear / WSD)."""
+"""AdamW over every model part, and the learning-rate schedule (torchtitan's warmup -> stable -> decay)."""
 
 from __future__ import annotations
 
@@ -29,29 +29,36 @@ def build_optimizer(model_parts: list[nn.Module], cfg: JobConfig) -> torch.optim
 
 
 def lr_factor(step: int, cfg: JobConfig) -> float:
-    """Multiplier of ``optimizer.lr`` for the update of step ``step`` (1-based, as logged).
+    """Multiplier of ``optimizer.lr`` for the update of step ``step`` (1-based, as logged): torchtitan's schedule.
 
-    Linear warmup over ``warmup_steps`` (step 1 gets 1/(warmup+1) of the peak, never 0), then
-    cosine or linear decay to ``min_lr_factor`` at the last step, or warmup-stable-decay: constant until the
-    last ``decay_ratio`` of the steps, then linear decay; ``constant`` stays at the peak.
+    Over ``total`` = ``lr_scheduler.total_steps`` (default ``training.steps``) steps: linear warmup over
+    ``warmup_steps`` (step s gets s / warmup, reaching the peak at step ``warmup``), then stable at the peak, then
+    decay over the last ``round(total * decay_ratio)`` steps (all the steps after warmup when ``decay_ratio`` is
+    unset) from 1 towards ``min_lr_factor`` — linear, sqrt (1 - sqrt(progress)) or cosine, whatever the decay type.
+    ``wsd`` is linear with ``decay_ratio`` 0.2 unless set; ``constant`` stays at the peak after warmup. Past
+    ``total`` (a longer run) the factor stays at ``min_lr_factor``.
     """
     s = cfg.lr_scheduler
-    total, warmup, floor = cfg.training.steps, s.warmup_steps, s.min_lr_factor
-    if step <= warmup:
-        return step / (warmup + 1)
-    if s.decay_type == "constant" or total <= warmup:
+    total = s.total_steps if s.total_steps is not None else cfg.training.steps
+    warmup = min(s.warmup_steps, total)
+    i = step - 1  # torchtitan's LambdaLR argument: completed steps
+    if i < warmup:
+        return (i + 1) / warmup
+    if s.decay_type == "constant":
         return 1.0
-    if s.decay_type == "wsd":
-        decay_steps = max(1, round((total - warmup) * s.decay_ratio))
-        start = total - decay_steps
-        if step <= start:
-            return 1.0
-        progress = (step - start) / decay_steps
-        return floor + (1.0 - floor) * (1.0 - progress)
-    progress = min(1.0, (step - warmup) / (total - warmup))
-    if s.decay_type == "linear":
-        return floor + (1.0 - floor) * (1.0 - progress)
-    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    ratio = s.decay_ratio if s.decay_ratio is not None else (0.2 if s.decay_type == "wsd" else None)
+    decay = total - warmup if ratio is None else min(round(total * ratio), total - warmup)
+    stable = total + 1 - warmup - decay
+    if i < warmup + stable:
+        return 1.0
+    progress = min(1.0, (i + 1 - warmup - stable) / decay)
+    if s.decay_type in ("linear", "wsd"):
+        adjust = 1.0 - progress
+    elif s.decay_type == "sqrt":
+        adjust = 1.0 - math.sqrt(progress)
+    else:
+        adjust = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return s.min_lr_factor + (1.0 - s.min_lr_factor) * adjust
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: JobConfig) -> torch.optim.lr_scheduler.LambdaLR:

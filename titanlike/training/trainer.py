@@ -20,7 +20,7 @@ from titanlike import fault
 from titanlike.config import (ConfigError, JobConfig, hf_architecture_of, layout_violations, load_config,
                               model_args_from_config)
 from titanlike.models import Transformer
-from titanlike.training.metrics import MetricsLogger, Throughput, format_eta, peak_memory_gib
+from titanlike.training.metrics import MetricsLogger, Throughput, format_eta, peak_memory_gib, use_color
 from titanlike.training.optim import build_lr_scheduler, build_optimizer
 from titanlike.training.step import IGNORE_INDEX, ScaledLoss, plain_clip_grad_norm_, train_step
 
@@ -105,8 +105,8 @@ class Trainer:
         cfg, args = self.cfg, self.model_args
         dtype = DTYPES[cfg.training.dtype]
         param_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # bf16 = mixed precision
-        if self.rank == 0 and self.architecture_note:
-            print(self.architecture_note, flush=True)
+        if self.rank == 0:
+            self._print_start()
         self.dims = self.mesh = None
         dp_rank, dp_degree = 0, 1
         self.dp_group = self.pp_group = None
@@ -217,6 +217,21 @@ class Trainer:
 
             self.checkpointer = CheckpointManager(self)
 
+    def _print_start(self) -> None:
+        """Rank 0: the job's description, the notes on torchtitan keys read, the full config if asked, the
+        architecture taken from a Hugging Face config.json."""
+        cfg = self.cfg
+        print(f"job: {cfg.job.description}" + (f" ({cfg.job.config_file})" if cfg.job.config_file else ""),
+              flush=True)
+        for note in getattr(cfg, "notes", []):
+            print(f"config: {note}", flush=True)
+        if cfg.job.print_config:
+            from titanlike.config import format_config
+
+            print(format_config(cfg), flush=True)
+        if self.architecture_note:
+            print(self.architecture_note, flush=True)
+
     def _check_host_memory_for_init(self) -> None:
         """A fresh start initialises the whole model once per rank on the host: refuse up front if this node's
         ranks cannot hold it, naming the fix (a seed checkpoint, after which only shards are allocated)."""
@@ -263,7 +278,8 @@ class Trainer:
                 return []
             self.checkpointer.load()
         logger = MetricsLogger(cfg.job.dump_folder, enabled=self.rank == 0, tensorboard=cfg.metrics.enable_tensorboard,
-                               tb_folder=cfg.metrics.save_tb_folder, jsonl=cfg.metrics.enable_jsonl)
+                               tb_folder=cfg.metrics.save_tb_folder, jsonl=cfg.metrics.enable_jsonl,
+                               color=use_color(cfg.metrics.disable_color_printing))
         from titanlike.training.mfu import device_peak_flops, mfu, peak_key
         from titanlike.training.profiling import maybe_profile
 
@@ -373,7 +389,8 @@ class Trainer:
         cfg = self.cfg
         loader = build_validation_loader(self.val_tokens, seq_len=cfg.training.seq_len,
                                          batch_size=cfg.training.local_batch_size, dp_rank=self.dp_rank,
-                                         dp_degree=self.dp_degree, max_batches=cfg.validation.steps)
+                                         dp_degree=self.dp_degree,
+                                         max_batches=cfg.validation.steps if cfg.validation.steps > 0 else None)
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for m in self.model_parts:
             m.eval()
