@@ -152,6 +152,8 @@ class Metrics:
 class Data:
     path: str = ""  # a text file, folder of .txt, .jsonl or pre-tokenized .bin ("" = the shipped corpus)
     text_field: str = "text"
+    encoding: str = "utf-8"  # of text and .jsonl files (e.g. latin-1 for a corpus that is not UTF-8)
+    encoding_errors: str = "strict"  # strict (a bad byte is an error) | replace (U+FFFD) | ignore (dropped)
     val_fraction: float = 0.05
     shuffle: bool = True
     num_workers: int = 0
@@ -238,10 +240,11 @@ CHOICES = {
     "float8.recipe": ("", "delayed", "current", "block", "mxfp8"),
     "model.name": ("llama3",),
     "model.rope_scaling": ("", "none", "llama3"),
+    "data.encoding_errors": ("strict", "replace", "ignore"),
 }
 # key -> (lowest allowed value, what it means)
 MINIMUM = {
-    "training.steps": 0, "training.local_batch_size": 1, "training.seq_len": 1, "training.max_nonfinite_steps": 1,
+    "training.steps": 1, "training.local_batch_size": 1, "training.seq_len": 1, "training.max_nonfinite_steps": 1,
     "optimizer.lr": 0.0, "optimizer.eps": 0.0, "optimizer.weight_decay": 0.0,
     "lr_scheduler.warmup_steps": 0, "lr_scheduler.decay_ratio": 0.0, "lr_scheduler.min_lr_factor": 0.0,
     "model.vocab_multiple": 1, "model.dim": 0, "model.n_layers": 0, "model.n_heads": 0, "model.n_kv_heads": 0,
@@ -574,7 +577,11 @@ def value_problems(cfg: JobConfig) -> list[str]:
     for dotted, lo in MINIMUM.items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
-        if value is not None and value < lo:
+        if dotted == "training.steps" and value < lo:
+            if not cfg.checkpoint.create_seed_checkpoint:  # a seed checkpoint trains nothing anyway
+                out.append(f"training.steps: {value} trains nothing; set training.steps >= 1 (to only write the "
+                           f"initial weights use checkpoint.create_seed_checkpoint)")
+        elif value is not None and value < lo:
             out.append(f"{dotted}: {value} is below the minimum {lo}")
     for dotted, hi in MAXIMUM.items():
         section, key = dotted.split(".")

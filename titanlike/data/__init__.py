@@ -1,6 +1,7 @@
 """Offline data pipeline: tokenizers from local rank files, token streams, packed windows, and
 data-parallel loaders whose order and resume position do not depend on the parallel layout."""
 
+from titanlike.data.check import check_length, check_sources
 from titanlike.data.datasets import (
     PackedWindows,
     iter_token_chunks,
@@ -37,6 +38,8 @@ __all__ = [
     "build_dataloader",
     "build_tokenizer",
     "build_validation_loader",
+    "check_length",
+    "check_sources",
     "iter_token_chunks",
     "load_token_stream",
     "loader_position",

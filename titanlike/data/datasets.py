@@ -63,21 +63,26 @@ def _source_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> lis
     return files
 
 
-def _read_utf8(path: Path) -> str:
+def _utf8(encoding: str) -> bool:
+    return encoding.replace("_", "-").lower() in ("utf-8", "utf8")
+
+
+def _read_utf8(path: Path, encoding: str = "utf-8", errors: str = "strict") -> str:
     try:
-        return path.read_bytes().decode("utf-8-sig")
+        return path.read_bytes().decode("utf-8-sig" if _utf8(encoding) else encoding, errors)
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 (bad byte at offset {e.start}); convert it, "
-                         f"e.g. iconv -f latin1 -t utf-8") from None
+        what = "UTF-8" if _utf8(encoding) else f"{encoding} text"
+        raise ValueError(f"{path} is not {what} (bad byte at offset {e.start}); convert it, "
+                         f"e.g. iconv -f latin1 -t utf-8, or set data.encoding") from None
 
 
-def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
+def _jsonl_documents(path: Path, text_field: str, encoding: str = "utf-8", errors: str = "strict") -> Iterator[str]:
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line if _utf8(encoding) else line.decode(encoding, errors))
             except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
                 raise ValueError(f"{path}:{lineno} is not a JSON object ({e}); each line of a .jsonl file "
                                  f"must be one JSON object") from None
@@ -92,8 +97,11 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
 
 
 def iter_token_chunks(paths: str | os.PathLike | Sequence[str | os.PathLike], tokenizer: Tokenizer,
-                      text_field: str = "text") -> Iterator[np.ndarray]:
+                      text_field: str = "text", encoding: str = "utf-8",
+                      errors: str = "strict") -> Iterator[np.ndarray]:
     """The token stream of `paths`, in order, as consecutive chunks (memory-mapped for .bin files).
+
+    Text and JSON lines are decoded with `encoding` and the `errors` policy ('strict', 'replace', 'ignore').
 
     Each non-empty document contributes its tokens followed by ``tokenizer.eos_id``; empty
     documents contribute nothing.
@@ -115,7 +123,8 @@ def iter_token_chunks(paths: str | os.PathLike | Sequence[str | os.PathLike], to
             yield from flush()
             yield open_token_file(path, tokenizer)
             continue
-        docs = _jsonl_documents(path, text_field) if path.suffix == ".jsonl" else [_read_utf8(path)]
+        docs = _jsonl_documents(path, text_field, encoding, errors) if path.suffix == ".jsonl" \
+            else [_read_utf8(path, encoding, errors)]
         for doc in docs:
             if doc:
                 pending.append(doc)
@@ -126,13 +135,13 @@ def iter_token_chunks(paths: str | os.PathLike | Sequence[str | os.PathLike], to
 
 
 def load_token_stream(path: str | os.PathLike | Sequence[str | os.PathLike], tokenizer: Tokenizer,
-                      text_field: str = "text") -> np.ndarray:
+                      text_field: str = "text", encoding: str = "utf-8", errors: str = "strict") -> np.ndarray:
     """All documents of `path` (one source or a list of them) as one flat token array.
 
     The dtype is uint16 for vocabularies up to 65,536 ids, else uint32. A single .bin source is
     returned as a read-only np.memmap, so a large pre-tokenised corpus is never read into memory.
     """
-    chunks = [c for c in iter_token_chunks(path, tokenizer, text_field) if len(c)]
+    chunks = [c for c in iter_token_chunks(path, tokenizer, text_field, encoding, errors) if len(c)]
     if not chunks:
         raise ValueError(f"data path {path} holds no text; point it at non-empty documents")
     return chunks[0] if len(chunks) == 1 else np.concatenate(chunks)

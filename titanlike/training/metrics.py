@@ -56,11 +56,39 @@ def use_color(disabled: bool) -> bool:
     return not disabled and sys.stdout.isatty() and "NO_COLOR" not in os.environ
 
 
+def _continue_or_rotate(path: Path, start_step: int) -> None:
+    """Never append to another run's metrics silently: a fresh run (start_step 0) moves an existing metrics.jsonl
+    aside to metrics.jsonl.N; a resumed run keeps the lines up to its step and drops later ones (a previous attempt
+    that ran past the checkpoint it resumes from), saying so."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    if start_step == 0:
+        n = 1
+        while path.with_name(f"{path.name}.{n}").exists():
+            n += 1
+        path.rename(path.with_name(f"{path.name}.{n}"))
+        print(f"metrics: {path} holds another run's metrics; moved it to {path.name}.{n}", flush=True)
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    keep = []
+    for line in lines:
+        try:
+            step = json.loads(line).get("step", 0)
+        except ValueError:
+            continue
+        if step <= start_step:
+            keep.append(line)
+    if len(keep) != len(lines):
+        path.write_text("".join(keep))
+        print(f"metrics: resuming at step {start_step}: dropped {len(lines) - len(keep)} line(s) of {path} logged "
+              f"after it by the run that stopped", flush=True)
+
+
 class MetricsLogger:
     """Writes on rank 0 only; other ranks get a logger that does nothing."""
 
     def __init__(self, dump_folder: str | Path, *, enabled: bool, tensorboard: bool, tb_folder: str,
-                 jsonl: bool, color: bool = False):
+                 jsonl: bool, color: bool = False, start_step: int = 0):
         self.enabled = enabled
         self.color = color
         self.writer = None
@@ -74,7 +102,9 @@ class MetricsLogger:
 
             self.writer = SummaryWriter(log_dir=str(folder / tb_folder))
         if jsonl:
-            self.jsonl = open(folder / "metrics.jsonl", "a", buffering=1)
+            path = folder / "metrics.jsonl"
+            _continue_or_rotate(path, start_step)
+            self.jsonl = open(path, "a", buffering=1)
 
     def log(self, step: int, values: dict[str, float], *, console: str | None = None) -> None:
         if not self.enabled:

@@ -85,6 +85,10 @@ class Trainer:
             raise ConfigError(f"data.path: '{data_path}' does not exist; give a text file, a folder of .txt, "
                               f"a .jsonl or a .bin from scripts/preprocess_data.py (or leave it empty for the "
                               f"shipped corpus)")
+        dump = Path(cfg.job.dump_folder)
+        if dump.exists() and not dump.is_dir():
+            raise ConfigError(f"job.dump_folder: '{dump}' is a file, not a folder; choose another job.dump_folder")
+        self._load_data()
 
         self.distributed = self.world_size > 1
         if self.distributed:
@@ -184,11 +188,9 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
 
         # Data: the global sample order depends only on the seed; this rank reads its data-parallel slice.
-        from titanlike.data import build_dataloader, build_validation_loader, load_token_stream, split_stream
+        from titanlike.data import build_dataloader
 
-        t0 = time.perf_counter()
-        tokens = load_token_stream(cfg.data.path or default_corpus(), self.tokenizer, text_field=cfg.data.text_field)
-        train_tokens, val_tokens = split_stream(tokens, cfg.data.val_fraction)
+        train_tokens, val_tokens = self.train_tokens, self.val_tokens_all
         t = cfg.training
         self.global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp_degree
         self.accum_steps = self.global_batch // (t.local_batch_size * dp_degree)
@@ -196,14 +198,19 @@ class Trainer:
                                            local_batch_size=t.local_batch_size, dp_rank=dp_rank,
                                            dp_degree=dp_degree, seed=t.seed, shuffle=cfg.data.shuffle,
                                            num_workers=cfg.data.num_workers)
-        val_windows = (len(val_tokens) - 1) // t.seq_len
+        val_windows = max(len(val_tokens) - 1, 0) // t.seq_len
         self.val_tokens = val_tokens if cfg.validation.enable and val_windows >= t.local_batch_size * dp_degree \
             else None
+        if cfg.validation.enable and self.val_tokens is None and self.rank == 0:
+            print(f"validation: skipped, the held-out tail (data.val_fraction {cfg.data.val_fraction}) has "
+                  f"{len(val_tokens):,} tokens = {val_windows} windows of {t.seq_len + 1}, fewer than one batch of "
+                  f"{t.local_batch_size} on each of {dp_degree} data-parallel ranks; raise data.val_fraction, lower "
+                  f"training.local_batch_size, or set validation.enable = false", flush=True)
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         if self.rank == 0:
             print(f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params / 1e6:.2f}M parameters, "
                   f"vocab {args.vocab_size}; data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens "
-                  f"(loaded in {time.perf_counter() - t0:.1f}s); global batch {self.global_batch} x {t.seq_len} "
+                  f"(loaded in {self.data_seconds:.1f}s); global batch {self.global_batch} x {t.seq_len} "
                   f"tokens, {self.accum_steps} accumulation step(s); {self.world_size} process(es) on "
                   f"{self.device.type}, {cfg.training.dtype}", flush=True)
 
@@ -216,6 +223,32 @@ class Trainer:
             from titanlike.checkpoint import CheckpointManager
 
             self.checkpointer = CheckpointManager(self)
+
+    def _load_data(self) -> None:
+        """Check every data file (all of them, each rank on its own: no process group yet), then tokenize; every
+        problem is one ConfigError line naming all the bad files."""
+        from titanlike.data import check_length, check_sources, load_token_stream, split_stream
+        from titanlike.data.check import check_encoding
+
+        d, t = self.cfg.data, self.cfg.training
+        why = check_encoding(d.encoding, d.encoding_errors)
+        if why:
+            raise ConfigError(why)
+        sources = d.path or default_corpus()
+        bad = check_sources(sources, self.tokenizer, d.text_field, d.encoding, d.encoding_errors)
+        if bad:
+            raise ConfigError(f"data.path: {len(bad)} bad input{'s' if len(bad) > 1 else ''}: " + "; ".join(bad))
+        t0 = time.perf_counter()
+        try:
+            tokens = load_token_stream(sources, self.tokenizer, text_field=d.text_field, encoding=d.encoding,
+                                       errors=d.encoding_errors)
+        except ValueError as e:
+            raise ConfigError(f"data.path: {e}") from None
+        self.train_tokens, self.val_tokens_all = split_stream(tokens, d.val_fraction)
+        why = check_length(len(self.train_tokens), t.seq_len, f"data.path '{d.path}'" if d.path else "the corpus")
+        if why:
+            raise ConfigError(why)
+        self.data_seconds = time.perf_counter() - t0
 
     def _print_start(self) -> None:
         """Rank 0: the job's description, the notes on torchtitan keys read, the full config if asked, the
@@ -278,6 +311,7 @@ class Trainer:
                 return []
             self.checkpointer.load()
         logger = MetricsLogger(cfg.job.dump_folder, enabled=self.rank == 0, tensorboard=cfg.metrics.enable_tensorboard,
+                               start_step=self.step,
                                tb_folder=cfg.metrics.save_tb_folder, jsonl=cfg.metrics.enable_jsonl,
                                color=use_color(cfg.metrics.disable_color_printing))
         from titanlike.training.mfu import device_peak_flops, mfu, peak_key
@@ -416,17 +450,23 @@ class Trainer:
             dist.destroy_process_group()
 
 
+def _print_error(e: ConfigError) -> None:
+    """The one line, from global rank 0 only: every rank finds the same problem (so a torchrun job prints it once)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {e}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
         trainer = Trainer(cfg)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        _print_error(e)
         return 2
     try:
         trainer.train()
     except ConfigError as e:  # input found bad once training started (e.g. a corrupted checkpoint file)
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        _print_error(e)
         return 2
     except fault.ReportedError as e:  # one line says it all (a silent rank, a failed save, non-finite weights)
         print(f"error: {e}", file=sys.stderr, flush=True)
