@@ -129,7 +129,8 @@ class Checkpoint:
     keep_latest_k: int = 0  # 0: keep all
     load_step: int = -1  # -1: the newest complete checkpoint
     async_mode: str = "disabled"  # disabled | async
-    initial_load_path: str = ""  # a seed checkpoint folder or a Hugging Face safetensors file to start from
+    initial_load_path: str = ""  # a seed / step checkpoint folder, or a Hugging Face folder (its config.json sets the
+    # architecture) or .safetensors file, to start from
     create_seed_checkpoint: bool = False
     export_safetensors: bool = False  # write <folder>/final/model.safetensors + config.json at the end
     checksum: bool = False  # a CRC-32 per file, written at the commit and verified before a resume

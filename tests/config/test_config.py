@@ -49,7 +49,7 @@ def test_value_forms():
     (["--training.step", "5"], "unknown config key 'training.step' (did you mean 'training.steps'?)"),
     (["--trainng.steps", "5"], "unknown config section 'trainng' (did you mean 'training'?)"),
     (["--training.steps", "many"], "training.steps: expected an integer, got 'many'"),
-    (["--training.steps", "-3"], "training.steps: -3 is below the minimum 0"),
+    (["--training.steps", "-3"], "training.steps: -3 trains nothing; set training.steps >= 1"),
     (["--optimizer.lr", "fast"], "optimizer.lr: expected a number"),
     (["--training.dtype", "fp16"], "training.dtype: 'fp16' is not one of"),
     (["--lr_scheduler.decay_type", "cosin"], "did you mean 'cosine'?"),
