@@ -412,7 +412,8 @@ def parse_config(argv: list[str] | None = None, raise_problems: bool = True) -> 
         cfg.job.config_file = path
     torchtitan_file = any(k in tt.TORCHTITAN_KEYS and k not in _all_keys() for k, _ in file_pairs)
     if torchtitan_file:  # torchtitan's defaults where the file is silent and titanlike's default differs
-        given = {k for k, _ in file_pairs}
+        given = {k for k, _ in file_pairs} | {tt.TORCHTITAN_KEYS[k].target for k, _ in file_pairs
+                                             if k in tt.TORCHTITAN_KEYS and tt.TORCHTITAN_KEYS[k].target}
         for key, value in tt.TORCHTITAN_DEFAULTS.items():
             if key not in given and key not in ("training.dtype", "parallelism.enable_sequence_parallel"):
                 _set(cfg, key, value, from_cli=False)
