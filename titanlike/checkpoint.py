@@ -780,7 +780,10 @@ class CheckpointManager:
         """Call after every step: commits a finished async save, saves at every ``interval`` and the last step."""
         self._poll()
         if self.cfg.enable and (step % self.cfg.interval == 0 or last) and step != self.last_step:
-            self.save(step, model_only=last and self.cfg.last_save_model_only)
+            if last and self.cfg.last_save_model_only:
+                self.save(step, model_only=True)
+            else:
+                self.save(step)
 
     def save(self, step: int, model_only: bool = False) -> None:
         """Save step ``step``; ``model_only`` (checkpoint.last_save_model_only at the last step): the model weights
