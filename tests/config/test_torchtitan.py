@@ -319,4 +319,5 @@ def test_trainer_prints_description_and_config_and_saves_the_last_step_model_onl
                                  "--checkpoint.initial_load_path", str(step2)], world_size=1))
     other.checkpointer.load()
     final = trainer.model_parts[0].state_dict()
-    assert all(torch.equal(v, final[k].to(torch.bfloat16).float()) for k, v in other.model_parts[0].state_dict().items())
+    loaded = other.model_parts[0].state_dict()
+    assert all(torch.equal(v, final[k].to(torch.bfloat16).float()) for k, v in loaded.items())
