@@ -137,8 +137,13 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
         raise ValueError(f"the Hugging Face weights do not fit the model ({args.n_layers} layers): the file {what}")
     for k, shape in expected.items():
         if tuple(out[k].shape) != tuple(shape):
+            hint = ""
+            if k in ("tok_embeddings.weight", "output.weight") and out[k].shape[1:] == tuple(shape)[1:]:
+                hint = (f"; the vocabulary differs ({out[k].shape[0]} vs {shape[0]}): give the folder with its "
+                        f"config.json (the architecture is then taken from it), or set model.vocab_multiple 1 and a "
+                        f"tokenizer of that size")
             raise ValueError(f"the Hugging Face weights do not fit the model: {hf_name(k)} has shape "
-                             f"{tuple(out[k].shape)}, the model needs {tuple(shape)}")
+                             f"{tuple(out[k].shape)}, the model needs {tuple(shape)}{hint}")
     return out
 
 
