@@ -181,7 +181,14 @@ class Compile:
 
 @dataclass
 class Float8:
-    recipe: str = ""  # "" (off) | delayed | current | block | mxfp8
+    # "" (off); torchao: tensorwise | rowwise | rowwise_with_gw_hp; te (model.kernels=te): delayed | current |
+    # block | mxfp8
+    recipe: str = ""
+    backend: str = "auto"  # auto (te when model.kernels=te, else torchao) | torchao | te
+    emulate: bool = False  # torchao's emulation (float8 casts, float32 GEMMs): CPU and tests, no sm_89 needed
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])  # Linear FQNs containing these stay hp
+    enable_fsdp_float8_all_gather: bool = False  # FSDP2 all-gathers weights in float8 (tensorwise only)
+    precompute_float8_dynamic_scale_for_fsdp: bool = False  # one all-reduce for all weight scales per step
 
 
 @dataclass
@@ -238,7 +245,8 @@ CHOICES = {
     "checkpoint.on_corrupt": ("stop", "previous"),
     "activation_checkpoint.mode": ("none", "full", "selective"),
     "model.kernels": ("torch", "te"),
-    "float8.recipe": ("", "delayed", "current", "block", "mxfp8"),
+    "float8.recipe": ("", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "current", "block", "mxfp8"),
+    "float8.backend": ("auto", "torchao", "te"),
     "model.name": ("llama3",),
     "model.rope_scaling": ("", "none", "llama3"),
     "data.encoding_errors": ("strict", "replace", "ignore"),
@@ -765,9 +773,65 @@ def layout_violations(cfg: JobConfig, world_size: int, model_args=None) -> list[
         opt = cfg.activation_checkpoint.selective_ac_option
         if opt != "op" and not (opt.isdigit() and int(opt) >= 1):
             out.append(f"activation_checkpoint.selective_ac_option: '{opt}' must be 'op' or a positive integer")
-    if cfg.float8.recipe and cfg.model.kernels != "te":
-        out.append(f"float8.recipe={cfg.float8.recipe} needs Transformer Engine kernels: set model.kernels=te "
-                   f"(on a CUDA machine with TE) or leave float8.recipe empty")
+    out += float8_violations(cfg)
+    return out
+
+
+TORCHAO_FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+TE_FLOAT8_RECIPES = ("delayed", "current", "block", "mxfp8")
+
+
+def float8_backend(cfg: JobConfig) -> str:
+    """``float8.backend`` resolved: ``auto`` is ``te`` when ``model.kernels=te``, else ``torchao``."""
+    b = cfg.float8.backend
+    return ("te" if cfg.model.kernels == "te" else "torchao") if b == "auto" else b
+
+
+def float8_violations(cfg: JobConfig) -> list[str]:
+    """The [float8] rules (pure arithmetic; whether torchao / TE / the GPU can run it is checked by the trainer)."""
+    f, out = cfg.float8, []
+    if not f.recipe:
+        unused = [k for k, on in (("float8.emulate", f.emulate), ("float8.backend", f.backend != "auto"),
+                                  ("float8.filter_fqns", f.filter_fqns != ["output"]),
+                                  ("float8.enable_fsdp_float8_all_gather", f.enable_fsdp_float8_all_gather),
+                                  ("float8.precompute_float8_dynamic_scale_for_fsdp",
+                                   f.precompute_float8_dynamic_scale_for_fsdp)) if on]
+        if unused:
+            out.append(f"{', '.join(unused)} set but float8.recipe is empty (float8 off); set float8.recipe "
+                       f"(torchao: {', '.join(TORCHAO_FLOAT8_RECIPES)}) or drop {'them' if len(unused) > 1 else 'it'}")
+        return out
+    backend = float8_backend(cfg)
+    if cfg.training.dtype == "float64":
+        out.append(f"float8.recipe={f.recipe} does not combine with training.dtype=float64 (float8 GEMMs round to "
+                   f"8 bits); use float32 or bfloat16, or leave float8.recipe empty")
+    if backend == "torchao":
+        if f.recipe not in TORCHAO_FLOAT8_RECIPES:
+            out.append(f"float8.recipe={f.recipe} is a Transformer Engine recipe; with float8.backend=torchao use "
+                       f"{', '.join(TORCHAO_FLOAT8_RECIPES)} (or set model.kernels=te for TE's)")
+        if cfg.model.kernels != "torch":
+            out.append(f"float8.backend=torchao converts nn.Linear layers, but model.kernels={cfg.model.kernels} "
+                       f"replaced them; use float8.backend=te with model.kernels=te, or model.kernels=torch")
+        if f.enable_fsdp_float8_all_gather and f.recipe != "tensorwise":
+            out.append(f"float8.enable_fsdp_float8_all_gather needs float8.recipe=tensorwise (torchao all-gathers "
+                       f"only tensorwise-scaled weights in float8), not {f.recipe}")
+        if f.precompute_float8_dynamic_scale_for_fsdp and not f.enable_fsdp_float8_all_gather:
+            out.append("float8.precompute_float8_dynamic_scale_for_fsdp needs "
+                       "float8.enable_fsdp_float8_all_gather=true")
+    else:
+        if cfg.model.kernels != "te":
+            out.append(f"float8.backend=te needs Transformer Engine kernels: set model.kernels=te (on a CUDA "
+                       f"machine with TE), or use float8.backend=torchao")
+        if f.recipe not in TE_FLOAT8_RECIPES:
+            out.append(f"float8.recipe={f.recipe} is a torchao recipe; with float8.backend=te use "
+                       f"{', '.join(TE_FLOAT8_RECIPES)}")
+        te_only_off = [k for k, on in (("float8.emulate", f.emulate),
+                                       ("float8.filter_fqns", f.filter_fqns != ["output"]),
+                                       ("float8.enable_fsdp_float8_all_gather", f.enable_fsdp_float8_all_gather),
+                                       ("float8.precompute_float8_dynamic_scale_for_fsdp",
+                                        f.precompute_float8_dynamic_scale_for_fsdp)) if on]
+        if te_only_off:
+            out.append(f"{', '.join(te_only_off)} apply to float8.backend=torchao only; unset them with "
+                       f"float8.backend=te")
     return out
 
 

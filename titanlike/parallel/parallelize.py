@@ -1,6 +1,7 @@
 """Compose the parallelisms on one model (or one pipeline stage), in the order that works:
 
-1. tensor (+ sequence) parallelism, with the head left vocab-sharded for the vocab-parallel loss;
+0. float8 (``float8.backend=torchao``): ``nn.Linear`` -> torchao ``Float8Linear``, same parameter names;
+1. tensor (+ sequence) parallelism (torchao's float8 styles when every projection is tensorwise float8), with the head left vocab-sharded for the vocab-parallel loss;
 2. activation checkpointing (hooks of the TP styles on submodules rerun inside the recomputation);
 3. ``torch.compile`` per block (sees DTensors between blocks, and the checkpoint regions);
 4. FSDP / HSDP over ``dp_shard x cp`` (and ``dp_replicate``), outermost so that its all-gathers and
@@ -19,7 +20,7 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from titanlike.config import JobConfig
+from titanlike.config import JobConfig, float8_backend
 from titanlike.parallel.dims import ParallelDims
 
 __all__ = ["parallelize_model", "build_loss_fn", "loss_parallel_enabled"]
@@ -38,18 +39,33 @@ def _submesh(dims: ParallelDims, mesh, names):
 
 
 def parallelize_model(model: nn.Module, dims: ParallelDims, mesh, cfg: JobConfig) -> nn.Module:
-    """TP(+SP, loss parallel) -> activation checkpointing -> compile -> FSDP/HSDP, in place; returns ``model``.
+    """float8 (torchao) -> TP(+SP, loss parallel) -> activation checkpointing -> compile -> FSDP/HSDP, in place;
+    returns ``model``.
 
     ``model`` may be on the meta device (then call ``to_empty`` + ``init_weights`` afterwards) or materialised
     (every rank must hold the same weights: TP and FSDP keep each rank's shard of its own copy). ``mesh`` is
     ``dims.build_mesh(...)``. Parameter names do not change.
     """
     p = cfg.parallelism
+    f8 = cfg.float8
+    if f8.recipe and float8_backend(cfg) == "torchao" and not hasattr(model, "_float8_converted"):
+        from titanlike.kernels.float8 import convert_to_float8
+
+        convert_to_float8(model, f8.recipe, emulate=f8.emulate, filter_fqns=f8.filter_fqns,
+                          enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather and dims.fsdp_enabled)
     if dims.tp_enabled:
+        from titanlike.kernels.float8 import float8_tensorwise_tp
         from titanlike.parallel.tensor_parallel import apply_tp
 
-        apply_tp(model, _submesh(dims, mesh, "tp"), sequence_parallel=p.enable_sequence_parallel,
-                 loss_parallel=loss_parallel_enabled(cfg, dims))
+        float8_tp = float8_tensorwise_tp(model, ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                                                 "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"))
+        tp_mesh = _submesh(dims, mesh, "tp")
+        if p.enable_sequence_parallel and tp_mesh.device_type == "cpu":
+            # gloo cannot all-gather float8 dtypes ("RuntimeError: Invalid scalar type", torch 2.13): on CPU the SP
+            # all-gathers stay high precision (plain styles); NCCL moves float8 bytes.
+            float8_tp = False
+        apply_tp(model, tp_mesh, sequence_parallel=p.enable_sequence_parallel,
+                 loss_parallel=loss_parallel_enabled(cfg, dims), float8=float8_tp)
     if cfg.activation_checkpoint.mode != "none":
         from titanlike.parallel.activation_checkpoint import apply_ac
 

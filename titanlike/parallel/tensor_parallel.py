@@ -96,27 +96,39 @@ def _norm_style(sequence_parallel: bool) -> ParallelStyle:
     return SequenceParallel() if sequence_parallel else ReplicateParallel()
 
 
-def tp_plan(sequence_parallel: bool = False, loss_parallel: bool = True) -> dict[str, ParallelStyle]:
+def tp_plan(sequence_parallel: bool = False, loss_parallel: bool = True, float8: bool = False
+            ) -> dict[str, ParallelStyle]:
     """The tensor-parallel plan of ``titanlike.models.llama.Transformer`` (see the module docstring).
 
     Keys are ``parallelize_module`` patterns (``*`` matches one path atom). The plan covers a whole model;
-    :func:`apply_tp` skips the keys a pipeline stage does not have.
+    :func:`apply_tp` skips the keys a pipeline stage does not have. ``float8=True`` (every block projection is a
+    tensorwise torchao ``Float8Linear``): torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` /
+    ``PrepareFloat8ModuleInput`` in the blocks, as torchtitan does: the activation is cast to float8 before the
+    all-gather (SP) and the output gradient in the backward, so those collectives move float8 bytes.
     """
     seq = Shard(1) if sequence_parallel else Replicate()
+    colwise, rowwise, prepare = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    if float8:
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
+
+        colwise, rowwise, prepare = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
     return {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=False),
         "layers.*.attention_norm": _norm_style(sequence_parallel),
-        "layers.*.attention": PrepareModuleInput(input_layouts=(seq, None, None),
-                                                 desired_input_layouts=(Replicate(), None, None)),
-        "layers.*.attention.wq": ColwiseParallel(),
-        "layers.*.attention.wk": ColwiseParallel(),
-        "layers.*.attention.wv": ColwiseParallel(),
-        "layers.*.attention.wo": RowwiseParallel(output_layouts=seq, use_local_output=False),
+        "layers.*.attention": prepare(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)),
+        "layers.*.attention.wq": colwise(),
+        "layers.*.attention.wk": colwise(),
+        "layers.*.attention.wv": colwise(),
+        "layers.*.attention.wo": rowwise(output_layouts=seq, use_local_output=False),
         "layers.*.ffn_norm": _norm_style(sequence_parallel),
-        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-        "layers.*.feed_forward.w1": ColwiseParallel(),
-        "layers.*.feed_forward.w3": ColwiseParallel(),
-        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=seq, use_local_output=False),
+        "layers.*.feed_forward": prepare(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward.w1": colwise(),
+        "layers.*.feed_forward.w3": colwise(),
+        "layers.*.feed_forward.w2": rowwise(output_layouts=seq, use_local_output=False),
         "norm": _norm_style(sequence_parallel),
         "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                   use_local_output=not loss_parallel),
@@ -184,6 +196,7 @@ def apply_tp(
     *,
     sequence_parallel: bool = False,
     loss_parallel: bool = True,
+    float8: bool = False,
 ) -> nn.Module:
     """Apply a tensor-parallel plan to ``model`` over the 1-D ``tp_mesh``, in place; return ``model``.
 
@@ -196,7 +209,7 @@ def apply_tp(
         raise ValueError(f"apply_tp needs a 1-D tensor-parallel mesh, got {tp_mesh.ndim}-D {tp_mesh}; "
                          f"pass mesh['tp']")
     if plan is None:
-        plan = {k: v for k, v in tp_plan(sequence_parallel, loss_parallel).items() if _matches(model, k)}
+        plan = {k: v for k, v in tp_plan(sequence_parallel, loss_parallel, float8).items() if _matches(model, k)}
     elif isinstance(plan, dict):
         missing = [k for k in plan if not _matches(model, k)]
         if missing:

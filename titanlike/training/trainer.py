@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from titanlike import fault
-from titanlike.config import (ConfigError, JobConfig, hf_architecture_of, layout_violations, load_config,
+from titanlike.config import (ConfigError, JobConfig, float8_backend, hf_architecture_of, layout_violations,
+                              load_config,
                               model_args_from_config)
 from titanlike.models import Transformer
 from titanlike.training.metrics import MetricsLogger, Throughput, format_eta, peak_memory_gib, use_color
@@ -78,6 +79,13 @@ class Trainer:
             try:
                 load_te()
             except TEUnavailableError as e:
+                raise ConfigError(str(e)) from None
+        if cfg.float8.recipe and float8_backend(cfg) == "torchao":
+            from titanlike.kernels.float8 import Float8UnavailableError, check_float8_runtime
+
+            try:
+                check_float8_runtime(cfg.float8.recipe, cfg.float8.emulate, self.device)
+            except Float8UnavailableError as e:
                 raise ConfigError(str(e)) from None
         self._check_host_memory_for_init()
         data_path = cfg.data.path or None
@@ -145,7 +153,8 @@ class Trainer:
         if cfg.model.kernels != "torch":
             from titanlike.kernels import convert_kernels
 
-            model = convert_kernels(model, cfg.model.kernels, cfg.float8.recipe)
+            model = convert_kernels(model, cfg.model.kernels,
+                                    cfg.float8.recipe if float8_backend(cfg) == "te" else "")
         self.num_params = sum(p.numel() for p in model.parameters())
 
         self.pp = self.pp_schedule = None
@@ -185,6 +194,9 @@ class Trainer:
             self.clip_fn = plain_clip_grad_norm_
 
         self.optimizer = build_optimizer(self.model_parts, cfg)
+        # torchao float8 all-gather: every weight's float8 scale in one all-reduce after each optimizer step.
+        self.float8_precompute = cfg.float8.precompute_float8_dynamic_scale_for_fsdp and any(
+            getattr(m, "_float8_fsdp_all_gather", False) for m in self.model_parts)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
 
         # Data: the global sample order depends only on the seed; this rank reads its data-parallel slice.
@@ -336,6 +348,11 @@ class Trainer:
                                      has_last_stage=self.has_last_stage, forward_ctx=self.forward_context)
                     if not res.skipped:
                         self._check_update_finite(res)
+                    if self.float8_precompute:
+                        from titanlike.kernels.float8 import precompute_float8_scales
+
+                        for m in self.model_parts:
+                            precompute_float8_scales(m)
                 throughput.add(res.tokens)
                 self.tokens_seen += res.tokens
                 losses.append(res.loss)
