@@ -5,15 +5,21 @@
 
 Two rows, each timed over ``--steps`` steps after ``--warmup`` untimed ones (compilation happens there):
 
-* ``titanlike``: the model through ``model.kernels`` conversion (``--kernels te``: Transformer Engine) and
-  ``parallelize_model`` on a 1-rank mesh (gloo on CPU, nccl on CUDA): activation checkpointing (``--ac``),
-  per-block compile; then, with ``--fsdp on`` (the default), the FSDP2 wrapper on the 1-rank mesh with bf16
-  parameters and float32 reductions (``MixedPrecisionPolicy``), i.e. the per-device path of a data-parallel
-  run. ``--fsdp auto`` leaves the wrapping to ``parallelize_model``, which skips FSDP on one rank (the
-  single-device trainer path: bf16 by autocast). Each step is ``titanlike.training.step.train_step``: the
-  global-token loss (``cross_entropy_loss``, ``--loss-chunk``), gradient clipping, AdamW (fused on CUDA).
-* ``plain``: the same model and initial weights, per-block ``Module.compile()``, bf16 autocast, fused AdamW on
-  CUDA (foreach on CPU), ``F.cross_entropy`` in float32, ``clip_grad_norm_``; no AC, no FSDP.
+* ``titanlike``: the best titanlike does on one device with its own features: the model through
+  ``parallelize_model`` on a 1-rank mesh (gloo on CPU, nccl on CUDA), which on one rank applies float8
+  (``--float8 tensorwise|rowwise|rowwise_with_gw_hp``, torchao; ``--float8-backend te`` with ``--kernels te``
+  for Transformer Engine), activation checkpointing (``--ac``: selective AC is what lets the batch grow) and
+  per-block compile, and no FSDP wrapper (``--fsdp auto``, the default: bf16 by autocast, the single-device
+  trainer path). ``--fsdp on`` adds the FSDP2 wrapper on the 1-rank mesh with bf16 parameters and float32
+  reductions, i.e. the per-device path of a data-parallel run. Each step is
+  ``titanlike.training.step.train_step``: the global-token loss (``cross_entropy_loss``, chunked with
+  ``--loss-chunk``), gradient clipping, AdamW (fused on CUDA), one host sync per step (loss and grad norm in
+  one copy, for the non-finite check).
+* ``plain``: the honest plain loop: the same model and initial weights, per-block ``Module.compile()``, bf16
+  autocast, fused AdamW on CUDA (foreach on CPU), ``F.cross_entropy`` in float32, ``clip_grad_norm_``; no AC,
+  no FSDP, no float8, no host sync inside the timed steps.
+
+``--only titanlike`` / ``--only plain`` runs one row (``scripts/gpu_check.sh`` times plain once per batch size).
 
 Reported: tokens/s, MFU (``titanlike.training.mfu``; needs a known GPU or ``--peak-tflops``), peak memory
 (CUDA: ``max_memory_allocated``; CPU: the process's peak RSS during the run) and the ratio titanlike/plain.
@@ -39,7 +45,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from titanlike.config import JobConfig  # noqa: E402
+from titanlike.config import TE_FLOAT8_RECIPES, TORCHAO_FLOAT8_RECIPES, JobConfig, float8_violations  # noqa: E402
 from titanlike.models.llama import FLAVORS, ModelArgs, Transformer  # noqa: E402
 from titanlike.training.mfu import device_peak_flops, mfu, peak_key  # noqa: E402
 
@@ -135,6 +141,9 @@ def job_config(a: argparse.Namespace) -> JobConfig:
     cfg.training.max_norm = 1.0
     cfg.model.kernels = a.kernels
     cfg.float8.recipe = a.float8
+    if a.float8:
+        cfg.float8.backend = a.float8_backend
+        cfg.float8.emulate = a.float8_emulate
     cfg.compile.enable = a.compile
     if a.ac == "none":
         cfg.activation_checkpoint.mode = "none"
@@ -174,8 +183,8 @@ def run_titanlike(a, args: ModelArgs, batches, device: torch.device) -> tuple[fl
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)
     mesh = dims.build_mesh(device.type)
     model = build_model(args, device, a.seed)
-    convert_kernels(model, a.kernels, a.float8)
-    model = parallelize_model(model, dims, mesh, cfg)
+    convert_kernels(model, a.kernels, a.float8 if a.float8_backend == "te" else "")
+    model = parallelize_model(model, dims, mesh, cfg)  # float8.backend=torchao: converted here
     bf16 = a.dtype == "bfloat16"
     fsdp = a.fsdp == "on"
     if fsdp:
@@ -235,11 +244,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=0, help="vocabulary size (0: the flavor's, or 2048)")
     ap.add_argument("--ac", default="none", help="none | full | op | N (every N-th block)")
     ap.add_argument("--kernels", default="torch", choices=("torch", "te"))
-    ap.add_argument("--float8", default="", choices=("", "delayed", "current", "block", "mxfp8"))
+    ap.add_argument("--float8", default="", choices=("",) + TORCHAO_FLOAT8_RECIPES + TE_FLOAT8_RECIPES,
+                    help="float8 recipe of the titanlike row (torchao: tensorwise | rowwise | rowwise_with_gw_hp)")
+    ap.add_argument("--float8-backend", default="torchao", choices=("torchao", "te"),
+                    help="torchao (Float8Linear, the default) or te (needs --kernels te)")
+    ap.add_argument("--float8-emulate", action="store_true", help="torchao's emulation (CPU, tests)")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    ap.add_argument("--fsdp", default="on", choices=("on", "auto"),
-                    help="on: FSDP2 wrapper on the 1-rank mesh; auto: as parallelize_model decides (none)")
+    ap.add_argument("--fsdp", default="auto", choices=("on", "auto"),
+                    help="auto: as parallelize_model decides (no FSDP on one rank: the single-GPU path); "
+                         "on: FSDP2 wrapper on the 1-rank mesh (the per-device path of a data-parallel run)")
     ap.add_argument("--loss-chunk", type=int, default=0, help="titanlike loss chunk size (0: unchunked)")
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="override the device peak for MFU")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -249,14 +263,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.ac not in ("none", "full", "op") and not a.ac.isdigit():
         ap.error(f"--ac must be none, full, op or a positive integer, got {a.ac!r}")
-    if a.float8 and a.kernels != "te":
-        ap.error(f"--float8 {a.float8} needs --kernels te")
+    if a.float8:
+        cfg = job_config(a)
+        cfg.model.flavor = a.flavor
+        problems = float8_violations(cfg)
+        if problems:
+            ap.error(problems[0].replace("float8.recipe=", "--float8 ").replace("float8.backend", "--float8-backend"))
+    elif a.float8_emulate:
+        ap.error("--float8-emulate needs --float8 <recipe>")
     return a
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     device = _device(a.device)
+    if a.float8 and a.float8_backend == "torchao" and a.only != "plain":
+        from titanlike.kernels.float8 import Float8UnavailableError, check_float8_runtime
+
+        try:
+            check_float8_runtime(a.float8, a.float8_emulate, device)
+        except Float8UnavailableError as e:
+            print(f"benchmark: {e}", file=sys.stderr)
+            return 2
     if a.kernels == "te":
         from titanlike.kernels import TEUnavailableError, load_te
 
@@ -273,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"benchmark: flavor={a.flavor} ({args.num_params() / 1e6:.1f}M params, vocab {args.vocab_size}) "
           f"batch={a.batch} seq={a.seq_len} steps={a.steps} (+{a.warmup} warmup) dtype={a.dtype} "
-          f"compile={a.compile} ac={a.ac} kernels={a.kernels} float8={a.float8 or 'off'} fsdp={a.fsdp} "
+          f"compile={a.compile} ac={a.ac} kernels={a.kernels} "
+          f"float8={(a.float8 + ' (' + a.float8_backend + (', emulated' if a.float8_emulate else '') + ')') if a.float8 else 'off'} "
+          f"fsdp={a.fsdp} loss_chunk={a.loss_chunk or 'off'} "
           f"device={name}; peak {'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}", flush=True)
     runners = {"titanlike": run_titanlike, "plain": run_plain}
     rows: list[Row] = []

@@ -16,6 +16,7 @@ This module is used by the trainer and, unchanged, by the numerics tests.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -122,8 +123,10 @@ def train_step(
                                      pp_group=pp_group, has_last_stage=has_last_stage, forward_ctx=forward_ctx)
     params = [p for m in model_parts for p in m.parameters()]
     norm = clip_fn(params, max_norm)
-    loss_value, norm_value = float(total), float(norm)
-    finite = torch.isfinite(torch.tensor([loss_value, norm_value])).all().item()
+    # One device-to-host copy for both numbers (one host sync per step, not two).
+    loss_value, norm_value = torch.stack([total, torch.as_tensor(norm, dtype=torch.float64,
+                                                                 device=total.device)]).tolist()
+    finite = math.isfinite(loss_value) and math.isfinite(norm_value)
     if finite:
         optimizer.step()
     if lr_scheduler is not None:

@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# The prepared single-GPU check: the side-by-side benchmark rows and a short train.py run of the 1B config, each
+# with its own timeout, all inside a total budget (default 450 s, under 8 minutes), JSON under $OUT.
+#
+#   bash scripts/gpu_check.sh [--wheels DIR|none] [--device cuda|cpu] [--budget SECONDS]
+#
+#   --wheels DIR   pip install --no-deps the torchdata / torchao wheels found in DIR (default: $WHEELS, else
+#                  shared/wheels or ../shared/wheels if present; "none": install nothing). The GPU machine
+#                  reaches no package registry, so the wheels travel with the working tree.
+#   --device cpu   dry mode (what the test suite runs, so the script cannot rot): the tiny model, 2 steps, no
+#                  compile, float8 through torchao's emulation, train.py on the debug config for 3 steps.
+#
+# Rows (benchmark.py; "plain" is timed once per batch size and shared by the rows of that batch size):
+#   bf16_b4          titanlike (compile, no FSDP wrapper, chunked loss) vs plain, batch 4 x 2048
+#   bf16_b8          the same at batch 8
+#   bf16_b8_ac_op    titanlike with selective op-level AC at batch 8 (what AC buys when it lets the batch grow)
+#   float8_tw_b4     titanlike + torchao float8 tensorwise, batch 4      (ratio against plain b4)
+#   float8_rw_b4     titanlike + torchao float8 rowwise, batch 4         (ratio against plain b4)
+#   fsdp_on_b4       titanlike under the FSDP2 wrapper on one rank, b4   (ratio against plain b4)
+#   train_1b         python train.py --job.config_file configs/llama3_1b.toml, 30 steps (b4 x 2048, compile)
+# Writes $OUT/<row>.json (benchmark.py --json), $OUT/<row>.log, $OUT/train_1b/metrics.jsonl, $OUT/env.json and
+# $OUT/summary.json (every row's tokens/s, MFU, memory and ratio to plain, and each step's exit code).
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-/tmp/gpu-check-out}
+WHEELS=${WHEELS:-}
+DEVICE=cuda
+BUDGET=450
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --wheels) WHEELS=$2; shift 2 ;;
+    --device) DEVICE=$2; shift 2 ;;
+    --budget) BUDGET=$2; shift 2 ;;
+    --out) OUT=$2; shift 2 ;;
+    *) echo "gpu_check.sh: unknown argument '$1' (use --wheels DIR|none, --device cuda|cpu, --budget S, --out DIR)" >&2
+       exit 2 ;;
+  esac
+done
+case "$DEVICE" in cuda|cpu) ;; *) echo "gpu_check.sh: --device must be cuda or cpu, got '$DEVICE'" >&2; exit 2 ;; esac
+mkdir -p "$OUT"
+START=$SECONDS
+
+if [ -z "$WHEELS" ]; then
+  for d in shared/wheels ../shared/wheels; do [ -d "$d" ] && { WHEELS=$d; break; }; done
+fi
+if [ -n "$WHEELS" ] && [ "$WHEELS" != none ]; then
+  wheels=$(ls "$WHEELS"/torchdata-*.whl "$WHEELS"/torchao-*.whl 2>/dev/null)
+  if [ -n "$wheels" ]; then
+    # --no-deps: never let pip touch the machine's torch
+    python -m pip install --no-deps -q $wheels > "$OUT/pip.log" 2>&1; echo "== pip install --no-deps (rc $?): $wheels"
+  else
+    echo "== no torchdata/torchao wheels in $WHEELS"
+  fi
+fi
+
+python - "$OUT/env.json" "$DEVICE" <<'EOF'
+import json, sys, torch
+info = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": sys.argv[2]}
+if torch.cuda.is_available():
+    info["gpu"] = torch.cuda.get_device_name(0)
+    info["capability"] = list(torch.cuda.get_device_capability(0))
+    info["memory_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+for mod in ("torchao", "torchdata", "liger_kernel"):
+    try:
+        info[mod] = __import__(mod).__version__
+    except Exception as e:  # noqa: BLE001
+        info[mod] = f"missing ({type(e).__name__})"
+json.dump(info, open(sys.argv[1], "w"), indent=1)
+print("==", json.dumps(info))
+EOF
+
+if [ "$DEVICE" = cuda ]; then
+  COMMON=(--flavor 1B --seq-len 2048 --steps 15 --warmup 4 --compile --loss-chunk 2048 --device cuda)
+  F8=()
+  B4=4; B8=8; T_FIRST=150; T_ROW=100; T_TRAIN=170
+  TRAIN=(--job.config_file configs/llama3_1b.toml --training.steps 30 --training.local_batch_size 4
+         --training.global_batch_size 4 --training.seq_len 2048 --compile.enable true --metrics.log_freq 10
+         --validation.enable false --checkpoint.enable false --metrics.enable_tensorboard false)
+else
+  COMMON=(--flavor tiny --seq-len 32 --steps 2 --warmup 1 --loss-chunk 16 --device cpu)
+  F8=(--float8-emulate)
+  B4=2; B8=4; T_FIRST=300; T_ROW=300; T_TRAIN=300  # generous: a shared 2-core CI machine
+  TRAIN=(--job.config_file configs/debug_model.toml --training.steps 3 --training.seq_len 32 --training.device cpu
+         --training.local_batch_size 2 --metrics.log_freq 1 --validation.enable false
+         --metrics.enable_tensorboard false)
+fi
+
+declare -A RC
+run() {  # name, timeout, command...: bounded by what is left of the budget
+  local name=$1 limit=$2; shift 2
+  local left=$((BUDGET - (SECONDS - START)))
+  [ "$limit" -gt "$left" ] && limit=$left
+  if [ "$limit" -lt 10 ]; then RC[$name]=skipped; echo "== $name skipped: budget spent"; return; fi
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  RC[$name]=$?
+  echo "== $name (rc ${RC[$name]}, ${limit}s limit, $((SECONDS - START))s so far)"; tail -3 "$OUT/$name.log"
+}
+bench() { local name=$1 limit=$2; shift 2; run "$name" "$limit" python scripts/benchmark.py "${COMMON[@]}" --json "$OUT/$name.json" "$@"; }
+
+bench bf16_b4 "$T_FIRST" --batch "$B4"
+bench bf16_b8 "$T_ROW" --batch "$B8"
+bench float8_tw_b4 "$T_ROW" --batch "$B4" --only titanlike --float8 tensorwise "${F8[@]}"
+bench float8_rw_b4 "$T_ROW" --batch "$B4" --only titanlike --float8 rowwise "${F8[@]}"
+bench fsdp_on_b4 "$T_ROW" --batch "$B4" --only titanlike --fsdp on
+run train_1b "$T_TRAIN" python train.py "${TRAIN[@]}" --job.dump_folder "$OUT/train_1b"
+bench bf16_b8_ac_op "$T_ROW" --batch "$B8" --only titanlike --ac op
+
+rcs=""; for k in "${!RC[@]}"; do rcs="$rcs$k=${RC[$k]} "; done
+python - "$OUT" "$rcs" <<'EOF'
+import json, sys
+from pathlib import Path
+out, rcs = Path(sys.argv[1]), dict(kv.split("=") for kv in sys.argv[2].split())
+rows, plain = [], {}
+for f in sorted(out.glob("*.json")):
+    if f.name in ("env.json", "summary.json"):
+        continue
+    d = json.loads(f.read_text())
+    for r in d["rows"]:
+        if r["name"] == "plain":
+            plain[d["args"]["batch"]] = r["tokens_per_s"]
+for f in sorted(out.glob("*.json")):
+    if f.name in ("env.json", "summary.json"):
+        continue
+    d = json.loads(f.read_text())
+    for r in d["rows"]:
+        if r["name"] != "titanlike":
+            continue
+        base = plain.get(d["args"]["batch"])
+        rows.append({"row": f.stem, "batch": d["args"]["batch"], "float8": d["args"]["float8"] or None,
+                     "fsdp": d["args"]["fsdp"], "ac": d["args"]["ac"], "tokens_per_s": r["tokens_per_s"],
+                     "mfu": r["mfu"], "peak_mem_gib": r["peak_mem_gib"], "loss": r["loss"],
+                     "plain_tokens_per_s": base, "ratio_to_plain": r["tokens_per_s"] / base if base else None})
+train = []
+m = out / "train_1b" / "metrics.jsonl"
+if m.exists():
+    train = [json.loads(line) for line in m.read_text().splitlines() if line.strip()]
+summary = {"env": json.loads((out / "env.json").read_text()), "exit_codes": rcs, "rows": rows,
+           "plain_tokens_per_s_by_batch": plain, "train_1b": [r for r in train if "loss" in r]}
+(out / "summary.json").write_text(json.dumps(summary, indent=1))
+print(f"{'row':<16} {'batch':>5} {'tokens/s':>10} {'MFU':>6} {'mem GiB':>8} {'x plain':>8}")
+for r in rows:
+    mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    ratio = "n/a" if r["ratio_to_plain"] is None else f"{r['ratio_to_plain']:.3f}"
+    print(f"{r['row']:<16} {r['batch']:>5} {r['tokens_per_s']:>10,.0f} {mfu:>6} {r['peak_mem_gib']:>8.2f} {ratio:>8}")
+print("plain tokens/s by batch:", {k: round(v) for k, v in plain.items()})
+if summary["train_1b"]:
+    last = summary["train_1b"][-1]
+    print(f"train_1b: step {last['step']} loss {last['loss']:.4f} tokens/s {last.get('tokens_per_s', 0):,.0f}")
+print("exit codes:", rcs)
+EOF
+echo "== gpu_check done in $((SECONDS - START))s; results in $OUT"

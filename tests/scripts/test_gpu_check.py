@@ -1,0 +1,39 @@
+"""scripts/gpu_check.sh end to end in its CPU dry mode (tiny model, float8 through torchao's emulation, the debug
+config for train.py), so the prepared GPU check cannot rot; timings are not asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+
+
+def test_gpu_check_dry_run_writes_every_row(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("MASTER_PORT", None)
+    proc = subprocess.run(["bash", str(SCRIPT), "--device", "cpu", "--wheels", "none", "--out", str(tmp_path),
+                           "--budget", "3000"], cwd=REPO, env=env, capture_output=True, text=True, timeout=3000)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["exit_codes"] == {k: "0" for k in ("bf16_b4", "bf16_b8", "float8_tw_b4", "float8_rw_b4",
+                                                       "fsdp_on_b4", "train_1b", "bf16_b8_ac_op")}, proc.stdout
+    rows = {r["row"]: r for r in summary["rows"]}
+    assert set(rows) == {"bf16_b4", "bf16_b8", "float8_tw_b4", "float8_rw_b4", "fsdp_on_b4", "bf16_b8_ac_op"}
+    assert rows["float8_tw_b4"]["float8"] == "tensorwise" and rows["float8_rw_b4"]["float8"] == "rowwise"
+    assert rows["fsdp_on_b4"]["fsdp"] == "on" and rows["bf16_b4"]["fsdp"] == "auto"
+    assert rows["bf16_b8_ac_op"]["ac"] == "op"
+    for r in rows.values():  # every titanlike row has a plain row of its batch size to be compared with
+        assert r["tokens_per_s"] > 0 and r["ratio_to_plain"] > 0 and r["loss"] > 0, r
+    assert [r["step"] for r in summary["train_1b"]] == [1, 2, 3]
+    assert summary["env"]["torchao"] == "0.18.0"
+
+
+def test_gpu_check_bad_argument_is_one_line(tmp_path):
+    proc = subprocess.run(["bash", str(SCRIPT), "--device", "tpu", "--out", str(tmp_path / "o")], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == "gpu_check.sh: --device must be cuda or cpu, got 'tpu'"
+    assert not (tmp_path / "o").exists()
