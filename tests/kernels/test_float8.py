@@ -126,7 +126,7 @@ def test_float8_run_of_the_debug_model_tracks_the_run_without_float8(tmp_path):
                         flavor="debugmodel")
     assert len(trainer.model_parts[0]._float8_converted) == 4 * 7
     rel = [abs(a - b) / b for a, b in zip(fp8, ref)]
-    assert max(rel) < 0.01, rel  # measured: < 0.1% per step
+    assert max(rel) < 0.01, rel  # 30 steps at seq 128 measured <= 0.12% per step (docs/performance.md)
     assert fp8[-1] < fp8[0] - 0.5  # and it learns
 
 

@@ -133,3 +133,27 @@ def test_nonfinite_step_is_skipped():
     r = train_step([m], opt, [(x, x)], nan_loss, max_norm=1.0, clip_fn=plain_clip_grad_norm_)
     assert r.skipped and not math.isfinite(r.loss)
     assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_clip_scales_like_torch_without_a_copy_per_gradient(dtype):
+    """titanlike's clip_grad_norm_ scales exactly as torch.nn.utils.clip_grads_with_norm_ does, but hands the
+    foreach kernel a coefficient of the gradients' dtype (float32/64): no dtype-converting copy per gradient."""
+    from torch.profiler import profile
+
+    from titanlike.parallel.clip import clip_grad_norm_
+
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.zeros(37, 13, dtype=dtype)) for _ in range(9)]
+    for p in ps:
+        p.grad = torch.randn(37, 13, dtype=dtype) * 3
+    qs = [torch.nn.Parameter(torch.zeros_like(p)) for p in ps]
+    for p, q in zip(ps, qs):
+        q.grad = p.grad.clone()
+    with profile() as prof:
+        norm = clip_grad_norm_(ps, 1.0)
+    torch.nn.utils.clip_grads_with_norm_(qs, 1.0, norm)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(ps, qs))
+    copies = sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+    if dtype != torch.bfloat16:
+        assert copies <= 3, copies  # the norm's float64 accumulation and the one coefficient cast, not 9+
