@@ -227,3 +227,14 @@ def test_train_py_refuses_float8_without_a_float8_gpu_before_anything_starts(tmp
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("error: float8.recipe=tensorwise without emulation needs a CUDA GPU"), r.stderr
     assert not out.exists()
+
+
+def test_te_stays_behind_the_same_keys():
+    from titanlike.config import float8_backend
+
+    cfg = load_config(["--model.kernels", "te", "--float8.recipe", "current"], world_size=1)
+    assert float8_backend(cfg) == "te"  # auto: TE's fp8 when model.kernels=te
+    cfg = load_config(["--float8.recipe", "rowwise"], world_size=1)
+    assert float8_backend(cfg) == "torchao"  # auto: torchao otherwise
+    cfg = load_config(["--model.kernels", "te", "--float8.recipe", "block", "--float8.backend", "te"], world_size=1)
+    assert float8_backend(cfg) == "te"
