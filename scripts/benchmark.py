@@ -234,6 +234,12 @@ def run_plain(a, args: ModelArgs, batches, device: torch.device) -> tuple[float,
 
 
 # ---------------------------------------------------------------------------------------------- main
+def _float8_label(a: argparse.Namespace) -> str:
+    if not a.float8:
+        return "off"
+    return f"{a.float8} ({a.float8_backend}{', emulated' if a.float8_emulate else ''})"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--flavor", default="debugmodel", choices=sorted(FLAVORS))
@@ -302,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"benchmark: flavor={a.flavor} ({args.num_params() / 1e6:.1f}M params, vocab {args.vocab_size}) "
           f"batch={a.batch} seq={a.seq_len} steps={a.steps} (+{a.warmup} warmup) dtype={a.dtype} "
           f"compile={a.compile} ac={a.ac} kernels={a.kernels} "
-          f"float8={(a.float8 + ' (' + a.float8_backend + (', emulated' if a.float8_emulate else '') + ')') if a.float8 else 'off'} "
+          f"float8={_float8_label(a)} "
           f"fsdp={a.fsdp} loss_chunk={a.loss_chunk or 'off'} "
           f"device={name}; peak {'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}", flush=True)
     runners = {"titanlike": run_titanlike, "plain": run_plain}

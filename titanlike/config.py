@@ -819,8 +819,8 @@ def float8_violations(cfg: JobConfig) -> list[str]:
                        "float8.enable_fsdp_float8_all_gather=true")
     else:
         if cfg.model.kernels != "te":
-            out.append(f"float8.backend=te needs Transformer Engine kernels: set model.kernels=te (on a CUDA "
-                       f"machine with TE), or use float8.backend=torchao")
+            out.append("float8.backend=te needs Transformer Engine kernels: set model.kernels=te (on a CUDA "
+                       "machine with TE), or use float8.backend=torchao")
         if f.recipe not in TE_FLOAT8_RECIPES:
             out.append(f"float8.recipe={f.recipe} is a torchao recipe; with float8.backend=te use "
                        f"{', '.join(TE_FLOAT8_RECIPES)}")

@@ -127,7 +127,8 @@ def worker(rank: int, world_size: int, ckpt_dir: str) -> None:
         model = parallelize_model(_model(), dims, mesh, cfg)
         wq = model.layers["0"].attention.wq
         seen = []  # what reaches wq after the TP input hook: float8 styles hand it a float8 (DTensor) tensor
-        wq.register_forward_pre_hook(lambda m, a: seen.append(type(getattr(a[0], "_local_tensor", a[0])).__name__))
+        wq.register_forward_pre_hook(
+            lambda m, a, seen=seen: seen.append(type(getattr(a[0], "_local_tensor", a[0])).__name__))
         local_w = wq.weight._local_tensor if hasattr(wq.weight, "_local_tensor") else wq.weight
         info = {"float8_linear": is_float8_linear(wq), "weight_kind": type(local_w).__name__,
                 "wq_input": None}

@@ -179,7 +179,8 @@ def test_float8_composes_with_fsdp2_and_tp2_like_one_process(tmp_path):
 @pytest.mark.parametrize("argv,message", [
     (["--float8.recipe", "tensorwise", "--training.dtype", "float64"],
      "float8.recipe=tensorwise does not combine with training.dtype=float64"),
-    (["--float8.recipe", "current"], "float8.recipe=current is a Transformer Engine recipe; with float8.backend=torchao"),
+    (["--float8.recipe", "current"],
+     "float8.recipe=current is a Transformer Engine recipe; with float8.backend=torchao"),
     (["--float8.recipe", "rowwise", "--float8.backend", "te"], "float8.backend=te needs Transformer Engine kernels"),
     (["--float8.recipe", "rowwise", "--model.kernels", "te", "--float8.backend", "torchao"],
      "float8.backend=torchao converts nn.Linear layers, but model.kernels=te"),

@@ -69,7 +69,7 @@ def _cached_torchao():
         torchao = importlib.import_module("torchao")
         f8 = importlib.import_module("torchao.float8")
         return torchao.__version__, f8
-    except Exception as e:  # ImportError, or a torchao built for another torch
+    except Exception as e:  # noqa: BLE001 - ImportError, or a torchao built for another torch: report either
         return f"{type(e).__name__}: {' '.join(str(e).split())}"
     finally:
         for lg, level in zip(quiet, levels):

@@ -1,7 +1,8 @@
 """Compose the parallelisms on one model (or one pipeline stage), in the order that works:
 
 0. float8 (``float8.backend=torchao``): ``nn.Linear`` -> torchao ``Float8Linear``, same parameter names;
-1. tensor (+ sequence) parallelism (torchao's float8 styles when every projection is tensorwise float8), with the head left vocab-sharded for the vocab-parallel loss;
+1. tensor (+ sequence) parallelism (torchao's float8 styles when every projection is tensorwise float8), with
+   the head left vocab-sharded for the vocab-parallel loss;
 2. activation checkpointing (hooks of the TP styles on submodules rerun inside the recomputation);
 3. ``torch.compile`` per block (sees DTensors between blocks, and the checkpoint regions);
 4. FSDP / HSDP over ``dp_shard x cp`` (and ``dp_replicate``), outermost so that its all-gathers and
