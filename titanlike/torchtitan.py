@@ -80,8 +80,9 @@ TORCHTITAN_KEYS: dict[str, Key] = {
     "model.tokenizer_path": Key(REFUSED, "model.tokenizer", "use model.tokenizer (test, gpt2, cl100k or a .tiktoken "
                                 "path)"),
     "model.converters": Key(MAPPED, None, "no converters needed", convert=lambda v: {},
-                            accept=_only([], why="titanlike converts through model.kernels = 'te' with "
-                                         "float8.recipe (Transformer Engine); remove model.converters")),
+                            accept=_only([], why="titanlike's float8 is its [float8] section (float8.recipe = "
+                                         "'tensorwise' | 'rowwise' through torchao, or model.kernels = 'te' for "
+                                         "Transformer Engine); remove model.converters and set float8.recipe")),
     "model.print_after_conversion": Key(INERT, ok=(False,), note="titanlike has no model converters"),
     # [optimizer]
     "optimizer.name": S(), "optimizer.lr": S(), "optimizer.beta1": S(), "optimizer.beta2": S(), "optimizer.eps": S(),
@@ -182,9 +183,10 @@ TORCHTITAN_KEYS: dict[str, Key] = {
                               accept=_only(["model", "loss"], ["model"], ["loss", "model"],
                                            why="titanlike compiles the model's blocks: use ['model'] or "
                                            "['model', 'loss'], or compile.enable = false")),
-    # [quantize.*]: torchao float8 / MX. titanlike's low precision is Transformer Engine's.
+    # [quantize.*]: torchao float8 / MX. titanlike's float8 is its own [float8] section (torchao or TE).
     **{f"quantize.linear.float8.{k}": Key(INERT, ok=ok, note="applies with model.converters = ['float8'] only; "
-                                          "titanlike's float8 is model.kernels = 'te' + float8.recipe")
+                                          "titanlike's float8 is the [float8] section (float8.recipe, "
+                                          f"float8.{k.replace('recipe_name', 'recipe')})")
        for k, ok in (("enable_fsdp_float8_all_gather", (False, True)),
                      ("precompute_float8_dynamic_scale_for_fsdp", (False, True)), ("recipe_name", (None,)),
                      ("filter_fqns", None), ("emulate", (False,)))},

@@ -18,8 +18,7 @@ import torch.distributed as dist
 
 from titanlike import fault
 from titanlike.config import (ConfigError, JobConfig, float8_backend, hf_architecture_of, layout_violations,
-                              load_config,
-                              model_args_from_config)
+                              load_config, model_args_from_config)
 from titanlike.models import Transformer
 from titanlike.training.metrics import MetricsLogger, Throughput, format_eta, peak_memory_gib, use_color
 from titanlike.training.optim import build_lr_scheduler, build_optimizer
