@@ -5,7 +5,7 @@ imports nothing new per rank: the parent imports torch once, hosts a ``TCPStore`
 before any compute (so no OpenMP pool exists yet). Every rank gets ``RANK`` / ``WORLD_SIZE`` /
 ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` like under torchrun, a gloo process group with a short timeout, one
 intra-op thread, and leaves with ``os._exit`` after ``destroy_process_group`` (a plain interpreter exit after
-gloo aborts now and then, see shared/notes/torch-cpu-facts.md). If a rank fails, the others are killed.
+gloo aborts now and then, see docs/cpu-facts.md). If a rank fails, the others are killed.
 
 Start-up on the shared 2-core machine: about 3 s for the import plus well under a second per rank, against
 5 / 8 / 20 s for torchrun at 2 / 4 / 8 ranks.
@@ -25,6 +25,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """The environment for a worker subprocess: the repository (titanlike) and tests/ (dist_utils) on its path,
+    one intra-op thread unless ``extra`` says otherwise."""
+    path = os.pathsep.join(p for p in (str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
 
 
 def _rank_main(fn, rank: int, world_size: int, port: int, timeout_s: float, args: tuple) -> None:
@@ -91,6 +99,5 @@ def spawn(fn: Callable[..., None], world_size: int, *args, timeout_s: float = 60
 
 def run_script(script: str | Path, *args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
     """Run ``python script *args`` from the repository root (one thread per process), capturing its output."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=worker_env(), capture_output=True,
+                          text=True, timeout=timeout)

@@ -2,7 +2,8 @@
 
 Names follow torchtitan v0.2.2 where the concept matches, so a torchtitan TOML mostly carries over::
 
-    python train.py --job.config_file configs/debug_model.toml --training.steps 100 --parallelism.tensor_parallel_degree=2
+    python train.py --job.config_file configs/debug_model.toml --training.steps 100 \
+        --parallelism.tensor_parallel_degree=2
 
 Every problem raises :class:`ConfigError` with one line that names the key and the fix; ``train.py`` prints it and
 exits with code 2 before a model is built or a process group started.

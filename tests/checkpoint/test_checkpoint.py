@@ -4,7 +4,6 @@ seed checkpoints, injected non-finite losses, and kill -9 in the middle of a sav
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import signal
 import subprocess
@@ -14,13 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import worker_env
 
 from titanlike.checkpoint import committed_checkpoints, read_meta, read_model_state_dict
 from titanlike.config import load_config
 from titanlike.data import asset_path
 from titanlike.training.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KILL_WORKER = Path(__file__).with_name("checkpoint_kill_worker.py")
 CORPUS = str(asset_path("corpus", "tinyshakespeare.txt"))
 
@@ -175,7 +175,7 @@ KILL_POINTS = ["write_data", "finish"]
 def killed(tmp_path_factory):
     """For every pause point, a run (8 steps, a save every 2) SIGKILLed inside its save of step 4 (side by side)."""
     # The thread count of this process: a different one may change float32 sums, and the runs must be bitwise equal.
-    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), PYTHONPATH=str(REPO))
+    env = worker_env(OMP_NUM_THREADS=str(torch.get_num_threads()))
     runs = {}
     for pause in KILL_POINTS:
         dump = tmp_path_factory.mktemp(f"killed_{pause}")

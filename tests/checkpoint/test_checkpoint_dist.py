@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import worker_env
 
 from titanlike.checkpoint import committed_checkpoints, read_meta, read_model_state_dict
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("checkpoint_dist_worker.py")
 FAULT_WORKER = Path(__file__).with_name("checkpoint_fault_worker.py")
 TOL = 1e-10
@@ -30,14 +31,9 @@ RESHARDS = [
 ]
 
 
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO),
-                                                                               os.environ.get("PYTHONPATH", "")]))
-
-
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     """Run a launcher in a session of its own; on a timeout kill it with every process it forked."""
-    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, env=worker_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -20,7 +20,7 @@ from titanlike.hf import from_hf, hf_config, load_hf, permute_from_hf, permute_t
 from titanlike.models import FLAVORS, ModelArgs, Transformer
 from titanlike.training.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ARGS = {  # GQA (8 query heads over 4 kv heads), both head layouts of the output projection
     "untied": FLAVORS["debugmodel"].replace(dim=64, n_layers=2, vocab_size=96, rope_theta=500000.0, norm_eps=1e-6),
     "tied": FLAVORS["tiny"].replace(vocab_size=80, tie_embeddings=True),

@@ -10,18 +10,15 @@ from __future__ import annotations
 import copy
 import json
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: dist_utils
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from dist_utils import spawn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from dist_utils import spawn  # noqa: E402
 from titanlike.config import ActivationCheckpoint  # noqa: E402
 from titanlike.models.llama import FLAVORS, Transformer  # noqa: E402
 from titanlike.parallel.activation_checkpoint import apply_ac  # noqa: E402

@@ -32,8 +32,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: dist_utils
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
@@ -182,8 +180,9 @@ def _ce_no_max_all_reduce():
 def _sp_norm_plain():
     """Under SP, the norms are left plain modules running on the local sequence shard (the norm is per token, so
     the forward stays right): each rank's weight gradient covers only its part of the sequence, never summed."""
-    import titanlike.parallel.tensor_parallel as tpm
     from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    import titanlike.parallel.tensor_parallel as tpm
 
     def plain_norm(sequence_parallel):
         seq = Shard(1) if sequence_parallel else Replicate()

@@ -19,14 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # gate.py
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # dist_utils.py
-
+import gate  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-import gate  # noqa: E402
 from gate import GLOBAL_BATCH, STEPS, TOL, Built, Layout, global_batch, patched  # noqa: E402
+
 from titanlike.models import Transformer  # noqa: E402
 from titanlike.training.optim import build_optimizer  # noqa: E402
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -138,7 +137,6 @@ def test_ac_under_tensor_parallelism_and_fsdp_two_ranks():
     """tp=2 (plain and sequence-parallel) and FSDP dp=2, float64: every AC mode gives the one-device gradients;
     under TP, op-level AC issues no collective in the backward beyond what no-AC does (their outputs are
     saved), full AC does."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from dist_utils import run_script
 
     proc = run_script(Path(__file__).with_name("ac_parallel_worker.py"), timeout=240)

@@ -1,11 +1,11 @@
 """ParallelDims, the rank grid and describe_layout (pure Python), and the layout errors of the configuration."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import worker_env
 
 from titanlike.config import ConfigError, load_config
 from titanlike.parallel.dims import ParallelDims, describe_layout, rank_groups, rank_of
@@ -113,7 +113,7 @@ def test_bad_layouts_are_config_errors_naming_the_fix(argv, world, message):
 
 
 def test_train_py_exits_2_with_one_line_on_a_bad_layout():
-    env = dict(os.environ, WORLD_SIZE="4", PYTHONPATH=str(REPO))
+    env = worker_env(WORLD_SIZE="4")
     proc = subprocess.run([sys.executable, "train.py", *TINY, "--parallelism.tensor_parallel_degree", "3"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

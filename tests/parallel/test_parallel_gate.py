@@ -2,16 +2,13 @@
 float64, and every planted mutation caught where it should be."""
 
 import json
-import sys
 from pathlib import Path
 
+import gate
 import pytest
+from dist_utils import run_script
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # tests/: dist_utils
-sys.path.insert(0, str(HERE))  # gate.py
-import gate  # noqa: E402
-from dist_utils import run_script  # noqa: E402
 
 # Where each mutation must show. "forward" mutations change the loss of step 1; the others leave the forward
 # (and so the loss of step 1) exactly right and only break gradients: a forward-only test would pass them.

@@ -3,14 +3,12 @@ own module under apply_tp / apply_fsdp, FSDP mixed precision, cross-stage clippi
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import run_script
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # tests/: dist_utils
-from dist_utils import run_script  # noqa: E402
 
 # The tiny gate model: batch 8 x seq 16 x dim 64 in float64 = one activation of 65536 bytes; 2 blocks;
 # vocab 128; the vocab-parallel CE all-reduces 3 vectors of 128 rows (1024 bytes each); a norm weight is 512 bytes.

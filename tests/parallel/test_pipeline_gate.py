@@ -3,16 +3,13 @@ every schedule / tied / 3-D layout within 1e-10 of one device in float64 (loss, 
 the validation loss), and every planted pipeline mutation caught where it should show."""
 
 import json
-import sys
 from pathlib import Path
 
+import pipeline_gate
 import pytest
+from dist_utils import run_script
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # tests/: dist_utils
-sys.path.insert(0, str(HERE))  # pipeline_gate.py, gate.py
-import pipeline_gate  # noqa: E402
-from dist_utils import run_script  # noqa: E402
 
 TOL = pipeline_gate.TOL
 BROKEN = 1e-6  # a mutation must move its metric by at least this much

@@ -2,10 +2,11 @@
 tied embeddings) logs the same training losses, gradient norms and validation losses as one process."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from dist_utils import worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["train.py", "--job.config_file", "configs/debug_model.toml", "--training.steps", "3",
@@ -20,7 +21,7 @@ PP = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_paral
 def _run(out: Path, *args: str, nproc: int = 1) -> list[dict]:
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                     "--standalone", f"--nproc_per_node={nproc}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = worker_env()
     r = subprocess.run([*launcher, *COMMON, "--job.dump_folder", str(out), *args], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]

@@ -20,7 +20,7 @@ CASES = [(name, 2 if name in V_STYLE or "Interleaved" in name or name == "Looped
 
 
 def _check_timeline(tl):
-    pp, m, n_stages = tl.pp, tl.n_microbatches, tl.pp * tl.stages_per_rank
+    m, n_stages = tl.n_microbatches, tl.pp * tl.stages_per_rank
     where = {}  # (kind, stage, mb) -> block
     for rank, blocks in enumerate(tl.ranks):
         for prev, b in zip(blocks, blocks[1:]):

@@ -22,21 +22,23 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # gate.py
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # dist_utils.py
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from gate import GLOBAL_BATCH, Layout, build_model, config, global_batch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
 from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # noqa: E402
 
-from gate import GLOBAL_BATCH, build_model, config, global_batch, Layout  # noqa: E402
-from titanlike.parallel import ParallelDims, apply_fsdp, apply_tp, build_loss_fn  # noqa: E402
-from titanlike.parallel import parallelize_model  # noqa: E402
+from titanlike.parallel import (  # noqa: E402
+    ParallelDims,
+    apply_fsdp,
+    apply_tp,
+    build_loss_fn,
+    parallelize_model,  # noqa: E402
+)
 from titanlike.parallel.tensor_parallel import ReplicateParallel  # noqa: E402
 from titanlike.training.step import ScaledLoss, count_tokens  # noqa: E402
 
@@ -219,8 +221,9 @@ def probe_mixed_precision() -> dict:
 
 def probe_clip_pp() -> dict:
     """Two "stages" (the two ranks) with different parameters: the norm must cover both."""
-    import titanlike.parallel.clip as clip
     from gate import patched
+
+    import titanlike.parallel.clip as clip
 
     rank = dist.get_rank()
     out = {}

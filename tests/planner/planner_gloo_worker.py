@@ -22,8 +22,6 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # titanlike
-
 WORLD = 4
 # name -> config overrides (small model: the model section is set below)
 CASES = {

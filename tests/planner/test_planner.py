@@ -7,10 +7,9 @@ runs (message counts and bytes, bytes held per rank) in test_planner_gloo.py.
 from __future__ import annotations
 
 import io
-import sys
 from contextlib import redirect_stdout
-from pathlib import Path
 
+import plan as plan_cli
 import pytest
 import torch
 
@@ -29,9 +28,6 @@ from titanlike.planner import (
 )
 from titanlike.planner.layout import Layout
 from titanlike.planner.memory import inflight_microbatches, param_shapes
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import plan as plan_cli  # noqa: E402
 
 H100 = hardware_for("H100", gpus_per_node=8)
 

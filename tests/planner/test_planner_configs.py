@@ -11,7 +11,7 @@ from titanlike.config import load_config, model_args_from_config
 from titanlike.data import build_tokenizer
 from titanlike.planner import hardware_for, make_plan
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 WORLD = {"gpt2_small": 8, "llama3_1b": 8, "llama3_8b": 64, "llama3_70b": 256, "llama3_405b": 16384}
 
 

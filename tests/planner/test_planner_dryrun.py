@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import io
 import re
-import sys
 import time
 from contextlib import redirect_stdout
 from pathlib import Path
+
+import plan as plan_cli
 
 from titanlike.config import model_args_from_config, parse_config
 from titanlike.planner import block_activation_bytes, dry_run, rank_param_shards
 from titanlike.planner.layout import Layout
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-import plan as plan_cli  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_405b_4d_layout_on_16384_ranks_end_to_end():

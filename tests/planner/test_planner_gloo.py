@@ -12,18 +12,19 @@ shards are exercised too.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+from dist_utils import worker_env
+
 WORKER = Path(__file__).resolve().parent / "planner_gloo_worker.py"
-REPO = WORKER.parents[1]
+REPO = WORKER.parents[2]
 
 
 def test_planner_matches_gloo_runs(tmp_path):
     out = tmp_path / "gloo.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = worker_env()
     proc = subprocess.run([sys.executable, str(WORKER), str(out)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import worker_env
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_benchmark_prints_both_rows(tmp_path):
     out = tmp_path / "bench.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = worker_env()
     env.pop("MASTER_PORT", None)
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "benchmark.py"), "--flavor", "tiny", "--batch", "2", "--seq-len", "32",
@@ -41,7 +41,8 @@ def test_benchmark_te_without_transformer_engine_is_one_line():
 
     if te_available():
         pytest.skip("Transformer Engine is installed here: the missing-TE error cannot occur")
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--kernels", "te", "--device", "cpu"],
+    script = REPO / "scripts" / "benchmark.py"
+    proc = subprocess.run([sys.executable, str(script), "--kernels", "te", "--device", "cpu"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "model.kernels=te needs NVIDIA Transformer Engine" in proc.stderr

@@ -3,11 +3,6 @@ unchunked one (measured with fake tensors: exact allocation sizes, nothing alloc
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
 import loss_memory  # noqa: E402
 
 MiB = 2 ** 20

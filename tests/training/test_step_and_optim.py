@@ -69,7 +69,7 @@ def test_lr_scheduler_drives_the_optimizer():
     opt = build_optimizer([model], cfg)
     sched = build_lr_scheduler(opt, cfg)
     seen = []
-    for step in range(1, 11):
+    for _ in range(1, 11):
         seen.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()

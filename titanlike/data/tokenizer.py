@@ -141,7 +141,7 @@ def _build(name: str, path: Path, pattern: str, specials: dict[str, int] | None,
     return Tokenizer(name, encoding, eos, bos)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _named_tokenizer(name: str) -> Tokenizer:
     """The shipped tokenizers are built once per process (cl100k takes a quarter of a second)."""
     filename, pattern, specials, eos, bos = _NAMED[name]

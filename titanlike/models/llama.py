@@ -63,7 +63,7 @@ class ModelArgs:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
-    def replace(self, **changes) -> "ModelArgs":
+    def replace(self, **changes) -> ModelArgs:
         return dataclasses.replace(self, **changes)
 
     def num_params(self, include_embedding: bool = True) -> int:

@@ -258,6 +258,7 @@ class PipelineParallel:
         total = torch.zeros((), dtype=torch.float64, device=device)
         modules = dict(zip(self.stage_ids, self.model_parts))
         last = self.num_stages - 1
+        carry = None  # the previous stage's output when this rank holds both stages
         for x, y in zip(inputs.split(self.microbatch_size), labels.split(self.microbatch_size)):
             for s in self.stage_ids:
                 if s == 0:
