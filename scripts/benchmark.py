@@ -173,10 +173,10 @@ def _timed(step_fn, batches, warmup: int, steps: int, device: torch.device) -> t
 # ---------------------------------------------------------------------------------------------- the two paths
 def run_titanlike(a, args: ModelArgs, batches, device: torch.device) -> tuple[float, float, float]:
     from titanlike.kernels import convert_kernels
+    from titanlike.loss import ScaledLoss, cross_entropy_loss
     from titanlike.parallel import ParallelDims, apply_fsdp, clip_grad_norm_, parallelize_model
-    from titanlike.training.loss import cross_entropy_loss
     from titanlike.training.optim import build_optimizer
-    from titanlike.training.step import ScaledLoss, train_step
+    from titanlike.training.step import train_step
 
     cfg = job_config(a)
     _init_one_rank_group(device)

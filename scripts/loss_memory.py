@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from titanlike.training.loss import cross_entropy_loss  # noqa: E402
+from titanlike.loss import cross_entropy_loss  # noqa: E402
 
 MiB = 2 ** 20
 

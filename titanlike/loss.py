@@ -1,4 +1,7 @@
-"""Cross-entropy loss for language-model pre-training.
+"""The loss kernels, shared by the trainer and the parallel layer (which imports only the public names here).
+
+``IGNORE_INDEX`` marks label tokens that count neither in the loss nor in the token count. ``ScaledLoss`` is the
+loss contract's callable, ``loss_fn(output, labels) / denominator`` (see ``titanlike/training/step.py``).
 
 ``cross_entropy_loss`` is ``F.cross_entropy`` over flattened tokens, computed in at least float32, with
 ``reduction="sum"`` or ``"mean"`` over the non-ignored tokens (the mean of zero tokens is 0, not NaN).
@@ -17,24 +20,40 @@ Measured on CPU with ``torch.distributed._tools.mem_tracker.MemTracker`` (printe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["cross_entropy_loss"]
+__all__ = ["IGNORE_INDEX", "ScaledLoss", "compute_dtype", "cross_entropy_loss", "flatten_tokens", "reduce_loss",
+           "row_chunks"]
 
-_REDUCTIONS = ("sum", "mean")
+IGNORE_INDEX = -100
+REDUCTIONS = ("sum", "mean")
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+class ScaledLoss:
+    """``loss_fn(output, labels) / denominator``; the denominator is set once per step (pipeline schedules hold
+    on to the callable, so it is an object rather than a closure over a step-local value)."""
+
+    def __init__(self, loss_fn: Callable[[Tensor, Tensor], Tensor]):
+        self.loss_fn = loss_fn
+        self.denominator: Tensor | float = 1.0
+
+    def __call__(self, output: Tensor, labels: Tensor) -> Tensor:
+        return self.loss_fn(output, labels) / self.denominator
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """At least float32; float64 stays float64."""
     return torch.promote_types(dtype, torch.float32)
 
 
-def _flatten(logits: Tensor, labels: Tensor, reduction: str, chunk_size: int | None) -> tuple[Tensor, Tensor]:
+def flatten_tokens(logits: Tensor, labels: Tensor, reduction: str, chunk_size: int | None) -> tuple[Tensor, Tensor]:
     """Validate the arguments and return logits as (tokens, vocab) and labels as (tokens,) int64."""
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if chunk_size is not None and chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive number of tokens or None, got {chunk_size}")
     if not logits.is_floating_point():
@@ -47,7 +66,7 @@ def _flatten(logits: Tensor, labels: Tensor, reduction: str, chunk_size: int | N
     return logits.reshape(labels.numel(), logits.shape[-1]), labels.reshape(-1).long()
 
 
-def _reduce(loss_sum: Tensor, labels: Tensor, ignore_index: int, reduction: str) -> Tensor:
+def reduce_loss(loss_sum: Tensor, labels: Tensor, ignore_index: int, reduction: str) -> Tensor:
     """``loss_sum`` as is, or divided by the number of non-ignored tokens (at least 1, so 0 tokens give 0)."""
     if reduction == "sum":
         return loss_sum
@@ -55,7 +74,7 @@ def _reduce(loss_sum: Tensor, labels: Tensor, ignore_index: int, reduction: str)
     return loss_sum / num_tokens
 
 
-def _chunks(num_rows: int, chunk_size: int | None):
+def row_chunks(num_rows: int, chunk_size: int | None):
     """Row slices covering ``range(num_rows)``, ``chunk_size`` rows each (one slice if None)."""
     step = num_rows if chunk_size is None else chunk_size
     for start in range(0, num_rows, max(step, 1)):
@@ -71,11 +90,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, labels: Tensor, ignore_index: int, chunk_size: int) -> Tensor:
-        dtype = _compute_dtype(logits.dtype)
+        dtype = compute_dtype(logits.dtype)
         valid = labels != ignore_index
         safe_labels = torch.where(valid, labels, 0)
         lse = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
-        for rows in _chunks(logits.shape[0], chunk_size):
+        for rows in row_chunks(logits.shape[0], chunk_size):
             lse[rows] = torch.logsumexp(logits[rows].to(dtype), dim=-1)
         # The upcast is exact, so gathering before upcasting gives the same target logit.
         target = logits.gather(1, safe_labels[:, None]).squeeze(1).to(dtype)
@@ -90,7 +109,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         # Per-row scale: the incoming scalar gradient on valid rows, 0 on ignored ones.
         scale = torch.where(valid, grad_loss.to(lse.dtype), 0)
         grad = torch.empty_like(logits)
-        for rows in _chunks(logits.shape[0], ctx.chunk_size):
+        for rows in row_chunks(logits.shape[0], ctx.chunk_size):
             # A new tensor even when logits already have the compute dtype (.to would alias them).
             probs = torch.sub(logits[rows].to(lse.dtype), lse[rows, None]).exp_()
             probs.scatter_add_(1, safe_labels[rows, None], probs.new_full((probs.shape[0], 1), -1.0))
@@ -102,7 +121,7 @@ def cross_entropy_loss(
     logits: Tensor,
     labels: Tensor,
     *,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     reduction: str = "sum",
     chunk_size: int | None = None,
 ) -> Tensor:
@@ -116,10 +135,10 @@ def cross_entropy_loss(
 
     Returns a 0-dim tensor of dtype ``promote_types(logits.dtype, float32)``.
     """
-    logits2d, labels1d = _flatten(logits, labels, reduction, chunk_size)
+    logits2d, labels1d = flatten_tokens(logits, labels, reduction, chunk_size)
     if chunk_size is None:
-        loss_sum = F.cross_entropy(logits2d.to(_compute_dtype(logits.dtype)), labels1d,
+        loss_sum = F.cross_entropy(logits2d.to(compute_dtype(logits.dtype)), labels1d,
                                    ignore_index=ignore_index, reduction="sum")
     else:
         loss_sum = _ChunkedCrossEntropy.apply(logits2d, labels1d, ignore_index, chunk_size)
-    return _reduce(loss_sum, labels1d, ignore_index, reduction)
+    return reduce_loss(loss_sum, labels1d, ignore_index, reduction)

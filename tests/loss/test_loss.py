@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titanlike.training.loss import cross_entropy_loss
+from titanlike.loss import cross_entropy_loss
 
 
 def _data(shape=(3, 7), vocab=13, dtype=torch.float64, ignore=(), seed=0):

@@ -132,7 +132,7 @@ def test_model_package_never_imports_torch_distributed():
 def test_initial_loss_is_near_uniform(tie):
     """At init the model should be close to a uniform guess (ln V), tied or not (a tied table that is too large
     makes every token predict itself)."""
-    from titanlike.training.loss import cross_entropy_loss
+    from titanlike.loss import cross_entropy_loss
 
     args = FLAVORS["debugmodel"].replace(vocab_size=2048, tie_embeddings=tie)
     m = build(args)

@@ -38,9 +38,10 @@ from torch import nn  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 
 from titanlike.config import JobConfig, load_config, model_args_from_config  # noqa: E402
+from titanlike.loss import IGNORE_INDEX, ScaledLoss
 from titanlike.models import Transformer  # noqa: E402
 from titanlike.training.optim import build_optimizer  # noqa: E402
-from titanlike.training.step import IGNORE_INDEX, ScaledLoss, plain_clip_grad_norm_, train_step  # noqa: E402
+from titanlike.training.step import plain_clip_grad_norm_, train_step  # noqa: E402
 
 TOL = 1e-10
 STEPS = 3
@@ -291,7 +292,7 @@ class Context:
 
 
 def _plain_loss(cfg: JobConfig):
-    from titanlike.training.loss import cross_entropy_loss
+    from titanlike.loss import cross_entropy_loss
 
     return partial(cross_entropy_loss, reduction="sum")
 

@@ -176,7 +176,7 @@ def _dp_slice(mesh, dims, t: torch.Tensor) -> torch.Tensor:
 
 def _eval_diff(pp, mesh, dims, reference: Transformer) -> float:
     """|sum CE of the pipeline over the global eval batch - one device's|, this rank's view."""
-    from titanlike.training.loss import cross_entropy_loss
+    from titanlike.loss import cross_entropy_loss
 
     inputs, labels = global_batch(STEPS + 1)
     total = pp.eval_loss(_dp_slice(mesh, dims, inputs), _dp_slice(mesh, dims, labels))

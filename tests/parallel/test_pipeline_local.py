@@ -8,10 +8,10 @@ import torch
 import torch.distributed as dist
 
 from titanlike.config import JobConfig
+from titanlike.loss import cross_entropy_loss
 from titanlike.models import ModelArgs, Transformer
 from titanlike.parallel import ParallelDims
 from titanlike.parallel.pipeline import apply_pp
-from titanlike.training.loss import cross_entropy_loss
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16)
 

@@ -32,6 +32,7 @@ from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
 from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # noqa: E402
 
+from titanlike.loss import ScaledLoss
 from titanlike.parallel import (  # noqa: E402
     ParallelDims,
     apply_fsdp,
@@ -40,7 +41,7 @@ from titanlike.parallel import (  # noqa: E402
     parallelize_model,  # noqa: E402
 )
 from titanlike.parallel.tensor_parallel import ReplicateParallel  # noqa: E402
-from titanlike.training.step import ScaledLoss, count_tokens  # noqa: E402
+from titanlike.training.step import count_tokens  # noqa: E402
 
 
 class BytesCommDebugMode(CommDebugMode):

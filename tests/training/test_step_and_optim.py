@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from titanlike.config import load_config
+from titanlike.loss import IGNORE_INDEX, ScaledLoss, cross_entropy_loss
 from titanlike.models import FLAVORS, Transformer
-from titanlike.training.loss import cross_entropy_loss
 from titanlike.training.optim import build_lr_scheduler, build_optimizer, lr_factor
-from titanlike.training.step import IGNORE_INDEX, ScaledLoss, plain_clip_grad_norm_, train_step
+from titanlike.training.step import plain_clip_grad_norm_, train_step
 
 
 def cfg_for(*argv):

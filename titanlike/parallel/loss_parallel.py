@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from titanlike.training.loss import _chunks, _compute_dtype, _flatten, _reduce
+from titanlike.loss import IGNORE_INDEX, compute_dtype, flatten_tokens, reduce_loss, row_chunks
 
 __all__ = ["vocab_parallel_cross_entropy", "loss_parallel_cross_entropy"]
 
@@ -42,14 +42,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local_logits: Tensor, labels: Tensor, vocab_start: int, group, ignore_index: int,
                 chunk_size: int | None) -> Tensor:
-        dtype = _compute_dtype(local_logits.dtype)
+        dtype = compute_dtype(local_logits.dtype)
         rows, local_vocab = local_logits.shape
         valid = labels != ignore_index
         owned = valid & (labels >= vocab_start) & (labels < vocab_start + local_vocab)
         local_labels = torch.where(owned, labels - vocab_start, 0)
         lse = torch.empty(rows, dtype=dtype, device=local_logits.device)
         loss = torch.zeros((), dtype=dtype, device=local_logits.device)
-        for r in _chunks(rows, chunk_size):
+        for r in row_chunks(rows, chunk_size):
             x = local_logits[r].to(dtype)
             if local_vocab:
                 row_max = x.amax(dim=-1)
@@ -76,7 +76,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         scale = torch.where(valid, grad_loss.to(lse.dtype), 0)
         grad = torch.empty_like(local_logits)
         if local_logits.shape[1]:
-            for r in _chunks(local_logits.shape[0], ctx.chunk_size):
+            for r in row_chunks(local_logits.shape[0], ctx.chunk_size):
                 # A new tensor even when the logits already have the compute dtype (.to would alias them).
                 probs = torch.sub(local_logits[r].to(lse.dtype), lse[r, None]).exp_()
                 probs.scatter_add_(1, local_labels[r, None], -owned[r, None].to(probs.dtype))
@@ -90,7 +90,7 @@ def vocab_parallel_cross_entropy(
     *,
     vocab_start: int,
     group,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     reduction: str = "sum",
     chunk_size: int | None = None,
 ) -> Tensor:
@@ -104,14 +104,14 @@ def vocab_parallel_cross_entropy(
             the vocabulary (other than ``ignore_index``) is owned by no rank and is not detected (checking
             would cost a device sync every step).
         group: the process group the vocabulary is split over (None: the default group).
-        ignore_index, reduction, chunk_size: as in ``titanlike.training.loss.cross_entropy_loss``.
+        ignore_index, reduction, chunk_size: as in ``titanlike.loss.cross_entropy_loss``.
 
     Returns the loss of the full logits (0-dim, at least float32), identical on all ranks of ``group``.
     Its backward gives each rank the gradient of its own slice, without communication.
     """
-    logits2d, labels1d = _flatten(local_logits, labels, reduction, chunk_size)
+    logits2d, labels1d = flatten_tokens(local_logits, labels, reduction, chunk_size)
     loss_sum = _VocabParallelCrossEntropy.apply(logits2d, labels1d, vocab_start, group, ignore_index, chunk_size)
-    return _reduce(loss_sum, labels1d, ignore_index, reduction)
+    return reduce_loss(loss_sum, labels1d, ignore_index, reduction)
 
 
 def _shard_size_and_offset(size: int, num_shards: int, index: int) -> tuple[int, int]:
@@ -136,7 +136,7 @@ def loss_parallel_cross_entropy(
     logits: DTensor,
     labels: Tensor,
     *,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     reduction: str = "sum",
     chunk_size: int | None = None,
 ) -> Tensor:

@@ -107,6 +107,6 @@ def build_loss_fn(cfg: JobConfig, dims: ParallelDims, mesh=None) -> Callable[[Te
             return loss_parallel_cross_entropy(logits, labels, reduction="sum", chunk_size=chunk)
 
         return vocab_parallel_loss
-    from titanlike.training.loss import cross_entropy_loss
+    from titanlike.loss import cross_entropy_loss
 
     return partial(cross_entropy_loss, reduction="sum", chunk_size=chunk)

@@ -55,8 +55,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
 
 from titanlike.config import ConfigError, JobConfig, pipeline_stage_count
+from titanlike.loss import ScaledLoss
 from titanlike.models import Transformer
-from titanlike.training.step import ScaledLoss
 
 __all__ = [
     "SCHEDULES",

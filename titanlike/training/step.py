@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-IGNORE_INDEX = -100
+from titanlike.loss import IGNORE_INDEX, ScaledLoss
 
 
 def count_tokens(micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], dp_group=None) -> torch.Tensor:
@@ -34,18 +34,6 @@ def count_tokens(micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], dp_
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(n, group=dp_group)
     return n
-
-
-class ScaledLoss:
-    """``loss_fn(output, labels) / denominator``; the denominator is set once per step (pipeline schedules hold
-    on to the callable, so it is an object rather than a closure over a step-local value)."""
-
-    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-        self.loss_fn = loss_fn
-        self.denominator: torch.Tensor | float = 1.0
-
-    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(output, labels) / self.denominator
 
 
 @dataclass

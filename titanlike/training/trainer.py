@@ -19,10 +19,11 @@ import torch.distributed as dist
 from titanlike import fault
 from titanlike.config import (ConfigError, JobConfig, float8_backend, hf_architecture_of, layout_violations,
                               load_config, model_args_from_config)
+from titanlike.loss import IGNORE_INDEX, ScaledLoss
 from titanlike.models import Transformer
 from titanlike.training.metrics import MetricsLogger, Throughput, format_eta, peak_memory_gib, use_color
 from titanlike.training.optim import build_lr_scheduler, build_optimizer
-from titanlike.training.step import IGNORE_INDEX, ScaledLoss, plain_clip_grad_norm_, train_step
+from titanlike.training.step import plain_clip_grad_norm_, train_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
