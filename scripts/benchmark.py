@@ -45,7 +45,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from titanlike.config import TE_FLOAT8_RECIPES, TORCHAO_FLOAT8_RECIPES, JobConfig, float8_violations  # noqa: E402
+from titanlike.config import JobConfig  # noqa: E402
+from titanlike.layout import TE_FLOAT8_RECIPES, TORCHAO_FLOAT8_RECIPES, float8_violations  # noqa: E402
 from titanlike.models.llama import FLAVORS, ModelArgs, Transformer  # noqa: E402
 from titanlike.training.mfu import device_peak_flops, mfu, peak_key  # noqa: E402
 

@@ -5,8 +5,9 @@ Names follow torchtitan v0.2.2 where the concept matches, so a torchtitan TOML m
     python train.py --job.config_file configs/debug_model.toml --training.steps 100 \
         --parallelism.tensor_parallel_degree=2
 
-Every problem raises :class:`ConfigError` with one line that names the key and the fix; ``train.py`` prints it and
-exits with code 2 before a model is built or a process group started.
+This module owns the schema, parsing and per-key ranges; the cross-field rules (degrees, shapes, pipeline, ...)
+live in ``titanlike.layout.rules``. Every problem raises :class:`ConfigError` with one line that names the key and
+the fix; ``train.py`` prints it and exits with code 2 before a model is built or a process group started.
 """
 
 from __future__ import annotations
@@ -21,14 +22,13 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from titanlike.layout import SCHEDULES, ConfigError, layout_violations
+from titanlike.models import MODELS, pad_vocab
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """A bad configuration: the message is one line naming the key and the fix."""
 
 
 @dataclass
@@ -240,8 +240,7 @@ CHOICES = {
     "lr_scheduler.decay_type": ("linear", "sqrt", "cosine", "wsd", "constant"),
     "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
-    "parallelism.pipeline_parallel_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
-                                               "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"),
+    "parallelism.pipeline_parallel_schedule": SCHEDULES,
     "checkpoint.async_mode": ("disabled", "async"),
     "checkpoint.on_corrupt": ("stop", "previous"),
     "activation_checkpoint.mode": ("none", "full", "selective"),
@@ -613,7 +612,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     if cfg.lr_scheduler.total_steps is not None and cfg.lr_scheduler.total_steps < 1:
         raise ConfigError(f"lr_scheduler.total_steps: {cfg.lr_scheduler.total_steps} must be >= 1 (or unset: "
                           f"training.steps)")
-    problems = layout_violations(cfg, world_size)
+    problems = layout_violations(cfg, world_size, model_args_from_config(cfg))
     if problems:
         raise ConfigError(problems[0])
 
@@ -630,8 +629,6 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int | None = None):
     file's instead of the flavor's (vocabulary exact, not padded); an explicit ``model.*`` override that disagrees
     with it is refused.
     """
-    from titanlike.models import MODELS, pad_vocab
-
     flavors = MODELS[cfg.model.name]
     if cfg.model.flavor not in flavors:
         raise ConfigError(f"model.flavor: unknown flavor '{cfg.model.flavor}'{_suggest(cfg.model.flavor, flavors)}"
@@ -683,244 +680,3 @@ def _hf_model_args(cfg: JobConfig, hf_args, overrides: dict, vocab_size: int | N
         raise ConfigError(f"model.tokenizer '{cfg.model.tokenizer}' has {vocab_size} ids but the Hugging Face model "
                           f"at '{cfg.checkpoint.initial_load_path}' only {hf_args.vocab_size}; use its tokenizer")
     return hf_args
-
-
-def layout_violations(cfg: JobConfig, world_size: int, model_args=None) -> list[str]:
-    """Every rule a configuration must satisfy for ``world_size`` ranks, one line (with the fix) per violation.
-
-    Pure arithmetic: no process group, no model. Used up front by ``load_config`` and in full by the planner.
-    """
-    p = cfg.parallelism
-    t = cfg.training
-    out: list[str] = []
-    try:
-        args = model_args or model_args_from_config(cfg)
-    except ConfigError as e:
-        return [str(e)]
-    # Model shape.
-    if args.dim % args.n_heads:
-        out.append(f"model: dim {args.dim} is not divisible by n_heads {args.n_heads}; choose n_heads dividing dim")
-    if args.n_heads % args.n_kv_heads:
-        out.append(f"model: n_heads {args.n_heads} is not divisible by n_kv_heads {args.n_kv_heads}; "
-                   f"choose n_kv_heads dividing n_heads")
-    if args.head_dim % 2:
-        out.append(f"model: head_dim {args.head_dim} (dim / n_heads) must be even for RoPE")
-    if args.rope_scaling == "llama3":
-        if args.rope_scaling_factor < 1:
-            out.append(f"model.rope_scaling_factor {args.rope_scaling_factor} must be >= 1")
-        if not args.rope_low_freq_factor < args.rope_high_freq_factor:
-            out.append(f"model.rope_low_freq_factor {args.rope_low_freq_factor} must be below "
-                       f"model.rope_high_freq_factor {args.rope_high_freq_factor}")
-        if args.rope_original_max_seq_len < 1:
-            out.append("model.rope_original_max_seq_len must be >= 1")
-    if t.seq_len > args.max_seq_len:
-        out.append(f"training.seq_len {t.seq_len} exceeds the model's max_seq_len {args.max_seq_len}; "
-                   f"lower training.seq_len or raise model.max_seq_len")
-    # Degrees.
-    tp, pp, cp, dpr = p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree, \
-        p.data_parallel_replicate_degree
-    dps = p.data_parallel_shard_degree
-    rest = tp * pp * cp * dpr
-    if dps == -1:
-        if world_size % rest:
-            out.append(f"parallelism: world size {world_size} is not divisible by tp {tp} x pp {pp} x cp {cp} x "
-                       f"dp_replicate {dpr} = {rest}; change the degrees or the number of processes")
-            dps = 1
-        else:
-            dps = world_size // rest
-    elif dps < 1:
-        out.append(f"parallelism.data_parallel_shard_degree: {dps} must be -1 (infer) or >= 1")
-        dps = 1
-    elif rest * dps != world_size:
-        out.append(f"parallelism: pp {pp} x dp_replicate {dpr} x dp_shard {dps} x cp {cp} x tp {tp} = "
-                   f"{rest * dps} != world size {world_size}; set data_parallel_shard_degree = -1 to infer it or "
-                   f"change the degrees")
-    if cp > 1:
-        out.append("parallelism.context_parallel_degree: context parallelism is not implemented yet; set it to 1")
-    dp = dpr * dps
-    # Tensor / sequence parallel.
-    if tp > 1:
-        if args.n_heads % tp:
-            out.append(f"parallelism.tensor_parallel_degree {tp} does not divide n_heads {args.n_heads}; "
-                       f"choose a tp degree dividing {args.n_heads}")
-        if args.n_kv_heads % tp:
-            out.append(f"parallelism.tensor_parallel_degree {tp} does not divide n_kv_heads {args.n_kv_heads}; "
-                       f"choose a tp degree dividing {args.n_kv_heads}")
-        if args.hidden_dim % tp:
-            out.append(f"parallelism.tensor_parallel_degree {tp} does not divide the ffn hidden size "
-                       f"{args.hidden_dim}")
-        if args.vocab_size > 0 and args.vocab_size % tp:
-            out.append(f"parallelism.tensor_parallel_degree {tp} does not divide the vocabulary {args.vocab_size}; "
-                       f"set model.vocab_multiple to a multiple of {tp}")
-        if p.enable_sequence_parallel and t.seq_len % tp:
-            out.append(f"training.seq_len {t.seq_len} is not divisible by tensor_parallel_degree {tp} under "
-                       f"sequence parallelism; choose a multiple of {tp}")
-    elif p.enable_sequence_parallel:
-        out.append("parallelism.enable_sequence_parallel needs tensor_parallel_degree > 1; "
-                   "turn it off or raise the tp degree")
-    # Batch.
-    gbs = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp
-    if gbs < 1:
-        out.append(f"training.global_batch_size: {gbs} must be -1 or >= 1")
-    elif gbs % (t.local_batch_size * dp):
-        out.append(f"training.global_batch_size {gbs} is not divisible by local_batch_size {t.local_batch_size} x "
-                   f"data-parallel degree {dp}; use a multiple of {t.local_batch_size * dp}")
-    # Pipeline.
-    if pp > 1:
-        out += _pipeline_violations(cfg, args, pp)
-    elif p.pipeline_parallel_module_names:
-        out.append("parallelism.pipeline_parallel_module_names needs pipeline_parallel_degree > 1")
-    if cfg.activation_checkpoint.mode == "selective":
-        opt = cfg.activation_checkpoint.selective_ac_option
-        if opt != "op" and not (opt.isdigit() and int(opt) >= 1):
-            out.append(f"activation_checkpoint.selective_ac_option: '{opt}' must be 'op' or a positive integer")
-    out += float8_violations(cfg)
-    return out
-
-
-TORCHAO_FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-TE_FLOAT8_RECIPES = ("delayed", "current", "block", "mxfp8")
-
-
-def float8_backend(cfg: JobConfig) -> str:
-    """``float8.backend`` resolved: ``auto`` is ``te`` when ``model.kernels=te``, else ``torchao``."""
-    b = cfg.float8.backend
-    return ("te" if cfg.model.kernels == "te" else "torchao") if b == "auto" else b
-
-
-def float8_violations(cfg: JobConfig) -> list[str]:
-    """The [float8] rules (pure arithmetic; whether torchao / TE / the GPU can run it is checked by the trainer)."""
-    f, out = cfg.float8, []
-    if not f.recipe:
-        unused = [k for k, on in (("float8.emulate", f.emulate), ("float8.backend", f.backend != "auto"),
-                                  ("float8.filter_fqns", f.filter_fqns != ["output"]),
-                                  ("float8.enable_fsdp_float8_all_gather", f.enable_fsdp_float8_all_gather),
-                                  ("float8.precompute_float8_dynamic_scale_for_fsdp",
-                                   f.precompute_float8_dynamic_scale_for_fsdp)) if on]
-        if unused:
-            out.append(f"{', '.join(unused)} set but float8.recipe is empty (float8 off); set float8.recipe "
-                       f"(torchao: {', '.join(TORCHAO_FLOAT8_RECIPES)}) or drop {'them' if len(unused) > 1 else 'it'}")
-        return out
-    backend = float8_backend(cfg)
-    if cfg.training.dtype == "float64":
-        out.append(f"float8.recipe={f.recipe} does not combine with training.dtype=float64 (float8 GEMMs round to "
-                   f"8 bits); use float32 or bfloat16, or leave float8.recipe empty")
-    if backend == "torchao":
-        if f.recipe not in TORCHAO_FLOAT8_RECIPES:
-            out.append(f"float8.recipe={f.recipe} is a Transformer Engine recipe; with float8.backend=torchao use "
-                       f"{', '.join(TORCHAO_FLOAT8_RECIPES)} (or set model.kernels=te for TE's)")
-        if cfg.model.kernels != "torch":
-            out.append(f"float8.backend=torchao converts nn.Linear layers, but model.kernels={cfg.model.kernels} "
-                       f"replaced them; use float8.backend=te with model.kernels=te, or model.kernels=torch")
-        if f.enable_fsdp_float8_all_gather and f.recipe != "tensorwise":
-            out.append(f"float8.enable_fsdp_float8_all_gather needs float8.recipe=tensorwise (torchao all-gathers "
-                       f"only tensorwise-scaled weights in float8), not {f.recipe}")
-        if f.precompute_float8_dynamic_scale_for_fsdp and not f.enable_fsdp_float8_all_gather:
-            out.append("float8.precompute_float8_dynamic_scale_for_fsdp needs "
-                       "float8.enable_fsdp_float8_all_gather=true")
-    else:
-        if cfg.model.kernels != "te":
-            out.append("float8.backend=te needs Transformer Engine kernels: set model.kernels=te (on a CUDA "
-                       "machine with TE), or use float8.backend=torchao")
-        if f.recipe not in TE_FLOAT8_RECIPES:
-            out.append(f"float8.recipe={f.recipe} is a torchao recipe; with float8.backend=te use "
-                       f"{', '.join(TE_FLOAT8_RECIPES)}")
-        te_only_off = [k for k, on in (("float8.emulate", f.emulate),
-                                       ("float8.filter_fqns", f.filter_fqns != ["output"]),
-                                       ("float8.enable_fsdp_float8_all_gather", f.enable_fsdp_float8_all_gather),
-                                       ("float8.precompute_float8_dynamic_scale_for_fsdp",
-                                        f.precompute_float8_dynamic_scale_for_fsdp)) if on]
-        if te_only_off:
-            out.append(f"{', '.join(te_only_off)} apply to float8.backend=torchao only; unset them with "
-                       f"float8.backend=te")
-    return out
-
-
-def pipeline_stage_count(cfg: JobConfig, args) -> int:
-    """Total number of pipeline stages (pp x virtual stages per rank)."""
-    p = cfg.parallelism
-    pp = p.pipeline_parallel_degree
-    v_schedule = p.pipeline_parallel_schedule in ("ZBVZeroBubble", "DualPipeV")
-    if p.pipeline_parallel_module_names:
-        return len(p.pipeline_parallel_module_names)
-    if p.pipeline_parallel_stages_per_rank:
-        return pp * p.pipeline_parallel_stages_per_rank
-    if p.pipeline_parallel_layers_per_stage:
-        eff = args.n_layers + p.pipeline_parallel_first_stage_less_layers + p.pipeline_parallel_last_stage_less_layers
-        return max(1, eff // p.pipeline_parallel_layers_per_stage)
-    multi = p.pipeline_parallel_schedule in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
-    return pp * (2 if v_schedule or multi else 1)
-
-
-def _pipeline_violations(cfg: JobConfig, args, pp: int) -> list[str]:
-    p, t = cfg.parallelism, cfg.training
-    out = []
-    sched = p.pipeline_parallel_schedule
-    n_stages = pipeline_stage_count(cfg, args)
-    single = sched in ("GPipe", "1F1B")
-    if n_stages % pp:
-        out.append(f"pipeline: {n_stages} stages do not divide evenly over pp {pp} ranks; adjust "
-                   f"pipeline_parallel_layers_per_stage or pipeline_parallel_stages_per_rank")
-    v = n_stages // pp if n_stages % pp == 0 else 1
-    if single and v != 1:
-        out.append(f"parallelism.pipeline_parallel_schedule {sched} runs one stage per rank but the split gives "
-                   f"{v}; use Interleaved1F1B / LoopedBFS / InterleavedZeroBubble or fewer stages")
-    if not single and sched in ("ZBVZeroBubble", "DualPipeV") and v != 2:
-        out.append(f"parallelism.pipeline_parallel_schedule {sched} needs exactly 2 stages per rank (V shape), "
-                   f"got {v}")
-    if not single and sched not in ("ZBVZeroBubble", "DualPipeV") and v < 2:
-        out.append(f"parallelism.pipeline_parallel_schedule {sched} needs at least 2 stages per rank; use "
-                   f"GPipe / 1F1B or set pipeline_parallel_stages_per_rank >= 2")
-    eff = args.n_layers + p.pipeline_parallel_first_stage_less_layers + p.pipeline_parallel_last_stage_less_layers
-    lps = p.pipeline_parallel_layers_per_stage
-    if p.pipeline_parallel_module_names:
-        from titanlike.parallel.pipeline import parse_module_names
-
-        try:
-            parse_module_names(p.pipeline_parallel_module_names, args.n_layers)
-        except ConfigError as e:
-            out.append(str(e))
-    else:
-        if lps and (eff % lps or (p.pipeline_parallel_stages_per_rank and eff != lps * n_stages)):
-            out.append(f"parallelism.pipeline_parallel_layers_per_stage {lps} does not fit {args.n_layers} layers "
-                       f"(+{p.pipeline_parallel_first_stage_less_layers} for the embedding, "
-                       f"+{p.pipeline_parallel_last_stage_less_layers} for the head) in {n_stages} stages; "
-                       f"choose a divisor of {eff} (or drop pipeline_parallel_stages_per_rank)")
-        elif eff % n_stages:
-            out.append(f"pipeline: {args.n_layers} layers (+{p.pipeline_parallel_first_stage_less_layers} for the "
-                       f"embedding, +{p.pipeline_parallel_last_stage_less_layers} for the head) do not split evenly "
-                       f"into {n_stages} stages; change n_layers or list pipeline_parallel_module_names per stage")
-        elif eff // n_stages <= max(p.pipeline_parallel_first_stage_less_layers,
-                                    p.pipeline_parallel_last_stage_less_layers):
-            out.append(f"pipeline: {n_stages} stages of {eff // n_stages} layers leave the first or last stage "
-                       f"without a transformer block; use fewer stages")
-    mbs = p.pipeline_parallel_microbatch_size
-    if t.local_batch_size % mbs:
-        out.append(f"training.local_batch_size {t.local_batch_size} is not divisible by "
-                   f"pipeline_parallel_microbatch_size {mbs}")
-    else:
-        m = t.local_batch_size // mbs
-        if sched not in ("GPipe",) and m < pp:
-            out.append(f"pipeline: {m} microbatches (local_batch_size / pipeline_parallel_microbatch_size) are fewer "
-                       f"than pp {pp} stages for {sched}; raise local_batch_size to at least {pp * mbs}")
-        elif sched == "DualPipeV" and m < n_stages:
-            out.append(f"pipeline: DualPipeV needs at least as many microbatches as stages ({n_stages}), got {m}; "
-                       f"raise local_batch_size to at least {n_stages * mbs}")
-        elif sched in ("Interleaved1F1B", "InterleavedZeroBubble") and m % max(1, m // pp):
-            out.append(f"pipeline: {sched} runs the {m} microbatches in rounds of pp={pp} and needs m divisible by "
-                       f"m // pp = {m // pp}; use a multiple of {pp} microbatches")
-    # The zero-bubble schedules split each backward into an input-gradient and a later weight-gradient pass
-    # over the same graph (retain_graph); these features assume one backward per forward.
-    if sched in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
-        if p.fsdp_reshard_after_forward == "always":
-            out.append(f"parallelism.fsdp_reshard_after_forward 'always' gives wrong gradients with {sched} (its "
-                       f"weight-gradient passes run outside FSDP's hooks); use 'default' or 'never'")
-        ac = cfg.activation_checkpoint
-        if ac.mode == "selective" and ac.selective_ac_option == "op":
-            out.append(f"activation_checkpoint: op-level selective checkpointing allows one backward per region, "
-                       f"{sched} runs two; use mode 'full', selective_ac_option N (every N-th block) or another "
-                       f"schedule")
-        if cfg.compile.enable:
-            out.append(f"compile.enable: compiled blocks allow one backward per forward, {sched} runs two; turn "
-                       f"compile off or use 1F1B / Interleaved1F1B")
-    return out

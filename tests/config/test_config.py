@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from titanlike.config import ConfigError, JobConfig, layout_violations, load_config, model_args_from_config
+from titanlike.config import ConfigError, JobConfig, load_config, model_args_from_config
+from titanlike.layout import layout_violations
 
 ROOT = Path(__file__).resolve().parents[2]
 

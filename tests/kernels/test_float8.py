@@ -231,7 +231,7 @@ def test_train_py_refuses_float8_without_a_float8_gpu_before_anything_starts(tmp
 
 
 def test_te_stays_behind_the_same_keys():
-    from titanlike.config import float8_backend
+    from titanlike.layout import float8_backend
 
     cfg = load_config(["--model.kernels", "te", "--float8.recipe", "current"], world_size=1)
     assert float8_backend(cfg) == "te"  # auto: TE's fp8 when model.kernels=te

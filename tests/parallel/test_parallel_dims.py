@@ -8,7 +8,7 @@ import pytest
 from dist_utils import worker_env
 
 from titanlike.config import ConfigError, load_config
-from titanlike.parallel.dims import ParallelDims, describe_layout, rank_groups, rank_of
+from titanlike.parallel import ParallelDims, describe_layout, rank_groups, rank_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -17,11 +17,11 @@ def test_dp_shard_is_inferred_and_the_product_must_be_the_world_size():
     assert ParallelDims(dp_replicate=2, dp_shard=-1, cp=1, tp=2, pp=2, world_size=16).dp_shard == 2
     d = ParallelDims(1, -1, 1, 1, 1, 8)
     assert (d.dp_shard, d.dp, d.fsdp_enabled, d.tp_enabled, d.shape) == (8, 8, True, False, (1, 1, 8, 1, 1))
-    with pytest.raises(ConfigError, match="world size 8 is not divisible by .* tp 3"):
+    with pytest.raises(ConfigError, match="world size 8 is not divisible by tp 3"):
         ParallelDims(1, -1, 1, 3, 1, 8)
     with pytest.raises(ConfigError, match="= 12 != world size 8"):
         ParallelDims(1, 3, 1, 2, 2, 8)
-    with pytest.raises(ConfigError, match="tp must be >= 1"):
+    with pytest.raises(ConfigError, match="tensor_parallel_degree: 0 must be >= 1"):
         ParallelDims(1, -1, 1, 0, 1, 8)
 
 
@@ -34,7 +34,7 @@ def test_tp_is_innermost_and_pp_outermost():
     assert rank_groups(d, "pp") == [[r, r + 8] for r in range(8)]
     assert rank_groups(d, "dp_shard_cp") == rank_groups(d, "dp_shard")
     assert rank_of(d, {"pp": 1, "dp_replicate": 1, "dp_shard": 0, "tp": 1}) == 13
-    for name in ("tp", "dp", "pp", "dp_cp"):  # every dim's groups partition the ranks
+    for name in ("tp", "dp", "pp", "dp_shard_cp"):  # every dim's groups partition the ranks
         assert sorted(r for g in rank_groups(d, name) for r in g) == list(range(16))
     with pytest.raises(ValueError, match="unknown mesh dims"):
         rank_groups(d, "ep")
@@ -52,7 +52,7 @@ def test_the_device_mesh_matches_the_pure_python_grid(rank):
         mesh = d.build_mesh("cpu")
         assert mesh.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
         assert d.build_mesh("cpu") is mesh  # built once per shape
-        for name in ("tp", "pp", "dp", "dp_replicate", "dp_shard_cp", "dp_cp"):
+        for name in ("tp", "pp", "dp", "dp_replicate", "dp_shard_cp"):
             mine = next(g for g in rank_groups(d, name) if rank in g)
             assert d.get_mesh(name).mesh.flatten().tolist() == mine, name
         hsdp = d.get_mesh(("dp_replicate", "dp_shard_cp"))

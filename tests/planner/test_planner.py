@@ -15,7 +15,7 @@ import torch
 
 from titanlike.config import model_args_from_config, parse_config
 from titanlike.models import ModelArgs, Transformer
-from titanlike.parallel.dims import ParallelDims, rank_groups
+from titanlike.parallel import ParallelDims, rank_groups
 from titanlike.planner import (
     block_activation_bytes,
     bubble,

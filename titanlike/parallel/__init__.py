@@ -1,4 +1,4 @@
-"""Parallelism applied from outside to a plain model: device mesh, TP/SP, vocab-parallel loss, FSDP2/HSDP.
+"""Parallelism applied from outside to a plain model: device mesh, TP/SP, vocab-parallel loss, FSDP2/HSDP, PP.
 
 Public API (see docs/parallelism.md)::
 
@@ -8,31 +8,38 @@ Public API (see docs/parallelism.md)::
     loss_fn = build_loss_fn(cfg, dims, mesh)               # vocab-parallel CE under TP
     norm = clip_grad_norm_(model.parameters(), max_norm)   # global norm over every mesh dim
 
-Submodules are imported lazily, so ``import titanlike.parallel`` stays cheap.
+The rank grid in pure Python (``rank_groups``, ``describe_layout``, ``MESH_DIMS``) comes from ``titanlike.layout``.
 """
 
-from __future__ import annotations
+from titanlike.layout import MESH_DIMS, describe_layout, rank_groups, rank_of
+from titanlike.parallel.activation_checkpoint import apply_ac
+from titanlike.parallel.clip import clip_grad_norm_
+from titanlike.parallel.compile import apply_compile
+from titanlike.parallel.dims import ParallelDims
+from titanlike.parallel.fsdp import apply_fsdp
+from titanlike.parallel.loss_parallel import loss_parallel_cross_entropy, vocab_parallel_cross_entropy
+from titanlike.parallel.parallelize import build_loss_fn, loss_parallel_enabled, parallelize_model
+from titanlike.parallel.pipeline import PipelineParallel, apply_pp
+from titanlike.parallel.tensor_parallel import ReplicateParallel, apply_tp, tp_plan
 
-import importlib
-
-_EXPORTS = {
-    "ParallelDims": "dims", "describe_layout": "dims", "rank_groups": "dims", "rank_of": "dims",
-    "MESH_DIMS": "dims",
-    "tp_plan": "tensor_parallel", "apply_tp": "tensor_parallel", "ReplicateParallel": "tensor_parallel",
-    "apply_fsdp": "fsdp",
-    "clip_grad_norm_": "clip",
-    "parallelize_model": "parallelize", "build_loss_fn": "parallelize", "loss_parallel_enabled": "parallelize",
-    "loss_parallel_cross_entropy": "loss_parallel", "vocab_parallel_cross_entropy": "loss_parallel",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__all__ = [
+    "MESH_DIMS",
+    "ParallelDims",
+    "PipelineParallel",
+    "ReplicateParallel",
+    "apply_ac",
+    "apply_compile",
+    "apply_fsdp",
+    "apply_pp",
+    "apply_tp",
+    "build_loss_fn",
+    "clip_grad_norm_",
+    "describe_layout",
+    "loss_parallel_cross_entropy",
+    "loss_parallel_enabled",
+    "parallelize_model",
+    "rank_groups",
+    "rank_of",
+    "tp_plan",
+    "vocab_parallel_cross_entropy",
+]

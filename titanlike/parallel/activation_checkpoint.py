@@ -39,6 +39,8 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from titanlike.layout import ac_block_mode
+
 __all__ = ["apply_ac", "checkpoint_block", "is_checkpointed", "SAC_SAVE_OPS"]
 
 
@@ -109,22 +111,6 @@ def checkpoint_block(block: nn.Module, selective_op: bool = False) -> nn.Module:
     return block
 
 
-def _parse_option(option) -> str | int:
-    """``"op"`` or a positive integer N (given as int or digit string)."""
-    if isinstance(option, int) and not isinstance(option, bool):
-        n = option
-    elif isinstance(option, str) and option.strip() == "op":
-        return "op"
-    elif isinstance(option, str) and option.strip().lstrip("+").isdigit():
-        n = int(option)
-    else:
-        raise ValueError(f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, "
-                         f"got {option!r}")
-    if n < 1:
-        raise ValueError(f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got {n}")
-    return n
-
-
 def _layer_index(name: str, position: int) -> int:
     return int(name) if name.isdigit() else position
 
@@ -136,18 +122,14 @@ def apply_ac(model: nn.Module, ac_config) -> nn.Module:
     :class:`titanlike.config.ActivationCheckpoint`. Blocks are modified in place (parameter names, the module
     objects and the ``model.layers`` entries stay the same); returns ``model``.
     """
-    mode = ac_config.mode
-    if mode == "none":
+    mode, option = ac_config.mode, ac_config.selective_ac_option
+    if ac_block_mode(mode, option, 0) == "none":  # validates mode and option; block 0 is checkpointed unless off
         return model
-    if mode not in ("full", "selective"):
-        raise ValueError(f"activation_checkpoint.mode must be none, full or selective, got {mode!r}")
     layers = getattr(model, "layers", None)
     if layers is None:
         raise ValueError(f"activation checkpointing needs a model with .layers, got {type(model).__name__}")
-    option = _parse_option(ac_config.selective_ac_option) if mode == "selective" else 1
     for position, (name, block) in enumerate(layers.named_children()):
-        if option == "op":
-            checkpoint_block(block, selective_op=True)
-        elif _layer_index(name, position) % option == 0:
-            checkpoint_block(block)
+        how = ac_block_mode(mode, option, _layer_index(name, position))
+        if how != "none":
+            checkpoint_block(block, selective_op=how == "op")
     return model

@@ -12,9 +12,7 @@ forward and reduce-scatters its gradients in one collective after its backward.
   global token count (``titanlike.training.step``), so averaging would divide by the dp degree twice.
 * ``reshard_after_forward``: ``"always"`` frees gathered parameters after each group's forward and gathers
   them again in the backward (less memory, more communication); ``"never"`` keeps them; ``"default"`` is
-  "always" except for the head group (its backward comes right after the forward) and except under
-  pipeline parallelism, where it is "never": zero-bubble schedules run a stage's weight-gradient step
-  after FSDP has resharded, which loses gradients (shared/notes/torch-cpu-facts.md).
+  decided per group by ``titanlike.layout.reshard_after_forward`` (the planner prices the same answer).
 * ``param_dtype`` / ``reduce_dtype``: FSDP's mixed precision (bf16 compute copies of fp32 master
   parameters, fp32 gradient reduction); ``None`` keeps the parameters' dtype.
 """
@@ -28,9 +26,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-__all__ = ["apply_fsdp", "RESHARD_CHOICES"]
+from titanlike.layout import RESHARD_CHOICES
+from titanlike.layout import reshard_after_forward as reshard_policy
 
-RESHARD_CHOICES = ("default", "always", "never")
+__all__ = ["apply_fsdp", "RESHARD_CHOICES"]
 
 
 def _sum_gradients(module: FSDPModule) -> None:
@@ -63,20 +62,22 @@ def apply_fsdp(
         raise ValueError(f"reshard_after_forward must be one of {RESHARD_CHOICES}, got {reshard_after_forward!r}")
     if dp_mesh.ndim not in (1, 2):
         raise ValueError(f"apply_fsdp needs a 1-D (FSDP) or 2-D (HSDP: replicate, shard) mesh, got {dp_mesh}")
-    reshard = {"default": not pp_enabled, "always": True, "never": False}[reshard_after_forward]
+    def reshard(group: str) -> bool:
+        return reshard_policy(reshard_after_forward, group, pp_enabled)
+
     kw = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
     if blocks is None:
         layers = getattr(model, "layers", None)
         blocks = list(layers.children()) if isinstance(layers, nn.Module) else []
     for block in blocks:
-        fully_shard(block, reshard_after_forward=reshard, **kw)
+        fully_shard(block, reshard_after_forward=reshard("block"), **kw)
     if not _tied_head(model):
         if getattr(model, "tok_embeddings", None) is not None:
-            fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **kw)
+            fully_shard(model.tok_embeddings, reshard_after_forward=reshard("embedding"), **kw)
         head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
         if head:
-            fully_shard(head, reshard_after_forward=reshard_after_forward == "always", **kw)
-    fully_shard(model, reshard_after_forward=reshard_after_forward == "always", **kw)
+            fully_shard(head, reshard_after_forward=reshard("head"), **kw)
+    fully_shard(model, reshard_after_forward=reshard("root"), **kw)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             _sum_gradients(m)

@@ -10,7 +10,7 @@
 
 Data parallelism without sharding (``dp_replicate > 1``, ``dp_shard = 1``) is HSDP with a shard group of one:
 the same code path, gradients all-reduced. One rank per model copy (no dp) gets no FSDP at all: wrapping is
-not free (about 9% throughput on one GPU, shared/notes/torch-cpu-facts.md).
+not free (docs/parallelism.md, "FSDP on one rank").
 """
 
 from __future__ import annotations
@@ -21,15 +21,18 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from titanlike.config import JobConfig, float8_backend
+from titanlike.config import JobConfig
+from titanlike.kernels.float8 import convert_to_float8, float8_tensorwise_tp
+from titanlike.layout import float8_backend, loss_parallel_enabled, precision_policy
+from titanlike.loss import cross_entropy_loss
+from titanlike.parallel.activation_checkpoint import apply_ac
+from titanlike.parallel.compile import apply_compile
 from titanlike.parallel.dims import ParallelDims
+from titanlike.parallel.fsdp import apply_fsdp
+from titanlike.parallel.loss_parallel import loss_parallel_cross_entropy
+from titanlike.parallel.tensor_parallel import apply_tp
 
 __all__ = ["parallelize_model", "build_loss_fn", "loss_parallel_enabled"]
-
-
-def loss_parallel_enabled(cfg: JobConfig, dims: ParallelDims) -> bool:
-    """The head's logits stay vocab-sharded and the loss is the vocab-parallel cross entropy."""
-    return dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
 
 
 def _submesh(dims: ParallelDims, mesh, names):
@@ -50,14 +53,9 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh, cfg: JobConfig
     p = cfg.parallelism
     f8 = cfg.float8
     if f8.recipe and float8_backend(cfg) == "torchao" and not hasattr(model, "_float8_converted"):
-        from titanlike.kernels.float8 import convert_to_float8
-
         convert_to_float8(model, f8.recipe, emulate=f8.emulate, filter_fqns=f8.filter_fqns,
                           enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather and dims.fsdp_enabled)
     if dims.tp_enabled:
-        from titanlike.kernels.float8 import float8_tensorwise_tp
-        from titanlike.parallel.tensor_parallel import apply_tp
-
         float8_tp = float8_tensorwise_tp(model, ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
                                                  "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"))
         tp_mesh = _submesh(dims, mesh, "tp")
@@ -68,19 +66,13 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh, cfg: JobConfig
         apply_tp(model, tp_mesh, sequence_parallel=p.enable_sequence_parallel,
                  loss_parallel=loss_parallel_enabled(cfg, dims), float8=float8_tp)
     if cfg.activation_checkpoint.mode != "none":
-        from titanlike.parallel.activation_checkpoint import apply_ac
-
         apply_ac(model, cfg.activation_checkpoint)
     if cfg.compile.enable:
-        from titanlike.parallel.compile import apply_compile
-
         apply_compile(model, cfg.compile)
-    if dims.fsdp_enabled or dims.dp_replicate_enabled:
-        from titanlike.parallel.fsdp import apply_fsdp
-
+    if dims.fsdp_wraps:
         names = ("dp_replicate", "dp_shard_cp") if dims.dp_replicate_enabled else "dp_shard_cp"
         dp_mesh = _submesh(dims, mesh, names)
-        mixed = cfg.training.dtype == "bfloat16"
+        mixed = precision_policy(cfg.training.dtype, dims) == "fsdp"
         apply_fsdp(model, dp_mesh, param_dtype=torch.bfloat16 if mixed else None,
                    reduce_dtype=torch.float32 if mixed else None, reshard_after_forward=p.fsdp_reshard_after_forward,
                    pp_enabled=dims.pp_enabled)
@@ -96,8 +88,6 @@ def build_loss_fn(cfg: JobConfig, dims: ParallelDims, mesh=None) -> Callable[[Te
     """
     chunk = cfg.parallelism.loss_chunk_size or None
     if loss_parallel_enabled(cfg, dims):
-        from titanlike.parallel.loss_parallel import loss_parallel_cross_entropy
-
         tp_mesh = _submesh(dims, mesh, "tp") if mesh is not None else None
 
         def vocab_parallel_loss(logits: Tensor, labels: Tensor) -> Tensor:
@@ -107,6 +97,4 @@ def build_loss_fn(cfg: JobConfig, dims: ParallelDims, mesh=None) -> Callable[[Te
             return loss_parallel_cross_entropy(logits, labels, reduction="sum", chunk_size=chunk)
 
         return vocab_parallel_loss
-    from titanlike.loss import cross_entropy_loss
-
     return partial(cross_entropy_loss, reduction="sum", chunk_size=chunk)

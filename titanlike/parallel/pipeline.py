@@ -2,20 +2,18 @@
 
 The pieces, in the order :func:`apply_pp` uses them:
 
-* **Split** (:func:`stage_module_names`): stage ``s`` holds a contiguous slice of ``layers.*``; the first stage also
-  the embedding, the last the final norm and the output head (and computes the loss). By default the blocks are
-  split evenly, the embedding / head counting as ``pipeline_parallel_first/last_stage_less_layers`` extra blocks;
-  ``pipeline_parallel_module_names`` lists the modules of every stage by hand.
-* **Place** (:func:`stage_ids_for_rank`): loop style for single-stage and interleaved schedules (pp rank ``r`` holds
-  stages ``r, r + pp, r + 2pp, ...``), V style for ZBVZeroBubble / DualPipeV (rank ``r`` holds ``r`` and
-  ``2pp - 1 - r``, so rank 0 holds both the first and the last stage).
+* **Split** (``titanlike.layout.stage_module_names``): stage ``s`` holds a contiguous slice of ``layers.*``; the
+  first stage also the embedding, the last the final norm and the output head (and computes the loss).
+* **Place** (``titanlike.layout.stage_ids_for_rank``): loop style for single-stage and interleaved schedules (pp
+  rank ``r`` holds stages ``r, r + pp, r + 2pp, ...``), V style for the schedules whose own stage map is a V
+  (ZBVZeroBubble, DualPipeV: rank ``r`` holds ``r`` and ``2pp - 1 - r``, so rank 0 holds the first and last stage).
 * **Build** (:func:`build_stage_module`): the model's own partial constructor on the meta device, then storage on
   the target device filled from the full model's state dict by name: the stage keeps the plain model's FQNs.
 * **Parallelize** each stage module with ``parallelize_model`` over the non-pp mesh dims (TP, AC, compile, FSDP).
-  FSDP keeps parameters unsharded between forward and backward under PP (``reshard_after_forward=False``): the
-  zero-bubble schedules run the weight-gradient half of the backward outside FSDP's hooks, and resharding after
-  forward gives wrong or missing gradients there (shared/notes/torch-cpu-facts.md); it also saves one all-gather
-  per microbatch, which is the point of keeping a few stages resident.
+  FSDP keeps parameters unsharded between forward and backward under PP (``titanlike.layout.reshard_after_forward``):
+  the zero-bubble schedules run the weight-gradient half of the backward outside FSDP's hooks, and resharding after
+  forward gives wrong or missing gradients there (docs/pipeline.md, "The zero-bubble resharding trap"); it also
+  saves one all-gather per microbatch, which is the point of keeping a few stages resident.
 * **Schedule** by name, ``local_batch_size / pipeline_parallel_microbatch_size`` microbatches, the trainer's
   :class:`ScaledLoss` (``sum(CE) / global_tokens``) as the last stage's loss and ``scale_grads=False``: torch's
   default divides the accumulated gradients by the number of microbatches, which is right for a per-microbatch
@@ -41,132 +39,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
 
-from titanlike.config import ConfigError, JobConfig, pipeline_stage_count
+from titanlike.config import JobConfig
+from titanlike.layout import (
+    ConfigError,
+    precision_policy,
+    schedule_class,
+    schedule_facts,
+    stage_ids_for_rank,
+    stage_module_names,
+)
 from titanlike.loss import ScaledLoss
 from titanlike.models import Transformer
+from titanlike.parallel.clip import clip_grad_norm_
+from titanlike.parallel.parallelize import build_loss_fn, parallelize_model
 
-__all__ = [
-    "SCHEDULES",
-    "PipelineParallel",
-    "apply_pp",
-    "build_stage_module",
-    "pipeline_eval_loss",
-    "split_module_names",
-    "stage_ids_for_rank",
-    "stage_module_names",
-]
-
-SCHEDULES = {
-    "GPipe": ScheduleGPipe,
-    "1F1B": Schedule1F1B,
-    "Interleaved1F1B": ScheduleInterleaved1F1B,
-    "LoopedBFS": ScheduleLoopedBFS,
-    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
-    "ZBVZeroBubble": ScheduleZBVZeroBubble,
-    "DualPipeV": ScheduleDualPipeV,
-}
-SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+__all__ = ["PipelineParallel", "apply_pp", "build_stage_module"]
 
 _LAYER = re.compile(r"layers\.(\d+)")
-
-
-# ---------------------------------------------------------------------------------------------------- the split
-def split_module_names(n_layers: int, n_stages: int, first_less: int = 0, last_less: int = 0) -> list[list[str]]:
-    """Module names of each of ``n_stages`` stages, the blocks split evenly.
-
-    The embedding counts as ``first_less`` blocks and the norm + head as ``last_less`` blocks, so the first and
-    last stage get that many fewer: 6 layers, 4 stages, 1 + 1 -> [emb, 0], [1, 2], [3, 4], [5, head].
-    """
-    eff = n_layers + first_less + last_less
-    if n_stages < 1 or eff % n_stages:
-        raise ConfigError(f"pipeline: {n_layers} layers (+{first_less} for the embedding, +{last_less} for the "
-                          f"head) do not split evenly into {n_stages} stages; change n_layers or list "
-                          f"pipeline_parallel_module_names per stage")
-    per = eff // n_stages
-    counts = [per - (first_less if s == 0 else 0) - (last_less if s == n_stages - 1 else 0) for s in range(n_stages)]
-    if min(counts) < 0:
-        raise ConfigError(f"pipeline: {n_stages} stages of {per} layers cannot absorb the embedding weight "
-                          f"{first_less} and head weight {last_less}; use fewer stages or lower the weights")
-    names, start = [], 0
-    for s, count in enumerate(counts):
-        stage = ["tok_embeddings"] if s == 0 else []
-        stage += [f"layers.{i}" for i in range(start, start + count)]
-        start += count
-        if s == n_stages - 1:
-            stage += ["norm", "output"]
-        names.append(stage)
-    return names
-
-
-def parse_module_names(specs: Sequence[str], n_layers: int) -> list[list[str]]:
-    """``pipeline_parallel_module_names`` (one comma-separated string per stage) -> module names per stage.
-
-    Every block appears exactly once and in order; the embedding is on the first stage, the norm and the head
-    together on the last; no stage is empty.
-    """
-    key = "parallelism.pipeline_parallel_module_names"
-    stages = [[n.strip() for n in spec.split(",") if n.strip()] for spec in specs]
-    if len(stages) < 2:
-        raise ConfigError(f"{key}: give at least 2 stages (one comma-separated string of module names each)")
-    layers: list[int] = []
-    for s, names in enumerate(stages):
-        if not names:
-            raise ConfigError(f"{key}: stage {s} is empty; every stage needs at least one module")
-        for name in names:
-            m = _LAYER.fullmatch(name)
-            if m:
-                layers.append(int(m.group(1)))
-            elif name == "tok_embeddings":
-                if s != 0:
-                    raise ConfigError(f"{key}: tok_embeddings must be on the first stage, found on stage {s}")
-            elif name in ("norm", "output"):
-                if s != len(stages) - 1:
-                    raise ConfigError(f"{key}: {name} must be on the last stage, found on stage {s}")
-            else:
-                raise ConfigError(f"{key}: unknown module '{name}' on stage {s}; valid: tok_embeddings, "
-                                  f"layers.<i> (0 <= i < {n_layers}), norm, output")
-    if layers != list(range(n_layers)):
-        raise ConfigError(f"{key}: the stages must list layers.0 .. layers.{n_layers - 1} each exactly once and in "
-                          f"order, got {', '.join(f'layers.{i}' for i in layers)}")
-    for name, s in (("tok_embeddings", 0), ("norm", -1), ("output", -1)):
-        if sum(n == name for names in stages for n in names) != 1 or name not in stages[s]:
-            raise ConfigError(f"{key}: {name} must appear exactly once, on the {'first' if s == 0 else 'last'} "
-                              f"stage")
-    return stages
-
-
-def stage_module_names(cfg: JobConfig, args) -> list[list[str]]:
-    """The module names of every pipeline stage for this configuration (raises ConfigError on a bad layout)."""
-    p = cfg.parallelism
-    if p.pipeline_parallel_module_names:
-        return parse_module_names(p.pipeline_parallel_module_names, args.n_layers)
-    return split_module_names(args.n_layers, pipeline_stage_count(cfg, args),
-                              p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers)
-
-
-def stage_ids_for_rank(pp_rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:
-    """Stages held by pipeline rank ``pp_rank``: loop style ``r, r+pp, ...`` or V style ``r, 2pp-1-r``."""
-    if n_stages % pp:
-        raise ValueError(f"{n_stages} stages do not divide over {pp} pipeline ranks")
-    if schedule in V_SCHEDULES:
-        if n_stages != 2 * pp:
-            raise ValueError(f"{schedule} needs exactly 2 stages per rank, got {n_stages} stages on {pp} ranks")
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return list(range(pp_rank, n_stages, pp))
 
 
 # ---------------------------------------------------------------------------------------------------- the build
@@ -241,7 +134,8 @@ class PipelineParallel:
     def stage_rank(self, stage: int) -> int:
         """Global rank of the member of this rank's pipeline that holds ``stage``."""
         pp = dist.get_world_size(self.pp_group)
-        pp_rank = (stage if stage < pp else 2 * pp - 1 - stage) if self.schedule_name in V_SCHEDULES else stage % pp
+        v = schedule_facts(self.schedule_name).v_placement
+        pp_rank = (stage if stage < pp else 2 * pp - 1 - stage) if v else stage % pp
         return dist.get_process_group_ranks(self.pp_group)[pp_rank]
 
     @torch.no_grad()
@@ -311,8 +205,6 @@ class PipelineParallel:
         """The trainer's ``clip_fn`` under PP: :meth:`finalize_grads`, then the global gradient norm over all
         stages (pp group) and the non-pp mesh dims, counting the tied weight once, then clipping (``max_norm > 0``).
         """
-        from titanlike.parallel.clip import clip_grad_norm_
-
         self.finalize_grads()
         params = list(parameters)
         duplicate = {id(self.tied_params[-1])} if self.tied_params and self.has_last_stage else set()
@@ -375,8 +267,6 @@ def _check_tied_layout(tied: list[nn.Parameter], group) -> None:
 
 def apply_pp(model: Transformer, dims, mesh, cfg: JobConfig, device: torch.device) -> PipelineParallel:
     """Split the full (materialised) ``model`` into this rank's stages, parallelize them, build the schedule."""
-    from titanlike.parallel.parallelize import build_loss_fn, parallelize_model
-
     p = cfg.parallelism
     schedule_name = p.pipeline_parallel_schedule
     pp_mesh = mesh["pp"]
@@ -390,7 +280,7 @@ def apply_pp(model: Transformer, dims, mesh, cfg: JobConfig, device: torch.devic
         for m in parts:
             _plain_tensors_between_stages(m, mesh["tp"], p.enable_sequence_parallel)
     parts = [parallelize_model(m, dims, mesh, cfg) for m in parts]
-    if cfg.training.dtype == "bfloat16" and not (dims.fsdp_enabled or dims.dp_replicate_enabled):
+    if precision_policy(cfg.training.dtype, dims) == "autocast":
         # bf16 without FSDP's mixed precision is autocast over float32 weights. The schedule interleaves forwards
         # and backwards, so the trainer cannot wrap the forward alone: each stage's forward enters autocast.
         for m in parts:
@@ -399,8 +289,8 @@ def apply_pp(model: Transformer, dims, mesh, cfg: JobConfig, device: torch.devic
 
     loss = ScaledLoss(build_loss_fn(cfg, dims, mesh))
     n_microbatches = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
-    cls = SCHEDULES[schedule_name]
-    single = schedule_name in SINGLE_STAGE_SCHEDULES
+    cls = schedule_class(schedule_name)
+    single = schedule_facts(schedule_name).single_stage
     if single and len(stages) != 1:
         raise ConfigError(f"parallelism.pipeline_parallel_schedule {schedule_name} runs one stage per rank, "
                           f"the split gives {len(stages)}")
@@ -417,9 +307,3 @@ def apply_pp(model: Transformer, dims, mesh, cfg: JobConfig, device: torch.devic
                             has_last_stage=n_stages - 1 in stage_ids,
                             microbatch_size=p.pipeline_parallel_microbatch_size, schedule_name=schedule_name,
                             tied_group=tied_group, tied_params=tied)
-
-
-def pipeline_eval_loss(trainer, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The trainer's validation hook under PP: ``trainer.pp.eval_loss`` (sum of the cross entropy of this data-
-    parallel rank's batch, identical on every pp rank)."""
-    return trainer.pp.eval_loss(inputs, labels)

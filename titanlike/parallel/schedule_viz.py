@@ -30,6 +30,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import NamedTuple
 
+from titanlike.layout import SCHEDULES, schedule_class, schedule_facts
+from titanlike.layout.schedules import StandInStage
+
 __all__ = [
     "SCHEDULES",
     "Block",
@@ -41,17 +44,6 @@ __all__ = [
     "schedule_timeline",
 ]
 
-SCHEDULES = (
-    "GPipe",
-    "1F1B",
-    "Interleaved1F1B",
-    "LoopedBFS",
-    "InterleavedZeroBubble",
-    "ZBVZeroBubble",
-    "DualPipeV",
-)
-_SINGLE_STAGE = ("GPipe", "1F1B")
-_V_STYLE = ("ZBVZeroBubble", "DualPipeV")
 _KINDS = ("F", "B", "I", "W")
 
 
@@ -154,31 +146,15 @@ def _single_stage_order(schedule: str, pp: int, m: int) -> dict[int, list[_Actio
     return order
 
 
-class _StandInStage:
-    """Just the attributes a PipelineScheduleMulti constructor reads from its stages."""
-
-    def __init__(self, stage_index: int, num_stages: int, pp: int):
-        self.stage_index = stage_index
-        self.num_stages = num_stages
-        self.group_size = pp
-        self.group_rank = 0  # torch computes pipeline_order for every rank regardless
-        self.is_first = stage_index == 0
-        self.is_last = stage_index == num_stages - 1
-        self.submod = None
-        self.stage_index_to_group_rank: dict[int, int] = {}
-
-
 def _multi_stage_order(
     schedule: str, pp: int, m: int, v: int
 ) -> tuple[dict[int, list[_Action]], dict[int, int]]:
-    from torch.distributed.pipelining import schedules as torch_schedules
-
     num_stages = pp * v
     local = [r for r in range(num_stages) if r % pp == 0]  # loop: rank 0 holds 0, pp, ...
-    if schedule in _V_STYLE:
+    if schedule_facts(schedule).v_placement:
         local = [0, num_stages - 1]
-    stages = [_StandInStage(s, num_stages, pp) for s in local]
-    sched = torch_schedules.get_schedule_class(schedule)(stages, n_microbatches=m)
+    stages = [StandInStage(s, num_stages, pp) for s in local]
+    sched = schedule_class(schedule)(stages, n_microbatches=m)
 
     def convert(a) -> _Action | None:
         if a is None:
@@ -271,9 +247,10 @@ def schedule_timeline(
     v = stages_per_rank
     if pp < 1 or n_microbatches < 1 or v < 1:
         raise ValueError("pp, n_microbatches and stages_per_rank must be >= 1")
-    if schedule in _SINGLE_STAGE and v != 1:
+    facts = schedule_facts(schedule)
+    if facts.single_stage and v != 1:
         raise ValueError(f"{schedule} is a single-stage schedule: stages_per_rank must be 1")
-    if schedule in _V_STYLE and v != 2:
+    if facts.v_placement and v != 2:
         raise ValueError(f"{schedule} places stages in a V: stages_per_rank must be 2")
     if schedule == "1F1B" and n_microbatches < pp:
         raise ValueError(f"1F1B needs n_microbatches >= pp, got {n_microbatches} < {pp}")
@@ -283,7 +260,7 @@ def schedule_timeline(
         raise ValueError("need f_time > 0 and 0 < w_time < b_time")
     durations = {"F": f_time, "B": b_time, "I": b_time - w_time, "W": w_time}
 
-    if schedule in _SINGLE_STAGE:
+    if facts.single_stage:
         order = _single_stage_order(schedule, pp, n_microbatches)
         stage_to_rank = {r: r for r in range(pp)}
     else:

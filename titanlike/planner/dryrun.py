@@ -108,9 +108,9 @@ def _probe_block(cfg: JobConfig, layout: Layout, args, mesh, layer_id: int) -> i
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    from titanlike.layout import loss_parallel_enabled
     from titanlike.models import Transformer
     from titanlike.parallel.activation_checkpoint import apply_ac
-    from titanlike.parallel.parallelize import loss_parallel_enabled
     from titanlike.parallel.tensor_parallel import apply_tp
 
     with torch.device("meta"):

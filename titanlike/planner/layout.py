@@ -1,7 +1,8 @@
 """A run's layout as the planner sees it: degrees, batch split, pipeline stages, and where each group lives.
 
-Everything is derived from the same config and helpers the trainer uses (``ParallelDims``, the pipeline split,
-the stage placement), so the plan describes the run that ``train.py`` would start, not a look-alike.
+Every decision is the layout layer's (``titanlike.layout``: degrees, rules, the pipeline split and placement, the
+precision, reshard and activation-checkpointing policies, the batch split), the same functions the trainer and the
+parallelize functions act on, so the plan prices the run that ``train.py`` would start, not a look-alike.
 """
 
 from __future__ import annotations
@@ -11,9 +12,22 @@ from functools import cached_property
 
 import numpy as np
 
-from titanlike.config import ConfigError, JobConfig, layout_violations
-from titanlike.parallel.dims import FLATTENED, MESH_DIMS, ParallelDims
-from titanlike.parallel.pipeline import V_SCHEDULES, stage_ids_for_rank, stage_module_names
+from titanlike.layout import (
+    FLATTENED,
+    MESH_DIMS,
+    ConfigError,
+    Degrees,
+    ac_block_mode,
+    batch_split,
+    layout_violations,
+    loss_parallel_enabled,
+    master_dtype,
+    precision_policy,
+    reshard_after_forward,
+    schedule_facts,
+    stage_ids_for_rank,
+    stage_module_names,
+)
 
 __all__ = ["GroupMap", "Layout", "group_map"]
 
@@ -24,7 +38,7 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}
 class Layout:
     """One configuration's parallel layout. Build with :meth:`from_config`; fields are plain numbers."""
 
-    dims: ParallelDims
+    dims: Degrees
     gpus_per_node: int
     sequence_parallel: bool
     loss_parallel: bool
@@ -42,24 +56,24 @@ class Layout:
     loss_chunk_size: int
 
     @classmethod
-    def from_config(cls, cfg: JobConfig, world_size: int, args, gpus_per_node: int) -> Layout:
+    def from_config(cls, cfg, world_size: int, args, gpus_per_node: int) -> Layout:
         """The layout of ``cfg`` on ``world_size`` ranks; ConfigError if the layout itself is illegal."""
         problems = layout_violations(cfg, world_size, args)
         if problems:
             raise ConfigError(problems[0])
         p, t = cfg.parallelism, cfg.training
-        dims = ParallelDims.from_config(cfg, world_size)
+        dims = Degrees.from_config(cfg, world_size)
         pp = dims.pp > 1
         stages = tuple(tuple(s) for s in stage_module_names(cfg, args)) if pp else \
             (("tok_embeddings",) + tuple(f"layers.{i}" for i in range(args.n_layers)) + ("norm", "output"),)
-        global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
+        split = batch_split(t.global_batch_size, t.local_batch_size, dims.dp)
         return cls(dims=dims, gpus_per_node=gpus_per_node, sequence_parallel=p.enable_sequence_parallel,
-                   loss_parallel=dims.tp > 1 and not p.disable_loss_parallel,
+                   loss_parallel=loss_parallel_enabled(cfg, dims),
                    schedule=p.pipeline_parallel_schedule if pp else "", stages=stages,
                    microbatch_size=p.pipeline_parallel_microbatch_size if pp else t.local_batch_size,
                    n_microbatches=t.local_batch_size // p.pipeline_parallel_microbatch_size if pp else 1,
-                   accum_steps=global_batch // (t.local_batch_size * dims.dp), seq_len=t.seq_len,
-                   global_batch=global_batch, dtype=t.dtype, reshard_after_forward=p.fsdp_reshard_after_forward,
+                   accum_steps=split.accum_steps, seq_len=t.seq_len, global_batch=split.global_batch,
+                   dtype=t.dtype, reshard_after_forward=p.fsdp_reshard_after_forward,
                    ac_mode=cfg.activation_checkpoint.mode, ac_option=cfg.activation_checkpoint.selective_ac_option,
                    loss_chunk_size=p.loss_chunk_size)
 
@@ -99,16 +113,21 @@ class Layout:
     @property
     def fsdp(self) -> bool:
         """Parameters live in FSDP2 groups (sharded, or HSDP with a shard group of one)."""
-        return self.dims.fsdp_enabled or self.dims.dp_replicate_enabled
+        return self.dims.fsdp_wraps
+
+    @property
+    def precision(self) -> str:
+        """"fsdp" (FSDP mixed precision), "autocast" or "none": ``titanlike.layout.precision_policy``."""
+        return precision_policy(self.dtype, self.dims)
 
     @property
     def mixed_precision(self) -> bool:
-        return self.dtype == "bfloat16"
+        return self.precision != "none"
 
     @property
     def param_bytes(self) -> int:
         """Bytes per element of the stored (master) parameters, their gradients and AdamW states."""
-        return 8 if self.dtype == "float64" else 4
+        return _BYTES[master_dtype(self.dtype)]
 
     @property
     def act_bytes(self) -> int:
@@ -131,40 +150,26 @@ class Layout:
 
     def reshard(self, group: str) -> bool:
         """Does FSDP free the gathered parameters of ``group`` ("block", "embedding", "head", "root") after its
-        forward? Mirrors titanlike.parallel.fsdp.apply_fsdp."""
-        if self.reshard_after_forward == "always":
-            return True
-        if self.reshard_after_forward == "never" or group in ("head", "root"):
-            return False
-        return self.pp == 1
+        forward? ``titanlike.layout.reshard_after_forward``, which ``apply_fsdp`` applies."""
+        return reshard_after_forward(self.reshard_after_forward, group, self.pp > 1)
 
     def checkpointed(self, layer_id: int) -> str:
-        """How block ``layer_id`` is checkpointed: "none", "full" or "op" (selective op-level)."""
-        if self.ac_mode == "full":
-            return "full"
-        if self.ac_mode == "selective":
-            if self.ac_option == "op":
-                return "op"
-            return "full" if layer_id % int(self.ac_option) == 0 else "none"
-        return "none"
+        """How block ``layer_id`` is checkpointed: "none", "full" or "op" (``titanlike.layout.ac_block_mode``)."""
+        return ac_block_mode(self.ac_mode, self.ac_option, layer_id)
 
     # ----------------------------------------------------------------------------------------- stages
     def stage_ids(self, pp_rank: int) -> list[int]:
         return stage_ids_for_rank(pp_rank, self.pp, len(self.stages), self.schedule or "1F1B")
 
     def pp_rank_of(self, rank: int) -> int:
-        return rank // (self.world_size // self.pp)
+        return self.dims.pp_rank_of(rank)
 
     def coords(self, rank: int) -> dict[str, int]:
-        out, rest = {}, rank
-        for name, size in reversed(list(zip(MESH_DIMS, self.dims.shape))):
-            out[name] = rest % size
-            rest //= size
-        return out
+        return self.dims.coords(rank)
 
     @property
     def v_placement(self) -> bool:
-        return self.schedule in V_SCHEDULES
+        return bool(self.schedule) and schedule_facts(self.schedule).v_placement
 
     # ----------------------------------------------------------------------------------------- the grid
     @cached_property
@@ -199,9 +204,9 @@ class GroupMap:
         return "network" if len(self.spanning) == self.n_groups else f"network ({len(self.spanning)}/{self.n_groups})"
 
 
-def group_map(dims: ParallelDims, name: str, gpus_per_node: int) -> GroupMap:
+def group_map(dims: Degrees, name: str, gpus_per_node: int) -> GroupMap:
     """Where the groups of mesh dim ``name`` ("tp", "dp", ...) sit: the same groups as
-    ``titanlike.parallel.dims.rank_groups``, computed with numpy so that 16k-rank grids take milliseconds."""
+    ``titanlike.layout.rank_groups``, computed with numpy so that 16k-rank grids take milliseconds."""
     members = FLATTENED.get(name, (name,))
     axes = [MESH_DIMS.index(m) for m in members]
     grid = np.arange(dims.world_size).reshape(dims.shape)

@@ -259,7 +259,7 @@ def rank_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
             unit = max((sum(p.tp_numel for p in ps) for units in stage_units.values() for _, ps in units), default=0)
             items.append(MemoryItem("unsharded grads", unit * (a + layout.reduce_bytes),
                                     "one group before its reduce-scatter"))
-    elif layout.mixed_precision:
+    elif layout.precision == "autocast":
         items.append(MemoryItem("autocast weights", n_local * 2, "bf16 copies of every weight during fwd+bwd"))
     # Activations.
     c = layout.coords(rank)

@@ -6,8 +6,8 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from titanlike.config import ConfigError, JobConfig, layout_violations, validate
-from titanlike.parallel.dims import MESH_DIMS
+from titanlike.config import JobConfig, validate
+from titanlike.layout import FLATTENED, MESH_DIMS, ConfigError, layout_violations
 from titanlike.planner.cost import StepCost, messages, step_cost
 from titanlike.planner.dryrun import DryRun, dry_run
 from titanlike.planner.hardware import GiB, Hardware
@@ -147,7 +147,7 @@ def _validation(plan: Plan) -> list[str]:
         out.append(f"  {len(plan.violations)} violation{'s' * (len(plan.violations) > 1)}:")
         out += [f"  - {v}" for v in plan.violations]
     else:
-        out.append("  OK: every layout rule holds (titanlike.config.layout_violations)")
+        out.append("  OK: every layout rule holds (titanlike.layout.layout_violations)")
     out += [f"  WARNING: {w}" for w in plan.warnings]
     return out
 
@@ -176,8 +176,6 @@ def _map(plan: Plan) -> list[str]:
 
 
 def _group_of(lo: Layout, name: str, rank: int) -> tuple[int, ...]:
-    from titanlike.parallel.dims import FLATTENED
-
     c = lo.coords(rank)
     members = FLATTENED.get(name, (name,))
     sizes = dict(zip(MESH_DIMS, lo.dims.shape))

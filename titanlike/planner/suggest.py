@@ -13,7 +13,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from titanlike.config import JobConfig, layout_violations
+from titanlike.config import JobConfig
+from titanlike.layout import layout_violations, schedule_facts
 from titanlike.planner.cost import step_cost
 from titanlike.planner.hardware import Hardware
 from titanlike.planner.layout import Layout
@@ -21,7 +22,8 @@ from titanlike.planner.memory import rank_memory
 
 __all__ = ["Candidate", "suggest_layouts"]
 
-_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2))
+# the schedules tried, with their stages per rank (one single-stage, one interleaved, one V)
+_SCHEDULES = tuple((s, schedule_facts(s).default_stages_per_rank) for s in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble"))
 _AC = (("none", "op"), ("selective", "op"), ("full", "op"))
 _ENDS = ((0, 0), (1, 1), (0, 1), (1, 0), (2, 2), (0, 2), (2, 0))  # embedding / head weights to even the split
 
@@ -74,7 +76,7 @@ def _overrides(base: JobConfig, sets: dict[str, object]) -> tuple[str, ...]:
 def suggest_layouts(cfg: JobConfig, world_size: int, hardware: Hardware, args, *, global_batch: int,
                     max_tp: int | None = None) -> tuple[list[Candidate], dict[str, int]]:
     """All fitting layouts, fastest first, and counts: layouts considered, and rejected as illegal
-    (titanlike.config.layout_violations, with the base config's other settings, e.g. compile) or over
+    (titanlike.layout.layout_violations, with the base config's other settings, e.g. compile) or over
     memory even with full activation checkpointing."""
     stats = {"layouts": 0, "illegal": 0, "out of memory": 0}
     found: list[Candidate] = []

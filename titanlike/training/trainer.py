@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from titanlike import fault
-from titanlike.config import (ConfigError, JobConfig, float8_backend, hf_architecture_of, layout_violations,
-                              load_config, model_args_from_config)
+from titanlike.config import JobConfig, hf_architecture_of, load_config, model_args_from_config
+from titanlike.layout import ConfigError, batch_split, float8_backend, layout_violations, master_dtype, precision_policy
 from titanlike.loss import IGNORE_INDEX, ScaledLoss
 from titanlike.models import Transformer
 from titanlike.training.metrics import MetricsLogger, Throughput, format_eta, peak_memory_gib, use_color
@@ -115,8 +115,7 @@ class Trainer:
     # ------------------------------------------------------------------ build
     def _build(self) -> None:
         cfg, args = self.cfg, self.model_args
-        dtype = DTYPES[cfg.training.dtype]
-        param_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # bf16 = mixed precision
+        param_dtype = DTYPES[master_dtype(cfg.training.dtype)]  # bf16 = mixed precision over float32
         if self.rank == 0:
             self._print_start()
         self.dims = self.mesh = None
@@ -181,9 +180,10 @@ class Trainer:
                 model.to(self.device)
             self.model_parts = [model]
             self.loss = ScaledLoss(loss_fn)
-        # bf16 without FSDP's mixed precision (one process): autocast over float32 master weights.
-        fsdp = self.distributed and (self.dims.dp_shard_enabled or self.dims.dp_replicate_enabled)
-        self.autocast = dtype == torch.bfloat16 and not fsdp
+        # bf16 without FSDP's mixed precision: autocast over float32 master weights (under PP each stage's forward
+        # enters autocast itself, see apply_pp).
+        layout = self.dims or ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)
+        self.autocast = precision_policy(cfg.training.dtype, layout) == "autocast" and self.pp is None
         if self.pp is not None:  # sums the tied embedding's gradient over its two stages first
             self.clip_fn = self.pp.finalize_grads_and_clip_
         elif self.distributed:
@@ -204,8 +204,8 @@ class Trainer:
 
         train_tokens, val_tokens = self.train_tokens, self.val_tokens_all
         t = cfg.training
-        self.global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp_degree
-        self.accum_steps = self.global_batch // (t.local_batch_size * dp_degree)
+        split = batch_split(t.global_batch_size, t.local_batch_size, dp_degree)
+        self.global_batch, self.accum_steps = split.global_batch, split.accum_steps
         self.dataloader = build_dataloader(train_tokens, seq_len=t.seq_len, global_batch_size=self.global_batch,
                                            local_batch_size=t.local_batch_size, dp_rank=dp_rank,
                                            dp_degree=dp_degree, seed=t.seed, shuffle=cfg.data.shuffle,
@@ -447,10 +447,8 @@ class Trainer:
             m.eval()
         for inputs, labels in loader:
             inputs, labels = inputs.to(self.device), labels.to(self.device)
-            if self.pp_schedule is not None:
-                from titanlike.parallel.pipeline import pipeline_eval_loss
-
-                loss_sum = pipeline_eval_loss(self, inputs, labels)
+            if self.pp is not None:
+                loss_sum = self.pp.eval_loss(inputs, labels)
             else:
                 with self.forward_context():
                     loss_sum = self.loss.loss_fn(self.model_parts[0](inputs), labels)

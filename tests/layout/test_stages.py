@@ -5,15 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titanlike.config import ConfigError, JobConfig, layout_violations, pipeline_stage_count
-from titanlike.models import ModelArgs, Transformer
-from titanlike.parallel.pipeline import (
-    build_stage_module,
+from titanlike.config import JobConfig
+from titanlike.layout import (
+    ConfigError,
+    layout_violations,
     parse_module_names,
+    pipeline_stage_count,
     split_module_names,
     stage_ids_for_rank,
     stage_module_names,
 )
+from titanlike.models import ModelArgs, Transformer
+from titanlike.parallel.pipeline import build_stage_module
 
 ARGS = ModelArgs(dim=32, n_layers=6, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16)
 

@@ -1,0 +1,83 @@
+"""The layout layer: plain data and pure functions that decide what a parallel layout is, with no process group.
+
+Imported by config, parallel, planner, trainer and scripts; imports none of them (only ``titanlike.models``, and
+torch for the pipeline schedule classes). It owns
+
+* the degree arithmetic and the rank grid (:mod:`~titanlike.layout.degrees`);
+* every cross-field validation rule (:mod:`~titanlike.layout.rules`; ``config.py`` keeps the schema, parsing and
+  per-key ranges);
+* the pipeline schedule facts, derived from torch's schedule classes (:mod:`~titanlike.layout.schedules`), and
+  the stage split (:mod:`~titanlike.layout.stages`);
+* the precision policy, the FSDP reshard policy, the activation-checkpointing option grammar and the batch /
+  accumulation arithmetic (:mod:`~titanlike.layout.policy`).
+
+The trainer and the parallelize functions act on these decisions; the planner prices them.
+"""
+
+from titanlike.layout.degrees import (
+    FLATTENED,
+    MESH_DIMS,
+    Degrees,
+    degree_problems,
+    describe_layout,
+    rank_groups,
+    rank_of,
+)
+from titanlike.layout.errors import ConfigError
+from titanlike.layout.float8 import TE_FLOAT8_RECIPES, TORCHAO_FLOAT8_RECIPES, float8_backend, float8_violations
+from titanlike.layout.policy import (
+    FSDP_GROUPS,
+    RESHARD_CHOICES,
+    BatchSplit,
+    ac_block_mode,
+    batch_split,
+    loss_parallel_enabled,
+    master_dtype,
+    parse_ac_option,
+    precision_policy,
+    reshard_after_forward,
+)
+from titanlike.layout.rules import RULES, layout_violations
+from titanlike.layout.schedules import SCHEDULES, ScheduleFacts, schedule_class, schedule_facts, stage_ids_for_rank
+from titanlike.layout.stages import (
+    parse_module_names,
+    pipeline_stage_count,
+    split_module_names,
+    stage_module_names,
+)
+
+__all__ = [
+    "TE_FLOAT8_RECIPES",
+    "TORCHAO_FLOAT8_RECIPES",
+    "float8_backend",
+    "float8_violations",
+    "BatchSplit",
+    "ConfigError",
+    "Degrees",
+    "FLATTENED",
+    "FSDP_GROUPS",
+    "MESH_DIMS",
+    "RESHARD_CHOICES",
+    "RULES",
+    "SCHEDULES",
+    "ScheduleFacts",
+    "ac_block_mode",
+    "batch_split",
+    "degree_problems",
+    "describe_layout",
+    "layout_violations",
+    "loss_parallel_enabled",
+    "master_dtype",
+    "parse_ac_option",
+    "parse_module_names",
+    "pipeline_stage_count",
+    "precision_policy",
+    "rank_groups",
+    "rank_of",
+    "reshard_after_forward",
+    "schedule_class",
+    "schedule_facts",
+    "split_module_names",
+    "stage_ids_for_rank",
+    "stage_module_names",
+]

@@ -1,0 +1,193 @@
+"""Parallel degrees and the rank grid they define, as plain numbers (no process group).
+
+Mesh layout: one 5-D mesh with dims ``("pp", "dp_replicate", "dp_shard", "cp", "tp")``, row-major, so **tp is
+innermost** (consecutive ranks form a tp group, which keeps tensor parallelism inside a node) and pp outermost.
+Two flattened dims are derived from it:
+
+* ``"dp"`` = dp_replicate x dp_shard: data loading (which slice of the global batch a rank reads) and the
+  token-count / loss all-reduces;
+* ``"dp_shard_cp"`` = dp_shard x cp: the dim FSDP shards parameters over.
+
+Rank of mesh coordinate ``(pp, dp_replicate, dp_shard, cp, tp)``::
+
+    (((pp * dp_replicate + r) * dp_shard + s) * cp + c) * tp + t
+
+``titanlike.parallel.ParallelDims`` adds the device mesh to :class:`Degrees`; :func:`rank_groups` and
+:func:`describe_layout` compute the same grid in pure Python, for planners and for the trainer's layout print.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from dataclasses import dataclass
+
+from titanlike.layout.errors import ConfigError
+
+__all__ = ["FLATTENED", "MESH_DIMS", "Degrees", "degree_problems", "describe_layout", "rank_groups", "rank_of"]
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp")}
+
+
+def degree_problems(*, dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int,
+                    world_size: int) -> tuple[list[str], int]:
+    """The degree arithmetic: (one line per problem, the resolved dp_shard). ``dp_shard = -1`` takes whatever
+    the other degrees leave of ``world_size``. The resolved value is 1 where it cannot be resolved."""
+    out = []
+    for name, value in (("data_parallel_replicate_degree", dp_replicate), ("context_parallel_degree", cp),
+                        ("tensor_parallel_degree", tp), ("pipeline_parallel_degree", pp)):
+        if value < 1:
+            out.append(f"parallelism.{name}: {value} must be >= 1")
+    if world_size < 1:
+        out.append(f"world size {world_size} must be >= 1")
+    if out:
+        return out, 1
+    rest = tp * pp * cp * dp_replicate
+    if dp_shard == -1:
+        if world_size % rest:
+            return [f"parallelism: world size {world_size} is not divisible by tp {tp} x pp {pp} x cp {cp} x "
+                    f"dp_replicate {dp_replicate} = {rest}; change the degrees or the number of processes"], 1
+        return [], world_size // rest
+    if dp_shard < 1:
+        return [f"parallelism.data_parallel_shard_degree: {dp_shard} must be -1 (infer) or >= 1"], 1
+    if rest * dp_shard != world_size:
+        return [f"parallelism: pp {pp} x dp_replicate {dp_replicate} x dp_shard {dp_shard} x cp {cp} x tp {tp} = "
+                f"{rest * dp_shard} != world size {world_size}; set data_parallel_shard_degree = -1 to infer it or "
+                f"change the degrees"], dp_shard
+    return [], dp_shard
+
+
+@dataclass
+class Degrees:
+    """Parallel degrees whose product is the world size; ``dp_shard=-1`` takes whatever is left."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    world_size: int
+
+    def __post_init__(self):
+        problems, self.dp_shard = degree_problems(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
+                                                  cp=self.cp, tp=self.tp, pp=self.pp, world_size=self.world_size)
+        if problems:
+            raise ConfigError(problems[0])
+
+    @classmethod
+    def from_config(cls, cfg, world_size: int):
+        """The degrees of ``cfg.parallelism`` on ``world_size`` ranks."""
+        p = cfg.parallelism
+        return cls(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+                   cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+                   world_size=world_size)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Mesh shape in ``MESH_DIMS`` order."""
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different slices of the global batch are read per step."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """Parameters are sharded (over dp_shard x cp)."""
+        return self.dp_shard * self.cp > 1
+
+    @property
+    def fsdp_wraps(self) -> bool:
+        """The model is wrapped by FSDP2: sharded, or HSDP with a shard group of one (replicated data parallel).
+        One rank per model copy gets no FSDP at all (see docs/parallelism.md, "FSDP on one rank")."""
+        return self.fsdp_enabled or self.dp_replicate_enabled
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The mesh coordinate of ``rank``."""
+        out, rest = {}, rank
+        for name, size in reversed(list(zip(MESH_DIMS, self.shape))):
+            out[name] = rest % size
+            rest //= size
+        return out
+
+    def pp_rank_of(self, rank: int) -> int:
+        return rank // (self.world_size // self.pp)
+
+
+def rank_of(dims: Degrees, coord: dict[str, int]) -> int:
+    """Global rank of a mesh coordinate (missing dims count as 0)."""
+    rank = 0
+    for name, size in zip(MESH_DIMS, dims.shape):
+        rank = rank * size + coord.get(name, 0)
+    return rank
+
+
+def rank_groups(dims: Degrees, names: str | tuple[str, ...]) -> list[list[int]]:
+    """The process groups of a mesh dim, or of several dims flattened (e.g. "tp", "dp", ("dp_shard", "cp")).
+
+    Each group lists the ranks that differ only in ``names`` (in rank order); groups are sorted by their first rank.
+    """
+    if isinstance(names, str):
+        names = FLATTENED.get(names, (names,))
+    unknown = [n for n in names if n not in MESH_DIMS]
+    if unknown:
+        raise ValueError(f"rank_groups: unknown mesh dims {unknown}; valid: {MESH_DIMS + tuple(FLATTENED)}")
+    sizes = dict(zip(MESH_DIMS, dims.shape))
+    fixed = [n for n in MESH_DIMS if n not in names]
+    groups = []
+    for outer in itertools.product(*(range(sizes[n]) for n in fixed)):
+        base = dict(zip(fixed, outer))
+        groups.append(sorted(rank_of(dims, {**base, **dict(zip(names, inner))})
+                             for inner in itertools.product(*(range(sizes[n]) for n in names))))
+    return sorted(groups)
+
+
+def describe_layout(dims: Degrees, gpus_per_node: int | None = None) -> str:
+    """Human-readable layout: degrees, world size, which ranks form each tp / cp / dp / pp group, and a WARNING
+    line for every tp group that spans nodes (nodes = consecutive blocks of ``gpus_per_node`` ranks; default
+    ``LOCAL_WORLD_SIZE``, else one node holding every rank)."""
+    gpn = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or dims.world_size
+    degrees = " x ".join(f"{n} {s}" for n, s in zip(MESH_DIMS, dims.shape))
+    n_nodes = math.ceil(dims.world_size / gpn)
+    lines = [f"parallel layout: {degrees} = world size {dims.world_size} "
+             f"({n_nodes} node{'s' if n_nodes > 1 else ''} of {gpn} rank{'s' if gpn > 1 else ''})"]
+
+    def fmt(groups):
+        return " ".join("[" + ",".join(map(str, g)) + "]" for g in groups)
+
+    for label, names in (("tp", "tp"), ("cp", "cp"), ("dp_shard (fsdp)", "dp_shard"),
+                         ("dp_replicate", "dp_replicate"), ("dp (data)", "dp"), ("pp", "pp")):
+        size = math.prod(dict(zip(MESH_DIMS, dims.shape))[n] for n in FLATTENED.get(names, (names,)))
+        if size > 1:
+            lines.append(f"  {label} groups of {size}: {fmt(rank_groups(dims, names))}")
+    if dims.world_size == 1:
+        lines.append("  single rank: no parallelism")
+    for group in rank_groups(dims, "tp"):
+        nodes = sorted({r // gpn for r in group})
+        if len(nodes) > 1:
+            lines.append(f"WARNING: tp group [{','.join(map(str, group))}] spans nodes {nodes}: every layer's "
+                         f"tensor-parallel collectives cross the inter-node link; keep tp <= gpus_per_node ({gpn})")
+    return "\n".join(lines)

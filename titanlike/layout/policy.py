@@ -1,0 +1,118 @@
+"""The decisions a layout implies, each answered in one place: precision, FSDP resharding, activation
+checkpointing per block, and the batch split. The trainer, the parallelize functions and the planner all ask here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from titanlike.layout.errors import ConfigError
+
+__all__ = [
+    "BatchSplit", "ac_block_mode", "batch_split", "loss_parallel_enabled", "master_dtype", "parse_ac_option",
+    "precision_policy", "reshard_after_forward",
+]
+
+Precision = Literal["fsdp", "autocast", "none"]
+
+
+def precision_policy(dtype: str, degrees) -> Precision:
+    """How ``training.dtype`` is realised on a layout.
+
+    ``"fsdp"``: bfloat16 through FSDP2's mixed precision (bf16 parameter copies for compute, float32 gradient
+    reduction, float32 master weights), whenever FSDP wraps the model (``degrees.fsdp_wraps``);
+    ``"autocast"``: bfloat16 without FSDP: ``torch.autocast`` around each forward over float32 weights;
+    ``"none"``: float32 or float64 throughout.
+    """
+    if dtype != "bfloat16":
+        return "none"
+    return "fsdp" if degrees.fsdp_wraps else "autocast"
+
+
+def loss_parallel_enabled(cfg, degrees) -> bool:
+    """The head's logits stay vocab-sharded and the loss is the vocab-parallel cross entropy: under tensor
+    parallelism unless ``parallelism.disable_loss_parallel``."""
+    return degrees.tp_enabled and not cfg.parallelism.disable_loss_parallel
+
+
+def master_dtype(dtype: str) -> str:
+    """The dtype parameters, gradients and optimizer states are stored in: float64 for float64 runs, else float32
+    (bfloat16 is mixed precision over float32 master weights)."""
+    return "float64" if dtype == "float64" else "float32"
+
+
+RESHARD_CHOICES = ("default", "always", "never")
+FSDP_GROUPS = ("block", "embedding", "head", "root")
+
+
+def reshard_after_forward(policy: str, group: str, pp_enabled: bool) -> bool:
+    """Does FSDP free the gathered parameters of ``group`` (one of :data:`FSDP_GROUPS`) after its forward?
+
+    ``"always"``: every group; ``"never"``: none; ``"default"``: blocks and the embedding, except under pipeline
+    parallelism (the zero-bubble schedules run weight-gradient passes after FSDP resharded, which loses gradients:
+    docs/pipeline.md, "The zero-bubble resharding trap"; and a resident stage saves one all-gather per microbatch);
+    the head and the root never (their backward follows their forward at once).
+    """
+    if policy not in RESHARD_CHOICES:
+        raise ValueError(f"reshard_after_forward must be one of {RESHARD_CHOICES}, got {policy!r}")
+    if group not in FSDP_GROUPS:
+        raise ValueError(f"FSDP group must be one of {FSDP_GROUPS}, got {group!r}")
+    if policy != "default":
+        return policy == "always"
+    return group in ("block", "embedding") and not pp_enabled
+
+
+def parse_ac_option(option) -> str | int:
+    """``activation_checkpoint.selective_ac_option``: ``"op"`` or a positive integer N (every N-th block), given
+    as an int or as its decimal digits. Anything else is a ConfigError."""
+    if isinstance(option, int) and not isinstance(option, bool):
+        n = option
+    elif isinstance(option, str) and option == "op":
+        return "op"
+    elif isinstance(option, str) and option.isascii() and option.isdigit():
+        n = int(option)
+    else:
+        raise ConfigError(f"activation_checkpoint.selective_ac_option: {option!r} must be 'op' or a positive integer")
+    if n < 1:
+        raise ConfigError(f"activation_checkpoint.selective_ac_option: {n} must be 'op' or a positive integer")
+    return n
+
+
+def ac_block_mode(mode: str, option, layer_id: int) -> str:
+    """How block ``layer_id`` (its global index) is checkpointed: ``"none"``, ``"full"`` or ``"op"``.
+
+    ``mode`` none | full | selective; under selective, ``option`` "op" checkpoints every block op by op, an
+    integer N fully checkpoints blocks 0, N, 2N, ...
+    """
+    if mode == "full":
+        return "full"
+    if mode == "selective":
+        opt = parse_ac_option(option)
+        if opt == "op":
+            return "op"
+        return "full" if layer_id % opt == 0 else "none"
+    if mode == "none":
+        return "none"
+    raise ConfigError(f"activation_checkpoint.mode: {mode!r} must be none, full or selective")
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    global_batch: int  # sequences per optimizer step
+    accum_steps: int  # forward-backward passes per optimizer step on each data-parallel rank
+    problem: str = ""  # why the split is impossible ("" when it is fine)
+
+
+def batch_split(global_batch_size: int, local_batch_size: int, dp: int) -> BatchSplit:
+    """``training.global_batch_size`` (-1: ``local_batch_size x dp``) over ``dp`` data-parallel ranks reading
+    ``local_batch_size`` sequences per pass: the global batch and the number of accumulation steps."""
+    gbs = global_batch_size if global_batch_size != -1 else local_batch_size * dp
+    if gbs < 1:
+        return BatchSplit(max(gbs, 1), 1, f"training.global_batch_size: {gbs} must be -1 or >= 1")
+    per_pass = local_batch_size * dp
+    if gbs % per_pass:
+        return BatchSplit(gbs, max(1, gbs // per_pass),
+                          f"training.global_batch_size {gbs} is not divisible by local_batch_size {local_batch_size} "
+                          f"x data-parallel degree {dp}; use a multiple of {per_pass}")
+    return BatchSplit(gbs, gbs // per_pass)

@@ -1,0 +1,106 @@
+"""How the model splits into pipeline stages: stage count, module names per stage (even split or by hand).
+
+Stage ``s`` holds a contiguous slice of ``layers.*``; the first stage also the embedding, the last the final norm
+and the output head (and computes the loss). By default the blocks are split evenly, the embedding / head counting
+as ``pipeline_parallel_first/last_stage_less_layers`` extra blocks; ``pipeline_parallel_module_names`` lists the
+modules of every stage by hand. Which stages a rank holds: ``titanlike.layout.schedules.stage_ids_for_rank``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from titanlike.layout.errors import ConfigError
+from titanlike.layout.schedules import schedule_facts
+
+__all__ = ["parse_module_names", "pipeline_stage_count", "split_module_names", "stage_module_names"]
+
+_LAYER = re.compile(r"layers\.(\d+)")
+
+
+def pipeline_stage_count(cfg, args) -> int:
+    """Total number of pipeline stages (pp x virtual stages per rank)."""
+    p = cfg.parallelism
+    pp = p.pipeline_parallel_degree
+    if p.pipeline_parallel_module_names:
+        return len(p.pipeline_parallel_module_names)
+    if p.pipeline_parallel_stages_per_rank:
+        return pp * p.pipeline_parallel_stages_per_rank
+    if p.pipeline_parallel_layers_per_stage:
+        eff = args.n_layers + p.pipeline_parallel_first_stage_less_layers + p.pipeline_parallel_last_stage_less_layers
+        return max(1, eff // p.pipeline_parallel_layers_per_stage)
+    return pp * schedule_facts(p.pipeline_parallel_schedule).default_stages_per_rank
+
+
+def split_module_names(n_layers: int, n_stages: int, first_less: int = 0, last_less: int = 0) -> list[list[str]]:
+    """Module names of each of ``n_stages`` stages, the blocks split evenly.
+
+    The embedding counts as ``first_less`` blocks and the norm + head as ``last_less`` blocks, so the first and
+    last stage get that many fewer: 6 layers, 4 stages, 1 + 1 -> [emb, 0], [1, 2], [3, 4], [5, head].
+    """
+    eff = n_layers + first_less + last_less
+    if n_stages < 1 or eff % n_stages:
+        raise ConfigError(f"pipeline: {n_layers} layers (+{first_less} for the embedding, +{last_less} for the "
+                          f"head) do not split evenly into {n_stages} stages; change n_layers or list "
+                          f"pipeline_parallel_module_names per stage")
+    per = eff // n_stages
+    counts = [per - (first_less if s == 0 else 0) - (last_less if s == n_stages - 1 else 0) for s in range(n_stages)]
+    if min(counts) < 0:
+        raise ConfigError(f"pipeline: {n_stages} stages of {per} layers cannot absorb the embedding weight "
+                          f"{first_less} and head weight {last_less}; use fewer stages or lower the weights")
+    names, start = [], 0
+    for s, count in enumerate(counts):
+        stage = ["tok_embeddings"] if s == 0 else []
+        stage += [f"layers.{i}" for i in range(start, start + count)]
+        start += count
+        if s == n_stages - 1:
+            stage += ["norm", "output"]
+        names.append(stage)
+    return names
+
+
+def parse_module_names(specs: Sequence[str], n_layers: int) -> list[list[str]]:
+    """``pipeline_parallel_module_names`` (one comma-separated string per stage) -> module names per stage.
+
+    Every block appears exactly once and in order; the embedding is on the first stage, the norm and the head
+    together on the last; no stage is empty.
+    """
+    key = "parallelism.pipeline_parallel_module_names"
+    stages = [[n.strip() for n in spec.split(",") if n.strip()] for spec in specs]
+    if len(stages) < 2:
+        raise ConfigError(f"{key}: give at least 2 stages (one comma-separated string of module names each)")
+    layers: list[int] = []
+    for s, names in enumerate(stages):
+        if not names:
+            raise ConfigError(f"{key}: stage {s} is empty; every stage needs at least one module")
+        for name in names:
+            m = _LAYER.fullmatch(name)
+            if m:
+                layers.append(int(m.group(1)))
+            elif name == "tok_embeddings":
+                if s != 0:
+                    raise ConfigError(f"{key}: tok_embeddings must be on the first stage, found on stage {s}")
+            elif name in ("norm", "output"):
+                if s != len(stages) - 1:
+                    raise ConfigError(f"{key}: {name} must be on the last stage, found on stage {s}")
+            else:
+                raise ConfigError(f"{key}: unknown module '{name}' on stage {s}; valid: tok_embeddings, "
+                                  f"layers.<i> (0 <= i < {n_layers}), norm, output")
+    if layers != list(range(n_layers)):
+        raise ConfigError(f"{key}: the stages must list layers.0 .. layers.{n_layers - 1} each exactly once and in "
+                          f"order, got {', '.join(f'layers.{i}' for i in layers)}")
+    for name, s in (("tok_embeddings", 0), ("norm", -1), ("output", -1)):
+        if sum(n == name for names in stages for n in names) != 1 or name not in stages[s]:
+            raise ConfigError(f"{key}: {name} must appear exactly once, on the {'first' if s == 0 else 'last'} "
+                              f"stage")
+    return stages
+
+
+def stage_module_names(cfg, args) -> list[list[str]]:
+    """The module names of every pipeline stage for this configuration (raises ConfigError on a bad layout)."""
+    p = cfg.parallelism
+    if p.pipeline_parallel_module_names:
+        return parse_module_names(p.pipeline_parallel_module_names, args.n_layers)
+    return split_module_names(args.n_layers, pipeline_stage_count(cfg, args),
+                              p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers)
