@@ -8,6 +8,8 @@
 4. FSDP / HSDP over ``dp_shard x cp`` (and ``dp_replicate``), outermost so that its all-gathers and
    reduce-scatters wrap everything else.
 
+``cfg`` is a ``titanlike.config.JobConfig`` (read, never imported: the parallel layer sits below the config).
+
 Data parallelism without sharding (``dp_replicate > 1``, ``dp_shard = 1``) is HSDP with a shard group of one:
 the same code path, gradients all-reduced. One rank per model copy (no dp) gets no FSDP at all: wrapping is
 not free (docs/parallelism.md, "FSDP on one rank").
@@ -21,7 +23,6 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from titanlike.config import JobConfig
 from titanlike.kernels.float8 import convert_to_float8, float8_tensorwise_tp
 from titanlike.layout import float8_backend, loss_parallel_enabled, precision_policy
 from titanlike.loss import cross_entropy_loss
@@ -42,7 +43,7 @@ def _submesh(dims: ParallelDims, mesh, names):
     return mesh[names]
 
 
-def parallelize_model(model: nn.Module, dims: ParallelDims, mesh, cfg: JobConfig) -> nn.Module:
+def parallelize_model(model: nn.Module, dims: ParallelDims, mesh, cfg) -> nn.Module:
     """float8 (torchao) -> TP(+SP, loss parallel) -> activation checkpointing -> compile -> FSDP/HSDP, in place;
     returns ``model``.
 
@@ -79,7 +80,7 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh, cfg: JobConfig
     return model
 
 
-def build_loss_fn(cfg: JobConfig, dims: ParallelDims, mesh=None) -> Callable[[Tensor, Tensor], Tensor]:
+def build_loss_fn(cfg, dims: ParallelDims, mesh=None) -> Callable[[Tensor, Tensor], Tensor]:
     """``loss_fn(logits, labels) -> sum of the cross entropy`` over the non-ignored tokens.
 
     With tensor parallelism (and loss parallel not disabled) the logits are a DTensor sharded on the vocab dim

@@ -43,7 +43,6 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
 
-from titanlike.config import JobConfig
 from titanlike.layout import (
     ConfigError,
     precision_policy,
@@ -265,7 +264,7 @@ def _check_tied_layout(tied: list[nn.Parameter], group) -> None:
                            f"({mine[0]} vs {others}); give tok_embeddings and output the same layout")
 
 
-def apply_pp(model: Transformer, dims, mesh, cfg: JobConfig, device: torch.device) -> PipelineParallel:
+def apply_pp(model: Transformer, dims, mesh, cfg, device: torch.device) -> PipelineParallel:
     """Split the full (materialised) ``model`` into this rank's stages, parallelize them, build the schedule."""
     p = cfg.parallelism
     schedule_name = p.pipeline_parallel_schedule
