@@ -15,13 +15,14 @@ from titanlike.layout.policy import batch_split, parse_ac_option
 from titanlike.layout.schedules import schedule_facts
 from titanlike.layout.stages import parse_module_names, pipeline_stage_count
 
-__all__ = ["RULES", "layout_violations"]
+__all__ = ["RULES", "layout_violations", "rule_violations"]
 
 # rule name -> what it guards (the messages themselves name the keys and the fix)
 RULES = {
     "dim_heads": "model.dim divisible by n_heads",
     "heads_kv": "n_heads divisible by n_kv_heads",
     "rope_even": "head_dim even (RoPE rotates pairs)",
+    "rope_scaling": "Llama 3 RoPE scaling: factor >= 1, low < high frequency factor, original length >= 1",
     "seq_len_max": "training.seq_len <= the model's max_seq_len",
     "degrees": "the degrees multiply to the world size (dp_shard -1 infers)",
     "cp_unimplemented": "context_parallel_degree 1",
@@ -35,7 +36,7 @@ RULES = {
     "batch": "global batch divisible by local batch x dp",
     "pp_names_need_pp": "pipeline_parallel_module_names needs pp > 1",
     "ac_option": "selective_ac_option 'op' or a positive integer",
-    "float8_needs_te": "float8.recipe needs model.kernels te",
+    "float8": "the [float8] options agree (recipe vs backend vs model.kernels, not float64, all-gather options)",
     "pp_stages_divide": "the stages divide over the pp ranks",
     "pp_single_stage": "GPipe / 1F1B run one stage per rank",
     "pp_v_two_stages": "V-placement schedules run exactly two stages per rank",
@@ -54,94 +55,112 @@ RULES = {
 
 def layout_violations(cfg, world_size: int, args) -> list[str]:
     """Every violated rule of ``cfg`` on ``world_size`` ranks with model shape ``args``, one line each."""
+    return [message for _, message in rule_violations(cfg, world_size, args)]
+
+
+def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
+    """:func:`layout_violations` with the name (a key of :data:`RULES`) of the rule each line comes from."""
     p, t = cfg.parallelism, cfg.training
-    out: list[str] = []
+    out: list[tuple[str, str]] = []
+
+    def add(rule: str, message: str) -> None:
+        out.append((rule, message))
+
     # Model shape.
     if args.dim % args.n_heads:
-        out.append(f"model: dim {args.dim} is not divisible by n_heads {args.n_heads}; choose n_heads dividing dim")
+        add("dim_heads",
+            f"model: dim {args.dim} is not divisible by n_heads {args.n_heads}; choose n_heads dividing dim")
     if args.n_heads % args.n_kv_heads:
-        out.append(f"model: n_heads {args.n_heads} is not divisible by n_kv_heads {args.n_kv_heads}; "
+        add("heads_kv", f"model: n_heads {args.n_heads} is not divisible by n_kv_heads {args.n_kv_heads}; "
                    f"choose n_kv_heads dividing n_heads")
     if args.head_dim % 2:
-        out.append(f"model: head_dim {args.head_dim} (dim / n_heads) must be even for RoPE")
+        add("rope_even", f"model: head_dim {args.head_dim} (dim / n_heads) must be even for RoPE")
     if args.rope_scaling == "llama3":
         if args.rope_scaling_factor < 1:
-            out.append(f"model.rope_scaling_factor {args.rope_scaling_factor} must be >= 1")
+            add("rope_scaling", f"model.rope_scaling_factor {args.rope_scaling_factor} must be >= 1")
         if not args.rope_low_freq_factor < args.rope_high_freq_factor:
-            out.append(f"model.rope_low_freq_factor {args.rope_low_freq_factor} must be below "
-                       f"model.rope_high_freq_factor {args.rope_high_freq_factor}")
+            add("rope_scaling", f"model.rope_low_freq_factor {args.rope_low_freq_factor} must be below "
+                                f"model.rope_high_freq_factor {args.rope_high_freq_factor}")
         if args.rope_original_max_seq_len < 1:
-            out.append("model.rope_original_max_seq_len must be >= 1")
+            add("rope_scaling", "model.rope_original_max_seq_len must be >= 1")
     if t.seq_len > args.max_seq_len:
-        out.append(f"training.seq_len {t.seq_len} exceeds the model's max_seq_len {args.max_seq_len}; "
+        add("seq_len_max", f"training.seq_len {t.seq_len} exceeds the model's max_seq_len {args.max_seq_len}; "
                    f"lower training.seq_len or raise model.max_seq_len")
     # Degrees.
     tp, pp, cp = p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree
     problems, dps = degree_problems(dp_replicate=p.data_parallel_replicate_degree,
                                     dp_shard=p.data_parallel_shard_degree, cp=cp, tp=tp, pp=pp, world_size=world_size)
-    out += problems
+    out += [("degrees", m) for m in problems]
     if cp > 1:
-        out.append("parallelism.context_parallel_degree: context parallelism is not implemented yet; set it to 1")
+        add("cp_unimplemented",
+            "parallelism.context_parallel_degree: context parallelism is not implemented yet; set it to 1")
     dp = p.data_parallel_replicate_degree * dps
     # Tensor / sequence parallel.
     if tp > 1:
         if args.n_heads % tp:
-            out.append(f"parallelism.tensor_parallel_degree {tp} does not divide n_heads {args.n_heads}; "
+            add("tp_heads", f"parallelism.tensor_parallel_degree {tp} does not divide n_heads {args.n_heads}; "
                        f"choose a tp degree dividing {args.n_heads}")
         if args.n_kv_heads % tp:
-            out.append(f"parallelism.tensor_parallel_degree {tp} does not divide n_kv_heads {args.n_kv_heads}; "
+            add("tp_kv_heads", f"parallelism.tensor_parallel_degree {tp} does not divide n_kv_heads {args.n_kv_heads}; "
                        f"choose a tp degree dividing {args.n_kv_heads}")
         if args.hidden_dim % tp:
-            out.append(f"parallelism.tensor_parallel_degree {tp} does not divide the ffn hidden size "
+            add("tp_ffn", f"parallelism.tensor_parallel_degree {tp} does not divide the ffn hidden size "
                        f"{args.hidden_dim}")
         if args.vocab_size > 0 and args.vocab_size % tp:
-            out.append(f"parallelism.tensor_parallel_degree {tp} does not divide the vocabulary {args.vocab_size}; "
+            add("tp_vocab",
+                f"parallelism.tensor_parallel_degree {tp} does not divide the vocabulary {args.vocab_size}; "
                        f"set model.vocab_multiple to a multiple of {tp}")
         if p.enable_sequence_parallel and t.seq_len % tp:
-            out.append(f"training.seq_len {t.seq_len} is not divisible by tensor_parallel_degree {tp} under "
+            add("sp_seq_len", f"training.seq_len {t.seq_len} is not divisible by tensor_parallel_degree {tp} under "
                        f"sequence parallelism; choose a multiple of {tp}")
         if cfg.model.kernels == "te":
-            out.append(f"model.kernels=te does not combine with tensor_parallel_degree {tp} (TE modules are not "
+            add("te_tp", f"model.kernels=te does not combine with tensor_parallel_degree {tp} (TE modules are not "
                        f"nn.Linear, so the TP plan cannot shard them); use model.kernels=torch or tp 1")
     elif p.enable_sequence_parallel:
-        out.append("parallelism.enable_sequence_parallel needs tensor_parallel_degree > 1; "
+        add("sp_needs_tp", "parallelism.enable_sequence_parallel needs tensor_parallel_degree > 1; "
                    "turn it off or raise the tp degree")
     # Batch.
     split = batch_split(t.global_batch_size, t.local_batch_size, dp)
     if split.problem:
-        out.append(split.problem)
+        add("batch", split.problem)
     # Pipeline.
     if pp > 1:
         out += _pipeline_violations(cfg, args, pp)
     elif p.pipeline_parallel_module_names:
-        out.append("parallelism.pipeline_parallel_module_names needs pipeline_parallel_degree > 1")
+        add("pp_names_need_pp", "parallelism.pipeline_parallel_module_names needs pipeline_parallel_degree > 1")
     if cfg.activation_checkpoint.mode == "selective":
         try:
             parse_ac_option(cfg.activation_checkpoint.selective_ac_option)
         except ConfigError as e:
-            out.append(str(e))
-    out += float8_violations(cfg)
+            add("ac_option", str(e))
+    out += [("float8", m) for m in float8_violations(cfg)]
     return out
 
 
-def _pipeline_violations(cfg, args, pp: int) -> list[str]:
+def _pipeline_violations(cfg, args, pp: int) -> list[tuple[str, str]]:
     p, t = cfg.parallelism, cfg.training
-    out = []
+    out: list[tuple[str, str]] = []
+
+    def add(rule: str, message: str) -> None:
+        out.append((rule, message))
+
     sched = p.pipeline_parallel_schedule
     facts = schedule_facts(sched)
     n_stages = pipeline_stage_count(cfg, args)
     if n_stages % pp:
-        out.append(f"pipeline: {n_stages} stages do not divide evenly over pp {pp} ranks; adjust "
+        add("pp_stages_divide", f"pipeline: {n_stages} stages do not divide evenly over pp {pp} ranks; adjust "
                    f"pipeline_parallel_layers_per_stage or pipeline_parallel_stages_per_rank")
     v = n_stages // pp if n_stages % pp == 0 else 1
     if facts.single_stage and v != 1:
-        out.append(f"parallelism.pipeline_parallel_schedule {sched} runs one stage per rank but the split gives "
+        add("pp_single_stage",
+            f"parallelism.pipeline_parallel_schedule {sched} runs one stage per rank but the split gives "
                    f"{v}; use Interleaved1F1B / LoopedBFS / InterleavedZeroBubble or fewer stages")
     if facts.v_placement and v != 2:
-        out.append(f"parallelism.pipeline_parallel_schedule {sched} needs exactly 2 stages per rank (V shape), "
+        add("pp_v_two_stages",
+            f"parallelism.pipeline_parallel_schedule {sched} needs exactly 2 stages per rank (V shape), "
                    f"got {v}")
     if not facts.single_stage and not facts.v_placement and v < 2:
-        out.append(f"parallelism.pipeline_parallel_schedule {sched} needs at least 2 stages per rank; use "
+        add("pp_multi_stage", f"parallelism.pipeline_parallel_schedule {sched} needs at least 2 stages per rank; use "
                    f"GPipe / 1F1B or set pipeline_parallel_stages_per_rank >= 2")
     eff = args.n_layers + p.pipeline_parallel_first_stage_less_layers + p.pipeline_parallel_last_stage_less_layers
     lps = p.pipeline_parallel_layers_per_stage
@@ -149,48 +168,55 @@ def _pipeline_violations(cfg, args, pp: int) -> list[str]:
         try:
             parse_module_names(p.pipeline_parallel_module_names, args.n_layers)
         except ConfigError as e:
-            out.append(str(e))
+            add("pp_module_names", str(e))
     else:
         if lps and (eff % lps or (p.pipeline_parallel_stages_per_rank and eff != lps * n_stages)):
-            out.append(f"parallelism.pipeline_parallel_layers_per_stage {lps} does not fit {args.n_layers} layers "
+            add("pp_layers_per_stage",
+                f"parallelism.pipeline_parallel_layers_per_stage {lps} does not fit {args.n_layers} layers "
                        f"(+{p.pipeline_parallel_first_stage_less_layers} for the embedding, "
                        f"+{p.pipeline_parallel_last_stage_less_layers} for the head) in {n_stages} stages; "
                        f"choose a divisor of {eff} (or drop pipeline_parallel_stages_per_rank)")
         elif eff % n_stages:
-            out.append(f"pipeline: {args.n_layers} layers (+{p.pipeline_parallel_first_stage_less_layers} for the "
+            add("pp_even_split",
+                f"pipeline: {args.n_layers} layers (+{p.pipeline_parallel_first_stage_less_layers} for the "
                        f"embedding, +{p.pipeline_parallel_last_stage_less_layers} for the head) do not split evenly "
                        f"into {n_stages} stages; change n_layers or list pipeline_parallel_module_names per stage")
         elif eff // n_stages <= max(p.pipeline_parallel_first_stage_less_layers,
                                     p.pipeline_parallel_last_stage_less_layers):
-            out.append(f"pipeline: {n_stages} stages of {eff // n_stages} layers leave the first or last stage "
+            add("pp_stage_has_block",
+                f"pipeline: {n_stages} stages of {eff // n_stages} layers leave the first or last stage "
                        f"without a transformer block; use fewer stages")
     mbs = p.pipeline_parallel_microbatch_size
     if t.local_batch_size % mbs:
-        out.append(f"training.local_batch_size {t.local_batch_size} is not divisible by "
+        add("pp_microbatch_size", f"training.local_batch_size {t.local_batch_size} is not divisible by "
                    f"pipeline_parallel_microbatch_size {mbs}")
     else:
         m = t.local_batch_size // mbs
         if sched != "GPipe" and m < pp:
-            out.append(f"pipeline: {m} microbatches (local_batch_size / pipeline_parallel_microbatch_size) are fewer "
+            add("pp_microbatches",
+                f"pipeline: {m} microbatches (local_batch_size / pipeline_parallel_microbatch_size) are fewer "
                        f"than pp {pp} stages for {sched}; raise local_batch_size to at least {pp * mbs}")
         elif sched == "DualPipeV" and m < n_stages:
-            out.append(f"pipeline: DualPipeV needs at least as many microbatches as stages ({n_stages}), got {m}; "
+            add("pp_microbatches",
+                f"pipeline: DualPipeV needs at least as many microbatches as stages ({n_stages}), got {m}; "
                        f"raise local_batch_size to at least {n_stages * mbs}")
         elif sched in ("Interleaved1F1B", "InterleavedZeroBubble") and m % max(1, m // pp):
-            out.append(f"pipeline: {sched} runs the {m} microbatches in rounds of pp={pp} and needs m divisible by "
+            add("pp_microbatches",
+                f"pipeline: {sched} runs the {m} microbatches in rounds of pp={pp} and needs m divisible by "
                        f"m // pp = {m // pp}; use a multiple of {pp} microbatches")
     # Split-backward (zero-bubble) schedules run each backward as an input-gradient and a later weight-gradient
     # pass over the same graph (retain_graph); these features assume one backward per forward.
     if facts.split_backward:
         if p.fsdp_reshard_after_forward == "always":
-            out.append(f"parallelism.fsdp_reshard_after_forward 'always' gives wrong gradients with {sched} (its "
+            add("zb_reshard",
+                f"parallelism.fsdp_reshard_after_forward 'always' gives wrong gradients with {sched} (its "
                        f"weight-gradient passes run outside FSDP's hooks); use 'default' or 'never'")
         ac = cfg.activation_checkpoint
         if ac.mode == "selective" and ac.selective_ac_option == "op":
-            out.append(f"activation_checkpoint: op-level selective checkpointing allows one backward per region, "
+            add("zb_op_ac", f"activation_checkpoint: op-level selective checkpointing allows one backward per region, "
                        f"{sched} runs two; use mode 'full', selective_ac_option N (every N-th block) or another "
                        f"schedule")
         if cfg.compile.enable:
-            out.append(f"compile.enable: compiled blocks allow one backward per forward, {sched} runs two; turn "
+            add("zb_compile", f"compile.enable: compiled blocks allow one backward per forward, {sched} runs two; turn "
                        f"compile off or use 1F1B / Interleaved1F1B")
     return out

@@ -1,0 +1,84 @@
+"""Every layout rule, one bad configuration each: the rule fires, and ``train.py``'s entry point refuses the
+configuration with exit code 2 and one line on stderr, before any process group exists."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from titanlike.config import model_args_from_config, parse_config
+from titanlike.layout import RULES
+from titanlike.layout.rules import rule_violations
+from titanlike.training.trainer import main
+
+TINY = ["--model.flavor", "tiny", "--training.seq_len", "16", "--training.local_batch_size", "4"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+ZB = [*PP2, "--model.n_layers", "4", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
+
+# rule -> (world size, the bad options on top of TINY)
+CASES = {
+    "dim_heads": (1, ["--model.dim", "36", "--model.n_heads", "8", "--model.n_kv_heads", "8"]),
+    "heads_kv": (1, ["--model.n_heads", "4", "--model.n_kv_heads", "3"]),
+    "rope_even": (1, ["--model.dim", "36", "--model.n_heads", "4", "--model.n_kv_heads", "4"]),
+    "rope_scaling": (1, ["--model.rope_scaling", "llama3", "--model.rope_scaling_factor", "8",
+                         "--model.rope_low_freq_factor", "4", "--model.rope_high_freq_factor", "1",
+                         "--model.rope_original_max_seq_len", "8192"]),
+    "seq_len_max": (1, ["--training.seq_len", "512"]),
+    "degrees": (4, ["--parallelism.tensor_parallel_degree", "3"]),
+    "cp_unimplemented": (2, ["--parallelism.context_parallel_degree", "2"]),
+    "tp_heads": (8, ["--parallelism.tensor_parallel_degree", "8"]),
+    "tp_kv_heads": (4, ["--parallelism.tensor_parallel_degree", "4"]),
+    "tp_ffn": (2, ["--parallelism.tensor_parallel_degree", "2", "--model.ffn_hidden_dim", "91"]),
+    "tp_vocab": (2, ["--parallelism.tensor_parallel_degree", "2", "--model.flavor", "gpt2_small",
+                     "--model.vocab_multiple", "1"]),
+    "sp_seq_len": (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel",
+                       "--training.seq_len", "15"]),
+    "sp_needs_tp": (1, ["--parallelism.enable_sequence_parallel"]),
+    "te_tp": (2, ["--parallelism.tensor_parallel_degree", "2", "--model.kernels", "te"]),
+    "batch": (2, ["--training.global_batch_size", "6"]),
+    "pp_names_need_pp": (1, ["--parallelism.pipeline_parallel_module_names",
+                             "tok_embeddings,layers.0;layers.1,norm,output"]),
+    "ac_option": (1, ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
+                      "+2"]),
+    "float8": (1, ["--float8.recipe", "delayed"]),  # a TE recipe with the torchao backend
+    "pp_stages_divide": (4, ["--parallelism.pipeline_parallel_degree", "4",
+                             "--parallelism.pipeline_parallel_layers_per_stage", "1"]),
+    "pp_single_stage": (2, [*PP2, "--model.n_layers", "4", "--parallelism.pipeline_parallel_stages_per_rank", "2"]),
+    "pp_v_two_stages": (2, [*ZB, "--parallelism.pipeline_parallel_stages_per_rank", "1"]),
+    "pp_multi_stage": (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                           "--parallelism.pipeline_parallel_stages_per_rank", "1"]),
+    "pp_module_names": (2, [*PP2, "--parallelism.pipeline_parallel_module_names",
+                            "tok_embeddings,layers.1;layers.0,norm,output"]),
+    "pp_layers_per_stage": (2, [*PP2, "--parallelism.pipeline_parallel_layers_per_stage", "3"]),
+    "pp_even_split": (2, [*PP2, "--model.n_layers", "3"]),
+    "pp_stage_has_block": (2, [*PP2, "--parallelism.pipeline_parallel_first_stage_less_layers", "2"]),
+    "pp_microbatch_size": (2, [*PP2, "--parallelism.pipeline_parallel_microbatch_size", "3"]),
+    "pp_microbatches": (2, [*PP2, "--parallelism.pipeline_parallel_microbatch_size", "4"]),
+    "zb_reshard": (2, [*ZB, "--parallelism.fsdp_reshard_after_forward", "always"]),
+    "zb_op_ac": (2, [*ZB, "--activation_checkpoint.mode", "selective"]),
+    "zb_compile": (2, [*ZB, "--compile.enable"]),
+}
+
+
+def test_every_rule_has_a_case():
+    assert set(CASES) == set(RULES)
+
+
+@pytest.mark.parametrize("rule", sorted(CASES))
+def test_each_rule_fires_and_train_py_exits_2_with_one_line(rule, monkeypatch, capsys):
+    world, bad = CASES[rule]
+    argv = TINY + bad
+    cfg = parse_config(argv)
+    fired = rule_violations(cfg, world, model_args_from_config(cfg))
+    assert rule in {name for name, _ in fired}, fired
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert err[0].removeprefix("error: ") in [m for _, m in fired]
+    assert not dist.is_initialized()
+
+
+def test_a_good_configuration_breaks_no_rule():
+    cfg = parse_config(TINY)
+    assert rule_violations(cfg, 1, model_args_from_config(cfg)) == []
