@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import json
 import os
+import re
 import sys
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from titanlike.layout import SCHEDULES, ConfigError, layout_violations
 from titanlike.models import MODELS, pad_vocab
@@ -33,87 +36,91 @@ else:  # pragma: no cover
 
 @dataclass
 class Job:
+    # a TOML file of [section] tables (titanlike's or torchtitan's); the command line overrides it
     config_file: str | None = None
-    dump_folder: str = "./outputs"
+    dump_folder: str = "./outputs"  # where checkpoints, metrics, traces and exports go
     description: str = "default job"  # printed at the start of the run
     print_config: bool = False  # print the full configuration (after the file and the command line) at the start
 
 
 @dataclass
 class Model:
-    name: str = "llama3"
-    flavor: str = "debugmodel"
+    name: Literal["llama3"] = "llama3"  # the model family
+    flavor: str = "debugmodel"  # a size of the family (debugmodel, tiny, gpt2_small, 1B, 8B, 70B, 405B)
     tokenizer: str = "test"  # "gpt2", "cl100k", "test" (2k ranks) or a path to a .tiktoken rank file
     vocab_multiple: int = 64  # pad the vocabulary to a multiple of this (keeps vocab % tp == 0 and matmuls aligned)
     tie_embeddings: bool | None = None  # None: the flavor's choice
-    kernels: str = "torch"  # "torch" or "te" (Transformer Engine, CUDA only)
+    kernels: Literal["torch", "te"] = "torch"  # "torch" or "te" (Transformer Engine, CUDA only)
     # Optional overrides of the flavor's shape (0 / None = keep the flavor's value).
-    dim: int = 0
-    n_layers: int = 0
-    n_heads: int = 0
-    n_kv_heads: int = 0
-    ffn_hidden_dim: int = 0
-    max_seq_len: int = 0
-    rope_theta: float = 0.0
+    dim: int = 0  # model width (0: the flavor's)
+    n_layers: int = 0  # transformer blocks (0: the flavor's)
+    n_heads: int = 0  # attention heads (0: the flavor's)
+    n_kv_heads: int = 0  # key/value heads for GQA (0: the flavor's)
+    ffn_hidden_dim: int = 0  # SwiGLU hidden size (0: the flavor's rule)
+    max_seq_len: int = 0  # longest sequence the RoPE tables cover (0: the flavor's)
+    rope_theta: float = 0.0  # RoPE base (0: the flavor's)
     norm_eps: float = 0.0  # RMSNorm epsilon (0: the flavor's)
     # RoPE scaling: "" (the flavor's), "none", or "llama3" (Llama 3.1+ long context) with its four parameters
     # (0: Llama 3.1's 8, 1, 4, 8192).
-    rope_scaling: str = ""
-    rope_scaling_factor: float = 0.0
-    rope_low_freq_factor: float = 0.0
-    rope_high_freq_factor: float = 0.0
-    rope_original_max_seq_len: int = 0
+    rope_scaling: Literal["", "none", "llama3"] = ""  # RoPE frequency scaling: none or llama3 ('': the flavor's)
+    rope_scaling_factor: float = 0.0  # llama3 scaling: the context extension factor (0: the flavor's)
+    rope_low_freq_factor: float = 0.0  # llama3 scaling: low-frequency factor (0: the flavor's)
+    rope_high_freq_factor: float = 0.0  # llama3 scaling: high-frequency factor (0: the flavor's)
+    rope_original_max_seq_len: int = 0  # llama3 scaling: the pre-training context length (0: the flavor's)
 
 
 @dataclass
 class Training:
-    steps: int = 1000
-    local_batch_size: int = 8
+    steps: int = 1000  # optimizer steps to train for (a resumed run continues up to this step)
+    local_batch_size: int = 8  # sequences per data-parallel rank per forward-backward pass
     global_batch_size: int = -1  # -1: local_batch_size x data-parallel degree (no accumulation)
-    seq_len: int = 256
-    seed: int = 42
-    deterministic: bool = False
-    dtype: str = "float32"  # float32 | bfloat16 (mixed precision over float32 master weights) | float64
+    seq_len: int = 256  # tokens per sequence
+    seed: int = 42  # model initialisation and data order
+    deterministic: bool = False  # deterministic kernels (repeated runs match bitwise; an op without one raises)
+    # float32 | bfloat16 (mixed precision over float32 master weights) | float64
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     max_norm: float = 1.0  # gradient clipping by global norm; <= 0 disables clipping
     max_nonfinite_steps: int = 3  # the run stops at the N-th skipped step (non-finite loss or grad norm)
-    device: str = "auto"  # auto | cpu | cuda
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto | cpu | cuda
 
 
 @dataclass
 class Optimizer:
-    name: str = "AdamW"
-    lr: float = 8e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    implementation: str = "auto"  # auto (fused on CUDA, foreach otherwise) | fused | foreach | for-loop
+    name: Literal["AdamW"] = "AdamW"  # the optimizer
+    lr: float = 8e-4  # peak learning rate
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW denominator epsilon
+    weight_decay: float = 0.1  # decoupled weight decay
+    # auto (fused on CUDA, foreach otherwise) | fused | foreach | for-loop
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
 
 
 @dataclass
 class LRScheduler:
     # torchtitan's schedule: linear warmup -> stable -> decay over the last decay_ratio of the steps (all the steps
     # after warmup when decay_ratio is unset), for every decay type.
-    warmup_steps: int = 200
+    warmup_steps: int = 200  # linear warmup steps up to optimizer.lr
     total_steps: int | None = None  # the steps the schedule spans (None: training.steps)
-    decay_type: str = "linear"  # linear | sqrt | cosine | wsd (linear, decay_ratio 0.2 if unset) | constant
+    # linear | sqrt | cosine | wsd (linear, decay_ratio 0.2 if unset) | constant
+    decay_type: Literal["linear", "sqrt", "cosine", "wsd", "constant"] = "linear"
     decay_ratio: float | None = None  # the fraction of total_steps spent decaying at the end (None: all after warmup)
     min_lr_factor: float = 0.0  # the final learning rate as a fraction of optimizer.lr
 
 
 @dataclass
 class Parallelism:
-    data_parallel_replicate_degree: int = 1
+    data_parallel_replicate_degree: int = 1  # model copies (HSDP replicas); gradients all-reduced between them
     data_parallel_shard_degree: int = -1  # -1: whatever is left of the world size
-    fsdp_reshard_after_forward: str = "default"  # default | always | never
-    tensor_parallel_degree: int = 1
-    enable_sequence_parallel: bool = False
-    disable_loss_parallel: bool = False
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"  # default | always | never
+    tensor_parallel_degree: int = 1  # ranks splitting every matmul (innermost, keep within a node)
+    enable_sequence_parallel: bool = False  # shard norms and residuals over the sequence under TP
+    disable_loss_parallel: bool = False  # gather the logits instead of the vocab-parallel cross entropy
     loss_chunk_size: int = 0  # tokens per chunk of the cross entropy (0: all at once)
-    context_parallel_degree: int = 1
-    pipeline_parallel_degree: int = 1
-    pipeline_parallel_schedule: str = "1F1B"
-    pipeline_parallel_microbatch_size: int = 1
+    context_parallel_degree: int = 1  # ranks splitting the sequence in attention (not implemented: 1)
+    pipeline_parallel_degree: int = 1  # pipeline ranks (outermost)
+    pipeline_parallel_schedule: Literal[SCHEDULES] = "1F1B"  # a torch.distributed.pipelining schedule
+    pipeline_parallel_microbatch_size: int = 1  # sequences per pipeline microbatch
     pipeline_parallel_layers_per_stage: int = 0  # 0: one stage per rank (two for V-shaped schedules)
     pipeline_parallel_stages_per_rank: int = 0  # alternative to layers_per_stage (0: derive)
     pipeline_parallel_first_stage_less_layers: int = 0  # count the embedding as this many layers
@@ -124,68 +131,70 @@ class Parallelism:
 
 @dataclass
 class Checkpoint:
-    enable: bool = False
+    enable: bool = False  # save every interval steps and resume from the newest complete checkpoint
     folder: str = "checkpoint"  # relative to job.dump_folder unless absolute
-    interval: int = 500
+    interval: int = 500  # steps between saves
     keep_latest_k: int = 0  # 0: keep all
     load_step: int = -1  # -1: the newest complete checkpoint
-    async_mode: str = "disabled"  # disabled | async
+    async_mode: Literal["disabled", "async"] = "disabled"  # disabled | async
     initial_load_path: str = ""  # a seed / step checkpoint folder, or a Hugging Face folder (its config.json sets the
     # architecture) or .safetensors file, to start from
-    create_seed_checkpoint: bool = False
+    create_seed_checkpoint: bool = False  # initialise once, save step-0 and exit
     export_safetensors: bool = False  # write <folder>/final/model.safetensors + config.json at the end
     checksum: bool = False  # a CRC-32 per file, written at the commit and verified before a resume
-    on_corrupt: str = "stop"  # stop | previous: a corrupted newest checkpoint stops the run or is set aside
+    # stop | previous: a corrupted newest checkpoint stops the run or is set aside
+    on_corrupt: Literal["stop", "previous"] = "stop"
     last_save_model_only: bool = False  # the checkpoint of the last step holds the model weights only
-    export_dtype: str = "float32"  # dtype of a model-only last save and of export_safetensors
+    # dtype of a model-only last save and of export_safetensors
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
 @dataclass
 class Metrics:
-    log_freq: int = 10
-    enable_tensorboard: bool = False
+    log_freq: int = 10  # steps between log lines
+    enable_tensorboard: bool = False  # write tensorboard events
     disable_color_printing: bool = False  # plain console lines (colors are used only on a terminal anyway)
-    save_tb_folder: str = "tb"
-    enable_jsonl: bool = True
+    save_tb_folder: str = "tb"  # tensorboard folder under job.dump_folder
+    enable_jsonl: bool = True  # write metrics.jsonl under job.dump_folder
     peak_tflops: float = 0.0  # override the peak table (dense bf16 TFLOP/s of one device)
 
 
 @dataclass
 class Data:
     path: str = ""  # a text file, folder of .txt, .jsonl or pre-tokenized .bin ("" = the shipped corpus)
-    text_field: str = "text"
+    text_field: str = "text"  # the JSON field holding the text in .jsonl files
     encoding: str = "utf-8"  # of text and .jsonl files (e.g. latin-1 for a corpus that is not UTF-8)
-    encoding_errors: str = "strict"  # strict (a bad byte is an error) | replace (U+FFFD) | ignore (dropped)
-    val_fraction: float = 0.05
-    shuffle: bool = True
-    num_workers: int = 0
+    # strict (a bad byte is an error) | replace (U+FFFD) | ignore (dropped)
+    encoding_errors: Literal["strict", "replace", "ignore"] = "strict"
+    val_fraction: float = 0.05  # the held-out tail used for validation
+    shuffle: bool = True  # shuffle the packed windows (seeded)
+    num_workers: int = 0  # loader worker processes per rank
 
 
 @dataclass
 class Validation:
-    enable: bool = True
-    freq: int = 100
+    enable: bool = True  # compute the validation loss
+    freq: int = 100  # steps between validations
     steps: int = 4  # batches of local_batch_size per rank (-1: the whole held-out tail)
 
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = "none"  # none | full | selective
+    mode: Literal["none", "full", "selective"] = "none"  # none | full | selective
     selective_ac_option: str = "op"  # "op" (save matmul/attention outputs) or an integer N (every N-th block)
 
 
 @dataclass
 class Compile:
-    enable: bool = False
-    backend: str = "inductor"
+    enable: bool = False  # torch.compile each transformer block
+    backend: str = "inductor"  # the torch.compile backend
 
 
 @dataclass
 class Float8:
-    # "" (off); torchao: tensorwise | rowwise | rowwise_with_gw_hp; te (model.kernels=te): delayed | current |
-    # block | mxfp8
-    recipe: str = ""
-    backend: str = "auto"  # auto (te when model.kernels=te, else torchao) | torchao | te
+    # "" (off); torchao: tensorwise, rowwise, rowwise_with_gw_hp; te (model.kernels=te): delayed, current, block, mxfp8
+    recipe: Literal["", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "current", "block", "mxfp8"] = ""
+    backend: Literal["auto", "torchao", "te"] = "auto"  # auto (te when model.kernels=te, else torchao) | torchao | te
     emulate: bool = False  # torchao's emulation (float8 casts, float32 GEMMs): CPU and tests, no sm_89 needed
     filter_fqns: list[str] = field(default_factory=lambda: ["output"])  # Linear FQNs containing these stay hp
     enable_fsdp_float8_all_gather: bool = False  # FSDP2 all-gathers weights in float8 (tensorwise only)
@@ -194,20 +203,20 @@ class Float8:
 
 @dataclass
 class Comm:
-    timeout_seconds: int = 300
-    init_timeout_seconds: int = 300
+    timeout_seconds: int = 300  # limit of every collective on every group once the model is built
+    init_timeout_seconds: int = 300  # limit of the rendezvous, group creation and the collectives of the build
 
 
 @dataclass
 class Profiling:
-    enable_profiling: bool = False
-    save_traces_folder: str = "profile_traces"
-    profile_freq: int = 10
-    profile_warmup: int = 3
-    profile_active: int = 1
-    ranks: list[int] = field(default_factory=lambda: [0])
-    enable_memory_snapshot: bool = False
-    save_memory_snapshot_folder: str = "memory_snapshot"
+    enable_profiling: bool = False  # torch.profiler traces
+    save_traces_folder: str = "profile_traces"  # under job.dump_folder
+    profile_freq: int = 10  # steps between trace windows
+    profile_warmup: int = 3  # warm-up steps before each active window
+    profile_active: int = 1  # steps recorded per window
+    ranks: list[int] = field(default_factory=lambda: [0])  # ranks that trace
+    enable_memory_snapshot: bool = False  # CUDA memory snapshots
+    save_memory_snapshot_folder: str = "memory_snapshot"  # under job.dump_folder
 
 
 @dataclass
@@ -232,25 +241,6 @@ class JobConfig:
         return dataclasses.asdict(self)
 
 
-CHOICES = {
-    "training.dtype": ("float32", "bfloat16", "float64"),
-    "training.device": ("auto", "cpu", "cuda"),
-    "optimizer.name": ("AdamW",),
-    "optimizer.implementation": ("auto", "fused", "foreach", "for-loop"),
-    "lr_scheduler.decay_type": ("linear", "sqrt", "cosine", "wsd", "constant"),
-    "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
-    "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
-    "parallelism.pipeline_parallel_schedule": SCHEDULES,
-    "checkpoint.async_mode": ("disabled", "async"),
-    "checkpoint.on_corrupt": ("stop", "previous"),
-    "activation_checkpoint.mode": ("none", "full", "selective"),
-    "model.kernels": ("torch", "te"),
-    "float8.recipe": ("", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "current", "block", "mxfp8"),
-    "float8.backend": ("auto", "torchao", "te"),
-    "model.name": ("llama3",),
-    "model.rope_scaling": ("", "none", "llama3"),
-    "data.encoding_errors": ("strict", "replace", "ignore"),
-}
 # key -> (lowest allowed value, what it means)
 MINIMUM = {
     "training.steps": 1, "training.local_batch_size": 1, "training.seq_len": 1, "training.max_nonfinite_steps": 1,
@@ -281,6 +271,43 @@ def _field_types(section_cls: type) -> dict[str, typing.Any]:
     return typing.get_type_hints(section_cls)
 
 
+def choices() -> dict[str, tuple]:
+    """``section.key`` -> the allowed values, for every field typed ``Literal[...]``."""
+    return {f"{s}.{k}": typing.get_args(tp) for s, cls in _sections().items()
+            for k, tp in _field_types(cls).items() if typing.get_origin(tp) is Literal}
+
+
+def field_docs(section_cls: type) -> dict[str, str]:
+    """The one-line doc of each field: the comment after it in the class body, or the comment line just above."""
+    docs, above = {}, ""
+    for line in inspect.getsource(section_cls).splitlines():
+        m = re.match(r"\s+(\w+): [^#]*?(?:#\s*(.+))?$", line)
+        if m:
+            docs[m.group(1)] = (m.group(2) or above).strip()
+        c = re.match(r"\s+#\s*(.+)$", line)
+        above = c.group(1) if c else ""
+    return docs
+
+
+def config_help() -> str:
+    """``python train.py --help``: every key with its type or choices, its default and its doc."""
+    out = ["usage: python train.py [--job.config_file FILE] [--section.key VALUE ...]   (torchrun for several ranks)",
+           "Values: defaults < the TOML file < the command line (--section.key value, --section.key=value; a bare",
+           "--flag is true; lists: comma-separated, strings ';'-separated). Bad input exits 2 with one line.", ""]
+    defaults = JobConfig()
+    for section, cls in _sections().items():
+        out.append(f"[{section}]")
+        docs = field_docs(cls)
+        for key, tp in _field_types(cls).items():
+            kind = ("{" + ", ".join(repr(c) for c in typing.get_args(tp)) + "}"
+                    if typing.get_origin(tp) is Literal else _type_name(tp))
+            default = getattr(getattr(defaults, section), key)
+            out.append(f"  --{section}.{key}  {kind}, default {default!r}")
+            out.append(f"      {docs.get(key, '')}")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
 def _suggest(name: str, valid) -> str:
     close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
     return f" (did you mean '{close[0]}'?)" if close else ""
@@ -288,6 +315,8 @@ def _suggest(name: str, valid) -> str:
 
 def _type_name(tp) -> str:
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is list:
@@ -302,6 +331,8 @@ _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 def _coerce(key: str, value, tp, from_cli: bool):
     """Convert ``value`` (from TOML, or a string from the command line) to the field type ``tp``."""
     origin = typing.get_origin(tp)
+    if origin is Literal:  # the value's type here; membership is checked by value_problems (with a suggestion)
+        return _coerce(key, value, type(typing.get_args(tp)[0]), from_cli)
     bad = ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -578,12 +609,12 @@ def _read_toml(path: str, problems: list[str]) -> list[tuple[str, object]]:
 def value_problems(cfg: JobConfig) -> list[str]:
     """Every per-key choice and range violation, one line each."""
     out = []
-    for dotted, choices in CHOICES.items():
+    for dotted, allowed in choices().items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
-        if value not in choices:
-            out.append(f"{dotted}: '{value}' is not one of {', '.join(repr(c) for c in choices)}"
-                       f"{_suggest(str(value), [str(c) for c in choices])}")
+        if value not in allowed:
+            out.append(f"{dotted}: '{value}' is not one of {', '.join(repr(c) for c in allowed)}"
+                       f"{_suggest(str(value), [str(c) for c in allowed])}")
     for dotted, lo in MINIMUM.items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)

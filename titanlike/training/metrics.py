@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import resource
-import sys
 import time
 from pathlib import Path
 
@@ -131,7 +130,7 @@ class Throughput:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.start = self.last = time.perf_counter()
+        self.last = time.perf_counter()
         self.tokens = 0
 
     def add(self, tokens: int) -> None:
@@ -146,7 +145,3 @@ class Throughput:
         eta = elapsed / max(steps_done_since, 1) * steps_left
         self.last, self.tokens = now, 0
         return tps, eta
-
-
-def stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)

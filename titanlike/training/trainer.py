@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from titanlike import fault
-from titanlike.config import JobConfig, hf_architecture_of, load_config, model_args_from_config
-from titanlike.layout import ConfigError, batch_split, float8_backend, layout_violations, master_dtype, precision_policy
+from titanlike.config import JobConfig, config_help, hf_architecture_of, load_config, model_args_from_config
+from titanlike.layout import (ConfigError, batch_split, float8_backend, layout_violations, master_dtype,
+                              precision_policy)
 from titanlike.loss import IGNORE_INDEX, ScaledLoss
 from titanlike.models import Transformer
 from titanlike.training.metrics import MetricsLogger, Throughput, format_eta, peak_memory_gib, use_color
@@ -98,6 +99,8 @@ class Trainer:
             raise ConfigError(f"job.dump_folder: '{dump}' is a file, not a folder; choose another job.dump_folder")
         self._load_data()
 
+        if cfg.training.deterministic:
+            set_deterministic()
         self.distributed = self.world_size > 1
         if self.distributed:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -471,7 +474,20 @@ def _print_error(e: ConfigError) -> None:
         print(f"error: {e}", file=sys.stderr, flush=True)
 
 
+def set_deterministic() -> None:
+    """``training.deterministic``: deterministic kernels (an op without one raises instead of running), no cuDNN
+    autotuning, cuBLAS's deterministic workspace. (Loader workers are always seeded from ``training.seed``.)"""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(config_help(), end="")
+        return 0
     try:
         cfg = load_config(argv)
         trainer = Trainer(cfg)
