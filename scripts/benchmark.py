@@ -6,7 +6,7 @@
 Two rows, each timed over ``--steps`` steps after ``--warmup`` untimed ones (compilation happens there):
 
 * ``titanlike``: the best titanlike does on one device with its own features: the model through
-  ``parallelize_model`` on a 1-rank mesh (gloo on CPU, nccl on CUDA), which on one rank applies float8
+  ``build_parallel_model`` (the trainer's builder) on a 1-rank mesh (gloo on CPU, nccl on CUDA), which on one rank applies float8
   (``--float8 tensorwise|rowwise|rowwise_with_gw_hp``, torchao; ``--float8-backend te`` with ``--kernels te``
   for Transformer Engine), activation checkpointing (``--ac``: selective AC is what lets the batch grow) and
   per-block compile, and no FSDP wrapper (``--fsdp auto``, the default: bf16 by autocast, the single-device
@@ -174,8 +174,7 @@ def _timed(step_fn, batches, warmup: int, steps: int, device: torch.device) -> t
 # ---------------------------------------------------------------------------------------------- the two paths
 def run_titanlike(a, args: ModelArgs, batches, device: torch.device) -> tuple[float, float, float]:
     from titanlike.kernels import convert_kernels
-    from titanlike.loss import ScaledLoss, cross_entropy_loss
-    from titanlike.parallel import ParallelDims, apply_fsdp, clip_grad_norm_, parallelize_model
+    from titanlike.parallel import ParallelDims, apply_fsdp, build_parallel_model
     from titanlike.training.optim import build_optimizer
     from titanlike.training.step import train_step
 
@@ -185,23 +184,18 @@ def run_titanlike(a, args: ModelArgs, batches, device: torch.device) -> tuple[fl
     mesh = dims.build_mesh(device.type)
     model = build_model(args, device, a.seed)
     convert_kernels(model, a.kernels, a.float8 if a.float8_backend == "te" else "")
-    model = parallelize_model(model, dims, mesh, cfg)  # float8.backend=torchao: converted here
-    bf16 = a.dtype == "bfloat16"
-    fsdp = a.fsdp == "on"
-    if fsdp:
+    built = build_parallel_model(model, cfg, dims, mesh, device)  # the trainer's builder (torchao float8 here)
+    model, forward_ctx = built.model_parts[0], built.forward_context
+    if a.fsdp == "on":  # FSDP2 on this one rank as well (its wrapper cost; see docs/facts.md)
+        bf16 = a.dtype == "bfloat16"
         apply_fsdp(model, dims.get_mesh("dp_shard_cp"), param_dtype=torch.bfloat16 if bf16 else None,
                    reduce_dtype=torch.float32 if bf16 else None)
-    autocast = bf16 and not fsdp
+        forward_ctx = contextlib.nullcontext  # FSDP's mixed precision computes in bf16
     optimizer = build_optimizer([model], cfg)
-    chunk = cfg.parallelism.loss_chunk_size or None
-    loss = ScaledLoss(lambda logits, labels: cross_entropy_loss(logits, labels, reduction="sum", chunk_size=chunk))
-
-    def forward_ctx():
-        return torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
 
     def step(batch):
-        return train_step([model], optimizer, [batch], loss, max_norm=cfg.training.max_norm,
-                          clip_fn=clip_grad_norm_, forward_ctx=forward_ctx).loss
+        return train_step([model], optimizer, [batch], built.loss, max_norm=cfg.training.max_norm,
+                          clip_fn=built.clip_fn, forward_ctx=forward_ctx).loss
 
     _reset_peak(device)
     seconds, last = _timed(step, batches, a.warmup, a.steps, device)

@@ -32,7 +32,7 @@ def worker_env(**extra: str) -> dict[str, str]:
     """The environment for a worker subprocess: the repository (titanlike) and tests/ (dist_utils) on its path,
     one intra-op thread unless ``extra`` says otherwise."""
     path = os.pathsep.join(p for p in (str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
 
 
 def _rank_main(fn, rank: int, world_size: int, port: int, timeout_s: float, args: tuple) -> None:

@@ -442,28 +442,37 @@ def _root_cause(exc: BaseException) -> str:
 
 
 class CheckpointManager:
-    """Saves and restores a trainer's state; created by the Trainer when checkpointing is configured.
+    """Saves and restores the state of a run, given as named pieces (as torchtitan does):
 
-    The trainer provides ``cfg``, ``model_parts``, ``optimizer``, ``lr_scheduler``, ``dataloader`` (a
-    ``TokenDataLoader``), ``model_args``, ``rank``, ``world_size``, ``distributed``, ``device`` and the counters
-    ``step``, ``tokens_seen``, ``nonfinite_steps``. Constructing the manager is collective when distributed, and
-    validates every input (raising the same :class:`ConfigError` on every rank); ``load``, ``maybe_save`` and
-    ``finish`` are collective too.
+    * ``model_parts``: this rank's model modules (one, or its pipeline stages);
+    * ``optimizer`` and ``lr_scheduler``: ``state_dict`` / ``load_state_dict`` objects;
+    * ``dataloader``: a ``TokenDataLoader`` (its position, a global sample index, is what is saved);
+    * ``train_state``: a ``Stateful`` whose ``state_dict()`` holds the counters ``step``, ``tokens_seen`` and
+      ``nonfinite_steps``; a resume sets them back with ``load_state_dict``.
+
+    ``cfg`` (the ``JobConfig``), ``model_args``, the ``tokenizer`` (recorded in the checkpoint's metadata), the device
+    and the process layout are read, never written.
+    Constructing the manager is collective when distributed, and validates every input (raising the same
+    :class:`ConfigError` on every rank); ``load``, ``maybe_save`` and ``finish`` are collective too.
     """
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.cfg = trainer.cfg.checkpoint
-        self.timeout = datetime.timedelta(seconds=trainer.cfg.comm.timeout_seconds)
-        self.folder = checkpoint_folder(trainer.cfg)
-        self.rank, self.distributed = trainer.rank, trainer.distributed
-        self.model = merged_model(trainer.model_parts)
+    def __init__(self, cfg: JobConfig, *, model_parts, optimizer, lr_scheduler, dataloader, train_state,
+                 model_args: ModelArgs, tokenizer, device: torch.device, rank: int = 0, world_size: int = 1,
+                 dp_degree: int | None = None):
+        self.cfg = cfg.checkpoint
+        self.timeout = datetime.timedelta(seconds=cfg.comm.timeout_seconds)
+        self.folder = checkpoint_folder(cfg)
+        self.optimizer, self.lr_scheduler, self.dataloader = optimizer, lr_scheduler, dataloader
+        self.train_state, self.model_args, self.tokenizer, self.device = train_state, model_args, tokenizer, device
+        self.rank, self.world_size, self.dp_degree = rank, world_size, dp_degree
+        self.distributed = world_size > 1
+        self.model = merged_model(model_parts)
         # A gloo group of its own: DCP exchanges only plans and metadata (any device), an async save runs its
         # collectives on it from a background thread without interleaving with the training collectives, and
         # gloo has monitored_barrier, which names the ranks that do not arrive.
         # Created (a store rendezvous) under comm.init_timeout_seconds; the trainer then bounds it, like every other
         # group, by comm.timeout_seconds (torch's default for a new gloo group would be 30 minutes).
-        init_timeout = datetime.timedelta(seconds=trainer.cfg.comm.init_timeout_seconds)
+        init_timeout = datetime.timedelta(seconds=cfg.comm.init_timeout_seconds)
         self.pg = dist.new_group(backend="gloo", timeout=init_timeout) if self.distributed else None
         self.pending: tuple | None = None  # async save in flight: (future, step, tmp folder, start, meta)
         self.last_step: int | None = None  # newest step committed or loaded by this run
@@ -474,7 +483,7 @@ class CheckpointManager:
 
     def _op(self, what: str):
         """A phase whose failed collectives are reported naming the ranks that stopped answering (fault.py)."""
-        return fault.operation(what, rank=self.rank, world_size=self.trainer.world_size,
+        return fault.operation(what, rank=self.rank, world_size=self.world_size,
                                timeout_s=self.timeout.total_seconds(), enabled=self.distributed)
 
     # ------------------------------------------------------------------------------------------ input checks
@@ -502,15 +511,15 @@ class CheckpointManager:
     def _expected_model(self) -> dict[str, torch.Size]:
         from titanlike.hf import expected_shapes
 
-        return expected_shapes(self.trainer.model_args)
+        return expected_shapes(self.model_args)
 
     def _make_plan(self) -> dict:
         c, folder = self.cfg, self.folder
         plan = {"run_id": uuid.uuid4().hex[:8], "action": "fresh"}
         if c.create_seed_checkpoint:
-            if self.trainer.world_size != 1:
+            if self.world_size != 1:
                 raise ConfigError(f"checkpoint.create_seed_checkpoint writes the initial weights from one process; "
-                                  f"run it with plain python, not {self.trainer.world_size} processes")
+                                  f"run it with plain python, not {self.world_size} processes")
             existing = committed_checkpoints(folder)
             if existing:
                 raise ConfigError(f"checkpoint.create_seed_checkpoint: '{folder}' already holds checkpoints "
@@ -588,7 +597,7 @@ class CheckpointManager:
         ("previous"). Nothing on disk is changed here; set-asides happen in _tidy once a checkpoint passed."""
         c = self.cfg
         while c.checksum and self.plan["action"] == "resume":
-            path, world = self.plan["path"], self.trainer.world_size if self.distributed else 1
+            path, world = self.plan["path"], self.world_size if self.distributed else 1
             problem = verify_checksums(path, self.rank, world)
             if self.distributed:
                 problems = [None] * world
@@ -654,8 +663,8 @@ class CheckpointManager:
             config = hf.read_hf_config(folder)
             if config is not None:
                 hf.check_same_architecture(hf.model_args_from_hf_config(config, str(folder / hf.CONFIG_NAME)),
-                                           self.trainer.model_args, f"'{path}'")
-            hf.from_hf({k: torch.empty(s, device="meta") for k, s in shapes.items()}, self.trainer.model_args)
+                                           self.model_args, f"'{path}'")
+            hf.from_hf({k: torch.empty(s, device="meta") for k, s in shapes.items()}, self.model_args)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"checkpoint.initial_load_path: {e}; give a checkpoint step folder or a Hugging "
                               f"Face Llama folder / .safetensors") from None
@@ -666,19 +675,20 @@ class CheckpointManager:
     def _train_state(self) -> dict:
         from titanlike.data import loader_position
 
-        t = self.trainer
-        return {"step": t.step, "tokens_seen": t.tokens_seen, "nonfinite_steps": t.nonfinite_steps,
-                "data_position": loader_position(t.dataloader), "lr_scheduler": t.lr_scheduler.state_dict()}
+        counters = self.train_state.state_dict()
+        return {"step": counters["step"], "tokens_seen": counters["tokens_seen"],
+                "nonfinite_steps": counters["nonfinite_steps"], "data_position": loader_position(self.dataloader),
+                "lr_scheduler": self.lr_scheduler.state_dict()}
 
     def _rng_state(self) -> dict:
         state = {"cpu": torch.get_rng_state()}
-        if self.trainer.device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.trainer.device)
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
         return {f"rank{self.rank}": state}
 
     def _state(self) -> dict:
         return {"model": get_model_state_dict(self.model),
-                "optimizer": get_optimizer_state_dict(self.model, self.trainer.optimizer, options=_OPTIM_OPTIONS),
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIM_OPTIONS),
                 "train": self._train_state(), "rng": self._rng_state()}
 
     def _dcp_kwargs(self) -> dict:
@@ -690,8 +700,8 @@ class CheckpointManager:
         if self.plan["action"] != "seed":
             return False
         t0 = time.perf_counter()
-        write_seed_checkpoint(get_model_state_dict(self.model), self.trainer.model_args, self.folder / "step-0",
-                              **tokenizer_meta(self.trainer.tokenizer))
+        write_seed_checkpoint(get_model_state_dict(self.model), self.model_args, self.folder / "step-0",
+                              **tokenizer_meta(self.tokenizer))
         print(f"checkpoint: wrote the seed checkpoint {self.folder / 'step-0'} in {time.perf_counter() - t0:.2f}s; "
               f"start training with checkpoint.initial_load_path={self.folder / 'step-0'}", flush=True)
         return True
@@ -704,8 +714,8 @@ class CheckpointManager:
         if action == "resume":
             with self._op(f"the checkpoint load of step {plan['step']}"):
                 self._load_dcp(plan["path"], full=plan["full"], tied_alias=plan["tied_alias"],
-                               rng=plan["rng_world_size"] == self.trainer.world_size)
-            what = f"resumed from {plan['path']} (step {self.trainer.step})" if plan["full"] else \
+                               rng=plan["rng_world_size"] == self.world_size)
+            what = f"resumed from {plan['path']} (step {self.train_state.state_dict()['step']})" if plan["full"] else \
                 f"loaded the seed weights {plan['path']}"
             self.last_step = plan["step"]
         elif action == "initial_dcp":
@@ -719,23 +729,23 @@ class CheckpointManager:
             return None
         if self.rank == 0:
             print(f"checkpoint: {what} in {time.perf_counter() - t0:.2f}s", flush=True)
-        return self.trainer.step
+        return self.train_state.state_dict()["step"]
 
     def _load_dcp(self, path: str, *, full: bool, tied_alias: bool, rng: bool) -> None:
         state: dict = {"model": get_model_state_dict(self.model)}
         if full:
-            state["optimizer"] = get_optimizer_state_dict(self.model, self.trainer.optimizer, options=_OPTIM_OPTIONS)
+            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIM_OPTIONS)
             state["train"] = self._train_state()
             if rng:
                 state["rng"] = self._rng_state()
         flat = _flatten(state)
         # Tied embeddings: optimizer entries of a pipeline stage's own output.weight copy come from the embedding's.
         aliased = {}
-        if full and tied_alias and self.trainer.model_args.tie_embeddings:
+        if full and tied_alias and self.model_args.tie_embeddings:
             aliased = {_tied_alias(k): flat.pop(k) for k in list(flat) if _tied_alias(k)}
         try:
             _dcp(restricted_unpickle.load, flat, checkpoint_id=path, **self._dcp_kwargs())
-            if tied_alias and self.trainer.model_args.tie_embeddings and full:
+            if tied_alias and self.model_args.tie_embeddings and full:
                 # the same count of calls on every rank
                 _dcp(restricted_unpickle.load, aliased, checkpoint_id=path, **self._dcp_kwargs())
         except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's failure into
@@ -752,26 +762,24 @@ class CheckpointManager:
         if not full:
             return
         optim_sd = {k[len("optimizer."):]: v for k, v in flat.items() if k.startswith("optimizer.")}
-        set_optimizer_state_dict(self.model, self.trainer.optimizer, optim_sd, options=_OPTIM_OPTIONS)
+        set_optimizer_state_dict(self.model, self.optimizer, optim_sd, options=_OPTIM_OPTIONS)
         from titanlike.data import set_loader_position
 
-        t = self.trainer
-        t.step, t.tokens_seen, t.nonfinite_steps = (flat["train.step"], flat["train.tokens_seen"],
-                                                   flat["train.nonfinite_steps"])
-        set_loader_position(t.dataloader, flat["train.data_position"])
+        self.train_state.load_state_dict({k: flat[f"train.{k}"] for k in ("step", "tokens_seen", "nonfinite_steps")})
+        set_loader_position(self.dataloader, flat["train.data_position"])
         sched = {k[len("train.lr_scheduler."):]: v for k, v in flat.items() if k.startswith("train.lr_scheduler.")}
-        t.lr_scheduler.load_state_dict(sched)
+        self.lr_scheduler.load_state_dict(sched)
         if rng:
             torch.set_rng_state(flat[f"rng.rank{self.rank}.cpu"])
             if f"rng.rank{self.rank}.cuda" in flat:
-                torch.cuda.set_rng_state(flat[f"rng.rank{self.rank}.cuda"], self.trainer.device)
+                torch.cuda.set_rng_state(flat[f"rng.rank{self.rank}.cuda"], self.device)
 
     def _load_hf(self, path: str) -> None:
         from titanlike.hf import load_hf
 
         mine = get_model_state_dict(self.model)  # this rank's FQNs (a pipeline rank holds only its stages')
         dtype = next(iter(mine.values())).dtype  # the file may be bfloat16 / float16: cast to the parameters'
-        full, _ = load_hf(path, self.trainer.model_args, dtype=dtype)
+        full, _ = load_hf(path, self.model_args, dtype=dtype)
         set_model_state_dict(self.model, {k: full[k] for k in mine},
                              options=StateDictOptions(full_state_dict=True))
 
@@ -798,18 +806,18 @@ class CheckpointManager:
                 dtype = getattr(torch, self.cfg.export_dtype)
                 state = {"model": {k: v.to(dtype) for k, v in get_model_state_dict(self.model).items()},
                          "optimizer": {}}
-                meta = _meta(step, "model_only", self.trainer.model_args, world_size=self.trainer.world_size,
-                             dtype=self.cfg.export_dtype, **tokenizer_meta(self.trainer.tokenizer))
+                meta = _meta(step, "model_only", self.model_args, world_size=self.world_size,
+                             dtype=self.cfg.export_dtype, **tokenizer_meta(self.tokenizer))
                 self._check_finite(state, step)
                 state = {"model": state["model"]}
             else:
                 state = self._state()
                 self._check_finite(state, step)
                 train = state["train"]
-                meta = _meta(step, "full", self.trainer.model_args, world_size=self.trainer.world_size,
-                             dp_degree=getattr(self.trainer, "dp_degree", None), tokens_seen=train["tokens_seen"],
+                meta = _meta(step, "full", self.model_args, world_size=self.world_size,
+                             dp_degree=self.dp_degree, tokens_seen=train["tokens_seen"],
                              data_position=train["data_position"], nonfinite_steps=train["nonfinite_steps"],
-                             **tokenizer_meta(self.trainer.tokenizer))
+                             **tokenizer_meta(self.tokenizer))
             tmp = self.folder / f"step-{step}.tmp-{self.plan['run_id']}"
             kwargs = {**self._dcp_kwargs(), "checkpoint_id": str(tmp)}
             if self.cfg.checksum:

@@ -40,8 +40,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 from titanlike.config import JobConfig, load_config, model_args_from_config  # noqa: E402
 from titanlike.loss import IGNORE_INDEX, ScaledLoss
 from titanlike.models import Transformer  # noqa: E402
+from titanlike.parallel.clip import plain_clip_grad_norm_
 from titanlike.training.optim import build_optimizer  # noqa: E402
-from titanlike.training.step import plain_clip_grad_norm_, train_step  # noqa: E402
+from titanlike.training.step import train_step  # noqa: E402
 
 TOL = 1e-10
 STEPS = 3
@@ -317,19 +318,18 @@ def _load_full_weights(model: nn.Module, source: nn.Module) -> None:
 
 
 def build_spmd(layout: Layout, cfg: JobConfig, ctx: Context, initial: nn.Module) -> Built:
-    """Everything but pipelining: ``parallelize_model`` over the layout's mesh, exactly as the trainer does."""
-    from titanlike.parallel import ParallelDims, build_loss_fn, clip_grad_norm_, parallelize_model
+    """Everything but pipelining: ``build_parallel_model`` over the layout's mesh, the trainer's own builder."""
+    from titanlike.parallel import ParallelDims, build_parallel_model
 
     dims = ParallelDims.from_config(cfg, ctx.world_size)
     mesh = ctx.mesh(dims)
+    cpu = torch.device("cpu")
     if layout.meta_init:
-        model = build_model(cfg, device="meta")
-        parallelize_model(model, dims, mesh, cfg)
-        model.to_empty(device="cpu")
-        model.init_weights()
-        _load_full_weights(model, initial)
+        built = build_parallel_model(build_model(cfg, device="meta"), cfg, dims, mesh, cpu, meta_init=True)
+        _load_full_weights(built.model_parts[0], initial)
     else:
-        model = parallelize_model(copy.deepcopy(initial), dims, mesh, cfg)
+        built = build_parallel_model(copy.deepcopy(initial), cfg, dims, mesh, cpu)
+    model = built.model_parts[0]
     aliases = [names for names in _alias_groups(initial)]
     tied_ok = all(len({id(model.get_parameter(n)) for n in names}) == 1 for names in aliases)
     dp_rank, dp = dims.get_mesh("dp").get_local_rank(), dims.dp
@@ -340,11 +340,10 @@ def build_spmd(layout: Layout, cfg: JobConfig, ctx: Context, initial: nn.Module)
         mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
         return list(zip(inputs[mine].chunk(n_micro), labels[mine].chunk(n_micro)))
 
-    return Built(model_parts=[model], optimizer=build_optimizer([model], cfg),
-                 loss=ScaledLoss(build_loss_fn(cfg, dims, mesh)),
-                 clip_fn=lambda params, max_norm: clip_grad_norm_(params, max_norm),
-                 micro_batches=micro_batches,
-                 step_kwargs={"dp_group": dims.get_mesh("dp").get_group() if dims.dp_enabled else None},
+    return Built(model_parts=[model], optimizer=build_optimizer([model], cfg), loss=built.loss,
+                 clip_fn=built.clip_fn, micro_batches=micro_batches,
+                 step_kwargs={"dp_group": dims.get_mesh("dp").get_group() if dims.dp_enabled else None,
+                              "forward_ctx": built.forward_context},
                  aliases_checked=tied_ok)
 
 

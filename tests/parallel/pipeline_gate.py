@@ -144,14 +144,14 @@ def _tied_norm_twice():
 def _fsdp_reshard_after_forward():
     """FSDP frees the gathered parameters after each forward (what ``fsdp_reshard_after_forward = "always"``, which
     the configuration refuses with the zero-bubble schedules, would do)."""
-    import titanlike.parallel.fsdp as fsdp
+    import titanlike.parallel.parallelize as parallelize
 
-    original = fsdp.apply_fsdp
+    original = parallelize.apply_fsdp  # parallelize_model applies FSDP through this name
 
     def always(model, dp_mesh, **kw):
         return original(model, dp_mesh, **{**kw, "reshard_after_forward": "always"})
 
-    with patched(fsdp, "apply_fsdp", always):
+    with patched(parallelize, "apply_fsdp", always):
         yield
 
 
@@ -189,13 +189,14 @@ def _eval_diff(pp, mesh, dims, reference: Transformer) -> float:
 
 
 def build_pp(layout: Layout, cfg, ctx, initial) -> Built:
-    """``apply_pp`` on the full model, as the trainer does; the validation loss is checked once before training."""
-    from titanlike.parallel import ParallelDims
-    from titanlike.parallel.pipeline import apply_pp
+    """``build_parallel_model`` (``apply_pp``) on the full model, the trainer's own builder; the validation loss is
+    checked once before training."""
+    from titanlike.parallel import ParallelDims, build_parallel_model
 
     dims = ParallelDims.from_config(cfg, ctx.world_size)
     mesh = dims.build_mesh("cpu")  # cached per shape: no new process groups per layout
-    pp = apply_pp(initial, dims, mesh, cfg, torch.device("cpu"))
+    built = build_parallel_model(initial, cfg, dims, mesh, torch.device("cpu"))
+    pp = built.pp
     EVAL[layout.name] = [_eval_diff(pp, mesh, dims, initial)]
     _BUILT.update(pp=pp, mesh=mesh, dims=dims)
     n_micro = cfg.training.global_batch_size // (cfg.training.local_batch_size * dims.dp)
@@ -203,8 +204,8 @@ def build_pp(layout: Layout, cfg, ctx, initial) -> Built:
     def micro_batches(inputs, labels):
         return list(zip(_dp_slice(mesh, dims, inputs).chunk(n_micro), _dp_slice(mesh, dims, labels).chunk(n_micro)))
 
-    return Built(model_parts=pp.model_parts, optimizer=build_optimizer(pp.model_parts, cfg), loss=pp.loss,
-                 clip_fn=pp.finalize_grads_and_clip_, micro_batches=micro_batches,
+    return Built(model_parts=built.model_parts, optimizer=build_optimizer(built.model_parts, cfg), loss=built.loss,
+                 clip_fn=built.clip_fn, micro_batches=micro_batches,
                  step_kwargs={"dp_group": dims.get_mesh("dp").get_group() if dims.dp_enabled else None,
                               "pp_schedule": pp.schedule, "pp_group": pp.pp_group,
                               "has_last_stage": pp.has_last_stage})

@@ -9,8 +9,9 @@ import torch
 from titanlike.config import load_config
 from titanlike.loss import IGNORE_INDEX, ScaledLoss, cross_entropy_loss
 from titanlike.models import FLAVORS, Transformer
+from titanlike.parallel.clip import plain_clip_grad_norm_
 from titanlike.training.optim import build_lr_scheduler, build_optimizer, lr_factor
-from titanlike.training.step import plain_clip_grad_norm_, train_step
+from titanlike.training.step import train_step
 
 
 def cfg_for(*argv):

@@ -5,6 +5,7 @@ Public API (see docs/parallelism.md)::
     dims = ParallelDims.from_config(cfg, world_size)     # degrees, validated
     mesh = dims.build_mesh("cuda")                         # ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     model = parallelize_model(model, dims, mesh, cfg)      # TP(+SP) -> AC -> compile -> FSDP
+    built = build_parallel_model(model, cfg, dims, mesh, device)  # all of it (+ PP): parts, loss, clip, context
     loss_fn = build_loss_fn(cfg, dims, mesh)               # vocab-parallel CE under TP
     norm = clip_grad_norm_(model.parameters(), max_norm)   # global norm over every mesh dim
 
@@ -13,7 +14,8 @@ The rank grid in pure Python (``rank_groups``, ``describe_layout``, ``MESH_DIMS`
 
 from titanlike.layout import MESH_DIMS, describe_layout, rank_groups, rank_of
 from titanlike.parallel.activation_checkpoint import apply_ac
-from titanlike.parallel.clip import clip_grad_norm_
+from titanlike.parallel.build import ParallelModel, build_parallel_model
+from titanlike.parallel.clip import clip_grad_norm_, plain_clip_grad_norm_
 from titanlike.parallel.compile import apply_compile
 from titanlike.parallel.dims import ParallelDims
 from titanlike.parallel.fsdp import apply_fsdp
@@ -25,6 +27,7 @@ from titanlike.parallel.tensor_parallel import ReplicateParallel, apply_tp, tp_p
 __all__ = [
     "MESH_DIMS",
     "ParallelDims",
+    "ParallelModel",
     "PipelineParallel",
     "ReplicateParallel",
     "apply_ac",
@@ -33,11 +36,13 @@ __all__ = [
     "apply_pp",
     "apply_tp",
     "build_loss_fn",
+    "build_parallel_model",
     "clip_grad_norm_",
     "describe_layout",
     "loss_parallel_cross_entropy",
     "loss_parallel_enabled",
     "parallelize_model",
+    "plain_clip_grad_norm_",
     "rank_groups",
     "rank_of",
     "tp_plan",

@@ -22,7 +22,16 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["clip_grad_norm_", "grad_norm_squared", "reduce_across_stages"]
+__all__ = ["clip_grad_norm_", "grad_norm_squared", "plain_clip_grad_norm_", "reduce_across_stages"]
+
+
+def plain_clip_grad_norm_(parameters, max_norm: float) -> Tensor:
+    """Gradient clipping for a model without DTensor parameters or pipeline stages (one process)."""
+    params = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
 
 
 def _groups(params: list[Tensor]) -> list[list[Tensor]]:

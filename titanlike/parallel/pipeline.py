@@ -53,7 +53,7 @@ from titanlike.layout import (
 )
 from titanlike.loss import ScaledLoss
 from titanlike.models import Transformer
-from titanlike.parallel.clip import clip_grad_norm_
+from titanlike.parallel import clip
 from titanlike.parallel.parallelize import build_loss_fn, parallelize_model
 
 __all__ = ["PipelineParallel", "apply_pp", "build_stage_module"]
@@ -207,8 +207,8 @@ class PipelineParallel:
         self.finalize_grads()
         params = list(parameters)
         duplicate = {id(self.tied_params[-1])} if self.tied_params and self.has_last_stage else set()
-        return clip_grad_norm_(params, max_norm, pp_group=self.pp_group,
-                               norm_parameters=[p for p in params if id(p) not in duplicate])
+        return clip.clip_grad_norm_(params, max_norm, pp_group=self.pp_group,
+                                    norm_parameters=[p for p in params if id(p) not in duplicate])
 
 
 def _plain_tensors_between_stages(stage: Transformer, tp_mesh, sequence_parallel: bool) -> None:

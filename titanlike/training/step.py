@@ -120,12 +120,3 @@ def train_step(
     if lr_scheduler is not None:
         lr_scheduler.step()
     return StepResult(loss=loss_value, grad_norm=norm_value, tokens=int(tokens), skipped=not finite)
-
-
-def plain_clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """Gradient clipping for a model without DTensor parameters or pipeline stages."""
-    params = [p for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm

@@ -11,6 +11,7 @@ import datetime
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,13 +19,13 @@ import torch.distributed as dist
 
 from titanlike import fault
 from titanlike.config import JobConfig, config_help, hf_architecture_of, load_config, model_args_from_config
-from titanlike.layout import (ConfigError, batch_split, float8_backend, layout_violations, master_dtype,
-                              precision_policy)
-from titanlike.loss import IGNORE_INDEX, ScaledLoss
+from titanlike.layout import ConfigError, batch_split, float8_backend, layout_violations, master_dtype
+from titanlike.loss import IGNORE_INDEX
 from titanlike.models import Transformer
+from titanlike.parallel import ParallelDims, build_parallel_model, describe_layout
 from titanlike.training.metrics import MetricsLogger, Throughput, format_eta, peak_memory_gib, use_color
 from titanlike.training.optim import build_lr_scheduler, build_optimizer
-from titanlike.training.step import plain_clip_grad_norm_, train_step
+from titanlike.training.step import train_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -50,7 +51,32 @@ class NonFiniteError(fault.ReportedError):
     """The run stops: too many non-finite steps, or an update made the weights non-finite."""
 
 
+@dataclass
+class TrainState:
+    """The run's counters, checkpointed as one ``Stateful`` piece."""
+
+    step: int = 0  # optimizer steps done
+    tokens_seen: int = 0  # non-ignored label tokens trained on
+    nonfinite_steps: int = 0  # updates skipped for a non-finite loss or gradient norm
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "nonfinite_steps": self.nonfinite_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.tokens_seen, self.nonfinite_steps = (int(state["step"]), int(state["tokens_seen"]),
+                                                             int(state["nonfinite_steps"]))
+
+
+def _counter(name: str) -> property:
+    return property(lambda self: getattr(self.train_state, name),
+                    lambda self, value: setattr(self.train_state, name, value), doc=f"``train_state.{name}``")
+
+
 class Trainer:
+    step = _counter("step")
+    tokens_seen = _counter("tokens_seen")
+    nonfinite_steps = _counter("nonfinite_steps")
+
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -123,10 +149,8 @@ class Trainer:
             self._print_start()
         self.dims = self.mesh = None
         dp_rank, dp_degree = 0, 1
-        self.dp_group = self.pp_group = None
+        self.dp_group = None
         if self.distributed:
-            from titanlike.parallel import ParallelDims, describe_layout
-
             self.dims = ParallelDims.from_config(cfg, self.world_size)
             self.mesh = self.dims.build_mesh(self.device.type)
             if self.rank == 0:
@@ -159,42 +183,12 @@ class Trainer:
                                     cfg.float8.recipe if float8_backend(cfg) == "te" else "")
         self.num_params = sum(p.numel() for p in model.parameters())
 
-        self.pp = self.pp_schedule = None
-        self.has_last_stage = True
-        if self.distributed and self.dims.pp_enabled:
-            from titanlike.parallel.pipeline import apply_pp
-
-            self.pp = pp = apply_pp(model, self.dims, self.mesh, cfg, self.device)
-            self.model_parts, self.pp_schedule = pp.model_parts, pp.schedule
-            self.has_last_stage, self.pp_group = pp.has_last_stage, pp.pp_group
-            self.loss = pp.loss
-        else:
-            from titanlike.parallel import ParallelDims, build_loss_fn, parallelize_model
-
-            # One process: all degrees 1, so the composition applies only activation checkpointing and compile.
-            dims = self.dims or ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)
-            model = parallelize_model(model, dims, self.mesh, cfg)
-            loss_fn = build_loss_fn(cfg, dims, self.mesh)
-            if self.meta_init:  # allocate this rank's shards; values are placeholders until the checkpoint loads
-                model.to_empty(device=self.device)
-                with torch.no_grad():
-                    model.init_weights(buffer_device=self.device)
-            else:
-                model.to(self.device)
-            self.model_parts = [model]
-            self.loss = ScaledLoss(loss_fn)
-        # bf16 without FSDP's mixed precision: autocast over float32 master weights (under PP each stage's forward
-        # enters autocast itself, see apply_pp).
-        layout = self.dims or ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)
-        self.autocast = precision_policy(cfg.training.dtype, layout) == "autocast" and self.pp is None
-        if self.pp is not None:  # sums the tied embedding's gradient over its two stages first
-            self.clip_fn = self.pp.finalize_grads_and_clip_
-        elif self.distributed:
-            from titanlike.parallel.clip import clip_grad_norm_
-
-            self.clip_fn = lambda params, max_norm: clip_grad_norm_(params, max_norm, pp_group=self.pp_group)
-        else:
-            self.clip_fn = plain_clip_grad_norm_
+        # One builder for the trainer, the numerics gate and the benchmark (titanlike.parallel.build).
+        dims = self.dims or ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)
+        built = build_parallel_model(model, cfg, dims, self.mesh, self.device, meta_init=self.meta_init)
+        self.pp, self.model_parts, self.loss = built.pp, built.model_parts, built.loss
+        self.pp_schedule, self.pp_group, self.has_last_stage = built.pp_schedule, built.pp_group, built.has_last_stage
+        self.clip_fn, self.forward_context = built.clip_fn, built.forward_context
 
         self.optimizer = build_optimizer(self.model_parts, cfg)
         # torchao float8 all-gather: every weight's float8 scale in one all-reduce after each optimizer step.
@@ -229,15 +223,16 @@ class Trainer:
                   f"tokens, {self.accum_steps} accumulation step(s); {self.world_size} process(es) on "
                   f"{self.device.type}, {cfg.training.dtype}", flush=True)
 
-        self.step = 0
-        self.nonfinite_steps = 0
-        self.tokens_seen = 0  # non-ignored label tokens trained on (checkpointed)
+        self.train_state = TrainState()
         self.checkpointer = None
         c = cfg.checkpoint
         if c.enable or c.initial_load_path or c.create_seed_checkpoint or c.export_safetensors or c.load_step >= 0:
             from titanlike.checkpoint import CheckpointManager
 
-            self.checkpointer = CheckpointManager(self)
+            self.checkpointer = CheckpointManager(
+                cfg, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+                dataloader=self.dataloader, train_state=self.train_state, model_args=self.model_args,
+                tokenizer=self.tokenizer, device=self.device, rank=self.rank, world_size=self.world_size, dp_degree=self.dp_degree)
 
     def _load_data(self) -> None:
         """Check every data file (all of them, each rank on its own: no process group yet), then tokenize; every
@@ -313,11 +308,6 @@ class Trainer:
     def _next_micro_batches(self, it) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
                 for x, y in (next(it) for _ in range(self.accum_steps))]
-
-    def forward_context(self):
-        if self.autocast:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
     def train(self) -> list[float]:
         cfg = self.cfg
