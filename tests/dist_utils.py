@@ -5,7 +5,7 @@ imports nothing new per rank: the parent imports torch once, hosts a ``TCPStore`
 before any compute (so no OpenMP pool exists yet). Every rank gets ``RANK`` / ``WORLD_SIZE`` /
 ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` like under torchrun, a gloo process group with a short timeout, one
 intra-op thread, and leaves with ``os._exit`` after ``destroy_process_group`` (a plain interpreter exit after
-gloo aborts now and then, see docs/cpu-facts.md). If a rank fails, the others are killed.
+gloo aborts now and then, see docs/facts.md). If a rank fails, the others are killed.
 
 Start-up on the shared 2-core machine: about 3 s for the import plus well under a second per rank, against
 5 / 8 / 20 s for torchrun at 2 / 4 / 8 ranks.

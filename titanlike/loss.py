@@ -11,11 +11,8 @@ to float32, autograd keeps the float32 ``log_softmax`` output for the backward, 
 float32 gradient before casting it to the logits dtype: several float32 (T x V) tensors are alive at the
 peak. With ``chunk_size=c`` a custom autograd function saves only the logits in their own dtype plus one
 logsumexp per token, and both the forward and the backward work on ``c`` rows at a time, writing the
-gradient directly in the logits dtype, so the float32 working set is O(c*V) instead of O(T*V).
-Measured on CPU with ``torch.distributed._tools.mem_tracker.MemTracker`` (printed, not asserted, by
-``tests/training/test_loss.py``), T=2048, V=8192, bf16 logits, forward+backward peak including the
-32 MiB logits and their 32 MiB bf16 gradient: 224 MiB unchunked; 160 / 88 / 66 MiB with chunk_size
-1024 / 256 / 16, i.e. 64 MiB + about three float32 chunks of c x V.
+gradient directly in the logits dtype, so the float32 working set is O(c*V) instead of O(T*V) (measured
+peaks: docs/performance.md, "Memory-lean loss").
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ class Degrees:
     @property
     def fsdp_wraps(self) -> bool:
         """The model is wrapped by FSDP2: sharded, or HSDP with a shard group of one (replicated data parallel).
-        One rank per model copy gets no FSDP at all (see docs/parallelism.md, "FSDP on one rank")."""
+        One rank per model copy gets no FSDP at all (see docs/facts.md, "FSDP on one rank")."""
         return self.fsdp_enabled or self.dp_replicate_enabled
 
     @property

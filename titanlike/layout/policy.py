@@ -51,7 +51,7 @@ def reshard_after_forward(policy: str, group: str, pp_enabled: bool) -> bool:
 
     ``"always"``: every group; ``"never"``: none; ``"default"``: blocks and the embedding, except under pipeline
     parallelism (the zero-bubble schedules run weight-gradient passes after FSDP resharded, which loses gradients:
-    docs/pipeline.md, "The zero-bubble resharding trap"; and a resident stage saves one all-gather per microbatch);
+    docs/facts.md, "The zero-bubble resharding trap"; and a resident stage saves one all-gather per microbatch);
     the head and the root never (their backward follows their forward at once).
     """
     if policy not in RESHARD_CHOICES:

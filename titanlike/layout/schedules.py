@@ -9,7 +9,7 @@
 * ``split_backward``: its action list has separate weight-gradient actions (``W``), i.e. each backward runs as
   an input-gradient pass and a later weight-gradient pass over the same graph (the zero-bubble schedules).
   Such schedules are incompatible with FSDP resharding after forward, op-level selective AC and compiled blocks
-  (docs/pipeline.md, "The zero-bubble resharding trap").
+  (docs/facts.md, "The zero-bubble resharding trap").
 
 The multi-stage facts come from building the schedule on stand-in stages (plain objects with the attributes its
 constructor reads) for pp = 2, two stages per rank, 4 microbatches: torch computes its action lists without a

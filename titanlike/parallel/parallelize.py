@@ -12,7 +12,7 @@
 
 Data parallelism without sharding (``dp_replicate > 1``, ``dp_shard = 1``) is HSDP with a shard group of one:
 the same code path, gradients all-reduced. One rank per model copy (no dp) gets no FSDP at all: wrapping is
-not free (docs/parallelism.md, "FSDP on one rank").
+not free (docs/facts.md, "FSDP on one rank").
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ The pieces, in the order :func:`apply_pp` uses them:
 * **Parallelize** each stage module with ``parallelize_model`` over the non-pp mesh dims (TP, AC, compile, FSDP).
   FSDP keeps parameters unsharded between forward and backward under PP (``titanlike.layout.reshard_after_forward``):
   the zero-bubble schedules run the weight-gradient half of the backward outside FSDP's hooks, and resharding after
-  forward gives wrong or missing gradients there (docs/pipeline.md, "The zero-bubble resharding trap"); it also
+  forward gives wrong or missing gradients there (docs/facts.md, "The zero-bubble resharding trap"); it also
   saves one all-gather per microbatch, which is the point of keeping a few stages resident.
 * **Schedule** by name, ``local_batch_size / pipeline_parallel_microbatch_size`` microbatches, the trainer's
   :class:`ScaledLoss` (``sum(CE) / global_tokens``) as the last stage's loss and ``scale_grads=False``: torch's

@@ -10,9 +10,8 @@ the marketing figure. Link bandwidths are per GPU and per direction, as NCCL's "
   50 GB/s).
 
 ``compute_efficiency`` is the fraction of the datasheet peak the model's kernels reach when nothing waits
-(matmuls, attention and the element-wise ops together). Two anchors measured for this project: a large bf16
-``torch.mm`` on an H200 reached 790 of 989 TFLOP/s (0.80); a whole Llama-1B step at seq 2048 on one H200 ran at
-46-50% MFU. Bigger matrices sit nearer the first number; 0.6 is the default.
+(matmuls, attention and the element-wise ops together); 0.6 is the default, between the two anchors measured for
+this project (a large matmul and a whole Llama-1B step on one H200: docs/facts.md, "Smaller ones").
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ rows). AdamW holds ``exp_avg`` and ``exp_avg_sq`` per parameter shard plus a flo
 Activations are what autograd keeps between a block's forward and its backward, per token, with ``h`` the model
 dim, ``H`` the SwiGLU width, ``n`` the heads, ``a`` the activation bytes (2 in bf16), ``c`` the norms' compute
 bytes (4), ``t`` the tp degree and ``t_sp`` = t under sequence parallelism else 1. Derived from the model's code
-and checked against the saved tensors of real runs (tests/test_planner_memory.py):
+and checked against the saved tensors of real runs (tests/planner/test_planner.py):
 
 * each RMSNorm: its float32 input copy and rstd, its bf16 normalised input ``(c h + c + a h) / t_sp``, and its
   output as saved by the next matmuls, ``a h`` (all-gathered to full length under SP);

@@ -16,10 +16,9 @@ H100 datasheet (2023, SXM5 / PCIe / NVL columns); H200 datasheet (2024, SXM: the
 clocks as H100 SXM); HGX/DGX B200 datasheets (2024, per-GPU = system / 8). The datasheets quote sparse
 numbers for Hopper and Blackwell; the dense value is half of it. A100 has no FP8.
 
-A datasheet peak is not what a matmul reaches: on the H200 used for this project, a large bf16 ``torch.mm``
-measured about 790 TFLOP/s against the 989 listed (power/clock limited). MFU against the datasheet is the
-conventional number and is kept; ``metrics.peak_tflops`` overrides the table (e.g. with 790 for "fraction of
-achievable") or supplies a peak for a device the table doesn't know.
+A datasheet peak is not what a matmul reaches (docs/facts.md, "Smaller ones"). MFU against the datasheet is the
+conventional number and is kept; ``metrics.peak_tflops`` overrides the table (e.g. with a measured matmul peak for
+"fraction of achievable") or supplies a peak for a device the table doesn't know.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
     ("H100 PCIe", {"bf16": 756.0, "fp8": 1513.0, "tf32": 378.0}),
     ("H100", {"bf16": 989.0, "fp8": 1979.0, "tf32": 494.5}),  # SXM5 ("NVIDIA H100 80GB HBM3")
     ("H200 NVL", {"bf16": 835.0, "fp8": 1670.0, "tf32": 417.5}),
-    ("H200", {"bf16": 989.0, "fp8": 1979.0, "tf32": 494.5}),  # SXM; measured bf16 mm ~790 here
+    ("H200", {"bf16": 989.0, "fp8": 1979.0, "tf32": 494.5}),  # SXM
     ("B200", {"bf16": 2250.0, "fp8": 4500.0, "tf32": 1100.0}),
 ]
 

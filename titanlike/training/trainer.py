@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         distributed = trainer.distributed
         trainer.close()
     if distributed:
-        # Avoid a rare SIGABRT at interpreter exit after gloo shutdown (see the CPU notes): leave now.
+        # Avoid a rare SIGABRT at interpreter exit after gloo shutdown (docs/facts.md, "Gloo exit abort"): leave now.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
