@@ -77,24 +77,28 @@ def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ names
+def _rename(name: str, top: dict[str, str], layer: re.Pattern, per_layer: dict[str, str], prefix: str) -> str | None:
+    """``name`` through the top-level map, or its per-layer part through ``per_layer`` (None: no such name)."""
+    if name in top:
+        return top[name]
+    m = layer.fullmatch(name)
+    return f"{prefix}{m.group(1)}.{per_layer[m.group(2)]}" if m and m.group(2) in per_layer else None
+
+
 def hf_name(fqn: str) -> str:
     """The Hugging Face name of one of our parameter FQNs."""
-    if fqn in _TOP_MAP:
-        return _TOP_MAP[fqn]
-    m = _OURS_LAYER.fullmatch(fqn)
-    if m and m.group(2) in _LAYER_MAP:
-        return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
-    raise ValueError(f"no Hugging Face Llama name for parameter '{fqn}'")
+    out = _rename(fqn, _TOP_MAP, _OURS_LAYER, _LAYER_MAP, "model.layers.")
+    if out is None:
+        raise ValueError(f"no Hugging Face Llama name for parameter '{fqn}'")
+    return out
 
 
 def our_name(name: str) -> str:
     """Our FQN of a Hugging Face Llama parameter name."""
-    if name in _HF_TO_OURS_TOP:
-        return _HF_TO_OURS_TOP[name]
-    m = _HF_LAYER.fullmatch(name)
-    if m and m.group(2) in _HF_TO_OURS_LAYER:
-        return f"layers.{m.group(1)}.{_HF_TO_OURS_LAYER[m.group(2)]}"
-    raise ValueError(f"'{name}' is not a Hugging Face Llama parameter this model has")
+    out = _rename(name, _HF_TO_OURS_TOP, _HF_LAYER, _HF_TO_OURS_LAYER, "layers.")
+    if out is None:
+        raise ValueError(f"'{name}' is not a Hugging Face Llama parameter this model has")
+    return out
 
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:

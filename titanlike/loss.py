@@ -114,14 +114,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def cross_entropy_loss(
-    logits: Tensor,
-    labels: Tensor,
-    *,
-    ignore_index: int = IGNORE_INDEX,
-    reduction: str = "sum",
-    chunk_size: int | None = None,
-) -> Tensor:
+def cross_entropy_loss(logits: Tensor, labels: Tensor, *, ignore_index: int = IGNORE_INDEX, reduction: str = "sum",
+                       chunk_size: int | None = None) -> Tensor:
     """Cross entropy of ``logits`` (..., vocab) against ``labels`` (...), in at least float32.
 
     Args:

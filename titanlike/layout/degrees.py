@@ -94,13 +94,12 @@ class Degrees:
         """Data-parallel degree: how many different slices of the global batch are read per step."""
         return self.dp_replicate * self.dp_shard
 
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
-    @property
-    def dp_replicate_enabled(self) -> bool:
-        return self.dp_replicate > 1
+    # A dim is enabled when its degree is above 1.
+    dp_enabled = property(lambda self: self.dp > 1)
+    dp_replicate_enabled = property(lambda self: self.dp_replicate > 1)
+    tp_enabled = property(lambda self: self.tp > 1)
+    pp_enabled = property(lambda self: self.pp > 1)
+    cp_enabled = property(lambda self: self.cp > 1)
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -112,18 +111,6 @@ class Degrees:
         """The model is wrapped by FSDP2: sharded, or HSDP with a shard group of one (replicated data parallel).
         One rank per model copy gets no FSDP at all (see docs/facts.md, "FSDP on one rank")."""
         return self.fsdp_enabled or self.dp_replicate_enabled
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def cp_enabled(self) -> bool:
-        return self.cp > 1
 
     def coords(self, rank: int) -> dict[str, int]:
         """The mesh coordinate of ``rank``."""

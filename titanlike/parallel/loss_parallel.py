@@ -132,14 +132,8 @@ def _vocab_mesh_dim(placements: Sequence[Placement], ndim: int) -> int:
     return vocab_dims[0]
 
 
-def loss_parallel_cross_entropy(
-    logits: DTensor,
-    labels: Tensor,
-    *,
-    ignore_index: int = IGNORE_INDEX,
-    reduction: str = "sum",
-    chunk_size: int | None = None,
-) -> Tensor:
+def loss_parallel_cross_entropy(logits: DTensor, labels: Tensor, *, ignore_index: int = IGNORE_INDEX,
+                                reduction: str = "sum", chunk_size: int | None = None) -> Tensor:
     """``vocab_parallel_cross_entropy`` of a DTensor whose vocab (last) dim is ``Shard`` ed on one mesh dim.
 
     ``labels`` is a plain tensor (or a replicated DTensor) of shape ``logits.shape[:-1]``, the same on

@@ -71,6 +71,7 @@ def dry_run(cfg: JobConfig, layout: Layout, args, rank: int = 0, probe_activatio
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from titanlike.models import Transformer
+    from titanlike.parallel import ParallelDims
     from titanlike.parallel.parallelize import parallelize_model
 
     if dist.is_initialized():
@@ -78,7 +79,10 @@ def dry_run(cfg: JobConfig, layout: Layout, args, rank: int = 0, probe_activatio
     t0 = time.perf_counter()
     dist.init_process_group("fake", rank=rank, world_size=layout.world_size, store=FakeStore())
     try:
-        mesh = layout.dims.build_mesh("cpu")
+        d = layout.dims  # plain degrees; the mesh comes from parallel's ParallelDims
+        dims = ParallelDims(dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, cp=d.cp, tp=d.tp, pp=d.pp,
+                            world_size=d.world_size)
+        mesh = dims.build_mesh("cpu")
         records = []
         for sid in layout.stage_ids(layout.pp_rank_of(rank)):
             names = layout.stages[sid]
@@ -86,7 +90,7 @@ def dry_run(cfg: JobConfig, layout: Layout, args, rank: int = 0, probe_activatio
             with torch.device("meta"):
                 stage = Transformer(args, layer_ids=layer_ids, has_embedding="tok_embeddings" in names,
                                     has_head="output" in names)
-            parallelize_model(stage, layout.dims, mesh, cfg)
+            parallelize_model(stage, dims, mesh, cfg)
             for name, p in stage.named_parameters():
                 shape, local, placements = _describe(p)
                 records.append(ParamRecord(sid, name, shape, local, p.dtype, placements))

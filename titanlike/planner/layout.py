@@ -78,29 +78,13 @@ class Layout:
                    loss_chunk_size=p.loss_chunk_size)
 
     # ----------------------------------------------------------------------------------------- degrees
-    @property
-    def world_size(self) -> int:
-        return self.dims.world_size
-
-    @property
-    def tp(self) -> int:
-        return self.dims.tp
-
-    @property
-    def pp(self) -> int:
-        return self.dims.pp
-
-    @property
-    def dp_shard(self) -> int:
-        return self.dims.dp_shard
-
-    @property
-    def dp_replicate(self) -> int:
-        return self.dims.dp_replicate
-
-    @property
-    def dp(self) -> int:
-        return self.dims.dp
+    # The degrees, read through from ``dims``.
+    world_size = property(lambda self: self.dims.world_size)
+    tp = property(lambda self: self.dims.tp)
+    pp = property(lambda self: self.dims.pp)
+    dp_shard = property(lambda self: self.dims.dp_shard)
+    dp_replicate = property(lambda self: self.dims.dp_replicate)
+    dp = property(lambda self: self.dims.dp)
 
     @property
     def n_nodes(self) -> int:
