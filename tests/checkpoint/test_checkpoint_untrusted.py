@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dist_utils import worker_env
 
 from titanlike import restricted_unpickle
 from titanlike.checkpoint import read_dcp_metadata, read_model_state_dict
@@ -25,7 +26,7 @@ from titanlike.config import ConfigError, load_config
 from titanlike.data import asset_path
 from titanlike.training.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CORPUS = str(asset_path("corpus", "tinyshakespeare.txt"))
 
 
@@ -91,8 +92,7 @@ def test_crafted_metadata_and_byte_entry_refused_through_train_py(saved, tmp_pat
     """The ordinary resume command on each crafted checkpoint prints one line and exits 2, nothing executed:
     ``python train.py`` on the crafted metadata and, side by side, ``torchrun`` with 2 ranks (FSDP, resharding the
     one-process checkpoint) on the crafted byte entry, where every rank reads the entry and refuses it (no hang)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = worker_env()
     logs = tmp_path / "logs"
     launch = {"metadata": [sys.executable, "train.py"],
               "bytes": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--log-dir",
