@@ -41,6 +41,7 @@ from titanlike.config import JobConfig, load_config, model_args_from_config  # n
 from titanlike.loss import IGNORE_INDEX, ScaledLoss
 from titanlike.models import Transformer  # noqa: E402
 from titanlike.parallel.clip import plain_clip_grad_norm_
+from titanlike.parallel.tensor_parallel import shared_parameters
 from titanlike.training.optim import build_optimizer  # noqa: E402
 from titanlike.training.step import train_step  # noqa: E402
 
@@ -330,7 +331,7 @@ def build_spmd(layout: Layout, cfg: JobConfig, ctx: Context, initial: nn.Module)
     else:
         built = build_parallel_model(copy.deepcopy(initial), cfg, dims, mesh, cpu)
     model = built.model_parts[0]
-    aliases = [names for names in _alias_groups(initial)]
+    aliases = shared_parameters(initial)
     tied_ok = all(len({id(model.get_parameter(n)) for n in names}) == 1 for names in aliases)
     dp_rank, dp = dims.get_mesh("dp").get_local_rank(), dims.dp
     n_micro = cfg.training.global_batch_size // (cfg.training.local_batch_size * dp)
@@ -345,13 +346,6 @@ def build_spmd(layout: Layout, cfg: JobConfig, ctx: Context, initial: nn.Module)
                  step_kwargs={"dp_group": dims.get_mesh("dp").get_group() if dims.dp_enabled else None,
                               "forward_ctx": built.forward_context},
                  aliases_checked=tied_ok)
-
-
-def _alias_groups(model: nn.Module) -> list[list[str]]:
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
 
 
 BUILDERS: dict[str, Callable[[Layout, JobConfig, Context, nn.Module], Built]] = {"spmd": build_spmd}

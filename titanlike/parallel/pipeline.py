@@ -55,6 +55,7 @@ from titanlike.loss import ScaledLoss
 from titanlike.models import Transformer
 from titanlike.parallel import clip
 from titanlike.parallel.parallelize import build_loss_fn, parallelize_model
+from titanlike.parallel.tensor_parallel import shared_parameters
 
 __all__ = ["PipelineParallel", "apply_pp", "build_stage_module"]
 
@@ -86,11 +87,9 @@ def build_stage_module(full_model: Transformer, names: Iterable[str], device: to
     with torch.device("meta"), _default_dtype(dtype):
         stage = Transformer(full_model.args, layer_ids=layer_ids, has_embedding="tok_embeddings" in names,
                             has_head="output" in names)
-    tied: dict[int, list[str]] = {}
-    for name, p in stage.named_parameters(remove_duplicate=False):
-        tied.setdefault(id(p), []).append(name)
+    tied = shared_parameters(stage)
     stage.to_empty(device=device)
-    for names in tied.values():  # to_empty gives each module its own tensor: tie them again
+    for names in tied:  # to_empty gives each module its own tensor: tie them again
         for name in names[1:]:
             owner, _, leaf = name.rpartition(".")
             setattr(stage.get_submodule(owner), leaf, stage.get_parameter(names[0]))

@@ -52,7 +52,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-__all__ = ["tp_plan", "apply_tp", "ReplicateParallel"]
+__all__ = ["tp_plan", "apply_tp", "ReplicateParallel", "shared_parameters"]
 
 
 class ReplicateParallel(ParallelStyle):
@@ -144,7 +144,7 @@ def _matches(model: nn.Module, pattern: str) -> bool:
     return False
 
 
-def _shared_parameters(model: nn.Module) -> list[list[str]]:
+def shared_parameters(model: nn.Module) -> list[list[str]]:
     """Names of each parameter reachable under more than one name (tied weights)."""
     by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -215,7 +215,7 @@ def apply_tp(
         if missing:
             raise ValueError(f"tensor-parallel plan keys {missing} match no submodule of {type(model).__name__}; "
                              f"use module paths like those of model.named_modules() ('*' matches one atom)")
-    tied = _shared_parameters(model)
+    tied = shared_parameters(model)
     parallelize_module(model, tp_mesh, plan)
     _retie(model, tied)
     _reduce_partial_grads(model)
