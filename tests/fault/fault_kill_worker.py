@@ -16,12 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fault_model import use_dropout_model
 
-import titanlike.checkpoint as ckpt  # noqa: E402
-from fault_model import use_dropout_model  # noqa: E402
-from titanlike.config import load_config  # noqa: E402
-from titanlike.training.trainer import Trainer  # noqa: E402
+import titanlike.checkpoint as ckpt
+from titanlike.config import load_config
+from titanlike.training.trainer import Trainer
 
 
 def freeze(ready: Path) -> None:

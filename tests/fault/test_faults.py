@@ -17,17 +17,21 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dist_utils import worker_env
+from fault_model import use_dropout_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/: fault_model
+from titanlike.checkpoint import (
+    CheckpointSaveError,
+    _dcp,
+    committed_checkpoints,
+    read_dcp_metadata,
+    read_model_state_dict,
+)
+from titanlike.config import load_config
+from titanlike.data import asset_path
+from titanlike.training.trainer import NonFiniteError, Trainer, main
 
-from fault_model import use_dropout_model  # noqa: E402
-from titanlike.checkpoint import (CheckpointSaveError, _dcp, committed_checkpoints, read_dcp_metadata,  # noqa: E402
-                                  read_model_state_dict)
-from titanlike.config import load_config  # noqa: E402
-from titanlike.data import asset_path  # noqa: E402
-from titanlike.training.trainer import NonFiniteError, Trainer, main  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KILL_WORKER = Path(__file__).with_name("fault_kill_worker.py")
 CORPUS = str(asset_path("corpus", "tinyshakespeare.txt"))
 STEPS = 6
@@ -244,7 +248,7 @@ KILL_POINTS = ["before_rename", "after_rename", "mid_purge"]
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
     """For every phase, a run SIGKILLed inside its save of step 4 (keep_latest_k 1; the three side by side)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), PYTHONPATH=str(REPO))
+    env = worker_env(OMP_NUM_THREADS=str(torch.get_num_threads()))
     runs = {}
     for pause in KILL_POINTS:
         dump = tmp_path_factory.mktemp(f"killed_{pause}")
