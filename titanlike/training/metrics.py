@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import resource
+import sys
 import time
 from pathlib import Path
 

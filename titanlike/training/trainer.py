@@ -232,7 +232,8 @@ class Trainer:
             self.checkpointer = CheckpointManager(
                 cfg, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
                 dataloader=self.dataloader, train_state=self.train_state, model_args=self.model_args,
-                tokenizer=self.tokenizer, device=self.device, rank=self.rank, world_size=self.world_size, dp_degree=self.dp_degree)
+                tokenizer=self.tokenizer, device=self.device, rank=self.rank, world_size=self.world_size,
+                dp_degree=self.dp_degree)
 
     def _load_data(self) -> None:
         """Check every data file (all of them, each rank on its own: no process group yet), then tokenize; every
