@@ -6,7 +6,8 @@
 Two rows, each timed over ``--steps`` steps after ``--warmup`` untimed ones (compilation happens there):
 
 * ``titanlike``: the best titanlike does on one device with its own features: the model through
-  ``build_parallel_model`` (the trainer's builder) on a 1-rank mesh (gloo on CPU, nccl on CUDA), which on one rank applies float8
+  ``build_parallel_model`` (the trainer's builder) on a 1-rank mesh (gloo on CPU, nccl on CUDA), which on one
+  rank applies float8
   (``--float8 tensorwise|rowwise|rowwise_with_gw_hp``, torchao; ``--float8-backend te`` with ``--kernels te``
   for Transformer Engine), activation checkpointing (``--ac``: selective AC is what lets the batch grow) and
   per-block compile, and no FSDP wrapper (``--fsdp auto``, the default: bf16 by autocast, the single-device

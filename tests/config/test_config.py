@@ -64,8 +64,9 @@ def test_value_forms():
     (["--training.seq_len", "4096"], "exceeds the model's max_seq_len"),
     (["--training.global_batch_size", "12"], "global_batch_size 12 is not divisible by local_batch_size 8"),
     (["--parallelism.enable_sequence_parallel"], "enable_sequence_parallel needs tensor_parallel_degree > 1"),
-    (["--float8.recipe", "current"], "float8.recipe=current is a Transformer Engine recipe; with float8.backend=torchao "
-                                     "use tensorwise, rowwise, rowwise_with_gw_hp (or set model.kernels=te for TE's)"),
+    (["--float8.recipe", "current"],
+     "float8.recipe=current is a Transformer Engine recipe; with float8.backend=torchao "
+     "use tensorwise, rowwise, rowwise_with_gw_hp (or set model.kernels=te for TE's)"),
     (["--float8.recipe", "current", "--float8.backend", "te"], "float8.backend=te needs Transformer Engine kernels"),
 ])
 def test_errors_are_one_line_naming_the_fix(argv, message):

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: dist_uti
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
 from dist_utils import spawn  # noqa: E402
+
 from titanlike.config import JobConfig  # noqa: E402
 from titanlike.models.llama import FLAVORS, Transformer  # noqa: E402
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torchao  # noqa: E402,F401  (the [float8] extra, installed by .ci/run: a missing torchao fails, not skips)
 from torch import nn
 
-import torchao  # noqa: E402,F401  (the [float8] extra, installed by .ci/run: a missing torchao fails, not skips)
 from titanlike.config import ConfigError, load_config  # noqa: E402
 from titanlike.data import asset_path  # noqa: E402
 from titanlike.kernels import float8 as f8  # noqa: E402

@@ -16,15 +16,19 @@ def float8_backend(cfg) -> str:
     return ("te" if cfg.model.kernels == "te" else "torchao") if b == "auto" else b
 
 
+def _torchao_options_set(f) -> list[str]:
+    """The torchao-only [float8] options given a non-default value."""
+    return [k for k, on in (("float8.emulate", f.emulate), ("float8.filter_fqns", f.filter_fqns != ["output"]),
+                            ("float8.enable_fsdp_float8_all_gather", f.enable_fsdp_float8_all_gather),
+                            ("float8.precompute_float8_dynamic_scale_for_fsdp",
+                             f.precompute_float8_dynamic_scale_for_fsdp)) if on]
+
+
 def float8_violations(cfg) -> list[str]:
     """The [float8] rules (pure arithmetic; whether torchao / TE / the GPU can run it is checked by the trainer)."""
     f, out = cfg.float8, []
     if not f.recipe:
-        unused = [k for k, on in (("float8.emulate", f.emulate), ("float8.backend", f.backend != "auto"),
-                                  ("float8.filter_fqns", f.filter_fqns != ["output"]),
-                                  ("float8.enable_fsdp_float8_all_gather", f.enable_fsdp_float8_all_gather),
-                                  ("float8.precompute_float8_dynamic_scale_for_fsdp",
-                                   f.precompute_float8_dynamic_scale_for_fsdp)) if on]
+        unused = (["float8.backend"] if f.backend != "auto" else []) + _torchao_options_set(f)
         if unused:
             out.append(f"{', '.join(unused)} set but float8.recipe is empty (float8 off); set float8.recipe "
                        f"(torchao: {', '.join(TORCHAO_FLOAT8_RECIPES)}) or drop {'them' if len(unused) > 1 else 'it'}")
@@ -53,11 +57,7 @@ def float8_violations(cfg) -> list[str]:
         if f.recipe not in TE_FLOAT8_RECIPES:
             out.append(f"float8.recipe={f.recipe} is a torchao recipe; with float8.backend=te use "
                        f"{', '.join(TE_FLOAT8_RECIPES)}")
-        te_only_off = [k for k, on in (("float8.emulate", f.emulate),
-                                       ("float8.filter_fqns", f.filter_fqns != ["output"]),
-                                       ("float8.enable_fsdp_float8_all_gather", f.enable_fsdp_float8_all_gather),
-                                       ("float8.precompute_float8_dynamic_scale_for_fsdp",
-                                        f.precompute_float8_dynamic_scale_for_fsdp)) if on]
+        te_only_off = _torchao_options_set(f)
         if te_only_off:
             out.append(f"{', '.join(te_only_off)} apply to float8.backend=torchao only; unset them with "
                        f"float8.backend=te")
