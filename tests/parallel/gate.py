@@ -40,7 +40,7 @@ from torch import nn  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 
 from titanlike.config import JobConfig, load_config, model_args_from_config  # noqa: E402
-from titanlike.models import Transformer  # noqa: E402
+from titanlike.models import get_spec  # noqa: E402
 from titanlike.training.optim import build_optimizer  # noqa: E402
 from titanlike.training.step import IGNORE_INDEX, ScaledLoss, plain_clip_grad_norm_, train_step  # noqa: E402
 
@@ -59,6 +59,10 @@ MODELS = {
     "gqa": (),
     "gqa8": ("--model.n_heads", "8", "--model.n_kv_heads", "4"),  # tp 4 divides the kv heads
     "tied": ("--model.tie_embeddings", "true"),
+    # GPT-2 (tiny: dim 64, 2 layers, 4 heads, fused c_attn with bias, LayerNorm with bias, GELU 256, learned
+    # positions, tied embeddings).
+    "gpt2": ("--model.name", "gpt2"),
+    "gpt2_untied": ("--model.name", "gpt2", "--model.tie_embeddings", "false"),
 }
 
 
@@ -109,6 +113,14 @@ LAYOUTS = [
     Layout("MUT tp2_sp norms not sequence-parallel", 2, _tp(2, *SP, *_dp(1, 1, 8)), mutation="sp_norm_plain"),
     Layout("MUT fsdp2 loss averaged per rank", 2, _dp(1, 2, 4), mutation="loss_mean_per_rank"),
     Layout("MUT fsdp2 gradients averaged", 2, _dp(1, 2, 4), mutation="fsdp_average"),
+    Layout("gpt2 tp2", 2, _tp(2, *_dp(1, 1, 8)), model="gpt2"),
+    Layout("gpt2 tp2_sp", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="gpt2"),
+    Layout("gpt2 tp2_sp untied no loss parallel", 2, _tp(2, *SP, *NO_LP, *_dp(1, 1, 8)), model="gpt2_untied"),
+    Layout("gpt2 fsdp2", 2, _dp(1, 2, 4), model="gpt2"),
+    Layout("MUT gpt2 tp2 c_attn plain ColwiseParallel", 2, _tp(2, *_dp(1, 1, 8)), model="gpt2",
+           mutation="fused_plain_colwise"),
+    Layout("MUT gpt2 tp2_sp no f backward reduce-scatter", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="gpt2",
+           mutation="tp_no_backward_reduce"),
     # 4 ranks
     Layout("tp4_gqa", 4, _tp(4, *_dp(1, 1, 8)), model="gqa8"),
     Layout("fsdp4", 4, _dp(1, 4, 2)),
@@ -118,9 +130,13 @@ LAYOUTS = [
     Layout("tp2_fsdp2_ac_full", 4, _tp(2, "--activation_checkpoint.mode", "full", *_dp(1, 2, 4))),
     Layout("tp2_sp_fsdp2_tied_accum2_meta", 4, _tp(2, *SP, *_dp(1, 2, 2)), model="tied", meta_init=True),
     Layout("MUT hsdp2x2 gradients averaged", 4, _dp(2, 2, 2), mutation="fsdp_average"),
+    Layout("gpt2 hsdp2x2", 4, _dp(2, 2, 2), model="gpt2_untied"),
+    Layout("gpt2 tp2_fsdp2", 4, _tp(2, *_dp(1, 2, 4)), model="gpt2"),
+    Layout("gpt2 tp2_sp_fsdp2 meta", 4, _tp(2, *SP, *_dp(1, 2, 4)), model="gpt2", meta_init=True),
     # 8 ranks
     Layout("tp2_hsdp2x2", 8, _tp(2, *_dp(2, 2, 2))),
     Layout("tp2_sp_fsdp4", 8, _tp(2, *SP, *_dp(1, 4, 2))),
+    Layout("gpt2 tp2_sp_hsdp2x2", 8, _tp(2, *SP, *_dp(2, 2, 2)), model="gpt2"),
 ]
 
 
@@ -213,7 +229,20 @@ def _fsdp_average():
         yield
 
 
+@contextlib.contextmanager
+def _fused_plain_colwise():
+    """GPT-2's fused q|k|v projection gets a plain ColwiseParallel: rank 0 of 2 computes all of q and half of k,
+    and the attention silently mixes q, k and v across heads (what a user gets without FusedColwiseParallel)."""
+    import titanlike.models.gpt2.parallelize as g
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    original = g.tp_plan
+    with patched(g, "tp_plan", lambda *a, **k: original(*a, **k, fused_style=ColwiseParallel())):
+        yield
+
+
 MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "fused_plain_colwise": _fused_plain_colwise,
     "tp_no_backward_reduce": _tp_no_backward_reduce,
     "ce_no_max_all_reduce": _ce_no_max_all_reduce,
     "sp_norm_plain": _sp_norm_plain,
@@ -238,12 +267,12 @@ def config(layout: Layout, world_size: int) -> JobConfig:
     return load_config([*BASE_ARGS, *MODELS[layout.model], *layout.args], world_size=world_size)
 
 
-def build_model(cfg: JobConfig, device: str = "cpu") -> Transformer:
+def build_model(cfg: JobConfig, device: str = "cpu") -> nn.Module:
     """The seeded float64 model (same weights on every rank and for every layout of the same model)."""
     args = model_args_from_config(cfg, vocab_size=VOCAB)
     torch.manual_seed(0)
     with torch.device(device):
-        model = Transformer(args).to(torch.float64)
+        model = get_spec(cfg.model.name).build(args).to(torch.float64)
     if device != "meta":
         model.init_weights()
     return model

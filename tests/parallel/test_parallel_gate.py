@@ -21,6 +21,7 @@ EXPECTED_BREAK = {
     "sp_norm_plain": ("grads", False),
     "loss_mean_per_rank": ("loss_step1", True),
     "fsdp_average": ("grad_norm", False),
+    "fused_plain_colwise": ("loss_step1", True),
 }
 BROKEN = 1e-6  # a mutation must move something by at least this much (the gate's tolerance is 1e-10)
 

@@ -39,9 +39,23 @@ def _sum_gradients(module: FSDPModule) -> None:
     module.set_force_sum_reduction_for_comms(True)
 
 
-def _tied_head(model: nn.Module) -> bool:
-    emb, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
-    return emb is not None and out is not None and out.weight is emb.weight
+def _role_groups(model: nn.Module, spec) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The input modules and the output modules this model (or stage) holds, by its spec's roles, less those that
+    own a parameter shared between the two (a tied embedding / head stays with the root: ONE group owns it)."""
+    if spec is None:
+        return [], []
+    inputs = [m for m in (getattr(model, n, None) for n in spec.input_modules) if m is not None]
+    outputs = [m for m in (getattr(model, n, None) for n in spec.output_modules) if m is not None]
+    ids_in = {id(p) for m in inputs for p in m.parameters()}
+    ids_out = {id(p) for m in outputs for p in m.parameters()}
+    shared = ids_in & ids_out
+
+    def keep(m):
+        return not any(id(p) in shared for p in m.parameters())
+
+    if shared:  # the tied pair and everything grouped with it go to the root
+        return [m for m in inputs if keep(m)], []
+    return inputs, outputs
 
 
 def apply_fsdp(
@@ -65,17 +79,27 @@ def apply_fsdp(
         raise ValueError(f"apply_fsdp needs a 1-D (FSDP) or 2-D (HSDP: replicate, shard) mesh, got {dp_mesh}")
     reshard = {"default": not pp_enabled, "always": True, "never": False}[reshard_after_forward]
     kw = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+    from titanlike.models.spec import spec_for
+    from titanlike.parallel.fused import fsdp_placement, prepare_fused_for_fsdp
+
+    prepare_fused_for_fsdp(model)
+    kw["shard_placement_fn"] = fsdp_placement
+
+    spec = spec_for(model)
     if blocks is None:
-        layers = getattr(model, "layers", None)
-        blocks = list(layers.children()) if isinstance(layers, nn.Module) else []
+        container = getattr(model, spec.block_container if spec is not None else "layers", None)
+        if not isinstance(container, nn.Module):
+            raise ValueError(f"apply_fsdp: {type(model).__name__} has no block container (.layers) and no model spec, "
+                             f"so every parameter would land in one root group; pass blocks=[...] (the modules that "
+                             f"each get their own FSDP group), or blocks=[] for one group on purpose")
+        blocks = list(container.children())
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard, **kw)
-    if not _tied_head(model):
-        if getattr(model, "tok_embeddings", None) is not None:
-            fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **kw)
-        head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
-        if head:
-            fully_shard(head, reshard_after_forward=reshard_after_forward == "always", **kw)
+    inputs, outputs = _role_groups(model, spec)
+    if inputs:
+        fully_shard(inputs if len(inputs) > 1 else inputs[0], reshard_after_forward=reshard, **kw)
+    if outputs:
+        fully_shard(outputs, reshard_after_forward=reshard_after_forward == "always", **kw)
     fully_shard(model, reshard_after_forward=reshard_after_forward == "always", **kw)
     for m in model.modules():
         if isinstance(m, FSDPModule):

@@ -55,7 +55,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
 
 from titanlike.config import ConfigError, JobConfig, pipeline_stage_count
-from titanlike.models import Transformer
+from titanlike.models.spec import ModelSpec, get_spec, spec_for
 from titanlike.training.step import ScaledLoss
 
 __all__ = [
@@ -81,11 +81,15 @@ SCHEDULES = {
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
-_LAYER = re.compile(r"layers\.(\d+)")
 
 
 # ---------------------------------------------------------------------------------------------------- the split
-def split_module_names(n_layers: int, n_stages: int, first_less: int = 0, last_less: int = 0) -> list[list[str]]:
+def _spec(spec: ModelSpec | None) -> ModelSpec:
+    return spec if spec is not None else get_spec("llama3")
+
+
+def split_module_names(n_layers: int, n_stages: int, first_less: int = 0, last_less: int = 0, *,
+                       spec: ModelSpec | None = None) -> list[list[str]]:
     """Module names of each of ``n_stages`` stages, the blocks split evenly.
 
     The embedding counts as ``first_less`` blocks and the norm + head as ``last_less`` blocks, so the first and
@@ -101,25 +105,29 @@ def split_module_names(n_layers: int, n_stages: int, first_less: int = 0, last_l
     if min(counts) < 0:
         raise ConfigError(f"pipeline: {n_stages} stages of {per} layers cannot absorb the embedding weight "
                           f"{first_less} and head weight {last_less}; use fewer stages or lower the weights")
+    spec = _spec(spec)
     names, start = [], 0
     for s, count in enumerate(counts):
-        stage = ["tok_embeddings"] if s == 0 else []
-        stage += [f"layers.{i}" for i in range(start, start + count)]
+        stage = list(spec.input_modules) if s == 0 else []
+        stage += [f"{spec.block_container}.{i}" for i in range(start, start + count)]
         start += count
         if s == n_stages - 1:
-            stage += ["norm", "output"]
+            stage += list(spec.output_modules)
         names.append(stage)
     return names
 
 
-def parse_module_names(specs: Sequence[str], n_layers: int) -> list[list[str]]:
+def parse_module_names(specs: Sequence[str], n_layers: int, *, spec: ModelSpec | None = None) -> list[list[str]]:
     """``pipeline_parallel_module_names`` (one comma-separated string per stage) -> module names per stage.
 
     Every block appears exactly once and in order; the embedding is on the first stage, the norm and the head
     together on the last; no stage is empty.
     """
     key = "parallelism.pipeline_parallel_module_names"
-    stages = [[n.strip() for n in spec.split(",") if n.strip()] for spec in specs]
+    spec = _spec(spec)
+    layer_re = re.compile(re.escape(spec.block_container) + r"\.(\d+)")
+    first, last = spec.input_modules, spec.output_modules
+    stages = [[n.strip() for n in spec_.split(",") if n.strip()] for spec_ in specs]
     if len(stages) < 2:
         raise ConfigError(f"{key}: give at least 2 stages (one comma-separated string of module names each)")
     layers: list[int] = []
@@ -127,22 +135,23 @@ def parse_module_names(specs: Sequence[str], n_layers: int) -> list[list[str]]:
         if not names:
             raise ConfigError(f"{key}: stage {s} is empty; every stage needs at least one module")
         for name in names:
-            m = _LAYER.fullmatch(name)
+            m = layer_re.fullmatch(name)
             if m:
                 layers.append(int(m.group(1)))
-            elif name == "tok_embeddings":
+            elif name in first:
                 if s != 0:
-                    raise ConfigError(f"{key}: tok_embeddings must be on the first stage, found on stage {s}")
-            elif name in ("norm", "output"):
+                    raise ConfigError(f"{key}: {name} must be on the first stage, found on stage {s}")
+            elif name in last:
                 if s != len(stages) - 1:
                     raise ConfigError(f"{key}: {name} must be on the last stage, found on stage {s}")
             else:
-                raise ConfigError(f"{key}: unknown module '{name}' on stage {s}; valid: tok_embeddings, "
-                                  f"layers.<i> (0 <= i < {n_layers}), norm, output")
+                raise ConfigError(f"{key}: unknown module '{name}' on stage {s}; valid: {', '.join(first)}, "
+                                  f"{spec.block_container}.<i> (0 <= i < {n_layers}), {', '.join(last)}")
     if layers != list(range(n_layers)):
-        raise ConfigError(f"{key}: the stages must list layers.0 .. layers.{n_layers - 1} each exactly once and in "
-                          f"order, got {', '.join(f'layers.{i}' for i in layers)}")
-    for name, s in (("tok_embeddings", 0), ("norm", -1), ("output", -1)):
+        c = spec.block_container
+        raise ConfigError(f"{key}: the stages must list {c}.0 .. {c}.{n_layers - 1} each exactly once and in "
+                          f"order, got {', '.join(f'{c}.{i}' for i in layers)}")
+    for name, s in [*((n, 0) for n in first), *((n, -1) for n in last)]:
         if sum(n == name for names in stages for n in names) != 1 or name not in stages[s]:
             raise ConfigError(f"{key}: {name} must appear exactly once, on the {'first' if s == 0 else 'last'} "
                               f"stage")
@@ -152,10 +161,12 @@ def parse_module_names(specs: Sequence[str], n_layers: int) -> list[list[str]]:
 def stage_module_names(cfg: JobConfig, args) -> list[list[str]]:
     """The module names of every pipeline stage for this configuration (raises ConfigError on a bad layout)."""
     p = cfg.parallelism
+    spec = get_spec(cfg.model.name)
     if p.pipeline_parallel_module_names:
-        return parse_module_names(p.pipeline_parallel_module_names, args.n_layers)
+        return parse_module_names(p.pipeline_parallel_module_names, args.n_layers, spec=spec)
     return split_module_names(args.n_layers, pipeline_stage_count(cfg, args),
-                              p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers)
+                              p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers,
+                              spec=spec)
 
 
 def stage_ids_for_rank(pp_rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:
@@ -180,7 +191,7 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(prev)
 
 
-def build_stage_module(full_model: Transformer, names: Iterable[str], device: torch.device) -> Transformer:
+def build_stage_module(full_model: nn.Module, names: Iterable[str], device: torch.device) -> nn.Module:
     """The stage holding ``names``, built on meta by the model's partial constructor and filled by FQN.
 
     Parameters are *copies* of the full model's (never shared storage: two stages of a rank must not alias a
@@ -189,11 +200,13 @@ def build_stage_module(full_model: Transformer, names: Iterable[str], device: to
     device (its weights will come from a checkpoint) gives a stage initialised in place instead.
     """
     names = list(names)
-    layer_ids = [int(m.group(1)) for m in map(_LAYER.fullmatch, names) if m]
+    spec = spec_for(full_model)
+    if spec is None:
+        raise ValueError(f"build_stage_module: {type(full_model).__name__} is not a registered model; register a "
+                         f"ModelSpec for it (docs/adding_a_model.md)")
     dtype = next(full_model.parameters()).dtype
     with torch.device("meta"), _default_dtype(dtype):
-        stage = Transformer(full_model.args, layer_ids=layer_ids, has_embedding="tok_embeddings" in names,
-                            has_head="output" in names)
+        stage = spec.build(full_model.args, **spec.stage_kwargs(names))
     tied: dict[int, list[str]] = {}
     for name, p in stage.named_parameters(remove_duplicate=False):
         tied.setdefault(id(p), []).append(name)
@@ -319,16 +332,21 @@ class PipelineParallel:
                                norm_parameters=[p for p in params if id(p) not in duplicate])
 
 
-def _plain_tensors_between_stages(stage: Transformer, tp_mesh, sequence_parallel: bool) -> None:
+def _holds(stage: nn.Module, names: Sequence[str]) -> bool:
+    return any(getattr(stage, n, None) is not None for n in names)
+
+
+def _plain_tensors_between_stages(stage: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
     """Under TP the residual stream is a DTensor (``Shard(1)`` under SP, else ``Replicate()``); between stages it
     travels as its plain local tensor, like the data into the first stage: a stage without the embedding turns
     its input back into the DTensor, one without the head returns the local tensor. (The P2P of torch's stages
     then moves ordinary tensors, as in every supported torch version.)"""
     seq = Shard(1) if sequence_parallel else Replicate()
-    if stage.tok_embeddings is None:
+    spec = spec_for(stage)
+    if not _holds(stage, spec.input_modules):
         parallelize_module(stage, tp_mesh, PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(seq,),
                                                               use_local_output=False))
-    if stage.output is None:
+    if not _holds(stage, spec.output_modules):
         stage.register_forward_hook(_local_copy)
 
 
@@ -338,11 +356,19 @@ def _local_copy(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
     return output.to_local().clone() if isinstance(output, DTensor) else output
 
 
-def _tied_copies(parts: Sequence[Transformer]) -> list[nn.Parameter]:
+def _tied_copies(parts: Sequence[nn.Module], spec: ModelSpec) -> list[nn.Parameter]:
     """This rank's copies of the tied weight: the first stage's embedding, then the last stage's head (none when
     one stage holds both: the model's constructor ties them into one parameter then)."""
-    out = [m.tok_embeddings.weight for m in parts if m.tok_embeddings is not None]
-    out += [m.output.weight for m in parts if m.output is not None]
+    (first, last), = spec.tied
+
+    def get(m, fqn):
+        try:
+            return m.get_parameter(fqn)
+        except AttributeError:
+            return None
+
+    out = [p for p in (get(m, first) for m in parts) if p is not None]
+    out += [p for p in (get(m, last) for m in parts) if p is not None]
     return [] if len(out) == 2 and out[0] is out[1] else out
 
 
@@ -372,7 +398,7 @@ def _check_tied_layout(tied: list[nn.Parameter], group) -> None:
                            f"({mine[0]} vs {others}); give tok_embeddings and output the same layout")
 
 
-def apply_pp(model: Transformer, dims, mesh, cfg: JobConfig, device: torch.device) -> PipelineParallel:
+def apply_pp(model: nn.Module, dims, mesh, cfg: JobConfig, device: torch.device) -> PipelineParallel:
     """Split the full (materialised) ``model`` into this rank's stages, parallelize them, build the schedule."""
     from titanlike.parallel.parallelize import build_loss_fn, parallelize_model
 
@@ -407,7 +433,7 @@ def apply_pp(model: Transformer, dims, mesh, cfg: JobConfig, device: torch.devic
 
     # After parallelize: FSDP / TP have replaced the parameters by DTensors. A rank holds no copy, one (its peer
     # holds the other: only the two take part in the group) or both (V placement: a local add).
-    tied = _tied_copies(parts) if model.args.tie_embeddings else []
+    tied = _tied_copies(parts, spec_for(model)) if model.args.tie_embeddings else []
     tied_group = _tied_group(pp_group) if len(tied) == 1 else None
     if tied:
         _check_tied_layout(tied, tied_group)

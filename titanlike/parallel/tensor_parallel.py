@@ -209,7 +209,14 @@ def apply_tp(
         raise ValueError(f"apply_tp needs a 1-D tensor-parallel mesh, got {tp_mesh.ndim}-D {tp_mesh}; "
                          f"pass mesh['tp']")
     if plan is None:
-        plan = {k: v for k, v in tp_plan(sequence_parallel, loss_parallel, float8).items() if _matches(model, k)}
+        from titanlike.models.spec import spec_for
+
+        spec = spec_for(model)
+        if spec is None:
+            raise ValueError(f"apply_tp: {type(model).__name__} is not a registered model, so there is no default "
+                             f"plan; pass plan={{module-path pattern: ParallelStyle}} for it")
+        plan = spec.tp_plan(getattr(model, "args", None), sequence_parallel, loss_parallel, float8=float8)
+        plan = {k: v for k, v in plan.items() if _matches(model, k)}
     elif isinstance(plan, dict):
         missing = [k for k in plan if not _matches(model, k)]
         if missing:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from titanlike import fault
 from titanlike.config import (ConfigError, JobConfig, float8_backend, hf_architecture_of, layout_violations,
                               load_config, model_args_from_config)
-from titanlike.models import Transformer
+from titanlike.models import get_spec
 from titanlike.training.metrics import MetricsLogger, Throughput, format_eta, peak_memory_gib, use_color
 from titanlike.training.optim import build_lr_scheduler, build_optimizer
 from titanlike.training.step import IGNORE_INDEX, ScaledLoss, plain_clip_grad_norm_, train_step
@@ -69,6 +69,7 @@ class Trainer:
 
             self.architecture_note = (f"model: architecture from {cfg.checkpoint.initial_load_path} config.json "
                                       f"(overrides flavor {cfg.model.flavor}): {describe_args(self.model_args)}")
+        self.spec = get_spec(cfg.model.name)
         problems = layout_violations(cfg, self.world_size, self.model_args)
         if problems:
             raise ConfigError(problems[0])
@@ -144,7 +145,7 @@ class Trainer:
         torch.set_default_dtype(param_dtype)
         try:
             with torch.device("meta") if self.meta_init else contextlib.nullcontext():
-                model = Transformer(args)
+                model = self.spec.build(args)
             if not self.meta_init:
                 model.init_weights()
         finally:
@@ -330,7 +331,7 @@ class Trainer:
 
         key = "tf32" if cfg.training.dtype == "float64" else peak_key(cfg.training.dtype, cfg.float8.recipe)
         peak = device_peak_flops(self.device, key, cfg.metrics.peak_tflops)
-        flops_per_token = self.model_args.flops_per_token(cfg.training.seq_len)
+        flops_per_token = self.spec.flops_per_token(self.model_args, cfg.training.seq_len)
         throughput = Throughput(self.device)
         data_iter = iter(self.dataloader)
         losses: list[float] = []
