@@ -677,6 +677,12 @@ def hf_architecture_of(cfg: JobConfig):
 
 
 def _hf_model_args(cfg: JobConfig, hf_args, overrides: dict, vocab_size: int | None):
+    from titanlike.models import spec_for
+
+    spec = spec_for(hf_args)
+    if spec is not None and spec.name != cfg.model.name:
+        raise ConfigError(f"checkpoint.initial_load_path '{cfg.checkpoint.initial_load_path}' is a {spec.name} model "
+                          f"(its config.json), model.name is {cfg.model.name}; set model.name = {spec.name}")
     conflicts = []
     for key, value in overrides.items():
         theirs = hf_args.hidden_dim if key == "ffn_hidden_dim" else getattr(hf_args, key)

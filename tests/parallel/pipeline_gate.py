@@ -27,13 +27,15 @@ import torch.distributed as dist  # noqa: E402
 
 import gate  # noqa: E402
 from gate import GLOBAL_BATCH, STEPS, TOL, Built, Layout, global_batch, patched  # noqa: E402
-from titanlike.models import Transformer  # noqa: E402
+from torch import nn  # noqa: E402
 from titanlike.training.optim import build_optimizer  # noqa: E402
 
 gate.MODELS.update({
     "deep": ("--model.n_layers", "8"),
     "deep_tied": ("--model.n_layers", "8", "--model.tie_embeddings", "true"),
     "six": ("--model.n_layers", "6"),
+    # GPT-2 (tied embeddings across the first and last stage; fused c_attn; learned positions on the first stage).
+    "gpt2_deep": ("--model.name", "gpt2", "--model.n_layers", "8"),
 })
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -68,6 +70,8 @@ LAYOUTS = [
         "--parallelism.pipeline_parallel_last_stage_less_layers", "1"), model="six"),
     _layout("MUT pp2 tied grads not summed", 2, _pp(2, "1F1B", 8, 2), "deep_tied", "pp_tied_not_summed"),
     _layout("MUT pp2 V tied grads not summed", 2, _pp(2, "ZBVZeroBubble", 8, 2), "deep_tied", "pp_tied_not_summed"),
+    *[_layout(f"gpt2 pp2 {s} tied", 2, _pp(2, s, 8, 2), model="gpt2_deep") for s in SCHEDULES],
+    _layout("MUT gpt2 pp2 tied grads not summed", 2, _pp(2, "1F1B", 8, 2), "gpt2_deep", "pp_tied_not_summed"),
     _layout("MUT pp2 microbatch loss / m", 2, _pp(2, "1F1B", 8, 2), mutation="pp_loss_over_microbatches"),
     _layout("MUT pp2 norm not reduced over stages", 2, _pp(2, "1F1B", 8, 2), mutation="pp_norm_not_reduced"),
     _layout("MUT pp2 tied weight counted twice in norm", 2, _pp(2, "1F1B", 8, 2), "deep_tied",
@@ -85,6 +89,8 @@ LAYOUTS = [
             _pp(2, "1F1B", 4, 1, "--parallelism.fsdp_reshard_after_forward", "always")),
     _layout("MUT pp2 fsdp2 ZBVZeroBubble resharding after forward", 4, _pp(2, "ZBVZeroBubble", 4),
             mutation="pp_fsdp_reshard_after_forward"),
+    _layout("gpt2 pp2 tp2_sp 1F1B tied", 4, _tp2(*SP, *_pp(2, "1F1B", 8, 2)), model="gpt2_deep"),
+    _layout("gpt2 pp2 fsdp2 ZBVZeroBubble tied", 4, _pp(2, "ZBVZeroBubble", 4), model="gpt2_deep"),
     _layout("MUT pp4 tied grads not summed", 4, _pp(4, "Interleaved1F1B", 8), "deep_tied", "pp_tied_not_summed"),
     _layout("MUT pp4 norm not reduced over stages", 4, _pp(4, "1F1B", 8), mutation="pp_norm_not_reduced"),
     # 8 ranks: pp 2 x fsdp 2 x tp 2 (+SP); 2 microbatches of 2 (DualPipeV needs 4 of 1).
@@ -92,6 +98,8 @@ LAYOUTS = [
     _layout("pp2 fsdp2 tp2_sp InterleavedZeroBubble", 8, _tp2(*SP, *_pp(2, "InterleavedZeroBubble", 4, 2))),
     _layout("pp2 fsdp2 tp2_sp DualPipeV", 8, _tp2(*SP, *_pp(2, "DualPipeV", 4))),
     _layout("pp2 fsdp2 tp2 GPipe tied", 8, _tp2(*_pp(2, "GPipe", 4, 2)), model="deep_tied"),
+    _layout("gpt2 pp2 fsdp2 tp2_sp Interleaved1F1B tied", 8, _tp2(*SP, *_pp(2, "Interleaved1F1B", 4, 2)),
+            model="gpt2_deep"),
     _layout("pp2 fsdp2 tp2_sp ZBVZeroBubble tied", 8, _tp2(*SP, *_pp(2, "ZBVZeroBubble", 4, 2)), model="deep_tied"),
 ]
 
@@ -177,7 +185,7 @@ def _dp_slice(mesh, dims, t: torch.Tensor) -> torch.Tensor:
     return t[r * rows:(r + 1) * rows]
 
 
-def _eval_diff(pp, mesh, dims, reference: Transformer) -> float:
+def _eval_diff(pp, mesh, dims, reference: nn.Module) -> float:
     """|sum CE of the pipeline over the global eval batch - one device's|, this rank's view."""
     from titanlike.training.loss import cross_entropy_loss
 

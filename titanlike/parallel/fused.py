@@ -34,7 +34,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["FusedColwiseParallel", "contiguous_for_dcp", "restore_layout", "is_strided"]
+__all__ = ["FusedColwiseParallel", "contiguous_for_dcp", "contiguous_for_dcp_tree", "restore_layout", "is_strided",
+           "prepare_fused_for_fsdp", "fsdp_placement"]
 
 
 class FusedColwiseParallel(ParallelStyle):
@@ -164,6 +165,15 @@ def contiguous_for_dcp(flat: dict) -> dict:
         else:
             out[k] = v
     return out
+
+
+def contiguous_for_dcp_tree(obj):
+    """:func:`contiguous_for_dcp` through nested dicts / lists (a model or optimizer state dict)."""
+    if isinstance(obj, dict):
+        return {k: contiguous_for_dcp_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [contiguous_for_dcp_tree(v) for v in obj]
+    return contiguous_for_dcp({"x": obj})["x"] if is_strided(obj) else obj
 
 
 @torch.no_grad()

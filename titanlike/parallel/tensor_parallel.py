@@ -189,6 +189,18 @@ def _reduce_partial_grads(model: nn.Module) -> None:
             p._titanlike_grad_hook = True
 
 
+def _check_all_or_nothing(model: nn.Module) -> None:
+    """After the plan: either no parameter is a DTensor (nothing to do for tp) or all are. A parameter left a plain
+    tensor next to DTensors fails later, far away (``aten.add.Tensor got mixed torch.Tensor and DTensor``, or a
+    foreach optimizer refusing the mix), naming no module: refuse it here, naming the modules."""
+    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if plain and len(plain) != len(list(model.parameters())):
+        owners = sorted({n.rpartition(".")[0] or "<root>" for n in plain})
+        shown = ", ".join(owners[:6]) + (f" and {len(owners) - 6} more" if len(owners) > 6 else "")
+        raise ValueError(f"apply_tp: the plan leaves the parameters of {shown} plain tensors next to DTensors; give "
+                         f"those modules a style (ReplicateParallel() for modules that run replicated, e.g. norms)")
+
+
 def apply_tp(
     model: nn.Module,
     tp_mesh: DeviceMesh,
@@ -225,5 +237,6 @@ def apply_tp(
     tied = _shared_parameters(model)
     parallelize_module(model, tp_mesh, plan)
     _retie(model, tied)
+    _check_all_or_nothing(model)
     _reduce_partial_grads(model)
     return model

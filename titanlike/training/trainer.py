@@ -44,6 +44,20 @@ def default_corpus() -> list[str]:
     return shipped_corpus()
 
 
+def _to_empty_keeping_ties(model: torch.nn.Module, device: torch.device) -> None:
+    """``model.to_empty(device)``, then tie again the parameters that were one parameter under several names (tied
+    embeddings): ``to_empty`` gives every module its own new tensor."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    model.to_empty(device=device)
+    for names in groups.values():
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, first)
+
+
 class NonFiniteError(fault.ReportedError):
     """The run stops: too many non-finite steps, or an update made the weights non-finite."""
 
@@ -174,7 +188,7 @@ class Trainer:
             model = parallelize_model(model, dims, self.mesh, cfg)
             loss_fn = build_loss_fn(cfg, dims, self.mesh)
             if self.meta_init:  # allocate this rank's shards; values are placeholders until the checkpoint loads
-                model.to_empty(device=self.device)
+                _to_empty_keeping_ties(model, self.device)
                 with torch.no_grad():
                     model.init_weights(buffer_device=self.device)
             else:
