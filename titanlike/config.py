@@ -786,6 +786,12 @@ def layout_violations(cfg: JobConfig, world_size: int, model_args=None) -> list[
         opt = cfg.activation_checkpoint.selective_ac_option
         if opt != "op" and not (opt.isdigit() and int(opt) >= 1):
             out.append(f"activation_checkpoint.selective_ac_option: '{opt}' must be 'op' or a positive integer")
+    if cfg.model.kernels == "te" and cfg.model.name != "llama3":
+        out.append(f"model.kernels=te swaps Transformer Engine modules into the Llama model only; use "
+                   f"model.kernels=torch for {cfg.model.name}")
+    if cfg.float8.recipe and cfg.model.name != "llama3":
+        out.append(f"float8.recipe={cfg.float8.recipe}: float8 training is wired for the Llama model only; leave "
+                   f"float8.recipe empty for {cfg.model.name}")
     out += float8_violations(cfg)
     return out
 
