@@ -280,6 +280,10 @@ def build_model(cfg: JobConfig, device: str = "cpu") -> nn.Module:
     return model
 
 
+# Models that are not registered titanlike models (a user's module): key of MODELS -> seeded float64 constructor.
+CUSTOM_MODELS: dict[str, Callable[[], nn.Module]] = {}
+
+
 @dataclass
 class Record:
     loss: float
@@ -306,7 +310,7 @@ class Context:
 
     def reference(self, layout: Layout, cfg: JobConfig) -> tuple[nn.Module, list[Record]]:
         """The initial model and, per step, what one device computes on the full global batch."""
-        model = build_model(cfg)
+        model = CUSTOM_MODELS[layout.model]() if layout.model in CUSTOM_MODELS else build_model(cfg)
         if layout.model not in self.references:
             ref = copy.deepcopy(model)
             opt = build_optimizer([ref], cfg)

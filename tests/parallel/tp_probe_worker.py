@@ -315,7 +315,8 @@ class SplitUser(FusedUser):
         d, h = fused.attn.proj.in_features, fused.ffn.down.in_features
         self.double()
         self.load_state_dict(fused.state_dict())
-        for holder, name, parts, width in ((self.attn, "qkv", ("q", "k", "v"), d), (self.ffn, "gate_up", ("g", "u"), h)):
+        fused_layers = ((self.attn, "qkv", ("q", "k", "v"), d), (self.ffn, "gate_up", ("g", "u"), h))
+        for holder, name, parts, width in fused_layers:
             src = getattr(holder, name)
             for i, part in enumerate(parts):
                 lin = nn.Linear(src.in_features, width).double()

@@ -33,6 +33,7 @@ shards are summed. The gradient norm counts the weight once.
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,9 @@ from titanlike.training.step import ScaledLoss
 
 __all__ = [
     "SCHEDULES",
+    "build_stage_from_fqns",
+    "check_split",
+    "pipeline_module",
     "PipelineParallel",
     "apply_pp",
     "build_stage_module",
@@ -250,6 +254,11 @@ class PipelineParallel:
     schedule_name: str
     tied_group: dist.ProcessGroup | None = None  # the two ranks holding the tied weight's copies (None: same rank)
     tied_params: list[nn.Parameter] = field(default_factory=list)  # this rank's copies: [first's] / [last's] / both
+    # Any module (pipeline_module): every parameter shared by identity across stages, as (this rank's copies, the
+    # group of the ranks holding a copy or None when this rank holds all of them), and the ids of the copies left
+    # out of the gradient norm (all but the one of the lowest stage).
+    tied_sets: list[tuple[list[nn.Parameter], dist.ProcessGroup | None]] = field(default_factory=list)
+    norm_excluded: set[int] = field(default_factory=set)
 
     def stage_rank(self, stage: int) -> int:
         """Global rank of the member of this rank's pipeline that holds ``stage``."""
@@ -306,6 +315,19 @@ class PipelineParallel:
     def finalize_grads(self) -> None:
         """Sum the tied embedding's gradient over its two copies. Call once per optimizer step, after the last
         backward (and before the gradient norm): :meth:`finalize_grads_and_clip_` does."""
+        if self.tied_sets:
+            for params, group in self.tied_sets:
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                grads = [_local(p.grad) for p in params]
+                total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
+                if group is not None:
+                    dist.all_reduce(total, group=group)
+                for g in grads:
+                    if g is not total:
+                        g.copy_(total)
+            return
         if not self.tied_params:
             return
         for p in self.tied_params:
@@ -328,6 +350,7 @@ class PipelineParallel:
         self.finalize_grads()
         params = list(parameters)
         duplicate = {id(self.tied_params[-1])} if self.tied_params and self.has_last_stage else set()
+        duplicate |= self.norm_excluded
         return clip_grad_norm_(params, max_norm, pp_group=self.pp_group,
                                norm_parameters=[p for p in params if id(p) not in duplicate])
 
@@ -442,6 +465,145 @@ def apply_pp(model: nn.Module, dims, mesh, cfg: JobConfig, device: torch.device)
                             has_last_stage=n_stages - 1 in stage_ids,
                             microbatch_size=p.pipeline_parallel_microbatch_size, schedule_name=schedule_name,
                             tied_group=tied_group, tied_params=tied)
+
+
+# ---------------------------------------------------------------------------------------------------- any module
+def _module_owner(model: nn.Module, fqns: Sequence[str], name: str) -> str | None:
+    """The listed module FQN that holds parameter ``name`` (a prefix of it), or None."""
+    for fqn in fqns:
+        if name == fqn or name.startswith(fqn + "."):
+            return fqn
+    return None
+
+
+def check_split(model: nn.Module, module_fqns_per_stage: Sequence[Sequence[str]]) -> None:
+    """Every listed FQN is a module of ``model``, listed once; every parameter lies in exactly one listed module
+    (under one of its names: tied parameters may be listed on several stages). Raises ValueError naming them all."""
+    problems = []
+    modules = dict(model.named_modules())
+    flat = [f for stage in module_fqns_per_stage for f in stage]
+    if len(module_fqns_per_stage) < 2 or any(not stage for stage in module_fqns_per_stage):
+        problems.append("give at least 2 stages, none of them empty")
+    unknown = [f for f in flat if f not in modules or f == ""]
+    if unknown:
+        problems.append(f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a submodule of "
+                        f"{type(model).__name__}")
+    twice = sorted({f for f in flat if flat.count(f) > 1})
+    if twice:
+        problems.append(f"{', '.join(twice)} listed more than once")
+    nested = sorted({a for a in flat for b in flat if a != b and a.startswith(b + ".")})
+    if nested:
+        problems.append(f"{', '.join(nested)} inside another listed module")
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    orphans = [names[0] for names in by_id.values() if not any(_module_owner(model, flat, n) for n in names)]
+    if orphans:
+        problems.append(f"parameter(s) {', '.join(orphans[:6])} in no listed module")
+    if problems:
+        raise ValueError(f"pipeline split of {type(model).__name__}: " + "; ".join(problems) + "; list module FQNs "
+                         f"(model.named_modules()) per stage so that every parameter is in exactly one")
+
+
+def build_stage_from_fqns(model: nn.Module, fqns: Sequence[str]) -> nn.Module:
+    """A copy of ``model`` holding only the modules ``fqns`` (torchtitan's module_fqns_per_model_part): other
+    children are set to None, other entries of a ModuleDict / ModuleList are deleted (their keys, hence the FQNs,
+    are kept). The model's forward must skip None modules and take hidden states when its input modules are None
+    (the contract torchtitan's models follow). Parameter names are the full model's."""
+    stage = copy.deepcopy(model)
+    keep = set(fqns)
+
+    def prune(module: nn.Module, prefix: str) -> None:
+        for name, child in list(module.named_children()):
+            fqn = f"{prefix}{name}"
+            if fqn in keep:
+                continue
+            if any(k.startswith(fqn + ".") for k in keep):
+                prune(child, fqn + ".")
+            elif isinstance(module, (nn.ModuleDict, nn.ModuleList)):
+                del module._modules[name]  # the other keys (FQNs) stay as they are
+            else:
+                setattr(module, name, None)
+
+    prune(stage, "")
+    return stage
+
+
+def pipeline_module(model: nn.Module, pp_mesh, module_fqns_per_stage: Sequence[Sequence[str]], *,
+                    loss_fn, n_microbatches: int, schedule: str = "1F1B", device: torch.device | str = "cpu",
+                    parallelize_stage=None) -> PipelineParallel:
+    """Pipeline-parallelize any module: stages from a user's split (module FQNs per stage), this rank's stages
+    built and run by the ``schedule`` (any of :data:`SCHEDULES`; loop placement, V placement for the V schedules).
+
+    ``loss_fn(output, labels)`` returns the SUM of the loss over the microbatch (the trainer's ScaledLoss divides by
+    the global token count); ``parallelize_stage(module, is_first, is_last)`` applies TP / FSDP to each stage module
+    and returns it (optional). Parameters shared by identity across stages (tied embeddings) keep one copy per
+    stage; :meth:`PipelineParallel.finalize_grads` sums their gradients between exactly the ranks holding a copy
+    (call it through ``finalize_grads_and_clip_`` as the clip function). Returns a :class:`PipelineParallel`.
+    """
+    check_split(model, module_fqns_per_stage)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule '{schedule}'; valid: {', '.join(SCHEDULES)}")
+    device = torch.device(device)
+    pp_group, pp_rank, pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), pp_mesh.size()
+    n_stages = len(module_fqns_per_stage)
+    stage_ids = stage_ids_for_rank(pp_rank, pp, n_stages, schedule)
+    # Parameters reachable under several names, by identity, and which stages hold one of those names.
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    shared = []
+    for names in by_id.values():
+        holders = sorted({s for s, fqns in enumerate(module_fqns_per_stage) for n in names
+                          if _module_owner(model, fqns, n)})
+        if len(holders) > 1:
+            shared.append((names, holders))
+    parts = []
+    for s in stage_ids:
+        m = build_stage_from_fqns(model, module_fqns_per_stage[s]).to(device)
+        first, last = s == 0, s == n_stages - 1
+        if parallelize_stage is not None:
+            m = parallelize_stage(m, first, last)
+        if not last:
+            m.register_forward_hook(_local_copy)
+        parts.append(m)
+    stages = [PipelineStage(m, s, n_stages, device, group=pp_group) for m, s in zip(parts, stage_ids)]
+    loss = ScaledLoss(loss_fn)
+    cls = SCHEDULES[schedule]
+    single = schedule in SINGLE_STAGE_SCHEDULES
+    if single and len(stages) != 1:
+        raise ValueError(f"schedule {schedule} runs one stage per rank, the split gives {len(stages)} on this rank")
+    sched = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
+    # Tied copies: this rank's, and the group of the ranks that hold one.
+    ranks = dist.get_process_group_ranks(pp_group)
+
+    def pp_rank_of(stage: int) -> int:
+        return (stage if stage < pp else 2 * pp - 1 - stage) if schedule in V_SCHEDULES else stage % pp
+
+    tied_sets, excluded = [], set()
+    for names, holders in shared:
+        mine = []
+        for m, s in zip(parts, stage_ids):
+            if s in holders:
+                n = next(n for n in names if _module_owner(model, module_fqns_per_stage[s], n))
+                p = m.get_parameter(n)
+                mine.append(p)
+                if s != holders[0]:
+                    excluded.add(id(p))
+        holder_ranks = sorted({ranks[pp_rank_of(s)] for s in holders})
+        if not mine:
+            continue
+        if len(holder_ranks) == 1:
+            group = None
+        elif len(holder_ranks) == len(ranks):
+            group = pp_group
+        else:
+            group = dist.new_group(holder_ranks, use_local_synchronization=True)
+        tied_sets.append((mine, group))
+    return PipelineParallel(model_parts=parts, stages=stages, stage_ids=stage_ids, num_stages=n_stages,
+                            schedule=sched, loss=loss, pp_group=pp_group, has_first_stage=0 in stage_ids,
+                            has_last_stage=n_stages - 1 in stage_ids, microbatch_size=0, schedule_name=schedule,
+                            tied_sets=tied_sets, norm_excluded=excluded)
 
 
 def pipeline_eval_loss(trainer, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
