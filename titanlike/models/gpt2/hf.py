@@ -125,8 +125,9 @@ def model_args_from_hf_config(config: dict) -> GPT2Args:
         raise ValueError(f"config.json: model_type '{config.get('model_type')}' is not 'gpt2'")
     try:
         dim = int(config["n_embd"])
+        inner = int(config.get("n_inner") or 4 * dim)
         args = GPT2Args(dim=dim, n_layers=int(config["n_layer"]), n_heads=int(config["n_head"]),
-                        vocab_size=int(config["vocab_size"]), ffn_hidden_dim=int(config.get("n_inner") or 4 * dim),
+                        vocab_size=int(config["vocab_size"]), ffn_hidden_dim=None if inner == 4 * dim else inner,
                         norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
                         max_seq_len=int(config.get("n_positions", 1024)),
                         tie_embeddings=bool(config.get("tie_word_embeddings", True)))
