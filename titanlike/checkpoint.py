@@ -667,7 +667,7 @@ class CheckpointManager:
             hf.from_hf({k: torch.empty(s, device="meta") for k, s in shapes.items()}, self.trainer.model_args)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"checkpoint.initial_load_path: {e}; give a checkpoint step folder or a Hugging "
-                              f"Face Llama folder / .safetensors") from None
+                              f"Face folder / .safetensors of this model") from None
         weights = path
         return {"action": "initial_hf", "path": str(weights)}
 

@@ -1,7 +1,7 @@
 """FSDP2 (``fully_shard``) and HSDP over the data-parallel mesh, composing with tensor parallelism.
 
-Groups, in order: every transformer block, then the token embedding, then the final norm + output head
-together, then the root (whatever is left: rotary buffers need nothing; a tied embedding/head weight is left
+Groups, in order (roles from the model's spec, titanlike/models/spec.py): every transformer block, then the input
+modules (token / position embeddings), then the final norm + output head together, then the root (whatever is left: rotary buffers need nothing; a tied embedding/head weight is left
 to the root so that ONE group owns it). Each group all-gathers its parameters in one collective before its
 forward and reduce-scatters its gradients in one collective after its backward.
 
@@ -70,8 +70,11 @@ def apply_fsdp(
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2 over ``dp_mesh`` (1-D: FSDP, 2-D: HSDP); return it.
 
-    ``blocks`` are the modules that get their own group (default: ``model.layers``' children, if any); the
-    Llama embedding and norm + head get theirs when present; the root takes the rest. Works on the meta device.
+    ``blocks`` are the modules that get their own group (default: the children of the model spec's block container,
+    ``model.layers``); a registered model's input modules (embeddings) and output modules (norm + head) get one group
+    each unless they share the tied weight; the root takes the rest. A model with no spec and no ``.layers`` needs
+    ``blocks`` (``blocks=[]``: one root group on purpose). Chunk-sharded fused projections
+    (:class:`~titanlike.parallel.fused.FusedColwiseParallel`) are sharded on dim 1. Works on the meta device.
     """
     if reshard_after_forward not in RESHARD_CHOICES:
         raise ValueError(f"reshard_after_forward must be one of {RESHARD_CHOICES}, got {reshard_after_forward!r}")
