@@ -2,8 +2,9 @@
 
 Groups, in order (roles from the model's spec, titanlike/models/spec.py): every transformer block, then the input
 modules (token / position embeddings), then the final norm + output head together, then the root (whatever is left:
-rotary buffers need nothing; a tied embedding/head weight is left to the root so that ONE group owns it). Each group all-gathers its parameters in one collective before its
-forward and reduce-scatters its gradients in one collective after its backward.
+rotary buffers need nothing; a tied embedding/head weight is left to the root so that ONE group owns it). Each
+group all-gathers its parameters in one collective before its forward and reduce-scatters its gradients in one
+collective after its backward.
 
 * A 1-D ``dp_mesh`` shards parameters over all its ranks (FSDP); a 2-D ``("dp_replicate", "dp_shard_cp")``
   mesh shards over the second dim and replicates over the first (HSDP: reduce-scatter, then all-reduce).
