@@ -77,6 +77,10 @@ def _tp(n, *more):
     return ("--parallelism.tensor_parallel_degree", str(n), *more)
 
 
+def _cp(n, *more):
+    return ("--parallelism.context_parallel_degree", str(n), *more)
+
+
 SP = ("--parallelism.enable_sequence_parallel", "true")
 NO_LP = ("--parallelism.disable_loss_parallel", "true")
 
@@ -109,6 +113,12 @@ LAYOUTS = [
     Layout("MUT tp2_sp norms not sequence-parallel", 2, _tp(2, *SP, *_dp(1, 1, 8)), mutation="sp_norm_plain"),
     Layout("MUT fsdp2 loss averaged per rank", 2, _dp(1, 2, 4), mutation="loss_mean_per_rank"),
     Layout("MUT fsdp2 gradients averaged", 2, _dp(1, 2, 4), mutation="fsdp_average"),
+    Layout("cp2", 2, _cp(2, *_dp(1, 1, 8))),
+    Layout("cp2_tied_accum2", 2, _cp(2, *_dp(1, 1, 4)), model="tied"),
+    Layout("MUT cp2 K/V grads not reduce-scattered", 2, _cp(2, *_dp(1, 1, 8)), mutation="cp_kv_grad_not_reduced"),
+    Layout("MUT cp2 chunks in wrong order", 2, _cp(2, *_dp(1, 1, 8)), mutation="cp_chunks_wrong_order"),
+    Layout("MUT cp2 RoPE local positions", 2, _cp(2, *_dp(1, 1, 8)), mutation="cp_rope_local"),
+    Layout("MUT cp2 loss tokens per cp rank", 2, _cp(2, *_dp(1, 1, 8)), mutation="cp_tokens_per_rank"),
     # 4 ranks
     Layout("tp4_gqa", 4, _tp(4, *_dp(1, 1, 8)), model="gqa8"),
     Layout("fsdp4", 4, _dp(1, 4, 2)),
@@ -118,9 +128,13 @@ LAYOUTS = [
     Layout("tp2_fsdp2_ac_full", 4, _tp(2, "--activation_checkpoint.mode", "full", *_dp(1, 2, 4))),
     Layout("tp2_sp_fsdp2_tied_accum2_meta", 4, _tp(2, *SP, *_dp(1, 2, 2)), model="tied", meta_init=True),
     Layout("MUT hsdp2x2 gradients averaged", 4, _dp(2, 2, 2), mutation="fsdp_average"),
+    Layout("cp4", 4, _cp(4, *_dp(1, 1, 8))),
+    Layout("cp2_tp2_sp", 4, _cp(2, *_tp(2, *SP, *_dp(1, 1, 8)))),
+    Layout("cp2_fsdp2", 4, _cp(2, *_dp(1, 2, 4))),
     # 8 ranks
     Layout("tp2_hsdp2x2", 8, _tp(2, *_dp(2, 2, 2))),
     Layout("tp2_sp_fsdp4", 8, _tp(2, *SP, *_dp(1, 4, 2))),
+    Layout("cp2_tp2_fsdp2", 8, _cp(2, *_tp(2, *_dp(1, 2, 4)))),
 ]
 
 
@@ -213,7 +227,58 @@ def _fsdp_average():
         yield
 
 
+@contextlib.contextmanager
+def _cp_kv_grad_not_reduced():
+    """The K/V all-gather's backward keeps this rank's slice of its own gradient instead of reduce-scattering: the
+    contributions of the other ranks' queries to this rank's keys and values are lost (the forward is right)."""
+    import titanlike.parallel.context_parallel as cpm
+
+    def own_slice(grad, mesh):
+        return grad.chunk(mesh.size(), dim=1)[mesh.get_local_rank()].contiguous()
+
+    with patched(cpm, "_kv_grad_reduce", own_slice):
+        yield
+
+
+@contextlib.contextmanager
+def _cp_chunks_wrong_order():
+    """The gathered K/V are used in rank order as if it were the sequence order (no load-balance bookkeeping)."""
+    import titanlike.parallel.context_parallel as cpm
+
+    with patched(cpm, "reorder_gathered", lambda t, cp: t):
+        yield
+
+
+@contextlib.contextmanager
+def _cp_rope_local():
+    """Rotary embeddings at the local positions 0..s-1 of each cp rank instead of the tokens' global ones."""
+    import titanlike.parallel.context_parallel as cpm
+
+    with patched(cpm, "_rope_positions", lambda seq_len, cp, rank, device: torch.arange(seq_len // cp,
+                                                                                        device=device)):
+        yield
+
+
+_DP_ONLY: dict = {}  # loss group (dp x cp) -> the dp group alone (None: one data-parallel rank)
+
+
+@contextlib.contextmanager
+def _cp_tokens_per_rank():
+    """The token count (the loss denominator) is summed over the data-parallel ranks only, not over dp x cp: each cp
+    rank divides its tokens' loss by its own count."""
+    import titanlike.training.step as step
+
+    original = step.count_tokens
+    with patched(step, "count_tokens", lambda micro_batches, dp_group=None: original(
+            micro_batches, _DP_ONLY.get(dp_group, dp_group))):
+        yield
+
+
 MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "cp_kv_grad_not_reduced": _cp_kv_grad_not_reduced,
+    "cp_chunks_wrong_order": _cp_chunks_wrong_order,
+    "cp_rope_local": _cp_rope_local,
+    "cp_tokens_per_rank": _cp_tokens_per_rank,
     "tp_no_backward_reduce": _tp_no_backward_reduce,
     "ce_no_max_all_reduce": _ce_no_max_all_reduce,
     "sp_norm_plain": _sp_norm_plain,
@@ -335,17 +400,39 @@ def build_spmd(layout: Layout, cfg: JobConfig, ctx: Context, initial: nn.Module)
     dp_rank, dp = dims.get_mesh("dp").get_local_rank(), dims.dp
     n_micro = cfg.training.global_batch_size // (cfg.training.local_batch_size * dp)
 
+    cp_slice = cp_slicer(dims)
+
     def micro_batches(inputs, labels):
         rows = GLOBAL_BATCH // dp
         mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
-        return list(zip(inputs[mine].chunk(n_micro), labels[mine].chunk(n_micro)))
+        return list(zip(cp_slice(inputs[mine]).chunk(n_micro), cp_slice(labels[mine]).chunk(n_micro)))
 
     return Built(model_parts=[model], optimizer=build_optimizer([model], cfg),
                  loss=ScaledLoss(build_loss_fn(cfg, dims, mesh)),
                  clip_fn=lambda params, max_norm: clip_grad_norm_(params, max_norm),
                  micro_batches=micro_batches,
-                 step_kwargs={"dp_group": dims.get_mesh("dp").get_group() if dims.dp_enabled else None},
+                 step_kwargs={"dp_group": loss_group_for_gate(dims)},
                  aliases_checked=tied_ok)
+
+
+def cp_slicer(dims) -> Callable[[torch.Tensor], torch.Tensor]:
+    """This cp rank's two chunks of every row (the data loader's cut), identity without cp."""
+    if not dims.cp_enabled:
+        return lambda t: t
+    from titanlike.parallel.context_parallel import cp_shard
+
+    cp_mesh = dims.get_mesh("cp")
+    return partial(cp_shard, cp=cp_mesh.size(), rank=cp_mesh.get_local_rank(), dim=1)
+
+
+def loss_group_for_gate(dims):
+    """``loss_group(dims)`` (dp x cp), remembering the dp-only group for the per-cp-rank token-count mutation."""
+    from titanlike.parallel import loss_group
+
+    group = loss_group(dims)
+    if dims.cp_enabled:
+        _DP_ONLY[group] = dims.get_mesh("dp").get_group() if dims.dp_enabled else None
+    return group
 
 
 def _alias_groups(model: nn.Module) -> list[list[str]]:
