@@ -113,6 +113,7 @@ LAYOUTS = [
     Layout("MUT tp2_sp norms not sequence-parallel", 2, _tp(2, *SP, *_dp(1, 1, 8)), mutation="sp_norm_plain"),
     Layout("MUT fsdp2 loss averaged per rank", 2, _dp(1, 2, 4), mutation="loss_mean_per_rank"),
     Layout("MUT fsdp2 gradients averaged", 2, _dp(1, 2, 4), mutation="fsdp_average"),
+    Layout("MUT fsdp2 validation leaves FSDP unsharded", 2, _dp(1, 2, 4), mutation="eval_keeps_unsharded"),
     Layout("cp2", 2, _cp(2, *_dp(1, 1, 8))),
     Layout("cp2_tied_accum2", 2, _cp(2, *_dp(1, 1, 4)), model="tied"),
     Layout("MUT cp2 K/V grads not reduce-scattered", 2, _cp(2, *_dp(1, 1, 8)), mutation="cp_kv_grad_not_reduced"),
@@ -228,6 +229,16 @@ def _fsdp_average():
 
 
 @contextlib.contextmanager
+def _eval_keeps_unsharded():
+    """The no-grad validation forward leaves FSDP's root / head groups unsharded (what the trainer did before
+    eval_loss_sum resharded): the next step's gradient norm and update go wrong."""
+    import titanlike.training.step as step
+
+    with patched(step, "reshard_fsdp", lambda module: None):
+        yield
+
+
+@contextlib.contextmanager
 def _cp_kv_grad_not_reduced():
     """The K/V all-gather's backward keeps this rank's slice of its own gradient instead of reduce-scattering: the
     contributions of the other ranks' queries to this rank's keys and values are lost (the forward is right)."""
@@ -275,6 +286,7 @@ def _cp_tokens_per_rank():
 
 
 MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "eval_keeps_unsharded": _eval_keeps_unsharded,
     "cp_kv_grad_not_reduced": _cp_kv_grad_not_reduced,
     "cp_chunks_wrong_order": _cp_chunks_wrong_order,
     "cp_rope_local": _cp_rope_local,
@@ -355,6 +367,17 @@ class Context:
             self.references[layout.model] = records
         return model, self.references[layout.model]
 
+    def reference_eval(self, layout: Layout, cfg: JobConfig) -> float:
+        """One device's loss sum over the eval batch with the weights after step 1."""
+        key = ("eval", layout.model)
+        if key not in self.references:
+            model = build_model(cfg)
+            model.load_state_dict(self.references[layout.model][0].weights)
+            inputs, labels = global_batch(STEPS + 1)
+            with torch.no_grad():
+                self.references[key] = _plain_loss(cfg)(model(inputs), labels).item()
+        return self.references[key]
+
 
 def _plain_loss(cfg: JobConfig):
     from titanlike.training.loss import cross_entropy_loss
@@ -372,6 +395,9 @@ class Built:
     micro_batches: Callable[[torch.Tensor, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]
     step_kwargs: dict = field(default_factory=dict)
     aliases_checked: bool = True  # tied weights are still one parameter in the parallel model
+    # (inputs, labels) of the global batch -> this layout's validation loss sum over it, identical on every rank
+    # (the trainer's no-grad path); run between steps 1 and 2, so training must continue exactly after it
+    eval_sum: Callable[[torch.Tensor, torch.Tensor], float] | None = None
 
 
 def _load_full_weights(model: nn.Module, source: nn.Module) -> None:
@@ -407,12 +433,22 @@ def build_spmd(layout: Layout, cfg: JobConfig, ctx: Context, initial: nn.Module)
         mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
         return list(zip(cp_slice(inputs[mine]).chunk(n_micro), cp_slice(labels[mine]).chunk(n_micro)))
 
-    return Built(model_parts=[model], optimizer=build_optimizer([model], cfg),
-                 loss=ScaledLoss(build_loss_fn(cfg, dims, mesh)),
+    loss_fn = build_loss_fn(cfg, dims, mesh)
+    group = loss_group_for_gate(dims)
+
+    def eval_sum(inputs, labels):
+        from titanlike.training.step import eval_loss_sum
+
+        total = sum(eval_loss_sum(model, loss_fn, x, y) for x, y in micro_batches(inputs, labels))
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        return total.item()
+
+    return Built(model_parts=[model], optimizer=build_optimizer([model], cfg), eval_sum=eval_sum,
+                 loss=ScaledLoss(loss_fn),
                  clip_fn=lambda params, max_norm: clip_grad_norm_(params, max_norm),
                  micro_batches=micro_batches,
-                 step_kwargs={"dp_group": loss_group_for_gate(dims)},
-                 aliases_checked=tied_ok)
+                 step_kwargs={"dp_group": group}, aliases_checked=tied_ok)
 
 
 def cp_slicer(dims) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -461,7 +497,7 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
     t0 = time.perf_counter()
     cfg = config(layout, ctx.world_size)
     initial, records = ctx.reference(layout, cfg)
-    diffs = dict(loss=0.0, loss_step1=0.0, grad_norm=0.0, grads=0.0, weights=0.0)
+    diffs = dict(loss=0.0, loss_step1=0.0, grad_norm=0.0, grads=0.0, weights=0.0, eval=0.0)
     compared: set[str] = set()
     mutation = MUTATIONS[layout.mutation]() if layout.mutation else contextlib.nullcontext()
     with mutation:
@@ -481,6 +517,8 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
                     g = math.inf if p.grad is None else _max_abs(_full(p.grad), ref.grads[name])
                     diffs["grads"] = max(diffs["grads"], g)
                     diffs["weights"] = max(diffs["weights"], _max_abs(_full(p), ref.weights[name]))
+            if step == 1 and built.eval_sum is not None:
+                diffs["eval"] = abs(built.eval_sum(*global_batch(STEPS + 1)) - ctx.reference_eval(layout, cfg))
     # Reduce over ranks: NaN counts as infinitely wrong.
     values = torch.tensor([v if v == v else math.inf for v in diffs.values()], dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
@@ -494,7 +532,8 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
     dist.all_reduce(aliases, op=dist.ReduceOp.MIN)
     checks = {"coverage": unique <= union <= every, "tied_still_tied": bool(aliases.item())}
     return {"mutation": layout.mutation, "model": layout.model, **diffs, **checks,
-            "ok": all(diffs[k] <= TOL for k in ("loss", "grad_norm", "grads", "weights")) and all(checks.values()),
+            "ok": all(diffs[k] <= TOL for k in ("loss", "grad_norm", "grads", "weights", "eval"))
+            and all(checks.values()),
             "ref_grad_norms": [r.grad_norm for r in records], "max_norm": cfg.training.max_norm,
             "seconds": round(time.perf_counter() - t0, 2)}
 
@@ -511,7 +550,7 @@ def gate_main(rank: int, world_size: int, out: str, only: list[str] | None = Non
         if rank == 0:
             r = results[layout.name]
             print(f"[gate ws={world_size}] {layout.name:45s} ok={r['ok']!s:5} loss {r['loss']:.1e} "
-                  f"grad_norm {r['grad_norm']:.1e} grads {r['grads']:.1e} weights {r['weights']:.1e} "
+                  f"grad_norm {r['grad_norm']:.1e} grads {r['grads']:.1e} weights {r['weights']:.1e} eval {r['eval']:.1e} "
                   f"({r['seconds']} s)", flush=True)
     if rank == 0:
         Path(out).write_text(json.dumps({"world_size": world_size, "tolerance": TOL, "layouts": results}, indent=1))

@@ -21,6 +21,7 @@ EXPECTED_BREAK = {
     "sp_norm_plain": ("grads", False),
     "loss_mean_per_rank": ("loss_step1", True),
     "fsdp_average": ("grad_norm", False),
+    "eval_keeps_unsharded": ("grad_norm", False),
     "cp_kv_grad_not_reduced": ("grads", False),
     "cp_chunks_wrong_order": ("loss_step1", True),
     "cp_rope_local": ("loss_step1", True),
@@ -57,7 +58,8 @@ def test_layouts_train_exactly_like_one_device(gate_results):
         if r["mutation"]:
             continue
         if not r["ok"]:
-            bad[name] = {k: r[k] for k in ("loss", "grad_norm", "grads", "weights", "coverage", "tied_still_tied")}
+            bad[name] = {k: r[k] for k in ("loss", "grad_norm", "grads", "weights", "eval", "coverage",
+                                           "tied_still_tied")}
         # Clipping acted on every step (the reference norm exceeds max_norm), so it was tested too.
         assert min(r["ref_grad_norms"]) > 2 * r["max_norm"], name
     assert not bad, f"layouts differ from one device by more than {gate.TOL}: {bad}"

@@ -22,7 +22,7 @@ from titanlike.config import (ConfigError, JobConfig, float8_backend, hf_archite
 from titanlike.models import Transformer
 from titanlike.training.metrics import MetricsLogger, Throughput, format_eta, peak_memory_gib, use_color
 from titanlike.training.optim import build_lr_scheduler, build_optimizer
-from titanlike.training.step import IGNORE_INDEX, ScaledLoss, plain_clip_grad_norm_, train_step
+from titanlike.training.step import IGNORE_INDEX, ScaledLoss, eval_loss_sum, plain_clip_grad_norm_, train_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -460,9 +460,8 @@ class Trainer:
                 from titanlike.parallel.pipeline import pipeline_eval_loss
 
                 loss_sum = pipeline_eval_loss(self, inputs, labels)
-            else:
-                with self.forward_context():
-                    loss_sum = self.loss.loss_fn(self.model_parts[0](inputs), labels)
+            else:  # eval mode, then FSDP's shards handed back (training continues exactly)
+                loss_sum = eval_loss_sum(self.model_parts[0], self.loss.loss_fn, inputs, labels, self.forward_context)
             total[0] += loss_sum.detach().to(torch.float64)
             total[1] += (labels != IGNORE_INDEX).sum()
         for m in self.model_parts:
