@@ -27,6 +27,8 @@ RESHARDS = [
     ("tp2_from_corrupt_fsdp2", "tp2", "fsdp2"),  # same, after setting aside a newer step-6 with a flipped bit
     ("pp2_fsdp2_from_tp2_fsdp2", "pp2_fsdp2", "tp2_fsdp2"),  # tp2 x fsdp2 -> pp2 x fsdp2
     ("tied_zbv_pp2_from_tied_fsdp2", "tied_zbv_pp2", "tied_fsdp2"),  # tied embeddings: fsdp2 -> ZBV pp2
+    ("single_from_cp2", "single", "cp2"),  # context parallel 2 -> one process
+    ("cp2_from_fsdp2", "cp2", "fsdp2"),  # cp 1 (fsdp2) -> cp 2
 ]
 
 
