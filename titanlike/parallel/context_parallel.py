@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.bias import causal_lower_right
 
-__all__ = ["apply_cp", "cp_shard", "cp_unshard", "cp_positions", "chunk_ids", "ContextParallelAttention"]
+__all__ = ["ContextParallelAttention", "apply_cp", "chunk_attention", "chunk_ids", "cp_positions", "cp_shard", "cp_unshard"]
 
 
 # ---------------------------------------------------------------------------------------------- the layout
@@ -139,24 +139,66 @@ class ContextParallelAttention(nn.Module):
         cp, c = self.cp, q.shape[1] // 2
         k_all = reorder_gathered(all_gather_sequence(k, self.cp_mesh), cp)
         v_all = reorder_gathered(all_gather_sequence(v, self.cp_mesh), cp)
+        n_rep = q.shape[2] // k.shape[2]
+        if n_rep > 1:  # grouped-query attention, as the plain core does (after the gather: kv heads travel)
+            k_all = k_all.repeat_interleave(n_rep, dim=2)
+            v_all = v_all.repeat_interleave(n_rep, dim=2)
         kt, vt = k_all.transpose(1, 2), v_all.transpose(1, 2)
-        gqa = q.shape[2] != k.shape[2]
         outs = []
         for half, j in enumerate(chunk_ids(cp, self.rank)):
             qj = q[:, half * c:(half + 1) * c].transpose(1, 2)
-            n_keys = (j + 1) * c
-            mask = _causal_mask(c, n_keys, q.device)
-            outs.append(F.scaled_dot_product_attention(qj, kt[:, :, :n_keys], vt[:, :, :n_keys], attn_mask=mask,
-                                                       enable_gqa=gqa).transpose(1, 2))
+            outs.append(chunk_attention(qj, kt[:, :, :(j + 1) * c], vt[:, :, :(j + 1) * c]).transpose(1, 2))
         return torch.cat(outs, dim=1)
 
 
-def _causal_mask(n_queries: int, n_keys: int, device) -> Tensor:
-    """Causal mask of the last ``n_queries`` positions over ``n_keys`` keys (aligned to the bottom right). On CUDA a
-    ``CausalBias`` that SDPA hands to the flash / efficient kernel (no mask tensor); elsewhere the boolean mask."""
-    if device.type == "cuda":
-        return causal_lower_right(n_queries, n_keys)
-    return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(n_keys - n_queries)
+def chunk_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal attention of ``q`` (batch, heads, c, d), the last ``c`` positions, over ``k, v`` (batch, heads, n, d),
+    positions ``0 .. n-1`` (the causal mask aligned to the bottom right). No ``c x n`` mask is materialised:
+
+    * CUDA: SDPA with ``causal_lower_right`` (flash / memory-efficient kernels take the bottom-right alignment);
+    * CPU: torch's flash kernel twice, the ``n - c`` earlier keys without a mask and the last ``c`` with the square
+      causal mask, merged by their log-sum-exps (:class:`_TwoBlockAttentionCPU`); anything else: the explicit mask.
+    """
+    c, n = q.shape[2], k.shape[2]
+    if q.device.type == "cuda":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(c, n))
+    if q.device.type == "cpu" and _cpu_flash is not None:
+        if n == c:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return _TwoBlockAttentionCPU.apply(q, k[:, :, :n - c], v[:, :, :n - c], k[:, :, n - c:], v[:, :, n - c:])
+    mask = torch.ones(c, n, dtype=torch.bool, device=q.device).tril(n - c)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+_cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_cpu_flash_bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+class _TwoBlockAttentionCPU(torch.autograd.Function):
+    """softmax over [past keys (all visible) | diagonal keys (causal)], exact, from two flash calls.
+
+    Forward: ``o_p, l_p`` over the past block, ``o_d, l_d`` over the diagonal block; ``l = logaddexp(l_p, l_d)``,
+    ``o = exp(l_p - l) o_p + exp(l_d - l) o_d``. Backward: the flash backward of each block with the merged ``o`` and
+    ``l`` gives that block's exact share of the gradients (its probabilities are ``exp(s - l)``), as in ring
+    attention. Saves ``q``, the keys / values (views of the gathered ones), ``o`` and ``l``: no ``c x n`` tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k_past, v_past, k_diag, v_diag):
+        o_d, l_d = _cpu_flash(q, k_diag, v_diag, 0.0, True)
+        o_p, l_p = _cpu_flash(q, k_past, v_past, 0.0, False)
+        lse = torch.logaddexp(l_p, l_d)
+        out = (torch.exp(l_p - lse).unsqueeze(-1) * o_p + torch.exp(l_d - lse).unsqueeze(-1) * o_d).to(q.dtype)
+        ctx.save_for_backward(q, k_past, v_past, k_diag, v_diag, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k_past, v_past, k_diag, v_diag, out, lse = ctx.saved_tensors
+        grad = grad.contiguous()
+        dq_d, dk_d, dv_d = _cpu_flash_bwd(grad, q, k_diag, v_diag, out, lse, 0.0, True)
+        dq_p, dk_p, dv_p = _cpu_flash_bwd(grad, q, k_past, v_past, out, lse, 0.0, False)
+        return dq_p + dq_d, dk_p, dv_p, dk_d, dv_d
 
 
 def reorder_gathered(t: Tensor, cp: int) -> Tensor:

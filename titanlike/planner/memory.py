@@ -155,9 +155,14 @@ def block_activation_bytes(layout: Layout, args, tokens: int, mode: str = "none"
     a, c, t = layout.act_bytes, layout.compute_bytes, layout.tp
     tsp = t if layout.sequence_parallel else 1
     kv = args.n_kv_heads / args.n_heads
-    # Context parallel: the K and V of the whole sequence (kv heads, all-gathered over cp) stay for the backward
-    # (the attention kernel's inputs; selective AC saves the all-gather outputs); ``tokens`` are the local ones.
-    gathered_kv = 2 * a * h * kv / t * layout.cp if layout.cp > 1 and mode != "full" else 0
+    # Context parallel (``tokens`` are the local ones): the attention kernel keeps K and V of the whole sequence,
+    # repeated to all heads as its inputs (no AC: (cp - 1) more tokens' worth than the local K / V counted below);
+    # selective op AC saves the all-gather outputs instead (kv heads) and recomputes the rest.
+    gathered_kv = 0.0
+    if layout.cp > 1 and mode == "none":
+        gathered_kv = 2 * a * h / t * (layout.cp - 1)
+    elif layout.cp > 1 and mode == "op":
+        gathered_kv = 2 * a * h * kv / t * layout.cp
     if mode == "full":
         per_token = a * h / tsp
     elif mode == "op":
