@@ -116,6 +116,8 @@ LAYOUTS = [
     Layout("MUT fsdp2 validation leaves FSDP unsharded", 2, _dp(1, 2, 4), mutation="eval_keeps_unsharded"),
     Layout("cp2", 2, _cp(2, *_dp(1, 1, 8))),
     Layout("cp2_tied_accum2", 2, _cp(2, *_dp(1, 1, 4)), model="tied"),
+    Layout("cp2_ac_full", 2, _cp(2, "--activation_checkpoint.mode", "full", *_dp(1, 1, 8))),
+    Layout("cp2_ac_selective_op", 2, _cp(2, "--activation_checkpoint.mode", "selective", *_dp(1, 1, 8))),
     Layout("MUT cp2 K/V grads not reduce-scattered", 2, _cp(2, *_dp(1, 1, 8)), mutation="cp_kv_grad_not_reduced"),
     Layout("MUT cp2 chunks in wrong order", 2, _cp(2, *_dp(1, 1, 8)), mutation="cp_chunks_wrong_order"),
     Layout("MUT cp2 RoPE local positions", 2, _cp(2, *_dp(1, 1, 8)), mutation="cp_rope_local"),
