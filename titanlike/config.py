@@ -853,6 +853,9 @@ def _context_parallel_violations(cfg: JobConfig, cp: int, tp: int) -> list[str]:
     if cfg.model.kernels != "torch":
         out.append(f"parallelism.context_parallel_degree {cp}: model.kernels={cfg.model.kernels} has no "
                    f"context-parallel path (proven only with the torch kernels); set model.kernels=torch or cp 1")
+    if cfg.float8.recipe:
+        out.append(f"float8.recipe={cfg.float8.recipe} with context_parallel_degree {cp}: float8 training is not proven "
+                   f"under context parallelism; leave float8.recipe empty or set cp 1")
     if p.pipeline_parallel_degree > 1 and p.pipeline_parallel_schedule in CP_UNVERIFIED_SCHEDULES:
         out.append(f"parallelism.pipeline_parallel_schedule {p.pipeline_parallel_schedule} is not supported with "
                    f"context parallelism (its split backward is unverified with the K/V reduce-scatter); use "

@@ -65,6 +65,10 @@ def test_cp_layout_rules_are_reported_together():
     text = "\n".join(layout_violations(cfg, 8, args))
     assert "seq_len 36 is not divisible by 2 x context_parallel_degree = 8" in text
     assert "model.kernels=te has no context-parallel path" in text
+    cfg.model.kernels, cfg.float8.recipe = "torch", "tensorwise"
+    assert any("float8 training is not proven under context parallelism" in v
+               for v in layout_violations(cfg, 8, args))
+    cfg.float8.recipe = ""
     cfg.training.seq_len, cfg.model.kernels = 40, "torch"  # 8 | 40, but a cp rank's 10 tokens are odd... for tp 4
     p.tensor_parallel_degree = 4
     text = "\n".join(layout_violations(cfg, 16, args))
