@@ -748,7 +748,7 @@ def layout_violations(cfg: JobConfig, world_size: int, model_args=None) -> list[
                    f"{rest * dps} != world size {world_size}; set data_parallel_shard_degree = -1 to infer it or "
                    f"change the degrees")
     if cp > 1:
-        out.append("parallelism.context_parallel_degree: context parallelism is not implemented yet; set it to 1")
+        out += _context_parallel_violations(cfg, cp, tp)
     dp = dpr * dps
     # Tensor / sequence parallel.
     if tp > 1:
@@ -792,6 +792,10 @@ def layout_violations(cfg: JobConfig, world_size: int, model_args=None) -> list[
     if cfg.float8.recipe and cfg.model.name != "llama3":
         out.append(f"float8.recipe={cfg.float8.recipe}: float8 training is wired for the Llama model only; leave "
                    f"float8.recipe empty for {cfg.model.name}")
+    if p.context_parallel_degree > 1 and cfg.model.name != "llama3":
+        out.append(f"parallelism.context_parallel_degree {p.context_parallel_degree}: context parallelism is wired "
+                   f"for the Llama model only (its attention core and RoPE positions); set cp 1 for "
+                   f"{cfg.model.name}")
     out += float8_violations(cfg)
     return out
 
@@ -851,6 +855,34 @@ def float8_violations(cfg: JobConfig) -> list[str]:
         if te_only_off:
             out.append(f"{', '.join(te_only_off)} apply to float8.backend=torchao only; unset them with "
                        f"float8.backend=te")
+    return out
+
+
+# Pipeline schedules whose split backward (input gradients first, weight gradients later) has not been proven with
+# the context-parallel K/V reduce-scatter; the gate covers the others (tests/parallel/pipeline_gate.py).
+CP_UNVERIFIED_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def _context_parallel_violations(cfg: JobConfig, cp: int, tp: int) -> list[str]:
+    p, t = cfg.parallelism, cfg.training
+    out = []
+    if t.seq_len % (2 * cp):
+        out.append(f"training.seq_len {t.seq_len} is not divisible by 2 x context_parallel_degree = {2 * cp} (each "
+                   f"cp rank holds 2 of {2 * cp} load-balanced chunks); choose a multiple of {2 * cp}")
+    elif p.enable_sequence_parallel and tp > 1 and (t.seq_len // cp) % tp:
+        out.append(f"training.seq_len {t.seq_len}: the {t.seq_len // cp} tokens of a cp rank are not divisible by "
+                   f"tensor_parallel_degree {tp} under sequence parallelism; choose a multiple of {cp * tp} and "
+                   f"{2 * cp}")
+    if cfg.model.kernels != "torch":
+        out.append(f"parallelism.context_parallel_degree {cp}: model.kernels={cfg.model.kernels} has no "
+                   f"context-parallel path (proven only with the torch kernels); set model.kernels=torch or cp 1")
+    if cfg.float8.recipe:
+        out.append(f"float8.recipe={cfg.float8.recipe} with context_parallel_degree {cp}: float8 training is not proven "
+                   f"under context parallelism; leave float8.recipe empty or set cp 1")
+    if p.pipeline_parallel_degree > 1 and p.pipeline_parallel_schedule in CP_UNVERIFIED_SCHEDULES:
+        out.append(f"parallelism.pipeline_parallel_schedule {p.pipeline_parallel_schedule} is not supported with "
+                   f"context parallelism (its split backward is unverified with the K/V reduce-scatter); use "
+                   f"1F1B, GPipe, Interleaved1F1B or LoopedBFS")
     return out
 
 

@@ -116,6 +116,8 @@ LAYOUTS = [
            model="nanogpt", kind="user_pp"),
     _layout("MUT pp4 tied grads not summed", 4, _pp(4, "Interleaved1F1B", 8), "deep_tied", "pp_tied_not_summed"),
     _layout("MUT pp4 norm not reduced over stages", 4, _pp(4, "1F1B", 8), mutation="pp_norm_not_reduced"),
+    _layout("cp2 pp2 1F1B tied", 4, ("--parallelism.context_parallel_degree", "2", *_pp(2, "1F1B", 8, 2)),
+            model="deep_tied"),
     # 8 ranks: pp 2 x fsdp 2 x tp 2 (+SP); 2 microbatches of 2 (DualPipeV needs 4 of 1).
     _layout("pp2 fsdp2 tp2_sp 1F1B", 8, _tp2(*SP, *_pp(2, "1F1B", 4, 2))),
     _layout("pp2 fsdp2 tp2_sp InterleavedZeroBubble", 8, _tp2(*SP, *_pp(2, "InterleavedZeroBubble", 4, 2))),
@@ -203,9 +205,10 @@ _BUILT: dict = {}
 
 
 def _dp_slice(mesh, dims, t: torch.Tensor) -> torch.Tensor:
+    """This data-parallel rank's rows, and this cp rank's two chunks of each (the data loader's cut)."""
     rows = GLOBAL_BATCH // dims.dp
     r = dims.get_mesh("dp").get_local_rank()
-    return t[r * rows:(r + 1) * rows]
+    return gate.cp_slicer(dims)(t[r * rows:(r + 1) * rows])
 
 
 def _eval_diff(pp, mesh, dims, reference: nn.Module) -> float:
@@ -214,8 +217,9 @@ def _eval_diff(pp, mesh, dims, reference: nn.Module) -> float:
 
     inputs, labels = global_batch(STEPS + 1)
     total = pp.eval_loss(_dp_slice(mesh, dims, inputs), _dp_slice(mesh, dims, labels))
-    if dims.dp_enabled:
-        dist.all_reduce(total, group=dims.get_mesh("dp").get_group())
+    group = gate.loss_group_for_gate(dims)
+    if group is not None:
+        dist.all_reduce(total, group=group)
     with torch.no_grad():
         expected = cross_entropy_loss(reference(inputs), labels, reduction="sum")
     return abs(total.item() - expected.item())
@@ -238,7 +242,7 @@ def build_pp(layout: Layout, cfg, ctx, initial) -> Built:
 
     return Built(model_parts=pp.model_parts, optimizer=build_optimizer(pp.model_parts, cfg), loss=pp.loss,
                  clip_fn=pp.finalize_grads_and_clip_, micro_batches=micro_batches,
-                 step_kwargs={"dp_group": dims.get_mesh("dp").get_group() if dims.dp_enabled else None,
+                 step_kwargs={"dp_group": gate.loss_group_for_gate(dims),
                               "pp_schedule": pp.schedule, "pp_group": pp.pp_group,
                               "has_last_stage": pp.has_last_stage})
 

@@ -22,6 +22,7 @@ _EXPORTS = {
     "apply_fsdp": "fsdp",
     "clip_grad_norm_": "clip",
     "parallelize_model": "parallelize", "build_loss_fn": "parallelize", "loss_parallel_enabled": "parallelize",
+    "loss_group": "parallelize", "apply_cp": "context_parallel", "cp_shard": "context_parallel",
     "loss_parallel_cross_entropy": "loss_parallel", "vocab_parallel_cross_entropy": "loss_parallel",
 }
 

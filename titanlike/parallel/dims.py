@@ -126,7 +126,11 @@ class ParallelDims:
         key = (self.shape, device_type, dist.group.WORLD)
         if key not in _BUILT:
             mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
-            _BUILT[key] = {"world": mesh, **{name: mesh[parts]._flatten(name) for name, parts in FLATTENED.items()}}
+            meshes = {"world": mesh, **{name: mesh[parts]._flatten(name) for name, parts in FLATTENED.items()}}
+            if self.cp > 1 and self.dp_replicate > 1:  # HSDP under cp: (dp_replicate, dp_shard x cp), 2-D
+                meshes[("dp_replicate", "dp_shard_cp")] = meshes["dp_cp"]._unflatten(
+                    0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp"))
+            _BUILT[key] = meshes
         self._meshes = _BUILT[key]
         return self._meshes["world"]
 
@@ -147,6 +151,8 @@ class ParallelDims:
             names = tuple("dp_shard" if n == "dp_shard_cp" else n for n in names)
         if len(names) == 1 and names[0] in FLATTENED:
             return self._meshes[names[0]]
+        if names in self._meshes:  # ("dp_replicate", "dp_shard_cp") under cp: HSDP's mesh
+            return self._meshes[names]
         if any(n not in MESH_DIMS for n in names):
             raise ValueError(f"ParallelDims.get_mesh: {names} must be one of {tuple(FLATTENED)} or dims of "
                              f"{MESH_DIMS}")

@@ -2,7 +2,8 @@
 
 0. float8 (``float8.backend=torchao``): ``nn.Linear`` -> torchao ``Float8Linear``, same parameter names;
 1. tensor (+ sequence) parallelism (torchao's float8 styles when every projection is tensorwise float8), with
-   the head left vocab-sharded for the vocab-parallel loss;
+   the head left vocab-sharded for the vocab-parallel loss; then context parallelism (the attention core swapped,
+   rotary tables at global positions);
 2. activation checkpointing (hooks of the TP styles on submodules rerun inside the recomputation);
 3. ``torch.compile`` per block (sees DTensors between blocks, and the checkpoint regions);
 4. FSDP / HSDP over ``dp_shard x cp`` (and ``dp_replicate``), outermost so that its all-gathers and
@@ -24,7 +25,15 @@ from torch import Tensor, nn
 from titanlike.config import JobConfig, float8_backend
 from titanlike.parallel.dims import ParallelDims
 
-__all__ = ["parallelize_model", "build_loss_fn", "loss_parallel_enabled"]
+__all__ = ["parallelize_model", "build_loss_fn", "loss_parallel_enabled", "loss_group"]
+
+
+def loss_group(dims: ParallelDims):
+    """The process group the loss is reduced over (token count and reported loss): every rank holding a different
+    part of the global batch, ``dp x cp`` (None on one rank per model copy)."""
+    if dims.cp_enabled:
+        return dims.get_mesh("dp_cp").get_group()
+    return dims.get_mesh("dp").get_group() if dims.dp_enabled else None
 
 
 def loss_parallel_enabled(cfg: JobConfig, dims: ParallelDims) -> bool:
@@ -40,8 +49,8 @@ def _submesh(dims: ParallelDims, mesh, names):
 
 
 def parallelize_model(model: nn.Module, dims: ParallelDims, mesh, cfg: JobConfig) -> nn.Module:
-    """float8 (torchao) -> TP(+SP, loss parallel) -> activation checkpointing -> compile -> FSDP/HSDP, in place;
-    returns ``model``.
+    """float8 (torchao) -> TP(+SP, loss parallel) -> CP -> activation checkpointing -> compile -> FSDP/HSDP, in
+    place; returns ``model``.
 
     ``model`` may be on the meta device (then call ``to_empty`` + ``init_weights`` afterwards) or materialised
     (every rank must hold the same weights: TP and FSDP keep each rank's shard of its own copy). ``mesh`` is
@@ -67,6 +76,10 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh, cfg: JobConfig
             float8_tp = False
         apply_tp(model, tp_mesh, sequence_parallel=p.enable_sequence_parallel,
                  loss_parallel=loss_parallel_enabled(cfg, dims), float8=float8_tp)
+    if dims.cp_enabled:
+        from titanlike.parallel.context_parallel import apply_cp
+
+        apply_cp(model, _submesh(dims, mesh, "cp"))
     if cfg.activation_checkpoint.mode != "none":
         from titanlike.parallel.activation_checkpoint import apply_ac
 

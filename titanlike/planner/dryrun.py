@@ -115,10 +115,14 @@ def _probe_block(cfg: JobConfig, layout: Layout, args, mesh, layer_id: int) -> i
     if layout.tp > 1:
         apply_tp(block, mesh["tp"], sequence_parallel=layout.sequence_parallel,
                  loss_parallel=loss_parallel_enabled(cfg, layout.dims))
+    if layout.cp > 1:
+        from titanlike.parallel.context_parallel import apply_cp
+
+        apply_cp(block, mesh["cp"])
     if layout.ac_mode != "none":
         apply_ac(block, cfg.activation_checkpoint)
     act = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}[layout.dtype]
-    seq = layout.seq_len // (layout.tp if layout.sequence_parallel else 1)
+    seq = layout.local_seq_len // (layout.tp if layout.sequence_parallel else 1)
     with FakeTensorMode(allow_non_fake_inputs=True):
         block.to_empty(device="cpu")
         rope = torch.float64 if act == torch.float64 else torch.float32  # the model keeps its tables in fp32

@@ -92,6 +92,28 @@ class Layout:
         return self.dims.dp
 
     @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of each sequence on one rank: ``seq_len / cp`` (two load-balanced chunks)."""
+        return self.seq_len // self.dims.cp
+
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks FSDP shards parameters over: dp_shard x cp."""
+        return self.dims.dp_shard * self.dims.cp
+
+    @property
+    def fsdp_dim(self) -> str:
+        """The mesh dim name of FSDP's shard group ("dp_shard", or the flattened "dp_shard_cp" under cp)."""
+        return "dp_shard_cp" if self.dims.cp > 1 else "dp_shard"
+
+    def fsdp_shard_index(self, coords: dict[str, int]) -> int:
+        return coords["dp_shard"] * self.dims.cp + coords["cp"]
+
+    @property
     def n_nodes(self) -> int:
         return -(-self.world_size // self.gpus_per_node)
 
@@ -174,7 +196,7 @@ class Layout:
     def groups(self) -> dict[str, GroupMap]:
         """tp, cp, dp_shard, dp_replicate, dp and pp groups against node boundaries."""
         return {name: group_map(self.dims, name, self.gpus_per_node)
-                for name in ("tp", "cp", "dp_shard", "dp_replicate", "dp", "pp")}
+                for name in ("tp", "cp", "dp_shard", "dp_shard_cp", "dp_replicate", "dp", "pp")}
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,7 @@ def _prod(shape) -> int:
 def rank_param_shards(layout: Layout, args, rank: int = 0) -> dict[int, list[ParamShard]]:
     """Per stage held by ``rank``: its parameters' full, tp-local and stored shapes."""
     c = layout.coords(rank)
-    ds = layout.dp_shard
+    ds, shard_index = layout.fsdp_shard, layout.fsdp_shard_index(c)
     out = {}
     for s in layout.stage_ids(c["pp"]):
         shards = []
@@ -137,7 +137,7 @@ def rank_param_shards(layout: Layout, args, rank: int = 0) -> dict[int, list[Par
                 tp_shape[d] = chunk(shape[d], layout.tp, c["tp"])
             local, padded = list(tp_shape), _prod(tp_shape)
             if layout.fsdp:
-                local[fd] = chunk(tp_shape[fd], ds, c["dp_shard"])
+                local[fd] = chunk(tp_shape[fd], ds, shard_index)
                 padded = -(-tp_shape[fd] // ds) * _prod(tp_shape) // max(1, tp_shape[fd])
             shards.append(ParamShard(name, tuple(shape), tuple(tp_shape), tuple(local), padded))
         out[s] = shards
@@ -185,6 +185,14 @@ def block_activation_bytes(layout: Layout, args, tokens: int, mode: str = "none"
     a, c, t = layout.act_bytes, layout.compute_bytes, layout.tp
     tsp = t if layout.sequence_parallel else 1
     kv = args.n_kv_heads / args.n_heads
+    # Context parallel (``tokens`` are the local ones): the attention kernel keeps K and V of the whole sequence,
+    # repeated to all heads as its inputs (no AC: (cp - 1) more tokens' worth than the local K / V counted below);
+    # selective op AC saves the all-gather outputs instead (kv heads) and recomputes the rest.
+    gathered_kv = 0.0
+    if layout.cp > 1 and mode == "none":
+        gathered_kv = 2 * a * h / t * (layout.cp - 1)
+    elif layout.cp > 1 and mode == "op":
+        gathered_kv = 2 * a * h * kv / t * layout.cp
     if mode == "full":
         per_token = a * h / tsp
     elif mode == "op":
@@ -200,7 +208,7 @@ def block_activation_bytes(layout: Layout, args, tokens: int, mode: str = "none"
     else:
         norms = 2 * ((c * h + c + a * h) / tsp + a * h)
         per_token = norms + (4 * a * h + 4 * n + 4 * a * H) / t
-    return round(per_token * tokens)
+    return round((per_token + gathered_kv) * tokens)
 
 
 def head_activation_bytes(layout: Layout, args, tokens: int) -> tuple[int, int]:
@@ -264,7 +272,8 @@ def rank_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
     pb, a = layout.param_bytes, layout.act_bytes
     n_local = sum(p.numel for ps in shards.values() for p in ps)
     n_tensors = sum(len(ps) for ps in shards.values())
-    sharded = f"sharded over dp_shard {layout.dp_shard}" if layout.fsdp and layout.dp_shard > 1 else "unsharded"
+    sharded = (f"sharded over {layout.fsdp_dim} {layout.fsdp_shard}" if layout.fsdp and layout.fsdp_shard > 1
+               else "unsharded")
     items = [
         MemoryItem("parameters", n_local * pb, f"{n_local / 1e6:,.1f}M elements, fp{8 * pb} master copy, {sharded}"),
         MemoryItem("gradients", n_local * pb, f"fp{8 * pb}, same shards"),
@@ -294,7 +303,7 @@ def rank_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
     # Activations.
     c = layout.coords(rank)
     stage_ids = layout.stage_ids(c["pp"])
-    tokens = layout.microbatch_size * layout.seq_len
+    tokens = layout.microbatch_size * layout.local_seq_len
     if layout.pp > 1:
         counts = inflight_microbatches(layout.schedule or "1F1B", layout.pp, layout.n_microbatches,
                                        layout.stages_per_rank)[c["pp"]]
@@ -317,8 +326,9 @@ def rank_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
             transient = max(transient, recompute)
     ac = layout.ac_mode if layout.ac_mode != "selective" else f"selective {layout.ac_option}"
     sp = "on" if layout.sequence_parallel else "off"
+    cp = f" (seq {layout.seq_len} / cp {layout.cp})" if layout.cp > 1 else ""
     items.append(MemoryItem("activations", act, f"{' + '.join(detail)} of {layout.microbatch_size} x "
-                                                f"{layout.seq_len} tokens, AC {ac}, SP {sp}"))
+                                                f"{layout.local_seq_len} tokens{cp}, AC {ac}, SP {sp}"))
     items.append(MemoryItem("transient", transient, "largest of: loss working set, one block's recomputation"))
     return items
 

@@ -22,7 +22,7 @@ from titanlike.config import (ConfigError, JobConfig, float8_backend, hf_archite
 from titanlike.models import get_spec
 from titanlike.training.metrics import MetricsLogger, Throughput, format_eta, peak_memory_gib, use_color
 from titanlike.training.optim import build_lr_scheduler, build_optimizer
-from titanlike.training.step import IGNORE_INDEX, ScaledLoss, plain_clip_grad_norm_, train_step
+from titanlike.training.step import IGNORE_INDEX, ScaledLoss, eval_loss_sum, plain_clip_grad_norm_, train_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -135,6 +135,9 @@ class Trainer:
             self._print_start()
         self.dims = self.mesh = None
         dp_rank, dp_degree = 0, 1
+        self.cp_rank, self.cp_degree = 0, 1
+        # dp_group: the loss group (token count, reported and validation loss): dp x cp, every rank that holds a
+        # different part of the global batch.
         self.dp_group = self.pp_group = None
         if self.distributed:
             from titanlike.parallel import ParallelDims, describe_layout
@@ -144,10 +147,15 @@ class Trainer:
             if self.rank == 0:
                 gpn = cfg.parallelism.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
                 print(describe_layout(self.dims, gpn), flush=True)
+            from titanlike.parallel import loss_group
+
+            self.dp_group = loss_group(self.dims)
             if self.dims.dp_enabled:
                 dp_mesh = self.dims.get_mesh("dp")
-                self.dp_group = dp_mesh.get_group()
                 dp_rank, dp_degree = dp_mesh.get_local_rank(), dp_mesh.size()
+            if self.dims.cp_enabled:  # cp ranks read the same samples, each its two chunks of every sequence
+                cp_mesh = self.dims.get_mesh("cp")
+                self.cp_rank, self.cp_degree = cp_mesh.get_local_rank(), cp_mesh.size()
 
         # The full model is initialised on the CPU from the seed, then parallelized: the initial weights are the
         # same under every layout. When the weights come from a checkpoint anyway (a resume, or a seed checkpoint /
@@ -196,7 +204,7 @@ class Trainer:
             self.model_parts = [model]
             self.loss = ScaledLoss(loss_fn)
         # bf16 without FSDP's mixed precision (one process): autocast over float32 master weights.
-        fsdp = self.distributed and (self.dims.dp_shard_enabled or self.dims.dp_replicate_enabled)
+        fsdp = self.distributed and (self.dims.fsdp_enabled or self.dims.dp_replicate_enabled)
         self.autocast = dtype == torch.bfloat16 and not fsdp
         if self.pp is not None:  # sums the tied embedding's gradient over its two stages first
             self.clip_fn = self.pp.finalize_grads_and_clip_
@@ -223,7 +231,8 @@ class Trainer:
         self.dataloader = build_dataloader(train_tokens, seq_len=t.seq_len, global_batch_size=self.global_batch,
                                            local_batch_size=t.local_batch_size, dp_rank=dp_rank,
                                            dp_degree=dp_degree, seed=t.seed, shuffle=cfg.data.shuffle,
-                                           num_workers=cfg.data.num_workers)
+                                           num_workers=cfg.data.num_workers, cp_rank=self.cp_rank,
+                                           cp_degree=self.cp_degree)
         val_windows = max(len(val_tokens) - 1, 0) // t.seq_len
         self.val_tokens = val_tokens if cfg.validation.enable and val_windows >= t.local_batch_size * dp_degree \
             else None
@@ -455,7 +464,8 @@ class Trainer:
         loader = build_validation_loader(self.val_tokens, seq_len=cfg.training.seq_len,
                                          batch_size=cfg.training.local_batch_size, dp_rank=self.dp_rank,
                                          dp_degree=self.dp_degree,
-                                         max_batches=cfg.validation.steps if cfg.validation.steps > 0 else None)
+                                         max_batches=cfg.validation.steps if cfg.validation.steps > 0 else None,
+                                         cp_rank=self.cp_rank, cp_degree=self.cp_degree)
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for m in self.model_parts:
             m.eval()
@@ -465,9 +475,8 @@ class Trainer:
                 from titanlike.parallel.pipeline import pipeline_eval_loss
 
                 loss_sum = pipeline_eval_loss(self, inputs, labels)
-            else:
-                with self.forward_context():
-                    loss_sum = self.loss.loss_fn(self.model_parts[0](inputs), labels)
+            else:  # eval mode, then FSDP's shards handed back (training continues exactly)
+                loss_sum = eval_loss_sum(self.model_parts[0], self.loss.loss_fn, inputs, labels, self.forward_context)
             total[0] += loss_sum.detach().to(torch.float64)
             total[1] += (labels != IGNORE_INDEX).sum()
         for m in self.model_parts:
