@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Literal
 
 from titanlike.layout import SCHEDULES, ConfigError, layout_violations
-from titanlike.models import MODELS, pad_vocab
+from titanlike.layout.rules import MODEL_OVERRIDES
+from titanlike.models import UnknownModelError, get_spec, pad_vocab, registered, spec_for
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -45,7 +46,7 @@ class Job:
 
 @dataclass
 class Model:
-    name: Literal["llama3"] = "llama3"  # the model family
+    name: str = "llama3"  # the model: a registered spec (llama3, gpt2; titanlike.models.registered())
     flavor: str = "debugmodel"  # a size of the family (debugmodel, tiny, gpt2_small, 1B, 8B, 70B, 405B)
     tokenizer: str = "test"  # "gpt2", "cl100k", "test" (2k ranks) or a path to a .tiktoken rank file
     vocab_multiple: int = 64  # pad the vocabulary to a multiple of this (keeps vocab % tp == 0 and matmuls aligned)
@@ -648,24 +649,26 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
         raise ConfigError(problems[0])
 
 
-_SHAPE_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len", "rope_theta",
-                    "norm_eps", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                    "rope_original_max_seq_len")
-
 
 def model_args_from_config(cfg: JobConfig, vocab_size: int | None = None):
-    """The flavor's ModelArgs with the config's overrides, the vocabulary padded to ``model.vocab_multiple``.
+    """The flavor's args (of the spec ``model.name`` selects) with the config's overrides, the vocabulary padded to
+    ``model.vocab_multiple``.
 
     When ``checkpoint.initial_load_path`` is a Hugging Face checkpoint with a config.json, the architecture is that
     file's instead of the flavor's (vocabulary exact, not padded); an explicit ``model.*`` override that disagrees
     with it is refused.
     """
-    flavors = MODELS[cfg.model.name]
+    try:
+        spec = get_spec(cfg.model.name)
+    except UnknownModelError as e:
+        raise ConfigError(f"{e}{_suggest(cfg.model.name, registered())}") from None
+    flavors = spec.flavors
     if cfg.model.flavor not in flavors:
         raise ConfigError(f"model.flavor: unknown flavor '{cfg.model.flavor}'{_suggest(cfg.model.flavor, flavors)}"
-                          f"; valid: {', '.join(flavors)}")
+                          f"; valid for {spec.name}: {', '.join(flavors)}")
     m = cfg.model
-    overrides = {k: getattr(m, k) for k in _SHAPE_OVERRIDES if getattr(m, k)}
+    # Overrides the model does not read are left out here and refused by the layout rule "model_keys".
+    overrides = {k: getattr(m, k) for k in MODEL_OVERRIDES if getattr(m, k) and k in spec.config_keys}
     if m.tie_embeddings is not None:
         overrides["tie_embeddings"] = m.tie_embeddings
     hf_args = hf_architecture_of(cfg)
@@ -675,7 +678,7 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int | None = None):
     if "n_heads" in overrides and "n_kv_heads" not in overrides and args.n_kv_heads > args.n_heads:
         args = args.replace(n_kv_heads=args.n_heads)
     scaling_params = [k for k in overrides if k.startswith("rope_") and k not in ("rope_theta", "rope_scaling")]
-    if args.rope_scaling == "none" and scaling_params:
+    if getattr(args, "rope_scaling", "none") == "none" and scaling_params:
         raise ConfigError(f"model.{scaling_params[0]} is set but RoPE scaling is off; set model.rope_scaling = "
                           f"'llama3' or drop it")
     vocab = vocab_size if vocab_size is not None else args.vocab_size
@@ -698,6 +701,10 @@ def hf_architecture_of(cfg: JobConfig):
 
 
 def _hf_model_args(cfg: JobConfig, hf_args, overrides: dict, vocab_size: int | None):
+    spec = spec_for(hf_args)
+    if spec is not None and spec.name != cfg.model.name:
+        raise ConfigError(f"checkpoint.initial_load_path '{cfg.checkpoint.initial_load_path}' is a {spec.name} model "
+                          f"(its config.json), model.name is {cfg.model.name}; set model.name = {spec.name}")
     conflicts = []
     for key, value in overrides.items():
         theirs = hf_args.hidden_dim if key == "ffn_hidden_dim" else getattr(hf_args, key)

@@ -131,10 +131,10 @@ TORCHTITAN_KEYS: dict[str, Key] = {
     "parallelism.pipeline_parallel_microbatch_size": S(),
     "parallelism.pipeline_parallel_expert_parallel_overlap": Key(INERT, ok=(True, False), note=NO_MOE),
     "parallelism.context_parallel_degree": S(),
-    "parallelism.context_parallel_load_balancer": Key(INERT, ok=(None, "headtail"), note="context parallelism is "
-                                                      "not implemented"),
-    "parallelism.context_parallel_rotate_method": Key(INERT, ok=("allgather",), note="context parallelism is not "
-                                                      "implemented"),
+    "parallelism.context_parallel_load_balancer": Key(INERT, ok=(None, "headtail"), note="titanlike's context "
+                                                      "parallelism always balances head-tail (chunks r and 2cp-1-r)"),
+    "parallelism.context_parallel_rotate_method": Key(INERT, ok=("allgather",), note="titanlike's context "
+                                                      "parallelism all-gathers K/V"),
     "parallelism.expert_parallel_degree": Key(INERT, ok=(1,), note=NO_MOE),
     "parallelism.expert_tensor_parallel_degree": Key(INERT, ok=(1,), note=NO_MOE),
     "parallelism.expert_parallel_comm_backend": Key(INERT, ok=("standard",), note=NO_MOE),

@@ -32,7 +32,9 @@ SAVE_STEP = 3
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"]
 TIED = ["--model.tie_embeddings", "true", "--model.n_layers", "4", "--training.local_batch_size", "4"]
+CP2 = ["--parallelism.context_parallel_degree", "2"]
 ZBV = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
+GPT2 = ["--model.name", "gpt2"]  # tied embeddings, fused c_attn (chunk-sharded under TP)
 # (name, ranks, extra train.py options, the case whose step-3 it resumes from)
 CASES = [
     ("tp2_fsdp2", 4, TP2, None),
@@ -48,11 +50,20 @@ CASES = [
     ("tp2_from_fsdp2", 2, TP2 + ["--checkpoint.checksum"], "fsdp2"),  # the 2 ranks share the verification
     # step-6 is there too, with a bit flipped in rank 0's data file (verified by rank 1): set aside, step-3 resumes
     ("tp2_from_corrupt_fsdp2", 2, TP2 + ["--checkpoint.checksum", "--checkpoint.on_corrupt", "previous"], "fsdp2"),
+    # context parallel, through the real trainer: cp 2 trains like one process; saved at cp 2 it resumes at cp 1
+    # (one process), and a cp 1 checkpoint (fsdp 2) resumes at cp 2
+    ("cp2", 2, CP2, None),
+    ("single_from_cp2", 1, [], "cp2"),
+    ("cp2_from_fsdp2", 2, CP2, "fsdp2"),
     ("tied_fsdp2", 2, TIED, None),
     # V placement: pp rank 0 holds the first stage (embedding) and the last (head), each with its copy of the tied
     # weight; the non-pipelined checkpoint has one optimizer state for both, saved as tok_embeddings.weight.
     ("tied_zbv_pp2", 2, TIED + ZBV, None),
     ("tied_zbv_pp2_from_tied_fsdp2", 2, TIED + ZBV, "tied_fsdp2"),
+    # GPT-2: saved under tp2 x fsdp2 (c_attn chunk-sharded, FSDP on its dim 1), resumed in one process.
+    ("gpt2_tp2_fsdp2", 4, GPT2 + TP2, None),
+    ("gpt2_single", 1, GPT2, None),
+    ("gpt2_single_from_gpt2_tp2_fsdp2", 1, GPT2, "gpt2_tp2_fsdp2"),
 ]
 
 

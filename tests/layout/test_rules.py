@@ -13,19 +13,27 @@ from titanlike.training.trainer import main
 
 TINY = ["--model.flavor", "tiny", "--training.seq_len", "16", "--training.local_batch_size", "4"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+CP2 = ["--parallelism.context_parallel_degree", "2"]
+GPT2 = ["--model.name", "gpt2"]
 ZB = [*PP2, "--model.n_layers", "4", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
 
 # rule -> (world size, the bad options on top of TINY)
 CASES = {
     "dim_heads": (1, ["--model.dim", "36", "--model.n_heads", "8", "--model.n_kv_heads", "8"]),
     "heads_kv": (1, ["--model.n_heads", "4", "--model.n_kv_heads", "3"]),
-    "rope_even": (1, ["--model.dim", "36", "--model.n_heads", "4", "--model.n_kv_heads", "4"]),
-    "rope_scaling": (1, ["--model.rope_scaling", "llama3", "--model.rope_scaling_factor", "8",
-                         "--model.rope_low_freq_factor", "4", "--model.rope_high_freq_factor", "1",
-                         "--model.rope_original_max_seq_len", "8192"]),
+    "model_keys": (1, [*GPT2, "--model.rope_theta", "10000"]),  # GPT-2 has learned positions, no RoPE
+    "model_shape": (1, ["--model.dim", "36", "--model.n_heads", "4", "--model.n_kv_heads", "4"]),  # head_dim odd
     "seq_len_max": (1, ["--training.seq_len", "512"]),
     "degrees": (4, ["--parallelism.tensor_parallel_degree", "3"]),
-    "cp_unimplemented": (2, ["--parallelism.context_parallel_degree", "2"]),
+    "cp_seq_len": (2, [*CP2, "--training.seq_len", "14"]),
+    "cp_sp_seq_len": (8, [*CP2, "--parallelism.tensor_parallel_degree", "4", "--parallelism.enable_sequence_parallel",
+                          "--model.n_heads", "8", "--model.n_kv_heads", "4", "--training.seq_len", "12"]),
+    "cp_kernels": (2, [*CP2, "--model.kernels", "te"]),
+    "cp_float8": (2, [*CP2, "--float8.recipe", "tensorwise"]),
+    "cp_schedule": (4, [*CP2, *ZB]),
+    "cp_model": (2, [*GPT2, *CP2]),
+    "te_model": (1, [*GPT2, "--model.kernels", "te"]),
+    "float8_model": (1, [*GPT2, "--float8.recipe", "tensorwise"]),
     "tp_heads": (8, ["--parallelism.tensor_parallel_degree", "8"]),
     "tp_kv_heads": (4, ["--parallelism.tensor_parallel_degree", "4"]),
     "tp_ffn": (2, ["--parallelism.tensor_parallel_degree", "2", "--model.ffn_hidden_dim", "91"]),
@@ -59,14 +67,22 @@ CASES = {
     "zb_compile": (2, [*ZB, "--compile.enable"]),
 }
 
+# further cases of a rule that guards several things
+MORE_CASES = [
+    ("model_shape", (1, ["--model.rope_scaling", "llama3", "--model.rope_scaling_factor", "8",
+                         "--model.rope_low_freq_factor", "4", "--model.rope_high_freq_factor", "1",
+                         "--model.rope_original_max_seq_len", "8192"])),
+]
+
 
 def test_every_rule_has_a_case():
     assert set(CASES) == set(RULES)
 
 
-@pytest.mark.parametrize("rule", sorted(CASES))
-def test_each_rule_fires_and_train_py_exits_2_with_one_line(rule, monkeypatch, capsys):
-    world, bad = CASES[rule]
+@pytest.mark.parametrize("rule,case", [*sorted(CASES.items()), *MORE_CASES],
+                         ids=[*sorted(CASES), *(f"{r}-{i}" for i, (r, _) in enumerate(MORE_CASES))])
+def test_each_rule_fires_and_train_py_exits_2_with_one_line(rule, case, monkeypatch, capsys):
+    world, bad = case
     argv = TINY + bad
     cfg = parse_config(argv)
     fired = rule_violations(cfg, world, model_args_from_config(cfg))

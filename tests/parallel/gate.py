@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 
 from titanlike.config import JobConfig, load_config, model_args_from_config  # noqa: E402
 from titanlike.loss import IGNORE_INDEX, ScaledLoss
-from titanlike.models import Transformer  # noqa: E402
+from titanlike.models import get_spec  # noqa: E402
 from titanlike.parallel.clip import plain_clip_grad_norm_
 from titanlike.parallel.tensor_parallel import shared_parameters
 from titanlike.training.optim import build_optimizer  # noqa: E402
@@ -60,6 +60,10 @@ MODELS = {
     "gqa": (),
     "gqa8": ("--model.n_heads", "8", "--model.n_kv_heads", "4"),  # tp 4 divides the kv heads
     "tied": ("--model.tie_embeddings", "true"),
+    # GPT-2 (tiny: dim 64, 2 layers, 4 heads, fused c_attn with bias, LayerNorm with bias, GELU 256, learned
+    # positions, tied embeddings).
+    "gpt2": ("--model.name", "gpt2"),
+    "gpt2_untied": ("--model.name", "gpt2", "--model.tie_embeddings", "false"),
 }
 
 
@@ -76,6 +80,10 @@ class Layout:
 
 def _tp(n, *more):
     return ("--parallelism.tensor_parallel_degree", str(n), *more)
+
+
+def _cp(n, *more):
+    return ("--parallelism.context_parallel_degree", str(n), *more)
 
 
 SP = ("--parallelism.enable_sequence_parallel", "true")
@@ -110,6 +118,23 @@ LAYOUTS = [
     Layout("MUT tp2_sp norms not sequence-parallel", 2, _tp(2, *SP, *_dp(1, 1, 8)), mutation="sp_norm_plain"),
     Layout("MUT fsdp2 loss averaged per rank", 2, _dp(1, 2, 4), mutation="loss_mean_per_rank"),
     Layout("MUT fsdp2 gradients averaged", 2, _dp(1, 2, 4), mutation="fsdp_average"),
+    Layout("gpt2 tp2", 2, _tp(2, *_dp(1, 1, 8)), model="gpt2"),
+    Layout("gpt2 tp2_sp", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="gpt2"),
+    Layout("gpt2 tp2_sp untied no loss parallel", 2, _tp(2, *SP, *NO_LP, *_dp(1, 1, 8)), model="gpt2_untied"),
+    Layout("gpt2 fsdp2", 2, _dp(1, 2, 4), model="gpt2"),
+    Layout("MUT gpt2 tp2 c_attn plain ColwiseParallel", 2, _tp(2, *_dp(1, 1, 8)), model="gpt2",
+           mutation="fused_plain_colwise"),
+    Layout("MUT gpt2 tp2_sp no f backward reduce-scatter", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="gpt2",
+           mutation="tp_no_backward_reduce"),
+    Layout("MUT fsdp2 validation leaves FSDP unsharded", 2, _dp(1, 2, 4), mutation="eval_keeps_unsharded"),
+    Layout("cp2", 2, _cp(2, *_dp(1, 1, 8))),
+    Layout("cp2_tied_accum2", 2, _cp(2, *_dp(1, 1, 4)), model="tied"),
+    Layout("cp2_ac_full", 2, _cp(2, "--activation_checkpoint.mode", "full", *_dp(1, 1, 8))),
+    Layout("cp2_ac_selective_op", 2, _cp(2, "--activation_checkpoint.mode", "selective", *_dp(1, 1, 8))),
+    Layout("MUT cp2 K/V grads not reduce-scattered", 2, _cp(2, *_dp(1, 1, 8)), mutation="cp_kv_grad_not_reduced"),
+    Layout("MUT cp2 chunks in wrong order", 2, _cp(2, *_dp(1, 1, 8)), mutation="cp_chunks_wrong_order"),
+    Layout("MUT cp2 RoPE local positions", 2, _cp(2, *_dp(1, 1, 8)), mutation="cp_rope_local"),
+    Layout("MUT cp2 loss tokens per cp rank", 2, _cp(2, *_dp(1, 1, 8)), mutation="cp_tokens_per_rank"),
     # 4 ranks
     Layout("tp4_gqa", 4, _tp(4, *_dp(1, 1, 8)), model="gqa8"),
     Layout("fsdp4", 4, _dp(1, 4, 2)),
@@ -119,9 +144,17 @@ LAYOUTS = [
     Layout("tp2_fsdp2_ac_full", 4, _tp(2, "--activation_checkpoint.mode", "full", *_dp(1, 2, 4))),
     Layout("tp2_sp_fsdp2_tied_accum2_meta", 4, _tp(2, *SP, *_dp(1, 2, 2)), model="tied", meta_init=True),
     Layout("MUT hsdp2x2 gradients averaged", 4, _dp(2, 2, 2), mutation="fsdp_average"),
+    Layout("gpt2 hsdp2x2", 4, _dp(2, 2, 2), model="gpt2_untied"),
+    Layout("gpt2 tp2_fsdp2", 4, _tp(2, *_dp(1, 2, 4)), model="gpt2"),
+    Layout("gpt2 tp2_sp_fsdp2 meta", 4, _tp(2, *SP, *_dp(1, 2, 4)), model="gpt2", meta_init=True),
+    Layout("cp4", 4, _cp(4, *_dp(1, 1, 8))),
+    Layout("cp2_tp2_sp", 4, _cp(2, *_tp(2, *SP, *_dp(1, 1, 8)))),
+    Layout("cp2_fsdp2", 4, _cp(2, *_dp(1, 2, 4))),
     # 8 ranks
     Layout("tp2_hsdp2x2", 8, _tp(2, *_dp(2, 2, 2))),
     Layout("tp2_sp_fsdp4", 8, _tp(2, *SP, *_dp(1, 4, 2))),
+    Layout("cp2_tp2_fsdp2", 8, _cp(2, *_tp(2, *_dp(1, 2, 4)))),
+    Layout("gpt2 tp2_sp_hsdp2x2", 8, _tp(2, *SP, *_dp(2, 2, 2)), model="gpt2"),
 ]
 
 
@@ -192,7 +225,9 @@ def _sp_norm_plain():
         return PrepareModuleInputOutput(input_layouts=seq, desired_input_layouts=seq, use_local_input=True,
                                         output_layouts=seq, desired_output_layouts=seq, use_local_output=False)
 
-    with patched(tpm, "_norm_style", plain_norm):
+    # apply_tp now refuses a plan that leaves parameters plain next to DTensors (this one, up front); the mutation
+    # switches that check off to show the gate itself catches the wrong gradients too.
+    with patched(tpm, "_norm_style", plain_norm), patched(tpm, "_check_all_or_nothing", lambda model: None):
         yield
 
 
@@ -215,7 +250,83 @@ def _fsdp_average():
         yield
 
 
+@contextlib.contextmanager
+def _fused_plain_colwise():
+    """GPT-2's fused q|k|v projection gets a plain ColwiseParallel: rank 0 of 2 computes all of q and half of k,
+    and the attention silently mixes q, k and v across heads (what a user gets without FusedColwiseParallel)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    import titanlike.parallel.gpt2 as g
+
+    original = g.tp_plan
+    with patched(g, "tp_plan", lambda *a, **k: original(*a, **k, fused_style=ColwiseParallel())):
+        yield
+
+
+@contextlib.contextmanager
+def _eval_keeps_unsharded():
+    """The no-grad validation forward leaves FSDP's root / head groups unsharded (what the trainer did before
+    eval_loss_sum resharded): the next step's gradient norm and update go wrong."""
+    import titanlike.training.step as step
+
+    with patched(step, "reshard_fsdp", lambda module: None):
+        yield
+
+
+@contextlib.contextmanager
+def _cp_kv_grad_not_reduced():
+    """The K/V all-gather's backward keeps this rank's slice of its own gradient instead of reduce-scattering: the
+    contributions of the other ranks' queries to this rank's keys and values are lost (the forward is right)."""
+    import titanlike.parallel.context_parallel as cpm
+
+    def own_slice(grad, mesh):
+        return grad.chunk(mesh.size(), dim=1)[mesh.get_local_rank()].contiguous()
+
+    with patched(cpm, "_kv_grad_reduce", own_slice):
+        yield
+
+
+@contextlib.contextmanager
+def _cp_chunks_wrong_order():
+    """The gathered K/V are used in rank order as if it were the sequence order (no load-balance bookkeeping)."""
+    import titanlike.parallel.context_parallel as cpm
+
+    with patched(cpm, "reorder_gathered", lambda t, cp: t):
+        yield
+
+
+@contextlib.contextmanager
+def _cp_rope_local():
+    """Rotary embeddings at the local positions 0..s-1 of each cp rank instead of the tokens' global ones."""
+    import titanlike.parallel.context_parallel as cpm
+
+    with patched(cpm, "_rope_positions", lambda seq_len, cp, rank, device: torch.arange(seq_len // cp,
+                                                                                        device=device)):
+        yield
+
+
+_DP_ONLY: dict = {}  # loss group (dp x cp) -> the dp group alone (None: one data-parallel rank)
+
+
+@contextlib.contextmanager
+def _cp_tokens_per_rank():
+    """The token count (the loss denominator) is summed over the data-parallel ranks only, not over dp x cp: each cp
+    rank divides its tokens' loss by its own count."""
+    import titanlike.training.step as step
+
+    original = step.count_tokens
+    with patched(step, "count_tokens", lambda micro_batches, dp_group=None: original(
+            micro_batches, _DP_ONLY.get(dp_group, dp_group))):
+        yield
+
+
 MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "fused_plain_colwise": _fused_plain_colwise,
+    "eval_keeps_unsharded": _eval_keeps_unsharded,
+    "cp_kv_grad_not_reduced": _cp_kv_grad_not_reduced,
+    "cp_chunks_wrong_order": _cp_chunks_wrong_order,
+    "cp_rope_local": _cp_rope_local,
+    "cp_tokens_per_rank": _cp_tokens_per_rank,
     "tp_no_backward_reduce": _tp_no_backward_reduce,
     "ce_no_max_all_reduce": _ce_no_max_all_reduce,
     "sp_norm_plain": _sp_norm_plain,
@@ -240,15 +351,19 @@ def config(layout: Layout, world_size: int) -> JobConfig:
     return load_config([*BASE_ARGS, *MODELS[layout.model], *layout.args], world_size=world_size)
 
 
-def build_model(cfg: JobConfig, device: str = "cpu") -> Transformer:
+def build_model(cfg: JobConfig, device: str = "cpu") -> nn.Module:
     """The seeded float64 model (same weights on every rank and for every layout of the same model)."""
     args = model_args_from_config(cfg, vocab_size=VOCAB)
     torch.manual_seed(0)
     with torch.device(device):
-        model = Transformer(args).to(torch.float64)
+        model = get_spec(cfg.model.name).build(args).to(torch.float64)
     if device != "meta":
         model.init_weights()
     return model
+
+
+# Models that are not registered titanlike models (a user's module): key of MODELS -> seeded float64 constructor.
+CUSTOM_MODELS: dict[str, Callable[[], nn.Module]] = {}
 
 
 @dataclass
@@ -277,7 +392,7 @@ class Context:
 
     def reference(self, layout: Layout, cfg: JobConfig) -> tuple[nn.Module, list[Record]]:
         """The initial model and, per step, what one device computes on the full global batch."""
-        model = build_model(cfg)
+        model = CUSTOM_MODELS[layout.model]() if layout.model in CUSTOM_MODELS else build_model(cfg)
         if layout.model not in self.references:
             ref = copy.deepcopy(model)
             opt = build_optimizer([ref], cfg)
@@ -291,6 +406,17 @@ class Context:
                                       {n: p.detach().clone() for n, p in named.items()}))
             self.references[layout.model] = records
         return model, self.references[layout.model]
+
+    def reference_eval(self, layout: Layout, cfg: JobConfig) -> float:
+        """One device's loss sum over the eval batch with the weights after step 1."""
+        key = ("eval", layout.model)
+        if key not in self.references:
+            model = build_model(cfg)
+            model.load_state_dict(self.references[layout.model][0].weights)
+            inputs, labels = global_batch(STEPS + 1)
+            with torch.no_grad():
+                self.references[key] = _plain_loss(cfg)(model(inputs), labels).item()
+        return self.references[key]
 
 
 def _plain_loss(cfg: JobConfig):
@@ -309,6 +435,9 @@ class Built:
     micro_batches: Callable[[torch.Tensor, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]
     step_kwargs: dict = field(default_factory=dict)
     aliases_checked: bool = True  # tied weights are still one parameter in the parallel model
+    # (inputs, labels) of the global batch -> this layout's validation loss sum over it, identical on every rank
+    # (the trainer's no-grad path); run between steps 1 and 2, so training must continue exactly after it
+    eval_sum: Callable[[torch.Tensor, torch.Tensor], float] | None = None
 
 
 def _load_full_weights(model: nn.Module, source: nn.Module) -> None:
@@ -336,16 +465,48 @@ def build_spmd(layout: Layout, cfg: JobConfig, ctx: Context, initial: nn.Module)
     dp_rank, dp = dims.get_mesh("dp").get_local_rank(), dims.dp
     n_micro = cfg.training.global_batch_size // (cfg.training.local_batch_size * dp)
 
+    cp_slice = cp_slicer(dims)
+
     def micro_batches(inputs, labels):
         rows = GLOBAL_BATCH // dp
         mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
-        return list(zip(inputs[mine].chunk(n_micro), labels[mine].chunk(n_micro)))
+        return list(zip(cp_slice(inputs[mine]).chunk(n_micro), cp_slice(labels[mine]).chunk(n_micro)))
 
-    return Built(model_parts=[model], optimizer=build_optimizer([model], cfg), loss=built.loss,
+    loss_fn = built.loss.loss_fn
+    group = loss_group_for_gate(dims)
+
+    def eval_sum(inputs, labels):
+        from titanlike.training.step import eval_loss_sum
+
+        total = sum(eval_loss_sum(model, loss_fn, x, y, built.forward_context)
+                    for x, y in micro_batches(inputs, labels))
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        return total.item()
+
+    return Built(model_parts=[model], optimizer=build_optimizer([model], cfg), eval_sum=eval_sum, loss=built.loss,
                  clip_fn=built.clip_fn, micro_batches=micro_batches,
-                 step_kwargs={"dp_group": dims.get_mesh("dp").get_group() if dims.dp_enabled else None,
-                              "forward_ctx": built.forward_context},
-                 aliases_checked=tied_ok)
+                 step_kwargs={"dp_group": group, "forward_ctx": built.forward_context}, aliases_checked=tied_ok)
+
+
+def cp_slicer(dims) -> Callable[[torch.Tensor], torch.Tensor]:
+    """This cp rank's two chunks of every row (the data loader's cut), identity without cp."""
+    if not dims.cp_enabled:
+        return lambda t: t
+    from titanlike.parallel.context_parallel import cp_shard
+
+    cp_mesh = dims.get_mesh("cp")
+    return partial(cp_shard, cp=cp_mesh.size(), rank=cp_mesh.get_local_rank(), dim=1)
+
+
+def loss_group_for_gate(dims):
+    """``loss_group(dims)`` (dp x cp), remembering the dp-only group for the per-cp-rank token-count mutation."""
+    from titanlike.parallel import loss_group
+
+    group = loss_group(dims)
+    if dims.cp_enabled:
+        _DP_ONLY[group] = dims.get_mesh("dp").get_group() if dims.dp_enabled else None
+    return group
 
 
 BUILDERS: dict[str, Callable[[Layout, JobConfig, Context, nn.Module], Built]] = {"spmd": build_spmd}
@@ -367,7 +528,7 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
     t0 = time.perf_counter()
     cfg = config(layout, ctx.world_size)
     initial, records = ctx.reference(layout, cfg)
-    diffs = dict(loss=0.0, loss_step1=0.0, grad_norm=0.0, grads=0.0, weights=0.0)
+    diffs = dict(loss=0.0, loss_step1=0.0, grad_norm=0.0, grads=0.0, weights=0.0, eval=0.0)
     compared: set[str] = set()
     mutation = MUTATIONS[layout.mutation]() if layout.mutation else contextlib.nullcontext()
     with mutation:
@@ -387,6 +548,8 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
                     g = math.inf if p.grad is None else _max_abs(_full(p.grad), ref.grads[name])
                     diffs["grads"] = max(diffs["grads"], g)
                     diffs["weights"] = max(diffs["weights"], _max_abs(_full(p), ref.weights[name]))
+            if step == 1 and built.eval_sum is not None:
+                diffs["eval"] = abs(built.eval_sum(*global_batch(STEPS + 1)) - ctx.reference_eval(layout, cfg))
     # Reduce over ranks: NaN counts as infinitely wrong.
     values = torch.tensor([v if v == v else math.inf for v in diffs.values()], dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
@@ -400,7 +563,8 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
     dist.all_reduce(aliases, op=dist.ReduceOp.MIN)
     checks = {"coverage": unique <= union <= every, "tied_still_tied": bool(aliases.item())}
     return {"mutation": layout.mutation, "model": layout.model, **diffs, **checks,
-            "ok": all(diffs[k] <= TOL for k in ("loss", "grad_norm", "grads", "weights")) and all(checks.values()),
+            "ok": all(diffs[k] <= TOL for k in ("loss", "grad_norm", "grads", "weights", "eval"))
+            and all(checks.values()),
             "ref_grad_norms": [r.grad_norm for r in records], "max_norm": cfg.training.max_norm,
             "seconds": round(time.perf_counter() - t0, 2)}
 
@@ -418,6 +582,7 @@ def gate_main(rank: int, world_size: int, out: str, only: list[str] | None = Non
             r = results[layout.name]
             print(f"[gate ws={world_size}] {layout.name:45s} ok={r['ok']!s:5} loss {r['loss']:.1e} "
                   f"grad_norm {r['grad_norm']:.1e} grads {r['grads']:.1e} weights {r['weights']:.1e} "
+                  f"eval {r['eval']:.1e} "
                   f"({r['seconds']} s)", flush=True)
     if rank == 0:
         Path(out).write_text(json.dumps({"world_size": world_size, "tolerance": TOL, "layouts": results}, indent=1))

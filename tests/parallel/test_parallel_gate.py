@@ -18,6 +18,12 @@ EXPECTED_BREAK = {
     "sp_norm_plain": ("grads", False),
     "loss_mean_per_rank": ("loss_step1", True),
     "fsdp_average": ("grad_norm", False),
+    "fused_plain_colwise": ("loss_step1", True),
+    "eval_keeps_unsharded": ("grad_norm", False),
+    "cp_kv_grad_not_reduced": ("grads", False),
+    "cp_chunks_wrong_order": ("loss_step1", True),
+    "cp_rope_local": ("loss_step1", True),
+    "cp_tokens_per_rank": ("loss_step1", True),
 }
 BROKEN = 1e-6  # a mutation must move something by at least this much (the gate's tolerance is 1e-10)
 
@@ -50,7 +56,8 @@ def test_layouts_train_exactly_like_one_device(gate_results):
         if r["mutation"]:
             continue
         if not r["ok"]:
-            bad[name] = {k: r[k] for k in ("loss", "grad_norm", "grads", "weights", "coverage", "tied_still_tied")}
+            bad[name] = {k: r[k] for k in ("loss", "grad_norm", "grads", "weights", "eval", "coverage",
+                                           "tied_still_tied")}
         # Clipping acted on every step (the reference norm exceeds max_norm), so it was tested too.
         assert min(r["ref_grad_norms"]) > 2 * r["max_norm"], name
     assert not bad, f"layouts differ from one device by more than {gate.TOL}: {bad}"
@@ -71,6 +78,7 @@ def test_mutations_break_the_gate(gate_results):
 def test_matrix_covers_the_required_layouts():
     by_name = {layout.name: layout for layout in gate.LAYOUTS}
     required = ["tp2", "tp2_sp", "tp4_gqa", "tp2_no_loss_parallel", "fsdp2", "fsdp4", "hsdp2x2", "tp2_fsdp2",
-                "tp2_sp_fsdp2", "tp2_hsdp2x2", "fsdp2_accum2", "tp2_tied", "fsdp2_tied"]
+                "tp2_sp_fsdp2", "tp2_hsdp2x2", "fsdp2_accum2", "tp2_tied", "fsdp2_tied",
+                "cp2", "cp4", "cp2_tp2_sp", "cp2_fsdp2", "cp2_tp2_fsdp2"]
     assert all(n in by_name for n in required)
     assert {layout.mutation for layout in gate.LAYOUTS if layout.mutation} == set(EXPECTED_BREAK)

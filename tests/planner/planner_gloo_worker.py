@@ -46,6 +46,9 @@ CASES = {
                                       "--parallelism.tensor_parallel_degree", "2",
                                       "--parallelism.enable_sequence_parallel", "--training.local_batch_size", "2",
                                       "--training.global_batch_size", "8", "--model.n_layers", "4"],
+    "cp2_fsdp2": ["--parallelism.context_parallel_degree", "2"],
+    "cp2_tp2_sp_fullac": ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+                          "--parallelism.enable_sequence_parallel", "--activation_checkpoint.mode", "full"],
 }
 MODEL = ["--model.flavor", "tiny", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
          "--model.n_kv_heads", "2", "--model.ffn_hidden_dim", "96", "--model.max_seq_len", "32",
@@ -87,7 +90,10 @@ def _recorder():
                 return NotImplemented  # inside the op (e.g. Replicate += Partial) are collectives too
             if func._overloadpacket in ops:
                 phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-                self.records.append(_describe(func, args, phase, c10d))
+                # FSDP issues c10d ops, TP / SP and CP functional ones: that tells a cp group from FSDP's
+                # dp_shard_cp group when dp_shard is 1 (the same ranks).
+                functional = "_c10d_functional" in str(func)
+                self.records.append((*_describe(func, args, phase, c10d), functional))
             return func(*args, **(kwargs or {}))
 
     return Recorder()
@@ -152,10 +158,10 @@ def run_case(rank: int, name: str) -> dict:
     dims = ParallelDims.from_config(cfg, WORLD)
     mesh = dims.build_mesh("cpu")
     dim_of = {}
-    for dim in ("tp", "dp_shard", "dp_replicate", "pp"):
+    for dim in ("tp", "cp", "dp_shard_cp" if dims.cp > 1 else "dp_shard", "dp_replicate", "pp"):
         for g in rank_groups(dims, dim):
             if rank in g and len(g) > 1:
-                dim_of[tuple(g)] = dim
+                dim_of.setdefault(tuple(g), []).append(dim)
 
     torch.manual_seed(0)
     model = Transformer(args)
@@ -170,7 +176,14 @@ def run_case(rank: int, name: str) -> dict:
         parts = [parallelize_model(model, dims, mesh, cfg)]
         loss_fn = build_loss_fn(cfg, dims, mesh)
     optimizer = build_optimizer(parts, cfg)
-    g = torch.Generator().manual_seed(rank // dims.tp % dims.dp)
+    g = torch.Generator().manual_seed(rank // (dims.tp * dims.cp) % dims.dp)
+    if dims.cp > 1:  # every cp rank draws its dp rank's batch and keeps its two chunks of each row
+        from titanlike.parallel.context_parallel import cp_shard
+
+        cp_mesh = dims.get_mesh("cp")
+        cut = lambda t: cp_shard(t, cp_mesh.size(), cp_mesh.get_local_rank())  # noqa: E731
+    else:
+        cut = lambda t: t  # noqa: E731
     shape = (cfg.training.local_batch_size, cfg.training.seq_len)
     measured, comm_debug, recorded = defaultdict(lambda: [0, 0]), 0, 0
 
@@ -186,8 +199,10 @@ def run_case(rank: int, name: str) -> dict:
         else:
             with recorder:
                 fn()
-        for op, nbytes, ranks, is_phase in recorder.records:
-            key = _key(dim_of[ranks], op, phase or is_phase, pp is not None)
+        for op, nbytes, ranks, is_phase, functional in recorder.records:
+            dims_here = dim_of[ranks]
+            dim = dims_here[0] if len(dims_here) == 1 else ("cp" if functional else dims_here[-1])
+            key = _key(dim, op, phase or is_phase, pp is not None)
             measured[key][0] += 1
             measured[key][1] += nbytes
 
@@ -200,7 +215,7 @@ def run_case(rank: int, name: str) -> dict:
         x = torch.randint(0, args.vocab_size, shape, generator=g)
         y = torch.randint(0, args.vocab_size, shape, generator=g)
         if pp is None:
-            run(lambda: loss_fn(parts[0](x), y).backward())
+            run(lambda: loss_fn(parts[0](cut(x)), cut(y)).backward())
         else:
             run(lambda: pp.schedule.step(x, target=y if pp.has_last_stage else None, losses=[]))
     if pp is not None:

@@ -7,7 +7,10 @@ run under FakeTensorMode) must equal the analytic activation bytes.
 from __future__ import annotations
 
 import io
+import os
 import re
+import subprocess
+import sys
 import time
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -69,3 +72,29 @@ def args_dtype():
     import torch
 
     return torch.float32  # master weights; FSDP's bf16 copies exist only while gathered
+
+
+def test_405b_with_context_parallel_on_16384_ranks():
+    """cp 4 x tp 8 (+SP) x pp 16 x HSDP (4 x 8) at 32k tokens: validated, priced (K/V all-gathers and their
+    reduce-scatters per block, FSDP over dp_shard x cp) and dry-run with the CP attention core at 16,384 ranks."""
+    # Its own interpreter: a second fake process group of another shape in the same process finds torch's cached
+    # device-mesh groups of the first one (destroyed) and fails with "Could not resolve the process group".
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/plan.py"), "--job.config_file",
+                           str(REPO / "configs/llama3_405b.toml"), "--world-size", "16384", "--gpus-per-node", "8",
+                           "--parallelism.context_parallel_degree", "4", "--training.seq_len", "32768"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    text = proc.stdout
+    assert proc.returncode == 0, text + proc.stderr[-3000:]
+    assert "OK: every layout rule holds" in text and "fits" in text
+    # tp 8 fills a node, so the cp groups (next to tp in the mesh) span 4 nodes: the one warning, and CP rides the
+    # network
+    assert text.count("WARNING") == 1 and "4096 of 4096 cp groups span nodes" in text
+    assert re.search(r"cp\s+4\s+8\s+4096\s+4\s+network", text)
+    # one K (or V): b S kv_heads/tp head_dim bf16 = 1 x 32768 x 1 x 128 x 2 B; 7 blocks x 16 microbatches x 2 x 4 stages
+    assert re.search(r"cp\s+all_gather\s+forward\s+896\s+8\.00 MiB", text)
+    assert re.search(r"cp\s+reduce_scatter\s+backward\s+896\s+8\.00 MiB", text)
+    assert re.search(r"cp\s+all_gather\s+backward\s+896\s+8\.00 MiB\s+\S+ \S+\s+recomputed K and V \(full AC\)", text)
+    assert "dp_shard_cp" in text and "sharded over dp_shard_cp 32" in text
+    assert "analytic shard shapes: all equal" in text
+    assert re.search(r"activation probe: block layers\.0 .*8192 tokens \(cp 4", text)

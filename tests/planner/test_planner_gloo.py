@@ -5,7 +5,8 @@ hold in parameters, gradients and AdamW states equal the planner's numbers, on e
 Layouts (tests/planner_gloo_worker.py): TP+SP x FSDP in bf16; TP x FSDP in fp32 with full AC and a chunked
 vocab-parallel loss; HSDP 2 x 2 with gradient accumulation; TP+SP with every-2nd-block AC; TP+SP with op-level
 AC and FSDP resharding always; PP 2 x FSDP 2 with 1F1B and tied embeddings; PP 2 x TP+SP 2 interleaved with
-gradient accumulation. The vocabulary (250 rows) splits unevenly under tp 2 x dp_shard 2, so the padded FSDP
+gradient accumulation; CP 2 x FSDP (over dp_shard x cp); CP 2 x TP+SP 2 with full AC (K/V all-gathers recomputed).
+The vocabulary (250 rows) splits unevenly under tp 2 x dp_shard 2, so the padded FSDP
 shards are exercised too.
 """
 
@@ -29,7 +30,7 @@ def test_planner_matches_gloo_runs(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     cases = json.loads(out.read_text())["cases"]
-    assert len(cases) == 7
+    assert len(cases) == 9
     for name, ranks in cases.items():
         assert sorted(ranks) == ["0", "1", "2", "3"], name
         for rank, r in ranks.items():
@@ -43,5 +44,15 @@ def test_planner_matches_gloo_runs(tmp_path):
     keys = {k for ranks in cases.values() for r in ranks.values() for k in r["measured"]}
     for key in ("tp all_gather forward", "tp reduce_scatter backward", "tp all_reduce forward", "tp all_reduce "
                 "backward", "dp_shard all_gather forward", "dp_shard all_gather backward", "dp_shard reduce_scatter "
-                "backward", "dp_replicate all_reduce backward", "pp send any", "pp all_reduce step"):
+                "backward", "dp_replicate all_reduce backward", "pp send any", "pp all_reduce step",
+                "cp all_gather forward", "cp reduce_scatter backward", "cp all_gather backward",
+                "dp_shard_cp reduce_scatter backward"):
         assert key in keys, key
+    # CP: per block and pass, one all-gather of K and one of V forward, one reduce-scatter of each gradient backward
+    # (2 blocks); full AC repeats the two all-gathers in the backward. Bytes: the planner's, checked above.
+    for rank, r in cases["cp2_fsdp2"].items():
+        m = r["measured"]
+        assert m["cp all_gather forward"][0] == 4 and m["cp reduce_scatter backward"][0] == 4, (rank, m)
+        assert "cp all_gather backward" not in m, (rank, m)
+    for rank, r in cases["cp2_tp2_sp_fullac"].items():
+        assert r["measured"]["cp all_gather backward"][0] == 4, (rank, r["measured"])

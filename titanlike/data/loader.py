@@ -12,6 +12,10 @@ under one (dp_degree, local_batch_size, num_workers) resumes under any other. It
 rank has been handed the last micro-batch of a step: mid-step it still names the start of that
 step, and a resume from there replays the whole step, which is what a trainer whose checkpoint
 holds no partially accumulated gradients needs.
+
+Context parallelism: the cp ranks of one data-parallel rank read the same samples, and each keeps only its two
+load-balanced chunks of every sequence (``cp_rank``, ``cp_degree``; see
+``titanlike.parallel.context_parallel.cp_shard``), inputs and labels alike. The position is unchanged by cp.
 """
 
 from __future__ import annotations
@@ -42,6 +46,24 @@ def _check_layout(global_batch_size: int, local_batch_size: int, dp_rank: int, d
                          f"local_batch_size {local_batch_size}; use a multiple of {dp_degree * local_batch_size}")
 
 
+class _CPSlice:
+    """(inputs, labels) -> this cp rank's two load-balanced chunks of each (identity at cp 1); picklable."""
+
+    def __init__(self, cp_rank: int = 0, cp_degree: int = 1, seq_len: int | None = None):
+        if cp_degree < 1 or not 0 <= cp_rank < cp_degree:
+            raise ValueError(f"cp_rank must be in [0, cp_degree), got {cp_rank} of {cp_degree}")
+        if seq_len is not None and cp_degree > 1 and seq_len % (2 * cp_degree):
+            raise ValueError(f"seq_len {seq_len} is not divisible by 2 x cp_degree = {2 * cp_degree}")
+        self.cp_rank, self.cp_degree = cp_rank, cp_degree
+
+    def __call__(self, batch: Batch) -> Batch:
+        if self.cp_degree == 1:
+            return batch
+        from titanlike.parallel.context_parallel import cp_shard
+
+        return tuple(cp_shard(t, self.cp_degree, self.cp_rank, dim=1) for t in batch)
+
+
 def _check_position(global_sample: Any) -> int:
     if isinstance(global_sample, bool) or not isinstance(global_sample, (int, np.integer)) or global_sample < 0:
         raise ValueError(f"the data loader position must be a non-negative integer global sample index, "
@@ -60,8 +82,10 @@ class GlobalSampleStream(IterableDataset):
     """
 
     def __init__(self, windows: PackedWindows, *, global_batch_size: int, local_batch_size: int,
-                 dp_rank: int, dp_degree: int, start_sample: int = 0):
+                 dp_rank: int, dp_degree: int, start_sample: int = 0, cp_rank: int = 0, cp_degree: int = 1):
         _check_layout(global_batch_size, local_batch_size, dp_rank, dp_degree)
+        self.cp_rank, self.cp_degree = cp_rank, cp_degree
+        self._cp = _CPSlice(cp_rank, cp_degree, windows.seq_len)
         self.windows = windows
         self.global_batch_size = global_batch_size
         self.local_batch_size = local_batch_size
@@ -83,8 +107,8 @@ class GlobalSampleStream(IterableDataset):
         step_start, micro_batch = self.global_sample, self.micro_batch
         for k in range(worker, 1 << 62, n_workers):
             m = micro_batch + k
-            yield self.windows.batch(self.micro_batch_samples(
-                step_start + (m // self.accumulation_steps) * self.global_batch_size, m % self.accumulation_steps))
+            yield self._cp(self.windows.batch(self.micro_batch_samples(
+                step_start + (m // self.accumulation_steps) * self.global_batch_size, m % self.accumulation_steps)))
 
     def advance(self) -> None:
         """Record that one more micro-batch was handed to the trainer."""
@@ -137,7 +161,8 @@ def set_loader_position(loader: TokenDataLoader, global_sample: int) -> None:
 
 def build_dataloader(tokens: np.ndarray, *, seq_len: int, global_batch_size: int, local_batch_size: int,
                      dp_rank: int, dp_degree: int, seed: int, shuffle: bool = True, num_workers: int = 0,
-                     start_sample: int = 0, pin_memory: bool = False) -> TokenDataLoader:
+                     start_sample: int = 0, pin_memory: bool = False, cp_rank: int = 0,
+                     cp_degree: int = 1) -> TokenDataLoader:
     """An endless loader of (inputs, labels), each LongTensor[local_batch_size, seq_len], for one rank.
 
     Every global_batch_size / (dp_degree * local_batch_size) consecutive batches make one
@@ -147,7 +172,8 @@ def build_dataloader(tokens: np.ndarray, *, seq_len: int, global_batch_size: int
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
     stream = GlobalSampleStream(PackedWindows(tokens, seq_len, seed=seed, shuffle=shuffle),
                                 global_batch_size=global_batch_size, local_batch_size=local_batch_size,
-                                dp_rank=dp_rank, dp_degree=dp_degree, start_sample=start_sample)
+                                dp_rank=dp_rank, dp_degree=dp_degree, start_sample=start_sample, cp_rank=cp_rank,
+                                cp_degree=cp_degree)
     with warnings.catch_warnings():  # torchdata <= 0.11 calls torch.set_vital, deprecated in recent torch
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         # A generator of its own: every iter() draws the workers' base seed from it, and from the global one
@@ -158,8 +184,10 @@ def build_dataloader(tokens: np.ndarray, *, seq_len: int, global_batch_size: int
 
 
 class _ValidationBatches(torch.utils.data.Dataset):
-    def __init__(self, windows: PackedWindows, batch_size: int, dp_rank: int, dp_degree: int, n_batches: int):
+    def __init__(self, windows: PackedWindows, batch_size: int, dp_rank: int, dp_degree: int, n_batches: int,
+                 cp: _CPSlice | None = None):
         self.windows, self.batch_size, self.dp_rank, self.dp_degree = windows, batch_size, dp_rank, dp_degree
+        self.cp = cp or _CPSlice()
         self.n_batches = n_batches
 
     def __len__(self) -> int:
@@ -169,11 +197,11 @@ class _ValidationBatches(torch.utils.data.Dataset):
         if not 0 <= k < self.n_batches:
             raise IndexError(f"validation batch {k} out of range [0, {self.n_batches})")
         first = (k * self.dp_degree + self.dp_rank) * self.batch_size
-        return self.windows.batch(range(first, first + self.batch_size))
+        return self.cp(self.windows.batch(range(first, first + self.batch_size)))
 
 
 def build_validation_loader(tokens: np.ndarray, *, seq_len: int, batch_size: int, dp_rank: int, dp_degree: int,
-                            max_batches: int | None = None) -> DataLoader:
+                            max_batches: int | None = None, cp_rank: int = 0, cp_degree: int = 1) -> DataLoader:
     """A finite, deterministic loader of (inputs, labels) batches over `tokens`, in storage order.
 
     Batch k of rank r is windows [(k*D + r)*B, (k*D + r + 1)*B): ranks read disjoint windows, every
@@ -193,5 +221,6 @@ def build_validation_loader(tokens: np.ndarray, *, seq_len: int, batch_size: int
     if max_batches is not None:
         n_batches = min(n_batches, max_batches)
     windows = PackedWindows(tokens, seq_len, shuffle=False)
-    return DataLoader(_ValidationBatches(windows, batch_size, dp_rank, dp_degree, n_batches), batch_size=None,
+    cp = _CPSlice(cp_rank, cp_degree, seq_len)
+    return DataLoader(_ValidationBatches(windows, batch_size, dp_rank, dp_degree, n_batches, cp), batch_size=None,
                       generator=torch.Generator().manual_seed(0))  # leaves the global RNG alone

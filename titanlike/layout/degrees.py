@@ -2,11 +2,13 @@
 
 Mesh layout: one 5-D mesh with dims ``("pp", "dp_replicate", "dp_shard", "cp", "tp")``, row-major, so **tp is
 innermost** (consecutive ranks form a tp group, which keeps tensor parallelism inside a node) and pp outermost.
-Two flattened dims are derived from it:
+Three flattened dims are derived from it:
 
 * ``"dp"`` = dp_replicate x dp_shard: data loading (which slice of the global batch a rank reads) and the
   token-count / loss all-reduces;
 * ``"dp_shard_cp"`` = dp_shard x cp: the dim FSDP shards parameters over.
+* ``"dp_cp"`` = dp_replicate x dp_shard x cp: every rank that holds the same model shard (the loss / token-count
+  group under cp; HSDP's 2-D mesh under cp is unflattened from it).
 
 Rank of mesh coordinate ``(pp, dp_replicate, dp_shard, cp, tp)``::
 
@@ -28,7 +30,8 @@ from titanlike.layout.errors import ConfigError
 __all__ = ["FLATTENED", "MESH_DIMS", "Degrees", "degree_problems", "describe_layout", "rank_groups", "rank_of"]
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp")}
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+             "dp_cp": ("dp_replicate", "dp_shard", "cp")}
 
 
 def degree_problems(*, dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int,

@@ -12,20 +12,34 @@ from titanlike.layout.degrees import degree_problems
 from titanlike.layout.errors import ConfigError
 from titanlike.layout.float8 import float8_violations
 from titanlike.layout.policy import batch_split, parse_ac_option
-from titanlike.layout.schedules import schedule_facts
+from titanlike.layout.schedules import SCHEDULES, schedule_facts
 from titanlike.layout.stages import parse_module_names, pipeline_stage_count
+from titanlike.models.spec import get_spec
 
-__all__ = ["RULES", "layout_violations", "rule_violations"]
+__all__ = ["MODEL_OVERRIDES", "RULES", "layout_violations", "rule_violations"]
+
+# The model.<key> shape overrides of the config (each model's spec lists the ones it reads: ModelSpec.config_keys).
+MODEL_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len", "rope_theta",
+                   "norm_eps", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
+                   "rope_high_freq_factor", "rope_original_max_seq_len")
 
 # rule name -> what it guards (the messages themselves name the keys and the fix)
 RULES = {
     "dim_heads": "model.dim divisible by n_heads",
     "heads_kv": "n_heads divisible by n_kv_heads",
-    "rope_even": "head_dim even (RoPE rotates pairs)",
-    "rope_scaling": "Llama 3 RoPE scaling: factor >= 1, low < high frequency factor, original length >= 1",
+    "model_keys": "every model.<key> override set is one the model (model.name's spec) reads",
+    "model_shape": "the model's own shape rules (ModelSpec.shape_violations; Llama: head_dim even for RoPE, "
+                   "RoPE scaling factor >= 1, low < high frequency factor, original length >= 1)",
     "seq_len_max": "training.seq_len <= the model's max_seq_len",
     "degrees": "the degrees multiply to the world size (dp_shard -1 infers)",
-    "cp_unimplemented": "context_parallel_degree 1",
+    "cp_seq_len": "seq_len divisible by 2 x cp (two load-balanced chunks per cp rank)",
+    "cp_sp_seq_len": "a cp rank's tokens divisible by tp under sequence parallelism",
+    "cp_kernels": "context parallelism with model.kernels=torch",
+    "cp_float8": "context parallelism without float8",
+    "cp_schedule": "context parallelism without split-backward pipeline schedules",
+    "cp_model": "context parallelism on the Llama model only (its attention core and RoPE positions)",
+    "te_model": "Transformer Engine kernels on the Llama model only",
+    "float8_model": "float8 training on the Llama model only",
     "tp_heads": "tp divides n_heads",
     "tp_kv_heads": "tp divides n_kv_heads",
     "tp_ffn": "tp divides the ffn hidden size",
@@ -66,6 +80,12 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
     def add(rule: str, message: str) -> None:
         out.append((rule, message))
 
+    spec = get_spec(cfg.model.name)
+    unread = [k for k in MODEL_OVERRIDES if getattr(cfg.model, k) and k not in spec.config_keys]
+    if unread:
+        add("model_keys", f"model.{unread[0]}: {spec.name} has no such setting (it reads "
+                          f"{', '.join('model.' + k for k in spec.config_keys)}); remove "
+                          f"{', '.join('model.' + k for k in unread)}")
     # Model shape.
     if args.dim % args.n_heads:
         add("dim_heads",
@@ -73,16 +93,7 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
     if args.n_heads % args.n_kv_heads:
         add("heads_kv", f"model: n_heads {args.n_heads} is not divisible by n_kv_heads {args.n_kv_heads}; "
                    f"choose n_kv_heads dividing n_heads")
-    if args.head_dim % 2:
-        add("rope_even", f"model: head_dim {args.head_dim} (dim / n_heads) must be even for RoPE")
-    if args.rope_scaling == "llama3":
-        if args.rope_scaling_factor < 1:
-            add("rope_scaling", f"model.rope_scaling_factor {args.rope_scaling_factor} must be >= 1")
-        if not args.rope_low_freq_factor < args.rope_high_freq_factor:
-            add("rope_scaling", f"model.rope_low_freq_factor {args.rope_low_freq_factor} must be below "
-                                f"model.rope_high_freq_factor {args.rope_high_freq_factor}")
-        if args.rope_original_max_seq_len < 1:
-            add("rope_scaling", "model.rope_original_max_seq_len must be >= 1")
+    out += [("model_shape", m) for m in spec.shape_violations(args)]
     if t.seq_len > args.max_seq_len:
         add("seq_len_max", f"training.seq_len {t.seq_len} exceeds the model's max_seq_len {args.max_seq_len}; "
                    f"lower training.seq_len or raise model.max_seq_len")
@@ -92,15 +103,14 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
                                     dp_shard=p.data_parallel_shard_degree, cp=cp, tp=tp, pp=pp, world_size=world_size)
     out += [("degrees", m) for m in problems]
     if cp > 1:
-        add("cp_unimplemented",
-            "parallelism.context_parallel_degree: context parallelism is not implemented yet; set it to 1")
+        out += _context_parallel_violations(cfg, cp, tp)
     dp = p.data_parallel_replicate_degree * dps
     # Tensor / sequence parallel.
     if tp > 1:
         if args.n_heads % tp:
             add("tp_heads", f"parallelism.tensor_parallel_degree {tp} does not divide n_heads {args.n_heads}; "
                        f"choose a tp degree dividing {args.n_heads}")
-        if args.n_kv_heads % tp:
+        if args.n_kv_heads % tp and args.n_kv_heads != args.n_heads:
             add("tp_kv_heads", f"parallelism.tensor_parallel_degree {tp} does not divide n_kv_heads {args.n_kv_heads}; "
                        f"choose a tp degree dividing {args.n_kv_heads}")
         if args.hidden_dim % tp:
@@ -133,7 +143,45 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
             parse_ac_option(cfg.activation_checkpoint.selective_ac_option)
         except ConfigError as e:
             add("ac_option", str(e))
+    if cfg.model.kernels == "te" and spec.name != "llama3":
+        add("te_model", f"model.kernels=te swaps Transformer Engine modules into the Llama model only; use "
+                        f"model.kernels=torch for {spec.name}")
+    if cfg.float8.recipe and spec.name != "llama3":
+        add("float8_model", f"float8.recipe={cfg.float8.recipe}: float8 training is wired for the Llama model only; "
+                            f"leave float8.recipe empty for {spec.name}")
+    if cp > 1 and spec.name != "llama3":
+        add("cp_model", f"parallelism.context_parallel_degree {cp}: context parallelism is wired for the Llama model "
+                        f"only (its attention core and RoPE positions); set cp 1 for {spec.name}")
     out += [("float8", m) for m in float8_violations(cfg)]
+    return out
+
+
+def _context_parallel_violations(cfg, cp: int, tp: int) -> list[tuple[str, str]]:
+    p, t = cfg.parallelism, cfg.training
+    out: list[tuple[str, str]] = []
+    if t.seq_len % (2 * cp):
+        out.append(("cp_seq_len",
+                    f"training.seq_len {t.seq_len} is not divisible by 2 x context_parallel_degree = {2 * cp} (each "
+                    f"cp rank holds 2 of {2 * cp} load-balanced chunks); choose a multiple of {2 * cp}"))
+    elif p.enable_sequence_parallel and tp > 1 and (t.seq_len // cp) % tp:
+        out.append(("cp_sp_seq_len",
+                    f"training.seq_len {t.seq_len}: the {t.seq_len // cp} tokens of a cp rank are not divisible by "
+                    f"tensor_parallel_degree {tp} under sequence parallelism; choose a multiple of {cp * tp} and "
+                    f"{2 * cp}"))
+    if cfg.model.kernels != "torch":
+        out.append(("cp_kernels",
+                    f"parallelism.context_parallel_degree {cp}: model.kernels={cfg.model.kernels} has no "
+                    f"context-parallel path (proven only with the torch kernels); set model.kernels=torch or cp 1"))
+    if cfg.float8.recipe:
+        out.append(("cp_float8",
+                    f"float8.recipe={cfg.float8.recipe} with context_parallel_degree {cp}: float8 training is not "
+                    f"proven under context parallelism; leave float8.recipe empty or set cp 1"))
+    sched = p.pipeline_parallel_schedule
+    if p.pipeline_parallel_degree > 1 and schedule_facts(sched).split_backward:
+        out.append(("cp_schedule",
+                    f"parallelism.pipeline_parallel_schedule {sched} is not supported with context parallelism (its "
+                    f"split backward is unverified with the K/V reduce-scatter); use "
+                    f"{', '.join(n for n in SCHEDULES if not schedule_facts(n).split_backward)}"))
     return out
 
 
@@ -166,7 +214,7 @@ def _pipeline_violations(cfg, args, pp: int) -> list[tuple[str, str]]:
     lps = p.pipeline_parallel_layers_per_stage
     if p.pipeline_parallel_module_names:
         try:
-            parse_module_names(p.pipeline_parallel_module_names, args.n_layers)
+            parse_module_names(p.pipeline_parallel_module_names, args.n_layers, spec=get_spec(cfg.model.name))
         except ConfigError as e:
             add("pp_module_names", str(e))
     else:

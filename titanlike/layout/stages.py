@@ -13,10 +13,13 @@ from collections.abc import Sequence
 
 from titanlike.layout.errors import ConfigError
 from titanlike.layout.schedules import schedule_facts
+from titanlike.models.spec import ModelSpec, get_spec
 
 __all__ = ["parse_module_names", "pipeline_stage_count", "split_module_names", "stage_module_names"]
 
-_LAYER = re.compile(r"layers\.(\d+)")
+
+def _spec(spec: ModelSpec | None) -> ModelSpec:
+    return spec if spec is not None else get_spec("llama3")
 
 
 def pipeline_stage_count(cfg, args) -> int:
@@ -33,7 +36,8 @@ def pipeline_stage_count(cfg, args) -> int:
     return pp * schedule_facts(p.pipeline_parallel_schedule).default_stages_per_rank
 
 
-def split_module_names(n_layers: int, n_stages: int, first_less: int = 0, last_less: int = 0) -> list[list[str]]:
+def split_module_names(n_layers: int, n_stages: int, first_less: int = 0, last_less: int = 0, *,
+                       spec: ModelSpec | None = None) -> list[list[str]]:
     """Module names of each of ``n_stages`` stages, the blocks split evenly.
 
     The embedding counts as ``first_less`` blocks and the norm + head as ``last_less`` blocks, so the first and
@@ -49,25 +53,29 @@ def split_module_names(n_layers: int, n_stages: int, first_less: int = 0, last_l
     if min(counts) < 0:
         raise ConfigError(f"pipeline: {n_stages} stages of {per} layers cannot absorb the embedding weight "
                           f"{first_less} and head weight {last_less}; use fewer stages or lower the weights")
+    spec = _spec(spec)
     names, start = [], 0
     for s, count in enumerate(counts):
-        stage = ["tok_embeddings"] if s == 0 else []
-        stage += [f"layers.{i}" for i in range(start, start + count)]
+        stage = list(spec.input_modules) if s == 0 else []
+        stage += [f"{spec.block_container}.{i}" for i in range(start, start + count)]
         start += count
         if s == n_stages - 1:
-            stage += ["norm", "output"]
+            stage += list(spec.output_modules)
         names.append(stage)
     return names
 
 
-def parse_module_names(specs: Sequence[str], n_layers: int) -> list[list[str]]:
+def parse_module_names(specs: Sequence[str], n_layers: int, *, spec: ModelSpec | None = None) -> list[list[str]]:
     """``pipeline_parallel_module_names`` (one comma-separated string per stage) -> module names per stage.
 
     Every block appears exactly once and in order; the embedding is on the first stage, the norm and the head
     together on the last; no stage is empty.
     """
     key = "parallelism.pipeline_parallel_module_names"
-    stages = [[n.strip() for n in spec.split(",") if n.strip()] for spec in specs]
+    spec = _spec(spec)
+    layer_re = re.compile(re.escape(spec.block_container) + r"\.(\d+)")
+    first, last = spec.input_modules, spec.output_modules
+    stages = [[n.strip() for n in spec_.split(",") if n.strip()] for spec_ in specs]
     if len(stages) < 2:
         raise ConfigError(f"{key}: give at least 2 stages (one comma-separated string of module names each)")
     layers: list[int] = []
@@ -75,22 +83,23 @@ def parse_module_names(specs: Sequence[str], n_layers: int) -> list[list[str]]:
         if not names:
             raise ConfigError(f"{key}: stage {s} is empty; every stage needs at least one module")
         for name in names:
-            m = _LAYER.fullmatch(name)
+            m = layer_re.fullmatch(name)
             if m:
                 layers.append(int(m.group(1)))
-            elif name == "tok_embeddings":
+            elif name in first:
                 if s != 0:
-                    raise ConfigError(f"{key}: tok_embeddings must be on the first stage, found on stage {s}")
-            elif name in ("norm", "output"):
+                    raise ConfigError(f"{key}: {name} must be on the first stage, found on stage {s}")
+            elif name in last:
                 if s != len(stages) - 1:
                     raise ConfigError(f"{key}: {name} must be on the last stage, found on stage {s}")
             else:
-                raise ConfigError(f"{key}: unknown module '{name}' on stage {s}; valid: tok_embeddings, "
-                                  f"layers.<i> (0 <= i < {n_layers}), norm, output")
+                raise ConfigError(f"{key}: unknown module '{name}' on stage {s}; valid: {', '.join(first)}, "
+                                  f"{spec.block_container}.<i> (0 <= i < {n_layers}), {', '.join(last)}")
     if layers != list(range(n_layers)):
-        raise ConfigError(f"{key}: the stages must list layers.0 .. layers.{n_layers - 1} each exactly once and in "
-                          f"order, got {', '.join(f'layers.{i}' for i in layers)}")
-    for name, s in (("tok_embeddings", 0), ("norm", -1), ("output", -1)):
+        c = spec.block_container
+        raise ConfigError(f"{key}: the stages must list {c}.0 .. {c}.{n_layers - 1} each exactly once and in "
+                          f"order, got {', '.join(f'{c}.{i}' for i in layers)}")
+    for name, s in [*((n, 0) for n in first), *((n, -1) for n in last)]:
         if sum(n == name for names in stages for n in names) != 1 or name not in stages[s]:
             raise ConfigError(f"{key}: {name} must appear exactly once, on the {'first' if s == 0 else 'last'} "
                               f"stage")
@@ -100,7 +109,9 @@ def parse_module_names(specs: Sequence[str], n_layers: int) -> list[list[str]]:
 def stage_module_names(cfg, args) -> list[list[str]]:
     """The module names of every pipeline stage for this configuration (raises ConfigError on a bad layout)."""
     p = cfg.parallelism
+    spec = get_spec(cfg.model.name)
     if p.pipeline_parallel_module_names:
-        return parse_module_names(p.pipeline_parallel_module_names, args.n_layers)
+        return parse_module_names(p.pipeline_parallel_module_names, args.n_layers, spec=spec)
     return split_module_names(args.n_layers, pipeline_stage_count(cfg, args),
-                              p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers)
+                              p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers,
+                              spec=spec)

@@ -1,7 +1,11 @@
-"""Model definitions. Plain ``torch.nn``: nothing in here imports ``torch.distributed``."""
+"""Model definitions, one folder per model, each registering a :class:`~titanlike.models.spec.ModelSpec`.
+
+Plain ``torch.nn``: the models import nothing from ``torch.distributed`` and nothing else of titanlike (their
+tensor-parallel plans live in ``titanlike.parallel``: ``tensor_parallel.model_tp_plan``).
+"""
 
 from titanlike.models.llama import FLAVORS, ModelArgs, Transformer, TransformerBlock, pad_vocab
+from titanlike.models.spec import ModelSpec, UnknownModelError, get_spec, register, registered, spec_for
 
-MODELS = {"llama3": FLAVORS}
-
-__all__ = ["FLAVORS", "MODELS", "ModelArgs", "Transformer", "TransformerBlock", "pad_vocab"]
+__all__ = ["FLAVORS", "ModelArgs", "ModelSpec", "Transformer", "TransformerBlock", "UnknownModelError", "get_spec",
+           "pad_vocab", "register", "registered", "spec_for"]

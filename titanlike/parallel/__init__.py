@@ -1,4 +1,4 @@
-"""Parallelism applied from outside to a plain model: device mesh, TP/SP, vocab-parallel loss, FSDP2/HSDP, PP.
+"""Parallelism applied from outside to a plain model: device mesh, TP/SP, CP, vocab-parallel loss, FSDP2/HSDP, PP.
 
 Public API (see docs/parallelism.md)::
 
@@ -17,11 +17,12 @@ from titanlike.parallel.activation_checkpoint import apply_ac
 from titanlike.parallel.build import ParallelModel, build_parallel_model
 from titanlike.parallel.clip import clip_grad_norm_, plain_clip_grad_norm_
 from titanlike.parallel.compile import apply_compile
+from titanlike.parallel.context_parallel import apply_cp, cp_shard
 from titanlike.parallel.dims import ParallelDims
 from titanlike.parallel.fsdp import apply_fsdp
 from titanlike.parallel.loss_parallel import loss_parallel_cross_entropy, vocab_parallel_cross_entropy
-from titanlike.parallel.parallelize import build_loss_fn, loss_parallel_enabled, parallelize_model
-from titanlike.parallel.pipeline import PipelineParallel, apply_pp
+from titanlike.parallel.parallelize import build_loss_fn, loss_group, loss_parallel_enabled, parallelize_model
+from titanlike.parallel.pipeline import PipelineParallel, apply_pp, pipeline_module
 from titanlike.parallel.tensor_parallel import ReplicateParallel, apply_tp, tp_plan
 
 __all__ = [
@@ -32,15 +33,19 @@ __all__ = [
     "ReplicateParallel",
     "apply_ac",
     "apply_compile",
+    "apply_cp",
     "apply_fsdp",
     "apply_pp",
     "apply_tp",
     "build_loss_fn",
     "build_parallel_model",
     "clip_grad_norm_",
+    "cp_shard",
     "describe_layout",
     "loss_parallel_cross_entropy",
+    "loss_group",
     "loss_parallel_enabled",
+    "pipeline_module",
     "parallelize_model",
     "plain_clip_grad_norm_",
     "rank_groups",

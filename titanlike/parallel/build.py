@@ -50,6 +50,20 @@ class ParallelModel:
         return self.pp is None or self.pp.has_last_stage
 
 
+def to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
+    """``model.to_empty(device)``, then tie again the parameters that were one parameter under several names (tied
+    embeddings): ``to_empty`` gives every module its own new tensor."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    model.to_empty(device=device)
+    for names in groups.values():
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, first)
+
+
 def _null_context() -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
@@ -71,7 +85,7 @@ def build_parallel_model(model: nn.Module, cfg, dims: ParallelDims, mesh, device
     model = parallelize_model(model, dims, mesh, cfg)
     loss = ScaledLoss(build_loss_fn(cfg, dims, mesh))
     if meta_init:  # allocate this rank's shards; values are placeholders until the checkpoint loads
-        model.to_empty(device=device)
+        to_empty_keeping_ties(model, device)
         with torch.no_grad():
             model.init_weights(buffer_device=device)
     else:

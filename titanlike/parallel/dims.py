@@ -4,7 +4,8 @@ One 5-D mesh with dims ``("pp", "dp_replicate", "dp_shard", "cp", "tp")`` (tp in
 ``titanlike.layout.degrees`` for the rank grid). Every dim is kept, size-1 ones included, so ``mesh["tp"]`` or
 ``mesh["pp"]`` always exists and code never branches on which dims happen to be active (a size-1 group costs
 nothing at run time and ~1 ms to create). The flattened dims ``"dp"`` (data loading, token-count and loss
-all-reduces) and ``"dp_shard_cp"`` (what FSDP shards over) are built with it.
+all-reduces), ``"dp_shard_cp"`` (what FSDP shards over) and ``"dp_cp"`` (the loss group under cp) are built
+with it.
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ class ParallelDims(Degrees):
         key = (self.shape, device_type, dist.group.WORLD)
         if key not in _BUILT:
             mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
-            _BUILT[key] = {"world": mesh, **{name: mesh[parts]._flatten(name) for name, parts in FLATTENED.items()}}
+            meshes = {"world": mesh, **{name: mesh[parts]._flatten(name) for name, parts in FLATTENED.items()}}
+            if self.cp > 1 and self.dp_replicate > 1:  # HSDP under cp: (dp_replicate, dp_shard x cp), 2-D
+                meshes[("dp_replicate", "dp_shard_cp")] = meshes["dp_cp"]._unflatten(
+                    0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp"))
+            _BUILT[key] = meshes
         self._meshes = _BUILT[key]
         return self._meshes["world"]
 
@@ -62,6 +67,8 @@ class ParallelDims(Degrees):
             names = tuple("dp_shard" if n == "dp_shard_cp" else n for n in names)
         if len(names) == 1 and names[0] in FLATTENED:
             return self._meshes[names[0]]
+        if names in self._meshes:  # ("dp_replicate", "dp_shard_cp") under cp: HSDP's mesh
+            return self._meshes[names]
         if any(n not in MESH_DIMS for n in names):
             raise ValueError(f"ParallelDims.get_mesh: {names} must be one of {tuple(FLATTENED)} or dims of "
                              f"{MESH_DIMS}")

@@ -2,7 +2,8 @@
 
 0. float8 (``float8.backend=torchao``): ``nn.Linear`` -> torchao ``Float8Linear``, same parameter names;
 1. tensor (+ sequence) parallelism (torchao's float8 styles when every projection is tensorwise float8), with
-   the head left vocab-sharded for the vocab-parallel loss;
+   the head left vocab-sharded for the vocab-parallel loss; then context parallelism (the attention core swapped,
+   rotary tables at global positions);
 2. activation checkpointing (hooks of the TP styles on submodules rerun inside the recomputation);
 3. ``torch.compile`` per block (sees DTensors between blocks, and the checkpoint regions);
 4. FSDP / HSDP over ``dp_shard x cp`` (and ``dp_replicate``), outermost so that its all-gathers and
@@ -33,7 +34,15 @@ from titanlike.parallel.fsdp import apply_fsdp
 from titanlike.parallel.loss_parallel import loss_parallel_cross_entropy
 from titanlike.parallel.tensor_parallel import apply_tp
 
-__all__ = ["parallelize_model", "build_loss_fn", "loss_parallel_enabled"]
+__all__ = ["parallelize_model", "build_loss_fn", "loss_parallel_enabled", "loss_group"]
+
+
+def loss_group(dims: ParallelDims):
+    """The process group the loss is reduced over (token count and reported loss): every rank holding a different
+    part of the global batch, ``dp x cp`` (None on one rank per model copy)."""
+    if dims.cp_enabled:
+        return dims.get_mesh("dp_cp").get_group()
+    return dims.get_mesh("dp").get_group() if dims.dp_enabled else None
 
 
 def _submesh(dims: ParallelDims, mesh, names):
@@ -44,8 +53,8 @@ def _submesh(dims: ParallelDims, mesh, names):
 
 
 def parallelize_model(model: nn.Module, dims: ParallelDims, mesh, cfg) -> nn.Module:
-    """float8 (torchao) -> TP(+SP, loss parallel) -> activation checkpointing -> compile -> FSDP/HSDP, in place;
-    returns ``model``.
+    """float8 (torchao) -> TP(+SP, loss parallel) -> CP -> activation checkpointing -> compile -> FSDP/HSDP, in
+    place; returns ``model``.
 
     ``model`` may be on the meta device (then call ``to_empty`` + ``init_weights`` afterwards) or materialised
     (every rank must hold the same weights: TP and FSDP keep each rank's shard of its own copy). ``mesh`` is
@@ -66,6 +75,10 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh, cfg) -> nn.Mod
             float8_tp = False
         apply_tp(model, tp_mesh, sequence_parallel=p.enable_sequence_parallel,
                  loss_parallel=loss_parallel_enabled(cfg, dims), float8=float8_tp)
+    if dims.cp_enabled:
+        from titanlike.parallel.context_parallel import apply_cp
+
+        apply_cp(model, _submesh(dims, mesh, "cp"))
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint)
     if cfg.compile.enable:

@@ -52,7 +52,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-__all__ = ["tp_plan", "apply_tp", "ReplicateParallel", "shared_parameters"]
+__all__ = ["tp_plan", "model_tp_plan", "apply_tp", "ReplicateParallel", "shared_parameters"]
 
 
 class ReplicateParallel(ParallelStyle):
@@ -189,6 +189,36 @@ def _reduce_partial_grads(model: nn.Module) -> None:
             p._titanlike_grad_hook = True
 
 
+def _check_all_or_nothing(model: nn.Module) -> None:
+    """After the plan: either no parameter is a DTensor (nothing to do for tp) or all are. A parameter left a plain
+    tensor next to DTensors fails later, far away (``aten.add.Tensor got mixed torch.Tensor and DTensor``, or a
+    foreach optimizer refusing the mix), naming no module: refuse it here, naming the modules."""
+    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if plain and len(plain) != len(list(model.parameters())):
+        owners = sorted({n.rpartition(".")[0] or "<root>" for n in plain})
+        shown = ", ".join(owners[:6]) + (f" and {len(owners) - 6} more" if len(owners) > 6 else "")
+        raise ValueError(f"apply_tp: the plan leaves the parameters of {shown} plain tensors next to DTensors; give "
+                         f"those modules a style (ReplicateParallel() for modules that run replicated, e.g. norms)")
+
+
+def model_tp_plan(spec, args, sequence_parallel: bool = False, loss_parallel: bool = True, *,
+                  float8: bool = False) -> dict:
+    """The TP plan of a registered model: its spec's ``tp_plan``, or for the built-in models (whose specs leave it
+    None) the plan kept here in the parallel package: Llama's :func:`tp_plan`, GPT-2's
+    :func:`titanlike.parallel.gpt2.tp_plan`."""
+    if spec.tp_plan is not None:
+        return spec.tp_plan(args, sequence_parallel, loss_parallel, float8=float8)
+    if spec.name == "llama3":
+        return tp_plan(sequence_parallel, loss_parallel, float8)
+    if spec.name == "gpt2":
+        from titanlike.parallel import gpt2
+
+        if float8:
+            raise ValueError("float8 training is wired for the Llama model only; turn float8.recipe off for gpt2")
+        return gpt2.tp_plan(args, sequence_parallel, loss_parallel)
+    raise ValueError(f"model '{spec.name}' registered no tp_plan; give its ModelSpec one (docs/adding_a_model.md)")
+
+
 def apply_tp(
     model: nn.Module,
     tp_mesh: DeviceMesh,
@@ -209,7 +239,14 @@ def apply_tp(
         raise ValueError(f"apply_tp needs a 1-D tensor-parallel mesh, got {tp_mesh.ndim}-D {tp_mesh}; "
                          f"pass mesh['tp']")
     if plan is None:
-        plan = {k: v for k, v in tp_plan(sequence_parallel, loss_parallel, float8).items() if _matches(model, k)}
+        from titanlike.models.spec import spec_for
+
+        spec = spec_for(model)
+        if spec is None:
+            raise ValueError(f"apply_tp: {type(model).__name__} is not a registered model, so there is no default "
+                             f"plan; pass plan={{module-path pattern: ParallelStyle}} for it")
+        plan = model_tp_plan(spec, getattr(model, "args", None), sequence_parallel, loss_parallel, float8=float8)
+        plan = {k: v for k, v in plan.items() if _matches(model, k)}
     elif isinstance(plan, dict):
         missing = [k for k in plan if not _matches(model, k)]
         if missing:
@@ -218,5 +255,6 @@ def apply_tp(
     tied = shared_parameters(model)
     parallelize_module(model, tp_mesh, plan)
     _retie(model, tied)
+    _check_all_or_nothing(model)
     _reduce_partial_grads(model)
     return model

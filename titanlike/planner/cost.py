@@ -13,6 +13,10 @@ reduce-scatter over ``g`` ranks and ``2(g-1)/g * M`` for an all-reduce; a p2p se
   forward + all-gather backward), the head (its input's all-gather / all-reduce) and the vocab-parallel loss
   (3 all-reduces of one float32 per token and loss chunk). Blocks recomputed by full activation checkpointing
   repeat their forward collectives; selective op-level checkpointing saves them.
+* **CP** (every block): an all-gather of K and one of V forward, a reduce-scatter of each one's gradient
+  backward, each of ``b S (kv_heads / t) head_dim a`` (the whole sequence's ``S`` tokens, this tp rank's kv
+  heads): ``4 (c-1)/c b S kv_dim a / t`` per block. Full AC repeats the two all-gathers in the backward; selective
+  op AC saves their outputs. Per-token messages above use the local ``s = S / c`` tokens.
 * **PP**: a stage sends its output forward and its input gradient backward once per microbatch it holds:
   ``2 m b s h a`` (``x v`` stages per rank when interleaved), divided by ``t`` under SP (each tp rank sends its
   sequence shard).
@@ -49,7 +53,7 @@ __all__ = ["Message", "StepCost", "bubble", "messages", "step_cost", "wire_facto
 
 @dataclass(frozen=True)
 class Message:
-    dim: str  # tp | pp | dp_shard | dp_replicate
+    dim: str  # tp | cp | pp | dp_shard (dp_shard_cp under cp) | dp_replicate
     op: str  # all_reduce | all_gather | reduce_scatter | send
     phase: str  # forward | backward | step (between the last backward and the optimizer)
     count: int  # per optimizer step
@@ -78,9 +82,10 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
     """Every message ``rank`` sends in one optimizer step, aggregated by (dim, op, phase, size, what)."""
     out: dict[tuple, int] = defaultdict(int)
     lo = layout
-    b, s, h = lo.microbatch_size, lo.seq_len, args.dim
+    b, s, h = lo.microbatch_size, lo.local_seq_len, args.dim
     a, t = lo.act_bytes, lo.tp
     A = b * s * h * a
+    kv_bytes = b * lo.seq_len * (args.n_kv_heads // t) * args.head_dim * a  # one gathered K (or V), all S tokens
     pp_rank = lo.pp_rank_of(rank)
     stage_ids = lo.stage_ids(pp_rank)
     passes = lo.accum_steps * lo.n_microbatches  # microbatch forwards per stage per step
@@ -136,6 +141,13 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
                         "target)", 3 * (rest > 0) * passes)
                 else:
                     add("tp", "all_gather", "forward", b * s * args.vocab_size * a, t, "logits", passes)
+        # ---------------------------------------------------------------------------------- context parallel
+        if lo.cp > 1:
+            n, recomputed = len(ids), sum(lo.checkpointed(i) == "full" for i in ids)
+            add("cp", "all_gather", "forward", kv_bytes, lo.cp, "K and V of every block", 2 * n * passes)
+            add("cp", "reduce_scatter", "backward", kv_bytes, lo.cp, "K and V grads of every block", 2 * n * passes)
+            add("cp", "all_gather", "backward", kv_bytes, lo.cp, "recomputed K and V (full AC)",
+                2 * recomputed * passes)
         # ---------------------------------------------------------------------------------- pipeline
         if lo.pp > 1:
             p2p = A // t if lo.sequence_parallel else A
@@ -151,7 +163,7 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
     # -------------------------------------------------------------------------------------- data parallel
     if lo.fsdp:
         shards = rank_param_shards(lo, args, rank)
-        ds, dr = lo.dp_shard, lo.dp_replicate
+        ds, dr, fdim = lo.fsdp_shard, lo.dp_replicate, lo.fsdp_dim
         for sid in stage_ids:
             for kind, params in fsdp_units(lo, args, shards[sid], lo.stages[sid]):
                 padded = sum(p.padded_numel for p in params)
@@ -166,9 +178,9 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
                 # Under pp the schedule runs FSDP's post-backward itself after the stage's last backward:
                 # the reduction waits for the whole backward instead of overlapping it.
                 reduce_phase = "step" if lo.pp > 1 else "backward"
-                add("dp_shard", "all_gather", "forward", padded * ds * a, ds, what, fwd_ag)
-                add("dp_shard", "all_gather", "backward", padded * ds * a, ds, what, bwd_ag)
-                add("dp_shard", "reduce_scatter", reduce_phase, padded * ds * lo.reduce_bytes, ds,
+                add(fdim, "all_gather", "forward", padded * ds * a, ds, what, fwd_ag)
+                add(fdim, "all_gather", "backward", padded * ds * a, ds, what, bwd_ag)
+                add(fdim, "reduce_scatter", reduce_phase, padded * ds * lo.reduce_bytes, ds,
                     what.replace("params", "grads"), rs)
                 add("dp_replicate", "all_reduce", reduce_phase, padded * lo.reduce_bytes, dr,
                     what.replace("params", "grad shards"), rs)
@@ -236,7 +248,7 @@ def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
         for sid in lo.stage_ids(pp_rank):
             tr, rc = _stage_flops_per_token(lo, args, lo.stages[sid])
             train, recompute = train + tr, recompute + rc
-        per_rank.append((train + recompute) * tokens / (lo.dp * lo.tp))
+        per_rank.append((train + recompute) * tokens / (lo.dp * lo.cp * lo.tp))
     rank_flops = max(per_rank)
     compute = rank_flops / (hw.peak_flops * hw.compute_efficiency)
 
@@ -256,13 +268,14 @@ def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
         after[dim] = seconds([m for m in msgs if m.phase == "step"])
     bub = bubble(lo.schedule or "1F1B", lo.pp, lo.n_microbatches, lo.stages_per_rank)
     tp_s = dims["tp"].seconds if "tp" in dims else 0.0
+    cp_s = dims["cp"].seconds if "cp" in dims else 0.0  # synchronous inside attention: on the critical path
     pp_s = dims["pp"].seconds if "pp" in dims else 0.0
-    dp = [d for d in ("dp_shard", "dp_replicate") if d in dims]
+    dp = [d for d in ("dp_shard", "dp_shard_cp", "dp_replicate") if d in dims]
     dp_after = sum(after[d] for d in dp)  # reductions after the last backward: nothing left to hide them under
     dp_overlap = sum(dims[d].seconds for d in dp) - dp_after
     dp_exposed = dp_after + max(0.0, dp_overlap - compute)
-    step = (compute + tp_s) * (1 + bub) + pp_s + dp_exposed
-    for d, exposed in (("tp", tp_s * (1 + bub)), ("pp", pp_s)):
+    step = (compute + tp_s + cp_s) * (1 + bub) + pp_s + dp_exposed
+    for d, exposed in (("tp", tp_s * (1 + bub)), ("cp", cp_s * (1 + bub)), ("pp", pp_s)):
         if d in dims:
             dims[d] = _replace(dims[d], exposed)
     for d in dp:  # split the exposed time in proportion

@@ -70,7 +70,7 @@ def dry_run(cfg: JobConfig, layout: Layout, args, rank: int = 0, probe_activatio
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from titanlike.models import Transformer
+    from titanlike.models import spec_for
     from titanlike.parallel import ParallelDims
     from titanlike.parallel.parallelize import parallelize_model
 
@@ -86,10 +86,8 @@ def dry_run(cfg: JobConfig, layout: Layout, args, rank: int = 0, probe_activatio
         records = []
         for sid in layout.stage_ids(layout.pp_rank_of(rank)):
             names = layout.stages[sid]
-            layer_ids = [int(n.split(".")[1]) for n in names if n.startswith("layers.")]
-            with torch.device("meta"):
-                stage = Transformer(args, layer_ids=layer_ids, has_embedding="tok_embeddings" in names,
-                                    has_head="output" in names)
+            spec = spec_for(args)
+            stage = spec.build_meta(args, **spec.stage_kwargs(names))
             parallelize_model(stage, dims, mesh, cfg)
             for name, p in stage.named_parameters():
                 shape, local, placements = _describe(p)
@@ -113,26 +111,31 @@ def _probe_block(cfg: JobConfig, layout: Layout, args, mesh, layer_id: int) -> i
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from titanlike.layout import loss_parallel_enabled
-    from titanlike.models import Transformer
+    from titanlike.models import spec_for
     from titanlike.parallel.activation_checkpoint import apply_ac
     from titanlike.parallel.tensor_parallel import apply_tp
 
-    with torch.device("meta"):
-        block = Transformer(args, layer_ids=[layer_id], has_embedding=False, has_head=False)
+    block = spec_for(args).build_meta(args, layer_ids=[layer_id], has_input=False, has_output=False)
     if layout.tp > 1:
         apply_tp(block, mesh["tp"], sequence_parallel=layout.sequence_parallel,
                  loss_parallel=loss_parallel_enabled(cfg, layout.dims))
+    if layout.cp > 1:
+        from titanlike.parallel.context_parallel import apply_cp
+
+        apply_cp(block, mesh["cp"])
     if layout.ac_mode != "none":
         apply_ac(block, cfg.activation_checkpoint)
     act = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}[layout.dtype]
-    seq = layout.seq_len // (layout.tp if layout.sequence_parallel else 1)
+    seq = layout.local_seq_len // (layout.tp if layout.sequence_parallel else 1)
     with FakeTensorMode(allow_non_fake_inputs=True):
         block.to_empty(device="cpu")
         rope = torch.float64 if act == torch.float64 else torch.float32  # the model keeps its tables in fp32
         for name, p in list(block.named_parameters()):  # FSDP's mixed precision computes with bf16 copies
             owner, _, leaf = name.rpartition(".")
             setattr(block.get_submodule(owner), leaf, torch.nn.Parameter(p.detach().to(act)))
-        block.rope_cos, block.rope_sin = block.rope_cos.to(rope), block.rope_sin.to(rope)
+        for name, buf in list(block.named_buffers()):  # RoPE tables (Llama): float32, or float64 for float64 runs
+            owner, _, leaf = name.rpartition(".")
+            block.get_submodule(owner)._buffers[leaf] = buf.to(rope)
         x_leaf = torch.empty(layout.microbatch_size, seq, args.dim, dtype=act, requires_grad=True)
         if layout.tp > 1:
             x_leaf = DTensor.from_local(x_leaf, mesh["tp"], [Shard(1) if layout.sequence_parallel else Replicate()],

@@ -28,6 +28,7 @@ from titanlike.layout import (
     stage_ids_for_rank,
     stage_module_names,
 )
+from titanlike.models import get_spec
 
 __all__ = ["GroupMap", "Layout", "group_map"]
 
@@ -64,8 +65,10 @@ class Layout:
         p, t = cfg.parallelism, cfg.training
         dims = Degrees.from_config(cfg, world_size)
         pp = dims.pp > 1
+        spec = get_spec(cfg.model.name)
         stages = tuple(tuple(s) for s in stage_module_names(cfg, args)) if pp else \
-            (("tok_embeddings",) + tuple(f"layers.{i}" for i in range(args.n_layers)) + ("norm", "output"),)
+            (spec.input_modules + tuple(f"{spec.block_container}.{i}" for i in range(args.n_layers))
+             + spec.output_modules,)
         split = batch_split(t.global_batch_size, t.local_batch_size, dims.dp)
         return cls(dims=dims, gpus_per_node=gpus_per_node, sequence_parallel=p.enable_sequence_parallel,
                    loss_parallel=loss_parallel_enabled(cfg, dims),
@@ -85,6 +88,28 @@ class Layout:
     dp_shard = property(lambda self: self.dims.dp_shard)
     dp_replicate = property(lambda self: self.dims.dp_replicate)
     dp = property(lambda self: self.dims.dp)
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of each sequence on one rank: ``seq_len / cp`` (two load-balanced chunks)."""
+        return self.seq_len // self.dims.cp
+
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks FSDP shards parameters over: dp_shard x cp."""
+        return self.dims.dp_shard * self.dims.cp
+
+    @property
+    def fsdp_dim(self) -> str:
+        """The mesh dim name of FSDP's shard group ("dp_shard", or the flattened "dp_shard_cp" under cp)."""
+        return "dp_shard_cp" if self.dims.cp > 1 else "dp_shard"
+
+    def fsdp_shard_index(self, coords: dict[str, int]) -> int:
+        return coords["dp_shard"] * self.dims.cp + coords["cp"]
 
     @property
     def n_nodes(self) -> int:
@@ -160,7 +185,7 @@ class Layout:
     def groups(self) -> dict[str, GroupMap]:
         """tp, cp, dp_shard, dp_replicate, dp and pp groups against node boundaries."""
         return {name: group_map(self.dims, name, self.gpus_per_node)
-                for name in ("tp", "cp", "dp_shard", "dp_replicate", "dp", "pp")}
+                for name in ("tp", "cp", "dp_shard", "dp_shard_cp", "dp_replicate", "dp", "pp")}
 
 
 @dataclass(frozen=True)

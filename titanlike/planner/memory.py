@@ -43,9 +43,28 @@ def chunk(n: int, parts: int, index: int) -> int:
     return max(0, min(c, n - c * index))
 
 
+def _spec(args):
+    from titanlike.models import spec_for
+
+    return spec_for(args)
+
+
+_SHAPES: dict[tuple, dict[str, tuple[int, ...]]] = {}
+
+
+def _built_shapes(spec, args, names: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+    key = (spec.name, repr(args), names)
+    if key not in _SHAPES:
+        _SHAPES[key] = spec.param_shapes(args, names)
+    return _SHAPES[key]
+
+
 def param_shapes(args, names: Sequence[str]) -> dict[str, tuple[int, ...]]:
     """Full shapes of the parameters of a stage holding modules ``names`` (the model's own FQNs, in
     ``named_parameters`` order; a tied head inside the stage is the embedding's parameter)."""
+    spec = _spec(args)
+    if spec is not None and spec.name != "llama3":  # any other model: its own constructor on the meta device
+        return dict(_built_shapes(spec, args, tuple(names)))
     h, hd = args.dim, args.head_dim
     shapes = {
         "attention_norm.weight": (h,), "attention.wq.weight": (args.n_heads * hd, h),
@@ -103,19 +122,23 @@ def _prod(shape) -> int:
 def rank_param_shards(layout: Layout, args, rank: int = 0) -> dict[int, list[ParamShard]]:
     """Per stage held by ``rank``: its parameters' full, tp-local and stored shapes."""
     c = layout.coords(rank)
-    ds = layout.dp_shard
+    ds, shard_index = layout.fsdp_shard, layout.fsdp_shard_index(c)
     out = {}
     for s in layout.stage_ids(c["pp"]):
         shards = []
+        spec = _spec(args)
         for name, shape in param_shapes(args, layout.stages[s]).items():
             tp_shape = list(shape)
-            d = tp_shard_dim(name)
+            if spec is not None and spec.shard_dims is not None:
+                d, fd = spec.shard_dims(name, layout.tp > 1, layout.fsdp)
+            else:
+                d, fd = tp_shard_dim(name), 0
             if d is not None and layout.tp > 1:
                 tp_shape[d] = chunk(shape[d], layout.tp, c["tp"])
             local, padded = list(tp_shape), _prod(tp_shape)
             if layout.fsdp:
-                local[0] = chunk(tp_shape[0], ds, c["dp_shard"])
-                padded = -(-tp_shape[0] // ds) * _prod(tp_shape[1:])
+                local[fd] = chunk(tp_shape[fd], ds, shard_index)
+                padded = -(-tp_shape[fd] // ds) * _prod(tp_shape) // max(1, tp_shape[fd])
             shards.append(ParamShard(name, tuple(shape), tuple(tp_shape), tuple(local), padded))
         out[s] = shards
     return out
@@ -126,7 +149,11 @@ def fsdp_units(layout: Layout, args, shards: list[ParamShard],
     """FSDP groups of one stage module as titanlike.parallel.fsdp.apply_fsdp builds them: (kind, params) with kind
     "block", "embedding", "head" or "root"; groups without parameters are left out."""
     by_name = {p.name: p for p in shards}
-    tied = args.tie_embeddings and "tok_embeddings" in names and "output" in names
+    spec = _spec(args)
+    inputs = [n for n in (spec.input_modules if spec else ("tok_embeddings",)) if n in names]
+    outputs = [n for n in (spec.output_modules if spec else ("norm", "output")) if n in names]
+    tied_owners = {fqn.split(".")[0] for pair in (spec.tied if spec else ()) for fqn in pair}
+    tied = args.tie_embeddings and bool(tied_owners) and all(any(n in names for n in (o,)) for o in tied_owners)
     units: list[tuple[str, list[ParamShard]]] = []
     taken: set[str] = set()
 
@@ -139,9 +166,12 @@ def fsdp_units(layout: Layout, args, shards: list[ParamShard],
     for name in names:
         if name.startswith("layers."):
             add("block", (name + ".",))
-    if not tied:
-        add("embedding", ("tok_embeddings.",))
-        add("head", ("norm.", "output."))
+    if tied:  # apply_fsdp leaves the tied pair (and the head) to the root
+        inputs, outputs = [n for n in inputs if n not in tied_owners], []
+    if inputs:
+        add("embedding", tuple(n + "." for n in inputs))
+    if outputs:
+        add("head", tuple(n + "." for n in outputs))
     rest = [p for p in by_name.values() if p.name not in taken]
     if rest:
         units.append(("root", rest))
@@ -155,6 +185,14 @@ def block_activation_bytes(layout: Layout, args, tokens: int, mode: str = "none"
     a, c, t = layout.act_bytes, layout.compute_bytes, layout.tp
     tsp = t if layout.sequence_parallel else 1
     kv = args.n_kv_heads / args.n_heads
+    # Context parallel (``tokens`` are the local ones): the attention kernel keeps K and V of the whole sequence,
+    # repeated to all heads as its inputs (no AC: (cp - 1) more tokens' worth than the local K / V counted below);
+    # selective op AC saves the all-gather outputs instead (kv heads) and recomputes the rest.
+    gathered_kv = 0.0
+    if layout.cp > 1 and mode == "none":
+        gathered_kv = 2 * a * h / t * (layout.cp - 1)
+    elif layout.cp > 1 and mode == "op":
+        gathered_kv = 2 * a * h * kv / t * layout.cp
     if mode == "full":
         per_token = a * h / tsp
     elif mode == "op":
@@ -170,7 +208,7 @@ def block_activation_bytes(layout: Layout, args, tokens: int, mode: str = "none"
     else:
         norms = 2 * ((c * h + c + a * h) / tsp + a * h)
         per_token = norms + (4 * a * h + 4 * n + 4 * a * H) / t
-    return round(per_token * tokens)
+    return round((per_token + gathered_kv) * tokens)
 
 
 def head_activation_bytes(layout: Layout, args, tokens: int) -> tuple[int, int]:
@@ -234,7 +272,8 @@ def rank_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
     pb, a = layout.param_bytes, layout.act_bytes
     n_local = sum(p.numel for ps in shards.values() for p in ps)
     n_tensors = sum(len(ps) for ps in shards.values())
-    sharded = f"sharded over dp_shard {layout.dp_shard}" if layout.fsdp and layout.dp_shard > 1 else "unsharded"
+    sharded = (f"sharded over {layout.fsdp_dim} {layout.fsdp_shard}" if layout.fsdp and layout.fsdp_shard > 1
+               else "unsharded")
     items = [
         MemoryItem("parameters", n_local * pb, f"{n_local / 1e6:,.1f}M elements, fp{8 * pb} master copy, {sharded}"),
         MemoryItem("gradients", n_local * pb, f"fp{8 * pb}, same shards"),
@@ -264,7 +303,7 @@ def rank_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
     # Activations.
     c = layout.coords(rank)
     stage_ids = layout.stage_ids(c["pp"])
-    tokens = layout.microbatch_size * layout.seq_len
+    tokens = layout.microbatch_size * layout.local_seq_len
     if layout.pp > 1:
         counts = inflight_microbatches(layout.schedule or "1F1B", layout.pp, layout.n_microbatches,
                                        layout.stages_per_rank)[c["pp"]]
@@ -287,8 +326,9 @@ def rank_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
             transient = max(transient, recompute)
     ac = layout.ac_mode if layout.ac_mode != "selective" else f"selective {layout.ac_option}"
     sp = "on" if layout.sequence_parallel else "off"
+    cp = f" (seq {layout.seq_len} / cp {layout.cp})" if layout.cp > 1 else ""
     items.append(MemoryItem("activations", act, f"{' + '.join(detail)} of {layout.microbatch_size} x "
-                                                f"{layout.seq_len} tokens, AC {ac}, SP {sp}"))
+                                                f"{layout.local_seq_len} tokens{cp}, AC {ac}, SP {sp}"))
     items.append(MemoryItem("transient", transient, "largest of: loss working set, one block's recomputation"))
     return items
 

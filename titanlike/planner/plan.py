@@ -160,8 +160,10 @@ def _map(plan: Plan) -> list[str]:
            f"{lo.tp} + tp;  node = rank // {gpn};  {lo.n_nodes:,} nodes",
            f"  {'dim':<13}{'size':>6}{'stride':>8}{'groups':>8}  {'nodes/group':>11}  link     "
            f"rank {plan.rank}'s group"]
-    for name in ("tp", "cp", "dp_shard", "dp_replicate", "dp", "pp"):
+    for name in ("tp", "cp", "dp_shard", "dp_shard_cp", "dp_replicate", "dp", "pp"):
         gm = lo.groups[name]
+        if name == "dp_shard_cp" and 1 in (lo.dp_shard, lo.cp):
+            continue
         if gm.size == 1 or (name == "dp" and 1 in (lo.dp_shard, lo.dp_replicate)):
             continue
         mine = _group_of(lo, name, plan.rank)
@@ -220,13 +222,20 @@ def _price(plan: Plan) -> list[str]:
                + (" (includes recomputation)" if lo.ac_mode != "none" else ""))
     hidden = "reductions deferred past the last backward + what compute cannot hide" if lo.pp > 1 else \
         "what compute cannot hide"
-    out.append(f"  step = (compute + tp) x (1 + bubble) + pp + dp exposed ({hidden}) = {fmt_seconds(c.step_time)}")
+    if lo.cp > 1:
+        kv = lo.seq_len * plan.args.n_kv_heads // t * plan.args.head_dim * lo.act_bytes * lo.microbatch_size
+        out.append(f"  cp: per block 2 all-gathers (K, V) forward + 2 reduce-scatters backward of b S kv_dim/t a = "
+                   f"{fmt_bytes(kv)} each, {fmt_bytes(4 * kv * (lo.cp - 1) / lo.cp)} on the wire per block and "
+                   f"microbatch; synchronous inside attention, so fully exposed")
+    cp = " + cp" if lo.cp > 1 else ""
+    out.append(f"  step = (compute + tp{cp}) x (1 + bubble) + pp + dp exposed ({hidden}) = "
+               f"{fmt_seconds(c.step_time)}")
     out.append(f"  MFU {c.mfu:.1%}; {c.tokens_per_s:,.0f} tokens/s ({c.tokens_per_s_per_gpu:,.0f} per GPU); "
                f"model FLOPs {_flops(c.model_flops)} per step")
     return out
 
 
-_DIM_ORDER = ("tp", "pp", "dp_shard", "dp_replicate")
+_DIM_ORDER = ("tp", "cp", "pp", "dp_shard", "dp_shard_cp", "dp_replicate")
 
 
 def _memory(plan: Plan) -> list[str]:
@@ -245,14 +254,15 @@ def _memory(plan: Plan) -> list[str]:
         out.append(f"    {'total':<18}{fmt_bytes(total):>12}  of {hw.memory_bytes / GiB:.1f} GiB "
                    f"({hw.usable_memory / GiB:.1f} usable): {verdict}")
     lo = plan.layout
-    tokens = lo.microbatch_size * lo.seq_len
+    tokens = lo.microbatch_size * lo.local_seq_len
     alts = []
     for mode in ("none", "op", "full"):
         def size(sp: bool) -> str:
             return fmt_bytes(block_activation_bytes(_replace_layout(lo, sequence_parallel=sp), plan.args, tokens, mode))
 
         alts.append(f"AC {mode} {size(False)}" + (f" / SP {size(True)}" if lo.tp > 1 else ""))
-    out.append(f"  one block's activations per microbatch of {tokens:,} tokens (tp {lo.tp}): " + ";  ".join(alts))
+    cp = f", cp {lo.cp}" if lo.cp > 1 else ""
+    out.append(f"  one block's activations per microbatch of {tokens:,} tokens (tp {lo.tp}{cp}): " + ";  ".join(alts))
     return out
 
 
@@ -284,12 +294,14 @@ def _dry(plan: Plan) -> list[str]:
                + ("all equal" if not mismatches and not missing else
                   f"{len(mismatches)} differ ({', '.join(mismatches[:3])}), {missing} missing"))
     if d.block_activation_bytes is not None:
-        tokens = lo.microbatch_size * lo.seq_len
+        cp = f" (cp {lo.cp}: this rank's share of {lo.seq_len}, with the gathered K/V)" if lo.cp > 1 else ""
+        tokens = lo.microbatch_size * lo.local_seq_len
         analytic_act = block_activation_bytes(lo, plan.args, tokens, lo.checkpointed(d.probe_layer))
         same = "equal" if analytic_act == d.block_activation_bytes else \
             f"analytic {fmt_bytes(analytic_act)} ({analytic_act / max(d.block_activation_bytes, 1) - 1:+.1%})"
         out.append(f"  activation probe: block layers.{d.probe_layer} under FakeTensorMode, {lo.microbatch_size} x "
-                   f"{lo.seq_len} tokens: {fmt_bytes(d.block_activation_bytes)} held after its forward; {same}")
+                   f"{lo.local_seq_len} tokens{cp}: {fmt_bytes(d.block_activation_bytes)} held after its forward; "
+                   f"{same}")
     out.append(f"  took {d.seconds:.1f} s")
     return out
 

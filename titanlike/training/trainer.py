@@ -21,11 +21,11 @@ from titanlike import fault
 from titanlike.config import JobConfig, config_help, hf_architecture_of, load_config, model_args_from_config
 from titanlike.layout import ConfigError, batch_split, float8_backend, layout_violations, master_dtype
 from titanlike.loss import IGNORE_INDEX
-from titanlike.models import Transformer
+from titanlike.models import get_spec
 from titanlike.parallel import ParallelDims, build_parallel_model, describe_layout
 from titanlike.training.metrics import MetricsLogger, Throughput, format_eta, peak_memory_gib, use_color
 from titanlike.training.optim import build_lr_scheduler, build_optimizer
-from titanlike.training.step import train_step
+from titanlike.training.step import eval_loss_sum, train_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -97,6 +97,7 @@ class Trainer:
 
             self.architecture_note = (f"model: architecture from {cfg.checkpoint.initial_load_path} config.json "
                                       f"(overrides flavor {cfg.model.flavor}): {describe_args(self.model_args)}")
+        self.spec = get_spec(cfg.model.name)
         problems = layout_violations(cfg, self.world_size, self.model_args)
         if problems:
             raise ConfigError(problems[0])
@@ -149,6 +150,9 @@ class Trainer:
             self._print_start()
         self.dims = self.mesh = None
         dp_rank, dp_degree = 0, 1
+        self.cp_rank, self.cp_degree = 0, 1
+        # dp_group: the loss group (token count, reported and validation loss): dp x cp, every rank that holds a
+        # different part of the global batch.
         self.dp_group = None
         if self.distributed:
             self.dims = ParallelDims.from_config(cfg, self.world_size)
@@ -156,10 +160,15 @@ class Trainer:
             if self.rank == 0:
                 gpn = cfg.parallelism.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
                 print(describe_layout(self.dims, gpn), flush=True)
+            from titanlike.parallel import loss_group
+
+            self.dp_group = loss_group(self.dims)
             if self.dims.dp_enabled:
                 dp_mesh = self.dims.get_mesh("dp")
-                self.dp_group = dp_mesh.get_group()
                 dp_rank, dp_degree = dp_mesh.get_local_rank(), dp_mesh.size()
+            if self.dims.cp_enabled:  # cp ranks read the same samples, each its two chunks of every sequence
+                cp_mesh = self.dims.get_mesh("cp")
+                self.cp_rank, self.cp_degree = cp_mesh.get_local_rank(), cp_mesh.size()
 
         # The full model is initialised on the CPU from the seed, then parallelized: the initial weights are the
         # same under every layout. When the weights come from a checkpoint anyway (a resume, or a seed checkpoint /
@@ -171,7 +180,7 @@ class Trainer:
         torch.set_default_dtype(param_dtype)
         try:
             with torch.device("meta") if self.meta_init else contextlib.nullcontext():
-                model = Transformer(args)
+                model = self.spec.build(args)
             if not self.meta_init:
                 model.init_weights()
         finally:
@@ -206,7 +215,8 @@ class Trainer:
         self.dataloader = build_dataloader(train_tokens, seq_len=t.seq_len, global_batch_size=self.global_batch,
                                            local_batch_size=t.local_batch_size, dp_rank=dp_rank,
                                            dp_degree=dp_degree, seed=t.seed, shuffle=cfg.data.shuffle,
-                                           num_workers=cfg.data.num_workers)
+                                           num_workers=cfg.data.num_workers, cp_rank=self.cp_rank,
+                                           cp_degree=self.cp_degree)
         val_windows = max(len(val_tokens) - 1, 0) // t.seq_len
         self.val_tokens = val_tokens if cfg.validation.enable and val_windows >= t.local_batch_size * dp_degree \
             else None
@@ -325,7 +335,7 @@ class Trainer:
 
         key = "tf32" if cfg.training.dtype == "float64" else peak_key(cfg.training.dtype, cfg.float8.recipe)
         peak = device_peak_flops(self.device, key, cfg.metrics.peak_tflops)
-        flops_per_token = self.model_args.flops_per_token(cfg.training.seq_len)
+        flops_per_token = self.spec.flops_per_token(self.model_args, cfg.training.seq_len)
         throughput = Throughput(self.device)
         data_iter = iter(self.dataloader)
         losses: list[float] = []
@@ -435,7 +445,8 @@ class Trainer:
         loader = build_validation_loader(self.val_tokens, seq_len=cfg.training.seq_len,
                                          batch_size=cfg.training.local_batch_size, dp_rank=self.dp_rank,
                                          dp_degree=self.dp_degree,
-                                         max_batches=cfg.validation.steps if cfg.validation.steps > 0 else None)
+                                         max_batches=cfg.validation.steps if cfg.validation.steps > 0 else None,
+                                         cp_rank=self.cp_rank, cp_degree=self.cp_degree)
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for m in self.model_parts:
             m.eval()
@@ -443,9 +454,8 @@ class Trainer:
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             if self.pp is not None:
                 loss_sum = self.pp.eval_loss(inputs, labels)
-            else:
-                with self.forward_context():
-                    loss_sum = self.loss.loss_fn(self.model_parts[0](inputs), labels)
+            else:  # eval mode, then FSDP's shards handed back (training continues exactly)
+                loss_sum = eval_loss_sum(self.model_parts[0], self.loss.loss_fn, inputs, labels, self.forward_context)
             total[0] += loss_sum.detach().to(torch.float64)
             total[1] += (labels != IGNORE_INDEX).sum()
         for m in self.model_parts:

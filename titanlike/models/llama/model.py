@@ -168,6 +168,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
+class CausalAttention(nn.Module):
+    """The attention core, a swap point: causal softmax attention of ``q`` (batch, seq, heads, head_dim) over
+    ``k``, ``v`` (batch, seq, kv_heads, head_dim), kv heads shared by groups of query heads; returns (batch, seq,
+    heads, head_dim). No parameters. Context parallelism replaces it from outside
+    (``titanlike.parallel.context_parallel.ContextParallelAttention``) without touching the projections."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n_rep = q.shape[2] // k.shape[2]
+        if n_rep > 1:  # grouped-query attention: each kv head serves n_rep query heads
+            k = k.repeat_interleave(n_rep, dim=2)
+            v = v.repeat_interleave(n_rep, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True)
+        return out.transpose(1, 2)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -177,6 +193,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, kv_dim, bias=False)
         self.wv = nn.Linear(args.dim, kv_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.sdpa = CausalAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -185,13 +202,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        n_rep = q.shape[2] // k.shape[2]
-        if n_rep > 1:  # grouped-query attention: each kv head serves n_rep query heads
-            k = k.repeat_interleave(n_rep, dim=2)
-            v = v.repeat_interleave(n_rep, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        out = self.sdpa(q, k, v)
+        return self.wo(out.reshape(bsz, seqlen, -1))
 
 
 class FeedForward(nn.Module):

@@ -1,0 +1,150 @@
+"""Activation memory per rank under context parallelism, measured on CPU ranks (gloo), side by side for cp 1, 2, 4.
+
+    python scripts/cp_memory.py                       # debug model, 1 x 8192 tokens, cp 1 2 4
+    python scripts/cp_memory.py --seq-len 16384 --cps 1,2,4,8
+
+For each cp degree, ``cp`` processes each build the same debug model (float32), apply ``apply_cp`` (cp > 1), run
+the forward and the loss on their ``seq_len / cp`` tokens of one sequence, and count the bytes autograd holds for
+the backward at the end of the forward (every distinct storage that a ``saved_tensors_hooks`` pack saw: that is
+the activation memory, which peaks there). The bytes are split by where they were saved:
+
+* ``outside attention``: embeddings, norms, projections, RoPE, SwiGLU, the head and the loss (per token: 1/cp);
+* ``attention core``: what the attention kernel keeps. Under CP that includes the all-gathered K and V of the
+  whole sequence (kv heads only: they do not shrink with cp) and, on CPU, the boolean causal mask of each query
+  chunk over its keys (CUDA uses a mask-free ``CausalBias``, so that part is a CPU artefact).
+
+Prints one row per cp and the ratio to cp 1. Parameters and optimizer states are not activations (FSDP shards
+them over dp_shard x cp anyway); the peak of transient buffers inside one op is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MiB = 2 ** 20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(flavor: str, seq_len: int, vocab: int, cp: int, rank: int) -> dict[str, int]:
+    """This rank's saved-for-backward bytes at the end of the forward: {"outside": ..., "core": ...}."""
+    import torch
+
+    from titanlike.models.llama import FLAVORS, CausalAttention, Transformer
+    from titanlike.training.loss import cross_entropy_loss
+
+    args = FLAVORS[flavor].replace(vocab_size=vocab, max_seq_len=max(seq_len, FLAVORS[flavor].max_seq_len))
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (1, seq_len + 1), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    core_types: tuple[type, ...] = (CausalAttention,)
+    if cp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from titanlike.parallel.context_parallel import ContextParallelAttention, apply_cp, cp_shard
+
+        apply_cp(model, init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",)))
+        x, y = cp_shard(x, cp, rank), cp_shard(y, cp, rank)
+        core_types = (ContextParallelAttention,)
+    inside = [0]
+    for m in model.modules():
+        if isinstance(m, core_types):
+            m.register_forward_pre_hook(lambda *a: inside.__setitem__(0, inside[0] + 1))
+            m.register_forward_hook(lambda *a: inside.__setitem__(0, inside[0] - 1))
+    seen: dict[tuple, str] = {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        st = t.untyped_storage()
+        key = (st.data_ptr(), st.nbytes())
+        if st.data_ptr() not in params and key not in seen:
+            seen[key] = "core" if inside[0] else "outside"
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = cross_entropy_loss(model(x), y, reduction="sum")
+    out = {"outside": 0, "core": 0}
+    for (_, nbytes), where in seen.items():
+        out[where] += nbytes
+    loss.backward()  # the backward runs (collectives match on every rank), and frees what was counted
+    return out
+
+
+def _rank(rank: int, world: int, port: int, flavor: str, seq_len: int, vocab: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        queue.put((rank, measure(flavor, seq_len, vocab, world, rank)))
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def run(cp: int, flavor: str, seq_len: int, vocab: int) -> list[dict[str, int]]:
+    """Every rank's numbers for one cp degree (cp processes)."""
+    import torch.multiprocessing as mp
+
+    if cp == 1:  # no process group: in this process
+        return [measure(flavor, seq_len, vocab, 1, 0)]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, cp, port, flavor, seq_len, vocab, queue)) for r in range(cp)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        if p.exitcode != 0:
+            raise RuntimeError(f"cp {cp}: a rank exited with {p.exitcode}")
+    return [results[r] for r in range(cp)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--flavor", default="debugmodel")
+    ap.add_argument("--seq-len", type=int, default=8192)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--cps", default="1,2,4")
+    a = ap.parse_args(argv)
+    cps = [int(c) for c in a.cps.split(",")]
+    for cp in cps:
+        if a.seq_len % (2 * cp):
+            print(f"error: --seq-len {a.seq_len} is not divisible by 2 x cp = {2 * cp}", file=sys.stderr)
+            return 2
+    print(f"activation memory per rank (saved for backward at the end of the forward), {a.flavor}, 1 x {a.seq_len} "
+          f"tokens, float32, vocab {a.vocab}, CPU / gloo; max over ranks")
+    print(f"{'cp':>3} {'outside attn MiB':>17} {'ratio':>6} {'attn core MiB':>14} {'ratio':>6} {'total MiB':>10} "
+          f"{'ratio':>6}")
+    base = None
+    for cp in cps:
+        ranks = run(cp, a.flavor, a.seq_len, a.vocab)
+        row = {k: max(r[k] for r in ranks) for k in ("outside", "core")}
+        row["total"] = max(r["outside"] + r["core"] for r in ranks)
+        base = base or row
+        print(f"{cp:>3} {row['outside'] / MiB:17.1f} {row['outside'] / base['outside']:6.3f} "
+              f"{row['core'] / MiB:14.1f} {row['core'] / base['core']:6.3f} {row['total'] / MiB:10.1f} "
+              f"{row['total'] / base['total']:6.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Context parallelism without a process group: the chunk layout, the loader's cut, the up-front refusals.
+
+The numerics (every CP layout equal to one device in float64, and the planted CP mutations caught) are in the
+gate (tests/parallel/gate.py, pipeline_gate.py); the messages and their bytes against the planner in
+tests/test_planner_gloo.py.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from titanlike.config import load_config, model_args_from_config
+from titanlike.data import build_dataloader, build_validation_loader
+from titanlike.layout import layout_violations
+from titanlike.parallel.context_parallel import chunk_ids, cp_positions, cp_shard, cp_unshard
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_chunk_assignment_is_load_balanced():
+    # cp 2, 8 tokens: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2 (the picture in docs/context_parallel.md)
+    t = torch.arange(8)[None]
+    assert cp_shard(t, 2, 0).tolist() == [[0, 1, 6, 7]]
+    assert cp_shard(t, 2, 1).tolist() == [[2, 3, 4, 5]]
+    for cp in (1, 2, 4, 8):
+        seq = 2 * cp * 3
+        shards = [cp_shard(torch.arange(seq)[None], cp, r) for r in range(cp)]
+        assert torch.equal(cp_unshard(torch.cat(shards, dim=1), cp), torch.arange(seq)[None])
+        for r in range(cp):
+            assert torch.equal(cp_positions(seq, cp, r), shards[r][0])
+            assert sorted(chunk_ids(cp, r)) == [r, 2 * cp - 1 - r]
+        # causal work (keys attended) is the same on every rank: chunk j costs j + 1 chunk-lengths of keys
+        work = {sum(j + 1 for j in chunk_ids(cp, r)) for r in range(cp)}
+        assert work == {2 * cp + 1}
+    with pytest.raises(ValueError, match="not divisible by 2 x cp = 4"):
+        cp_shard(torch.arange(6)[None], 2, 0)
+
+
+def test_loader_hands_each_cp_rank_its_chunks_of_the_same_samples():
+    tokens = np.arange(16 * 40 + 1, dtype=np.uint16)
+    kw = dict(seq_len=16, global_batch_size=4, local_batch_size=2, dp_rank=0, dp_degree=2, seed=3)
+    full = list(zip(range(4), build_dataloader(tokens, **kw)))
+    for cp in (2, 4):
+        per_rank = [list(zip(range(4), build_dataloader(tokens, cp_rank=r, cp_degree=cp, **kw))) for r in range(cp)]
+        for k, (x, y) in full:
+            xs = torch.cat([per_rank[r][k][1][0] for r in range(cp)], dim=1)
+            ys = torch.cat([per_rank[r][k][1][1] for r in range(cp)], dim=1)
+            assert torch.equal(cp_unshard(xs, cp), x) and torch.equal(cp_unshard(ys, cp), y)
+    val = list(build_validation_loader(tokens, seq_len=16, batch_size=2, dp_rank=0, dp_degree=1, max_batches=2))
+    val1 = list(build_validation_loader(tokens, seq_len=16, batch_size=2, dp_rank=0, dp_degree=1, max_batches=2,
+                                        cp_rank=1, cp_degree=2))
+    assert torch.equal(val1[0][0], cp_shard(val[0][0], 2, 1))
+
+
+def test_cp_layout_rules_are_reported_together():
+    cfg = load_config([])
+    p = cfg.parallelism
+    p.context_parallel_degree, p.tensor_parallel_degree, p.enable_sequence_parallel = 4, 2, True
+    cfg.training.seq_len = 36  # divisible by 4 but not by 2 x cp = 8
+    cfg.model.kernels = "te"
+    args = model_args_from_config(cfg, vocab_size=2048)
+    text = "\n".join(layout_violations(cfg, 8, args))
+    assert "seq_len 36 is not divisible by 2 x context_parallel_degree = 8" in text
+    assert "model.kernels=te has no context-parallel path" in text
+    cfg.model.kernels, cfg.float8.recipe = "torch", "tensorwise"
+    assert any("float8 training is not proven under context parallelism" in v
+               for v in layout_violations(cfg, 8, args))
+    cfg.float8.recipe = ""
+    cfg.training.seq_len, cfg.model.kernels = 40, "torch"  # 8 | 40, but a cp rank's 10 tokens are odd... for tp 4
+    p.tensor_parallel_degree = 4
+    text = "\n".join(layout_violations(cfg, 16, args))
+    assert "the 10 tokens of a cp rank are not divisible by tensor_parallel_degree 4" in text
+    p.tensor_parallel_degree, p.enable_sequence_parallel, cfg.training.seq_len = 1, False, 64
+    p.pipeline_parallel_degree, p.pipeline_parallel_schedule = 2, "ZBVZeroBubble"
+    text = "\n".join(layout_violations(cfg, 8, args))
+    assert "ZBVZeroBubble is not supported with context parallelism" in text
+    p.pipeline_parallel_schedule = "1F1B"
+    assert not [v for v in layout_violations(cfg, 8, args) if "context" in v]
+
+
+def test_train_py_refuses_a_bad_cp_layout_in_one_line(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--job.config_file", "configs/debug_model.toml",
+                        "--parallelism.context_parallel_degree", "3", "--training.seq_len", "64",
+                        "--job.dump_folder", str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT,
+                       env={"PYTHONPATH": str(ROOT), "WORLD_SIZE": "6", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == ("error: training.seq_len 64 is not divisible by 2 x context_parallel_degree = 6 (each "
+                                "cp rank holds 2 of 6 load-balanced chunks); choose a multiple of 6")
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,259 @@
+"""Context parallelism: every sequence split over the ``cp`` ranks, attention exact, applied from outside.
+
+The plain model makes one attention call through a swappable core (``Attention.sdpa``, a
+:class:`titanlike.models.llama.CausalAttention`: causal softmax attention of ``(batch, seq, heads, head_dim)``
+queries over keys / values with fewer, grouped heads). :func:`apply_cp` swaps that core for a
+:class:`ContextParallelAttention` and makes the rotary tables follow the true global positions of the local tokens;
+nothing else in the model changes, and parameter names stay the same.
+
+Load balance. A sequence of ``S`` tokens is cut into ``2 * cp`` chunks of ``C = S / (2 * cp)``; cp rank ``r`` holds
+chunks ``r`` and ``2 * cp - 1 - r`` (one early, one late), so every rank has the same causal work::
+
+    cp = 2, S = 8 tokens, C = 2:   chunks  0: t0 t1 | 1: t2 t3 | 2: t4 t5 | 3: t6 t7
+                                   rank 0 holds chunks 0 and 3 (t0 t1 t6 t7), rank 1 chunks 1 and 2 (t2 t3 t4 t5)
+
+Attention (all-gather K/V, Llama 3's CP). Queries stay local. K and V (kv heads only, after RoPE) are
+all-gathered over the cp group in forward (one ``all_gather_into_tensor`` each per layer); their gradients are
+reduce-scattered in backward (one ``reduce_scatter_tensor`` each; a rank's K/V feed every rank's queries, so the
+gradient of its tokens is the sum over ranks). The gathered K/V are put back into global order and each local
+query chunk ``j`` attends to keys ``[0, (j + 1) * C)`` with the causal mask aligned to the bottom right
+(``torch.nn.attention.bias.causal_lower_right``): on CUDA that is the flash / memory-efficient kernel, no
+``S x S`` mask is built; on CPU torch builds the ``C x (j + 1) C`` boolean mask of the chunk.
+
+Around it: the data loader hands each cp rank its two chunks of the same samples (:func:`cp_shard`, the inputs
+and the labels alike); the loss counts tokens over ``dp x cp`` (the ``dp_cp`` mesh); FSDP shards parameters and
+sums gradients over ``dp_shard x cp`` (``dp_shard_cp``), which is where the weight gradients of the different
+chunks meet. See docs/context_parallel.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.nn.attention.bias import causal_lower_right
+
+__all__ = ["ContextParallelAttention", "apply_cp", "chunk_attention", "chunk_ids", "cp_positions", "cp_shard",
+           "cp_unshard"]
+
+
+# ---------------------------------------------------------------------------------------------- the layout
+def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
+    """The two global chunks (of ``2 * cp``) that cp rank ``rank`` holds, in local order."""
+    return rank, 2 * cp - 1 - rank
+
+
+def cp_positions(seq_len: int, cp: int, rank: int, device=None) -> Tensor:
+    """Global positions of cp rank ``rank``'s ``seq_len / cp`` tokens of a ``seq_len``-token sequence."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"context parallel: sequence length {seq_len} is not divisible by 2 x cp = {2 * cp}")
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(j * c, (j + 1) * c, device=device) for j in chunk_ids(cp, rank)])
+
+
+def cp_shard(t: Tensor, cp: int, rank: int, dim: int = 1) -> Tensor:
+    """This cp rank's tokens of ``t`` along the sequence dim ``dim`` (chunks ``r`` and ``2 cp - 1 - r``)."""
+    if cp == 1:
+        return t
+    chunks = t.chunk(2 * cp, dim=dim)
+    if t.shape[dim] % (2 * cp):
+        raise ValueError(f"context parallel: sequence length {t.shape[dim]} is not divisible by 2 x cp = {2 * cp}")
+    return torch.cat([chunks[j] for j in chunk_ids(cp, rank)], dim=dim).contiguous()
+
+
+def _global_order(cp: int) -> list[int]:
+    """Where global chunk j sits in the rank-ordered gather of (rank 0's two chunks, rank 1's, ...)."""
+    where = {}
+    for r in range(cp):
+        for half, j in enumerate(chunk_ids(cp, r)):
+            where[j] = 2 * r + half
+    return [where[j] for j in range(2 * cp)]
+
+
+def cp_unshard(t: Tensor, cp: int, dim: int = 1) -> Tensor:
+    """Inverse of :func:`cp_shard` for a rank-ordered concatenation of every cp rank's shard."""
+    if cp == 1:
+        return t
+    chunks = t.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[k] for k in _global_order(cp)], dim=dim)
+
+
+# ---------------------------------------------------------------------------------------------- collectives
+# Collectives along dim 0 (the sequence is moved there: free for the usual batch of 1), so that one
+# all_gather_into_tensor / reduce_scatter_tensor carries the message with no chunk-and-concatenate around it.
+_ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
+def _wait(t: Tensor) -> Tensor:
+    return funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _gather_seq(x: Tensor, mesh: DeviceMesh) -> Tensor:
+    return _wait(_ALL_GATHER(x.transpose(0, 1).contiguous(), 0, mesh)).transpose(0, 1)
+
+
+def _kv_grad_reduce(grad: Tensor, mesh: DeviceMesh) -> Tensor:
+    """Backward of the K/V all-gather: every rank's queries contributed to every key; sum and keep ours."""
+    return _wait(_REDUCE_SCATTER(grad.transpose(0, 1).contiguous(), "sum", 0, mesh)).transpose(0, 1)
+
+
+class _AllGatherSequence(torch.autograd.Function):
+    """All-gather along the sequence dim (dim 1) over the cp mesh; backward reduce-scatters the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, mesh: DeviceMesh) -> Tensor:
+        ctx.mesh = mesh
+        return _gather_seq(x, mesh)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _kv_grad_reduce(grad, ctx.mesh), None
+
+
+def all_gather_sequence(x: Tensor, mesh: DeviceMesh) -> Tensor:
+    return _AllGatherSequence.apply(x, mesh)
+
+
+# ---------------------------------------------------------------------------------------------- the core
+class ContextParallelAttention(nn.Module):
+    """Causal grouped-query attention of this cp rank's queries over the whole sequence's keys / values.
+
+    Same interface as the plain core: ``q (batch, s, heads, head_dim)``, ``k, v (batch, s, kv_heads, head_dim)``
+    with ``s = seq_len / cp`` this rank's tokens (chunks ``r`` and ``2 cp - 1 - r``); returns ``(batch, s, heads,
+    head_dim)``. Every cp rank of the mesh must call it (the all-gathers are collectives).
+    """
+
+    def __init__(self, cp_mesh: DeviceMesh):
+        super().__init__()
+        self.cp_mesh = cp_mesh
+        self.cp = cp_mesh.size()
+        self.rank = cp_mesh.get_local_rank()
+
+    def extra_repr(self) -> str:
+        return f"cp={self.cp}, rank={self.rank}, chunks={chunk_ids(self.cp, self.rank)}"
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        cp, c = self.cp, q.shape[1] // 2
+        k_all = reorder_gathered(all_gather_sequence(k, self.cp_mesh), cp)
+        v_all = reorder_gathered(all_gather_sequence(v, self.cp_mesh), cp)
+        n_rep = q.shape[2] // k.shape[2]
+        if n_rep > 1:  # grouped-query attention, as the plain core does (after the gather: kv heads travel)
+            k_all = k_all.repeat_interleave(n_rep, dim=2)
+            v_all = v_all.repeat_interleave(n_rep, dim=2)
+        kt, vt = k_all.transpose(1, 2), v_all.transpose(1, 2)
+        outs = []
+        for half, j in enumerate(chunk_ids(cp, self.rank)):
+            qj = q[:, half * c:(half + 1) * c].transpose(1, 2)
+            outs.append(chunk_attention(qj, kt[:, :, :(j + 1) * c], vt[:, :, :(j + 1) * c]).transpose(1, 2))
+        return torch.cat(outs, dim=1)
+
+
+def chunk_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal attention of ``q`` (batch, heads, c, d), the last ``c`` positions, over ``k, v`` (batch, heads, n, d),
+    positions ``0 .. n-1`` (the causal mask aligned to the bottom right). No ``c x n`` mask is materialised:
+
+    * CUDA: SDPA with ``causal_lower_right`` (flash / memory-efficient kernels take the bottom-right alignment);
+    * CPU: torch's flash kernel twice, the ``n - c`` earlier keys without a mask and the last ``c`` with the square
+      causal mask, merged by their log-sum-exps (:class:`_TwoBlockAttentionCPU`); anything else: the explicit mask.
+    """
+    c, n = q.shape[2], k.shape[2]
+    if q.device.type == "cuda":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(c, n))
+    if q.device.type == "cpu" and _cpu_flash is not None:
+        if n == c:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return _TwoBlockAttentionCPU.apply(q, k[:, :, :n - c], v[:, :, :n - c], k[:, :, n - c:], v[:, :, n - c:])
+    mask = torch.ones(c, n, dtype=torch.bool, device=q.device).tril(n - c)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+_cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_cpu_flash_bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+class _TwoBlockAttentionCPU(torch.autograd.Function):
+    """softmax over [past keys (all visible) | diagonal keys (causal)], exact, from two flash calls.
+
+    Forward: ``o_p, l_p`` over the past block, ``o_d, l_d`` over the diagonal block; ``l = logaddexp(l_p, l_d)``,
+    ``o = exp(l_p - l) o_p + exp(l_d - l) o_d``. Backward: the flash backward of each block with the merged ``o`` and
+    ``l`` gives that block's exact share of the gradients (its probabilities are ``exp(s - l)``), as in ring
+    attention. Saves ``q``, the keys / values (views of the gathered ones), ``o`` and ``l``: no ``c x n`` tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k_past, v_past, k_diag, v_diag):
+        o_d, l_d = _cpu_flash(q, k_diag, v_diag, 0.0, True)
+        o_p, l_p = _cpu_flash(q, k_past, v_past, 0.0, False)
+        lse = torch.logaddexp(l_p, l_d)
+        out = (torch.exp(l_p - lse).unsqueeze(-1) * o_p + torch.exp(l_d - lse).unsqueeze(-1) * o_d).to(q.dtype)
+        ctx.save_for_backward(q, k_past, v_past, k_diag, v_diag, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k_past, v_past, k_diag, v_diag, out, lse = ctx.saved_tensors
+        grad = grad.contiguous()
+        dq_d, dk_d, dv_d = _cpu_flash_bwd(grad, q, k_diag, v_diag, out, lse, 0.0, True)
+        dq_p, dk_p, dv_p = _cpu_flash_bwd(grad, q, k_past, v_past, out, lse, 0.0, False)
+        return dq_p + dq_d, dk_p, dv_p, dk_d, dv_d
+
+
+def reorder_gathered(t: Tensor, cp: int) -> Tensor:
+    """Rank-ordered gather (rank 0's chunks, rank 1's, ...) -> global sequence order."""
+    return cp_unshard(t, cp, dim=1)
+
+
+# ---------------------------------------------------------------------------------------------- rotary positions
+def _rope_positions(seq_len: int, cp: int, rank: int, device) -> Tensor:
+    return cp_positions(seq_len, cp, rank, device)
+
+
+def _global_rope_hook(cp: int, rank: int):
+    """Forward pre-hook of an attention module called as ``(x, cos, sin)``: hand it the rotary rows of its
+    tokens' global positions (``apply_rope`` then takes the first ``s`` rows, which are exactly those)."""
+
+    def hook(module, args):
+        x, cos, sin, *rest = args
+        local = x.shape[1]  # DTensor or not: the logical length of this cp rank's tokens
+        pos = _rope_positions(local * cp, cp, rank, cos.device)
+        if isinstance(cos, DTensor):  # never under titanlike's plans; kept simple
+            cos, sin = cos.full_tensor(), sin.full_tensor()
+        return (x, cos.index_select(0, pos), sin.index_select(0, pos), *rest)
+
+    return hook
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, core_attr: str = "sdpa",
+             rope_modules: type | tuple[type, ...] | None = None) -> nn.Module:
+    """Context parallelism over ``cp_mesh`` (1-D), in place; returns ``model``.
+
+    Every module with a ``core_attr`` child (an attention module calling its core as ``core(q, k, v)``) gets a
+    :class:`ContextParallelAttention` core. ``rope_modules`` (default: titanlike's Llama ``Attention``) are the
+    modules called as ``(x, cos, sin)`` with rotary tables indexed by position: a pre-hook gives them the rows of
+    their tokens' global positions. A model with learned absolute positions passes ``rope_modules=()`` and feeds
+    ``cp_positions`` to its position embedding itself. Call after tensor parallelism (the hook then sees the
+    replicated input) and before activation checkpointing / compile / FSDP; the batches must be cut with
+    :func:`cp_shard`.
+    """
+    if cp_mesh.ndim != 1:
+        raise ValueError(f"apply_cp needs a 1-D cp mesh, got {cp_mesh}")
+    if rope_modules is None:
+        from titanlike.models.llama import Attention
+
+        rope_modules = (Attention,)
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    swapped = 0
+    for module in model.modules():
+        if isinstance(getattr(module, core_attr, None), nn.Module) and not isinstance(
+                getattr(module, core_attr), ContextParallelAttention):
+            setattr(module, core_attr, ContextParallelAttention(cp_mesh))
+            swapped += 1
+        if rope_modules and isinstance(module, rope_modules):
+            module.register_forward_pre_hook(_global_rope_hook(cp, rank))
+    if swapped == 0 and any(True for _ in model.modules() if rope_modules and isinstance(_, rope_modules)):
+        raise ValueError(f"apply_cp: no '{core_attr}' attention core to swap in {type(model).__name__}")
+    return model
