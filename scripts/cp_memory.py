@@ -40,8 +40,8 @@ def measure(flavor: str, seq_len: int, vocab: int, cp: int, rank: int) -> dict[s
     """This rank's saved-for-backward bytes at the end of the forward: {"outside": ..., "core": ...}."""
     import torch
 
+    from titanlike.loss import cross_entropy_loss
     from titanlike.models.llama import FLAVORS, CausalAttention, Transformer
-    from titanlike.training.loss import cross_entropy_loss
 
     args = FLAVORS[flavor].replace(vocab_size=vocab, max_seq_len=max(seq_len, FLAVORS[flavor].max_seq_len))
     torch.manual_seed(0)

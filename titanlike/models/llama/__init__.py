@@ -3,6 +3,7 @@
 from titanlike.models.llama.model import (
     FLAVORS,
     Attention,
+    CausalAttention,
     FeedForward,
     ModelArgs,
     RMSNorm,
@@ -13,8 +14,8 @@ from titanlike.models.llama.model import (
     rope_tables,
 )
 
-__all__ = ["FLAVORS", "Attention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer", "TransformerBlock",
-           "apply_rope", "pad_vocab", "rope_tables"]
+__all__ = ["FLAVORS", "Attention", "CausalAttention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer",
+           "TransformerBlock", "apply_rope", "pad_vocab", "rope_tables"]
 
 
 def _build(args, layer_ids=None, has_input=True, has_output=True):
