@@ -46,7 +46,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from titanlike.config import TE_FLOAT8_RECIPES, TORCHAO_FLOAT8_RECIPES, JobConfig, float8_violations  # noqa: E402
-from titanlike.models.llama import FLAVORS, ModelArgs, Transformer  # noqa: E402
+from titanlike.models import get_spec, registered  # noqa: E402
 from titanlike.training.mfu import device_peak_flops, mfu, peak_key  # noqa: E402
 
 GiB = 2 ** 30
@@ -114,17 +114,20 @@ def _init_one_rank_group(device: torch.device) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
 
 
-def model_args(flavor: str, seq_len: int, vocab: int) -> ModelArgs:
-    args = FLAVORS[flavor]
+def model_args(flavor: str, seq_len: int, vocab: int, model: str = "llama3"):
+    flavors = get_spec(model).flavors
+    if flavor not in flavors:
+        raise SystemExit(f"error: --flavor {flavor} is not a flavor of {model}; valid: {', '.join(flavors)}")
+    args = flavors[flavor]
     if vocab > 0 or args.vocab_size <= 0:
         args = args.replace(vocab_size=vocab if vocab > 0 else 2048)
     return args.replace(max_seq_len=max(args.max_seq_len, seq_len))
 
 
-def build_model(args: ModelArgs, device: torch.device, seed: int) -> Transformer:
+def build_model(args, device: torch.device, seed: int, model_name: str = "llama3") -> torch.nn.Module:
     torch.manual_seed(seed)
     with torch.device(device):
-        model = Transformer(args)
+        model = get_spec(model_name).build(args)
         model.init_weights()
     return model
 
@@ -140,6 +143,7 @@ def job_config(a: argparse.Namespace) -> JobConfig:
     cfg.training.dtype = a.dtype
     cfg.training.max_norm = 1.0
     cfg.model.kernels = a.kernels
+    cfg.model.name = a.model
     cfg.float8.recipe = a.float8
     if a.float8:
         cfg.float8.backend = a.float8_backend
@@ -171,7 +175,7 @@ def _timed(step_fn, batches, warmup: int, steps: int, device: torch.device) -> t
 
 
 # ---------------------------------------------------------------------------------------------- the two paths
-def run_titanlike(a, args: ModelArgs, batches, device: torch.device) -> tuple[float, float, float]:
+def run_titanlike(a, args, batches, device: torch.device) -> tuple[float, float, float]:
     from titanlike.kernels import convert_kernels
     from titanlike.parallel import ParallelDims, apply_fsdp, clip_grad_norm_, parallelize_model
     from titanlike.training.loss import cross_entropy_loss
@@ -182,7 +186,7 @@ def run_titanlike(a, args: ModelArgs, batches, device: torch.device) -> tuple[fl
     _init_one_rank_group(device)
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)
     mesh = dims.build_mesh(device.type)
-    model = build_model(args, device, a.seed)
+    model = build_model(args, device, a.seed, a.model)
     convert_kernels(model, a.kernels, a.float8 if a.float8_backend == "te" else "")
     model = parallelize_model(model, dims, mesh, cfg)  # float8.backend=torchao: converted here
     bf16 = a.dtype == "bfloat16"
@@ -207,8 +211,8 @@ def run_titanlike(a, args: ModelArgs, batches, device: torch.device) -> tuple[fl
     return seconds, last, _peak_gib(device)
 
 
-def run_plain(a, args: ModelArgs, batches, device: torch.device) -> tuple[float, float, float]:
-    model = build_model(args, device, a.seed)
+def run_plain(a, args, batches, device: torch.device) -> tuple[float, float, float]:
+    model = build_model(args, device, a.seed, a.model)
     if a.compile:
         for block in model.layers.values():
             block.compile()
@@ -242,7 +246,8 @@ def _float8_label(a: argparse.Namespace) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--flavor", default="debugmodel", choices=sorted(FLAVORS))
+    ap.add_argument("--model", default="llama3", choices=registered(), help="model.name")
+    ap.add_argument("--flavor", default="debugmodel", help="a flavor of --model")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
@@ -299,10 +304,10 @@ def main(argv: list[str] | None = None) -> int:
         except TEUnavailableError as e:
             print(f"benchmark: {e}", file=sys.stderr)
             return 2
-    args = model_args(a.flavor, a.seq_len, a.vocab)
+    args = model_args(a.flavor, a.seq_len, a.vocab, a.model)
     batches = make_batches(min(a.steps + a.warmup, 8), a.batch, a.seq_len, args.vocab_size, device, a.seed)
     tokens = a.batch * a.seq_len * a.steps
-    fpt = args.flops_per_token(a.seq_len)
+    fpt = get_spec(a.model).flops_per_token(args, a.seq_len)
     peak = device_peak_flops(device, peak_key(a.dtype, a.float8), a.peak_tflops)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"benchmark: flavor={a.flavor} ({args.num_params() / 1e6:.1f}M params, vocab {args.vocab_size}) "

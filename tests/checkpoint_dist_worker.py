@@ -34,6 +34,7 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_pa
 TIED = ["--model.tie_embeddings", "true", "--model.n_layers", "4", "--training.local_batch_size", "4"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 ZBV = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
+GPT2 = ["--model.name", "gpt2"]  # tied embeddings, fused c_attn (chunk-sharded under TP)
 # (name, ranks, extra train.py options, the case whose step-3 it resumes from)
 CASES = [
     ("tp2_fsdp2", 4, TP2, None),
@@ -59,6 +60,10 @@ CASES = [
     # weight; the non-pipelined checkpoint has one optimizer state for both, saved as tok_embeddings.weight.
     ("tied_zbv_pp2", 2, TIED + ZBV, None),
     ("tied_zbv_pp2_from_tied_fsdp2", 2, TIED + ZBV, "tied_fsdp2"),
+    # GPT-2: saved under tp2 x fsdp2 (c_attn chunk-sharded, FSDP on its dim 1), resumed in one process.
+    ("gpt2_tp2_fsdp2", 4, GPT2 + TP2, None),
+    ("gpt2_single", 1, GPT2, None),
+    ("gpt2_single_from_gpt2_tp2_fsdp2", 1, GPT2, "gpt2_tp2_fsdp2"),
 ]
 
 

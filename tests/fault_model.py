@@ -3,10 +3,12 @@ bitwise only if every RNG state is saved and restored exactly as the next step w
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.nn.functional as F
 
 import titanlike.training.trainer as trainer_module
-from titanlike.models import Transformer
+from titanlike.models import Transformer, get_spec
 
 DROPOUT = 0.1
 
@@ -19,9 +21,22 @@ class DropoutTransformer(Transformer):
         self.tok_embeddings.register_forward_hook(lambda m, inputs, out: F.dropout(out, DROPOUT, m.training))
 
 
+def _dropout_get_spec(name: str):
+    """The registered spec, with the Llama one building DropoutTransformer (same FQNs, same roles)."""
+    spec = get_spec(name)
+    if name != "llama3":
+        return spec
+
+    def build(args, layer_ids=None, has_input=True, has_output=True):
+        return DropoutTransformer(args, layer_ids=layer_ids, has_embedding=has_input, has_head=has_output)
+
+    return dataclasses.replace(spec, build=build)
+
+
 def use_dropout_model(monkeypatch=None) -> None:
-    """Make the Trainer build DropoutTransformer (with pytest's monkeypatch, undone after the test)."""
+    """Make the Trainer build DropoutTransformer (with pytest's monkeypatch, undone after the test): the trainer asks
+    the model spec for its model (titanlike/models/spec.py), so the spec it gets builds the dropout variant."""
     if monkeypatch is not None:
-        monkeypatch.setattr(trainer_module, "Transformer", DropoutTransformer)
+        monkeypatch.setattr(trainer_module, "get_spec", _dropout_get_spec)
     else:
-        trainer_module.Transformer = DropoutTransformer
+        trainer_module.get_spec = _dropout_get_spec

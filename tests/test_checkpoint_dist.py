@@ -27,6 +27,8 @@ RESHARDS = [
     ("tp2_from_corrupt_fsdp2", "tp2", "fsdp2"),  # same, after setting aside a newer step-6 with a flipped bit
     ("pp2_fsdp2_from_tp2_fsdp2", "pp2_fsdp2", "tp2_fsdp2"),  # tp2 x fsdp2 -> pp2 x fsdp2
     ("tied_zbv_pp2_from_tied_fsdp2", "tied_zbv_pp2", "tied_fsdp2"),  # tied embeddings: fsdp2 -> ZBV pp2
+    # GPT-2, fused c_attn chunk-sharded under tp2 x fsdp2 -> one process
+    ("gpt2_single_from_gpt2_tp2_fsdp2", "gpt2_single", "gpt2_tp2_fsdp2"),
     ("single_from_cp2", "single", "cp2"),  # context parallel 2 -> one process
     ("cp2_from_fsdp2", "cp2", "fsdp2"),  # cp 1 (fsdp2) -> cp 2
 ]
@@ -106,6 +108,36 @@ def test_tied_checkpoint_loads_into_both_pipeline_copies(cases):
     assert res["tied_state_equal"] and res["tied_exp_avg_norm"] > 0
     saved = read_model_state_dict(out / "tied_fsdp2" / "checkpoint" / f"step-{SAVE_STEP}")
     assert torch.equal(saved["tok_embeddings.weight"], saved["output.weight"])
+
+
+def test_gpt2_checkpoint_exports_as_gpt2lmheadmodel(cases, tmp_path):
+    """The GPT-2 checkpoint written under tp2 x fsdp2 (chunk-sharded c_attn) holds c_attn in the single-device
+    q|k|v order: exported to Hugging Face it loads into transformers' GPT2LMHeadModel with the same logits as our
+    model (or, without transformers installed, with GPT-2's names and Conv1D shapes)."""
+    from titanlike.checkpoint import export_hf, model_args_of
+    from titanlike.models import get_spec
+
+    out, _ = cases
+    step = out / "gpt2_tp2_fsdp2" / "checkpoint" / "step-6"
+    args = model_args_of(step)
+    ours = get_spec("gpt2").build(args).double()
+    ours.load_state_dict(read_model_state_dict(step))
+    hf_dir = export_hf(step, tmp_path / "hf")
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    assert tensors["transformer.h.0.attn.c_attn.weight"].shape == (args.dim, 3 * args.dim)  # Conv1D: (in, out)
+    assert "lm_head.weight" not in tensors  # tied
+    assert torch.equal(tensors["transformer.h.1.mlp.c_proj.weight"], ours.layers["1"].mlp.c_proj.weight.t())
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    try:
+        from transformers import GPT2LMHeadModel
+    except ImportError:
+        return  # names and shapes checked above; the logits need transformers
+    hf = GPT2LMHeadModel.from_pretrained(str(hf_dir), torch_dtype=torch.float64).eval()
+    with torch.no_grad():
+        diff = (hf(tokens).logits - ours(tokens)).abs().max().item()
+    assert diff <= 1e-10, diff
 
 
 FAULTS = ["hang_at_save", "hang_in_step", "exit_in_step", "sigstop_in_save"]

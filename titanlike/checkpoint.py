@@ -293,7 +293,7 @@ def verify_checksums(path: str | os.PathLike, rank: int = 0, world_size: int = 1
 class ModelPartsView(nn.Module):
     """One module whose parameters are those of several model parts under their plain-model FQNs.
 
-    Under pipeline parallelism a rank holds several stages (``Transformer(args, layer_ids=...)``), each with FQNs of
+    Under pipeline parallelism a rank holds several stages (the spec's partial-stage ``build``), each with FQNs of
     the full model; their top-level children are disjoint except ``layers``, whose entries are merged. The view only
     references the parts' modules (FSDP's state-dict hooks live on those), so ``get/set_model_state_dict`` and
     ``get/set_optimizer_state_dict`` on it see exactly the plain model's names.
@@ -364,7 +364,10 @@ def write_seed_checkpoint(state_dict: dict[str, torch.Tensor], args: ModelArgs, 
 
 
 def _meta(step: int, kind: str, args: ModelArgs, world_size: int, **extra) -> dict:
-    return {"format": FORMAT, "step": step, "kind": kind, "model_args": dataclasses.asdict(args),
+    from titanlike.models import spec_for
+
+    return {"format": FORMAT, "step": step, "kind": kind, "model": spec_for(args).name,
+            "model_args": dataclasses.asdict(args),
             "world_size": world_size, "torch": torch.__version__,
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **extra}
 
@@ -375,7 +378,13 @@ def model_args_of(path: str | os.PathLike) -> ModelArgs:
     if "model_args" not in meta:
         raise ConfigError(f"checkpoint '{path}' has no {META_NAME} with the model's shape; is it a titanlike "
                           f"checkpoint?")
-    return ModelArgs(**meta["model_args"])
+    from titanlike.models import UnknownModelError, get_spec
+
+    try:
+        spec = get_spec(meta.get("model", "llama3"))  # checkpoints written before model specs are Llama ones
+    except UnknownModelError as e:
+        raise ConfigError(f"checkpoint '{path}': {e}") from None
+    return spec.args_cls(**meta["model_args"])
 
 
 def tokenizer_meta(tokenizer) -> dict:
@@ -658,7 +667,7 @@ class CheckpointManager:
             hf.from_hf({k: torch.empty(s, device="meta") for k, s in shapes.items()}, self.trainer.model_args)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"checkpoint.initial_load_path: {e}; give a checkpoint step folder or a Hugging "
-                              f"Face Llama folder / .safetensors") from None
+                              f"Face folder / .safetensors of this model") from None
         weights = path
         return {"action": "initial_hf", "path": str(weights)}
 
@@ -677,8 +686,13 @@ class CheckpointManager:
         return {f"rank{self.rank}": state}
 
     def _state(self) -> dict:
-        return {"model": get_model_state_dict(self.model),
-                "optimizer": get_optimizer_state_dict(self.model, self.trainer.optimizer, options=_OPTIM_OPTIONS),
+        from titanlike.parallel.fused import contiguous_for_dcp_tree
+
+        # Chunk-sharded DTensors (fused projections under TP) as plain-Shard layouts: DCP writes one contiguous block
+        # per rank, and the files keep the single-device order (titanlike/parallel/fused.py).
+        return {"model": contiguous_for_dcp_tree(get_model_state_dict(self.model)),
+                "optimizer": contiguous_for_dcp_tree(
+                    get_optimizer_state_dict(self.model, self.trainer.optimizer, options=_OPTIM_OPTIONS)),
                 "train": self._train_state(), "rng": self._rng_state()}
 
     def _dcp_kwargs(self) -> dict:
@@ -733,6 +747,10 @@ class CheckpointManager:
         aliased = {}
         if full and tied_alias and self.trainer.model_args.tie_embeddings:
             aliased = {_tied_alias(k): flat.pop(k) for k in list(flat) if _tied_alias(k)}
+        from titanlike.parallel.fused import contiguous_for_dcp, restore_layout
+
+        originals = {**flat, **aliased}
+        flat, aliased = contiguous_for_dcp(flat), contiguous_for_dcp(aliased)
         try:
             _dcp(restricted_unpickle.load, flat, checkpoint_id=path, **self._dcp_kwargs())
             if tied_alias and self.trainer.model_args.tie_embeddings and full:
@@ -745,6 +763,7 @@ class CheckpointManager:
             first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise ConfigError(f"checkpoint '{path}' could not be loaded ({first}); move it out of its folder to "
                               f"resume from the checkpoint before it, or repair it") from None
+        flat, aliased = restore_layout(flat, originals), restore_layout(aliased, originals)
         for k, v in aliased.items():
             flat[k.replace(".tok_embeddings.weight.", ".output.weight.", 1)] = v
         model_sd = {k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")}

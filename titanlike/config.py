@@ -247,7 +247,6 @@ CHOICES = {
     "model.kernels": ("torch", "te"),
     "float8.recipe": ("", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "current", "block", "mxfp8"),
     "float8.backend": ("auto", "torchao", "te"),
-    "model.name": ("llama3",),
     "model.rope_scaling": ("", "none", "llama3"),
     "data.encoding_errors": ("strict", "replace", "ignore"),
 }
@@ -623,19 +622,28 @@ _SHAPE_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim"
 
 
 def model_args_from_config(cfg: JobConfig, vocab_size: int | None = None):
-    """The flavor's ModelArgs with the config's overrides, the vocabulary padded to ``model.vocab_multiple``.
+    """The flavor's args (of the spec ``model.name`` selects) with the config's overrides, the vocabulary padded to
+    ``model.vocab_multiple``.
 
     When ``checkpoint.initial_load_path`` is a Hugging Face checkpoint with a config.json, the architecture is that
     file's instead of the flavor's (vocabulary exact, not padded); an explicit ``model.*`` override that disagrees
     with it is refused.
     """
-    from titanlike.models import MODELS, pad_vocab
+    from titanlike.models import UnknownModelError, get_spec, pad_vocab
 
-    flavors = MODELS[cfg.model.name]
+    try:
+        spec = get_spec(cfg.model.name)
+    except UnknownModelError as e:
+        raise ConfigError(f"{e}{_suggest(cfg.model.name, spec_names())}") from None
+    flavors = spec.flavors
     if cfg.model.flavor not in flavors:
         raise ConfigError(f"model.flavor: unknown flavor '{cfg.model.flavor}'{_suggest(cfg.model.flavor, flavors)}"
-                          f"; valid: {', '.join(flavors)}")
+                          f"; valid for {spec.name}: {', '.join(flavors)}")
     m = cfg.model
+    unread = [k for k in _SHAPE_OVERRIDES if getattr(m, k) and k not in spec.config_keys]
+    if unread:
+        raise ConfigError(f"model.{unread[0]}: {spec.name} has no such setting (it reads "
+                          f"{', '.join('model.' + k for k in spec.config_keys)}); remove it")
     overrides = {k: getattr(m, k) for k in _SHAPE_OVERRIDES if getattr(m, k)}
     if m.tie_embeddings is not None:
         overrides["tie_embeddings"] = m.tie_embeddings
@@ -646,7 +654,7 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int | None = None):
     if "n_heads" in overrides and "n_kv_heads" not in overrides and args.n_kv_heads > args.n_heads:
         args = args.replace(n_kv_heads=args.n_heads)
     scaling_params = [k for k in overrides if k.startswith("rope_") and k not in ("rope_theta", "rope_scaling")]
-    if args.rope_scaling == "none" and scaling_params:
+    if getattr(args, "rope_scaling", "none") == "none" and scaling_params:
         raise ConfigError(f"model.{scaling_params[0]} is set but RoPE scaling is off; set model.rope_scaling = "
                           f"'llama3' or drop it")
     vocab = vocab_size if vocab_size is not None else args.vocab_size
@@ -669,6 +677,12 @@ def hf_architecture_of(cfg: JobConfig):
 
 
 def _hf_model_args(cfg: JobConfig, hf_args, overrides: dict, vocab_size: int | None):
+    from titanlike.models import spec_for
+
+    spec = spec_for(hf_args)
+    if spec is not None and spec.name != cfg.model.name:
+        raise ConfigError(f"checkpoint.initial_load_path '{cfg.checkpoint.initial_load_path}' is a {spec.name} model "
+                          f"(its config.json), model.name is {cfg.model.name}; set model.name = {spec.name}")
     conflicts = []
     for key, value in overrides.items():
         theirs = hf_args.hidden_dim if key == "ffn_hidden_dim" else getattr(hf_args, key)
@@ -682,6 +696,12 @@ def _hf_model_args(cfg: JobConfig, hf_args, overrides: dict, vocab_size: int | N
         raise ConfigError(f"model.tokenizer '{cfg.model.tokenizer}' has {vocab_size} ids but the Hugging Face model "
                           f"at '{cfg.checkpoint.initial_load_path}' only {hf_args.vocab_size}; use its tokenizer")
     return hf_args
+
+
+def spec_names() -> list[str]:
+    from titanlike.models import registered
+
+    return registered()
 
 
 def layout_violations(cfg: JobConfig, world_size: int, model_args=None) -> list[str]:
@@ -702,16 +722,9 @@ def layout_violations(cfg: JobConfig, world_size: int, model_args=None) -> list[
     if args.n_heads % args.n_kv_heads:
         out.append(f"model: n_heads {args.n_heads} is not divisible by n_kv_heads {args.n_kv_heads}; "
                    f"choose n_kv_heads dividing n_heads")
-    if args.head_dim % 2:
-        out.append(f"model: head_dim {args.head_dim} (dim / n_heads) must be even for RoPE")
-    if args.rope_scaling == "llama3":
-        if args.rope_scaling_factor < 1:
-            out.append(f"model.rope_scaling_factor {args.rope_scaling_factor} must be >= 1")
-        if not args.rope_low_freq_factor < args.rope_high_freq_factor:
-            out.append(f"model.rope_low_freq_factor {args.rope_low_freq_factor} must be below "
-                       f"model.rope_high_freq_factor {args.rope_high_freq_factor}")
-        if args.rope_original_max_seq_len < 1:
-            out.append("model.rope_original_max_seq_len must be >= 1")
+    from titanlike.models import get_spec
+
+    out += get_spec(cfg.model.name).shape_violations(args)
     if t.seq_len > args.max_seq_len:
         out.append(f"training.seq_len {t.seq_len} exceeds the model's max_seq_len {args.max_seq_len}; "
                    f"lower training.seq_len or raise model.max_seq_len")
@@ -742,7 +755,7 @@ def layout_violations(cfg: JobConfig, world_size: int, model_args=None) -> list[
         if args.n_heads % tp:
             out.append(f"parallelism.tensor_parallel_degree {tp} does not divide n_heads {args.n_heads}; "
                        f"choose a tp degree dividing {args.n_heads}")
-        if args.n_kv_heads % tp:
+        if args.n_kv_heads % tp and args.n_kv_heads != args.n_heads:
             out.append(f"parallelism.tensor_parallel_degree {tp} does not divide n_kv_heads {args.n_kv_heads}; "
                        f"choose a tp degree dividing {args.n_kv_heads}")
         if args.hidden_dim % tp:
@@ -773,6 +786,16 @@ def layout_violations(cfg: JobConfig, world_size: int, model_args=None) -> list[
         opt = cfg.activation_checkpoint.selective_ac_option
         if opt != "op" and not (opt.isdigit() and int(opt) >= 1):
             out.append(f"activation_checkpoint.selective_ac_option: '{opt}' must be 'op' or a positive integer")
+    if cfg.model.kernels == "te" and cfg.model.name != "llama3":
+        out.append(f"model.kernels=te swaps Transformer Engine modules into the Llama model only; use "
+                   f"model.kernels=torch for {cfg.model.name}")
+    if cfg.float8.recipe and cfg.model.name != "llama3":
+        out.append(f"float8.recipe={cfg.float8.recipe}: float8 training is wired for the Llama model only; leave "
+                   f"float8.recipe empty for {cfg.model.name}")
+    if p.context_parallel_degree > 1 and cfg.model.name != "llama3":
+        out.append(f"parallelism.context_parallel_degree {p.context_parallel_degree}: context parallelism is wired "
+                   f"for the Llama model only (its attention core and RoPE positions); set cp 1 for "
+                   f"{cfg.model.name}")
     out += float8_violations(cfg)
     return out
 
@@ -904,7 +927,9 @@ def _pipeline_violations(cfg: JobConfig, args, pp: int) -> list[str]:
         from titanlike.parallel.pipeline import parse_module_names
 
         try:
-            parse_module_names(p.pipeline_parallel_module_names, args.n_layers)
+            from titanlike.models import get_spec
+
+            parse_module_names(p.pipeline_parallel_module_names, args.n_layers, spec=get_spec(cfg.model.name))
         except ConfigError as e:
             out.append(str(e))
     else:

@@ -64,6 +64,29 @@ _HF_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
 # ------------------------------------------------------------------------------------------------ the permutation
+def _adapter(args):
+    """The Hugging Face adapter of another registered model (its spec's ``hf_adapter``, e.g. GPT-2's
+    titanlike/models/gpt2/hf.py), or None for Llama (this module)."""
+    from titanlike.models import spec_for
+
+    spec = spec_for(args)
+    if spec is None or spec.hf_adapter in ("", __name__):
+        return None
+    return spec.hf()
+
+
+def _adapter_of_config(config):
+    """The adapter of the registered model whose ``hf_model_type`` is config.json's ``model_type`` (not Llama)."""
+    from titanlike.models import get_spec, registered
+
+    kind = config.get("model_type", "llama") if isinstance(config, dict) else "llama"
+    for name in registered():
+        spec = get_spec(name)
+        if spec.hf_model_type == kind and spec.hf_adapter not in ("", __name__):
+            return spec.hf()
+    return None
+
+
 def permute_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Rows of a q/k projection from interleaved-pair RoPE order to rotate-half order (per head)."""
     rows, cols = w.shape
@@ -99,6 +122,8 @@ def our_name(name: str) -> str:
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Our full (plain-tensor) state dict -> Hugging Face names, q/k rows permuted; new contiguous tensors."""
+    if (ad := _adapter(args)) is not None:
+        return ad.to_hf(state_dict, args)
     out = {}
     for fqn, t in state_dict.items():
         if fqn == "output.weight" and args.tie_embeddings:
@@ -114,6 +139,8 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
 def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """A Hugging Face Llama state dict -> our FQNs (q/k rows un-permuted); checks the names are exactly a model's
     of ``args``. With tied embeddings ``output.weight`` is the embedding (our state dict lists both names)."""
+    if (ad := _adapter(args)) is not None:
+        return ad.from_hf(hf_state_dict, args)
     out = {}
     if args.tie_embeddings and "lm_head.weight" in hf_state_dict:
         raise ValueError("the Hugging Face weights do not fit the model: the file has lm_head.weight, which a model "
@@ -149,11 +176,9 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
 
 def expected_shapes(args: ModelArgs) -> dict[str, torch.Size]:
     """FQN -> shape of every entry of the full model's state dict (built on the meta device: no memory)."""
-    from titanlike.models import Transformer
+    from titanlike.models import spec_for
 
-    with torch.device("meta"):
-        model = Transformer(args)
-    return {k: v.shape for k, v in model.state_dict().items()}
+    return {k: v.shape for k, v in spec_for(args).build_meta(args).state_dict().items()}
 
 
 # ------------------------------------------------------------------------------------------------ config.json
@@ -216,7 +241,10 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32, bos_id: int |
               eos_id: int | None = None, layout: int | None = None) -> dict:
     """A ``LlamaForCausalLM`` config.json for ``args``, in the layout of transformers ``layout`` (4 or 5; default:
     the installed version, 5 when it is absent): 5 has ``rope_parameters`` and ``dtype``, 4 top-level
-    ``rope_theta`` / ``rope_scaling`` and ``torch_dtype``. Both load in both versions."""
+    ``rope_theta`` / ``rope_scaling`` and ``torch_dtype``. Both load in both versions. Another registered model's
+    args get its adapter's config (GPT-2: ``GPT2LMHeadModel``)."""
+    if (ad := _adapter(args)) is not None:
+        return ad.hf_config(args, dtype, bos_id=bos_id, eos_id=eos_id)
     layout = layout or transformers_major_version() or 5
     layout = 5 if layout >= 5 else 4
     config = {
@@ -302,6 +330,11 @@ def model_args_from_hf_config(config: dict, source: str = "config.json") -> Mode
     naming every field titanlike cannot honour, with its value."""
     if not isinstance(config, dict):
         raise HFConfigError(f"{source} is not a JSON object")
+    if (ad := _adapter_of_config(config)) is not None:  # another registered model's config.json (model_type gpt2)
+        try:
+            return ad.model_args_from_hf_config(config)
+        except ValueError as e:
+            raise HFConfigError(f"{source}: {e}") from None
     problems: list[str] = []
     if config.get("model_type", "llama") != "llama":
         problems.append(f"model_type = {config.get('model_type')!r} (titanlike imports 'llama')")
@@ -354,6 +387,8 @@ def model_args_from_hf_config(config: dict, source: str = "config.json") -> Mode
 
 def describe_args(args: ModelArgs) -> str:
     """The architecture fields import takes from config.json, as one line."""
+    if _adapter(args) is not None:
+        return ", ".join(f"{k} {v}" for k, v in vars(args).items())
     rope = f"rope_theta {args.rope_theta:g}"
     if args.rope_scaling == "llama3":
         rope += (f", rope_scaling llama3 (factor {args.rope_scaling_factor:g}, low_freq_factor "
@@ -372,6 +407,14 @@ ARCH_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden
 def check_same_architecture(args: ModelArgs, ours: ModelArgs, source: str) -> None:
     """Raise ValueError when weights made for ``args`` would not mean the same in a model of ``ours``: besides the
     shapes (checked on load), the head split (the q/k permutation depends on it), RoPE and the norm epsilon."""
+    if type(args) is not type(ours):
+        from titanlike.models import spec_for
+
+        there, here = spec_for(args), spec_for(ours)
+        raise ValueError(f"{source} is for a different model: {there.name if there else type(args).__name__} there, "
+                         f"{here.name if here else type(ours).__name__} here (model.name)")
+    if (ad := _adapter(args)) is not None:
+        return ad.check_same_architecture(args, ours, source)
     diff = []
     for field in ARCH_FIELDS:
         a, b = getattr(args, field), getattr(ours, field)

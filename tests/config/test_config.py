@@ -65,6 +65,13 @@ def test_value_forms():
     (["--float8.recipe", "current"], "float8.recipe=current is a Transformer Engine recipe; with float8.backend=torchao "
                                      "use tensorwise, rowwise, rowwise_with_gw_hp (or set model.kernels=te for TE's)"),
     (["--float8.recipe", "current", "--float8.backend", "te"], "float8.backend=te needs Transformer Engine kernels"),
+    (["--model.name", "gtp2"], "model.name: unknown model 'gtp2'; registered: gpt2, llama3 (did you mean 'gpt2'?)"),
+    (["--model.name", "gpt2", "--model.rope_theta", "5e5"], "model.rope_theta: gpt2 has no such setting"),
+    (["--model.name", "gpt2", "--model.n_kv_heads", "2"], "model.n_kv_heads: gpt2 has no such setting"),
+    (["--model.name", "gpt2", "--model.flavor", "124m"],
+     "unknown flavor '124m' (did you mean '124M'?); valid for gpt2"),
+    (["--model.name", "gpt2", "--model.kernels", "te"], "model.kernels=te swaps Transformer Engine modules into the "
+                                                         "Llama model only"),
 ])
 def test_errors_are_one_line_naming_the_fix(argv, message):
     with pytest.raises(ConfigError) as e:

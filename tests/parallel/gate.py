@@ -40,7 +40,7 @@ from torch import nn  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 
 from titanlike.config import JobConfig, load_config, model_args_from_config  # noqa: E402
-from titanlike.models import Transformer  # noqa: E402
+from titanlike.models import get_spec  # noqa: E402
 from titanlike.training.optim import build_optimizer  # noqa: E402
 from titanlike.training.step import IGNORE_INDEX, ScaledLoss, plain_clip_grad_norm_, train_step  # noqa: E402
 
@@ -59,6 +59,10 @@ MODELS = {
     "gqa": (),
     "gqa8": ("--model.n_heads", "8", "--model.n_kv_heads", "4"),  # tp 4 divides the kv heads
     "tied": ("--model.tie_embeddings", "true"),
+    # GPT-2 (tiny: dim 64, 2 layers, 4 heads, fused c_attn with bias, LayerNorm with bias, GELU 256, learned
+    # positions, tied embeddings).
+    "gpt2": ("--model.name", "gpt2"),
+    "gpt2_untied": ("--model.name", "gpt2", "--model.tie_embeddings", "false"),
 }
 
 
@@ -113,6 +117,14 @@ LAYOUTS = [
     Layout("MUT tp2_sp norms not sequence-parallel", 2, _tp(2, *SP, *_dp(1, 1, 8)), mutation="sp_norm_plain"),
     Layout("MUT fsdp2 loss averaged per rank", 2, _dp(1, 2, 4), mutation="loss_mean_per_rank"),
     Layout("MUT fsdp2 gradients averaged", 2, _dp(1, 2, 4), mutation="fsdp_average"),
+    Layout("gpt2 tp2", 2, _tp(2, *_dp(1, 1, 8)), model="gpt2"),
+    Layout("gpt2 tp2_sp", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="gpt2"),
+    Layout("gpt2 tp2_sp untied no loss parallel", 2, _tp(2, *SP, *NO_LP, *_dp(1, 1, 8)), model="gpt2_untied"),
+    Layout("gpt2 fsdp2", 2, _dp(1, 2, 4), model="gpt2"),
+    Layout("MUT gpt2 tp2 c_attn plain ColwiseParallel", 2, _tp(2, *_dp(1, 1, 8)), model="gpt2",
+           mutation="fused_plain_colwise"),
+    Layout("MUT gpt2 tp2_sp no f backward reduce-scatter", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="gpt2",
+           mutation="tp_no_backward_reduce"),
     Layout("MUT fsdp2 validation leaves FSDP unsharded", 2, _dp(1, 2, 4), mutation="eval_keeps_unsharded"),
     Layout("cp2", 2, _cp(2, *_dp(1, 1, 8))),
     Layout("cp2_tied_accum2", 2, _cp(2, *_dp(1, 1, 4)), model="tied"),
@@ -131,6 +143,9 @@ LAYOUTS = [
     Layout("tp2_fsdp2_ac_full", 4, _tp(2, "--activation_checkpoint.mode", "full", *_dp(1, 2, 4))),
     Layout("tp2_sp_fsdp2_tied_accum2_meta", 4, _tp(2, *SP, *_dp(1, 2, 2)), model="tied", meta_init=True),
     Layout("MUT hsdp2x2 gradients averaged", 4, _dp(2, 2, 2), mutation="fsdp_average"),
+    Layout("gpt2 hsdp2x2", 4, _dp(2, 2, 2), model="gpt2_untied"),
+    Layout("gpt2 tp2_fsdp2", 4, _tp(2, *_dp(1, 2, 4)), model="gpt2"),
+    Layout("gpt2 tp2_sp_fsdp2 meta", 4, _tp(2, *SP, *_dp(1, 2, 4)), model="gpt2", meta_init=True),
     Layout("cp4", 4, _cp(4, *_dp(1, 1, 8))),
     Layout("cp2_tp2_sp", 4, _cp(2, *_tp(2, *SP, *_dp(1, 1, 8)))),
     Layout("cp2_fsdp2", 4, _cp(2, *_dp(1, 2, 4))),
@@ -138,6 +153,7 @@ LAYOUTS = [
     Layout("tp2_hsdp2x2", 8, _tp(2, *_dp(2, 2, 2))),
     Layout("tp2_sp_fsdp4", 8, _tp(2, *SP, *_dp(1, 4, 2))),
     Layout("cp2_tp2_fsdp2", 8, _cp(2, *_tp(2, *_dp(1, 2, 4)))),
+    Layout("gpt2 tp2_sp_hsdp2x2", 8, _tp(2, *SP, *_dp(2, 2, 2)), model="gpt2"),
 ]
 
 
@@ -207,7 +223,9 @@ def _sp_norm_plain():
         return PrepareModuleInputOutput(input_layouts=seq, desired_input_layouts=seq, use_local_input=True,
                                         output_layouts=seq, desired_output_layouts=seq, use_local_output=False)
 
-    with patched(tpm, "_norm_style", plain_norm):
+    # apply_tp now refuses a plan that leaves parameters plain next to DTensors (this one, up front); the mutation
+    # switches that check off to show the gate itself catches the wrong gradients too.
+    with patched(tpm, "_norm_style", plain_norm), patched(tpm, "_check_all_or_nothing", lambda model: None):
         yield
 
 
@@ -227,6 +245,18 @@ def _fsdp_average():
     import titanlike.parallel.fsdp as fsdp
 
     with patched(fsdp, "_sum_gradients", lambda module: None):
+        yield
+
+
+@contextlib.contextmanager
+def _fused_plain_colwise():
+    """GPT-2's fused q|k|v projection gets a plain ColwiseParallel: rank 0 of 2 computes all of q and half of k,
+    and the attention silently mixes q, k and v across heads (what a user gets without FusedColwiseParallel)."""
+    import titanlike.models.gpt2.parallelize as g
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    original = g.tp_plan
+    with patched(g, "tp_plan", lambda *a, **k: original(*a, **k, fused_style=ColwiseParallel())):
         yield
 
 
@@ -288,6 +318,7 @@ def _cp_tokens_per_rank():
 
 
 MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "fused_plain_colwise": _fused_plain_colwise,
     "eval_keeps_unsharded": _eval_keeps_unsharded,
     "cp_kv_grad_not_reduced": _cp_kv_grad_not_reduced,
     "cp_chunks_wrong_order": _cp_chunks_wrong_order,
@@ -317,15 +348,19 @@ def config(layout: Layout, world_size: int) -> JobConfig:
     return load_config([*BASE_ARGS, *MODELS[layout.model], *layout.args], world_size=world_size)
 
 
-def build_model(cfg: JobConfig, device: str = "cpu") -> Transformer:
+def build_model(cfg: JobConfig, device: str = "cpu") -> nn.Module:
     """The seeded float64 model (same weights on every rank and for every layout of the same model)."""
     args = model_args_from_config(cfg, vocab_size=VOCAB)
     torch.manual_seed(0)
     with torch.device(device):
-        model = Transformer(args).to(torch.float64)
+        model = get_spec(cfg.model.name).build(args).to(torch.float64)
     if device != "meta":
         model.init_weights()
     return model
+
+
+# Models that are not registered titanlike models (a user's module): key of MODELS -> seeded float64 constructor.
+CUSTOM_MODELS: dict[str, Callable[[], nn.Module]] = {}
 
 
 @dataclass
@@ -354,7 +389,7 @@ class Context:
 
     def reference(self, layout: Layout, cfg: JobConfig) -> tuple[nn.Module, list[Record]]:
         """The initial model and, per step, what one device computes on the full global batch."""
-        model = build_model(cfg)
+        model = CUSTOM_MODELS[layout.model]() if layout.model in CUSTOM_MODELS else build_model(cfg)
         if layout.model not in self.references:
             ref = copy.deepcopy(model)
             opt = build_optimizer([ref], cfg)

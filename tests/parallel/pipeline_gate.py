@@ -13,6 +13,7 @@ must survive, and after the last step, against the one-device model with the sam
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import sys
@@ -27,14 +28,31 @@ import torch.distributed as dist  # noqa: E402
 
 import gate  # noqa: E402
 from gate import GLOBAL_BATCH, STEPS, TOL, Built, Layout, global_batch, patched  # noqa: E402
-from titanlike.models import Transformer  # noqa: E402
+from torch import nn  # noqa: E402
 from titanlike.training.optim import build_optimizer  # noqa: E402
 
 gate.MODELS.update({
     "deep": ("--model.n_layers", "8"),
     "deep_tied": ("--model.n_layers", "8", "--model.tie_embeddings", "true"),
     "six": ("--model.n_layers", "6"),
+    # GPT-2 (tied embeddings across the first and last stage; fused c_attn; learned positions on the first stage).
+    "gpt2_deep": ("--model.name", "gpt2", "--model.n_layers", "8"),
+    # tests/parallel/nanogpt.py: a user's module, not a registered model (gate.CUSTOM_MODELS); the config only
+    # carries the run settings (4 blocks, as NanoGPT has, for the split checks).
+    "nanogpt": ("--model.n_layers", "4"),
 })
+
+
+def _nanogpt():
+    from nanogpt import NanoGPT
+
+    torch.manual_seed(0)
+    return NanoGPT(vocab=gate.VOCAB, block_size=gate.SEQ).double()
+
+
+gate.CUSTOM_MODELS["nanogpt"] = _nanogpt
+NANO_SPLIT = [["wte", "wpe", "h.0", "h.1"], ["h.2", "h.3", "ln_f", "lm_head"]]
+NANO_SPLIT_V = [["wte", "wpe", "h.0"], ["h.1"], ["h.2"], ["h.3", "ln_f", "lm_head"]]
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 SP = ("--parallelism.enable_sequence_parallel", "true")
@@ -68,6 +86,13 @@ LAYOUTS = [
         "--parallelism.pipeline_parallel_last_stage_less_layers", "1"), model="six"),
     _layout("MUT pp2 tied grads not summed", 2, _pp(2, "1F1B", 8, 2), "deep_tied", "pp_tied_not_summed"),
     _layout("MUT pp2 V tied grads not summed", 2, _pp(2, "ZBVZeroBubble", 8, 2), "deep_tied", "pp_tied_not_summed"),
+    *[_layout(f"gpt2 pp2 {s} tied", 2, _pp(2, s, 8, 2), model="gpt2_deep") for s in SCHEDULES],
+    _layout("MUT gpt2 pp2 tied grads not summed", 2, _pp(2, "1F1B", 8, 2), "gpt2_deep", "pp_tied_not_summed"),
+    Layout("nanogpt pp2 1F1B user split tied", 2, _pp(2, "1F1B", 8, 2), model="nanogpt", kind="user_pp"),
+    Layout("nanogpt pp2 ZBVZeroBubble user split tied V", 2, _pp(2, "ZBVZeroBubble", 8, 2), model="nanogpt",
+           kind="user_pp"),
+    Layout("MUT nanogpt pp2 tied grads not summed", 2, _pp(2, "1F1B", 8, 2), model="nanogpt", kind="user_pp",
+           mutation="pp_tied_not_summed"),
     _layout("MUT pp2 microbatch loss / m", 2, _pp(2, "1F1B", 8, 2), mutation="pp_loss_over_microbatches"),
     _layout("MUT pp2 norm not reduced over stages", 2, _pp(2, "1F1B", 8, 2), mutation="pp_norm_not_reduced"),
     _layout("MUT pp2 tied weight counted twice in norm", 2, _pp(2, "1F1B", 8, 2), "deep_tied",
@@ -85,6 +110,10 @@ LAYOUTS = [
             _pp(2, "1F1B", 4, 1, "--parallelism.fsdp_reshard_after_forward", "always")),
     _layout("MUT pp2 fsdp2 ZBVZeroBubble resharding after forward", 4, _pp(2, "ZBVZeroBubble", 4),
             mutation="pp_fsdp_reshard_after_forward"),
+    _layout("gpt2 pp2 tp2_sp 1F1B tied", 4, _tp2(*SP, *_pp(2, "1F1B", 8, 2)), model="gpt2_deep"),
+    _layout("gpt2 pp2 fsdp2 ZBVZeroBubble tied", 4, _pp(2, "ZBVZeroBubble", 4), model="gpt2_deep"),
+    Layout("nanogpt pp2 tp2 1F1B user split and plan fused c_attn", 4, _tp2(*_pp(2, "1F1B", 8, 2)),
+           model="nanogpt", kind="user_pp"),
     _layout("MUT pp4 tied grads not summed", 4, _pp(4, "Interleaved1F1B", 8), "deep_tied", "pp_tied_not_summed"),
     _layout("MUT pp4 norm not reduced over stages", 4, _pp(4, "1F1B", 8), mutation="pp_norm_not_reduced"),
     _layout("cp2 pp2 1F1B tied", 4, ("--parallelism.context_parallel_degree", "2", *_pp(2, "1F1B", 8, 2)),
@@ -94,6 +123,8 @@ LAYOUTS = [
     _layout("pp2 fsdp2 tp2_sp InterleavedZeroBubble", 8, _tp2(*SP, *_pp(2, "InterleavedZeroBubble", 4, 2))),
     _layout("pp2 fsdp2 tp2_sp DualPipeV", 8, _tp2(*SP, *_pp(2, "DualPipeV", 4))),
     _layout("pp2 fsdp2 tp2 GPipe tied", 8, _tp2(*_pp(2, "GPipe", 4, 2)), model="deep_tied"),
+    _layout("gpt2 pp2 fsdp2 tp2_sp Interleaved1F1B tied", 8, _tp2(*SP, *_pp(2, "Interleaved1F1B", 4, 2)),
+            model="gpt2_deep"),
     _layout("pp2 fsdp2 tp2_sp ZBVZeroBubble tied", 8, _tp2(*SP, *_pp(2, "ZBVZeroBubble", 4, 2)), model="deep_tied"),
 ]
 
@@ -180,7 +211,7 @@ def _dp_slice(mesh, dims, t: torch.Tensor) -> torch.Tensor:
     return gate.cp_slicer(dims)(t[r * rows:(r + 1) * rows])
 
 
-def _eval_diff(pp, mesh, dims, reference: Transformer) -> float:
+def _eval_diff(pp, mesh, dims, reference: nn.Module) -> float:
     """|sum CE of the pipeline over the global eval batch - one device's|, this rank's view."""
     from titanlike.training.loss import cross_entropy_loss
 
@@ -219,8 +250,46 @@ def build_pp(layout: Layout, cfg, ctx, initial) -> Built:
 gate.BUILDERS["pp"] = build_pp
 
 
+def build_user_pp(layout: Layout, cfg, ctx, initial) -> Built:
+    """A user's module through ``pipeline_module``: the user gives the split (module FQNs per stage), a TP plan
+    per stage and a loss; no torch.distributed.pipelining call and no weight reordering on the user's side."""
+    from nanogpt import tp_plan
+
+    from titanlike.parallel import ParallelDims, apply_tp
+    from titanlike.parallel.pipeline import V_SCHEDULES, pipeline_module
+    from titanlike.training.loss import cross_entropy_loss
+
+    dims = ParallelDims.from_config(cfg, ctx.world_size)
+    mesh = dims.build_mesh("cpu")
+    schedule = cfg.parallelism.pipeline_parallel_schedule
+    n_micro = cfg.training.local_batch_size // cfg.parallelism.pipeline_parallel_microbatch_size
+
+    def parallelize(module, is_first, is_last):
+        return apply_tp(module, mesh["tp"], tp_plan(module)) if dims.tp_enabled else module
+
+    pp = pipeline_module(copy.deepcopy(initial), mesh["pp"], NANO_SPLIT_V if schedule in V_SCHEDULES else NANO_SPLIT,
+                         loss_fn=lambda out, labels: cross_entropy_loss(out, labels, reduction="sum"),
+                         n_microbatches=n_micro, schedule=schedule, parallelize_stage=parallelize)
+    n_acc = cfg.training.global_batch_size // (cfg.training.local_batch_size * dims.dp)
+
+    def micro_batches(inputs, labels):
+        return list(zip(_dp_slice(mesh, dims, inputs).chunk(n_acc), _dp_slice(mesh, dims, labels).chunk(n_acc)))
+
+    return Built(model_parts=pp.model_parts, optimizer=build_optimizer(pp.model_parts, cfg), loss=pp.loss,
+                 clip_fn=pp.finalize_grads_and_clip_, micro_batches=micro_batches,
+                 step_kwargs={"dp_group": dims.get_mesh("dp").get_group() if dims.dp_enabled else None,
+                              "pp_schedule": pp.schedule, "pp_group": pp.pp_group,
+                              "has_last_stage": pp.has_last_stage})
+
+
+gate.BUILDERS["user_pp"] = build_user_pp
+
+
 def run(layout: Layout, ctx) -> dict:
     result = gate.run_layout(layout, ctx)
+    if layout.kind == "user_pp":  # no titanlike eval hook for a user's module: training is what is compared
+        result["eval"] = 0.0
+        return result
     t0 = time.perf_counter()
     cfg = gate.config(layout, ctx.world_size)
     _, records = ctx.reference(layout, cfg)

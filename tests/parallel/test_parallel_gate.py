@@ -21,6 +21,7 @@ EXPECTED_BREAK = {
     "sp_norm_plain": ("grads", False),
     "loss_mean_per_rank": ("loss_step1", True),
     "fsdp_average": ("grad_norm", False),
+    "fused_plain_colwise": ("loss_step1", True),
     "eval_keeps_unsharded": ("grad_norm", False),
     "cp_kv_grad_not_reduced": ("grads", False),
     "cp_chunks_wrong_order": ("loss_step1", True),

@@ -92,3 +92,27 @@ def test_apply_tp_errors_name_the_fix(probes):
     errors = probes["errors"]
     assert "match no submodule" in errors["unknown key"] and "wqq" in errors["unknown key"]
     assert "tied parameters 'tok_embeddings.weight' and 'output.weight'" in errors["tied different layouts"]
+
+
+def test_fused_projections_keep_the_single_device_order_and_the_unfused_collectives(probes):
+    fused = probes["fused"]
+    assert fused["full_tensor_in_order"] and fused["local_is_chunk_slices"], fused
+    assert "_StridedShard(dim=0, sf=3)" in fused["placements"]
+    # One all-reduce per block half each way, exactly like separate q / k / v and gate / up projections.
+    assert fused["comms"]["fused"] == fused["comms"]["split"], fused["comms"]
+    assert fused["comms"]["fused"]["forward"] == {"all_reduce": [2, 2 * 4 * 6 * 16 * 8]}
+    assert fused["comms"]["fused"]["backward"]["all_reduce"][0] == 2
+    assert fused["train_diff"] <= 1e-10, fused["train_diff"]  # the gate's bar (AdamW on near-zero grads)
+    assert fused["dcp_tp2_to_one_process_diff"] == 0.0
+
+
+def test_silent_no_ops_are_one_line_errors_at_apply_time(probes):
+    errors = probes["errors"]
+    assert "UserMLP is not a registered model, so there is no default plan; pass plan=" in errors["no default plan"]
+    assert "the plan leaves the parameters of ln plain tensors next to DTensors" in errors[
+        "module left out of the plan"]
+    assert "ReplicateParallel()" in errors["module left out of the plan"]
+    assert "UserMLP has no block container (.layers) and no model spec" in errors["fsdp without blocks"]
+    assert "pass blocks=[...]" in errors["fsdp without blocks"]
+    assert "chunk sizes [16, 8, 8] differ" in errors["fused chunks of different sizes"]
+    assert all("\n" not in e for e in errors.values())

@@ -9,7 +9,11 @@
   fp32 master weights and gradients.
 * ``clip_pp``: ``clip_grad_norm_`` over two "stages" holding different parameters, with and without the
   cross-stage reduction.
-* ``errors``: apply_tp's errors for a plan key that matches nothing and for tied weights sharded differently.
+* ``fused``: a user module with a fused q|k|v and a fused gate|up Linear (with biases) under
+  ``FusedColwiseParallel``: full_tensor() in the single-device order, the same collectives as the unfused twin's
+  plan, training equal to one device, and a DCP checkpoint written at tp 2 read back in one process in order.
+* ``errors``: apply_tp's errors for a plan key that matches nothing and for tied weights sharded differently, and
+  the silent no-ops refused at apply_* time (no default plan, a module left out of a plan, FSDP without blocks).
 
     python tests/parallel/tp_probe_worker.py OUT.json
 """
@@ -251,12 +255,157 @@ def probe_errors() -> dict:
             out[name] = "no error"
         except ValueError as e:
             out[name] = str(e)
+    from titanlike.parallel.fused import FusedColwiseParallel
+
+    dp_mesh = ParallelDims(1, 2, 1, 1, 1, 2).build_mesh("cpu")["dp_shard"]
+    silent = {
+        "no default plan": lambda: apply_tp(UserMLP(), mesh["tp"]),
+        "module left out of the plan": lambda: apply_tp(UserMLP(), mesh["tp"], {k: v for k, v in USER_PLAN.items()
+                                                                                if k != "ln"}),
+        "fsdp without blocks": lambda: apply_fsdp(UserMLP(), dp_mesh),
+        "fused chunks of different sizes": lambda: FusedColwiseParallel([16, 8, 8]),
+    }
+    for name, fn in silent.items():
+        try:
+            fn()
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+class FusedUser(nn.Module):
+    """A nanoGPT-style block written by a user: fused q|k|v and fused gate|up projections with biases."""
+
+    def __init__(self, d: int = 16, heads: int = 4, h: int = 24):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.Module()
+        self.attn.qkv, self.attn.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ffn = nn.Module()
+        self.ffn.gate_up, self.ffn.down = nn.Linear(d, 2 * h), nn.Linear(h, d)
+        self.hd = d // heads
+
+    def attention(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.attn.qkv(x).chunk(3, -1)
+        q, k, v = (t.reshape(b, s, -1, self.hd).transpose(1, 2) for t in (q, k, v))
+        return self.attn.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
+
+    def mlp(self, x):
+        g, u = self.ffn.gate_up(x).chunk(2, -1)
+        return self.ffn.down(F.silu(g) * u)
+
+    def forward(self, x):
+        x = x + _call(self.attn, self.attention, self.norm1(x))
+        return x + _call(self.ffn, self.mlp, self.norm2(x))
+
+
+def _call(holder: nn.Module, fn, x):
+    """Run ``fn(x)`` through ``holder``'s forward hooks (where the plan puts Megatron's f operator)."""
+    holder.forward = fn
+    return holder(x)
+
+
+class SplitUser(FusedUser):
+    """The same function with separate q, k, v and gate, up projections (the unfused plan to compare against)."""
+
+    def __init__(self, fused: FusedUser):
+        super().__init__()
+        d, h = fused.attn.proj.in_features, fused.ffn.down.in_features
+        self.double()
+        self.load_state_dict(fused.state_dict())
+        fused_layers = ((self.attn, "qkv", ("q", "k", "v"), d), (self.ffn, "gate_up", ("g", "u"), h))
+        for holder, name, parts, width in fused_layers:
+            src = getattr(holder, name)
+            for i, part in enumerate(parts):
+                lin = nn.Linear(src.in_features, width).double()
+                with torch.no_grad():
+                    lin.weight.copy_(src.weight[i * width:(i + 1) * width])
+                    lin.bias.copy_(src.bias[i * width:(i + 1) * width])
+                setattr(holder, part, lin)
+            delattr(holder, name)
+
+    def attention(self, x):
+        b, s, _ = x.shape
+        q, k, v = (getattr(self.attn, n)(x).reshape(b, s, -1, self.hd).transpose(1, 2) for n in "qkv")
+        return self.attn.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
+
+    def mlp(self, x):
+        return self.ffn.down(F.silu(self.ffn.g(x)) * self.ffn.u(x))
+
+
+def _fused_plan(fused: bool) -> dict:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    from titanlike.parallel.fused import FusedColwiseParallel
+
+    f = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
+    plan = {"norm1": ReplicateParallel(), "norm2": ReplicateParallel(), "attn": f, "ffn": f,
+            "attn.proj": RowwiseParallel(), "ffn.down": RowwiseParallel()}
+    if fused:
+        plan.update({"attn.qkv": FusedColwiseParallel(3), "ffn.gate_up": FusedColwiseParallel([24, 24])})
+    else:
+        plan.update({f"attn.{n}": ColwiseParallel() for n in "qkv"})
+        plan.update({f"ffn.{n}": ColwiseParallel() for n in "gu"})
+    return plan
+
+
+def probe_fused() -> dict:
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from titanlike.parallel.fused import contiguous_for_dcp_tree
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    reference = FusedUser().double()
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(4, 6, 16, generator=g, dtype=torch.float64),
+                torch.randn(4, 6, 16, generator=g, dtype=torch.float64)) for _ in range(3)]
+    n_total = batches[0][1].numel()
+    mesh = ParallelDims(1, 1, 1, 2, 1, 2).build_mesh("cpu")
+    out: dict = {}
+    # The single-device order, and each rank holding its slice of every chunk.
+    model = apply_tp(copy.deepcopy(reference), mesh["tp"], _fused_plan(True))
+    w, ref_w = model.attn.qkv.weight, reference.attn.qkv.weight
+    out["full_tensor_in_order"] = all(torch.equal(_full(p), reference.get_parameter(n))
+                                      for n, p in model.named_parameters())
+    out["local_is_chunk_slices"] = torch.equal(w.to_local(), torch.cat([c.chunk(2)[rank] for c in ref_w.chunk(3)]))
+    out["placements"] = str(w.placements)
+    # Same collectives as the unfused plan (forward + backward of one step).
+    x, y = batches[0]
+    counts = {}
+    for name, m in (("fused", copy.deepcopy(model)), ("split", apply_tp(SplitUser(reference), mesh["tp"],
+                                                                         _fused_plan(False)))):
+        with BytesCommDebugMode() as fwd:
+            o = m(x)
+        with BytesCommDebugMode() as bwd:
+            ((o - y) ** 2).sum().backward()
+        counts[name] = {"forward": fwd.summary(), "backward": bwd.summary()}
+    out["comms"] = counts
+    # Training equals one device.
+    out["train_diff"] = _max_diff(_train_user(model, batches, n_total), _train_user(copy.deepcopy(reference), batches,
+                                                                                    n_total))
+    # DCP at tp 2 -> one process, no process group: the file holds the single-device order.
+    path = [tempfile.mkdtemp(prefix="fused_dcp_") if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    dcp.save(contiguous_for_dcp_tree(get_model_state_dict(model)), checkpoint_id=path[0])
+    trained = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+    dist.barrier()
+    if rank == 0:
+        plain = {k: torch.zeros_like(v) for k, v in reference.state_dict().items()}
+        dcp.load(plain, checkpoint_id=path[0], no_dist=True)
+        out["dcp_tp2_to_one_process_diff"] = max((plain[k] - trained[k]).abs().max().item() for k in plain)
     return out
 
 
 def main_probe(rank: int, world_size: int, out: str) -> None:
     results = {"comms": probe_comms(), "user_module": probe_user_module(), "mixed_precision": probe_mixed_precision(),
-               "clip_pp": probe_clip_pp(), "errors": probe_errors()}
+               "clip_pp": probe_clip_pp(), "errors": probe_errors(), "fused": probe_fused()}
     if rank == 0:
         Path(out).write_text(json.dumps(results, indent=1))
 

@@ -1,9 +1,10 @@
 """FSDP2 (``fully_shard``) and HSDP over the data-parallel mesh, composing with tensor parallelism.
 
-Groups, in order: every transformer block, then the token embedding, then the final norm + output head
-together, then the root (whatever is left: rotary buffers need nothing; a tied embedding/head weight is left
-to the root so that ONE group owns it). Each group all-gathers its parameters in one collective before its
-forward and reduce-scatters its gradients in one collective after its backward.
+Groups, in order (roles from the model's spec, titanlike/models/spec.py): every transformer block, then the input
+modules (token / position embeddings), then the final norm + output head together, then the root (whatever is left:
+rotary buffers need nothing; a tied embedding/head weight is left to the root so that ONE group owns it). Each
+group all-gathers its parameters in one collective before its forward and reduce-scatters its gradients in one
+collective after its backward.
 
 * A 1-D ``dp_mesh`` shards parameters over all its ranks (FSDP); a 2-D ``("dp_replicate", "dp_shard_cp")``
   mesh shards over the second dim and replicates over the first (HSDP: reduce-scatter, then all-reduce).
@@ -39,9 +40,23 @@ def _sum_gradients(module: FSDPModule) -> None:
     module.set_force_sum_reduction_for_comms(True)
 
 
-def _tied_head(model: nn.Module) -> bool:
-    emb, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
-    return emb is not None and out is not None and out.weight is emb.weight
+def _role_groups(model: nn.Module, spec) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The input modules and the output modules this model (or stage) holds, by its spec's roles, less those that
+    own a parameter shared between the two (a tied embedding / head stays with the root: ONE group owns it)."""
+    if spec is None:
+        return [], []
+    inputs = [m for m in (getattr(model, n, None) for n in spec.input_modules) if m is not None]
+    outputs = [m for m in (getattr(model, n, None) for n in spec.output_modules) if m is not None]
+    ids_in = {id(p) for m in inputs for p in m.parameters()}
+    ids_out = {id(p) for m in outputs for p in m.parameters()}
+    shared = ids_in & ids_out
+
+    def keep(m):
+        return not any(id(p) in shared for p in m.parameters())
+
+    if shared:  # the tied pair and everything grouped with it go to the root
+        return [m for m in inputs if keep(m)], []
+    return inputs, outputs
 
 
 def apply_fsdp(
@@ -56,8 +71,11 @@ def apply_fsdp(
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2 over ``dp_mesh`` (1-D: FSDP, 2-D: HSDP); return it.
 
-    ``blocks`` are the modules that get their own group (default: ``model.layers``' children, if any); the
-    Llama embedding and norm + head get theirs when present; the root takes the rest. Works on the meta device.
+    ``blocks`` are the modules that get their own group (default: the children of the model spec's block container,
+    ``model.layers``); a registered model's input modules (embeddings) and output modules (norm + head) get one group
+    each unless they share the tied weight; the root takes the rest. A model with no spec and no ``.layers`` needs
+    ``blocks`` (``blocks=[]``: one root group on purpose). Chunk-sharded fused projections
+    (:class:`~titanlike.parallel.fused.FusedColwiseParallel`) are sharded on dim 1. Works on the meta device.
     """
     if reshard_after_forward not in RESHARD_CHOICES:
         raise ValueError(f"reshard_after_forward must be one of {RESHARD_CHOICES}, got {reshard_after_forward!r}")
@@ -65,17 +83,27 @@ def apply_fsdp(
         raise ValueError(f"apply_fsdp needs a 1-D (FSDP) or 2-D (HSDP: replicate, shard) mesh, got {dp_mesh}")
     reshard = {"default": not pp_enabled, "always": True, "never": False}[reshard_after_forward]
     kw = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+    from titanlike.models.spec import spec_for
+    from titanlike.parallel.fused import fsdp_placement, prepare_fused_for_fsdp
+
+    prepare_fused_for_fsdp(model)
+    kw["shard_placement_fn"] = fsdp_placement
+
+    spec = spec_for(model)
     if blocks is None:
-        layers = getattr(model, "layers", None)
-        blocks = list(layers.children()) if isinstance(layers, nn.Module) else []
+        container = getattr(model, spec.block_container if spec is not None else "layers", None)
+        if not isinstance(container, nn.Module):
+            raise ValueError(f"apply_fsdp: {type(model).__name__} has no block container (.layers) and no model spec, "
+                             f"so every parameter would land in one root group; pass blocks=[...] (the modules that "
+                             f"each get their own FSDP group), or blocks=[] for one group on purpose")
+        blocks = list(container.children())
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard, **kw)
-    if not _tied_head(model):
-        if getattr(model, "tok_embeddings", None) is not None:
-            fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **kw)
-        head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
-        if head:
-            fully_shard(head, reshard_after_forward=reshard_after_forward == "always", **kw)
+    inputs, outputs = _role_groups(model, spec)
+    if inputs:
+        fully_shard(inputs if len(inputs) > 1 else inputs[0], reshard_after_forward=reshard, **kw)
+    if outputs:
+        fully_shard(outputs, reshard_after_forward=reshard_after_forward == "always", **kw)
     fully_shard(model, reshard_after_forward=reshard_after_forward == "always", **kw)
     for m in model.modules():
         if isinstance(m, FSDPModule):

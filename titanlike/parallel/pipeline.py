@@ -33,6 +33,7 @@ shards are summed. The gradient norm counts the weight once.
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -55,11 +56,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
 
 from titanlike.config import ConfigError, JobConfig, pipeline_stage_count
-from titanlike.models import Transformer
+from titanlike.models.spec import ModelSpec, get_spec, spec_for
 from titanlike.training.step import ScaledLoss
 
 __all__ = [
     "SCHEDULES",
+    "build_stage_from_fqns",
+    "check_split",
+    "pipeline_module",
     "PipelineParallel",
     "apply_pp",
     "build_stage_module",
@@ -81,11 +85,15 @@ SCHEDULES = {
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
-_LAYER = re.compile(r"layers\.(\d+)")
 
 
 # ---------------------------------------------------------------------------------------------------- the split
-def split_module_names(n_layers: int, n_stages: int, first_less: int = 0, last_less: int = 0) -> list[list[str]]:
+def _spec(spec: ModelSpec | None) -> ModelSpec:
+    return spec if spec is not None else get_spec("llama3")
+
+
+def split_module_names(n_layers: int, n_stages: int, first_less: int = 0, last_less: int = 0, *,
+                       spec: ModelSpec | None = None) -> list[list[str]]:
     """Module names of each of ``n_stages`` stages, the blocks split evenly.
 
     The embedding counts as ``first_less`` blocks and the norm + head as ``last_less`` blocks, so the first and
@@ -101,25 +109,29 @@ def split_module_names(n_layers: int, n_stages: int, first_less: int = 0, last_l
     if min(counts) < 0:
         raise ConfigError(f"pipeline: {n_stages} stages of {per} layers cannot absorb the embedding weight "
                           f"{first_less} and head weight {last_less}; use fewer stages or lower the weights")
+    spec = _spec(spec)
     names, start = [], 0
     for s, count in enumerate(counts):
-        stage = ["tok_embeddings"] if s == 0 else []
-        stage += [f"layers.{i}" for i in range(start, start + count)]
+        stage = list(spec.input_modules) if s == 0 else []
+        stage += [f"{spec.block_container}.{i}" for i in range(start, start + count)]
         start += count
         if s == n_stages - 1:
-            stage += ["norm", "output"]
+            stage += list(spec.output_modules)
         names.append(stage)
     return names
 
 
-def parse_module_names(specs: Sequence[str], n_layers: int) -> list[list[str]]:
+def parse_module_names(specs: Sequence[str], n_layers: int, *, spec: ModelSpec | None = None) -> list[list[str]]:
     """``pipeline_parallel_module_names`` (one comma-separated string per stage) -> module names per stage.
 
     Every block appears exactly once and in order; the embedding is on the first stage, the norm and the head
     together on the last; no stage is empty.
     """
     key = "parallelism.pipeline_parallel_module_names"
-    stages = [[n.strip() for n in spec.split(",") if n.strip()] for spec in specs]
+    spec = _spec(spec)
+    layer_re = re.compile(re.escape(spec.block_container) + r"\.(\d+)")
+    first, last = spec.input_modules, spec.output_modules
+    stages = [[n.strip() for n in spec_.split(",") if n.strip()] for spec_ in specs]
     if len(stages) < 2:
         raise ConfigError(f"{key}: give at least 2 stages (one comma-separated string of module names each)")
     layers: list[int] = []
@@ -127,22 +139,23 @@ def parse_module_names(specs: Sequence[str], n_layers: int) -> list[list[str]]:
         if not names:
             raise ConfigError(f"{key}: stage {s} is empty; every stage needs at least one module")
         for name in names:
-            m = _LAYER.fullmatch(name)
+            m = layer_re.fullmatch(name)
             if m:
                 layers.append(int(m.group(1)))
-            elif name == "tok_embeddings":
+            elif name in first:
                 if s != 0:
-                    raise ConfigError(f"{key}: tok_embeddings must be on the first stage, found on stage {s}")
-            elif name in ("norm", "output"):
+                    raise ConfigError(f"{key}: {name} must be on the first stage, found on stage {s}")
+            elif name in last:
                 if s != len(stages) - 1:
                     raise ConfigError(f"{key}: {name} must be on the last stage, found on stage {s}")
             else:
-                raise ConfigError(f"{key}: unknown module '{name}' on stage {s}; valid: tok_embeddings, "
-                                  f"layers.<i> (0 <= i < {n_layers}), norm, output")
+                raise ConfigError(f"{key}: unknown module '{name}' on stage {s}; valid: {', '.join(first)}, "
+                                  f"{spec.block_container}.<i> (0 <= i < {n_layers}), {', '.join(last)}")
     if layers != list(range(n_layers)):
-        raise ConfigError(f"{key}: the stages must list layers.0 .. layers.{n_layers - 1} each exactly once and in "
-                          f"order, got {', '.join(f'layers.{i}' for i in layers)}")
-    for name, s in (("tok_embeddings", 0), ("norm", -1), ("output", -1)):
+        c = spec.block_container
+        raise ConfigError(f"{key}: the stages must list {c}.0 .. {c}.{n_layers - 1} each exactly once and in "
+                          f"order, got {', '.join(f'{c}.{i}' for i in layers)}")
+    for name, s in [*((n, 0) for n in first), *((n, -1) for n in last)]:
         if sum(n == name for names in stages for n in names) != 1 or name not in stages[s]:
             raise ConfigError(f"{key}: {name} must appear exactly once, on the {'first' if s == 0 else 'last'} "
                               f"stage")
@@ -152,10 +165,12 @@ def parse_module_names(specs: Sequence[str], n_layers: int) -> list[list[str]]:
 def stage_module_names(cfg: JobConfig, args) -> list[list[str]]:
     """The module names of every pipeline stage for this configuration (raises ConfigError on a bad layout)."""
     p = cfg.parallelism
+    spec = get_spec(cfg.model.name)
     if p.pipeline_parallel_module_names:
-        return parse_module_names(p.pipeline_parallel_module_names, args.n_layers)
+        return parse_module_names(p.pipeline_parallel_module_names, args.n_layers, spec=spec)
     return split_module_names(args.n_layers, pipeline_stage_count(cfg, args),
-                              p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers)
+                              p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers,
+                              spec=spec)
 
 
 def stage_ids_for_rank(pp_rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:
@@ -180,7 +195,7 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(prev)
 
 
-def build_stage_module(full_model: Transformer, names: Iterable[str], device: torch.device) -> Transformer:
+def build_stage_module(full_model: nn.Module, names: Iterable[str], device: torch.device) -> nn.Module:
     """The stage holding ``names``, built on meta by the model's partial constructor and filled by FQN.
 
     Parameters are *copies* of the full model's (never shared storage: two stages of a rank must not alias a
@@ -189,11 +204,13 @@ def build_stage_module(full_model: Transformer, names: Iterable[str], device: to
     device (its weights will come from a checkpoint) gives a stage initialised in place instead.
     """
     names = list(names)
-    layer_ids = [int(m.group(1)) for m in map(_LAYER.fullmatch, names) if m]
+    spec = spec_for(full_model)
+    if spec is None:
+        raise ValueError(f"build_stage_module: {type(full_model).__name__} is not a registered model; register a "
+                         f"ModelSpec for it (docs/adding_a_model.md)")
     dtype = next(full_model.parameters()).dtype
     with torch.device("meta"), _default_dtype(dtype):
-        stage = Transformer(full_model.args, layer_ids=layer_ids, has_embedding="tok_embeddings" in names,
-                            has_head="output" in names)
+        stage = spec.build(full_model.args, **spec.stage_kwargs(names))
     tied: dict[int, list[str]] = {}
     for name, p in stage.named_parameters(remove_duplicate=False):
         tied.setdefault(id(p), []).append(name)
@@ -237,6 +254,11 @@ class PipelineParallel:
     schedule_name: str
     tied_group: dist.ProcessGroup | None = None  # the two ranks holding the tied weight's copies (None: same rank)
     tied_params: list[nn.Parameter] = field(default_factory=list)  # this rank's copies: [first's] / [last's] / both
+    # Any module (pipeline_module): every parameter shared by identity across stages, as (this rank's copies, the
+    # group of the ranks holding a copy or None when this rank holds all of them), and the ids of the copies left
+    # out of the gradient norm (all but the one of the lowest stage).
+    tied_sets: list[tuple[list[nn.Parameter], dist.ProcessGroup | None]] = field(default_factory=list)
+    norm_excluded: set[int] = field(default_factory=set)
 
     def stage_rank(self, stage: int) -> int:
         """Global rank of the member of this rank's pipeline that holds ``stage``."""
@@ -293,6 +315,19 @@ class PipelineParallel:
     def finalize_grads(self) -> None:
         """Sum the tied embedding's gradient over its two copies. Call once per optimizer step, after the last
         backward (and before the gradient norm): :meth:`finalize_grads_and_clip_` does."""
+        if self.tied_sets:
+            for params, group in self.tied_sets:
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                grads = [_local(p.grad) for p in params]
+                total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
+                if group is not None:
+                    dist.all_reduce(total, group=group)
+                for g in grads:
+                    if g is not total:
+                        g.copy_(total)
+            return
         if not self.tied_params:
             return
         for p in self.tied_params:
@@ -315,20 +350,26 @@ class PipelineParallel:
         self.finalize_grads()
         params = list(parameters)
         duplicate = {id(self.tied_params[-1])} if self.tied_params and self.has_last_stage else set()
+        duplicate |= self.norm_excluded
         return clip_grad_norm_(params, max_norm, pp_group=self.pp_group,
                                norm_parameters=[p for p in params if id(p) not in duplicate])
 
 
-def _plain_tensors_between_stages(stage: Transformer, tp_mesh, sequence_parallel: bool) -> None:
+def _holds(stage: nn.Module, names: Sequence[str]) -> bool:
+    return any(getattr(stage, n, None) is not None for n in names)
+
+
+def _plain_tensors_between_stages(stage: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
     """Under TP the residual stream is a DTensor (``Shard(1)`` under SP, else ``Replicate()``); between stages it
     travels as its plain local tensor, like the data into the first stage: a stage without the embedding turns
     its input back into the DTensor, one without the head returns the local tensor. (The P2P of torch's stages
     then moves ordinary tensors, as in every supported torch version.)"""
     seq = Shard(1) if sequence_parallel else Replicate()
-    if stage.tok_embeddings is None:
+    spec = spec_for(stage)
+    if not _holds(stage, spec.input_modules):
         parallelize_module(stage, tp_mesh, PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(seq,),
                                                               use_local_output=False))
-    if stage.output is None:
+    if not _holds(stage, spec.output_modules):
         stage.register_forward_hook(_local_copy)
 
 
@@ -338,11 +379,19 @@ def _local_copy(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
     return output.to_local().clone() if isinstance(output, DTensor) else output
 
 
-def _tied_copies(parts: Sequence[Transformer]) -> list[nn.Parameter]:
+def _tied_copies(parts: Sequence[nn.Module], spec: ModelSpec) -> list[nn.Parameter]:
     """This rank's copies of the tied weight: the first stage's embedding, then the last stage's head (none when
     one stage holds both: the model's constructor ties them into one parameter then)."""
-    out = [m.tok_embeddings.weight for m in parts if m.tok_embeddings is not None]
-    out += [m.output.weight for m in parts if m.output is not None]
+    (first, last), = spec.tied
+
+    def get(m, fqn):
+        try:
+            return m.get_parameter(fqn)
+        except AttributeError:
+            return None
+
+    out = [p for p in (get(m, first) for m in parts) if p is not None]
+    out += [p for p in (get(m, last) for m in parts) if p is not None]
     return [] if len(out) == 2 and out[0] is out[1] else out
 
 
@@ -372,7 +421,7 @@ def _check_tied_layout(tied: list[nn.Parameter], group) -> None:
                            f"({mine[0]} vs {others}); give tok_embeddings and output the same layout")
 
 
-def apply_pp(model: Transformer, dims, mesh, cfg: JobConfig, device: torch.device) -> PipelineParallel:
+def apply_pp(model: nn.Module, dims, mesh, cfg: JobConfig, device: torch.device) -> PipelineParallel:
     """Split the full (materialised) ``model`` into this rank's stages, parallelize them, build the schedule."""
     from titanlike.parallel.parallelize import build_loss_fn, parallelize_model
 
@@ -407,7 +456,7 @@ def apply_pp(model: Transformer, dims, mesh, cfg: JobConfig, device: torch.devic
 
     # After parallelize: FSDP / TP have replaced the parameters by DTensors. A rank holds no copy, one (its peer
     # holds the other: only the two take part in the group) or both (V placement: a local add).
-    tied = _tied_copies(parts) if model.args.tie_embeddings else []
+    tied = _tied_copies(parts, spec_for(model)) if model.args.tie_embeddings else []
     tied_group = _tied_group(pp_group) if len(tied) == 1 else None
     if tied:
         _check_tied_layout(tied, tied_group)
@@ -416,6 +465,145 @@ def apply_pp(model: Transformer, dims, mesh, cfg: JobConfig, device: torch.devic
                             has_last_stage=n_stages - 1 in stage_ids,
                             microbatch_size=p.pipeline_parallel_microbatch_size, schedule_name=schedule_name,
                             tied_group=tied_group, tied_params=tied)
+
+
+# ---------------------------------------------------------------------------------------------------- any module
+def _module_owner(model: nn.Module, fqns: Sequence[str], name: str) -> str | None:
+    """The listed module FQN that holds parameter ``name`` (a prefix of it), or None."""
+    for fqn in fqns:
+        if name == fqn or name.startswith(fqn + "."):
+            return fqn
+    return None
+
+
+def check_split(model: nn.Module, module_fqns_per_stage: Sequence[Sequence[str]]) -> None:
+    """Every listed FQN is a module of ``model``, listed once; every parameter lies in exactly one listed module
+    (under one of its names: tied parameters may be listed on several stages). Raises ValueError naming them all."""
+    problems = []
+    modules = dict(model.named_modules())
+    flat = [f for stage in module_fqns_per_stage for f in stage]
+    if len(module_fqns_per_stage) < 2 or any(not stage for stage in module_fqns_per_stage):
+        problems.append("give at least 2 stages, none of them empty")
+    unknown = [f for f in flat if f not in modules or f == ""]
+    if unknown:
+        problems.append(f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a submodule of "
+                        f"{type(model).__name__}")
+    twice = sorted({f for f in flat if flat.count(f) > 1})
+    if twice:
+        problems.append(f"{', '.join(twice)} listed more than once")
+    nested = sorted({a for a in flat for b in flat if a != b and a.startswith(b + ".")})
+    if nested:
+        problems.append(f"{', '.join(nested)} inside another listed module")
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    orphans = [names[0] for names in by_id.values() if not any(_module_owner(model, flat, n) for n in names)]
+    if orphans:
+        problems.append(f"parameter(s) {', '.join(orphans[:6])} in no listed module")
+    if problems:
+        raise ValueError(f"pipeline split of {type(model).__name__}: " + "; ".join(problems) + "; list module FQNs "
+                         f"(model.named_modules()) per stage so that every parameter is in exactly one")
+
+
+def build_stage_from_fqns(model: nn.Module, fqns: Sequence[str]) -> nn.Module:
+    """A copy of ``model`` holding only the modules ``fqns`` (torchtitan's module_fqns_per_model_part): other
+    children are set to None, other entries of a ModuleDict / ModuleList are deleted (their keys, hence the FQNs,
+    are kept). The model's forward must skip None modules and take hidden states when its input modules are None
+    (the contract torchtitan's models follow). Parameter names are the full model's."""
+    stage = copy.deepcopy(model)
+    keep = set(fqns)
+
+    def prune(module: nn.Module, prefix: str) -> None:
+        for name, child in list(module.named_children()):
+            fqn = f"{prefix}{name}"
+            if fqn in keep:
+                continue
+            if any(k.startswith(fqn + ".") for k in keep):
+                prune(child, fqn + ".")
+            elif isinstance(module, (nn.ModuleDict, nn.ModuleList)):
+                del module._modules[name]  # the other keys (FQNs) stay as they are
+            else:
+                setattr(module, name, None)
+
+    prune(stage, "")
+    return stage
+
+
+def pipeline_module(model: nn.Module, pp_mesh, module_fqns_per_stage: Sequence[Sequence[str]], *,
+                    loss_fn, n_microbatches: int, schedule: str = "1F1B", device: torch.device | str = "cpu",
+                    parallelize_stage=None) -> PipelineParallel:
+    """Pipeline-parallelize any module: stages from a user's split (module FQNs per stage), this rank's stages
+    built and run by the ``schedule`` (any of :data:`SCHEDULES`; loop placement, V placement for the V schedules).
+
+    ``loss_fn(output, labels)`` returns the SUM of the loss over the microbatch (the trainer's ScaledLoss divides by
+    the global token count); ``parallelize_stage(module, is_first, is_last)`` applies TP / FSDP to each stage module
+    and returns it (optional). Parameters shared by identity across stages (tied embeddings) keep one copy per
+    stage; :meth:`PipelineParallel.finalize_grads` sums their gradients between exactly the ranks holding a copy
+    (call it through ``finalize_grads_and_clip_`` as the clip function). Returns a :class:`PipelineParallel`.
+    """
+    check_split(model, module_fqns_per_stage)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule '{schedule}'; valid: {', '.join(SCHEDULES)}")
+    device = torch.device(device)
+    pp_group, pp_rank, pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), pp_mesh.size()
+    n_stages = len(module_fqns_per_stage)
+    stage_ids = stage_ids_for_rank(pp_rank, pp, n_stages, schedule)
+    # Parameters reachable under several names, by identity, and which stages hold one of those names.
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    shared = []
+    for names in by_id.values():
+        holders = sorted({s for s, fqns in enumerate(module_fqns_per_stage) for n in names
+                          if _module_owner(model, fqns, n)})
+        if len(holders) > 1:
+            shared.append((names, holders))
+    parts = []
+    for s in stage_ids:
+        m = build_stage_from_fqns(model, module_fqns_per_stage[s]).to(device)
+        first, last = s == 0, s == n_stages - 1
+        if parallelize_stage is not None:
+            m = parallelize_stage(m, first, last)
+        if not last:
+            m.register_forward_hook(_local_copy)
+        parts.append(m)
+    stages = [PipelineStage(m, s, n_stages, device, group=pp_group) for m, s in zip(parts, stage_ids)]
+    loss = ScaledLoss(loss_fn)
+    cls = SCHEDULES[schedule]
+    single = schedule in SINGLE_STAGE_SCHEDULES
+    if single and len(stages) != 1:
+        raise ValueError(f"schedule {schedule} runs one stage per rank, the split gives {len(stages)} on this rank")
+    sched = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
+    # Tied copies: this rank's, and the group of the ranks that hold one.
+    ranks = dist.get_process_group_ranks(pp_group)
+
+    def pp_rank_of(stage: int) -> int:
+        return (stage if stage < pp else 2 * pp - 1 - stage) if schedule in V_SCHEDULES else stage % pp
+
+    tied_sets, excluded = [], set()
+    for names, holders in shared:
+        mine = []
+        for m, s in zip(parts, stage_ids):
+            if s in holders:
+                n = next(n for n in names if _module_owner(model, module_fqns_per_stage[s], n))
+                p = m.get_parameter(n)
+                mine.append(p)
+                if s != holders[0]:
+                    excluded.add(id(p))
+        holder_ranks = sorted({ranks[pp_rank_of(s)] for s in holders})
+        if not mine:
+            continue
+        if len(holder_ranks) == 1:
+            group = None
+        elif len(holder_ranks) == len(ranks):
+            group = pp_group
+        else:
+            group = dist.new_group(holder_ranks, use_local_synchronization=True)
+        tied_sets.append((mine, group))
+    return PipelineParallel(model_parts=parts, stages=stages, stage_ids=stage_ids, num_stages=n_stages,
+                            schedule=sched, loss=loss, pp_group=pp_group, has_first_stage=0 in stage_ids,
+                            has_last_stage=n_stages - 1 in stage_ids, microbatch_size=0, schedule_name=schedule,
+                            tied_sets=tied_sets, norm_excluded=excluded)
 
 
 def pipeline_eval_loss(trainer, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

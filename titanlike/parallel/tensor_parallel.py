@@ -189,6 +189,18 @@ def _reduce_partial_grads(model: nn.Module) -> None:
             p._titanlike_grad_hook = True
 
 
+def _check_all_or_nothing(model: nn.Module) -> None:
+    """After the plan: either no parameter is a DTensor (nothing to do for tp) or all are. A parameter left a plain
+    tensor next to DTensors fails later, far away (``aten.add.Tensor got mixed torch.Tensor and DTensor``, or a
+    foreach optimizer refusing the mix), naming no module: refuse it here, naming the modules."""
+    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if plain and len(plain) != len(list(model.parameters())):
+        owners = sorted({n.rpartition(".")[0] or "<root>" for n in plain})
+        shown = ", ".join(owners[:6]) + (f" and {len(owners) - 6} more" if len(owners) > 6 else "")
+        raise ValueError(f"apply_tp: the plan leaves the parameters of {shown} plain tensors next to DTensors; give "
+                         f"those modules a style (ReplicateParallel() for modules that run replicated, e.g. norms)")
+
+
 def apply_tp(
     model: nn.Module,
     tp_mesh: DeviceMesh,
@@ -209,7 +221,14 @@ def apply_tp(
         raise ValueError(f"apply_tp needs a 1-D tensor-parallel mesh, got {tp_mesh.ndim}-D {tp_mesh}; "
                          f"pass mesh['tp']")
     if plan is None:
-        plan = {k: v for k, v in tp_plan(sequence_parallel, loss_parallel, float8).items() if _matches(model, k)}
+        from titanlike.models.spec import spec_for
+
+        spec = spec_for(model)
+        if spec is None:
+            raise ValueError(f"apply_tp: {type(model).__name__} is not a registered model, so there is no default "
+                             f"plan; pass plan={{module-path pattern: ParallelStyle}} for it")
+        plan = spec.tp_plan(getattr(model, "args", None), sequence_parallel, loss_parallel, float8=float8)
+        plan = {k: v for k, v in plan.items() if _matches(model, k)}
     elif isinstance(plan, dict):
         missing = [k for k in plan if not _matches(model, k)]
         if missing:
@@ -218,5 +237,6 @@ def apply_tp(
     tied = _shared_parameters(model)
     parallelize_module(model, tp_mesh, plan)
     _retie(model, tied)
+    _check_all_or_nothing(model)
     _reduce_partial_grads(model)
     return model

@@ -70,7 +70,7 @@ def dry_run(cfg: JobConfig, layout: Layout, args, rank: int = 0, probe_activatio
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from titanlike.models import Transformer
+    from titanlike.models import spec_for
     from titanlike.parallel.parallelize import parallelize_model
 
     if dist.is_initialized():
@@ -82,10 +82,8 @@ def dry_run(cfg: JobConfig, layout: Layout, args, rank: int = 0, probe_activatio
         records = []
         for sid in layout.stage_ids(layout.pp_rank_of(rank)):
             names = layout.stages[sid]
-            layer_ids = [int(n.split(".")[1]) for n in names if n.startswith("layers.")]
-            with torch.device("meta"):
-                stage = Transformer(args, layer_ids=layer_ids, has_embedding="tok_embeddings" in names,
-                                    has_head="output" in names)
+            spec = spec_for(args)
+            stage = spec.build_meta(args, **spec.stage_kwargs(names))
             parallelize_model(stage, layout.dims, mesh, cfg)
             for name, p in stage.named_parameters():
                 shape, local, placements = _describe(p)
@@ -108,13 +106,12 @@ def _probe_block(cfg: JobConfig, layout: Layout, args, mesh, layer_id: int) -> i
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from titanlike.models import Transformer
+    from titanlike.models import spec_for
     from titanlike.parallel.activation_checkpoint import apply_ac
     from titanlike.parallel.parallelize import loss_parallel_enabled
     from titanlike.parallel.tensor_parallel import apply_tp
 
-    with torch.device("meta"):
-        block = Transformer(args, layer_ids=[layer_id], has_embedding=False, has_head=False)
+    block = spec_for(args).build_meta(args, layer_ids=[layer_id], has_input=False, has_output=False)
     if layout.tp > 1:
         apply_tp(block, mesh["tp"], sequence_parallel=layout.sequence_parallel,
                  loss_parallel=loss_parallel_enabled(cfg, layout.dims))
@@ -132,7 +129,9 @@ def _probe_block(cfg: JobConfig, layout: Layout, args, mesh, layer_id: int) -> i
         for name, p in list(block.named_parameters()):  # FSDP's mixed precision computes with bf16 copies
             owner, _, leaf = name.rpartition(".")
             setattr(block.get_submodule(owner), leaf, torch.nn.Parameter(p.detach().to(act)))
-        block.rope_cos, block.rope_sin = block.rope_cos.to(rope), block.rope_sin.to(rope)
+        for name, buf in list(block.named_buffers()):  # RoPE tables (Llama): float32, or float64 for float64 runs
+            owner, _, leaf = name.rpartition(".")
+            block.get_submodule(owner)._buffers[leaf] = buf.to(rope)
         x_leaf = torch.empty(layout.microbatch_size, seq, args.dim, dtype=act, requires_grad=True)
         if layout.tp > 1:
             x_leaf = DTensor.from_local(x_leaf, mesh["tp"], [Shard(1) if layout.sequence_parallel else Replicate()],

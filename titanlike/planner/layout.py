@@ -13,6 +13,7 @@ import numpy as np
 
 from titanlike.config import ConfigError, JobConfig, layout_violations
 from titanlike.parallel.dims import FLATTENED, MESH_DIMS, ParallelDims
+from titanlike.models import get_spec
 from titanlike.parallel.pipeline import V_SCHEDULES, stage_ids_for_rank, stage_module_names
 
 __all__ = ["GroupMap", "Layout", "group_map"]
@@ -50,8 +51,10 @@ class Layout:
         p, t = cfg.parallelism, cfg.training
         dims = ParallelDims.from_config(cfg, world_size)
         pp = dims.pp > 1
+        spec = get_spec(cfg.model.name)
         stages = tuple(tuple(s) for s in stage_module_names(cfg, args)) if pp else \
-            (("tok_embeddings",) + tuple(f"layers.{i}" for i in range(args.n_layers)) + ("norm", "output"),)
+            (spec.input_modules + tuple(f"{spec.block_container}.{i}" for i in range(args.n_layers))
+             + spec.output_modules,)
         global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
         return cls(dims=dims, gpus_per_node=gpus_per_node, sequence_parallel=p.enable_sequence_parallel,
                    loss_parallel=dims.tp > 1 and not p.disable_loss_parallel,

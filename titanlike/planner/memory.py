@@ -43,9 +43,28 @@ def chunk(n: int, parts: int, index: int) -> int:
     return max(0, min(c, n - c * index))
 
 
+def _spec(args):
+    from titanlike.models import spec_for
+
+    return spec_for(args)
+
+
+_SHAPES: dict[tuple, dict[str, tuple[int, ...]]] = {}
+
+
+def _built_shapes(spec, args, names: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+    key = (spec.name, repr(args), names)
+    if key not in _SHAPES:
+        _SHAPES[key] = spec.param_shapes(args, names)
+    return _SHAPES[key]
+
+
 def param_shapes(args, names: Sequence[str]) -> dict[str, tuple[int, ...]]:
     """Full shapes of the parameters of a stage holding modules ``names`` (the model's own FQNs, in
     ``named_parameters`` order; a tied head inside the stage is the embedding's parameter)."""
+    spec = _spec(args)
+    if spec is not None and spec.name != "llama3":  # any other model: its own constructor on the meta device
+        return dict(_built_shapes(spec, args, tuple(names)))
     h, hd = args.dim, args.head_dim
     shapes = {
         "attention_norm.weight": (h,), "attention.wq.weight": (args.n_heads * hd, h),
@@ -107,15 +126,19 @@ def rank_param_shards(layout: Layout, args, rank: int = 0) -> dict[int, list[Par
     out = {}
     for s in layout.stage_ids(c["pp"]):
         shards = []
+        spec = _spec(args)
         for name, shape in param_shapes(args, layout.stages[s]).items():
             tp_shape = list(shape)
-            d = tp_shard_dim(name)
+            if spec is not None and spec.shard_dims is not None:
+                d, fd = spec.shard_dims(name, layout.tp > 1, layout.fsdp)
+            else:
+                d, fd = tp_shard_dim(name), 0
             if d is not None and layout.tp > 1:
                 tp_shape[d] = chunk(shape[d], layout.tp, c["tp"])
             local, padded = list(tp_shape), _prod(tp_shape)
             if layout.fsdp:
-                local[0] = chunk(tp_shape[0], ds, shard_index)
-                padded = -(-tp_shape[0] // ds) * _prod(tp_shape[1:])
+                local[fd] = chunk(tp_shape[fd], ds, shard_index)
+                padded = -(-tp_shape[fd] // ds) * _prod(tp_shape) // max(1, tp_shape[fd])
             shards.append(ParamShard(name, tuple(shape), tuple(tp_shape), tuple(local), padded))
         out[s] = shards
     return out
@@ -126,7 +149,11 @@ def fsdp_units(layout: Layout, args, shards: list[ParamShard],
     """FSDP groups of one stage module as titanlike.parallel.fsdp.apply_fsdp builds them: (kind, params) with kind
     "block", "embedding", "head" or "root"; groups without parameters are left out."""
     by_name = {p.name: p for p in shards}
-    tied = args.tie_embeddings and "tok_embeddings" in names and "output" in names
+    spec = _spec(args)
+    inputs = [n for n in (spec.input_modules if spec else ("tok_embeddings",)) if n in names]
+    outputs = [n for n in (spec.output_modules if spec else ("norm", "output")) if n in names]
+    tied_owners = {fqn.split(".")[0] for pair in (spec.tied if spec else ()) for fqn in pair}
+    tied = args.tie_embeddings and bool(tied_owners) and all(any(n in names for n in (o,)) for o in tied_owners)
     units: list[tuple[str, list[ParamShard]]] = []
     taken: set[str] = set()
 
@@ -139,9 +166,12 @@ def fsdp_units(layout: Layout, args, shards: list[ParamShard],
     for name in names:
         if name.startswith("layers."):
             add("block", (name + ".",))
-    if not tied:
-        add("embedding", ("tok_embeddings.",))
-        add("head", ("norm.", "output."))
+    if tied:  # apply_fsdp leaves the tied pair (and the head) to the root
+        inputs, outputs = [n for n in inputs if n not in tied_owners], []
+    if inputs:
+        add("embedding", tuple(n + "." for n in inputs))
+    if outputs:
+        add("head", tuple(n + "." for n in outputs))
     rest = [p for p in by_name.values() if p.name not in taken]
     if rest:
         units.append(("root", rest))

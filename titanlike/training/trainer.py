@@ -19,7 +19,7 @@ import torch.distributed as dist
 from titanlike import fault
 from titanlike.config import (ConfigError, JobConfig, float8_backend, hf_architecture_of, layout_violations,
                               load_config, model_args_from_config)
-from titanlike.models import Transformer
+from titanlike.models import get_spec
 from titanlike.training.metrics import MetricsLogger, Throughput, format_eta, peak_memory_gib, use_color
 from titanlike.training.optim import build_lr_scheduler, build_optimizer
 from titanlike.training.step import IGNORE_INDEX, ScaledLoss, eval_loss_sum, plain_clip_grad_norm_, train_step
@@ -42,6 +42,20 @@ def default_corpus() -> list[str]:
     from titanlike.data import shipped_corpus
 
     return shipped_corpus()
+
+
+def _to_empty_keeping_ties(model: torch.nn.Module, device: torch.device) -> None:
+    """``model.to_empty(device)``, then tie again the parameters that were one parameter under several names (tied
+    embeddings): ``to_empty`` gives every module its own new tensor."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    model.to_empty(device=device)
+    for names in groups.values():
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, first)
 
 
 class NonFiniteError(fault.ReportedError):
@@ -69,6 +83,7 @@ class Trainer:
 
             self.architecture_note = (f"model: architecture from {cfg.checkpoint.initial_load_path} config.json "
                                       f"(overrides flavor {cfg.model.flavor}): {describe_args(self.model_args)}")
+        self.spec = get_spec(cfg.model.name)
         problems = layout_violations(cfg, self.world_size, self.model_args)
         if problems:
             raise ConfigError(problems[0])
@@ -152,7 +167,7 @@ class Trainer:
         torch.set_default_dtype(param_dtype)
         try:
             with torch.device("meta") if self.meta_init else contextlib.nullcontext():
-                model = Transformer(args)
+                model = self.spec.build(args)
             if not self.meta_init:
                 model.init_weights()
         finally:
@@ -181,7 +196,7 @@ class Trainer:
             model = parallelize_model(model, dims, self.mesh, cfg)
             loss_fn = build_loss_fn(cfg, dims, self.mesh)
             if self.meta_init:  # allocate this rank's shards; values are placeholders until the checkpoint loads
-                model.to_empty(device=self.device)
+                _to_empty_keeping_ties(model, self.device)
                 with torch.no_grad():
                     model.init_weights(buffer_device=self.device)
             else:
@@ -339,7 +354,7 @@ class Trainer:
 
         key = "tf32" if cfg.training.dtype == "float64" else peak_key(cfg.training.dtype, cfg.float8.recipe)
         peak = device_peak_flops(self.device, key, cfg.metrics.peak_tflops)
-        flops_per_token = self.model_args.flops_per_token(cfg.training.seq_len)
+        flops_per_token = self.spec.flops_per_token(self.model_args, cfg.training.seq_len)
         throughput = Throughput(self.device)
         data_iter = iter(self.dataloader)
         losses: list[float] = []

@@ -1,0 +1,149 @@
+"""Hugging Face ``GPT2LMHeadModel`` interop for titanlike's GPT-2: names, Conv1D transposes, config.json.
+
+Names (N = block index)::
+
+    tok_embeddings.weight            transformer.wte.weight
+    pos_embeddings.weight            transformer.wpe.weight
+    layers.N.ln_1.weight / .bias     transformer.h.N.ln_1.weight / .bias          (same for ln_2)
+    layers.N.attn.c_attn.weight      transformer.h.N.attn.c_attn.weight           transposed (Conv1D: in x out)
+    layers.N.attn.c_proj.weight      transformer.h.N.attn.c_proj.weight           transposed
+    layers.N.mlp.c_fc.weight         transformer.h.N.mlp.c_fc.weight              transposed
+    layers.N.mlp.c_proj.weight       transformer.h.N.mlp.c_proj.weight            transposed
+    (their biases keep their names and shapes)
+    norm.weight / .bias              transformer.ln_f.weight / .bias
+    output.weight                    lm_head.weight (left out when the embeddings are tied)
+
+Hugging Face's Conv1D computes ``x @ W + b`` with ``W`` of shape (in, out); our ``nn.Linear`` stores (out, in).
+The fused ``c_attn`` keeps the q | k | v order on both sides. Buffers old exports carry (``attn.bias``,
+``attn.masked_bias``: the causal mask) are ignored on import.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from titanlike.models.gpt2.model import GPT2Args
+
+_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+_TOP = {"tok_embeddings.weight": "transformer.wte.weight", "pos_embeddings.weight": "transformer.wpe.weight",
+        "norm.weight": "transformer.ln_f.weight", "norm.bias": "transformer.ln_f.bias",
+        "output.weight": "lm_head.weight"}
+_TOP_BACK = {v: k for k, v in _TOP.items()}
+_OURS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_HF_LAYER = re.compile(r"transformer\.h\.(\d+)\.(.+)")
+_LAYER_SUFFIXES = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
+                   "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
+                   "mlp.c_proj.weight", "mlp.c_proj.bias")
+_HF_IGNORED = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)")
+
+
+def hf_name(fqn: str) -> str:
+    if fqn in _TOP:
+        return _TOP[fqn]
+    m = _OURS_LAYER.fullmatch(fqn)
+    if m and m.group(2) in _LAYER_SUFFIXES:
+        return f"transformer.h.{m.group(1)}.{m.group(2)}"
+    raise ValueError(f"no Hugging Face GPT-2 name for parameter '{fqn}'")
+
+
+def our_name(name: str) -> str:
+    if name in _TOP_BACK:
+        return _TOP_BACK[name]
+    m = _HF_LAYER.fullmatch(name)
+    if m and m.group(2) in _LAYER_SUFFIXES:
+        return f"layers.{m.group(1)}.{m.group(2)}"
+    raise ValueError(f"'{name}' is not a Hugging Face GPT-2 parameter this model has")
+
+
+def to_hf(state_dict: dict[str, torch.Tensor], args: GPT2Args) -> dict[str, torch.Tensor]:
+    out = {}
+    for fqn, t in state_dict.items():
+        if fqn == "output.weight" and args.tie_embeddings:
+            continue  # GPT2LMHeadModel ties lm_head to wte itself
+        if fqn.endswith(_TRANSPOSED):
+            t = t.t()
+        out[hf_name(fqn)] = t.detach().clone().contiguous()
+    return out
+
+
+def from_hf(hf_state_dict: dict[str, torch.Tensor], args: GPT2Args) -> dict[str, torch.Tensor]:
+    from titanlike.hf import expected_shapes
+
+    out = {}
+    for name, t in hf_state_dict.items():
+        if _HF_IGNORED.fullmatch(name) or (name == "lm_head.weight" and args.tie_embeddings):
+            continue
+        fqn = our_name(name)
+        out[fqn] = t.t() if fqn.endswith(_TRANSPOSED) and t.ndim == 2 else t
+    if args.tie_embeddings and "tok_embeddings.weight" in out:
+        out.setdefault("output.weight", out["tok_embeddings.weight"])
+    expected = expected_shapes(args)
+    missing = [k for k in expected if k not in out]
+    extra = [k for k in out if k not in expected]
+    if missing or extra:
+        what = f"lacks {hf_name(missing[0])}" if missing else f"has {hf_name(extra[0])}, which this model has not"
+        raise ValueError(f"the Hugging Face weights do not fit the model ({args.n_layers} layers): the file {what}")
+    for k, shape in expected.items():
+        if tuple(out[k].shape) != tuple(shape):
+            raise ValueError(f"the Hugging Face weights do not fit the model: {hf_name(k)} has shape "
+                             f"{tuple(out[k].shape)}, the model needs {tuple(shape)} (transposed for Conv1D)")
+    return out
+
+
+def hf_config(args: GPT2Args, dtype: torch.dtype = torch.float32, bos_id: int | None = None,
+              eos_id: int | None = None) -> dict:
+    """A ``GPT2LMHeadModel`` config.json for ``args`` (dropout 0: the same function as our model)."""
+    ids = {k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id)) if v is not None}
+    return {**ids,
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": args.vocab_size,
+        "n_positions": args.max_seq_len,
+        "n_embd": args.dim,
+        "n_layer": args.n_layers,
+        "n_head": args.n_heads,
+        "n_inner": args.hidden_dim,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": args.norm_eps,
+        "tie_word_embeddings": args.tie_embeddings,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def model_args_from_hf_config(config: dict) -> GPT2Args:
+    if config.get("model_type") != "gpt2":
+        raise ValueError(f"config.json: model_type '{config.get('model_type')}' is not 'gpt2'")
+    try:
+        dim = int(config["n_embd"])
+        inner = int(config.get("n_inner") or 4 * dim)
+        args = GPT2Args(dim=dim, n_layers=int(config["n_layer"]), n_heads=int(config["n_head"]),
+                        vocab_size=int(config["vocab_size"]), ffn_hidden_dim=None if inner == 4 * dim else inner,
+                        norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
+                        max_seq_len=int(config.get("n_positions", 1024)),
+                        tie_embeddings=bool(config.get("tie_word_embeddings", True)))
+    except KeyError as e:
+        raise ValueError(f"config.json lacks {e.args[0]}") from None
+    unsupported = {"activation_function": "gelu_new", "scale_attn_by_inverse_layer_idx": False,
+                   "scale_attn_weights": True}
+    for key, ours in unsupported.items():
+        if config.get(key, ours) != ours:
+            raise ValueError(f"config.json: {key} = {config[key]!r} is not supported (this model has {ours!r})")
+    return args
+
+
+def check_same_architecture(args: GPT2Args, ours: GPT2Args, source: str) -> None:
+    for field in ("dim", "n_layers", "n_heads", "vocab_size", "hidden_dim", "max_seq_len", "norm_eps",
+                  "tie_embeddings"):
+        a, b = getattr(args, field), getattr(ours, field)
+        if a != b:
+            raise ValueError(f"{source} is for a different model: {field} {a} there, {b} here")

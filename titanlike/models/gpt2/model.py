@@ -1,0 +1,180 @@
+"""GPT-2 in plain ``torch.nn``: learned positions, LayerNorm with bias, one fused ``c_attn`` (q|k|v) with bias,
+GELU MLP, tied embeddings. Same structure as OpenAI's / Hugging Face's ``GPT2LMHeadModel`` (whose ``Conv1D``
+weights are the transposes of our ``nn.Linear`` ones; titanlike/models/gpt2/hf.py converts).
+
+Like the Llama model it knows nothing of parallelism:
+
+* attention infers its number of heads from the (possibly sharded) ``c_attn`` output: q, k and v are the three
+  equal thirds of whatever this rank computes, so a tensor-parallel style only has to give each rank its heads
+  of each of the three chunks (``titanlike.parallel.fused.FusedColwiseParallel``);
+* the attention core is one swappable call (``attention_core``, an attribute: context parallelism replaces it);
+* blocks live in an ``nn.ModuleDict`` keyed by global index, so a pipeline stage keeps the full model's FQNs;
+* it can be built on the meta device and materialised with :meth:`GPT2.init_weights`.
+
+Module names: ``tok_embeddings`` (wte), ``pos_embeddings`` (wpe), ``layers.N.{ln_1, attn.c_attn, attn.c_proj,
+ln_2, mlp.c_fc, mlp.c_proj}``, ``norm`` (ln_f), ``output`` (lm_head).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPT2Args:
+    dim: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    vocab_size: int = -1  # set from the tokenizer (then padded to ``vocab_multiple``)
+    ffn_hidden_dim: int | None = None  # None: 4 * dim
+    norm_eps: float = 1e-5
+    max_seq_len: int = 1024
+    tie_embeddings: bool = True
+
+    @property
+    def n_kv_heads(self) -> int:  # multi-head attention: as many k/v heads as q heads
+        return self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.ffn_hidden_dim if self.ffn_hidden_dim is not None else 4 * self.dim
+
+    def replace(self, **changes) -> "GPT2Args":
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Parameter count of the full model (the tied head counted once; positions are embeddings)."""
+        d, h, L = self.dim, self.hidden_dim, self.n_layers
+        per_layer = (d * 3 * d + 3 * d) + (d * d + d) + (d * h + h) + (h * d + d) + 4 * d
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        emb = self.vocab_size * d + self.max_seq_len * d
+        return L * per_layer + 2 * d + head + (emb if include_embedding else 0)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """6 x matmul weights (the head counted, tied or not) + 12 L d s for attention (PaLM appendix B)."""
+        d, h, L = self.dim, self.hidden_dim, self.n_layers
+        matmul = L * (3 * d * d + d * d + 2 * d * h) + self.vocab_size * d
+        return 6 * matmul + 12 * L * d * seq_len
+
+
+FLAVORS: dict[str, GPT2Args] = {
+    "debugmodel": GPT2Args(dim=128, n_layers=4, n_heads=8, max_seq_len=512),
+    "tiny": GPT2Args(dim=32, n_layers=2, n_heads=4, max_seq_len=256),
+    "124M": GPT2Args(dim=768, n_layers=12, n_heads=12, vocab_size=50257, max_seq_len=1024),
+    "350M": GPT2Args(dim=1024, n_layers=24, n_heads=16, vocab_size=50257, max_seq_len=1024),
+    "774M": GPT2Args(dim=1280, n_layers=36, n_heads=20, vocab_size=50257, max_seq_len=1024),
+    "1.5B": GPT2Args(dim=1600, n_layers=48, n_heads=25, vocab_size=50257, max_seq_len=1024),
+}
+
+
+def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The attention core: (batch, heads, seq, head_dim) x3 -> same, causal."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class CausalSelfAttention(nn.Module):
+    attention_core = staticmethod(sdpa_causal)  # swappable per instance (context parallelism)
+
+    def __init__(self, args: GPT2Args):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.c_attn = nn.Linear(args.dim, 3 * args.dim, bias=True)  # q | k | v
+        self.c_proj = nn.Linear(args.dim, args.dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)  # this rank's heads of each chunk under tensor parallelism
+        q, k, v = (t.reshape(bsz, seqlen, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        out = self.attention_core(q, k, v)
+        return self.c_proj(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: GPT2Args):
+        super().__init__()
+        self.c_fc = nn.Linear(args.dim, args.hidden_dim, bias=True)
+        self.c_proj = nn.Linear(args.hidden_dim, args.dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2's "gelu_new"
+
+
+class Block(nn.Module):
+    def __init__(self, layer_id: int, args: GPT2Args):
+        super().__init__()
+        self.layer_id = layer_id
+        self.ln_1 = nn.LayerNorm(args.dim, eps=args.norm_eps)
+        self.attn = CausalSelfAttention(args)
+        self.ln_2 = nn.LayerNorm(args.dim, eps=args.norm_eps)
+        self.mlp = MLP(args)
+        self.proj_std = 0.02 / math.sqrt(2 * args.n_layers)  # GPT-2: residual projections scaled by depth
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attn(self.ln_1(x))
+        return h + self.mlp(self.ln_2(h))
+
+    def init_weights(self):
+        for norm in (self.ln_1, self.ln_2):
+            norm.reset_parameters()
+        for lin in (self.attn.c_attn, self.mlp.c_fc):
+            nn.init.normal_(lin.weight, mean=0.0, std=0.02)
+        for lin in (self.attn.c_proj, self.mlp.c_proj):
+            nn.init.normal_(lin.weight, mean=0.0, std=self.proj_std)
+        for lin in (self.attn.c_attn, self.attn.c_proj, self.mlp.c_fc, self.mlp.c_proj):
+            nn.init.zeros_(lin.bias)
+
+
+class GPT2(nn.Module):
+    """GPT-2, or a contiguous part of it (a pipeline stage): ``layer_ids`` selects the blocks, ``has_input`` the
+    token + position embeddings (input: token ids), ``has_output`` the final LayerNorm + head (output: logits)."""
+
+    def __init__(self, args: GPT2Args, layer_ids: Iterable[int] | None = None, has_input: bool = True,
+                 has_output: bool = True):
+        super().__init__()
+        if args.vocab_size <= 0:
+            raise ValueError("GPT2Args.vocab_size is not set: take it from the tokenizer")
+        self.args = args
+        layer_ids = range(args.n_layers) if layer_ids is None else list(layer_ids)
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if has_input else None
+        self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim) if has_input else None
+        self.layers = nn.ModuleDict({str(i): Block(i, args) for i in layer_ids})
+        self.norm = nn.LayerNorm(args.dim, eps=args.norm_eps) if has_output else None
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if has_output else None
+        if args.tie_embeddings and has_input and has_output:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            positions = torch.arange(x.shape[1], device=x.device)
+            h = self.tok_embeddings(x) + self.pos_embeddings(positions)
+        else:
+            h = x
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.output is None:
+            return h
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None):
+        """(Re)initialise every parameter (GPT-2's scheme); works on sharded (DTensor) parameters too."""
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=0.02)
+            nn.init.normal_(self.pos_embeddings.weight, mean=0.0, std=0.01)
+        for layer in self.layers.values():
+            layer.init_weights()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None and not (self.args.tie_embeddings and self.tok_embeddings is not None):
+            nn.init.normal_(self.output.weight, mean=0.0, std=0.02)

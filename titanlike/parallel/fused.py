@@ -1,0 +1,190 @@
+"""Tensor parallelism for fused projections: a Linear whose output is a concatenation of equal chunks.
+
+GPT-2's ``c_attn`` computes ``q | k | v`` in one matmul, a fused MLP ``gate | up``. A plain ``ColwiseParallel``
+gives rank ``r`` the ``r``-th contiguous block of output features, i.e. all of q and part of k on rank 0 of 2:
+the attention then silently mixes q, k and v. :class:`FusedColwiseParallel` gives every rank the ``r``-th slice of
+*each* chunk (its heads of q, of k and of v), with no reordering of the weight by the user:
+
+* the parameters become DTensors with placement ``_StridedShard(0, split_factor=n_chunks)`` -- torch's placement
+  for exactly this layout (split the dim into ``n`` pieces, shard each piece over the mesh): ``full_tensor()``,
+  ``redistribute``, optimizer math and norms see the single-device order q|k|v;
+* the forward is the local matmul of the replicated input with the local rows (no communication of its own,
+  like ``ColwiseParallel``: the input gradient is ``Partial`` and the block's f operator all-reduces it), so the
+  collectives are those of the unfused plan (pinned by tests/parallel/test_fused_tp.py with CommDebugMode);
+* the output is this rank's ``[q_r | k_r | v_r]`` as a local tensor (or a DTensor with ``_StridedShard(-1)``).
+
+Checkpoints: DCP writes one contiguous block per rank and refuses a strided layout ("overlapping chunks"), so
+:func:`contiguous_for_dcp` turns such DTensors (model or optimizer state) into plain ``Shard`` layouts of the same
+global tensor before a save / load, and :func:`restore_layout` copies loaded values back: the files hold the
+single-device order and load under any other layout (tests: tp2 -> tp1, HF export).
+
+Chunks must have equal sizes (MHA q|k|v, gate|up). Grouped-query q|k|v (q larger than k, v) has no DTensor
+placement that keeps each rank's q heads with their kv heads; it is refused with a one-line error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.placement_types import _StridedShard
+
+__all__ = ["FusedColwiseParallel", "contiguous_for_dcp", "contiguous_for_dcp_tree", "restore_layout", "is_strided",
+           "prepare_fused_for_fsdp", "fsdp_placement"]
+
+
+class FusedColwiseParallel(ParallelStyle):
+    """Column-wise parallel ``nn.Linear`` whose output features are ``chunks`` equal chunks, each sharded.
+
+    ``chunks``: the number of chunks (3 for q|k|v, 2 for gate|up) or their sizes (must be equal). The input is
+    taken as replicated (a DTensor is redistributed to ``Replicate`` first); ``use_local_output=True`` returns
+    this rank's local ``[chunk_0 | chunk_1 | ...]`` slices, concatenated.
+    """
+
+    def __init__(self, chunks: int | Sequence[int], *, use_local_output: bool = True):
+        super().__init__()
+        sizes = [chunks] if isinstance(chunks, int) else list(chunks)
+        if isinstance(chunks, int):
+            if chunks < 1:
+                raise ValueError(f"FusedColwiseParallel: chunks must be >= 1, got {chunks}")
+            self.n_chunks, self.sizes = chunks, None
+        else:
+            if len(set(sizes)) != 1:
+                raise ValueError(f"FusedColwiseParallel: chunk sizes {sizes} differ; only equal chunks (MHA q|k|v, "
+                                 f"gate|up) have a sharded layout that keeps the single-device order; use separate "
+                                 f"Linear layers for grouped-query q / k / v")
+            self.n_chunks, self.sizes = len(sizes), sizes
+        self.use_local_output = use_local_output
+
+    def _placement(self):
+        return _StridedShard(0, split_factor=self.n_chunks)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"FusedColwiseParallel applies to nn.Linear, got {type(module).__name__}")
+        out = module.out_features
+        tp = device_mesh.size()
+        if self.sizes is not None and sum(self.sizes) != out:
+            raise ValueError(f"FusedColwiseParallel: chunk sizes {self.sizes} add up to {sum(self.sizes)}, the "
+                             f"Linear has {out} output features")
+        if out % (self.n_chunks * tp):
+            raise ValueError(f"FusedColwiseParallel: {out} output features do not split into {self.n_chunks} chunks "
+                             f"x tp {tp}")
+        for name, p in list(module.named_parameters(recurse=False)):
+            dt = distribute_tensor(p.data if not isinstance(p, DTensor) else p, device_mesh, [self._placement()])
+            module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+        n_chunks, use_local_output = self.n_chunks, self.use_local_output
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if not isinstance(x, DTensor):  # a replica: its gradient is all-reduced when leaving the DTensor
+                x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+            elif tuple(x.placements) != (Replicate(),):
+                x = x.redistribute(device_mesh, [Replicate()])
+            # Each rank's input gradient covers only its output features: a Partial sum (the f operator reduces).
+            x_local = x.to_local(grad_placements=[Partial()])
+            w = module.weight.to_local()
+            b = _local_bias(module.bias, device_mesh, n_chunks)
+            y = F.linear(x_local, w, b)
+            if use_local_output:
+                return y
+            return DTensor.from_local(y, device_mesh, [_StridedShard(y.ndim - 1, split_factor=n_chunks)],
+                                      run_check=False)
+
+        module.forward = forward
+        return module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(chunks={self.sizes or self.n_chunks}, use_local_output={self.use_local_output})"
+
+
+def _local_bias(bias, device_mesh, n_chunks):
+    """This rank's slices of each chunk of the bias: its local tensor (chunk-sharded), or, once FSDP has made it
+    replicated over tp (:func:`prepare_fused_for_fsdp`), the slices cut from the full bias, whose gradient is then
+    a ``Partial`` sum over the tp ranks."""
+    if bias is None:
+        return None
+    tp_dim = bias.device_mesh.ndim - 1
+    if isinstance(bias.placements[tp_dim], Replicate):
+        full = bias.to_local(grad_placements=[*bias.placements[:tp_dim], Partial()])
+        r, tp = device_mesh.get_local_rank(), device_mesh.size()
+        return torch.cat([c.chunk(tp)[r] for c in full.chunk(n_chunks)])
+    return bias.to_local()
+
+
+# ------------------------------------------------------------------------------------------------- FSDP
+def prepare_fused_for_fsdp(model: nn.Module) -> None:
+    """Before ``fully_shard``: FSDP splits a parameter's local tensor contiguously along a dim; for a chunk-sharded
+    1-D bias (``[q_r | k_r | v_r]``) that gives a layout no DTensor placement describes (``full_tensor()`` would be
+    wrong). Such biases become replicated over tp (a one-off all-gather; FSDP then shards them like any replicated
+    parameter) and :class:`FusedColwiseParallel` cuts the local slices in the forward. Costs one all-reduce of the
+    bias gradient over tp per step; 2-D weights are sharded by FSDP on dim 1 instead (:func:`fsdp_placement`)."""
+    for module in model.modules():
+        bias = module._parameters.get("bias") if hasattr(module, "_parameters") else None
+        if bias is not None and bias.ndim == 1 and is_strided(bias):
+            placements = [Replicate() if isinstance(p, _StridedShard) else p for p in bias.placements]
+            new = nn.Parameter(bias.redistribute(bias.device_mesh, placements), requires_grad=bias.requires_grad)
+            module.register_parameter("bias", new)
+
+
+def fsdp_placement(param: nn.Parameter):
+    """FSDP's shard placement: dim 1 for chunk-sharded 2-D weights (dim 0 is the chunked one), else FSDP's default."""
+    if is_strided(param) and param.ndim >= 2:
+        return Shard(1)
+    return None
+
+
+# ------------------------------------------------------------------------------------------------- checkpoints
+def is_strided(t) -> bool:
+    """A DTensor whose local data is not one contiguous block of the global tensor (a chunked layout)."""
+    if not isinstance(t, DTensor):
+        return False
+    ndim = t.device_mesh.ndim
+    for i, p in enumerate(t.placements):
+        if isinstance(p, _StridedShard) and i == ndim - 1:  # FSDP's own strided dp dim (i < last) stays contiguous
+            return True
+    return False
+
+
+def _contiguous_placements(t: DTensor):
+    return [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in t.placements]
+
+
+def contiguous_for_dcp(flat: dict) -> dict:
+    """The same dict with every chunk-sharded DTensor replaced by a plain-``Shard`` DTensor of the same global
+    tensor (new storage; local slicing of the full tensor, no scatter), which DCP can save and load into."""
+    out = {}
+    for k, v in flat.items():
+        if is_strided(v):
+            full = v.full_tensor()
+            out[k] = distribute_tensor(full, v.device_mesh, _contiguous_placements(v), src_data_rank=None)
+        else:
+            out[k] = v
+    return out
+
+
+def contiguous_for_dcp_tree(obj):
+    """:func:`contiguous_for_dcp` through nested dicts / lists (a model or optimizer state dict)."""
+    if isinstance(obj, dict):
+        return {k: contiguous_for_dcp_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [contiguous_for_dcp_tree(v) for v in obj]
+    return contiguous_for_dcp({"x": obj})["x"] if is_strided(obj) else obj
+
+
+@torch.no_grad()
+def restore_layout(loaded: dict, originals: dict) -> dict:
+    """After a DCP load into :func:`contiguous_for_dcp`'s tensors: values in the original (chunked) layouts."""
+    out = {}
+    for k, v in loaded.items():
+        orig = originals.get(k)
+        if is_strided(orig) and isinstance(v, DTensor):
+            full = v.full_tensor()
+            out[k] = distribute_tensor(full, orig.device_mesh, orig.placements, src_data_rank=None)
+        else:
+            out[k] = v
+    return out
