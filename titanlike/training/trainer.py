@@ -470,9 +470,16 @@ class Trainer:
 
 
 def _print_error(e: ConfigError) -> None:
-    """The one line, from global rank 0 only: every rank finds the same problem (so a torchrun job prints it once)."""
+    """The one line, from global rank 0 only: every rank finds the same problem (so a torchrun job prints it once).
+    The other ranks wait a moment before exiting: torchrun tears the job down at the first rank that exits non-zero,
+    and a rank that left at once could take rank 0 down before its line was out (seen under load)."""
     if os.environ.get("RANK", "0") == "0":
         print(f"error: {e}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(_ERROR_GRACE_SECONDS)
+
+
+_ERROR_GRACE_SECONDS = 5.0
 
 
 def set_deterministic() -> None:
