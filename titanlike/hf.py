@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from titanlike.models import ModelArgs
+from titanlike.models.spec import check_state_dict_fits
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -160,22 +161,15 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
         out[fqn] = t
     if args.tie_embeddings and "tok_embeddings.weight" in out:
         out.setdefault("output.weight", out["tok_embeddings.weight"])
-    expected = expected_shapes(args)
-    missing = [k for k in expected if k not in out]
-    extra = [k for k in out if k not in expected]
-    if missing or extra:
-        what = f"lacks {hf_name(missing[0])}" if missing else f"has {hf_name(extra[0])}, which this model has not"
-        raise ValueError(f"the Hugging Face weights do not fit the model ({args.n_layers} layers): the file {what}")
-    for k, shape in expected.items():
-        if tuple(out[k].shape) != tuple(shape):
-            hint = ""
-            if k in ("tok_embeddings.weight", "output.weight") and out[k].shape[1:] == tuple(shape)[1:]:
-                hint = (f"; the vocabulary differs ({out[k].shape[0]} vs {shape[0]}): give the folder with its "
-                        f"config.json (the architecture is then taken from it), or set model.vocab_multiple 1 and a "
-                        f"tokenizer of that size")
-            raise ValueError(f"the Hugging Face weights do not fit the model: {hf_name(k)} has shape "
-                             f"{tuple(out[k].shape)}, the model needs {tuple(shape)}{hint}")
+    check_state_dict_fits(out, args, hf_name, hint=_vocab_hint)
     return out
+
+
+def _vocab_hint(fqn: str, got: tuple, want: tuple) -> str:
+    if fqn in ("tok_embeddings.weight", "output.weight") and got[1:] == want[1:]:
+        return (f"; the vocabulary differs ({got[0]} vs {want[0]}): give the folder with its config.json (the "
+                f"architecture is then taken from it), or set model.vocab_multiple 1 and a tokenizer of that size")
+    return ""
 
 
 def expected_shapes(args: ModelArgs) -> dict[str, torch.Size]:

@@ -120,3 +120,21 @@ def spec_for(obj) -> ModelSpec | None:
         if isinstance(obj, (spec.model_cls, spec.args_cls)):
             return spec
     return None
+
+
+def check_state_dict_fits(out: dict, args, hf_name, hint=None) -> None:
+    """Refuse a converted Hugging Face state dict whose names or shapes are not exactly those of the model of
+    ``args`` (one ValueError naming the first missing / extra parameter or wrong shape, in Hugging Face names).
+    ``hint(fqn, got, want)`` may add a sentence to a shape mismatch."""
+    expected = {k: v.shape for k, v in spec_for(args).build_meta(args).state_dict().items()}
+    missing = [k for k in expected if k not in out]
+    extra = [k for k in out if k not in expected]
+    if missing or extra:
+        what = f"lacks {hf_name(missing[0])}" if missing else f"has {hf_name(extra[0])}, which this model has not"
+        raise ValueError(f"the Hugging Face weights do not fit the model ({args.n_layers} layers): the file {what}")
+    for k, shape in expected.items():
+        got = tuple(out[k].shape)
+        if got != tuple(shape):
+            extra_hint = hint(k, got, tuple(shape)) if hint else ""
+            raise ValueError(f"the Hugging Face weights do not fit the model: {hf_name(k)} has shape {got}, the "
+                             f"model needs {tuple(shape)}{extra_hint}")

@@ -69,7 +69,7 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: GPT2Args) -> dict[str, torc
 
 
 def from_hf(hf_state_dict: dict[str, torch.Tensor], args: GPT2Args) -> dict[str, torch.Tensor]:
-    from titanlike.models.spec import spec_for
+    from titanlike.models.spec import check_state_dict_fits
 
     out = {}
     for name, t in hf_state_dict.items():
@@ -79,16 +79,7 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: GPT2Args) -> dict[str,
         out[fqn] = t.t() if fqn.endswith(_TRANSPOSED) and t.ndim == 2 else t
     if args.tie_embeddings and "tok_embeddings.weight" in out:
         out.setdefault("output.weight", out["tok_embeddings.weight"])
-    expected = {k: v.shape for k, v in spec_for(args).build_meta(args).state_dict().items()}
-    missing = [k for k in expected if k not in out]
-    extra = [k for k in out if k not in expected]
-    if missing or extra:
-        what = f"lacks {hf_name(missing[0])}" if missing else f"has {hf_name(extra[0])}, which this model has not"
-        raise ValueError(f"the Hugging Face weights do not fit the model ({args.n_layers} layers): the file {what}")
-    for k, shape in expected.items():
-        if tuple(out[k].shape) != tuple(shape):
-            raise ValueError(f"the Hugging Face weights do not fit the model: {hf_name(k)} has shape "
-                             f"{tuple(out[k].shape)}, the model needs {tuple(shape)} (transposed for Conv1D)")
+    check_state_dict_fits(out, args, hf_name, hint=lambda k, got, want: " (transposed for Conv1D)")
     return out
 
 
