@@ -4,9 +4,9 @@
 #
 #   bash scripts/gpu_check.sh [--wheels DIR|none] [--device cuda|cpu] [--budget SECONDS]
 #
-#   --wheels DIR   pip install --no-deps the torchdata / torchao wheels found in DIR (default: $WHEELS, else
-#                  shared/wheels or ../shared/wheels if present; "none": install nothing). The GPU machine
-#                  reaches no package registry, so the wheels travel with the working tree.
+#   --wheels DIR   pip install --no-deps the torchdata / torchao wheels found in DIR (default: $WHEELS; unset or
+#                  "none": install nothing). For a GPU machine that reaches no package registry, carry the wheels
+#                  there with the working tree and name their folder.
 #   --device cpu   dry mode (what the test suite runs, so the script cannot rot): the tiny model, 2 steps, no
 #                  compile, float8 through torchao's emulation, train.py on the debug config for 3 steps.
 #
@@ -41,9 +41,6 @@ case "$DEVICE" in cuda|cpu) ;; *) echo "gpu_check.sh: --device must be cuda or c
 mkdir -p "$OUT"
 START=$SECONDS
 
-if [ -z "$WHEELS" ]; then
-  for d in shared/wheels ../shared/wheels; do [ -d "$d" ] && { WHEELS=$d; break; }; done
-fi
 if [ -n "$WHEELS" ] && [ "$WHEELS" != none ]; then
   wheels=$(ls "$WHEELS"/torchdata-*.whl "$WHEELS"/torchao-*.whl 2>/dev/null)
   if [ -n "$wheels" ]; then
