@@ -101,3 +101,33 @@ def run_script(script: str | Path, *args: str, timeout: float = 300.0) -> subpro
     """Run ``python script *args`` from the repository root (one thread per process), capturing its output."""
     return subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=worker_env(), capture_output=True,
                           text=True, timeout=timeout)
+
+
+def kill_at_pause_points(tmp_path_factory, worker: Path, cwd: Path, pauses: list[str],
+                         args_for: Callable[[Path], list[str]], timeout_s: float = 180.0) -> dict[str, Path]:
+    """Run ``worker PAUSE MARKER *args_for(dump)`` once per pause point, side by side; SIGKILL each as soon as it
+    writes its marker (it then sits at that point of a save). Returns pause -> the run's dump folder."""
+    import pytest
+    import torch
+
+    # The thread count of this process: a different one may change float32 sums, and runs must be bitwise equal.
+    env = worker_env(OMP_NUM_THREADS=str(torch.get_num_threads()))
+    runs = {}
+    for pause in pauses:
+        dump = tmp_path_factory.mktemp(f"killed_{pause}")
+        proc = subprocess.Popen([sys.executable, str(worker), pause, str(dump / "paused"), *args_for(dump)],
+                                cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        runs[pause] = (dump, proc)
+    deadline = time.monotonic() + timeout_s
+    for pause, (dump, proc) in runs.items():
+        while not (dump / "paused").exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                for _, other in runs.values():
+                    other.kill()
+                pytest.fail(f"the {pause} worker never reached its pause point:\n{proc.communicate()[0][-3000:]}")
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL, out
+    return {pause: dump for pause, (dump, _) in runs.items()}

@@ -8,16 +8,12 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_utils import worker_env
+from dist_utils import kill_at_pause_points
 from fault_model import use_dropout_model
 
 from titanlike.checkpoint import (
@@ -248,27 +244,8 @@ KILL_POINTS = ["before_rename", "after_rename", "mid_purge"]
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
     """For every phase, a run SIGKILLed inside its save of step 4 (keep_latest_k 1; the three side by side)."""
-    env = worker_env(OMP_NUM_THREADS=str(torch.get_num_threads()))
-    runs = {}
-    for pause in KILL_POINTS:
-        dump = tmp_path_factory.mktemp(f"killed_{pause}")
-        proc = subprocess.Popen([sys.executable, str(KILL_WORKER), pause, str(dump / "paused"),
-                                 *base_args(dump, "--checkpoint.keep_latest_k", "1")],
-                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        runs[pause] = (dump, proc)
-    deadline = time.monotonic() + 180
-    for pause, (dump, proc) in runs.items():
-        while not (dump / "paused").exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                for _, other in runs.values():
-                    other.kill()
-                pytest.fail(f"the {pause} worker never reached its pause point:\n{proc.communicate()[0][-3000:]}")
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == -signal.SIGKILL, out
-    return {pause: dump for pause, (dump, _) in runs.items()}
+    return kill_at_pause_points(tmp_path_factory, KILL_WORKER, REPO, KILL_POINTS,
+                                lambda dump: base_args(dump, "--checkpoint.keep_latest_k", "1"))
 
 
 @pytest.mark.parametrize("pause", KILL_POINTS)
