@@ -75,7 +75,11 @@ class Layout:
     model: str = "gqa"  # key of MODELS
     kind: str = "spmd"  # key of BUILDERS
     mutation: str | None = None  # key of MUTATIONS: the gate must fail
-    meta_init: bool = False  # build on the meta device, parallelize, to_empty + init_weights, load the weights
+    # How the parallel model gets its initial weights: "sharded" (the trainer's fresh start: built on meta,
+    # parallelized, each rank fills its shards with the sharded init, which must equal the single-device init
+    # exactly), "checkpoint" (built on meta, shards allocated, the full weights loaded as from a checkpoint) or
+    # "materialised" (a seeded full model on every rank, parallelized: the path of a user's own module)
+    init: str = "sharded"
 
 
 def _tp(n, *more):
@@ -101,9 +105,10 @@ LAYOUTS = [
     Layout("tp2_sp", 2, _tp(2, *SP, *_dp(1, 1, 8))),
     Layout("tp2_no_loss_parallel", 2, _tp(2, *NO_LP, *_dp(1, 1, 8))),
     Layout("tp2_sp_no_loss_parallel", 2, _tp(2, *SP, *NO_LP, *_dp(1, 1, 8))),
+    Layout("tp2_materialised", 2, _tp(2, *_dp(1, 1, 8)), init="materialised"),
     Layout("tp2_sp_loss_chunks", 2, _tp(2, *SP, "--parallelism.loss_chunk_size", "48", *_dp(1, 1, 8))),
     Layout("tp2_tied", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="tied"),
-    Layout("tp2_meta", 2, _tp(2, *_dp(1, 1, 8)), meta_init=True),
+    Layout("tp2_meta", 2, _tp(2, *_dp(1, 1, 8)), init="checkpoint"),
     Layout("tp2_sp_accum2", 2, _tp(2, *SP, *_dp(1, 1, 4))),
     Layout("fsdp2", 2, _dp(1, 2, 4)),
     Layout("fsdp2_accum2", 2, _dp(1, 2, 2)),
@@ -126,6 +131,9 @@ LAYOUTS = [
            mutation="fused_plain_colwise"),
     Layout("MUT gpt2 tp2_sp no f backward reduce-scatter", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="gpt2",
            mutation="tp_no_backward_reduce"),
+    Layout("MUT fsdp2 init ignores the shards", 2, _dp(1, 2, 4), mutation="init_ignores_shards"),
+    Layout("MUT gpt2 tp2 init of fused c_attn as a plain shard", 2, _tp(2, *_dp(1, 1, 8)), model="gpt2",
+           mutation="init_strided_as_shard"),
     Layout("MUT fsdp2 validation leaves FSDP unsharded", 2, _dp(1, 2, 4), mutation="eval_keeps_unsharded"),
     Layout("cp2", 2, _cp(2, *_dp(1, 1, 8))),
     Layout("cp2_tied_accum2", 2, _cp(2, *_dp(1, 1, 4)), model="tied"),
@@ -142,11 +150,12 @@ LAYOUTS = [
     Layout("tp2_fsdp2", 4, _tp(2, *_dp(1, 2, 4))),
     Layout("tp2_sp_fsdp2", 4, _tp(2, *SP, *_dp(1, 2, 4))),
     Layout("tp2_fsdp2_ac_full", 4, _tp(2, "--activation_checkpoint.mode", "full", *_dp(1, 2, 4))),
-    Layout("tp2_sp_fsdp2_tied_accum2_meta", 4, _tp(2, *SP, *_dp(1, 2, 2)), model="tied", meta_init=True),
+    Layout("tp2_sp_fsdp2_tied_accum2_meta", 4, _tp(2, *SP, *_dp(1, 2, 2)), model="tied", init="checkpoint"),
     Layout("MUT hsdp2x2 gradients averaged", 4, _dp(2, 2, 2), mutation="fsdp_average"),
     Layout("gpt2 hsdp2x2", 4, _dp(2, 2, 2), model="gpt2_untied"),
     Layout("gpt2 tp2_fsdp2", 4, _tp(2, *_dp(1, 2, 4)), model="gpt2"),
-    Layout("gpt2 tp2_sp_fsdp2 meta", 4, _tp(2, *SP, *_dp(1, 2, 4)), model="gpt2", meta_init=True),
+    Layout("gpt2 tp2_fsdp2 materialised", 4, _tp(2, *_dp(1, 2, 4)), model="gpt2", init="materialised"),
+    Layout("gpt2 tp2_sp_fsdp2 meta", 4, _tp(2, *SP, *_dp(1, 2, 4)), model="gpt2", init="checkpoint"),
     Layout("cp4", 4, _cp(4, *_dp(1, 1, 8))),
     Layout("cp2_tp2_sp", 4, _cp(2, *_tp(2, *SP, *_dp(1, 1, 8)))),
     Layout("cp2_fsdp2", 4, _cp(2, *_dp(1, 2, 4))),
@@ -320,7 +329,43 @@ def _cp_tokens_per_rank():
         yield
 
 
+@contextlib.contextmanager
+def _init_ignores_shards():
+    """Each rank generates its local tensor as if it were the start of the full one (the init of torchtitan's meta
+    path, per local shard): every rank's shard holds the same values, so the initial weights depend on the layout."""
+    import titanlike.init as init
+
+    def local_indices(t):
+        return [torch.arange(n) for n in (t.to_local() if isinstance(t, DTensor) else t).shape]
+
+    with patched(init, "local_indices", local_indices):
+        yield
+
+
+@contextlib.contextmanager
+def _init_strided_as_shard():
+    """The chunk-sharded (``_StridedShard``) fused c_attn taken as a plain ``Shard``: rank r generates a contiguous
+    block, not its slice of each of q, k and v."""
+    from torch.distributed.tensor import Shard
+
+    import titanlike.init as init
+
+    original = init.local_indices
+
+    def local_indices(t):
+        if isinstance(t, DTensor) and any(type(p).__name__ == "_StridedShard" for p in t.placements):
+            t = DTensor.from_local(t.to_local(), t.device_mesh,
+                                   [Shard(p.dim) if type(p).__name__ == "_StridedShard" else p for p in t.placements],
+                                   run_check=False, shape=t.shape, stride=t.stride())
+        return original(t)
+
+    with patched(init, "local_indices", local_indices):
+        yield
+
+
 MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "init_ignores_shards": _init_ignores_shards,
+    "init_strided_as_shard": _init_strided_as_shard,
     "fused_plain_colwise": _fused_plain_colwise,
     "eval_keeps_unsharded": _eval_keeps_unsharded,
     "cp_kv_grad_not_reduced": _cp_kv_grad_not_reduced,
@@ -351,14 +396,16 @@ def config(layout: Layout, world_size: int) -> JobConfig:
     return load_config([*BASE_ARGS, *MODELS[layout.model], *layout.args], world_size=world_size)
 
 
+INIT_SEED = 0  # the training.seed of every gate model
+
+
 def build_model(cfg: JobConfig, device: str = "cpu") -> nn.Module:
     """The seeded float64 model (same weights on every rank and for every layout of the same model)."""
     args = model_args_from_config(cfg, vocab_size=VOCAB)
-    torch.manual_seed(0)
     with torch.device(device):
         model = get_spec(cfg.model.name).build(args).to(torch.float64)
     if device != "meta":
-        model.init_weights()
+        model.init_weights(seed=INIT_SEED)
     return model
 
 
@@ -454,11 +501,13 @@ def build_spmd(layout: Layout, cfg: JobConfig, ctx: Context, initial: nn.Module)
     dims = ParallelDims.from_config(cfg, ctx.world_size)
     mesh = ctx.mesh(dims)
     cpu = torch.device("cpu")
-    if layout.meta_init:
-        built = build_parallel_model(build_model(cfg, device="meta"), cfg, dims, mesh, cpu, meta_init=True)
-        _load_full_weights(built.model_parts[0], initial)
-    else:
+    if layout.model in CUSTOM_MODELS or layout.init == "materialised":
         built = build_parallel_model(copy.deepcopy(initial), cfg, dims, mesh, cpu)
+    elif layout.init == "checkpoint":
+        built = build_parallel_model(build_model(cfg, device="meta"), cfg, dims, mesh, cpu)
+        _load_full_weights(built.model_parts[0], initial)
+    else:  # the trainer's fresh start: each rank generates only its shards
+        built = build_parallel_model(build_model(cfg, device="meta"), cfg, dims, mesh, cpu, init_seed=INIT_SEED)
     model = built.model_parts[0]
     aliases = shared_parameters(initial)
     tied_ok = all(len({id(model.get_parameter(n)) for n in names}) == 1 for names in aliases)
@@ -528,11 +577,15 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
     t0 = time.perf_counter()
     cfg = config(layout, ctx.world_size)
     initial, records = ctx.reference(layout, cfg)
-    diffs = dict(loss=0.0, loss_step1=0.0, grad_norm=0.0, grads=0.0, weights=0.0, eval=0.0)
+    diffs = dict(init=0.0, loss=0.0, loss_step1=0.0, grad_norm=0.0, grads=0.0, weights=0.0, eval=0.0)
     compared: set[str] = set()
     mutation = MUTATIONS[layout.mutation]() if layout.mutation else contextlib.nullcontext()
     with mutation:
         built = BUILDERS[layout.kind](layout, cfg, ctx, initial)
+        start = _all_names(initial)  # the initial weights must equal the single-device init exactly
+        for part in built.model_parts:
+            for name, p in part.named_parameters():
+                diffs["init"] = max(diffs["init"], _max_abs(_full(p), start[name]))
         for step in range(1, STEPS + 1):
             ref = records[step - 1]
             res = train_step(built.model_parts, built.optimizer, built.micro_batches(*global_batch(step)), built.loss,
@@ -563,7 +616,8 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
     dist.all_reduce(aliases, op=dist.ReduceOp.MIN)
     checks = {"coverage": unique <= union <= every, "tied_still_tied": bool(aliases.item())}
     return {"mutation": layout.mutation, "model": layout.model, **diffs, **checks,
-            "ok": all(diffs[k] <= TOL for k in ("loss", "grad_norm", "grads", "weights", "eval"))
+            "ok": diffs["init"] == 0.0
+            and all(diffs[k] <= TOL for k in ("loss", "grad_norm", "grads", "weights", "eval"))
             and all(checks.values()),
             "ref_grad_norms": [r.grad_norm for r in records], "max_norm": cfg.training.max_norm,
             "seconds": round(time.perf_counter() - t0, 2)}
@@ -580,7 +634,8 @@ def gate_main(rank: int, world_size: int, out: str, only: list[str] | None = Non
         results[layout.name] = run_layout(layout, ctx)
         if rank == 0:
             r = results[layout.name]
-            print(f"[gate ws={world_size}] {layout.name:45s} ok={r['ok']!s:5} loss {r['loss']:.1e} "
+            print(f"[gate ws={world_size}] {layout.name:45s} ok={r['ok']!s:5} init {r['init']:.0e} "
+                  f"loss {r['loss']:.1e} "
                   f"grad_norm {r['grad_norm']:.1e} grads {r['grads']:.1e} weights {r['weights']:.1e} "
                   f"eval {r['eval']:.1e} "
                   f"({r['seconds']} s)", flush=True)

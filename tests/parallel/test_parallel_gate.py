@@ -13,6 +13,8 @@ HERE = Path(__file__).resolve().parent
 # Where each mutation must show. "forward" mutations change the loss of step 1; the others leave the forward
 # (and so the loss of step 1) exactly right and only break gradients: a forward-only test would pass them.
 EXPECTED_BREAK = {
+    "init_ignores_shards": ("init", True),
+    "init_strided_as_shard": ("init", True),
     "tp_no_backward_reduce": ("grads", False),
     "ce_no_max_all_reduce": ("loss_step1", True),
     "sp_norm_plain": ("grads", False),
@@ -56,11 +58,22 @@ def test_layouts_train_exactly_like_one_device(gate_results):
         if r["mutation"]:
             continue
         if not r["ok"]:
-            bad[name] = {k: r[k] for k in ("loss", "grad_norm", "grads", "weights", "eval", "coverage",
+            bad[name] = {k: r[k] for k in ("init", "loss", "grad_norm", "grads", "weights", "eval", "coverage",
                                            "tied_still_tied")}
         # Clipping acted on every step (the reference norm exceeds max_norm), so it was tested too.
         assert min(r["ref_grad_norms"]) > 2 * r["max_norm"], name
     assert not bad, f"layouts differ from one device by more than {gate.TOL}: {bad}"
+
+
+def test_every_layout_starts_from_the_single_device_init_exactly(gate_results):
+    """The sharded init (each rank generates only its shards; titanlike.init) gives bit-identical initial weights
+    under every layout, uneven FSDP shards, TP x FSDP (_StridedShard) and fused c_attn included."""
+    world, results = gate_results
+    by_name = {layout.name: layout for layout in gate.LAYOUTS}
+    sharded = [n for n, r in results["layouts"].items() if not r["mutation"] and by_name[n].init == "sharded"]
+    assert sharded
+    for name in sharded:
+        assert results["layouts"][name]["init"] == 0.0, name
 
 
 def test_mutations_break_the_gate(gate_results):

@@ -57,6 +57,10 @@ class ModelSpec:
     # Planner: shard_dims(fqn, tp_enabled, fsdp_enabled) -> (tensor-parallel dim or None, FSDP dim) of a parameter,
     # as this model's plan and apply_fsdp shard it (None: the Llama rules of titanlike.planner.memory).
     shard_dims: Callable[[str, bool, bool], tuple[int | None, int]] | None = None
+    # param_init(args) -> (full-model FQN -> titanlike.init.Init): every parameter's distribution. The sharded,
+    # layout-independent init (titanlike.parallel.materialize) fills each rank's shards from it; a tied copy names
+    # its owner (Init.key). The model class also has init_buffers(device) for its non-persistent buffers.
+    param_init: Callable[[object], Callable[[str], object]] | None = None
 
     # -------------------------------------------------------------------- helpers used across the package
     def build_meta(self, args, **kw) -> nn.Module:

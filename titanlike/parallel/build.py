@@ -1,11 +1,12 @@
 """The one builder of a parallelized model: what the trainer trains, the numerics gate checks and the benchmark
 times, so the gate tests the exact code path users run.
 
-``build_parallel_model(model, cfg, dims, mesh, device)`` takes the plain single-device model (built from its
-spec, seeded: the same weights on every rank, or on the meta device when the weights will come from a
-checkpoint) and returns a :class:`ParallelModel`: this rank's model parts, the scaled loss, the gradient-clipping
-function, the forward context (bf16 autocast when the layout's precision policy says so) and, under pipeline
-parallelism, the :class:`~titanlike.parallel.pipeline.PipelineParallel` with its schedule.
+``build_parallel_model(model, cfg, dims, mesh, device, init_seed=...)`` takes the plain single-device model, on the
+meta device (the trainer's way: only this rank's shards are ever allocated, then filled by the sharded init from
+``init_seed``, or left for a checkpoint load when ``init_seed`` is None) or materialised (the same weights on every
+rank; each rank keeps its slices), and returns a :class:`ParallelModel`: this rank's model parts, the scaled loss,
+the gradient-clipping function, the forward context (bf16 autocast when the layout's precision policy says so)
+and, under pipeline parallelism, the :class:`~titanlike.parallel.pipeline.PipelineParallel` with its schedule.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from titanlike.layout import precision_policy
 from titanlike.loss import ScaledLoss
 from titanlike.parallel.clip import clip_grad_norm_, plain_clip_grad_norm_
 from titanlike.parallel.dims import ParallelDims
+from titanlike.parallel.materialize import materialize, to_empty_keeping_ties
 from titanlike.parallel.parallelize import build_loss_fn, parallelize_model
 from titanlike.parallel.pipeline import PipelineParallel, apply_pp
 
-__all__ = ["ParallelModel", "build_parallel_model"]
+__all__ = ["ParallelModel", "build_parallel_model", "to_empty_keeping_ties"]
 
 
 @dataclass
@@ -50,44 +52,30 @@ class ParallelModel:
         return self.pp is None or self.pp.has_last_stage
 
 
-def to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
-    """``model.to_empty(device)``, then tie again the parameters that were one parameter under several names (tied
-    embeddings): ``to_empty`` gives every module its own new tensor."""
-    groups: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
-    model.to_empty(device=device)
-    for names in groups.values():
-        first = model.get_parameter(names[0])
-        for name in names[1:]:
-            owner, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(owner), leaf, first)
-
-
 def _null_context() -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
 def build_parallel_model(model: nn.Module, cfg, dims: ParallelDims, mesh, device: torch.device, *,
-                         meta_init: bool = False) -> ParallelModel:
+                         init_seed: int | None = None) -> ParallelModel:
     """Parallelize the plain ``model`` for the layout ``dims`` on ``mesh`` (None: one process, no mesh) and move
     it to ``device``.
 
-    ``cfg`` is a ``titanlike.config.JobConfig``. ``meta_init``: ``model`` is on the meta device (its weights will
-    be loaded from a checkpoint); only this rank's shards are allocated, with placeholder values. Under pipeline
-    parallelism ``model`` is the full model the stages are cut from (``apply_pp``); each bf16 stage enters autocast
-    itself, because the schedule interleaves forwards and backwards.
+    ``cfg`` is a ``titanlike.config.JobConfig``. A ``model`` on the meta device is parallelized there; then only
+    this rank's shards are allocated and, with ``init_seed``, filled by the model's sharded init (the values of
+    ``model.init_weights(seed=init_seed)`` on one device, under every layout); without it they are placeholders
+    for a checkpoint load. Under pipeline parallelism ``model`` is the full model the stages are cut from
+    (``apply_pp``); each bf16 stage enters autocast itself, because the schedule interleaves forwards and backwards.
     """
     if dims.pp_enabled:
-        pp = apply_pp(model, dims, mesh, cfg, device)
+        pp = apply_pp(model, dims, mesh, cfg, device, init_seed=init_seed)
         return ParallelModel(model_parts=pp.model_parts, loss=pp.loss, clip_fn=pp.finalize_grads_and_clip_,
                              forward_context=_null_context, pp=pp)
+    on_meta = any(p.is_meta for p in model.parameters())
     model = parallelize_model(model, dims, mesh, cfg)
     loss = ScaledLoss(build_loss_fn(cfg, dims, mesh))
-    if meta_init:  # allocate this rank's shards; values are placeholders until the checkpoint loads
-        to_empty_keeping_ties(model, device)
-        with torch.no_grad():
-            model.init_weights(buffer_device=device)
+    if on_meta:
+        materialize(model, device, init_seed)
     else:
         model.to(device)
     if precision_policy(cfg.training.dtype, dims) == "autocast":

@@ -55,8 +55,8 @@ from titanlike.layout import (
 from titanlike.loss import ScaledLoss
 from titanlike.models.spec import ModelSpec, spec_for
 from titanlike.parallel import clip
+from titanlike.parallel.materialize import materialize, to_empty_keeping_ties
 from titanlike.parallel.parallelize import build_loss_fn, parallelize_model
-from titanlike.parallel.tensor_parallel import shared_parameters
 
 __all__ = ["PipelineParallel", "apply_pp", "build_stage_from_fqns", "build_stage_module", "check_split",
            "pipeline_module"]
@@ -75,12 +75,14 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_stage_module(full_model: nn.Module, names: Iterable[str], device: torch.device) -> nn.Module:
-    """The stage holding ``names``, built on meta by the model's partial constructor and filled by FQN.
+    """The stage holding ``names``, built by the model's partial constructor, with the full model's FQNs.
 
-    Parameters are *copies* of the full model's (never shared storage: two stages of a rank must not alias a
-    tied weight, or the optimizer would update it twice); a stage holding both the embedding and the head keeps
-    them tied as the constructor made them. Buffers (RoPE tables) are copied as they are. A full model on the meta
-    device (its weights will come from a checkpoint) gives a stage initialised in place instead.
+    A full model on the meta device (the trainer's way) gives the stage on the meta device: it is parallelized
+    there and then allocated and filled by :func:`~titanlike.parallel.materialize.materialize` (sharded init, or a
+    checkpoint load), so no rank ever holds a whole stage. A materialised full model gives a stage on ``device``
+    filled by FQN with *copies* of its values (never shared storage: two stages of a rank must not alias a tied
+    weight, or the optimizer would update it twice); a stage holding both the embedding and the head keeps them
+    tied as the constructor made them. Buffers (RoPE tables) are copied as they are.
     """
     names = list(names)
     spec = spec_for(full_model)
@@ -90,16 +92,9 @@ def build_stage_module(full_model: nn.Module, names: Iterable[str], device: torc
     dtype = next(full_model.parameters()).dtype
     with torch.device("meta"), _default_dtype(dtype):
         stage = spec.build(full_model.args, **spec.stage_kwargs(names))
-    tied = shared_parameters(stage)
-    stage.to_empty(device=device)
-    for names in tied:  # to_empty gives each module its own tensor: tie them again
-        for name in names[1:]:
-            owner, _, leaf = name.rpartition(".")
-            setattr(stage.get_submodule(owner), leaf, stage.get_parameter(names[0]))
-    if next(full_model.parameters()).is_meta:  # the trainer loads the weights from a checkpoint afterwards
-        with torch.no_grad():
-            stage.init_weights(buffer_device=device)
+    if next(full_model.parameters()).is_meta:
         return stage
+    to_empty_keeping_ties(stage, device)
     full_sd = full_model.state_dict()
     stage.load_state_dict({k: full_sd[k] for k in stage.state_dict()}, strict=True)
     full_buffers = dict(full_model.named_buffers())
@@ -298,8 +293,13 @@ def _check_tied_layout(tied: list[nn.Parameter], group) -> None:
                            f"({mine[0]} vs {others}); give tok_embeddings and output the same layout")
 
 
-def apply_pp(model: nn.Module, dims, mesh, cfg, device: torch.device) -> PipelineParallel:
-    """Split the full (materialised) ``model`` into this rank's stages, parallelize them, build the schedule."""
+def apply_pp(model: nn.Module, dims, mesh, cfg, device: torch.device, *,
+             init_seed: int | None = None) -> PipelineParallel:
+    """Split the full ``model`` into this rank's stages, parallelize them, build the schedule.
+
+    ``model`` on the meta device: the stages are built and parallelized on meta, then only this rank's shards are
+    allocated and filled by the sharded init from ``init_seed`` (None: left for a checkpoint load). A materialised
+    ``model``: each stage copies its values."""
     p = cfg.parallelism
     schedule_name = p.pipeline_parallel_schedule
     pp_mesh = mesh["pp"]
@@ -313,6 +313,9 @@ def apply_pp(model: nn.Module, dims, mesh, cfg, device: torch.device) -> Pipelin
         for m in parts:
             _plain_tensors_between_stages(m, mesh["tp"], p.enable_sequence_parallel)
     parts = [parallelize_model(m, dims, mesh, cfg) for m in parts]
+    if next(model.parameters()).is_meta:
+        for m in parts:
+            materialize(m, device, init_seed)
     if precision_policy(cfg.training.dtype, dims) == "autocast":
         # bf16 without FSDP's mixed precision is autocast over float32 weights. The schedule interleaves forwards
         # and backwards, so the trainer cannot wrap the forward alone: each stage's forward enters autocast.

@@ -6,7 +6,6 @@ device). Every configuration error is raised before a process group exists.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import sys
@@ -170,19 +169,19 @@ class Trainer:
                 cp_mesh = self.dims.get_mesh("cp")
                 self.cp_rank, self.cp_degree = cp_mesh.get_local_rank(), cp_mesh.size()
 
-        # The full model is initialised on the CPU from the seed, then parallelized: the initial weights are the
-        # same under every layout. When the weights come from a checkpoint anyway (a resume, or a seed checkpoint /
-        # Hugging Face file as checkpoint.initial_load_path), the model is built on the meta device instead and
-        # only this rank's shards are ever allocated: that is how models too large for one host start.
+        # The model is built on the meta device and parallelized there; then each rank allocates only its own shards
+        # and fills them with the sharded init (each element a pure function of (seed, FQN, index): the same initial
+        # weights under every layout, titanlike.init), or leaves them for the checkpoint load when the weights come
+        # from one (a resume, or a seed checkpoint / Hugging Face file as checkpoint.initial_load_path). No rank
+        # ever holds more than its shards plus one tile: any model size starts from nothing.
         self.meta_init = self._weights_come_from_a_checkpoint()
+        init_seed = None if self.meta_init else cfg.training.seed
         torch.manual_seed(cfg.training.seed)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(param_dtype)
         try:
-            with torch.device("meta") if self.meta_init else contextlib.nullcontext():
+            with torch.device("meta"):
                 model = self.spec.build(args)
-            if not self.meta_init:
-                model.init_weights()
         finally:
             torch.set_default_dtype(prev)
         if cfg.model.kernels != "torch":
@@ -194,7 +193,7 @@ class Trainer:
 
         # One builder for the trainer, the numerics gate and the benchmark (titanlike.parallel.build).
         dims = self.dims or ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)
-        built = build_parallel_model(model, cfg, dims, self.mesh, self.device, meta_init=self.meta_init)
+        built = build_parallel_model(model, cfg, dims, self.mesh, self.device, init_seed=init_seed)
         self.pp, self.model_parts, self.loss = built.pp, built.model_parts, built.loss
         self.pp_schedule, self.pp_group, self.has_last_stage = built.pp_schedule, built.pp_group, built.has_last_stage
         self.clip_fn, self.forward_context = built.clip_fn, built.forward_context

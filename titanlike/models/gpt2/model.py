@@ -9,7 +9,9 @@ Like the Llama model it knows nothing of parallelism:
   of each of the three chunks (``titanlike.parallel.fused.FusedColwiseParallel``);
 * the attention core is one swappable call (``attention_core``, an attribute: context parallelism replaces it);
 * blocks live in an ``nn.ModuleDict`` keyed by global index, so a pipeline stage keeps the full model's FQNs;
-* it can be built on the meta device and materialised with :meth:`GPT2.init_weights`.
+* it can be built on the meta device and materialised with :meth:`GPT2.init_weights`, whose values are a pure
+  function of (seed, parameter FQN, element index) (:func:`param_init`, ``titanlike.init``), so a sharded model
+  fills each rank's shards with exactly the single-device values.
 
 Module names: ``tok_embeddings`` (wte), ``pos_embeddings`` (wpe), ``layers.N.{ln_1, attn.c_attn, attn.c_proj,
 ln_2, mlp.c_fc, mlp.c_proj}``, ``norm`` (ln_f), ``output`` (lm_head).
@@ -19,12 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from titanlike.init import Init, init_parameters, normal, ones, plan_from_patterns, zeros
 
 
 @dataclass
@@ -118,21 +122,38 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(args)
         self.ln_2 = nn.LayerNorm(args.dim, eps=args.norm_eps)
         self.mlp = MLP(args)
-        self.proj_std = 0.02 / math.sqrt(2 * args.n_layers)  # GPT-2: residual projections scaled by depth
+        self.args = args
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attn(self.ln_1(x))
         return h + self.mlp(self.ln_2(h))
 
-    def init_weights(self):
-        for norm in (self.ln_1, self.ln_2):
-            norm.reset_parameters()
-        for lin in (self.attn.c_attn, self.mlp.c_fc):
-            nn.init.normal_(lin.weight, mean=0.0, std=0.02)
-        for lin in (self.attn.c_proj, self.mlp.c_proj):
-            nn.init.normal_(lin.weight, mean=0.0, std=self.proj_std)
-        for lin in (self.attn.c_attn, self.attn.c_proj, self.mlp.c_fc, self.mlp.c_proj):
-            nn.init.zeros_(lin.bias)
+    def init_weights(self, seed: int | None = None):
+        """This block's weights as the full model's init makes them (``seed``: default ``torch.initial_seed()``)."""
+        init_parameters(self, param_init(self.args), _seed(seed), prefix=f"layers.{self.layer_id}.")
+
+
+def _seed(seed: int | None) -> int:
+    return torch.initial_seed() if seed is None else seed
+
+
+def param_init(args: GPT2Args) -> Callable[[str], Init]:
+    """Every parameter's distribution, by full-model FQN (GPT-2's scheme): N(0, 0.02) for embeddings and the
+    projections reading the residual stream, N(0, 0.02 / sqrt(2 n_layers)) for those writing into it (``c_proj``),
+    N(0, 0.01) for positions, zero biases, LayerNorm weights one. A tied head is generated as the embedding."""
+    emb = normal(0.02)
+    return plan_from_patterns({
+        r"tok_embeddings\.weight": emb,
+        r"pos_embeddings\.weight": normal(0.01),
+        r"layers\.\d+\.(ln_1|ln_2)\.weight": ones(),
+        r"layers\.\d+\.(ln_1|ln_2)\.bias": zeros(),
+        r"layers\.\d+\.(attn\.c_attn|mlp\.c_fc)\.weight": normal(0.02),
+        r"layers\.\d+\.(attn|mlp)\.c_proj\.weight": normal(0.02 / math.sqrt(2 * args.n_layers)),
+        r"layers\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.bias": zeros(),
+        r"norm\.weight": ones(),
+        r"norm\.bias": zeros(),
+        r"output\.weight": emb.tied_to("tok_embeddings.weight") if args.tie_embeddings else normal(0.02),
+    })
 
 
 class GPT2(nn.Module):
@@ -166,15 +187,11 @@ class GPT2(nn.Module):
             return h
         return self.output(self.norm(h))
 
+    def init_buffers(self, device: torch.device | None = None):
+        """GPT-2 has no buffers (positions are a learned table)."""
+
     @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | None = None):
-        """(Re)initialise every parameter (GPT-2's scheme); works on sharded (DTensor) parameters too."""
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=0.02)
-            nn.init.normal_(self.pos_embeddings.weight, mean=0.0, std=0.01)
-        for layer in self.layers.values():
-            layer.init_weights()
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None and not (self.args.tie_embeddings and self.tok_embeddings is not None):
-            nn.init.normal_(self.output.weight, mean=0.0, std=0.02)
+    def init_weights(self, buffer_device: torch.device | None = None, seed: int | None = None):
+        """(Re)initialise every parameter, sharded (DTensor) ones too, each rank its own elements: :func:`param_init`
+        from ``seed`` (default ``torch.initial_seed()``), the same values under every layout."""
+        init_parameters(self, param_init(self.args), _seed(seed))

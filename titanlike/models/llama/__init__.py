@@ -11,11 +11,12 @@ from titanlike.models.llama.model import (
     TransformerBlock,
     apply_rope,
     pad_vocab,
+    param_init,
     rope_tables,
 )
 
 __all__ = ["FLAVORS", "Attention", "CausalAttention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer",
-           "TransformerBlock", "apply_rope", "pad_vocab", "rope_tables"]
+           "TransformerBlock", "apply_rope", "pad_vocab", "param_init", "rope_tables"]
 
 
 def _build(args, layer_ids=None, has_input=True, has_output=True):
@@ -42,7 +43,7 @@ from titanlike.models.spec import ModelSpec, register  # noqa: E402
 SPEC = register(ModelSpec(
     name="llama3", model_cls=Transformer, args_cls=ModelArgs, flavors=FLAVORS, build=_build,
     input_modules=("tok_embeddings",), output_modules=("norm", "output"), block_container="layers",
-    tied=(("tok_embeddings.weight", "output.weight"),), shape_violations=_shape_violations,
+    tied=(("tok_embeddings.weight", "output.weight"),), param_init=param_init, shape_violations=_shape_violations,
     config_keys=("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len", "rope_theta",
                  "norm_eps", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                  "rope_original_max_seq_len"),

@@ -7,19 +7,23 @@ The model knows nothing of parallelism. Three properties make it easy to paralle
 * layers live in an ``nn.ModuleDict`` keyed by their global index, so a pipeline stage built with
   ``Transformer(args, layer_ids=range(4, 8), has_embedding=False)`` keeps the full model's parameter names
   (``layers.5.attention.wq.weight``) and checkpoints load across layouts;
-* it can be built on the meta device and materialised later with :meth:`Transformer.init_weights`.
+* it can be built on the meta device and materialised later with :meth:`Transformer.init_weights`, whose values are
+  a pure function of (seed, parameter FQN, element index) (:func:`param_init`, ``titanlike.init``): a sharded
+  model fills each rank's shards with exactly the single-device values.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from titanlike.init import Init, init_parameters, normal, ones, plan_from_patterns, trunc_normal
 
 
 @dataclass
@@ -223,24 +227,49 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.layer_id = layer_id
+        self.args = args
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.hidden_dim)
-        # Depth-scaled init of the projections that write into the residual stream.
-        self.init_std = 0.02 / math.sqrt(2 * (layer_id + 1))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def init_weights(self):
-        for norm in (self.attention_norm, self.ffn_norm):
-            norm.reset_parameters()
-        for lin in (self.attention.wq, self.attention.wk, self.attention.wv, self.feed_forward.w1):
-            nn.init.trunc_normal_(lin.weight, mean=0.0, std=0.02)
-        for lin in (self.attention.wo, self.feed_forward.w2, self.feed_forward.w3):
-            nn.init.trunc_normal_(lin.weight, mean=0.0, std=self.init_std)
+    def init_weights(self, seed: int | None = None):
+        """This block's weights as the full model's init makes them (``seed``: default ``torch.initial_seed()``)."""
+        init_parameters(self, param_init(self.args), _seed(seed), prefix=f"layers.{self.layer_id}.")
+
+
+def _seed(seed: int | None) -> int:
+    return torch.initial_seed() if seed is None else seed
+
+
+def param_init(args: ModelArgs) -> Callable[[str], Init]:
+    """Every parameter's distribution, by full-model FQN.
+
+    Projections reading the residual stream: truncated normal, std 0.02; those writing into it (``wo``, ``w2``,
+    ``w3``) are depth-scaled, std 0.02 / sqrt(2 (layer + 1)). Norms: ones. An untied embedding: N(0, 1); a tied
+    table is also the output head, whose token logit starts near std x dim after the final norm, so it gets GPT-2's
+    0.02, and every copy of it (a last pipeline stage's ``output.weight``) is generated as ``tok_embeddings.weight``.
+    An untied head: truncated normal, std dim^-1/2, cut at 3 std.
+    """
+    d = args.dim
+
+    def residual(m):
+        return trunc_normal(0.02 / math.sqrt(2 * (int(m.group(1)) + 1)))
+
+    tied = normal(0.02)
+    return plan_from_patterns({
+        r"tok_embeddings\.weight": tied if args.tie_embeddings else normal(1.0),
+        r"layers\.\d+\.(attention_norm|ffn_norm)\.weight": ones(),
+        r"layers\.\d+\.(attention\.(wq|wk|wv)|feed_forward\.w1)\.weight": trunc_normal(0.02),
+        r"layers\.(\d+)\.(attention\.wo|feed_forward\.w2|feed_forward\.w3)\.weight": residual,
+        r"norm\.weight": ones(),
+        r"output\.weight": tied.tied_to("tok_embeddings.weight") if args.tie_embeddings
+        else trunc_normal(d ** -0.5, a=-3 * d ** -0.5, b=3 * d ** -0.5),
+    })
 
 
 class Transformer(nn.Module):
@@ -277,27 +306,17 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
     @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | None = None):
-        """(Re)initialise every parameter and buffer; works on sharded (DTensor) parameters too."""
-        device = buffer_device or self.rope_cos.device
+    def init_buffers(self, device: torch.device | None = None):
+        """(Re)compute the RoPE tables (non-persistent buffers, never in a checkpoint) on ``device``."""
+        device = device or self.rope_cos.device
         cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.args)
         dtype = self.rope_cos.dtype if self.rope_cos.dtype == torch.float64 else torch.float32
         self.rope_cos = cos.to(device=device, dtype=dtype)
         self.rope_sin = sin.to(device=device, dtype=dtype)
-        d = self.args.dim
-        # A tied table is also the output head: with std s, a token's own logit starts near s * dim (the final
-        # norm rescales its embedding to unit RMS), so it gets GPT-2's 0.02 rather than the untied table's 1.0.
-        tied_std = 0.02
-        if self.tok_embeddings is not None:
-            std = tied_std if self.args.tie_embeddings else 1.0
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
-        for layer in self.layers.values():
-            layer.init_weights()
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None and not (self.args.tie_embeddings and self.tok_embeddings is not None):
-            if self.args.tie_embeddings:  # a last pipeline stage holding its copy of the tied weight
-                nn.init.normal_(self.output.weight, mean=0.0, std=tied_std)
-            else:
-                nn.init.trunc_normal_(self.output.weight, mean=0.0, std=d ** -0.5, a=-3 * d ** -0.5,
-                                      b=3 * d ** -0.5)
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None, seed: int | None = None):
+        """(Re)initialise every buffer and parameter, sharded (DTensor) ones too, each rank its own elements:
+        :func:`param_init` from ``seed`` (default ``torch.initial_seed()``), the same values under every layout."""
+        self.init_buffers(buffer_device)
+        init_parameters(self, param_init(self.args), _seed(seed))

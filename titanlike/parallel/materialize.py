@@ -1,0 +1,55 @@
+"""Allocate a parallelized model that was built on the meta device, and fill it.
+
+The trainer builds every model on the meta device and parallelizes it there (TP, FSDP/HSDP, pipeline stages), so
+no rank ever holds more than its shards. :func:`materialize` then allocates this rank's shards on the device,
+computes the buffers (RoPE tables) and, on a fresh start, fills every shard with the model's sharded,
+layout-independent init (``titanlike.init``: each element a pure function of (seed, FQN, index)); when the
+weights come from a checkpoint the values are left for the load to write.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from titanlike.init import init_parameters
+from titanlike.models.spec import spec_for
+
+__all__ = ["materialize", "to_empty_keeping_ties", "param_init_for"]
+
+
+def to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
+    """``model.to_empty(device)``, then tie again the parameters that were one parameter under several names (tied
+    embeddings): ``to_empty`` gives every module its own new tensor."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    model.to_empty(device=device)
+    for names in groups.values():
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, first)
+
+
+def param_init_for(model: nn.Module):
+    """The init plan (``fqn -> Init``) of a registered model or pipeline stage of one; a ValueError otherwise."""
+    spec = spec_for(model)
+    if spec is None or spec.param_init is None:
+        raise ValueError(f"{type(model).__name__} has no init plan: register a ModelSpec with param_init for it "
+                         f"(docs/adding_a_model.md), or call titanlike.init.init_parameters(module, plan, seed) "
+                         f"yourself after to_empty")
+    return spec.param_init(model.args)
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, seed: int | None) -> None:
+    """Allocate ``model``'s (this rank's) parameters on ``device``, keeping ties, compute its buffers, and fill the
+    parameters with the model's init from ``seed`` (None: leave them for a checkpoint load to write)."""
+    plan = param_init_for(model) if seed is not None else None
+    to_empty_keeping_ties(model, device)
+    init_buffers = getattr(model, "init_buffers", None)
+    if init_buffers is not None:
+        init_buffers(device)
+    if seed is not None:
+        init_parameters(model, plan, seed)
