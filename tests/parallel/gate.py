@@ -131,6 +131,8 @@ LAYOUTS = [
            mutation="fused_plain_colwise"),
     Layout("MUT gpt2 tp2_sp no f backward reduce-scatter", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="gpt2",
            mutation="tp_no_backward_reduce"),
+    Layout("MUT tp2_sp to_empty drops the gradient hooks", 2, _tp(2, *SP, *_dp(1, 1, 8)),
+           mutation="to_empty_drops_grad_hooks"),
     Layout("MUT fsdp2 init ignores the shards", 2, _dp(1, 2, 4), mutation="init_ignores_shards"),
     Layout("MUT gpt2 tp2 init of fused c_attn as a plain shard", 2, _tp(2, *_dp(1, 1, 8)), model="gpt2",
            mutation="init_strided_as_shard"),
@@ -330,6 +332,28 @@ def _cp_tokens_per_rank():
 
 
 @contextlib.contextmanager
+def _to_empty_drops_grad_hooks():
+    """Materialising a model parallelized on the meta device with a plain ``to_empty``: the parameters are new
+    tensors, and tensor parallelism's post-accumulate-grad hooks (gradient -> the parameter's placements) are lost,
+    so sequence-parallel norms keep ``Partial`` gradients (reduced late, in the optimizer) and a vocab-parallel
+    embedding a ``Replicate`` one."""
+    import titanlike.parallel.materialize as materialize
+
+    def plain(model, device):
+        groups: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            groups.setdefault(id(p), []).append(name)
+        model.to_empty(device=device)
+        for names in groups.values():
+            for name in names[1:]:
+                owner, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(owner), leaf, model.get_parameter(names[0]))
+
+    with patched(materialize, "to_empty_keeping_ties", plain):
+        yield
+
+
+@contextlib.contextmanager
 def _init_ignores_shards():
     """Each rank generates its local tensor as if it were the start of the full one (the init of torchtitan's meta
     path, per local shard): every rank's shard holds the same values, so the initial weights depend on the layout."""
@@ -364,6 +388,7 @@ def _init_strided_as_shard():
 
 
 MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "to_empty_drops_grad_hooks": _to_empty_drops_grad_hooks,
     "init_ignores_shards": _init_ignores_shards,
     "init_strided_as_shard": _init_strided_as_shard,
     "fused_plain_colwise": _fused_plain_colwise,
@@ -577,7 +602,8 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
     t0 = time.perf_counter()
     cfg = config(layout, ctx.world_size)
     initial, records = ctx.reference(layout, cfg)
-    diffs = dict(init=0.0, loss=0.0, loss_step1=0.0, grad_norm=0.0, grads=0.0, weights=0.0, eval=0.0)
+    diffs = dict(init=0.0, grad_placements=0.0, loss=0.0, loss_step1=0.0, grad_norm=0.0, grads=0.0, weights=0.0,
+                 eval=0.0)
     compared: set[str] = set()
     mutation = MUTATIONS[layout.mutation]() if layout.mutation else contextlib.nullcontext()
     with mutation:
@@ -599,6 +625,8 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
                 for name, p in part.named_parameters():
                     compared.add(name)
                     g = math.inf if p.grad is None else _max_abs(_full(p.grad), ref.grads[name])
+                    if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                        diffs["grad_placements"] += 1  # a Partial / Replicate gradient left on a sharded parameter
                     diffs["grads"] = max(diffs["grads"], g)
                     diffs["weights"] = max(diffs["weights"], _max_abs(_full(p), ref.weights[name]))
             if step == 1 and built.eval_sum is not None:
@@ -616,7 +644,7 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
     dist.all_reduce(aliases, op=dist.ReduceOp.MIN)
     checks = {"coverage": unique <= union <= every, "tied_still_tied": bool(aliases.item())}
     return {"mutation": layout.mutation, "model": layout.model, **diffs, **checks,
-            "ok": diffs["init"] == 0.0
+            "ok": diffs["init"] == 0.0 and diffs["grad_placements"] == 0
             and all(diffs[k] <= TOL for k in ("loss", "grad_norm", "grads", "weights", "eval"))
             and all(checks.values()),
             "ref_grad_norms": [r.grad_norm for r in records], "max_norm": cfg.training.max_norm,
@@ -635,6 +663,7 @@ def gate_main(rank: int, world_size: int, out: str, only: list[str] | None = Non
         if rank == 0:
             r = results[layout.name]
             print(f"[gate ws={world_size}] {layout.name:45s} ok={r['ok']!s:5} init {r['init']:.0e} "
+                  f"grad_placements {r['grad_placements']:.0f} "
                   f"loss {r['loss']:.1e} "
                   f"grad_norm {r['grad_norm']:.1e} grads {r['grads']:.1e} weights {r['weights']:.1e} "
                   f"eval {r['eval']:.1e} "

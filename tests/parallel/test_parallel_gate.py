@@ -13,6 +13,7 @@ HERE = Path(__file__).resolve().parent
 # Where each mutation must show. "forward" mutations change the loss of step 1; the others leave the forward
 # (and so the loss of step 1) exactly right and only break gradients: a forward-only test would pass them.
 EXPECTED_BREAK = {
+    "to_empty_drops_grad_hooks": ("grad_placements", False),
     "init_ignores_shards": ("init", True),
     "init_strided_as_shard": ("init", True),
     "tp_no_backward_reduce": ("grads", False),
@@ -58,8 +59,8 @@ def test_layouts_train_exactly_like_one_device(gate_results):
         if r["mutation"]:
             continue
         if not r["ok"]:
-            bad[name] = {k: r[k] for k in ("init", "loss", "grad_norm", "grads", "weights", "eval", "coverage",
-                                           "tied_still_tied")}
+            bad[name] = {k: r[k] for k in ("init", "grad_placements", "loss", "grad_norm", "grads", "weights", "eval",
+                                           "coverage", "tied_still_tied")}
         # Clipping acted on every step (the reference norm exceeds max_norm), so it was tested too.
         assert min(r["ref_grad_norms"]) > 2 * r["max_norm"], name
     assert not bad, f"layouts differ from one device by more than {gate.TOL}: {bad}"

@@ -19,12 +19,27 @@ __all__ = ["materialize", "to_empty_keeping_ties", "param_init_for"]
 
 
 def to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
-    """``model.to_empty(device)``, then tie again the parameters that were one parameter under several names (tied
-    embeddings): ``to_empty`` gives every module its own new tensor."""
+    """``model.to_empty(device)``, keeping what ``to_empty`` drops: parameters that were one parameter under several
+    names (tied embeddings; ``to_empty`` gives every module its own new tensor) are tied again, and the parameters'
+    post-accumulate-grad hooks are registered again on the new tensors (tensor parallelism's hook that gives each
+    gradient its parameter's placements: without it a sequence-parallel norm's gradient stays ``Partial`` and a
+    vocab-parallel embedding's ``Replicate``)."""
     groups: dict[int, list[str]] = {}
+    hooks: dict[str, list] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), []).append(name)
+    for name, p in model.named_parameters():
+        hooks[name] = list((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values())
+    marks = {name: dict(p.__dict__) for name, p in model.named_parameters()}
     model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        if hooks.get(name):  # the hook dict may have moved with the Python object; the autograd side has not
+            p._post_accumulate_grad_hooks = None
+            for hook in hooks[name]:
+                p.register_post_accumulate_grad_hook(hook)
+        for k, v in marks.get(name, {}).items():
+            if k.startswith("_titanlike"):
+                setattr(p, k, v)
     for names in groups.values():
         first = model.get_parameter(names[0])
         for name in names[1:]:

@@ -92,12 +92,15 @@ def build_stage_module(full_model: nn.Module, names: Iterable[str], device: torc
     dtype = next(full_model.parameters()).dtype
     with torch.device("meta"), _default_dtype(dtype):
         stage = spec.build(full_model.args, **spec.stage_kwargs(names))
+    full_buffers = dict(full_model.named_buffers())
     if next(full_model.parameters()).is_meta:
+        for name, b in list(stage.named_buffers()):  # the full model's buffer dtypes (float64 RoPE tables)
+            prefix, _, leaf = name.rpartition(".")
+            stage.get_submodule(prefix)._buffers[leaf] = b.to(full_buffers[name].dtype)
         return stage
     to_empty_keeping_ties(stage, device)
     full_sd = full_model.state_dict()
     stage.load_state_dict({k: full_sd[k] for k in stage.state_dict()}, strict=True)
-    full_buffers = dict(full_model.named_buffers())
     for name, _ in list(stage.named_buffers()):
         prefix, _, leaf = name.rpartition(".")
         stage.get_submodule(prefix)._buffers[leaf] = full_buffers[name].detach().clone().to(device)

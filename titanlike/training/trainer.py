@@ -46,6 +46,22 @@ def default_corpus() -> list[str]:
     return shipped_corpus()
 
 
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (Linux VmHWM; ru_maxrss elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
 class NonFiniteError(fault.ReportedError):
     """The run stops: too many non-finite steps, or an update made the weights non-finite."""
 
@@ -193,7 +209,9 @@ class Trainer:
 
         # One builder for the trainer, the numerics gate and the benchmark (titanlike.parallel.build).
         dims = self.dims or ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)
+        t0 = time.perf_counter()
         built = build_parallel_model(model, cfg, dims, self.mesh, self.device, init_seed=init_seed)
+        self._report_init(time.perf_counter() - t0, init_seed)
         self.pp, self.model_parts, self.loss = built.pp, built.model_parts, built.loss
         self.pp_schedule, self.pp_group, self.has_last_stage = built.pp_schedule, built.pp_group, built.has_last_stage
         self.clip_fn, self.forward_context = built.clip_fn, built.forward_context
@@ -243,6 +261,18 @@ class Trainer:
                 dataloader=self.dataloader, train_state=self.train_state, model_args=self.model_args,
                 tokenizer=self.tokenizer, device=self.device, rank=self.rank, world_size=self.world_size,
                 dp_degree=self.dp_degree)
+
+    def _report_init(self, seconds: float, init_seed: int | None) -> None:
+        """Rank 0: how the weights started, the build's time and the largest peak host memory (RSS) of any rank."""
+        peak = torch.tensor([float(peak_rss_bytes())], dtype=torch.float64, device=self.device)
+        if self.distributed:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        if self.rank == 0:
+            how = (f"sharded init from seed {init_seed}" if init_seed is not None
+                   else "shards allocated for the checkpoint load")
+            full = self.num_params * DTYPES[master_dtype(self.cfg.training.dtype)].itemsize
+            print(f"init: {how} in {seconds:.1f}s; peak host memory of a rank {_gib(peak.item())} (the whole "
+                  f"model is {_gib(full)})", flush=True)
 
     def _load_data(self) -> None:
         """Check every data file (all of them, each rank on its own: no process group yet), then tokenize; every
