@@ -22,7 +22,7 @@ from titanlike.layout import precision_policy
 from titanlike.loss import ScaledLoss
 from titanlike.parallel.clip import clip_grad_norm_, plain_clip_grad_norm_
 from titanlike.parallel.dims import ParallelDims
-from titanlike.parallel.materialize import materialize, to_empty_keeping_ties
+from titanlike.parallel.materialize import keeping_grad_hooks, materialize, to_empty_keeping_ties
 from titanlike.parallel.parallelize import build_loss_fn, parallelize_model
 from titanlike.parallel.pipeline import PipelineParallel, apply_pp
 
@@ -77,7 +77,7 @@ def build_parallel_model(model: nn.Module, cfg, dims: ParallelDims, mesh, device
     if on_meta:
         materialize(model, device, init_seed)
     else:
-        model.to(device)
+        keeping_grad_hooks(model, lambda: model.to(device))
     if precision_policy(cfg.training.dtype, dims) == "autocast":
         def forward_context() -> contextlib.AbstractContextManager:
             return torch.autocast(device.type, dtype=torch.bfloat16)

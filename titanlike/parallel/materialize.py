@@ -15,31 +15,40 @@ from torch import nn
 from titanlike.init import init_parameters
 from titanlike.models.spec import spec_for
 
-__all__ = ["materialize", "to_empty_keeping_ties", "param_init_for"]
+__all__ = ["materialize", "to_empty_keeping_ties", "keeping_grad_hooks", "param_init_for"]
+
+
+def keeping_grad_hooks(model: nn.Module, apply) -> None:
+    """Run ``apply()`` (``model.to_empty(...)`` or ``model.to(...)``) and register the parameters'
+    post-accumulate-grad hooks again on the tensors it leaves.
+
+    ``Module._apply`` replaces DTensor parameters through ``swap_tensors``: the hooks tensor parallelism registers
+    on each parameter (they give a gradient its parameter's placements) stay behind on the old tensors, while the
+    Python-side hook dict moves along and makes them look registered. Without them a sequence-parallel norm's
+    gradient stays ``Partial`` (reduced late, inside the optimizer) and a vocab-parallel embedding's ``Replicate``
+    (a full-vocabulary gradient on every rank); the gate checks every gradient's placements (docs/facts.md).
+    """
+    hooks = {name: list((p._post_accumulate_grad_hooks or {}).values()) for name, p in model.named_parameters()}
+    marks = {name: {k: v for k, v in p.__dict__.items() if k.startswith("_titanlike")}
+             for name, p in model.named_parameters()}
+    apply()
+    for name, p in model.named_parameters():
+        if hooks.get(name):
+            p._post_accumulate_grad_hooks = None
+            for hook in hooks[name]:
+                p.register_post_accumulate_grad_hook(hook)
+        for k, v in marks.get(name, {}).items():
+            setattr(p, k, v)
 
 
 def to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
     """``model.to_empty(device)``, keeping what ``to_empty`` drops: parameters that were one parameter under several
     names (tied embeddings; ``to_empty`` gives every module its own new tensor) are tied again, and the parameters'
-    post-accumulate-grad hooks are registered again on the new tensors (tensor parallelism's hook that gives each
-    gradient its parameter's placements: without it a sequence-parallel norm's gradient stays ``Partial`` and a
-    vocab-parallel embedding's ``Replicate``)."""
+    post-accumulate-grad hooks are registered again (:func:`keeping_grad_hooks`)."""
     groups: dict[int, list[str]] = {}
-    hooks: dict[str, list] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), []).append(name)
-    for name, p in model.named_parameters():
-        hooks[name] = list((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values())
-    marks = {name: dict(p.__dict__) for name, p in model.named_parameters()}
-    model.to_empty(device=device)
-    for name, p in model.named_parameters():
-        if hooks.get(name):  # the hook dict may have moved with the Python object; the autograd side has not
-            p._post_accumulate_grad_hooks = None
-            for hook in hooks[name]:
-                p.register_post_accumulate_grad_hook(hook)
-        for k, v in marks.get(name, {}).items():
-            if k.startswith("_titanlike"):
-                setattr(p, k, v)
+    keeping_grad_hooks(model, lambda: model.to_empty(device=device))
     for names in groups.values():
         first = model.get_parameter(names[0])
         for name in names[1:]:
