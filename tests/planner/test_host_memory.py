@@ -74,31 +74,34 @@ def test_refused_only_when_the_shards_do_not_fit(eight_local_ranks, monkeypatch,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     worst = max(per_rank, key=per_rank.get)
-    assert err[0].startswith(f"error: host memory: rank {worst} holds {fmt_bytes(per_rank[worst])} of state "
-                             f"(planner: parameters "), err
-    assert f"this node's 8 ranks need {fmt_bytes(total)}, more than 80% of the {fmt_bytes(fits - 2)}" in err[0]
+    assert err[0].startswith(f"error: host memory: the 8 ranks on this host need {fmt_bytes(total)} of state, more "
+                             f"than 80% of the {fmt_bytes(fits - 2)} of host memory (rank {worst}: "
+                             f"{fmt_bytes(per_rank[worst])}, planner: parameters "), err
     assert "start fewer ranks per node (torchrun --nproc_per_node)" in err[0]
     assert not dist.is_initialized()
 
 
-def test_the_rule_counts_this_nodes_ranks_and_only_weights_for_a_seed_checkpoint():
+def test_every_node_is_checked_cuda_is_not_and_a_seed_run_counts_its_weights():
     cfg, args = _model(ARGV)
     _, per_rank = _planned(ARGV)
-    node1 = host.node_ranks(WORLD, {"RANK": "6", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4"})
-    assert node1 == range(4, 8) and host.node_ranks(1, {}) == range(0, 1)
-    four = sum(per_rank[r] for r in node1)
-    assert host.host_memory_problem(cfg, WORLD, args, ranks=node1, host_bytes=int(four / host.HOST_FRACTION) + 1) \
+    assert host.local_world_size(WORLD, {"LOCAL_WORLD_SIZE": "4"}) == 4 and host.local_world_size(1, {}) == 1
+    # Two nodes of 4 ranks: every rank judges both (the same answer on every rank, whichever node is short).
+    node = max(sum(per_rank[r] for r in range(first, first + 4)) for first in (0, 4))
+    assert host.host_memory_problem(cfg, WORLD, args, local_ranks=4, host_bytes=int(node / host.HOST_FRACTION) + 1) \
         is None
-    assert "this node's 4 ranks" in host.host_memory_problem(cfg, WORLD, args, ranks=node1,
-                                                            host_bytes=int(four / host.HOST_FRACTION) - 1)
+    short = host.host_memory_problem(cfg, WORLD, args, local_ranks=4, host_bytes=int(node / host.HOST_FRACTION) - 1)
+    assert f"the 4 ranks on node 0 (ranks 0-3, a host like this one) need {fmt_bytes(node)} of state" in short, short
     # No host refusal on CUDA: the host holds one parameter shard at a time there.
-    assert host.host_memory_problem(cfg, WORLD, args, ranks=range(8), host_bytes=1, device_type="cuda") is None
+    assert host.host_memory_problem(cfg, WORLD, args, local_ranks=8, host_bytes=1, device_type="cuda") is None
     # A seed-checkpoint run holds its parameter shards only.
     seed = parse_config(ARGV + ["--checkpoint.create_seed_checkpoint"])
     _, params = _planned(ARGV, only=("parameters",))
     need = sum(params.values())
     assert need < sum(per_rank.values()) / 4
-    assert host.host_memory_problem(seed, WORLD, args, ranks=range(8), host_bytes=int(need / host.HOST_FRACTION) + 1) \
+    assert host.host_memory_problem(seed, WORLD, args, local_ranks=8, host_bytes=int(need / host.HOST_FRACTION) + 1) \
         is None
-    assert "of weights (planner: parameters " in host.host_memory_problem(
-        seed, WORLD, args, ranks=range(8), host_bytes=int(need / host.HOST_FRACTION) - 1)
+    assert f"on this host need {fmt_bytes(need)} of weights" in host.host_memory_problem(
+        seed, WORLD, args, local_ranks=8, host_bytes=int(need / host.HOST_FRACTION) - 1)
+    # One process: the whole model is its shard.
+    one = host.host_memory_problem(cfg, 1, args, local_ranks=1, host_bytes=1)
+    assert one.startswith("host memory: the one rank on this host needs "), one

@@ -293,7 +293,7 @@ class Trainer:
         from titanlike.planner import host
 
         problem = host.host_memory_problem(self.cfg, self.world_size, self.model_args,
-                                           ranks=host.node_ranks(self.world_size),
+                                           local_ranks=host.local_world_size(self.world_size),
                                            host_bytes=host.host_memory_bytes(), device_type=self.device.type)
         if problem:
             raise ConfigError(problem)
