@@ -78,6 +78,9 @@ CASES = [
     ("seed_single", 1, SEED, None),
     ("seed_tp2_fsdp2", 4, TP2 + SEED, None),
     ("seed_pp2_tp2", 4, PP2 + TP2 + SEED, None),
+    # tied embeddings under V placement: pp rank 0 holds both copies of the tied weight, and writes them once
+    ("seed_tied_single", 1, TIED + SEED, None),
+    ("seed_tied_zbv_pp2", 2, TIED + ZBV + SEED, None),
     ("single_from_seed_tp2_fsdp2", 1, ONE_STEP + from_seed("seed_tp2_fsdp2"), None),
     ("pp2_fsdp2_from_seed_pp2_tp2", 4, PP2 + ONE_STEP + from_seed("seed_pp2_tp2"), None),
 ]
