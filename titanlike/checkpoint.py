@@ -475,6 +475,14 @@ class CheckpointManager:
         self.train_state, self.model_args, self.tokenizer, self.device = train_state, model_args, tokenizer, device
         self.rank, self.world_size, self.dp_degree = rank, world_size, dp_degree
         self.distributed = world_size > 1
+        # What a seed checkpoint records of how its weights were made (checkpoint.json): the initialisation seed, the
+        # dtype of the weights and the layout that wrote it (any layout loads it).
+        from titanlike.layout import Degrees, master_dtype
+
+        d = Degrees.from_config(cfg, world_size)
+        self.seed_meta = {"seed": cfg.training.seed, "dtype": master_dtype(cfg.training.dtype),
+                          "layout": {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp,
+                                     "tp": d.tp}}
         self.model = merged_model(model_parts)
         # A gloo group of its own: DCP exchanges only plans and metadata (any device), an async save runs its
         # collectives on it from a background thread without interleaving with the training collectives, and
@@ -526,9 +534,13 @@ class CheckpointManager:
         c, folder = self.cfg, self.folder
         plan = {"run_id": uuid.uuid4().hex[:8], "action": "fresh"}
         if c.create_seed_checkpoint:
-            if self.world_size != 1:
-                raise ConfigError(f"checkpoint.create_seed_checkpoint writes the initial weights from one process; "
-                                  f"run it with plain python, not {self.world_size} processes")
+            ignored = [k for k, v in (("initial_load_path", c.initial_load_path), ("load_step", c.load_step >= 0),
+                                      ("export_safetensors", c.export_safetensors)) if v]
+            if ignored:
+                raise ConfigError(f"checkpoint.create_seed_checkpoint writes the weights initialised from "
+                                  f"training.seed and exits: {', '.join('checkpoint.' + k for k in ignored)} would be "
+                                  f"ignored; remove {'it' if len(ignored) == 1 else 'them'} (a Hugging Face folder "
+                                  f"becomes a seed checkpoint with scripts/convert_checkpoint.py from-hf)")
             existing = committed_checkpoints(folder)
             if existing:
                 raise ConfigError(f"checkpoint.create_seed_checkpoint: '{folder}' already holds checkpoints "
@@ -628,7 +640,7 @@ class CheckpointManager:
         """Rank 0, once the input is known good: set aside corrupted checkpoints that are skipped and ``step-N``
         folders without their commit marker (.metadata; never "newest", and their step is saved again without a
         conflict), and delete the temporary folders of dead runs when they hold only files a save writes."""
-        if self.rank != 0 or not self.cfg.enable or self.plan["action"] == "seed":
+        if self.rank != 0 or not (self.cfg.enable or self.plan["action"] == "seed"):
             return
         folder, run_id = self.folder, self.plan["run_id"]
         for path, why in self.plan.get("corrupt", []):
@@ -710,14 +722,41 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------------ seed
     def maybe_create_seed_checkpoint(self) -> bool:
-        """With checkpoint.create_seed_checkpoint: write the initial weights as ``step-0`` and return True."""
+        """With checkpoint.create_seed_checkpoint: write the initial weights as ``step-0`` and return True.
+
+        Collective: every rank writes its own shards (DCP, under the run's real layout, nothing gathered), then rank
+        0 commits the folder like any save (checkpoint.json, checksums, one atomic rename) and every rank returns
+        once ``step-0`` exists. Any other layout (or one process) starts from it by resharding on load."""
         if self.plan["action"] != "seed":
             return False
+        from titanlike.parallel.fused import contiguous_for_dcp_tree
+
         t0 = time.perf_counter()
-        write_seed_checkpoint(get_model_state_dict(self.model), self.model_args, self.folder / "step-0",
-                              **tokenizer_meta(self.tokenizer))
-        print(f"checkpoint: wrote the seed checkpoint {self.folder / 'step-0'} in {time.perf_counter() - t0:.2f}s; "
-              f"start training with checkpoint.initial_load_path={self.folder / 'step-0'}", flush=True)
+        what = "the seed checkpoint save"
+        tmp = self.folder / f"step-0.tmp-{self.plan['run_id']}"
+        with self._op(what):
+            if self.distributed:
+                self._barrier(what)
+            state = {"model": contiguous_for_dcp_tree(get_model_state_dict(self.model))}
+            self._check_finite({**state, "optimizer": {}}, 0)
+            kwargs = {**self._dcp_kwargs(), "checkpoint_id": str(tmp)}
+            if self.cfg.checksum:
+                kwargs["storage_writer"] = ChecksummingWriter(str(tmp))
+            try:
+                _dcp(dcp.save, state, **kwargs)
+            except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP raises its gathered failures
+                if fault.is_comm_failure(e):
+                    raise
+                self._save_failed(0, tmp, e)
+        self._commit(0, tmp, t0, _meta(0, "seed", self.model_args, world_size=self.world_size, **self.seed_meta,
+                                       **tokenizer_meta(self.tokenizer)))
+        if self.distributed:  # nobody leaves (and ends the job) before rank 0 renamed the folder
+            with self._op("the seed checkpoint commit"):
+                dist.barrier(group=self.pg)
+        if self.rank == 0:
+            print(f"checkpoint: {self.folder / 'step-0'} is a seed checkpoint (each of {self.world_size} process(es) "
+                  f"wrote its own shards); start any layout from it with "
+                  f"checkpoint.initial_load_path={self.folder / 'step-0'}", flush=True)
         return True
 
     # ------------------------------------------------------------------------------------------ load

@@ -140,7 +140,7 @@ class Checkpoint:
     async_mode: Literal["disabled", "async"] = "disabled"  # disabled | async
     initial_load_path: str = ""  # a seed / step checkpoint folder, or a Hugging Face folder (its config.json sets the
     # architecture) or .safetensors file, to start from
-    create_seed_checkpoint: bool = False  # initialise once, save step-0 and exit
+    create_seed_checkpoint: bool = False  # write the initial weights as step-0 (each rank its shards, any layout), exit
     export_safetensors: bool = False  # write <folder>/final/model.safetensors + config.json at the end
     checksum: bool = False  # a CRC-32 per file, written at the commit and verified before a resume
     # stop | previous: a corrupted newest checkpoint stops the run or is set aside

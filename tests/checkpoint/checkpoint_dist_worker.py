@@ -35,6 +35,15 @@ TIED = ["--model.tie_embeddings", "true", "--model.n_layers", "4", "--training.l
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 ZBV = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
 GPT2 = ["--model.name", "gpt2"]  # tied embeddings, fused c_attn (chunk-sharded under TP)
+SEED = ["--checkpoint.create_seed_checkpoint", "--checkpoint.checksum"]
+ONE_STEP = ["--training.steps", "1"]
+
+
+def from_seed(case: str) -> list[str]:
+    """Start from the seed checkpoint written by ``case`` (``{out}`` is the output folder)."""
+    return ["--checkpoint.initial_load_path", f"{{out}}/{case}/checkpoint/step-0"]
+
+
 # (name, ranks, extra train.py options, the case whose step-3 it resumes from)
 CASES = [
     ("tp2_fsdp2", 4, TP2, None),
@@ -64,6 +73,16 @@ CASES = [
     ("gpt2_tp2_fsdp2", 4, GPT2 + TP2, None),
     ("gpt2_single", 1, GPT2, None),
     ("gpt2_single_from_gpt2_tp2_fsdp2", 1, GPT2, "gpt2_tp2_fsdp2"),
+    # Seed checkpoints written by the real layout (each rank its shards: one process, tp2 x fsdp2, pp2 x tp2), then
+    # loaded (before any step, each rank records the full weights it holds) into one process and into pp2 x fsdp2.
+    ("seed_single", 1, SEED, None),
+    ("seed_tp2_fsdp2", 4, TP2 + SEED, None),
+    ("seed_pp2_tp2", 4, PP2 + TP2 + SEED, None),
+    # tied embeddings under V placement: pp rank 0 holds both copies of the tied weight, and writes them once
+    ("seed_tied_single", 1, TIED + SEED, None),
+    ("seed_tied_zbv_pp2", 2, TIED + ZBV + SEED, None),
+    ("single_from_seed_tp2_fsdp2", 1, ONE_STEP + from_seed("seed_tp2_fsdp2"), None),
+    ("pp2_fsdp2_from_seed_pp2_tp2", 4, PP2 + ONE_STEP + from_seed("seed_pp2_tp2"), None),
 ]
 
 
@@ -75,7 +94,7 @@ def train_args(out: Path, name: str, extra: list[str]) -> list[str]:
             "--data.path", str(asset_path("corpus", "tinyshakespeare.txt")), "--validation.enable", "false",
             "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "100", "--lr_scheduler.warmup_steps", "2",
             "--comm.timeout_seconds", "60", "--checkpoint.enable", "--checkpoint.interval", str(SAVE_STEP),
-            "--job.dump_folder", str(out / name), *extra]
+            "--job.dump_folder", str(out / name), *(a.format(out=out) for a in extra)]
 
 
 def _barrier(store, key: str) -> None:
@@ -110,6 +129,27 @@ def _record_tied_states_on_load(trainer, record: dict) -> None:
     trainer.checkpointer.load = load_and_record
 
 
+def _record_loaded_weights(trainer, path: Path) -> None:
+    """After the load (before any step): the full weights this rank holds (DTensors gathered), into ``path``."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from titanlike.checkpoint import merged_model
+
+    load = trainer.checkpointer.load
+
+    def load_and_record():
+        step = load()
+        sd = get_model_state_dict(merged_model(trainer.model_parts))
+        torch.save({"meta_init": trainer.meta_init,
+                    "weights": {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                                for k, v in sd.items()}}, path)
+        return step
+
+    trainer.checkpointer.load = load_and_record
+
+
 def _run_cases(rank: int, store, out: Path) -> None:
     import torch
 
@@ -137,6 +177,8 @@ def _run_cases(rank: int, store, out: Path) -> None:
             tied = {}
             if "tied" in name and source is not None:
                 _record_tied_states_on_load(trainer, tied)
+            if "_from_seed" in name:
+                _record_loaded_weights(trainer, out / f"{name}.rank{rank}.pt")
             losses = trainer.train()
             resumed_at = trainer.checkpointer.plan.get("step")
             trainer.close()

@@ -1,4 +1,5 @@
-"""Run the Trainer in one process and freeze inside the save of step 4, for tests/test_checkpoint.py to kill -9.
+"""Run the Trainer in one process and freeze inside the save of step 4 (or of a seed checkpoint's step-0), for
+tests/test_checkpoint.py to kill -9.
 
     python tests/checkpoint_kill_worker.py {write_data|finish} READY_FILE <train.py options>
 
@@ -37,7 +38,8 @@ def freeze_at(method: str, ready: Path, when) -> None:
 
 def main() -> None:
     pause, ready, argv = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
-    freeze_at(pause, ready, lambda writer: Path(str(writer.path)).name.startswith("step-4."))
+    # step 4 of a training run, or the step-0 of a seed-checkpoint run
+    freeze_at(pause, ready, lambda writer: Path(str(writer.path)).name.startswith(("step-4.", "step-0.")))
     Trainer(load_config(argv, world_size=1)).train()
     raise SystemExit("the worker was not killed at its pause point")
 

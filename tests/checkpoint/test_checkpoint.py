@@ -189,3 +189,16 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint(straight, killed, p
     assert_same_state(b, straight[1])
     assert sorted(p.name for p in folder.iterdir()) == ["step-2", "step-4", "step-6", "step-8"]  # leftover gone
     assert read_meta(folder / "step-4")["step"] == 4
+
+
+def test_kill_9_during_a_seed_write_commits_nothing_and_a_rerun_cleans_up(tmp_path_factory):
+    """A seed-checkpoint run SIGKILLed after DCP's .metadata but before the commit leaves no step-0 (only its
+    temporary folder); run again into the same folder, it removes the leftover and commits step-0."""
+    dump = kill_at_pause_points(tmp_path_factory, KILL_WORKER, REPO, ["finish"],
+                                lambda d: base_args(d, 4, "--checkpoint.create_seed_checkpoint"))["finish"]
+    folder = dump / "checkpoint"
+    leftovers = [p.name for p in folder.iterdir()]
+    assert committed_checkpoints(folder) == {} and len(leftovers) == 1 and leftovers[0].startswith("step-0.tmp-")
+    assert (folder / leftovers[0] / ".metadata").exists()
+    run(dump, 4, "--checkpoint.create_seed_checkpoint")
+    assert sorted(p.name for p in folder.iterdir()) == ["step-0"] and read_meta(folder / "step-0")["kind"] == "seed"

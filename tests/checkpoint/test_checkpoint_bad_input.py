@@ -127,6 +127,16 @@ def test_seed_checkpoint_never_overwrites(dump, capsys):
                "already holds checkpoints (step-2, step-4); not overwriting them")
 
 
+def test_seed_checkpoint_refuses_the_keys_it_would_ignore(tmp_path, capsys):
+    """A seed checkpoint is the weights initialised from training.seed: initial weights to load, a step to resume
+    or an export at the end would be silently ignored; every one is named in the one line."""
+    fails_with(capsys, tmp_path, args(tmp_path, "--checkpoint.create_seed_checkpoint", "--checkpoint.enable",
+                                      "--checkpoint.initial_load_path", str(tmp_path), "--checkpoint.load_step", "2",
+                                      "--checkpoint.export_safetensors"),
+               "checkpoint.initial_load_path, checkpoint.load_step, checkpoint.export_safetensors would be ignored; "
+               "remove them")
+
+
 def test_bad_initial_load_path(dump, tmp_path, capsys):
     fails_with(capsys, dump, args(dump, "--checkpoint.initial_load_path", str(tmp_path / "nothing")),
                "checkpoint.initial_load_path:", "does not exist")

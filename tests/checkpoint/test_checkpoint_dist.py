@@ -136,6 +136,54 @@ def test_gpt2_checkpoint_exports_as_gpt2lmheadmodel(cases, tmp_path):
     assert diff <= 1e-10, diff
 
 
+# seed written by several ranks -> (its layout, the seed written by one process it must equal)
+SEED_WRITERS = {"seed_tp2_fsdp2": ({"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}, "seed_single"),
+                "seed_pp2_tp2": ({"pp": 2, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 2}, "seed_single"),
+                "seed_tied_zbv_pp2": ({"pp": 2, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1},
+                                      "seed_tied_single")}
+
+
+def test_a_seed_checkpoint_written_by_any_layout_holds_the_one_process_weights(cases):
+    """Seed checkpoints written under tp2 x fsdp2, pp2 x tp2 (4 ranks) and, tied, under ZBV pp2 (rank 0 holds both
+    copies of the tied weight), each rank writing its own shards, hold exactly (float64, bitwise) the weights of
+    the one written by one process, committed like any save (checksums, no temporary folder left), and
+    checkpoint.json records the layout that wrote them."""
+    out, results = cases
+    for name, (layout, single) in SEED_WRITERS.items():
+        ref = read_model_state_dict(out / single / "checkpoint" / "step-0")
+        assert {v.dtype for v in ref.values()} == {torch.float64}
+        folder = out / name / "checkpoint"
+        world = layout["pp"] * layout["dp_shard"] * layout["tp"]
+        assert results[name]["losses"] == [] and [p.name for p in folder.iterdir()] == ["step-0"]
+        meta = read_meta(folder / "step-0")
+        assert (meta["kind"], meta["step"], meta["world_size"], meta["layout"], meta["seed"], meta["dtype"]) == \
+            ("seed", 0, world, layout, 42, "float64"), meta
+        files = json.loads((folder / "step-0" / "checksums.json").read_text())["files"]
+        assert sorted(f for f in files if f.endswith(".distcp")) == [f"__{r}_0.distcp" for r in range(world)]
+        got = read_model_state_dict(folder / "step-0")
+        assert got.keys() == ref.keys()
+        assert all(torch.equal(got[k], ref[k]) for k in ref), name
+
+
+@pytest.mark.parametrize("case,ranks,reference", [("single_from_seed_tp2_fsdp2", 1, "single"),
+                                                  ("pp2_fsdp2_from_seed_pp2_tp2", 4, "pp2_fsdp2")])
+def test_a_seed_checkpoint_loads_into_another_layout(cases, case, ranks, reference):
+    """A seed written by 4 ranks loads, resharded, into one process and into pp2 x fsdp2: after the load (before any
+    step, the model built on the meta device) the full weights of every rank equal the one-process seed's bitwise,
+    and the first step's loss is the one of a fresh start under that layout."""
+    out, results = cases
+    ref = read_model_state_dict(out / "seed_single" / "checkpoint" / "step-0")
+    seen = set()
+    for r in range(ranks):
+        rec = torch.load(out / f"{case}.rank{r}.pt", weights_only=True)
+        assert rec["meta_init"]
+        for k, v in rec["weights"].items():
+            assert torch.equal(v, ref[k]), (case, r, k)
+            seen.add(k)
+    assert seen == set(ref)
+    assert results[case]["losses"][0] == results[reference]["losses"][0]
+
+
 FAULTS = ["hang_at_save", "hang_in_step", "exit_in_step", "sigstop_in_save"]
 TIMEOUT_S = 5
 

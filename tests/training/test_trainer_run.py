@@ -35,5 +35,7 @@ def test_a_model_too_large_for_the_host_is_refused_up_front_with_the_fix(tmp_pat
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     line = r.stderr.strip()
-    assert "\n" not in line and "404.9B-parameter model" in line and "--checkpoint.initial_load_path" in line, line
+    # The state of the one rank (the whole 405B model is its shard: parameters, gradients, AdamW) cannot fit.
+    assert "\n" not in line and line.startswith("error: host memory: the one rank on this host needs "), line
+    assert " TiB of state" in line and "planner: parameters 1.47 TiB + gradients 1.47 TiB" in line, line
     assert not out.exists()

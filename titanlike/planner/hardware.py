@@ -1,6 +1,6 @@
 """The machine a plan is priced for: one GPU type, its links, and how fast its kernels run in practice.
 
-Peak FLOP/s come from :mod:`titanlike.training.mfu` (the table the trainer's MFU uses), so a plan's MFU and a
+Peak FLOP/s come from :mod:`titanlike.planner.peaks` (the table the trainer's MFU uses too), so a plan's MFU and a
 run's MFU are measured against the same number. Memory is what the driver reports (``nvidia-smi`` total), not
 the marketing figure. Link bandwidths are per GPU and per direction, as NCCL's "bus bandwidth" counts them:
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from titanlike.training.mfu import peak_key, peak_tflops_for_name
+from titanlike.planner.peaks import peak_key, peak_tflops_for_name
 
 __all__ = ["GPUS", "Hardware", "hardware_for"]
 
@@ -68,7 +68,7 @@ def hardware_for(gpu: str = "H100", *, gpus_per_node: int = 8, dtype: str = "bfl
     mem, nvlink, ib = GPUS[name]
     tflops = peak_tflops if peak_tflops > 0 else peak_tflops_for_name(name, peak_key(dtype, float8_recipe))
     if tflops is None:
-        raise ValueError(f"no {peak_key(dtype, float8_recipe)} peak for {name} in titanlike.training.mfu; "
+        raise ValueError(f"no {peak_key(dtype, float8_recipe)} peak for {name} in titanlike.planner.peaks; "
                          f"give --peak-tflops")
     if gpus_per_node < 1:
         raise ValueError(f"gpus_per_node must be >= 1, got {gpus_per_node}")

@@ -29,8 +29,9 @@ from functools import lru_cache
 
 from titanlike.planner.layout import Layout
 
-__all__ = ["MemoryItem", "ParamShard", "block_activation_bytes", "chunk", "fsdp_units", "inflight_microbatches",
-           "param_shapes", "rank_memory", "rank_param_shards", "tp_shard_dim"]
+__all__ = ["STATE_ITEMS", "MemoryItem", "ParamShard", "block_activation_bytes", "chunk", "fsdp_units",
+           "inflight_microbatches", "param_shapes", "rank_activation_memory", "rank_memory", "rank_param_shards",
+           "rank_state_memory", "tp_shard_dim"]
 
 _LAYER_PARAMS = ("attention_norm.weight", "attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
                  "attention.wo.weight", "ffn_norm.weight", "feed_forward.w1.weight", "feed_forward.w2.weight",
@@ -266,8 +267,19 @@ class MemoryItem:
     note: str = ""
 
 
+STATE_ITEMS = ("parameters", "gradients", "optimizer", "gathered params", "unsharded grads", "autocast weights")
+
+
 def rank_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
-    """Memory of ``rank`` at its peak (the start of its first backward), item by item."""
+    """Memory of ``rank`` at its peak (the start of its first backward), item by item: :func:`rank_state_memory`,
+    then the activations and the transient working set."""
+    return rank_state_memory(layout, args, rank) + rank_activation_memory(layout, args, rank)
+
+
+def rank_state_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
+    """What ``rank`` holds whatever the batch (the items named in :data:`STATE_ITEMS`): its parameter shards, their
+    gradients and AdamW states, and FSDP's gathered parameters / unsharded gradients of the groups in flight (or
+    autocast's bf16 weight copies)."""
     shards = rank_param_shards(layout, args, rank)
     pb, a = layout.param_bytes, layout.act_bytes
     n_local = sum(p.numel for ps in shards.values() for p in ps)
@@ -300,7 +312,12 @@ def rank_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
                                     "one group before its reduce-scatter"))
     elif layout.precision == "autocast":
         items.append(MemoryItem("autocast weights", n_local * 2, "bf16 copies of every weight during fwd+bwd"))
-    # Activations.
+    return items
+
+
+def rank_activation_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
+    """The activations ``rank`` keeps at its peak and its largest transient working set."""
+    items: list[MemoryItem] = []
     c = layout.coords(rank)
     stage_ids = layout.stage_ids(c["pp"])
     tokens = layout.microbatch_size * layout.local_seq_len

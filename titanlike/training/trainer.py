@@ -130,7 +130,7 @@ class Trainer:
                 check_float8_runtime(cfg.float8.recipe, cfg.float8.emulate, self.device)
             except Float8UnavailableError as e:
                 raise ConfigError(str(e)) from None
-        self._check_host_memory_for_init()
+        self._check_host_memory()
         data_path = cfg.data.path or None
         if data_path is not None and not Path(data_path).exists():
             raise ConfigError(f"data.path: '{data_path}' does not exist; give a text file, a folder of .txt, "
@@ -315,22 +315,17 @@ class Trainer:
         if self.architecture_note:
             print(self.architecture_note, flush=True)
 
-    def _check_host_memory_for_init(self) -> None:
-        """A fresh start initialises the whole model once per rank on the host: refuse up front if this node's
-        ranks cannot hold it, naming the fix (a seed checkpoint, after which only shards are allocated)."""
-        if self._weights_come_from_a_checkpoint():
-            return
-        elem = 8 if self.cfg.training.dtype == "float64" else 4
-        need = self.model_args.num_params() * elem
-        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        if need * ranks > 0.8 * host:
-            raise ConfigError(
-                f"initialising the {self.model_args.num_params() / 1e9:.1f}B-parameter model takes "
-                f"{need / 2**30:.0f} GiB of host memory per rank x {ranks} ranks on this node, more than the "
-                f"{host / 2**30:.0f} GiB here allows; create a seed checkpoint once (python train.py ... "
-                f"--checkpoint.create_seed_checkpoint on a large-memory host) and start from it with "
-                f"--checkpoint.initial_load_path <folder>/step-0")
+    def _check_host_memory(self) -> None:
+        """On a CPU device: refuse up front when the state of this node's ranks (the planner's per-rank number:
+        parameter shards, gradients, AdamW states, FSDP's gathered groups) does not fit the host. The full model is
+        never held, so the model's size alone refuses nothing (titanlike/planner/host.py)."""
+        from titanlike.planner import host
+
+        problem = host.host_memory_problem(self.cfg, self.world_size, self.model_args,
+                                           local_ranks=host.local_world_size(self.world_size),
+                                           host_bytes=host.host_memory_bytes(), device_type=self.device.type)
+        if problem:
+            raise ConfigError(problem)
 
     def _weights_come_from_a_checkpoint(self) -> bool:
         c = self.cfg.checkpoint
