@@ -48,7 +48,7 @@ def test_one_stage_pipeline_is_the_model(one_rank, tied):
     (stage,) = pp.model_parts
     assert pp.stage_ids == [0] and pp.has_first_stage and pp.has_last_stage
     assert dict(stage.named_parameters()).keys() == dict(model.named_parameters()).keys()
-    assert pp.tied_params == []  # one stage holding embedding and head: one tied parameter, nothing to sum
+    assert pp.tied_sets == []  # one stage holding embedding and head: one tied parameter, nothing to sum
     if tied:
         assert stage.output.weight is stage.tok_embeddings.weight
     g = torch.Generator().manual_seed(1)
