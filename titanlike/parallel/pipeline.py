@@ -391,23 +391,36 @@ def build_stage_from_fqns(model: nn.Module, fqns: Sequence[str]) -> nn.Module:
     """A copy of ``model`` holding only the modules ``fqns`` (torchtitan's module_fqns_per_model_part): other
     children are set to None, other entries of a ModuleDict / ModuleList are deleted (their keys, hence the FQNs,
     are kept). The model's forward must skip None modules and take hidden states when its input modules are None
-    (the contract torchtitan's models follow). Parameter names are the full model's."""
-    stage = copy.deepcopy(model)
-    keep = set(fqns)
+    (the contract torchtitan's models follow). Parameter names are the full model's.
 
-    def prune(module: nn.Module, prefix: str) -> None:
-        for name, child in list(module.named_children()):
+    Only what the stage keeps is copied (one ``deepcopy`` whose memo maps every dropped module to None), not the
+    whole model per stage: a stage of a large model costs its own share of the memory."""
+    keep = set(fqns)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    kept = {id(m) for fqn in keep for m in modules[fqn].modules()}
+    memo: dict = {}
+    dropped: list[tuple[str, str]] = []  # (owner FQN, child name)
+
+    def drop(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
             fqn = f"{prefix}{name}"
             if fqn in keep:
                 continue
             if any(k.startswith(fqn + ".") for k in keep):
-                prune(child, fqn + ".")
-            elif isinstance(module, (nn.ModuleDict, nn.ModuleList)):
-                del module._modules[name]  # the other keys (FQNs) stay as they are
+                drop(child, fqn + ".")
             else:
-                setattr(module, name, None)
+                dropped.append((prefix[:-1], name))
+                if id(child) not in kept:  # (a module also reachable under a kept name is copied, once)
+                    memo[id(child)] = None  # deepcopy puts None there instead of copying it
 
-    prune(stage, "")
+    drop(model, "")
+    stage = copy.deepcopy(model, memo)
+    for owner_fqn, name in dropped:
+        owner = stage.get_submodule(owner_fqn)
+        if isinstance(owner, (nn.ModuleDict, nn.ModuleList)):
+            del owner._modules[name]  # the other keys (FQNs) stay as they are
+        else:
+            setattr(owner, name, None)
     return stage
 
 
