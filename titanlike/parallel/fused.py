@@ -28,10 +28,11 @@ one-line error, because torch (2.11 - 2.13) has no DTensor placement for it that
 * A private ``Shard`` subclass carrying the chunk sizes (own ``_split_tensor`` / ``_to_replicate_tensor``) was
   measured (docs/facts.md, "No DTensor placement for unequal chunks"): ``DTensorSpec`` accepts a shard placement
   only if it compares equal to ``Shard(dim)``, and then sharding propagation rebuilds out-of-place pointwise
-  results (``mul``, ``sqrt``, ``div``: AdamW's denominator) as plain ``Shard(0)``, so the sizes are silently lost
-  and ``full_tensor()`` / checkpoints of optimizer state would come out in rank-major order; a subclass that
-  compares unequal is refused by ``DTensorSpec``. Permuting the rows internally to rank-major order (plain
-  ``Shard``) would make ``full_tensor()`` return the permuted weight, which the single-device-order contract forbids.
+  results (``mul``, ``sqrt``, ``div``, ``clone()``, ``.to(dtype)``: the model-only checkpoint's cast) as plain
+  ``Shard(0)``, so the sizes are silently lost and ``full_tensor()`` / checkpoints come out in rank-major order;
+  a subclass that compares unequal is refused by ``DTensorSpec``. Permuting the rows internally to rank-major
+  order (plain ``Shard``) would make ``full_tensor()`` return the permuted weight, which the single-device-order
+  contract forbids.
 
 Use separate q, k, v Linear layers (ColwiseParallel each) for grouped-query attention; GPT-2 and MHA fused q|k|v and
 gate|up take this style.
