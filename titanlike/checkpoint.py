@@ -294,7 +294,8 @@ class ModelPartsView(nn.Module):
     """One module whose parameters are those of several model parts under their plain-model FQNs.
 
     Under pipeline parallelism a rank holds several stages (the spec's partial-stage ``build``), each with FQNs of
-    the full model; their top-level children are disjoint except ``layers``, whose entries are merged. The view only
+    the full model; their top-level children are disjoint except the block container (a ``ModuleDict`` or a pruned
+    ``ModuleList``), whose entries are merged. The view only
     references the parts' modules (FSDP's state-dict hooks live on those), so ``get/set_model_state_dict`` and
     ``get/set_optimizer_state_dict`` on it see exactly the plain model's names.
     """
@@ -311,9 +312,11 @@ class ModelPartsView(nn.Module):
         for name, child in part.named_children():
             have = into._modules.get(name)
             if have is None:
-                into.add_module(name, child if not isinstance(child, nn.ModuleDict) else nn.ModuleDict(child))
-            elif isinstance(have, nn.ModuleDict) and isinstance(child, nn.ModuleDict):
-                for key, sub in child.items():
+                # a block container (a stage keeps its entries' keys, so FQNs): merged entry by entry
+                into.add_module(name, nn.ModuleDict(dict(child.named_children()))
+                                if isinstance(child, (nn.ModuleDict, nn.ModuleList)) else child)
+            elif isinstance(have, nn.ModuleDict) and isinstance(child, (nn.ModuleDict, nn.ModuleList)):
+                for key, sub in child.named_children():
                     if key in have:
                         raise ValueError(f"model parts both hold '{name}.{key}'")
                     have[key] = sub
@@ -333,6 +336,46 @@ def _local_tensors(state: dict) -> list[torch.Tensor]:
         elif isinstance(v, torch.Tensor) and v.is_floating_point():
             out.append(v.to_local() if isinstance(v, DTensor) else v)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------- any module
+def _parts_state(model: nn.Module, optimizer) -> dict:
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
+    return state
+
+
+def save_parts(path: str | os.PathLike, model_parts: Sequence[nn.Module], optimizer=None, *,
+               process_group=None) -> None:
+    """Save the model (and AdamW state) of this rank's ``model_parts`` to the DCP folder ``path``, keyed by the plain
+    model's FQNs: ``model.<fqn>``, ``optimizer.state.<fqn>.exp_avg``, ... . Collective over ``process_group``
+    (default: the world). Any layout writes the single-device tensors (FSDP / TP shards, fused projections in their
+    q|k|v order), so the folder loads under any other layout, or in one process (:func:`read_model_state_dict`).
+    For any ``nn.Module``; the trainer's :class:`CheckpointManager` adds atomic commits, data / RNG state, resume."""
+    from titanlike.parallel.fused import contiguous_for_dcp_tree
+
+    state = contiguous_for_dcp_tree(_parts_state(merged_model(list(model_parts)), optimizer))
+    kwargs = {"process_group": process_group} if dist.is_initialized() else {"no_dist": True}
+    _dcp(dcp.save, state, checkpoint_id=str(path), **kwargs)
+
+
+def load_parts(path: str | os.PathLike, model_parts: Sequence[nn.Module], optimizer=None, *,
+               process_group=None) -> None:
+    """Load a :func:`save_parts` folder (written under any layout) into this rank's ``model_parts`` (and the
+    optimizer's state), in place. Executes nothing from the files (``restricted_unpickle``)."""
+    from titanlike.parallel.fused import contiguous_for_dcp, restore_layout
+
+    model = merged_model(list(model_parts))
+    originals = _flatten(_parts_state(model, optimizer))
+    flat = contiguous_for_dcp(originals)
+    kwargs = {"process_group": process_group} if dist.is_initialized() else {"no_dist": True}
+    _dcp(restricted_unpickle.load, flat, checkpoint_id=str(path), **kwargs)
+    flat = restore_layout(flat, originals)
+    set_model_state_dict(model, {k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")})
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, {k[len("optimizer."):]: v for k, v in flat.items()
+                                                    if k.startswith("optimizer.")}, options=_OPTIM_OPTIONS)
 
 
 # ---------------------------------------------------------------------------------------------------- single process

@@ -48,6 +48,30 @@ def _nanogpt():
 
 
 gate.CUSTOM_MODELS["nanogpt"] = _nanogpt
+
+
+def _llama(key: str) -> nn.Module:
+    return gate.build_model(gate.config(Layout(key, 1, (), model=key), 1))
+
+
+def _tie_unlisted() -> nn.Module:
+    """A registered model with a tie its spec does not list: block 0's and block 7's w1 are one parameter (stage 0
+    and the last stage hold one name each). Found by identity, summed like tied embeddings."""
+    model = _llama("deep")
+    model.layers["7"].feed_forward.w1.weight = model.layers["0"].feed_forward.w1.weight
+    return model
+
+
+def _spec_names_untied() -> nn.Module:
+    """tie_embeddings = true in the arguments (the spec's tied pair), but the user gave the head its own weight:
+    nothing is shared, nothing may be summed."""
+    model = _llama("deep_tied")
+    model.output.weight = nn.Parameter(model.output.weight.detach().clone())
+    return model
+
+
+gate.MODELS.update({"deep_tie_unlisted": gate.MODELS["deep"], "deep_spec_names_untied": gate.MODELS["deep_tied"]})
+gate.CUSTOM_MODELS.update({"deep_tie_unlisted": _tie_unlisted, "deep_spec_names_untied": _spec_names_untied})
 NANO_SPLIT = [["wte", "wpe", "h.0", "h.1"], ["h.2", "h.3", "ln_f", "lm_head"]]
 NANO_SPLIT_V = [["wte", "wpe", "h.0"], ["h.1"], ["h.2"], ["h.3", "ln_f", "lm_head"]]
 
@@ -90,6 +114,12 @@ LAYOUTS = [
            kind="user_pp"),
     Layout("MUT nanogpt pp2 tied grads not summed", 2, _pp(2, "1F1B", 8, 2), model="nanogpt", kind="user_pp",
            mutation="pp_tied_not_summed"),
+    _layout("pp2 1F1B tie under names the spec does not list", 2, _pp(2, "1F1B", 8, 2), model="deep_tie_unlisted"),
+    _layout("pp2 ZBVZeroBubble tie under names the spec does not list", 2, _pp(2, "ZBVZeroBubble", 8, 2),
+            model="deep_tie_unlisted"),
+    _layout("pp2 1F1B spec's tied names not tied", 2, _pp(2, "1F1B", 8, 2), model="deep_spec_names_untied"),
+    _layout("MUT pp2 tie under unlisted names not summed", 2, _pp(2, "1F1B", 8, 2), "deep_tie_unlisted",
+            "pp_tied_not_summed"),
     _layout("MUT pp2 microbatch loss / m", 2, _pp(2, "1F1B", 8, 2), mutation="pp_loss_over_microbatches"),
     _layout("MUT pp2 norm not reduced over stages", 2, _pp(2, "1F1B", 8, 2), mutation="pp_norm_not_reduced"),
     _layout("MUT pp2 tied weight counted twice in norm", 2, _pp(2, "1F1B", 8, 2), "deep_tied",
@@ -296,7 +326,7 @@ def run(layout: Layout, ctx) -> dict:
     t0 = time.perf_counter()
     cfg = gate.config(layout, ctx.world_size)
     _, records = ctx.reference(layout, cfg)
-    final = gate.build_model(cfg)
+    final = gate.CUSTOM_MODELS[layout.model]() if layout.model in gate.CUSTOM_MODELS else gate.build_model(cfg)
     final.load_state_dict(records[-1].weights)
     EVAL[layout.name].append(_eval_diff(_BUILT["pp"], _BUILT["mesh"], _BUILT["dims"], final))
     diffs = torch.tensor([v if v == v else math.inf for v in EVAL[layout.name]], dtype=torch.float64)

@@ -16,7 +16,7 @@ BROKEN = 1e-6  # a mutation must move its metric by at least this much
 # Where each mutation must show. None of them changes the loss of step 1: they only break gradients (or the norm),
 # which a loss-only test would miss.
 EXPECTED_BREAK = {
-    "pp_tied_not_summed": "weights",  # the two copies of the tied weight drift apart
+    "pp_tied_not_summed": "weights",  # the copies of a tied parameter drift apart
     "pp_loss_over_microbatches": "grad_norm",  # gradients / m: the norm before clipping is off by m
     "pp_norm_not_reduced": "grad_norm",  # each stage reports (and clips by) its own norm
     "pp_tied_norm_twice": "grad_norm",  # the tied weight's gradient counted on both stages

@@ -48,7 +48,7 @@ def test_one_stage_pipeline_is_the_model(one_rank, tied):
     (stage,) = pp.model_parts
     assert pp.stage_ids == [0] and pp.has_first_stage and pp.has_last_stage
     assert dict(stage.named_parameters()).keys() == dict(model.named_parameters()).keys()
-    assert pp.tied_params == []  # one stage holding embedding and head: one tied parameter, nothing to sum
+    assert pp.tied_sets == []  # one stage holding embedding and head: one tied parameter, nothing to sum
     if tied:
         assert stage.output.weight is stage.tok_embeddings.weight
     g = torch.Generator().manual_seed(1)
@@ -73,3 +73,35 @@ def test_bf16_stages_autocast_over_float32_weights(one_rank, dtype, compute):
     (stage,) = pp.model_parts
     assert all(p.dtype == torch.float32 for p in stage.parameters())
     assert stage(torch.randint(0, 64, (2, 8))).dtype == compute
+
+
+class _NoCopy(torch.nn.Linear):
+    """A module that must never be copied (stands for the other stages' share of a large model)."""
+
+    def __deepcopy__(self, memo):
+        raise AssertionError("a module the stage does not keep was copied")
+
+
+def test_a_user_split_stage_copies_only_what_it_keeps():
+    from nanogpt import NanoGPT
+
+    from titanlike.parallel.pipeline import build_stage_from_fqns
+
+    torch.manual_seed(0)
+    model = NanoGPT(vocab=64, block_size=8, d=16, n_head=2, n_layer=4)
+    model.h[3].mlp.c_fc = _NoCopy(16, 64)
+    split = [["wte", "wpe", "h.0", "h.1"], ["h.2", "h.3", "ln_f", "lm_head"]]
+    first = build_stage_from_fqns(model, split[0])
+    assert first.lm_head is None and first.ln_f is None and list(first.h._modules) == ["0", "1"]
+    names = {n for n, _ in first.named_parameters()}
+    assert names == {n for n, _ in model.named_parameters(remove_duplicate=False)
+                     if n.split(".")[0] in ("wte", "wpe") or n.startswith(("h.0.", "h.1."))}
+    for n, p in first.named_parameters():
+        original = model.get_parameter(n)
+        assert torch.equal(p, original) and p.data_ptr() != original.data_ptr()  # a copy, equal
+    with pytest.raises(AssertionError, match="was copied"):  # the trap works: stage 1 keeps h.3
+        build_stage_from_fqns(model, split[1])
+    model.h[3].mlp.c_fc = torch.nn.Linear(16, 64)
+    last = build_stage_from_fqns(model, split[1])
+    assert last.wte is None and list(last.h._modules) == ["2", "3"]
+    assert torch.equal(last.lm_head.weight, model.wte.weight)  # the tied weight: this stage's own copy

@@ -18,8 +18,24 @@ Checkpoints: DCP writes one contiguous block per rank and refuses a strided layo
 global tensor before a save / load, and :func:`restore_layout` copies loaded values back: the files hold the
 single-device order and load under any other layout (tests: tp2 -> tp1, HF export).
 
-Chunks must have equal sizes (MHA q|k|v, gate|up). Grouped-query q|k|v (q larger than k, v) has no DTensor
-placement that keeps each rank's q heads with their kv heads; it is refused with a one-line error.
+Chunks must have equal sizes (MHA q|k|v, gate|up). Grouped-query q|k|v (q larger than k and v) is refused with a
+one-line error, because torch (2.11 - 2.13) has no DTensor placement for it that survives the optimizer:
+
+* ``_StridedShard(0, split_factor=n)`` gives rank ``r`` the ``r``-th slice of each of ``n`` *equal* pieces. For
+  q = g x kv rows (g > 1) no ``n`` gives rank ``r`` one contiguous block of q (its heads ``r*q/tp ...``, grouped
+  with its kv heads ``r*kv/tp ...``, the standard ``repeat_interleave`` grouping) plus its blocks of k and v: the
+  q rows come out strided over several pieces, and the attention would pair q heads with the wrong kv heads.
+* A private ``Shard`` subclass carrying the chunk sizes (own ``_split_tensor`` / ``_to_replicate_tensor``) was
+  measured (docs/facts.md, "No DTensor placement for unequal chunks"): ``DTensorSpec`` accepts a shard placement
+  only if it compares equal to ``Shard(dim)``, and then sharding propagation rebuilds out-of-place pointwise
+  results (``mul``, ``sqrt``, ``div``, ``clone()``, ``.to(dtype)``: the model-only checkpoint's cast) as plain
+  ``Shard(0)``, so the sizes are silently lost and ``full_tensor()`` / checkpoints come out in rank-major order;
+  a subclass that compares unequal is refused by ``DTensorSpec``. Permuting the rows internally to rank-major
+  order (plain ``Shard``) would make ``full_tensor()`` return the permuted weight, which the single-device-order
+  contract forbids.
+
+Use separate q, k, v Linear layers (ColwiseParallel each) for grouped-query attention; GPT-2 and MHA fused q|k|v and
+gate|up take this style.
 """
 
 from __future__ import annotations
@@ -55,9 +71,9 @@ class FusedColwiseParallel(ParallelStyle):
             self.n_chunks, self.sizes = chunks, None
         else:
             if len(set(sizes)) != 1:
-                raise ValueError(f"FusedColwiseParallel: chunk sizes {sizes} differ; only equal chunks (MHA q|k|v, "
-                                 f"gate|up) have a sharded layout that keeps the single-device order; use separate "
-                                 f"Linear layers for grouped-query q / k / v")
+                raise ValueError(f"FusedColwiseParallel: chunk sizes {sizes} differ; torch has no DTensor layout for "
+                                 f"unequal chunks that keeps the single-device order (titanlike/parallel/fused.py); "
+                                 f"use separate q / k / v Linears (ColwiseParallel) for grouped-query attention")
             self.n_chunks, self.sizes = len(sizes), sizes
         self.use_local_output = use_local_output
 

@@ -25,19 +25,21 @@ from titanlike.parallel.tensor_parallel import ReplicateParallel, _norm_style
 class PositionEmbeddingParallel(ReplicateParallel):
     """A replicated position table whose (seq, dim) output takes the residual stream's layout: ``Replicate``, or
     under sequence parallelism ``Shard(0)`` (this rank's positions), so that adding it to the token embedding's
-    ``Shard(1)`` output is local."""
+    ``Shard(1)`` output is local. ``use_local_output=True``: that layout's local tensor (for a plan whose residual
+    stream is plain local tensors, like torchtitan's): the ``(seq / tp, dim)`` rows of this rank under SP."""
 
-    def __init__(self, sequence_parallel: bool):
+    def __init__(self, sequence_parallel: bool, *, use_local_output: bool = False):
         super().__init__(use_local_output=False)
         self.sequence_parallel = sequence_parallel
+        self.local_output = use_local_output
 
     def _apply(self, module, device_mesh):
-        sp = self.sequence_parallel
+        sp, local = self.sequence_parallel, self.local_output
 
         def output_fn(mod, inputs, output):
             if sp and isinstance(output, DTensor):
-                return output.redistribute(device_mesh, [Shard(0)])
-            return output
+                output = output.redistribute(device_mesh, [Shard(0)])
+            return output.to_local() if local and isinstance(output, DTensor) else output
 
         module = super()._apply(module, device_mesh)
         module.register_forward_hook(output_fn)

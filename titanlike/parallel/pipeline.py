@@ -19,13 +19,15 @@ The pieces, in the order :func:`apply_pp` uses them:
   default divides the accumulated gradients by the number of microbatches, which is right for a per-microbatch
   *mean* loss and wrong for ours, whose microbatch losses already add up to the batch's share of the global mean.
 
-**Tied embeddings across stages.** With ``tie_embeddings`` the input embedding lives on the first stage and the
-output head on the last, usually on different ranks. Each holds its own copy of the weight (equal initial values,
-both from the full model), and :meth:`PipelineParallel.finalize_grads` sums the two gradients after the backward
-between exactly the two ranks that hold them (one two-rank group per (dp, tp) position, the pp group itself when
-pp = 2; a local add under V placement, where rank 0 holds both). Equal gradients, equal AdamW states: the copies
-stay bitwise equal. Under FSDP / TP the gradient is a DTensor with the same placements on both sides, so the local
-shards are summed. The gradient norm counts the weight once.
+**Tied parameters across stages.** A parameter the full model reaches under several names (``output.weight is
+tok_embeddings.weight``, or any other tie), found by identity, not by the spec's names, whose names lie on
+different stages, gets one copy per stage holding it (equal initial values, both from the full model), and
+:meth:`PipelineParallel.finalize_grads` sums the copies' gradients after the backward between exactly the ranks that
+hold them (the pp group when every pp rank does, else a group of just those ranks; a local add for copies on one
+rank, as under V placement, where rank 0 holds the first and last stage). Equal gradients, equal AdamW states: the
+copies stay bitwise equal. Under FSDP / TP the gradient is a DTensor with the same placements on every copy (checked
+at build time), so the local shards are summed. The gradient norm counts the parameter once. The same mechanism
+(:func:`_tied_across_stages`) serves :func:`apply_pp` and :func:`pipeline_module`.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from titanlike.layout import (
     stage_module_names,
 )
 from titanlike.loss import ScaledLoss
-from titanlike.models.spec import ModelSpec, spec_for
+from titanlike.models.spec import spec_for
 from titanlike.parallel import clip
 from titanlike.parallel.materialize import materialize, to_empty_keeping_ties
 from titanlike.parallel.parallelize import build_loss_fn, parallelize_model
@@ -127,11 +129,9 @@ class PipelineParallel:
     has_last_stage: bool
     microbatch_size: int
     schedule_name: str
-    tied_group: dist.ProcessGroup | None = None  # the two ranks holding the tied weight's copies (None: same rank)
-    tied_params: list[nn.Parameter] = field(default_factory=list)  # this rank's copies: [first's] / [last's] / both
-    # Any module (pipeline_module): every parameter shared by identity across stages, as (this rank's copies, the
-    # group of the ranks holding a copy or None when this rank holds all of them), and the ids of the copies left
-    # out of the gradient norm (all but the one of the lowest stage).
+    # Every parameter of the full model shared by identity across stages (tied embeddings, or any other tie), as
+    # (this rank's copies, the group of the ranks holding a copy or None when this rank holds all of them), and the
+    # ids of the copies left out of the gradient norm (all but the one of the lowest stage): _tied_across_stages.
     tied_sets: list[tuple[list[nn.Parameter], dist.ProcessGroup | None]] = field(default_factory=list)
     norm_excluded: set[int] = field(default_factory=set)
 
@@ -190,33 +190,20 @@ class PipelineParallel:
 
     @torch.no_grad()
     def finalize_grads(self) -> None:
-        """Sum the tied embedding's gradient over its two copies. Call once per optimizer step, after the last
-        backward (and before the gradient norm): :meth:`finalize_grads_and_clip_` does."""
-        if self.tied_sets:
-            for params, group in self.tied_sets:
-                for p in params:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                grads = [_local(p.grad) for p in params]
-                total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
-                if group is not None:
-                    dist.all_reduce(total, group=group)
-                for g in grads:
-                    if g is not total:
-                        g.copy_(total)
-            return
-        if not self.tied_params:
-            return
-        for p in self.tied_params:
-            if p.grad is None:  # the other copy's gradient still has to be added in
-                p.grad = torch.zeros_like(p)
-        grads = [_local(p.grad) for p in self.tied_params]
-        if len(grads) == 2:  # V placement: both copies on this rank
-            total = grads[0] + grads[1]
+        """Sum the gradients of each tied parameter over its copies (between exactly the ranks holding one; a local
+        add for copies on this rank). Call once per optimizer step, after the last backward (and before the
+        gradient norm): :meth:`finalize_grads_and_clip_` does."""
+        for params, group in self.tied_sets:
+            for p in params:
+                if p.grad is None:  # this copy's stage did not use it: the other copies' gradients still count
+                    p.grad = torch.zeros_like(p)
+            grads = [_local(p.grad) for p in params]
+            total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
+            if group is not None:
+                dist.all_reduce(total, group=group)
             for g in grads:
-                g.copy_(total)
-        else:
-            dist.all_reduce(grads[0], group=self.tied_group)
+                if g is not total:
+                    g.copy_(total)
 
     def finalize_grads_and_clip_(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
         """The trainer's ``clip_fn`` under PP: :meth:`finalize_grads`, then the global gradient norm over all
@@ -224,10 +211,8 @@ class PipelineParallel:
         """
         self.finalize_grads()
         params = list(parameters)
-        duplicate = {id(self.tied_params[-1])} if self.tied_params and self.has_last_stage else set()
-        duplicate |= self.norm_excluded
         return clip.clip_grad_norm_(params, max_norm, pp_group=self.pp_group,
-                                    norm_parameters=[p for p in params if id(p) not in duplicate])
+                                    norm_parameters=[p for p in params if id(p) not in self.norm_excluded])
 
 
 def _holds(stage: nn.Module, names: Sequence[str]) -> bool:
@@ -254,46 +239,72 @@ def _local_copy(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
     return output.to_local().clone() if isinstance(output, DTensor) else output
 
 
-def _tied_copies(parts: Sequence[nn.Module], spec: ModelSpec) -> list[nn.Parameter]:
-    """This rank's copies of the tied weight: the first stage's embedding, then the last stage's head (none when
-    one stage holds both: the model's constructor ties them into one parameter then)."""
-    (first, last), = spec.tied
-
-    def get(m, fqn):
-        try:
-            return m.get_parameter(fqn)
-        except AttributeError:
-            return None
-
-    out = [p for p in (get(m, first) for m in parts) if p is not None]
-    out += [p for p in (get(m, last) for m in parts) if p is not None]
-    return [] if len(out) == 2 and out[0] is out[1] else out
-
-
-def _tied_group(pp_group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """The group of the two ranks of this pipeline (this rank's pp group) that hold pp ranks 0 and pp - 1: the pp
-    group itself when pp = 2, else a two-rank group created by its two members only."""
-    ranks = dist.get_process_group_ranks(pp_group)  # global ranks in pp order
-    if len(ranks) == 2:
-        return pp_group
-    return dist.new_group([ranks[0], ranks[-1]], use_local_synchronization=True)
+def _shared_parameters(model: nn.Module, module_fqns_per_stage: Sequence[Sequence[str]]
+                       ) -> list[tuple[list[str], list[int]]]:
+    """Parameters of the full ``model`` reachable under several names (by identity, whatever the names) whose names
+    lie on more than one stage: (their names, the stages holding one of them)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    shared = []
+    for names in by_id.values():
+        holders = sorted({s for s, fqns in enumerate(module_fqns_per_stage) for n in names
+                          if _module_owner(model, fqns, n)})
+        if len(holders) > 1:
+            shared.append((names, holders))
+    return shared
 
 
-def _check_tied_layout(tied: list[nn.Parameter], group) -> None:
-    """Both copies must have the same placements and local shape, or summing local shards would be wrong."""
+def _check_tied_layout(names: list[str], mine: list[nn.Parameter], group) -> None:
+    """All copies of a tied parameter must have the same placements and local shape, or summing local shards
+    would be wrong."""
     def layout(p):
         return (tuple(map(str, p.placements)) if isinstance(p, DTensor) else None, tuple(_local(p).shape))
 
-    mine = [layout(p) for p in tied]
-    if len(tied) == 2:
-        others = mine[:1]
-    else:
-        gathered: list = [None, None]
-        dist.all_gather_object(gathered, mine[0], group=group)
-        others = gathered
-    if any(o != mine[0] for o in others):
-        raise RuntimeError(f"tied embeddings: the first and last stages shard the tied weight differently "
-                           f"({mine[0]} vs {others}); give tok_embeddings and output the same layout")
+    seen = [layout(p) for p in mine]
+    if group is not None:
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, seen[0], group=group)
+        seen += gathered
+    if any(o != seen[0] for o in seen):
+        raise RuntimeError(f"tied parameter {' = '.join(names)}: its copies on different pipeline stages are sharded "
+                           f"differently ({sorted(set(seen))}); give the modules holding it the same TP / FSDP layout")
+
+
+def _tied_across_stages(model: nn.Module, module_fqns_per_stage: Sequence[Sequence[str]], parts: Sequence[nn.Module],
+                        stage_ids: Sequence[int], pp_group: dist.ProcessGroup, schedule: str):
+    """After parallelize, for :class:`PipelineParallel`: every parameter the full ``model`` shares by identity
+    between stages (each stage holds its own copy), as (this rank's copies, the group of the ranks holding a copy:
+    None when this rank holds them all, the pp group when every pp rank does, else a group made by its members),
+    and the ids of the copies left out of the gradient norm (all but the lowest stage's)."""
+    ranks = dist.get_process_group_ranks(pp_group)
+    pp = len(ranks)
+    v = schedule_facts(schedule).v_placement
+
+    def pp_rank_of(stage: int) -> int:
+        return (stage if stage < pp else 2 * pp - 1 - stage) if v else stage % pp
+
+    tied_sets, excluded = [], set()
+    for names, holders in _shared_parameters(model, module_fqns_per_stage):
+        mine = []
+        for m, s in zip(parts, stage_ids):
+            if s in holders:
+                p = m.get_parameter(next(n for n in names if _module_owner(model, module_fqns_per_stage[s], n)))
+                mine.append(p)
+                if s != holders[0]:
+                    excluded.add(id(p))
+        holder_ranks = sorted({ranks[pp_rank_of(s)] for s in holders})
+        if not mine:
+            continue
+        if len(holder_ranks) == 1:
+            group = None
+        elif len(holder_ranks) == pp:
+            group = pp_group
+        else:
+            group = dist.new_group(holder_ranks, use_local_synchronization=True)
+        _check_tied_layout(names, mine, group)
+        tied_sets.append((mine, group))
+    return tied_sets, excluded
 
 
 def apply_pp(model: nn.Module, dims, mesh, cfg, device: torch.device, *,
@@ -335,17 +346,13 @@ def apply_pp(model: nn.Module, dims, mesh, cfg, device: torch.device, *,
                           f"the split gives {len(stages)}")
     schedule = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
 
-    # After parallelize: FSDP / TP have replaced the parameters by DTensors. A rank holds no copy, one (its peer
-    # holds the other: only the two take part in the group) or both (V placement: a local add).
-    tied = _tied_copies(parts, spec_for(model)) if model.args.tie_embeddings else []
-    tied_group = _tied_group(pp_group) if len(tied) == 1 else None
-    if tied:
-        _check_tied_layout(tied, tied_group)
+    # After parallelize (FSDP / TP have replaced the parameters by DTensors): the full model's ties, by identity.
+    tied_sets, excluded = _tied_across_stages(model, names, parts, stage_ids, pp_group, schedule_name)
     return PipelineParallel(model_parts=parts, stages=stages, stage_ids=stage_ids, num_stages=n_stages,
                             schedule=schedule, loss=loss, pp_group=pp_group, has_first_stage=0 in stage_ids,
                             has_last_stage=n_stages - 1 in stage_ids,
                             microbatch_size=p.pipeline_parallel_microbatch_size, schedule_name=schedule_name,
-                            tied_group=tied_group, tied_params=tied)
+                            tied_sets=tied_sets, norm_excluded=excluded)
 
 
 # ---------------------------------------------------------------------------------------------------- any module
@@ -390,23 +397,36 @@ def build_stage_from_fqns(model: nn.Module, fqns: Sequence[str]) -> nn.Module:
     """A copy of ``model`` holding only the modules ``fqns`` (torchtitan's module_fqns_per_model_part): other
     children are set to None, other entries of a ModuleDict / ModuleList are deleted (their keys, hence the FQNs,
     are kept). The model's forward must skip None modules and take hidden states when its input modules are None
-    (the contract torchtitan's models follow). Parameter names are the full model's."""
-    stage = copy.deepcopy(model)
-    keep = set(fqns)
+    (the contract torchtitan's models follow). Parameter names are the full model's.
 
-    def prune(module: nn.Module, prefix: str) -> None:
-        for name, child in list(module.named_children()):
+    Only what the stage keeps is copied (one ``deepcopy`` whose memo maps every dropped module to None), not the
+    whole model per stage: a stage of a large model costs its own share of the memory."""
+    keep = set(fqns)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    kept = {id(m) for fqn in keep for m in modules[fqn].modules()}
+    memo: dict = {}
+    dropped: list[tuple[str, str]] = []  # (owner FQN, child name)
+
+    def drop(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
             fqn = f"{prefix}{name}"
             if fqn in keep:
                 continue
             if any(k.startswith(fqn + ".") for k in keep):
-                prune(child, fqn + ".")
-            elif isinstance(module, (nn.ModuleDict, nn.ModuleList)):
-                del module._modules[name]  # the other keys (FQNs) stay as they are
+                drop(child, fqn + ".")
             else:
-                setattr(module, name, None)
+                dropped.append((prefix[:-1], name))
+                if id(child) not in kept:  # (a module also reachable under a kept name is copied, once)
+                    memo[id(child)] = None  # deepcopy puts None there instead of copying it
 
-    prune(stage, "")
+    drop(model, "")
+    stage = copy.deepcopy(model, memo)
+    for owner_fqn, name in dropped:
+        owner = stage.get_submodule(owner_fqn)
+        if isinstance(owner, (nn.ModuleDict, nn.ModuleList)):
+            del owner._modules[name]  # the other keys (FQNs) stay as they are
+        else:
+            setattr(owner, name, None)
     return stage
 
 
@@ -429,16 +449,6 @@ def pipeline_module(model: nn.Module, pp_mesh, module_fqns_per_stage: Sequence[S
     pp_group, pp_rank, pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), pp_mesh.size()
     n_stages = len(module_fqns_per_stage)
     stage_ids = stage_ids_for_rank(pp_rank, pp, n_stages, schedule)
-    # Parameters reachable under several names, by identity, and which stages hold one of those names.
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    shared = []
-    for names in by_id.values():
-        holders = sorted({s for s, fqns in enumerate(module_fqns_per_stage) for n in names
-                          if _module_owner(model, fqns, n)})
-        if len(holders) > 1:
-            shared.append((names, holders))
     parts = []
     for s in stage_ids:
         m = build_stage_from_fqns(model, module_fqns_per_stage[s]).to(device)
@@ -456,32 +466,7 @@ def pipeline_module(model: nn.Module, pp_mesh, module_fqns_per_stage: Sequence[S
     if single and len(stages) != 1:
         raise ValueError(f"schedule {schedule} runs one stage per rank, the split gives {len(stages)} on this rank")
     sched = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
-    # Tied copies: this rank's, and the group of the ranks that hold one.
-    ranks = dist.get_process_group_ranks(pp_group)
-
-    def pp_rank_of(stage: int) -> int:
-        return (stage if stage < pp else 2 * pp - 1 - stage) if facts.v_placement else stage % pp
-
-    tied_sets, excluded = [], set()
-    for names, holders in shared:
-        mine = []
-        for m, s in zip(parts, stage_ids):
-            if s in holders:
-                n = next(n for n in names if _module_owner(model, module_fqns_per_stage[s], n))
-                p = m.get_parameter(n)
-                mine.append(p)
-                if s != holders[0]:
-                    excluded.add(id(p))
-        holder_ranks = sorted({ranks[pp_rank_of(s)] for s in holders})
-        if not mine:
-            continue
-        if len(holder_ranks) == 1:
-            group = None
-        elif len(holder_ranks) == len(ranks):
-            group = pp_group
-        else:
-            group = dist.new_group(holder_ranks, use_local_synchronization=True)
-        tied_sets.append((mine, group))
+    tied_sets, excluded = _tied_across_stages(model, module_fqns_per_stage, parts, stage_ids, pp_group, schedule)
     return PipelineParallel(model_parts=parts, stages=stages, stage_ids=stage_ids, num_stages=n_stages,
                             schedule=sched, loss=loss, pp_group=pp_group, has_first_stage=0 in stage_ids,
                             has_last_stage=n_stages - 1 in stage_ids, microbatch_size=0, schedule_name=schedule,
