@@ -1,6 +1,6 @@
 """A model whose full float32 copy per rank does not fit this host starts from nothing on 8 gloo ranks and trains.
 
-Llama dim 2048, 18 layers, 16 heads / 8 kv heads, SwiGLU 5632, the shipped 2k vocabulary: 0.85B parameters,
+Llama dim 2048, 18 layers, 16 heads / 8 kv heads, SwiGLU 5632, the shipped 2k vocabulary: 0.86B parameters,
 3.4 GB in float32. The old trainer initialised the whole model on every rank (8 x 3.4 GB = 27 GB > the 24 GiB CI
 machine; the old check refused it). Under tp8 each rank holds 1/8 of it: the run builds on meta, generates only its
 shards, trains one step, and reports its peak host memory, which must stay far below one full copy.
