@@ -16,6 +16,7 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 import plan as plan_cli
+import pytest
 
 from titanlike.config import model_args_from_config, parse_config
 from titanlike.planner import block_activation_bytes, dry_run, rank_param_shards
@@ -98,3 +99,21 @@ def test_405b_with_context_parallel_on_16384_ranks():
     assert "dp_shard_cp" in text and "sharded over dp_shard_cp 32" in text
     assert "analytic shard shapes: all equal" in text
     assert re.search(r"activation probe: block layers\.0 .*8192 tokens \(cp 4", text)
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel",
+     "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+    ["--parallelism.tensor_parallel_degree", "2"],
+], ids=["fsdp8", "tp2_sp_op_ac", "tp2"])
+def test_gpt2_block_activations_equal_the_probe(extra):
+    """GPT-2's block (LayerNorm, fused q|k|v, GELU MLP: its spec's norm_kind / mlp_kind) has its own activation
+    model; the analytic bytes equal the dry run's FakeTensorMode probe (the Llama model's formula was +75%)."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/plan.py"), "--job.config_file",
+                           str(REPO / "configs/gpt2_small.toml"), "--world-size", "8", *extra],
+                          capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"activation probe: block layers\.0 .* held after its forward; equal", proc.stdout), \
+        proc.stdout[-2000:]

@@ -61,6 +61,10 @@ class ModelSpec:
     # layout-independent init (titanlike.parallel.materialize) fills each rank's shards from it; a tied copy names
     # its owner (Init.key). The model class also has init_buffers(device) for its non-persistent buffers.
     param_init: Callable[[object], Callable[[str], object]] | None = None
+    # The block's structure, for the planner's activation-memory model (titanlike.planner.memory): its norms
+    # ("rms": RMSNorm computed in float32; "layer": LayerNorm) and its MLP ("swiglu": w1, w3, w2; "gelu": fc, proj).
+    norm_kind: str = "rms"
+    mlp_kind: str = "swiglu"
 
     # -------------------------------------------------------------------- helpers used across the package
     def build_meta(self, args, **kw) -> nn.Module:

@@ -181,11 +181,17 @@ def fsdp_units(layout: Layout, args, shards: list[ParamShard],
 
 # ------------------------------------------------------------------------------------------------- activations
 def block_activation_bytes(layout: Layout, args, tokens: int, mode: str = "none") -> int:
-    """Bytes one transformer block keeps for its backward, for ``tokens`` tokens of one microbatch."""
+    """Bytes one transformer block keeps for its backward, for ``tokens`` tokens of one microbatch.
+
+    The block's structure comes from its model spec (``norm_kind``, ``mlp_kind``): Llama (RMSNorm upcast to float32,
+    SwiGLU) or GPT-2 (LayerNorm, fused q|k|v, GELU MLP); both equal the planner's dry-run probe (FakeTensorMode)."""
     h, H, n = args.dim, args.hidden_dim, args.n_heads
     a, c, t = layout.act_bytes, layout.compute_bytes, layout.tp
     tsp = t if layout.sequence_parallel else 1
     kv = args.n_kv_heads / args.n_heads
+    spec = _spec(args)
+    gelu = spec is not None and spec.mlp_kind == "gelu"
+    layer_norm = spec is not None and spec.norm_kind == "layer"
     # Context parallel (``tokens`` are the local ones): the attention kernel keeps K and V of the whole sequence,
     # repeated to all heads as its inputs (no AC: (cp - 1) more tokens' worth than the local K / V counted below);
     # selective op AC saves the all-gather outputs instead (kv heads) and recomputes the rest.
@@ -197,7 +203,10 @@ def block_activation_bytes(layout: Layout, args, tokens: int, mode: str = "none"
     if mode == "full":
         per_token = a * h / tsp
     elif mode == "op":
-        mm = a * h / t * (1 + 2 * kv) + a * h + 2 * a * H / t + a * h  # wq, wk, wv, wo (local partial), w1, w3, w2
+        if gelu:  # c_attn (q|k|v), c_proj (local partial), c_fc, mlp.c_proj
+            mm = 3 * a * h / t + a * h + a * H / t + a * h
+        else:  # wq, wk, wv, wo (local partial), w1, w3, w2
+            mm = a * h / t * (1 + 2 * kv) + a * h + 2 * a * H / t + a * h
         sdpa = a * h / t + 4 * n / t
         if t > 1 and layout.sequence_parallel:
             coll = 2 * a * h + 2 * a * h / t  # all-gathers before attention / ffn, reduce-scatters after
@@ -207,8 +216,12 @@ def block_activation_bytes(layout: Layout, args, tokens: int, mode: str = "none"
             coll = 0
         per_token = a * h / tsp + mm + sdpa + coll
     else:
-        norms = 2 * ((c * h + c + a * h) / tsp + a * h)
-        per_token = norms + (4 * a * h + 4 * n + 4 * a * H) / t
+        # a norm keeps its input and statistics (RMSNorm: the float32 upcast and rstd; LayerNorm: the input and
+        # 4 bytes of statistics), its output (the projection's input, all-gathered under SP); q, k, v, the
+        # attention output and its log-sum-exp; the MLP's hidden activations (SwiGLU: 4, GELU: 2)
+        norm = (a * h + 4) if layer_norm else (c * h + c + a * h)
+        norms = 2 * (norm / tsp + a * h)
+        per_token = norms + (4 * a * h + 4 * n + (2 if gelu else 4) * a * H) / t
     return round((per_token + gathered_kv) * tokens)
 
 
