@@ -668,8 +668,19 @@ def gate_main(rank: int, world_size: int, out: str, only: list[str] | None = Non
                   f"grad_norm {r['grad_norm']:.1e} grads {r['grads']:.1e} weights {r['weights']:.1e} "
                   f"eval {r['eval']:.1e} "
                   f"({r['seconds']} s)", flush=True)
+    probes = {}
+    if world_size == 4 and (not only or "fused_gqa tp2_fsdp2" in only):  # a user module's probe, sharing this launch
+        from tp_probe_worker import probe_fused_gqa_fsdp
+
+        t0 = time.perf_counter()
+        probes["fused_gqa tp2_fsdp2"] = probe_fused_gqa_fsdp()
+        if rank == 0:
+            print(f"[gate ws={world_size}] fused_gqa tp2_fsdp2 (grouped-query fused q|k|v, tp-replicated) "
+                  f"train {probes['fused_gqa tp2_fsdp2']['train_diff']:.1e} ({time.perf_counter() - t0:.2f} s)",
+                  flush=True)
     if rank == 0:
-        Path(out).write_text(json.dumps({"world_size": world_size, "tolerance": TOL, "layouts": results}, indent=1))
+        Path(out).write_text(json.dumps({"world_size": world_size, "tolerance": TOL, "layouts": results,
+                                         "probes": probes}, indent=1))
 
 
 def main(argv: list[str] | None = None, entry=None) -> int:

@@ -96,3 +96,24 @@ def test_matrix_covers_the_required_layouts():
                 "cp2", "cp4", "cp2_tp2_sp", "cp2_fsdp2", "cp2_tp2_fsdp2"]
     assert all(n in by_name for n in required)
     assert {layout.mutation for layout in gate.LAYOUTS if layout.mutation} == set(EXPECTED_BREAK)
+
+
+def test_grouped_query_fused_qkv_under_tp2_fsdp2(gate_results):
+    """A user block with a fused q|k|v of unequal chunks (4 heads, 2 kv heads: 16|8|8), tp-replicated and cut per
+    rank in the forward, under tp2 x fsdp2 (tests/parallel/tp_probe_worker.py, run in the 4-rank gate launch)."""
+    world, results = gate_results
+    if world != 4:
+        assert not results["probes"]
+        return
+    probe = results["probes"]["fused_gqa tp2_fsdp2"]
+    # FSDP shards the tp-replicated weight over dp like any replicated parameter; gate|up keeps its strided layout.
+    assert probe["placements"] == {"attn.qkv.weight": "(Shard(dim=0), Replicate())",
+                                   "attn.qkv.bias": "(Shard(dim=0), Replicate())",
+                                   "ffn.gate_up.weight": "(Shard(dim=1), _StridedShard(dim=0, sf=2))"}
+    assert probe["full_tensor_in_order"]
+    assert probe["train_diff"] <= gate.TOL, probe
+    assert probe["dcp"]["fresh_differs_before_load"] > 0.1
+    assert probe["dcp"]["same_layout_diff"] == 0.0 and probe["dcp"]["one_process_diff"] == 0.0
+    # Mutation: the rows' gradient taken as Replicate (no Partial sum over tp): FSDP does not reduce it.
+    mutation = probe["mutation no_partial_grad"]
+    assert mutation["diff"] > BROKEN and mutation["loss_step1"] <= gate.TOL, mutation

@@ -104,6 +104,46 @@ def test_fused_projections_keep_the_single_device_order_and_the_unfused_collecti
     assert fused["dcp_tp2_to_one_process_diff"] == 0.0
 
 
+# The grouped-query block: d 16, 4 heads, 2 kv heads, head dim 4 -> q|k|v = 16|8|8 (a fused Linear of 32 x 16 with
+# bias), batch 4 x seq 6. Its price under tp: one all-reduce of the weight's gradient, one of the bias's, per step.
+GQA_ACT = 4 * 6 * 16 * 8
+GQA_EXTRA = [2, 32 * 16 * 8 + 32 * 8]
+
+
+def test_grouped_query_fused_qkv_is_tp_replicated_cut_per_rank_and_trains_like_one_device(probes):
+    gqa = probes["fused_gqa"]
+    assert gqa["sizes"] == [16, 8, 8]
+    # Unequal chunks stay Replicate over tp (single-device order everywhere); equal gate|up keeps _StridedShard.
+    assert gqa["placements"] == {"attn.qkv.weight": "(Replicate(),)", "attn.qkv.bias": "(Replicate(),)",
+                                 "ffn.gate_up.weight": "(_StridedShard(dim=0, sf=2),)"}
+    assert gqa["full_tensor_in_order"]
+    assert gqa["local_output_vs_chunk_slices"] == 0.0  # rank r's output: [q_r | k_r | v_r] of the one-device output
+    assert gqa["train_diff sp=False"] <= 1e-10 and gqa["train_diff sp=True"] <= 1e-10, gqa
+    assert gqa["dcp"]["fresh_differs_before_load"] > 0.1
+    assert gqa["dcp"]["same_layout_diff"] == 0.0 and gqa["dcp"]["one_process_diff"] == 0.0
+
+
+def test_grouped_query_fused_qkv_costs_the_unfused_collectives_plus_two_gradient_all_reduces(probes):
+    gqa = probes["fused_gqa"]
+    for sp in (False, True):
+        fused, split = gqa[f"comms sp={sp}"]["fused"], gqa[f"comms sp={sp}"]["split"]
+        assert fused["forward"] == split["forward"], (sp, fused, split)
+        extra = {**split["backward"], "all_reduce": [a + b for a, b in zip(split["backward"].get("all_reduce", [0, 0]),
+                                                                           GQA_EXTRA, strict=True)]}
+        assert fused["backward"] == extra, (sp, fused, split)
+    plain = gqa["comms sp=False"]["split"]
+    assert plain == {"forward": {"all_reduce": [2, 2 * GQA_ACT]}, "backward": {"all_reduce": [2, 2 * GQA_ACT]}}
+
+
+def test_grouped_query_fused_qkv_mutations_break_it(probes):
+    gqa = probes["fused_gqa"]
+    # Rank-major rows (what ColwiseParallel gives): q heads used as k and v, the forward is wrong.
+    assert gqa["mutation rank_major_rows"]["loss_step1"] > 1e-6
+    # Right rows, gradient not summed over tp: the forward is right, gradients and weights are not.
+    no_partial = gqa["mutation no_partial_grad"]
+    assert no_partial["loss_step1"] <= 1e-12 and no_partial["diff"] > 1e-6, no_partial
+
+
 def test_silent_no_ops_are_one_line_errors_at_apply_time(probes):
     errors = probes["errors"]
     assert "UserMLP is not a registered model, so there is no default plan; pass plan=" in errors["no default plan"]
@@ -112,5 +152,7 @@ def test_silent_no_ops_are_one_line_errors_at_apply_time(probes):
     assert "ReplicateParallel()" in errors["module left out of the plan"]
     assert "UserMLP has no block container (.layers) and no model spec" in errors["fsdp without blocks"]
     assert "pass blocks=[...]" in errors["fsdp without blocks"]
-    assert "chunk sizes [16, 8, 8] differ" in errors["fused chunks of different sizes"]
+    assert "chunk sizes [12, 3, 3] must each divide by tp 2" in errors["fused chunks not divisible by tp"]
+    assert "chunk sizes [16, 8, 8] differ" in errors["fused unequal chunks as a DTensor output"]
+    assert "use_local_output=True" in errors["fused unequal chunks as a DTensor output"]
     assert all("\n" not in e for e in errors.values())

@@ -12,6 +12,10 @@
 * ``fused``: a user module with a fused q|k|v and a fused gate|up Linear (with biases) under
   ``FusedColwiseParallel``: full_tensor() in the single-device order, the same collectives as the unfused twin's
   plan, training equal to one device, and a DCP checkpoint written at tp 2 read back in one process in order.
+* ``fused_gqa``: the same block with grouped-query attention (q|k|v = 16|8|8, unequal chunks: tp-replicated, each
+  rank cutting its rows in the forward) under tp 2 and tp 2 + SP: training equal to one device, the unfused
+  plan's collectives plus the two gradient all-reduces it costs, DCP round trips, and two planted mutations.
+  Its tp 2 x fsdp 2 twin (:func:`probe_fused_gqa_fsdp`) runs in the gate's 4-rank launch (tests/parallel/gate.py).
 * ``errors``: apply_tp's errors for a plan key that matches nothing and for tied weights sharded differently, and
   the silent no-ops refused at apply_* time (no default plan, a module left out of a plan, FSDP without blocks).
 
@@ -147,13 +151,14 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _train_user(model, batches, n_total, dp_group=None, steps=3):
-    """AdamW on sum((out - y)^2) / n_total; returns (loss, grads, weights) per step, gathered to full tensors."""
+def _train_user(model, batches, n_total, dp_group=None, steps=3, forward=None):
+    """AdamW on sum((out - y)^2) / n_total; returns (loss, grads, weights) per step, gathered to full tensors.
+    ``forward``: how to call the model (default: ``model``)."""
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, foreach=True)
     history = []
     for x, y in batches[:steps]:
         opt.zero_grad()
-        out = model(x)
+        out = (forward or model)(x)
         loss = ((out - y) ** 2).sum() / n_total
         loss.backward()
         total = loss.detach().clone()
@@ -267,7 +272,9 @@ def probe_errors() -> dict:
         "module left out of the plan": lambda: apply_tp(UserMLP(), mesh["tp"], {k: v for k, v in USER_PLAN.items()
                                                                                 if k != "ln"}),
         "fsdp without blocks": lambda: apply_fsdp(UserMLP(), dp_mesh),
-        "fused chunks of different sizes": lambda: FusedColwiseParallel([16, 8, 8]),
+        "fused chunks not divisible by tp": lambda: apply_tp(nn.Linear(16, 18), mesh["tp"],
+                                                             FusedColwiseParallel([12, 3, 3])),
+        "fused unequal chunks as a DTensor output": lambda: FusedColwiseParallel([16, 8, 8], use_local_output=False),
     }
     for name, fn in silent.items():
         try:
@@ -279,22 +286,32 @@ def probe_errors() -> dict:
 
 
 class FusedUser(nn.Module):
-    """A nanoGPT-style block written by a user: fused q|k|v and fused gate|up projections with biases."""
+    """A nanoGPT-style block written by a user: fused q|k|v and fused gate|up projections with biases. With
+    ``kv_heads < heads`` the attention is grouped-query (HF / Llama convention: q head ``i`` uses kv head
+    ``i // (heads / kv_heads)``), its q|k|v chunks unequal; the heads are inferred from the shapes, as they must be
+    under tensor parallelism (each rank holds ``[q_r | k_r | v_r]``)."""
 
-    def __init__(self, d: int = 16, heads: int = 4, h: int = 24):
+    def __init__(self, d: int = 16, heads: int = 4, h: int = 24, kv_heads: int | None = None):
         super().__init__()
+        kv_heads = kv_heads or heads
+        self.hd, self.groups, self.shape_args = d // heads, heads // kv_heads, (d, heads, h, kv_heads)
+        self.qkv_sizes = [d, kv_heads * self.hd, kv_heads * self.hd]
         self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.attn = nn.Module()
-        self.attn.qkv, self.attn.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.attn.qkv, self.attn.proj = nn.Linear(d, sum(self.qkv_sizes)), nn.Linear(d, d)
         self.ffn = nn.Module()
         self.ffn.gate_up, self.ffn.down = nn.Linear(d, 2 * h), nn.Linear(h, d)
-        self.hd = d // heads
+
+    def sdpa(self, x, q, k, v):
+        b, s, _ = x.shape
+        q, k, v = (t.reshape(b, s, -1, self.hd).transpose(1, 2) for t in (q, k, v))
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        return self.attn.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
 
     def attention(self, x):
-        b, s, _ = x.shape
-        q, k, v = self.attn.qkv(x).chunk(3, -1)
-        q, k, v = (t.reshape(b, s, -1, self.hd).transpose(1, 2) for t in (q, k, v))
-        return self.attn.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
+        qkv = self.attn.qkv(x)
+        kv = qkv.shape[-1] // (self.groups + 2)
+        return self.sdpa(x, *qkv.split([self.groups * kv, kv, kv], -1))
 
     def mlp(self, x):
         g, u = self.ffn.gate_up(x).chunk(2, -1)
@@ -315,45 +332,59 @@ class SplitUser(FusedUser):
     """The same function with separate q, k, v and gate, up projections (the unfused plan to compare against)."""
 
     def __init__(self, fused: FusedUser):
-        super().__init__()
-        d, h = fused.attn.proj.in_features, fused.ffn.down.in_features
+        super().__init__(*fused.shape_args)
+        h = fused.ffn.down.in_features
         self.double()
         self.load_state_dict(fused.state_dict())
-        fused_layers = ((self.attn, "qkv", ("q", "k", "v"), d), (self.ffn, "gate_up", ("g", "u"), h))
-        for holder, name, parts, width in fused_layers:
+        fused_layers = ((self.attn, "qkv", ("q", "k", "v"), fused.qkv_sizes), (self.ffn, "gate_up", ("g", "u"), [h, h]))
+        for holder, name, parts, widths in fused_layers:
             src = getattr(holder, name)
-            for i, part in enumerate(parts):
-                lin = nn.Linear(src.in_features, width).double()
+            for part, w, rows in zip(parts, src.weight.split(widths), src.bias.split(widths), strict=True):
+                lin = nn.Linear(src.in_features, w.shape[0]).double()
                 with torch.no_grad():
-                    lin.weight.copy_(src.weight[i * width:(i + 1) * width])
-                    lin.bias.copy_(src.bias[i * width:(i + 1) * width])
+                    lin.weight.copy_(w)
+                    lin.bias.copy_(rows)
                 setattr(holder, part, lin)
             delattr(holder, name)
 
     def attention(self, x):
-        b, s, _ = x.shape
-        q, k, v = (getattr(self.attn, n)(x).reshape(b, s, -1, self.hd).transpose(1, 2) for n in "qkv")
-        return self.attn.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
+        return self.sdpa(x, *(getattr(self.attn, n)(x) for n in "qkv"))
 
     def mlp(self, x):
         return self.ffn.down(F.silu(self.ffn.g(x)) * self.ffn.u(x))
 
 
-def _fused_plan(fused: bool) -> dict:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import PrepareModuleInput
+def _fused_plan(fused: bool, qkv_sizes: list[int] | None = None, sp: bool = False) -> dict:
+    """The user's plan: Megatron's f / g around attention and MLP, norms replicated (SP: sequence-parallel, the
+    block's input and output sharded on the sequence), fused projections chunk-sharded (or the split twin's q, k,
+    v, g, u ColwiseParallel). ``qkv_sizes``: q|k|v chunk sizes (default: 3 equal chunks)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
     from titanlike.parallel.fused import FusedColwiseParallel
 
-    f = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
-    plan = {"norm1": ReplicateParallel(), "norm2": ReplicateParallel(), "attn": f, "ffn": f,
-            "attn.proj": RowwiseParallel(), "ffn.down": RowwiseParallel()}
+    seq = Shard(1) if sp else Replicate()
+    f = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+    norm = SequenceParallel() if sp else ReplicateParallel()
+    g = RowwiseParallel(output_layouts=seq, use_local_output=not sp)
+    plan = {"norm1": norm, "norm2": norm, "attn": f, "ffn": f, "attn.proj": g, "ffn.down": g}
     if fused:
-        plan.update({"attn.qkv": FusedColwiseParallel(3), "ffn.gate_up": FusedColwiseParallel([24, 24])})
+        plan.update({"attn.qkv": FusedColwiseParallel(qkv_sizes or 3), "ffn.gate_up": FusedColwiseParallel([24, 24])})
     else:
         plan.update({f"attn.{n}": ColwiseParallel() for n in "qkv"})
         plan.update({f"ffn.{n}": ColwiseParallel() for n in "gu"})
     return plan
+
+
+def _seq_sharded(model, mesh):
+    """SP's entry and exit around the block: this rank's sequence shard in, the whole output back."""
+    from torch.distributed.tensor import Shard
+
+    def forward(x):
+        x = DTensor.from_local(x.chunk(mesh.size(), dim=1)[mesh.get_local_rank()], mesh, [Shard(1)], run_check=False)
+        return model(x).full_tensor()
+
+    return forward
 
 
 def probe_fused() -> dict:
@@ -407,9 +438,176 @@ def probe_fused() -> dict:
     return out
 
 
+# ------------------------------------------------------------------------ grouped-query fused q|k|v (unequal chunks)
+def _gqa_case():
+    """The fused block with grouped-query attention (4 heads, 2 kv heads, head dim 4: q|k|v = 16|8|8), float64,
+    and 3 seeded batches."""
+    torch.manual_seed(1)
+    reference = FusedUser(kv_heads=2).double()
+    g = torch.Generator().manual_seed(8)
+    batches = [(torch.randn(4, 6, 16, generator=g, dtype=torch.float64),
+                torch.randn(4, 6, 16, generator=g, dtype=torch.float64)) for _ in range(3)]
+    return reference, batches, batches[0][1].numel()
+
+
+def _replicated_only(mutated):
+    """A mutation of fused._local_rows that acts on the tp-replicated (unequal-chunk) parameters only."""
+    from torch.distributed.tensor import Replicate
+
+    import titanlike.parallel.fused as fused
+
+    original = fused._local_rows
+
+    def rows(param, device_mesh, sizes):
+        if param is None or not isinstance(param.placements[-1], Replicate):
+            return original(param, device_mesh, sizes)
+        return mutated(param, device_mesh, sizes)
+
+    return rows
+
+
+def _rows_rank_major(param, device_mesh, sizes):
+    """MUTATION: rank r takes the r-th contiguous block of rows (what ColwiseParallel shards): q heads as k and v."""
+    from torch.distributed.tensor import Partial
+
+    return param.to_local(grad_placements=[Partial()]).chunk(device_mesh.size())[device_mesh.get_local_rank()]
+
+
+def _rows_no_partial(param, device_mesh, sizes):
+    """MUTATION: the right rows, but the gradient taken as Replicate: each rank keeps only its rows' gradient."""
+    r, tp = device_mesh.get_local_rank(), device_mesh.size()
+    return torch.cat([c.chunk(tp)[r] for c in param.to_local().split(sizes)])
+
+
+GQA_MUTATIONS = {"rank_major_rows": _rows_rank_major, "no_partial_grad": _rows_no_partial}
+
+
+def _run_mutation(name, build, batches, n_total, one_device, dp_group=None):
+    from gate import patched
+
+    import titanlike.parallel.fused as fused
+
+    with patched(fused, "_local_rows", _replicated_only(GQA_MUTATIONS[name])):
+        hist = _train_user(build(), batches, n_total, dp_group=dp_group)
+    return {"loss_step1": abs(float(hist[0][0]) - float(one_device[0][0])), "diff": _max_diff(hist, one_device)}
+
+
+def _dcp_round_trip(model, build_fresh, tag: str) -> dict:
+    """Save ``model`` with DCP; load into a freshly initialised model of the same layout and (rank 0) into the plain
+    single-device module with no process group. Returns the max |diff| of each to ``model``'s weights."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from titanlike.parallel.fused import contiguous_for_dcp_tree, restore_layout
+
+    path = [tempfile.mkdtemp(prefix=f"fused_gqa_{tag}_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    dcp.save(contiguous_for_dcp_tree(get_model_state_dict(model)), checkpoint_id=path[0])
+    trained = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+    fresh, plain = build_fresh()
+    before = max((_full(p) - trained[n]).abs().max().item() for n, p in fresh.named_parameters())
+    originals = get_model_state_dict(fresh)
+    target = contiguous_for_dcp_tree(originals)
+    dcp.load(target, checkpoint_id=path[0])
+    set_model_state_dict(fresh, restore_layout(target, originals))
+    out = {"fresh_differs_before_load": before,
+           "same_layout_diff": max((_full(p) - trained[n]).abs().max().item() for n, p in fresh.named_parameters())}
+    dist.barrier()
+    if dist.get_rank() == 0:
+        state = {k: torch.zeros_like(v) for k, v in plain.state_dict().items()}
+        dcp.load(state, checkpoint_id=path[0], no_dist=True)
+        out["one_process_diff"] = max((state[k] - trained[k]).abs().max().item() for k in state)
+    dist.barrier()
+    return out
+
+
+def probe_fused_gqa() -> dict:
+    """tp 2 (and tp 2 + SP): grouped-query fused q|k|v (unequal chunks, tp-replicated) against one device."""
+    rank = dist.get_rank()
+    reference, batches, n_total = _gqa_case()
+    sizes = reference.qkv_sizes
+    mesh = ParallelDims(1, 1, 1, 2, 1, 2).build_mesh("cpu")["tp"]
+    one_device = _train_user(copy.deepcopy(reference), batches, n_total)
+    out: dict = {"sizes": sizes}
+
+    def build(sp=False):
+        return apply_tp(copy.deepcopy(reference), mesh, _fused_plan(True, sizes, sp))
+
+    model = build()
+    out["placements"] = {n: str(model.get_parameter(n).placements)
+                         for n in ("attn.qkv.weight", "attn.qkv.bias", "ffn.gate_up.weight")}
+    out["full_tensor_in_order"] = all(torch.equal(_full(p), reference.get_parameter(n))
+                                      for n, p in model.named_parameters())
+    x, y = batches[0]
+    mine = torch.cat([c.chunk(2, -1)[rank] for c in reference.attn.qkv(x).split(sizes, -1)], -1)
+    out["local_output_vs_chunk_slices"] = (model.attn.qkv(x) - mine).abs().max().item()
+    for sp in (False, True):
+        counts = {}
+        split = apply_tp(SplitUser(reference), mesh, _fused_plan(False, sp=sp))
+        for name, m in (("fused", build(sp)), ("split", split)):
+            call = _seq_sharded(m, mesh) if sp else m
+            with BytesCommDebugMode() as fwd:
+                o = call(x)
+            with BytesCommDebugMode() as bwd:
+                ((o - y) ** 2).sum().backward()
+            counts[name] = {"forward": fwd.summary(), "backward": bwd.summary()}
+        out[f"comms sp={sp}"] = counts
+        m = build(sp)
+        out[f"train_diff sp={sp}"] = _max_diff(_train_user(m, batches, n_total, forward=_seq_sharded(m, mesh) if sp
+                                                           else None), one_device)
+        if not sp:
+            trained = m
+
+    def fresh():
+        torch.manual_seed(2)
+        other = FusedUser(kv_heads=2).double()
+        return apply_tp(copy.deepcopy(other), mesh, _fused_plan(True, sizes)), other
+
+    out["dcp"] = _dcp_round_trip(trained, fresh, "tp2")
+    for name in GQA_MUTATIONS:
+        out[f"mutation {name}"] = _run_mutation(name, build, batches, n_total, one_device)
+    return out
+
+
+def probe_fused_gqa_fsdp() -> dict:
+    """tp 2 x fsdp 2 (4 ranks; run in the gate's 4-rank launch, tests/parallel/gate.py): the tp-replicated
+    grouped-query q|k|v sharded by FSDP over dp like any replicated parameter, against one device."""
+    reference, batches, n_total = _gqa_case()
+    sizes = reference.qkv_sizes
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, world_size=4)
+    mesh = dims.build_mesh("cpu")
+    dp_mesh, tp_mesh = dims.get_mesh("dp_shard_cp"), mesh["tp"]
+    one_device = _train_user(copy.deepcopy(reference), batches, n_total)
+
+    def build(source=reference):
+        m = apply_tp(copy.deepcopy(source), tp_mesh, _fused_plan(True, sizes))
+        return apply_fsdp(m, dp_mesh, blocks=[m.attn, m.ffn])
+
+    model = build()
+    out: dict = {"placements": {n: str(model.get_parameter(n).placements)
+                                for n in ("attn.qkv.weight", "attn.qkv.bias", "ffn.gate_up.weight")}}
+    out["full_tensor_in_order"] = all(torch.equal(_full(p), reference.get_parameter(n))
+                                      for n, p in model.named_parameters())
+    dp_rank, group = dp_mesh.get_local_rank(), dp_mesh.get_group()
+    halves = [(x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]) for x, y in batches]
+    out["train_diff"] = _max_diff(_train_user(model, halves, n_total, dp_group=group), one_device)
+
+    def fresh():
+        torch.manual_seed(2)
+        other = FusedUser(kv_heads=2).double()
+        return build(other), other
+
+    out["dcp"] = _dcp_round_trip(model, fresh, "tp2_fsdp2")
+    out["mutation no_partial_grad"] = _run_mutation("no_partial_grad", build, halves, n_total, one_device, group)
+    return out
+
+
 def main_probe(rank: int, world_size: int, out: str) -> None:
     results = {"comms": probe_comms(), "user_module": probe_user_module(), "mixed_precision": probe_mixed_precision(),
-               "clip_pp": probe_clip_pp(), "errors": probe_errors(), "fused": probe_fused()}
+               "clip_pp": probe_clip_pp(), "errors": probe_errors(), "fused": probe_fused(),
+               "fused_gqa": probe_fused_gqa()}
     if rank == 0:
         Path(out).write_text(json.dumps(results, indent=1))
 

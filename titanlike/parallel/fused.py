@@ -1,16 +1,18 @@
-"""Tensor parallelism for fused projections: a Linear whose output is a concatenation of equal chunks.
+"""Tensor parallelism for fused projections: a Linear whose output is a concatenation of chunks.
 
 GPT-2's ``c_attn`` computes ``q | k | v`` in one matmul, a fused MLP ``gate | up``. A plain ``ColwiseParallel``
 gives rank ``r`` the ``r``-th contiguous block of output features, i.e. all of q and part of k on rank 0 of 2:
 the attention then silently mixes q, k and v. :class:`FusedColwiseParallel` gives every rank the ``r``-th slice of
-*each* chunk (its heads of q, of k and of v), with no reordering of the weight by the user:
+*each* chunk (its heads of q, of k and of v), with no reordering of the weight by the user.
+
+Equal chunks (MHA q|k|v, gate|up):
 
 * the parameters become DTensors with placement ``_StridedShard(0, split_factor=n_chunks)`` -- torch's placement
   for exactly this layout (split the dim into ``n`` pieces, shard each piece over the mesh): ``full_tensor()``,
   ``redistribute``, optimizer math and norms see the single-device order q|k|v;
 * the forward is the local matmul of the replicated input with the local rows (no communication of its own,
   like ``ColwiseParallel``: the input gradient is ``Partial`` and the block's f operator all-reduces it), so the
-  collectives are those of the unfused plan (pinned by tests/parallel/test_fused_tp.py with CommDebugMode);
+  collectives are those of the unfused plan (pinned by tests/parallel/test_parallel_probes.py with CommDebugMode);
 * the output is this rank's ``[q_r | k_r | v_r]`` as a local tensor (or a DTensor with ``_StridedShard(-1)``).
 
 Checkpoints: DCP writes one contiguous block per rank and refuses a strided layout ("overlapping chunks"), so
@@ -18,24 +20,36 @@ Checkpoints: DCP writes one contiguous block per rank and refuses a strided layo
 global tensor before a save / load, and :func:`restore_layout` copies loaded values back: the files hold the
 single-device order and load under any other layout (tests: tp2 -> tp1, HF export).
 
-Chunks must have equal sizes (MHA q|k|v, gate|up). Grouped-query q|k|v (q larger than k and v) is refused with a
-one-line error, because torch (2.11 - 2.13) has no DTensor placement for it that survives the optimizer:
+Unequal chunks (grouped-query q|k|v: ``FusedColwiseParallel([n_q*hd, n_kv*hd, n_kv*hd])``, q larger than k and
+v) have no DTensor placement that survives the optimizer (below), so they take the fallback the module already uses
+for chunk-sharded biases under FSDP:
 
-* ``_StridedShard(0, split_factor=n)`` gives rank ``r`` the ``r``-th slice of each of ``n`` *equal* pieces. For
-  q = g x kv rows (g > 1) no ``n`` gives rank ``r`` one contiguous block of q (its heads ``r*q/tp ...``, grouped
-  with its kv heads ``r*kv/tp ...``, the standard ``repeat_interleave`` grouping) plus its blocks of k and v: the
-  q rows come out strided over several pieces, and the attention would pair q heads with the wrong kv heads.
-* A private ``Shard`` subclass carrying the chunk sizes (own ``_split_tensor`` / ``_to_replicate_tensor``) was
-  measured (docs/facts.md, "No DTensor placement for unequal chunks"): ``DTensorSpec`` accepts a shard placement
-  only if it compares equal to ``Shard(dim)``, and then sharding propagation rebuilds out-of-place pointwise
-  results (``mul``, ``sqrt``, ``div``, ``clone()``, ``.to(dtype)``: the model-only checkpoint's cast) as plain
-  ``Shard(0)``, so the sizes are silently lost and ``full_tensor()`` / checkpoints come out in rank-major order;
-  a subclass that compares unequal is refused by ``DTensorSpec``. Permuting the rows internally to rank-major
-  order (plain ``Shard``) would make ``full_tensor()`` return the permuted weight, which the single-device-order
-  contract forbids.
+* the weight and bias stay DTensors **Replicate over tp**: single-device order everywhere (``full_tensor()``, the
+  state dict, DCP, resharding, HF export), and FSDP shards them over dp like any replicated parameter;
+* the forward cuts this rank's rows, the ``r``-th tp slice of each chunk (rank ``r`` gets q heads
+  ``r*n_q/tp ...`` and kv heads ``r*n_kv/tp ...``: the ``repeat_interleave`` grouping, q head ``i`` with kv head
+  ``i // (n_q/n_kv)``), from the local tensor taken with ``to_local(grad_placements=[Partial()])``: each rank's
+  gradient (zero outside its rows) is a ``Partial`` sum over tp;
+* its price: **one all-reduce over tp of the full weight's gradient (``out x in`` elements) and one of the bias's
+  (``out``) per Linear per step** (done by the post-accumulate-grad hook of ``apply_tp`` that gives each gradient
+  its parameter's placements, or by FSDP's gradient reduction, which redistributes to the tp placement first), on
+  top of the collectives of separate q / k / v ``ColwiseParallel`` projections (pinned by
+  tests/parallel/test_parallel_probes.py); and the weight's memory (parameter, gradient, optimizer state) is
+  **not divided by tp**, only by FSDP's dp. When memory or bandwidth matters, use separate q, k, v Linears
+  (``ColwiseParallel`` each), as the Llama model does.
 
-Use separate q, k, v Linear layers (ColwiseParallel each) for grouped-query attention; GPT-2 and MHA fused q|k|v and
-gate|up take this style.
+Each chunk size must divide by tp (else a one-line error naming the sizes and tp); the output is this rank's
+``[q_r | k_r | v_r]`` as a local tensor (``use_local_output=False`` is refused: no placement describes it).
+
+Why no placement: ``_StridedShard(0, split_factor=n)`` gives rank ``r`` the ``r``-th slice of each of ``n`` *equal*
+pieces; for q = g x kv rows (g > 1) no ``n`` gives rank ``r`` one contiguous block of q plus its blocks of k and v.
+A private ``Shard`` subclass carrying the chunk sizes (own ``_split_tensor`` / ``_to_replicate_tensor``) was
+measured (docs/facts.md, "No DTensor placement for unequal chunks"): ``DTensorSpec`` accepts a shard placement
+only if it compares equal to ``Shard(dim)``, and then sharding propagation rebuilds out-of-place pointwise results
+(``mul``, ``sqrt``, ``div``, ``clone()``, ``.to(dtype)``: the model-only checkpoint's cast) as plain ``Shard(0)``,
+so the sizes are silently lost and ``full_tensor()`` / checkpoints come out in rank-major order; a subclass that
+compares unequal is refused by ``DTensorSpec``. Permuting the rows internally to rank-major order (plain ``Shard``)
+would make ``full_tensor()`` return the permuted weight, which the single-device-order contract forbids.
 """
 
 from __future__ import annotations
@@ -55,30 +69,37 @@ __all__ = ["FusedColwiseParallel", "contiguous_for_dcp", "contiguous_for_dcp_tre
 
 
 class FusedColwiseParallel(ParallelStyle):
-    """Column-wise parallel ``nn.Linear`` whose output features are ``chunks`` equal chunks, each sharded.
+    """Column-wise parallel ``nn.Linear`` whose output features are a concatenation of chunks, each sharded over tp.
 
-    ``chunks``: the number of chunks (3 for q|k|v, 2 for gate|up) or their sizes (must be equal). The input is
-    taken as replicated (a DTensor is redistributed to ``Replicate`` first); ``use_local_output=True`` returns
-    this rank's local ``[chunk_0 | chunk_1 | ...]`` slices, concatenated.
+    ``chunks``: the number of equal chunks (3 for MHA q|k|v, 2 for gate|up) or their sizes, e.g.
+    ``[n_heads * hd, n_kv_heads * hd, n_kv_heads * hd]``. Equal sizes: ``_StridedShard`` parameters, no extra
+    communication. Unequal sizes (grouped-query q|k|v): parameters replicated over tp, each rank cutting its rows
+    in the forward; costs one all-reduce of the weight's and one of the bias's gradient over tp per step, and the
+    weight is not divided by tp (module docstring). Every chunk must divide by tp. The input is taken as replicated
+    (a DTensor is redistributed to ``Replicate`` first); ``use_local_output=True`` returns this rank's local
+    ``[chunk_0 | chunk_1 | ...]`` slices, concatenated.
     """
 
     def __init__(self, chunks: int | Sequence[int], *, use_local_output: bool = True):
         super().__init__()
-        sizes = [chunks] if isinstance(chunks, int) else list(chunks)
         if isinstance(chunks, int):
             if chunks < 1:
                 raise ValueError(f"FusedColwiseParallel: chunks must be >= 1, got {chunks}")
             self.n_chunks, self.sizes = chunks, None
         else:
-            if len(set(sizes)) != 1:
-                raise ValueError(f"FusedColwiseParallel: chunk sizes {sizes} differ; torch has no DTensor layout for "
-                                 f"unequal chunks that keeps the single-device order (titanlike/parallel/fused.py); "
-                                 f"use separate q / k / v Linears (ColwiseParallel) for grouped-query attention")
+            sizes = [int(c) for c in chunks]
+            if not sizes or any(c < 1 for c in sizes):
+                raise ValueError(f"FusedColwiseParallel: chunk sizes must be positive, got {sizes}")
             self.n_chunks, self.sizes = len(sizes), sizes
+        self.unequal = self.sizes is not None and len(set(self.sizes)) > 1
+        if self.unequal and not use_local_output:
+            raise ValueError(f"FusedColwiseParallel: chunk sizes {self.sizes} differ, so the output "
+                             f"[chunk_0 slice | chunk_1 slice | ...] has no DTensor placement; use "
+                             f"use_local_output=True")
         self.use_local_output = use_local_output
 
     def _placement(self):
-        return _StridedShard(0, split_factor=self.n_chunks)
+        return Replicate() if self.unequal else _StridedShard(0, split_factor=self.n_chunks)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
@@ -88,13 +109,17 @@ class FusedColwiseParallel(ParallelStyle):
         if self.sizes is not None and sum(self.sizes) != out:
             raise ValueError(f"FusedColwiseParallel: chunk sizes {self.sizes} add up to {sum(self.sizes)}, the "
                              f"Linear has {out} output features")
-        if out % (self.n_chunks * tp):
+        if self.unequal and any(c % tp for c in self.sizes):
+            raise ValueError(f"FusedColwiseParallel: chunk sizes {self.sizes} must each divide by tp {tp} (each rank "
+                             f"takes 1/{tp} of every chunk: whole heads of q, k and v)")
+        if not self.unequal and out % (self.n_chunks * tp):
             raise ValueError(f"FusedColwiseParallel: {out} output features do not split into {self.n_chunks} chunks "
                              f"x tp {tp}")
         for name, p in list(module.named_parameters(recurse=False)):
             dt = distribute_tensor(p.data if not isinstance(p, DTensor) else p, device_mesh, [self._placement()])
             module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
         n_chunks, use_local_output = self.n_chunks, self.use_local_output
+        sizes = self.sizes if self.unequal else [out // n_chunks] * n_chunks
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             if not isinstance(x, DTensor):  # a replica: its gradient is all-reduced when leaving the DTensor
@@ -103,8 +128,8 @@ class FusedColwiseParallel(ParallelStyle):
                 x = x.redistribute(device_mesh, [Replicate()])
             # Each rank's input gradient covers only its output features: a Partial sum (the f operator reduces).
             x_local = x.to_local(grad_placements=[Partial()])
-            w = module.weight.to_local()
-            b = _local_bias(module.bias, device_mesh, n_chunks)
+            w = _local_rows(module.weight, device_mesh, sizes)
+            b = _local_rows(module.bias, device_mesh, sizes)
             y = F.linear(x_local, w, b)
             if use_local_output:
                 return y
@@ -118,18 +143,19 @@ class FusedColwiseParallel(ParallelStyle):
         return f"{type(self).__name__}(chunks={self.sizes or self.n_chunks}, use_local_output={self.use_local_output})"
 
 
-def _local_bias(bias, device_mesh, n_chunks):
-    """This rank's slices of each chunk of the bias: its local tensor (chunk-sharded), or, once FSDP has made it
-    replicated over tp (:func:`prepare_fused_for_fsdp`), the slices cut from the full bias, whose gradient is then
-    a ``Partial`` sum over the tp ranks."""
-    if bias is None:
+def _local_rows(param, device_mesh, sizes):
+    """This rank's rows of a fused weight or bias, ``[chunk_0 slice r | chunk_1 slice r | ...]``: its local tensor
+    when chunk-sharded (``_StridedShard``), or, when the parameter is replicated over tp (unequal chunks, or a bias
+    made replicated for FSDP by :func:`prepare_fused_for_fsdp`), the slices cut from the full tensor, taken with a
+    ``Partial`` gradient placement: each rank's gradient (zero outside its rows) is summed over tp."""
+    if param is None:
         return None
-    tp_dim = bias.device_mesh.ndim - 1
-    if isinstance(bias.placements[tp_dim], Replicate):
-        full = bias.to_local(grad_placements=[*bias.placements[:tp_dim], Partial()])
+    tp_dim = param.device_mesh.ndim - 1
+    if isinstance(param.placements[tp_dim], Replicate):
+        full = param.to_local(grad_placements=[*param.placements[:tp_dim], Partial()])
         r, tp = device_mesh.get_local_rank(), device_mesh.size()
-        return torch.cat([c.chunk(tp)[r] for c in full.chunk(n_chunks)])
-    return bias.to_local()
+        return torch.cat([c.chunk(tp)[r] for c in full.split(sizes)])
+    return param.to_local()
 
 
 # ------------------------------------------------------------------------------------------------- FSDP
