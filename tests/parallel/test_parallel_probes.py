@@ -153,6 +153,8 @@ def test_silent_no_ops_are_one_line_errors_at_apply_time(probes):
     assert "UserMLP has no block container (.layers) and no model spec" in errors["fsdp without blocks"]
     assert "pass blocks=[...]" in errors["fsdp without blocks"]
     assert "chunk sizes [12, 3, 3] must each divide by tp 2" in errors["fused chunks not divisible by tp"]
+    assert "chunk sizes [16, 8, 8] hold [2.0, 1.0, 1.0] heads of 8; each chunk's head count must divide by tp 2" in \
+        errors["fused kv heads not divisible by tp"]
     assert "chunk sizes [16, 8, 8] differ" in errors["fused unequal chunks as a DTensor output"]
     assert "use_local_output=True" in errors["fused unequal chunks as a DTensor output"]
     assert all("\n" not in e for e in errors.values())

@@ -274,6 +274,8 @@ def probe_errors() -> dict:
         "fsdp without blocks": lambda: apply_fsdp(UserMLP(), dp_mesh),
         "fused chunks not divisible by tp": lambda: apply_tp(nn.Linear(16, 18), mesh["tp"],
                                                              FusedColwiseParallel([12, 3, 3])),
+        "fused kv heads not divisible by tp": lambda: apply_tp(nn.Linear(16, 32), mesh["tp"],
+                                                               FusedColwiseParallel([16, 8, 8], head_dim=8)),
         "fused unequal chunks as a DTensor output": lambda: FusedColwiseParallel([16, 8, 8], use_local_output=False),
     }
     for name, fn in silent.items():

@@ -77,10 +77,11 @@ class FusedColwiseParallel(ParallelStyle):
     in the forward; costs one all-reduce of the weight's and one of the bias's gradient over tp per step, and the
     weight is not divided by tp (module docstring). Every chunk must divide by tp. The input is taken as replicated
     (a DTensor is redistributed to ``Replicate`` first); ``use_local_output=True`` returns this rank's local
-    ``[chunk_0 | chunk_1 | ...]`` slices, concatenated.
+    ``[chunk_0 | chunk_1 | ...]`` slices, concatenated. ``head_dim`` (optional): also require whole heads per rank
+    (each chunk's head count divisible by tp), so a rank never gets part of a kv head.
     """
 
-    def __init__(self, chunks: int | Sequence[int], *, use_local_output: bool = True):
+    def __init__(self, chunks: int | Sequence[int], *, use_local_output: bool = True, head_dim: int | None = None):
         super().__init__()
         if isinstance(chunks, int):
             if chunks < 1:
@@ -96,7 +97,9 @@ class FusedColwiseParallel(ParallelStyle):
             raise ValueError(f"FusedColwiseParallel: chunk sizes {self.sizes} differ, so the output "
                              f"[chunk_0 slice | chunk_1 slice | ...] has no DTensor placement; use "
                              f"use_local_output=True")
-        self.use_local_output = use_local_output
+        if head_dim is not None and head_dim < 1:
+            raise ValueError(f"FusedColwiseParallel: head_dim must be >= 1, got {head_dim}")
+        self.use_local_output, self.head_dim = use_local_output, head_dim
 
     def _placement(self):
         return Replicate() if self.unequal else _StridedShard(0, split_factor=self.n_chunks)
@@ -115,11 +118,15 @@ class FusedColwiseParallel(ParallelStyle):
         if not self.unequal and out % (self.n_chunks * tp):
             raise ValueError(f"FusedColwiseParallel: {out} output features do not split into {self.n_chunks} chunks "
                              f"x tp {tp}")
+        sizes = self.sizes or [out // self.n_chunks] * self.n_chunks
+        if self.head_dim and any(c % self.head_dim or (c // self.head_dim) % tp for c in sizes):
+            raise ValueError(f"FusedColwiseParallel: chunk sizes {sizes} hold {[c / self.head_dim for c in sizes]} "
+                             f"heads of {self.head_dim}; each chunk's head count must divide by tp {tp} (whole heads "
+                             f"per rank: n_heads and n_kv_heads divisible by tp)")
         for name, p in list(module.named_parameters(recurse=False)):
             dt = distribute_tensor(p.data if not isinstance(p, DTensor) else p, device_mesh, [self._placement()])
             module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
         n_chunks, use_local_output = self.n_chunks, self.use_local_output
-        sizes = self.sizes if self.unequal else [out // n_chunks] * n_chunks
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             if not isinstance(x, DTensor):  # a replica: its gradient is all-reduced when leaving the DTensor
@@ -140,7 +147,8 @@ class FusedColwiseParallel(ParallelStyle):
         return module
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(chunks={self.sizes or self.n_chunks}, use_local_output={self.use_local_output})"
+        return (f"{type(self).__name__}(chunks={self.sizes or self.n_chunks}, "
+                f"use_local_output={self.use_local_output}, head_dim={self.head_dim})")
 
 
 def _local_rows(param, device_mesh, sizes):
