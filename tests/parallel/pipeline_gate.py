@@ -260,9 +260,11 @@ def build_pp(layout: Layout, cfg, ctx, initial) -> Built:
 
     dims = ParallelDims.from_config(cfg, ctx.world_size)
     mesh = dims.build_mesh("cpu")  # cached per shape: no new process groups per layout
-    # the trainer's fresh start: stages built and parallelized on meta, each rank generating only its shards
-    built = build_parallel_model(gate.build_model(cfg, device="meta"), cfg, dims, mesh, torch.device("cpu"),
-                                 init_seed=gate.INIT_SEED)
+    if layout.model in gate.CUSTOM_MODELS:  # a model changed after construction (extra ties): the materialised path
+        built = build_parallel_model(initial, cfg, dims, mesh, torch.device("cpu"))
+    else:  # the trainer's fresh start: stages built and parallelized on meta, each rank generating only its shards
+        built = build_parallel_model(gate.build_model(cfg, device="meta"), cfg, dims, mesh, torch.device("cpu"),
+                                     init_seed=gate.INIT_SEED)
     pp = built.pp
     EVAL[layout.name] = [_eval_diff(pp, mesh, dims, initial)]
     _BUILT.update(pp=pp, mesh=mesh, dims=dims)
