@@ -28,10 +28,30 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 
 
+def unused_port() -> int:
+    """A TCP port for a store that some process binds later (after start-up): free now and *below* the kernel's
+    ephemeral range (32768-60999 here), which the OS picks outgoing connections from. A port from ``bind(0)`` is in
+    that range, and the gloo connections of jobs running side by side can take it before the store binds it (seen
+    in CI: ``EADDRINUSE`` for one of four 2-rank fault jobs)."""
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port in 20000-32000")
+
+
 def worker_env(**extra: str) -> dict[str, str]:
-    """The environment for a worker subprocess: the repository (titanlike) and tests/ (dist_utils) on its path,
-    one intra-op thread unless ``extra`` says otherwise."""
-    path = os.pathsep.join(p for p in (str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
+    """The environment for a worker subprocess: the repository (titanlike), tests/ (dist_utils) and examples/
+    (the README's example) on its path, one intra-op thread unless ``extra`` says otherwise."""
+    path = os.pathsep.join(p for p in (str(REPO), str(TESTS), str(REPO / "examples"), os.environ.get("PYTHONPATH", ""))
+                           if p)
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
 
 

@@ -27,6 +27,8 @@ import time
 import traceback
 from pathlib import Path
 
+from dist_utils import unused_port
+
 PROCS = 4
 SAVE_STEP = 3
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
@@ -103,12 +105,6 @@ def _barrier(store, key: str) -> None:
         time.sleep(0.01)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _record_tied_states_on_load(trainer, record: dict) -> None:
     """After the load, on a rank holding both copies of the tied weight, compare their AdamW states."""
     import torch
@@ -167,7 +163,7 @@ def _run_cases(rank: int, store, out: Path) -> None:
                     raw = bytearray((newest / "__0_0.distcp").read_bytes())
                     raw[len(raw) // 2] ^= 0x01
                     (newest / "__0_0.distcp").write_bytes(bytes(raw))
-            store.set(f"port/{i}", str(_free_port()))
+            store.set(f"port/{i}", str(unused_port()))
         _barrier(store, f"start/{i}")
         if rank < n:
             os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),

@@ -23,12 +23,13 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: then importing it starts no thread, and forking is safe
+
+from dist_utils import unused_port  # noqa: E402
 
 import titanlike.training.trainer as trainer_module  # noqa: E402
 from titanlike.checkpoint import CheckpointManager  # noqa: E402
@@ -104,12 +105,6 @@ def _rank(rank: int, port: int, mode: str, dump: Path, argv: list[str]) -> None:
         os._exit(code)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> int:
     split = sys.argv.index("--")
     out, modes, argv = Path(sys.argv[1]), sys.argv[2:split], sys.argv[split + 1:]
@@ -118,7 +113,7 @@ def main() -> int:
     for mode in modes:
         dump = out / mode
         dump.mkdir(parents=True, exist_ok=True)
-        port = _free_port()
+        port = unused_port()
         procs = [ctx.Process(target=_rank, args=(r, port, mode, dump, argv)) for r in range(2)]
         for p in procs:
             p.start()

@@ -14,14 +14,10 @@ import json
 import sys
 from pathlib import Path
 
+import nanogpt_parallel as ex  # examples/ is on the path (dist_utils.worker_env)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "examples"))
-
-import nanogpt_parallel as ex  # noqa: E402
 
 STEPS = 3
 
