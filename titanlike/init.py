@@ -248,7 +248,7 @@ def init_parameters(module: nn.Module, plan: Callable[[str], Init] | Mapping[str
     for (fqn, p), init in zip(params, inits):
         if p.is_meta:
             raise ValueError(f"init: parameter '{fqn}' is on the meta device; allocate it first (to_empty)")
-        local = p._local_tensor if isinstance(p, DTensor) else p.data
+        local = p.to_local() if isinstance(p, DTensor) else p.data  # under no_grad: the local tensor itself
         if local.numel() == 0:
             continue
         generate(init, seed, init.key or fqn, p.shape, local_indices(p), out=local)
