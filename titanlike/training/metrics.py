@@ -12,12 +12,16 @@ from pathlib import Path
 import torch
 
 
+def peak_host_bytes() -> int:
+    """This process's peak resident set size so far (``ru_maxrss``, KiB on Linux: the VmHWM of /proc)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def peak_memory_gib(device: torch.device) -> float:
     """Peak memory of this process: the CUDA caching allocator's peak, or the host's max RSS on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return kib / 2**20
+    return peak_host_bytes() / 2**30
 
 
 def format_eta(seconds: float) -> str:

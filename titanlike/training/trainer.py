@@ -22,7 +22,14 @@ from titanlike.layout import ConfigError, batch_split, float8_backend, layout_vi
 from titanlike.loss import IGNORE_INDEX
 from titanlike.models import get_spec
 from titanlike.parallel import ParallelDims, build_parallel_model, describe_layout
-from titanlike.training.metrics import MetricsLogger, Throughput, format_eta, peak_memory_gib, use_color
+from titanlike.training.metrics import (
+    MetricsLogger,
+    Throughput,
+    format_eta,
+    peak_host_bytes,
+    peak_memory_gib,
+    use_color,
+)
 from titanlike.training.optim import build_lr_scheduler, build_optimizer
 from titanlike.training.step import eval_loss_sum, train_step
 
@@ -49,18 +56,6 @@ def default_corpus() -> list[str]:
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
 
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far (Linux VmHWM; ru_maxrss elsewhere)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 class NonFiniteError(fault.ReportedError):
     """The run stops: too many non-finite steps, or an update made the weights non-finite."""
@@ -264,7 +259,7 @@ class Trainer:
 
     def _report_init(self, seconds: float, init_seed: int | None) -> None:
         """Rank 0: how the weights started, the build's time and the largest peak host memory (RSS) of any rank."""
-        peak = torch.tensor([float(peak_rss_bytes())], dtype=torch.float64, device=self.device)
+        peak = torch.tensor([float(peak_host_bytes())], dtype=torch.float64, device=self.device)
         if self.distributed:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         if self.rank == 0:
