@@ -247,7 +247,8 @@ def init_parameters(module: nn.Module, plan: Callable[[str], Init] | Mapping[str
 
     for (fqn, p), init in zip(params, inits):
         if p.is_meta:
-            raise ValueError(f"init: parameter '{fqn}' is on the meta device; allocate it first (to_empty)")
+            raise ValueError(f"init: parameter '{fqn}' is on the meta device; allocate it first "
+                             "(titanlike.parallel.to_empty_keeping_ties)")
         local = p.to_local() if isinstance(p, DTensor) else p.data  # under no_grad: the local tensor itself
         if local.numel() == 0:
             continue

@@ -56,7 +56,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh, cfg) -> nn.Mod
     """float8 (torchao) -> TP(+SP, loss parallel) -> CP -> activation checkpointing -> compile -> FSDP/HSDP, in
     place; returns ``model``.
 
-    ``model`` may be on the meta device (then call ``to_empty`` + ``init_weights`` afterwards) or materialised
+    ``model`` may be on the meta device (then allocate and fill it with ``titanlike.parallel.materialize``, or
+    ``to_empty_keeping_ties`` + ``init_weights``: a plain ``to_empty`` drops the gradient hooks of TP) or materialised
     (every rank must hold the same weights: TP and FSDP keep each rank's shard of its own copy). ``mesh`` is
     ``dims.build_mesh(...)``. Parameter names do not change.
     """
