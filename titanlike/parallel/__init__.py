@@ -23,7 +23,7 @@ from titanlike.parallel.fsdp import apply_fsdp
 from titanlike.parallel.fused import FusedColwiseParallel
 from titanlike.parallel.gpt2 import PositionEmbeddingParallel
 from titanlike.parallel.loss_parallel import loss_parallel_cross_entropy, vocab_parallel_cross_entropy
-from titanlike.parallel.materialize import materialize, to_empty_keeping_ties
+from titanlike.parallel.materialize import to_empty_keeping_ties
 from titanlike.parallel.parallelize import build_loss_fn, loss_group, loss_parallel_enabled, parallelize_model
 from titanlike.parallel.pipeline import PipelineParallel, apply_pp, pipeline_module
 from titanlike.parallel.tensor_parallel import ReplicateParallel, apply_tp, tp_plan
@@ -44,7 +44,6 @@ __all__ = [
     "apply_tp",
     "build_loss_fn",
     "build_parallel_model",
-    "materialize",
     "to_empty_keeping_ties",
     "clip_grad_norm_",
     "cp_shard",
