@@ -125,16 +125,18 @@ def tp_plan(stage: GPT) -> dict:
         plan["wte"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
         plan["wpe"] = PositionEmbeddingParallel(sequence_parallel=True, use_local_output=True)
     for i in stage.h._modules:  # the block indices this stage keeps
-        plan.update({
-            f"h.{i}.ln_1": SequenceParallel(use_local_output=True),
-            f"h.{i}.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            f"h.{i}.attn.c_attn": FusedColwiseParallel(3),  # each rank its heads of q, of k and of v
-            f"h.{i}.attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
-            f"h.{i}.ln_2": SequenceParallel(use_local_output=True),
-            f"h.{i}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            f"h.{i}.mlp.c_fc": ColwiseParallel(),
-            f"h.{i}.mlp.c_proj": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        plan.update(
+            {
+                f"h.{i}.ln_1": SequenceParallel(use_local_output=True),
+                f"h.{i}.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                f"h.{i}.attn.c_attn": FusedColwiseParallel(3),  # each rank its heads of q, of k and of v
+                f"h.{i}.attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+                f"h.{i}.ln_2": SequenceParallel(use_local_output=True),
+                f"h.{i}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                f"h.{i}.mlp.c_fc": ColwiseParallel(),
+                f"h.{i}.mlp.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+            }
+        )
     if stage.lm_head is not None:
         plan["ln_f"] = SequenceParallel()
         plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
@@ -149,12 +151,20 @@ def sum_cross_entropy(logits, labels):
 def parallelize(model: GPT, mesh, n_microbatches: int):
     """This rank's pipeline stages of ``model``, each tensor-parallel over ``mesh["tp"]`` and FSDP over
     ``mesh["dp"]``, run by a 1F1B schedule."""
+
     def parallelize_stage(stage, is_first, is_last):
         apply_tp(stage, mesh["tp"], tp_plan(stage))
         return apply_fsdp(stage, mesh["dp"], blocks=list(stage.h), pp_enabled=True)
 
-    return pipeline_module(model, mesh["pp"], SPLIT, loss_fn=sum_cross_entropy, n_microbatches=n_microbatches,
-                           schedule="1F1B", parallelize_stage=parallelize_stage)
+    return pipeline_module(
+        model,
+        mesh["pp"],
+        SPLIT,
+        loss_fn=sum_cross_entropy,
+        n_microbatches=n_microbatches,
+        schedule="1F1B",
+        parallelize_stage=parallelize_stage,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ train
@@ -163,8 +173,9 @@ GLOBAL_BATCH, LR, MAX_NORM = 8, 1e-2, 0.5
 
 def batch(step: int, config: GPTConfig):
     """The global batch of ``step`` (random tokens; a real job reads its data loader)."""
-    tokens = torch.randint(config.vocab_size, (GLOBAL_BATCH, config.block_size + 1),
-                           generator=torch.Generator().manual_seed(step))
+    tokens = torch.randint(
+        config.vocab_size, (GLOBAL_BATCH, config.block_size + 1), generator=torch.Generator().manual_seed(step)
+    )
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -175,9 +186,18 @@ def train(pp, optimizer, mesh, step: int, config: GPTConfig):
     dp = mesh["dp"]
     rows = GLOBAL_BATCH // dp.size()
     mine = slice(dp.get_local_rank() * rows, (dp.get_local_rank() + 1) * rows)
-    return train_step(pp.model_parts, optimizer, [(inputs[mine], labels[mine])], pp.loss, max_norm=MAX_NORM,
-                      clip_fn=pp.finalize_grads_and_clip_, dp_group=dp.get_group(), pp_schedule=pp.schedule,
-                      pp_group=pp.pp_group, has_last_stage=pp.has_last_stage)
+    return train_step(
+        pp.model_parts,
+        optimizer,
+        [(inputs[mine], labels[mine])],
+        pp.loss,
+        max_norm=MAX_NORM,
+        clip_fn=pp.finalize_grads_and_clip_,
+        dp_group=dp.get_group(),
+        pp_schedule=pp.schedule,
+        pp_group=pp.pp_group,
+        has_last_stage=pp.has_last_stage,
+    )
 
 
 def build(config: GPTConfig, mesh, seed: int):

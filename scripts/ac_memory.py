@@ -23,19 +23,21 @@ from titanlike.config import ActivationCheckpoint  # noqa: E402
 from titanlike.models.llama import FLAVORS, Transformer  # noqa: E402
 from titanlike.parallel.activation_checkpoint import apply_ac  # noqa: E402
 
-GiB = 2 ** 30
+GiB = 2**30
 MODES = {"none": ("none", "op"), "full": ("full", "op"), "op": ("selective", "op"), "every2": ("selective", "2")}
 
 
-def peak_by_kind(flavor: str, batch: int, seq_len: int, mode: str, dtype: torch.dtype = torch.bfloat16,
-                 vocab: int = 128256) -> dict[str, int]:
+def peak_by_kind(
+    flavor: str, batch: int, seq_len: int, mode: str, dtype: torch.dtype = torch.bfloat16, vocab: int = 128256
+) -> dict[str, int]:
     """{"Parameter": bytes, "Activation": ..., "Temp": ..., "Total": ...} at the fwd+bwd peak for ``mode``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
     args = FLAVORS[flavor]
-    args = args.replace(vocab_size=args.vocab_size if args.vocab_size > 0 else vocab,
-                        max_seq_len=max(args.max_seq_len, seq_len))
+    args = args.replace(
+        vocab_size=args.vocab_size if args.vocab_size > 0 else vocab, max_seq_len=max(args.max_seq_len, seq_len)
+    )
     ac_mode, option = MODES[mode]
     prev = torch.get_default_dtype()
     with FakeTensorMode():
@@ -62,13 +64,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--modes", default=",".join(MODES))
     a = ap.parse_args(argv)
-    print(f"fwd+bwd peak by AC mode: flavor={a.flavor} batch={a.batch} seq={a.seq_len} {a.dtype} parameters "
-          f"(fake tensors, MemTracker)")
+    print(
+        f"fwd+bwd peak by AC mode: flavor={a.flavor} batch={a.batch} seq={a.seq_len} {a.dtype} parameters "
+        f"(fake tensors, MemTracker)"
+    )
     print(f"{'mode':>7} {'params GiB':>11} {'activations GiB':>16} {'temp GiB':>9} {'total GiB':>10}")
     for mode in a.modes.split(","):
         p = peak_by_kind(a.flavor, a.batch, a.seq_len, mode, getattr(torch, a.dtype))
-        print(f"{mode:>7} {p.get('Parameter', 0) / GiB:11.2f} {p.get('Activation', 0) / GiB:16.2f} "
-              f"{p.get('Temp', 0) / GiB:9.2f} {p['Total'] / GiB:10.2f}")
+        print(
+            f"{mode:>7} {p.get('Parameter', 0) / GiB:11.2f} {p.get('Activation', 0) / GiB:16.2f} "
+            f"{p.get('Temp', 0) / GiB:9.2f} {p['Total'] / GiB:10.2f}"
+        )
     return 0
 
 

@@ -43,11 +43,31 @@ from titanlike.training.trainer import Trainer  # noqa: E402
 
 
 def _trainer(out: Path, flavor: str, tokenizer: str, mode: str) -> Trainer:
-    argv = ["--model.flavor", flavor, "--model.tokenizer", tokenizer, "--training.steps", "1000",
-            "--training.local_batch_size", "1", "--training.seq_len", "64",
-            "--data.path", str(asset_path("corpus", "tinyshakespeare.txt")), "--validation.enable", "false",
-            "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(out), "--checkpoint.enable",
-            "--checkpoint.keep_latest_k", "1", "--checkpoint.async_mode", mode]
+    argv = [
+        "--model.flavor",
+        flavor,
+        "--model.tokenizer",
+        tokenizer,
+        "--training.steps",
+        "1000",
+        "--training.local_batch_size",
+        "1",
+        "--training.seq_len",
+        "64",
+        "--data.path",
+        str(asset_path("corpus", "tinyshakespeare.txt")),
+        "--validation.enable",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--job.dump_folder",
+        str(out),
+        "--checkpoint.enable",
+        "--checkpoint.keep_latest_k",
+        "1",
+        "--checkpoint.async_mode",
+        mode,
+    ]
     return Trainer(load_config(argv, world_size=1))
 
 
@@ -93,8 +113,14 @@ def bench_validation(step_dir: Path, repeat: int) -> dict:
     n = 5 * repeat
     md_s, md_stock_s = _median_cpu_s([lambda: restricted_unpickle.unpickle_metadata(raw), lambda: pickle.loads(raw)], n)
     bytes_s, bytes_stock_s = _median_cpu_s([lambda: load_bytes(True), lambda: load_bytes(False)], n)
-    return {"metadata_kib": len(raw) / 2**10, "byte_entries": len(blobs), "metadata_s": 2 * md_s,
-            "metadata_stock_s": 2 * md_stock_s, "bytes_s": bytes_s, "bytes_stock_s": bytes_stock_s}
+    return {
+        "metadata_kib": len(raw) / 2**10,
+        "byte_entries": len(blobs),
+        "metadata_s": 2 * md_s,
+        "metadata_stock_s": 2 * md_stock_s,
+        "bytes_s": bytes_s,
+        "bytes_stock_s": bytes_stock_s,
+    }
 
 
 def bench(out: Path, flavor: str, tokenizer: str, repeat: int) -> dict:
@@ -141,11 +167,20 @@ def bench(out: Path, flavor: str, tokenizer: str, repeat: int) -> dict:
     t0 = time.perf_counter()
     export_hf(out / "checkpoint" / f"step-{3 * repeat}", out / "hf")
     export = time.perf_counter() - t0
-    return {"flavor": flavor, "params": trainer.num_params, "size_mib": size / 2**20,
-            "save_s": statistics.median(sync), "save_plain_s": statistics.median(plain),
-            "verify_s": statistics.median(verify), "async_blocked_s": statistics.median(blocked),
-            "async_total_s": statistics.median(total), "load_s": statistics.median(loads), "export_hf_s": export,
-            "load_cpu_s": statistics.median(loads_cpu), **validation}
+    return {
+        "flavor": flavor,
+        "params": trainer.num_params,
+        "size_mib": size / 2**20,
+        "save_s": statistics.median(sync),
+        "save_plain_s": statistics.median(plain),
+        "verify_s": statistics.median(verify),
+        "async_blocked_s": statistics.median(blocked),
+        "async_total_s": statistics.median(total),
+        "load_s": statistics.median(loads),
+        "export_hf_s": export,
+        "load_cpu_s": statistics.median(loads_cpu),
+        **validation,
+    }
 
 
 def main() -> int:
@@ -157,28 +192,37 @@ def main() -> int:
     args = parser.parse_args()
     flavors = args.flavor or ["debugmodel", "gpt2_small"]  # gpt2_small's shape with the 2k vocabulary: 115M
     print(f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
-    print("| model | parameters | checkpoint | save (sync) | save, no checksum | checksum cost | "
-          "async: training blocked | async: until committed | load (resume) | verify checksums | HF export |")
+    print(
+        "| model | parameters | checkpoint | save (sync) | save, no checksum | checksum cost | "
+        "async: training blocked | async: until committed | load (resume) | verify checksums | HF export |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     results = []
     for flavor in flavors:
         r = bench(Path(args.out) / flavor, flavor, args.tokenizer, args.repeat)
-        print(f"| {flavor} | {r['params'] / 1e6:.1f}M | {r['size_mib']:.0f} MiB | {r['save_s']:.2f} s | "
-              f"{r['save_plain_s']:.2f} s | {r['save_s'] / r['save_plain_s']:.3f}x | "
-              f"{r['async_blocked_s']:.2f} s | {r['async_total_s']:.2f} s | {r['load_s']:.2f} s | "
-              f"{r['verify_s']:.2f} s | {r['export_hf_s']:.2f} s |", flush=True)
+        print(
+            f"| {flavor} | {r['params'] / 1e6:.1f}M | {r['size_mib']:.0f} MiB | {r['save_s']:.2f} s | "
+            f"{r['save_plain_s']:.2f} s | {r['save_s'] / r['save_plain_s']:.3f}x | "
+            f"{r['async_blocked_s']:.2f} s | {r['async_total_s']:.2f} s | {r['load_s']:.2f} s | "
+            f"{r['verify_s']:.2f} s | {r['export_hf_s']:.2f} s |",
+            flush=True,
+        )
         results.append(r)
-    print("\nCPU time of this process (other processes on the machine do not inflate it):\n"
-          "| model | .metadata | byte entries | resume | metadata validation x 2 (stock pickle.load) | byte "
-          "entries, weights_only (stock) | validation / resume | added vs stock DCP / resume |")
+    print(
+        "\nCPU time of this process (other processes on the machine do not inflate it):\n"
+        "| model | .metadata | byte entries | resume | metadata validation x 2 (stock pickle.load) | byte "
+        "entries, weights_only (stock) | validation / resume | added vs stock DCP / resume |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         extra = r["metadata_s"] - r["metadata_stock_s"] + r["bytes_s"] - r["bytes_stock_s"]
-        print(f"| {r['flavor']} | {r['metadata_kib']:.0f} KiB | {r['byte_entries']} | {r['load_cpu_s']:.2f} s | "
-              f"{r['metadata_s'] * 1e3:.1f} ms ({r['metadata_stock_s'] * 1e3:.1f} ms) | {r['bytes_s'] * 1e3:.1f} ms "
-              f"({r['bytes_stock_s'] * 1e3:.1f} ms) | {r['metadata_s'] / r['load_cpu_s']:.2%} | "
-              f"{extra / r['load_cpu_s']:.2%} |",
-              flush=True)
+        print(
+            f"| {r['flavor']} | {r['metadata_kib']:.0f} KiB | {r['byte_entries']} | {r['load_cpu_s']:.2f} s | "
+            f"{r['metadata_s'] * 1e3:.1f} ms ({r['metadata_stock_s'] * 1e3:.1f} ms) | {r['bytes_s'] * 1e3:.1f} ms "
+            f"({r['bytes_stock_s'] * 1e3:.1f} ms) | {r['metadata_s'] / r['load_cpu_s']:.2%} | "
+            f"{extra / r['load_cpu_s']:.2%} |",
+            flush=True,
+        )
     return 0
 
 

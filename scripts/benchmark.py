@@ -51,7 +51,7 @@ from titanlike.layout import TE_FLOAT8_RECIPES, TORCHAO_FLOAT8_RECIPES, float8_v
 from titanlike.models import get_spec, registered  # noqa: E402
 from titanlike.training.mfu import device_peak_flops, mfu, peak_key  # noqa: E402
 
-GiB = 2 ** 30
+GiB = 2**30
 
 
 @dataclass
@@ -193,14 +193,25 @@ def run_titanlike(a, args, batches, device: torch.device) -> tuple[float, float,
     model, forward_ctx = built.model_parts[0], built.forward_context
     if a.fsdp == "on":  # FSDP2 on this one rank as well (its wrapper cost; see docs/facts.md)
         bf16 = a.dtype == "bfloat16"
-        apply_fsdp(model, dims.get_mesh("dp_shard_cp"), param_dtype=torch.bfloat16 if bf16 else None,
-                   reduce_dtype=torch.float32 if bf16 else None)
+        apply_fsdp(
+            model,
+            dims.get_mesh("dp_shard_cp"),
+            param_dtype=torch.bfloat16 if bf16 else None,
+            reduce_dtype=torch.float32 if bf16 else None,
+        )
         forward_ctx = contextlib.nullcontext  # FSDP's mixed precision computes in bf16
     optimizer = build_optimizer([model], cfg)
 
     def step(batch):
-        return train_step([model], optimizer, [batch], built.loss, max_norm=cfg.training.max_norm,
-                          clip_fn=built.clip_fn, forward_ctx=forward_ctx).loss
+        return train_step(
+            [model],
+            optimizer,
+            [batch],
+            built.loss,
+            max_norm=cfg.training.max_norm,
+            clip_fn=built.clip_fn,
+            forward_ctx=forward_ctx,
+        ).loss
 
     _reset_peak(device)
     seconds, last = _timed(step, batches, a.warmup, a.steps, device)
@@ -213,8 +224,14 @@ def run_plain(a, args, batches, device: torch.device) -> tuple[float, float, flo
         for block in model.layers.values():
             block.compile()
     cuda = device.type == "cuda"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                  fused=cuda or None, foreach=None if cuda else True)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=8e-4,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+        fused=cuda or None,
+        foreach=None if cuda else True,
+    )
     bf16 = a.dtype == "bfloat16"
 
     def step(batch):
@@ -251,16 +268,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=0, help="vocabulary size (0: the flavor's, or 2048)")
     ap.add_argument("--ac", default="none", help="none | full | op | N (every N-th block)")
     ap.add_argument("--kernels", default="torch", choices=("torch", "te"))
-    ap.add_argument("--float8", default="", choices=("",) + TORCHAO_FLOAT8_RECIPES + TE_FLOAT8_RECIPES,
-                    help="float8 recipe of the titanlike row (torchao: tensorwise | rowwise | rowwise_with_gw_hp)")
-    ap.add_argument("--float8-backend", default="torchao", choices=("torchao", "te"),
-                    help="torchao (Float8Linear, the default) or te (needs --kernels te)")
+    ap.add_argument(
+        "--float8",
+        default="",
+        choices=("",) + TORCHAO_FLOAT8_RECIPES + TE_FLOAT8_RECIPES,
+        help="float8 recipe of the titanlike row (torchao: tensorwise | rowwise | rowwise_with_gw_hp)",
+    )
+    ap.add_argument(
+        "--float8-backend",
+        default="torchao",
+        choices=("torchao", "te"),
+        help="torchao (Float8Linear, the default) or te (needs --kernels te)",
+    )
     ap.add_argument("--float8-emulate", action="store_true", help="torchao's emulation (CPU, tests)")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    ap.add_argument("--fsdp", default="auto", choices=("on", "auto"),
-                    help="auto: as parallelize_model decides (no FSDP on one rank: the single-GPU path); "
-                         "on: FSDP2 wrapper on the 1-rank mesh (the per-device path of a data-parallel run)")
+    ap.add_argument(
+        "--fsdp",
+        default="auto",
+        choices=("on", "auto"),
+        help="auto: as parallelize_model decides (no FSDP on one rank: the single-GPU path); "
+        "on: FSDP2 wrapper on the 1-rank mesh (the per-device path of a data-parallel run)",
+    )
     ap.add_argument("--loss-chunk", type=int, default=0, help="titanlike loss chunk size (0: unchunked)")
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="override the device peak for MFU")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -306,12 +335,15 @@ def main(argv: list[str] | None = None) -> int:
     fpt = get_spec(a.model).flops_per_token(args, a.seq_len)
     peak = device_peak_flops(device, peak_key(a.dtype, a.float8), a.peak_tflops)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"benchmark: flavor={a.flavor} ({args.num_params() / 1e6:.1f}M params, vocab {args.vocab_size}) "
-          f"batch={a.batch} seq={a.seq_len} steps={a.steps} (+{a.warmup} warmup) dtype={a.dtype} "
-          f"compile={a.compile} ac={a.ac} kernels={a.kernels} "
-          f"float8={_float8_label(a)} "
-          f"fsdp={a.fsdp} loss_chunk={a.loss_chunk or 'off'} "
-          f"device={name}; peak {'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}", flush=True)
+    print(
+        f"benchmark: flavor={a.flavor} ({args.num_params() / 1e6:.1f}M params, vocab {args.vocab_size}) "
+        f"batch={a.batch} seq={a.seq_len} steps={a.steps} (+{a.warmup} warmup) dtype={a.dtype} "
+        f"compile={a.compile} ac={a.ac} kernels={a.kernels} "
+        f"float8={_float8_label(a)} "
+        f"fsdp={a.fsdp} loss_chunk={a.loss_chunk or 'off'} "
+        f"device={name}; peak {'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}",
+        flush=True,
+    )
     runners = {"titanlike": run_titanlike, "plain": run_plain}
     rows: list[Row] = []
     try:
@@ -336,8 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     if ratio is not None:
         print(f"ratio titanlike/plain: {ratio:.3f}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a), "device": name, "rows": [r.__dict__ for r in rows],
-                                            "ratio": ratio}, indent=1))
+        Path(a.json).write_text(
+            json.dumps({"args": vars(a), "device": name, "rows": [r.__dict__ for r in rows], "ratio": ratio}, indent=1)
+        )
     return 0
 
 

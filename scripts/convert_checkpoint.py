@@ -37,12 +37,19 @@ def main(argv: list[str] | None = None) -> int:
     to_hf = sub.add_parser("to-hf", help="checkpoint step folder -> Hugging Face Llama folder")
     to_hf.add_argument("checkpoint", help="a step-N folder (DCP) written by titanlike")
     to_hf.add_argument("out", help="new folder for model.safetensors and config.json")
-    to_hf.add_argument("--max-shard-size", default="5GB",
-                       help="split the weights into model-0000i-of-0000n.safetensors + index above this (default 5GB)")
-    to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                       help="cast the weights (default: as saved)")
-    to_hf.add_argument("--tokenizer", default=None,
-                       help="bos/eos ids from this tokenizer (default: the one recorded in the checkpoint)")
+    to_hf.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="split the weights into model-0000i-of-0000n.safetensors + index above this (default 5GB)",
+    )
+    to_hf.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="cast the weights (default: as saved)"
+    )
+    to_hf.add_argument(
+        "--tokenizer",
+        default=None,
+        help="bos/eos ids from this tokenizer (default: the one recorded in the checkpoint)",
+    )
     from_hf = sub.add_parser("from-hf", help="Hugging Face Llama weights -> DCP seed checkpoint")
     from_hf.add_argument("weights", help="model.safetensors (config.json beside it) or the folder holding both")
     from_hf.add_argument("out", help="new checkpoint folder, e.g. <dump>/checkpoint/step-0")
@@ -55,8 +62,13 @@ def main(argv: list[str] | None = None) -> int:
                 from titanlike.data import build_tokenizer
 
                 tokenizer = build_tokenizer(args.tokenizer)
-            out = export_hf(args.checkpoint, args.out, max_shard_size=args.max_shard_size,
-                            dtype=getattr(torch, args.dtype) if args.dtype else None, tokenizer=tokenizer)
+            out = export_hf(
+                args.checkpoint,
+                args.out,
+                max_shard_size=args.max_shard_size,
+                dtype=getattr(torch, args.dtype) if args.dtype else None,
+                tokenizer=tokenizer,
+            )
         else:
             state_dict, model_args = load_hf(args.weights)
             state_dict = {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}

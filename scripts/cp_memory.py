@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MiB = 2 ** 20
+MiB = 2**20
 
 
 def _free_port() -> int:
@@ -130,19 +130,26 @@ def main(argv: list[str] | None = None) -> int:
         if a.seq_len % (2 * cp):
             print(f"error: --seq-len {a.seq_len} is not divisible by 2 x cp = {2 * cp}", file=sys.stderr)
             return 2
-    print(f"activation memory per rank (saved for backward at the end of the forward), {a.flavor}, 1 x {a.seq_len} "
-          f"tokens, float32, vocab {a.vocab}, CPU / gloo; max over ranks")
-    print(f"{'cp':>3} {'outside attn MiB':>17} {'ratio':>6} {'attn core MiB':>14} {'ratio':>6} {'total MiB':>10} "
-          f"{'ratio':>6}")
+    print(
+        f"activation memory per rank (saved for backward at the end of the forward), {a.flavor}, 1 x {a.seq_len} "
+        f"tokens, float32, vocab {a.vocab}, CPU / gloo; max over ranks"
+    )
+    print(
+        f"{'cp':>3} {'outside attn MiB':>17} {'ratio':>6} {'attn core MiB':>14} {'ratio':>6} {'total MiB':>10} "
+        f"{'ratio':>6}"
+    )
     base = None
     for cp in cps:
         ranks = run(cp, a.flavor, a.seq_len, a.vocab)
         row = {k: max(r[k] for r in ranks) for k in ("outside", "core")}
         row["total"] = max(r["outside"] + r["core"] for r in ranks)
         base = base or row
-        print(f"{cp:>3} {row['outside'] / MiB:17.1f} {row['outside'] / base['outside']:6.3f} "
-              f"{row['core'] / MiB:14.1f} {row['core'] / base['core']:6.3f} {row['total'] / MiB:10.1f} "
-              f"{row['total'] / base['total']:6.3f}", flush=True)
+        print(
+            f"{cp:>3} {row['outside'] / MiB:17.1f} {row['outside'] / base['outside']:6.3f} "
+            f"{row['core'] / MiB:14.1f} {row['core'] / base['core']:6.3f} {row['total'] / MiB:10.1f} "
+            f"{row['total'] / base['total']:6.3f}",
+            flush=True,
+        )
     return 0
 
 

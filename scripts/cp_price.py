@@ -26,13 +26,24 @@ from titanlike.planner.plan import fmt_bytes, fmt_seconds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = {"llama3_8b": 64, "llama3_70b": 256, "llama3_405b": 16384}
-GiB = 2 ** 30
+GiB = 2**30
 
 
 def row(config: Path, seq: int, cp: int, vocab: int, world: int) -> str:
-    cfg = parse_config(["--job.config_file", str(config), "--training.seq_len", str(seq),
-                        "--model.max_seq_len", str(max(seq, 8192)), "--parallelism.context_parallel_degree", str(cp),
-                        "--training.global_batch_size", "-1"])
+    cfg = parse_config(
+        [
+            "--job.config_file",
+            str(config),
+            "--training.seq_len",
+            str(seq),
+            "--model.max_seq_len",
+            str(max(seq, 8192)),
+            "--parallelism.context_parallel_degree",
+            str(cp),
+            "--training.global_batch_size",
+            "-1",
+        ]
+    )
     if cfg.parallelism.pipeline_parallel_degree == 1:
         cfg.training.local_batch_size = 1
     args = model_args_from_config(cfg, vocab)
@@ -49,10 +60,12 @@ def row(config: Path, seq: int, cp: int, vocab: int, world: int) -> str:
     per_block = sum(m.wire_bytes for m in cp_msgs) / max(blocks * passes, 1)
     d = c.dims.get("cp")
     act = next(it.bytes for it in plan.memory[0] if it.name == "activations")
-    return (f"{head}{lo.dp_shard:>6}  {fmt_bytes(one):>10}  {fmt_bytes(per_block):>10}  "
-            f"{fmt_seconds(d.seconds if d else 0):>9}  {fmt_seconds(d.exposed if d else 0):>9}  "
-            f"{(d.exposed if d else 0) / c.step_time:6.1%}  {fmt_seconds(c.step_time):>9}  {act / GiB:8.1f}  "
-            f"{'yes' if plan.fits else 'NO':>4}  {c.mfu:5.1%}")
+    return (
+        f"{head}{lo.dp_shard:>6}  {fmt_bytes(one):>10}  {fmt_bytes(per_block):>10}  "
+        f"{fmt_seconds(d.seconds if d else 0):>9}  {fmt_seconds(d.exposed if d else 0):>9}  "
+        f"{(d.exposed if d else 0) / c.step_time:6.1%}  {fmt_seconds(c.step_time):>9}  {act / GiB:8.1f}  "
+        f"{'yes' if plan.fits else 'NO':>4}  {c.mfu:5.1%}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,10 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from titanlike.data import build_tokenizer
 
-    print("CP price per step on H100 nodes of 8 (titanlike planner; rank 0; K/V in bf16). One sequence per dp rank "
-          "and microbatch; world size fixed, dp_shard = what is left.")
-    print(f"{'config':<12}{'seq':>8}{'cp':>4}{'dp_sh':>6}  {'K or V msg':>10}  {'cp wire/blk':>10}  {'cp time':>9}  "
-          f"{'exposed':>9}  {'share':>6}  {'step':>9}  {'act GiB':>8}  {'fits':>4}  {'MFU':>5}")
+    print(
+        "CP price per step on H100 nodes of 8 (titanlike planner; rank 0; K/V in bf16). One sequence per dp rank "
+        "and microbatch; world size fixed, dp_shard = what is left."
+    )
+    print(
+        f"{'config':<12}{'seq':>8}{'cp':>4}{'dp_sh':>6}  {'K or V msg':>10}  {'cp wire/blk':>10}  {'cp time':>9}  "
+        f"{'exposed':>9}  {'share':>6}  {'step':>9}  {'act GiB':>8}  {'fits':>4}  {'MFU':>5}"
+    )
     for path in a.configs.split(","):
         config = ROOT / path if not Path(path).is_absolute() else Path(path)
         try:

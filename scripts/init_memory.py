@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-GiB = 2 ** 30
+GiB = 2**30
 
 
 def _status(field: str) -> int:
@@ -40,11 +40,27 @@ def _status(field: str) -> int:
 
 
 def _config_args(a, world: int) -> list[str]:
-    deg = ("--parallelism.data_parallel_shard_degree" if a.layout == "fsdp"
-           else "--parallelism.tensor_parallel_degree")
-    out = ["--model.flavor", "debugmodel", "--model.dim", str(a.dim), "--model.n_layers", str(a.n_layers),
-           "--model.n_heads", str(a.n_heads), "--model.n_kv_heads", str(a.n_heads), "--training.seq_len", "16",
-           "--model.max_seq_len", "16", "--training.local_batch_size", "1", deg, str(world)]
+    deg = "--parallelism.data_parallel_shard_degree" if a.layout == "fsdp" else "--parallelism.tensor_parallel_degree"
+    out = [
+        "--model.flavor",
+        "debugmodel",
+        "--model.dim",
+        str(a.dim),
+        "--model.n_layers",
+        str(a.n_layers),
+        "--model.n_heads",
+        str(a.n_heads),
+        "--model.n_kv_heads",
+        str(a.n_heads),
+        "--training.seq_len",
+        "16",
+        "--model.max_seq_len",
+        "16",
+        "--training.local_batch_size",
+        "1",
+        deg,
+        str(world),
+    ]
     if a.layout == "tp":
         out += ["--parallelism.data_parallel_shard_degree", "1"]
     return out
@@ -80,10 +96,21 @@ def worker(a) -> None:
         built = build_parallel_model(model, cfg, dims, mesh, cpu)
         del model
     peak = _status("VmHWM")
-    shards = sum((p.to_local() if hasattr(p, "to_local") else p).nbytes
-                 for m in built.model_parts for p in m.parameters())
-    print(json.dumps({"rank": rank, "base": base, "peak": peak, "shards": shards,
-                      "params": sum(p.numel() for p in spec.build_meta(args).parameters())}), flush=True)
+    shards = sum(
+        (p.to_local() if hasattr(p, "to_local") else p).nbytes for m in built.model_parts for p in m.parameters()
+    )
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "base": base,
+                "peak": peak,
+                "shards": shards,
+                "params": sum(p.numel() for p in spec.build_meta(args).parameters()),
+            }
+        ),
+        flush=True,
+    )
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
@@ -98,12 +125,34 @@ def _free_port() -> int:
 def launch(a, world: int, mode: str) -> list[dict]:
     """``world`` processes of this script in worker mode (torchrun's environment, no torchrun start-up)."""
     port = str(_free_port())
-    argv = [sys.executable, __file__, "--worker", mode, "--dim", str(a.dim), "--n-layers", str(a.n_layers),
-            "--n-heads", str(a.n_heads), "--vocab", str(a.vocab), "--layout", a.layout]
+    argv = [
+        sys.executable,
+        __file__,
+        "--worker",
+        mode,
+        "--dim",
+        str(a.dim),
+        "--n-layers",
+        str(a.n_layers),
+        "--n-heads",
+        str(a.n_heads),
+        "--vocab",
+        str(a.vocab),
+        "--layout",
+        a.layout,
+    ]
     procs = []
     for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
+        env = dict(
+            os.environ,
+            RANK=str(r),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(r),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS="1",
+        )
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = []
     for p in procs:
@@ -130,19 +179,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ranks = [int(r) for r in a.ranks.split(",")]
     if a.layout == "tp" and any(a.n_heads % r for r in ranks):
-        print(f"error: --n-heads {a.n_heads} must be divisible by every --ranks entry under --layout tp",
-              file=sys.stderr)
+        print(
+            f"error: --n-heads {a.n_heads} must be divisible by every --ranks entry under --layout tp", file=sys.stderr
+        )
         return 2
-    print(f"peak host memory per rank during init (VmHWM - RSS before the build, max over ranks), Llama dim {a.dim}, "
-          f"{a.n_layers} layers, vocab {a.vocab}, float32, layout {a.layout}")
+    print(
+        f"peak host memory per rank during init (VmHWM - RSS before the build, max over ranks), Llama dim {a.dim}, "
+        f"{a.n_layers} layers, vocab {a.vocab}, float32, layout {a.layout}"
+    )
     print(f"{'ranks':>5} {'sharded GiB':>12} {'full GiB':>9} {'ratio':>6} {'shards GiB':>11}  params")
     for n in ranks:
         sharded, full = launch(a, n, "sharded"), launch(a, n, "full")
         s = max(r["peak"] - r["base"] for r in sharded)
         f = max(r["peak"] - r["base"] for r in full)
         shards = max(r["shards"] for r in sharded)
-        print(f"{n:>5} {s / GiB:12.3f} {f / GiB:9.3f} {s / f:6.3f} {shards / GiB:11.3f}  "
-              f"{sharded[0]['params'] / 1e6:.1f}M", flush=True)
+        print(
+            f"{n:>5} {s / GiB:12.3f} {f / GiB:9.3f} {s / f:6.3f} {shards / GiB:11.3f}  "
+            f"{sharded[0]['params'] / 1e6:.1f}M",
+            flush=True,
+        )
     return 0
 
 

@@ -24,11 +24,17 @@ import torch  # noqa: E402
 
 from titanlike.loss import cross_entropy_loss  # noqa: E402
 
-MiB = 2 ** 20
+MiB = 2**20
 
 
-def peak_bytes(tokens: int, vocab: int, chunk_size: int | None, dtype: torch.dtype = torch.bfloat16,
-               device: str = "cpu", fake: bool = True) -> int:
+def peak_bytes(
+    tokens: int,
+    vocab: int,
+    chunk_size: int | None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    fake: bool = True,
+) -> int:
     """Forward + backward peak bytes of ``cross_entropy_loss`` on (tokens, vocab) logits, logits included."""
     if device == "cuda":
         logits = torch.randn(tokens, vocab, device=device, dtype=dtype, requires_grad=True)
@@ -63,10 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     chunks = [None if c.strip() == "none" else int(c) for c in args.chunks.split(",")]
     logits_mib = args.tokens * args.vocab * dtype.itemsize / MiB
-    mode = "cuda max_memory_allocated" if args.device == "cuda" else \
-        ("MemTracker, real tensors" if args.real else "MemTracker, fake tensors")
-    print(f"cross entropy fwd+bwd peak: {args.tokens} tokens x {args.vocab} vocab, {args.dtype} logits "
-          f"({logits_mib:.0f} MiB), {mode}")
+    mode = (
+        "cuda max_memory_allocated"
+        if args.device == "cuda"
+        else ("MemTracker, real tensors" if args.real else "MemTracker, fake tensors")
+    )
+    print(
+        f"cross entropy fwd+bwd peak: {args.tokens} tokens x {args.vocab} vocab, {args.dtype} logits "
+        f"({logits_mib:.0f} MiB), {mode}"
+    )
     print(f"{'chunk_size':>10}  {'peak MiB':>9}  {'x logits':>8}")
     for chunk in chunks:
         peak = peak_bytes(args.tokens, args.vocab, chunk, dtype, args.device, fake=not args.real)

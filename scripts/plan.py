@@ -20,19 +20,31 @@ from titanlike.config import ConfigError, model_args_from_config, parse_config  
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                epilog="Any --section.key value is a config override (see titanlike/config.py).")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
+        epilog="Any --section.key value is a config override (see titanlike/config.py).",
+    )
     p.add_argument("--world-size", type=int, required=True, help="number of GPUs (ranks) of the job")
-    p.add_argument("--gpus-per-node", type=int, default=0,
-                   help="GPUs per node (default: parallelism.gpus_per_node, else 8)")
+    p.add_argument(
+        "--gpus-per-node", type=int, default=0, help="GPUs per node (default: parallelism.gpus_per_node, else 8)"
+    )
     p.add_argument("--gpu", default="H100", help="GPU type: A100, H100, H200, B200 (default H100)")
     p.add_argument("--nvlink-gbps", type=float, help="intra-node bandwidth per GPU and direction, GB/s")
     p.add_argument("--ib-gbps", type=float, help="inter-node bandwidth per GPU and direction, GB/s")
     p.add_argument("--memory-gib", type=float, help="GPU memory, GiB")
-    p.add_argument("--peak-tflops", type=float, default=0.0,
-                   help="dense peak TFLOP/s per GPU (default: metrics.peak_tflops, else the MFU table)")
-    p.add_argument("--compute-efficiency", type=float, default=0.6,
-                   help="fraction of the peak the kernels reach when nothing waits (default 0.6)")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=0.0,
+        help="dense peak TFLOP/s per GPU (default: metrics.peak_tflops, else the MFU table)",
+    )
+    p.add_argument(
+        "--compute-efficiency",
+        type=float,
+        default=0.6,
+        help="fraction of the peak the kernels reach when nothing waits (default 0.6)",
+    )
     p.add_argument("--latency-us", type=float, default=10.0, help="latency per message, microseconds")
     p.add_argument("--rank", type=int, default=0, help="the rank the price, memory and dry run are shown for")
     p.add_argument("--no-dry-run", action="store_true", help="skip the fake-process-group dry run")
@@ -61,11 +73,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: --world-size must be >= 1, got {opts.world_size}", file=sys.stderr)
         return 2
     try:
-        hw = hardware_for(opts.gpu, gpus_per_node=opts.gpus_per_node or cfg.parallelism.gpus_per_node or 8,
-                          dtype=cfg.training.dtype, float8_recipe=cfg.float8.recipe,
-                          peak_tflops=opts.peak_tflops or cfg.metrics.peak_tflops, nvlink_gbps=opts.nvlink_gbps,
-                          ib_gbps=opts.ib_gbps, memory_gib=opts.memory_gib,
-                          compute_efficiency=opts.compute_efficiency, latency_us=opts.latency_us)
+        hw = hardware_for(
+            opts.gpu,
+            gpus_per_node=opts.gpus_per_node or cfg.parallelism.gpus_per_node or 8,
+            dtype=cfg.training.dtype,
+            float8_recipe=cfg.float8.recipe,
+            peak_tflops=opts.peak_tflops or cfg.metrics.peak_tflops,
+            nvlink_gbps=opts.nvlink_gbps,
+            ib_gbps=opts.ib_gbps,
+            memory_gib=opts.memory_gib,
+            compute_efficiency=opts.compute_efficiency,
+            latency_us=opts.latency_us,
+        )
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -91,26 +110,36 @@ def render_suggestions(plan, top: int) -> str:
         gbs = plan.layout.global_batch
     else:
         p, t = cfg.parallelism, cfg.training
-        rest = p.tensor_parallel_degree * p.pipeline_parallel_degree * p.context_parallel_degree * \
-            p.data_parallel_replicate_degree
+        rest = (
+            p.tensor_parallel_degree
+            * p.pipeline_parallel_degree
+            * p.context_parallel_degree
+            * p.data_parallel_replicate_degree
+        )
         gbs = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * max(1, ws // rest)
     found, stats = suggest_layouts(cfg, ws, plan.hardware, plan.args, global_batch=gbs)
-    lines = [f"== suggest: layouts of {cfg.model.flavor} on {ws:,} x {plan.hardware.gpu} for {gbs:,} x "
-             f"{cfg.training.seq_len:,} tokens per step, fastest first",
-             f"  {stats['layouts']} layouts considered: {stats['illegal']} illegal, {stats['out of memory']} over "
-             f"memory even with full AC, {len(found)} fit",
-             f"  {'#':>3} {'tp':>3} {'pp':>3} {'dp_sh':>6} {'dp_rep':>6} {'schedule':<19}{'mb':>3}{'acc':>4}  "
-             f"{'AC':<13}{'memory':>11}  {'step':>9}  {'MFU':>6}  {'bubble':>6}"]
+    lines = [
+        f"== suggest: layouts of {cfg.model.flavor} on {ws:,} x {plan.hardware.gpu} for {gbs:,} x "
+        f"{cfg.training.seq_len:,} tokens per step, fastest first",
+        f"  {stats['layouts']} layouts considered: {stats['illegal']} illegal, {stats['out of memory']} over "
+        f"memory even with full AC, {len(found)} fit",
+        f"  {'#':>3} {'tp':>3} {'pp':>3} {'dp_sh':>6} {'dp_rep':>6} {'schedule':<19}{'mb':>3}{'acc':>4}  "
+        f"{'AC':<13}{'memory':>11}  {'step':>9}  {'MFU':>6}  {'bubble':>6}",
+    ]
     for i, c in enumerate(found[:top], 1):
         sched = f"{c.schedule} v{c.stages_per_rank}" if c.pp > 1 else "-"
-        lines.append(f"  {i:>3} {c.tp:>3} {c.pp:>3} {c.dp_shard:>6} {c.dp_replicate:>6} {sched:<19}{c.microbatch:>3}"
-                     f"{c.accum_steps:>4}  {c.ac:<13}{fmt_bytes(c.memory):>11}  {fmt_seconds(c.step_time):>9}  "
-                     f"{c.mfu:>6.1%}  {c.bubble:>6.3f}{'  TP ACROSS NODES' if c.tp_spans_nodes else ''}")
+        lines.append(
+            f"  {i:>3} {c.tp:>3} {c.pp:>3} {c.dp_shard:>6} {c.dp_replicate:>6} {sched:<19}{c.microbatch:>3}"
+            f"{c.accum_steps:>4}  {c.ac:<13}{fmt_bytes(c.memory):>11}  {fmt_seconds(c.step_time):>9}  "
+            f"{c.mfu:>6.1%}  {c.bubble:>6.3f}{'  TP ACROSS NODES' if c.tp_spans_nodes else ''}"
+        )
     crossing = [c for c in found if c.tp_spans_nodes]
     if crossing and all(c.tp_spans_nodes is False for c in found[:top]):
         best = crossing[0]
-        lines.append(f"  best layout with tp across nodes: tp {best.tp} x pp {best.pp}, {fmt_seconds(best.step_time)} "
-                     f"(#{found.index(best) + 1}) -- TP ACROSS NODES")
+        lines.append(
+            f"  best layout with tp across nodes: tp {best.tp} x pp {best.pp}, {fmt_seconds(best.step_time)} "
+            f"(#{found.index(best) + 1}) -- TP ACROSS NODES"
+        )
     if found:
         lines.append(f"  #1 as overrides: {' '.join(found[0].overrides)}")
     return "\n".join(lines)

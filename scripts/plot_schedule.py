@@ -27,24 +27,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedule", required=True, help="one of: " + ", ".join(SCHEDULES))
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     p.add_argument("--microbatches", type=int, required=True)
-    p.add_argument("--stages-per-rank", type=int, default=None,
-                   help="default: 2 for ZBVZeroBubble/DualPipeV, else 1")
+    p.add_argument("--stages-per-rank", type=int, default=None, help="default: 2 for ZBVZeroBubble/DualPipeV, else 1")
     p.add_argument("--f-time", type=float, default=1.0, help="forward time of one stage")
     p.add_argument("--b-time", type=float, default=2.0, help="full backward time of one stage")
-    p.add_argument("--w-time", type=float, default=None,
-                   help="weight-grad part of the backward (zero-bubble schedules); default b/2")
+    p.add_argument(
+        "--w-time",
+        type=float,
+        default=None,
+        help="weight-grad part of the backward (zero-bubble schedules); default b/2",
+    )
     p.add_argument("--png", default=None, help="also write a PNG picture here")
     args = p.parse_args(argv)
 
     try:
         name = canonical_schedule_name(args.schedule)
     except ValueError:
-        print(f"unknown schedule {args.schedule!r}; valid: {', '.join(SCHEDULES)}",
-              file=sys.stderr)
+        print(f"unknown schedule {args.schedule!r}; valid: {', '.join(SCHEDULES)}", file=sys.stderr)
         return 2
     v = args.stages_per_rank or (2 if name in ("ZBVZeroBubble", "DualPipeV") else 1)
-    tl = schedule_timeline(name, args.pp, args.microbatches, v,
-                           f_time=args.f_time, b_time=args.b_time, w_time=args.w_time)
+    tl = schedule_timeline(
+        name, args.pp, args.microbatches, v, f_time=args.f_time, b_time=args.b_time, w_time=args.w_time
+    )
     print(render_text(tl))
     print(f"simulated bubble fraction (idle / (pp * makespan)): {tl.bubble_fraction:.4f}")
     print(f"simulated idle / busy time:                          {tl.bubble_ratio:.4f}")

@@ -21,8 +21,9 @@ from titanlike.data import build_tokenizer, iter_token_chunks, write_token_file 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokenizer", required=True,
-                        help='"gpt2", "cl100k", "test" or a path to a .tiktoken rank file')
+    parser.add_argument(
+        "--tokenizer", required=True, help='"gpt2", "cl100k", "test" or a path to a .tiktoken rank file'
+    )
     parser.add_argument("--input", required=True, nargs="+", help="text/.jsonl files or folders, read in order")
     parser.add_argument("--output", required=True, help="the .bin to write (its sidecar is <output>.json)")
     parser.add_argument("--text-field", default="text", help="the JSON key holding the text in .jsonl inputs")
@@ -34,8 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {n_tokens:,} tokens ({tokenizer.name}, vocab {tokenizer.vocab_size}) to {args.output} "
-          f"in {time.perf_counter() - start:.1f}s")
+    print(
+        f"wrote {n_tokens:,} tokens ({tokenizer.name}, vocab {tokenizer.vocab_size}) to {args.output} "
+        f"in {time.perf_counter() - start:.1f}s"
+    )
     return 0
 
 

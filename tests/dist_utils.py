@@ -50,8 +50,9 @@ def unused_port() -> int:
 def worker_env(**extra: str) -> dict[str, str]:
     """The environment for a worker subprocess: the repository (titanlike), tests/ (dist_utils) and examples/
     (the README's example) on its path, one intra-op thread unless ``extra`` says otherwise."""
-    path = os.pathsep.join(p for p in (str(REPO), str(TESTS), str(REPO / "examples"), os.environ.get("PYTHONPATH", ""))
-                           if p)
+    path = os.pathsep.join(
+        p for p in (str(REPO), str(TESTS), str(REPO / "examples"), os.environ.get("PYTHONPATH", "")) if p
+    )
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
 
 
@@ -62,8 +63,14 @@ def _rank_main(fn, rank: int, world_size: int, port: int, timeout_s: float, args
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -95,12 +102,17 @@ def spawn(fn: Callable[..., None], world_size: int, *args, timeout_s: float = 60
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, timeout_s, args))
-             for r in range(world_size)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, timeout_s, args)) for r in range(world_size)]
     for p in procs:
         p.start()
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False,  # noqa: F841
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    store = dist.TCPStore(  # noqa: F841 (kept alive: the workers' store)
+        "127.0.0.1",
+        port,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     failed = False
     while any(p.is_alive() for p in procs):
         if any(p.exitcode not in (None, 0) for p in procs):
@@ -119,12 +131,24 @@ def spawn(fn: Callable[..., None], world_size: int, *args, timeout_s: float = 60
 
 def run_script(script: str | Path, *args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
     """Run ``python script *args`` from the repository root (one thread per process), capturing its output."""
-    return subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=worker_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=REPO,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-def kill_at_pause_points(tmp_path_factory, worker: Path, cwd: Path, pauses: list[str],
-                         args_for: Callable[[Path], list[str]], timeout_s: float = 180.0) -> dict[str, Path]:
+def kill_at_pause_points(
+    tmp_path_factory,
+    worker: Path,
+    cwd: Path,
+    pauses: list[str],
+    args_for: Callable[[Path], list[str]],
+    timeout_s: float = 180.0,
+) -> dict[str, Path]:
     """Run ``worker PAUSE MARKER *args_for(dump)`` once per pause point, side by side; SIGKILL each as soon as it
     writes its marker (it then sits at that point of a save). Returns pause -> the run's dump folder."""
     import pytest
@@ -135,9 +159,15 @@ def kill_at_pause_points(tmp_path_factory, worker: Path, cwd: Path, pauses: list
     runs = {}
     for pause in pauses:
         dump = tmp_path_factory.mktemp(f"killed_{pause}")
-        proc = subprocess.Popen([sys.executable, str(worker), pause, str(dump / "paused"), *args_for(dump)],
-                                cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(worker), pause, str(dump / "paused"), *args_for(dump)],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         runs[pause] = (dump, proc)
     deadline = time.monotonic() + timeout_s
     for pause, (dump, proc) in runs.items():

@@ -62,7 +62,7 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
         stack.append(u)
         for v in sorted(edges.get(u, ())):
             if state.get(v) == 1:
-                out.append(stack[stack.index(v):] + [v])
+                out.append(stack[stack.index(v) :] + [v])
             elif v not in state:
                 visit(v, stack)
         stack.pop()

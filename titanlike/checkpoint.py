@@ -71,8 +71,10 @@ FORMAT = "titanlike-dcp-1"
 STEP_DIR = re.compile(r"step-(\d+)")
 _LEFTOVER_DIR = re.compile(r"(step-\d+|final)\.(tmp|new|trash)-[\w.-]+")  # killed saves, deletions in progress
 # What a save of ours writes into such a folder: a leftover holding anything else is not removed.
-_OUR_FILES = re.compile(r"\.metadata(\.tmp)?|__\d+_\d+\.distcp|__\d+_crc32\.json|checkpoint\.json|checksums\.json"
-                        r"|model\.safetensors|config\.json|\.write-test-\w+")
+_OUR_FILES = re.compile(
+    r"\.metadata(\.tmp)?|__\d+_\d+\.distcp|__\d+_crc32\.json|checkpoint\.json|checksums\.json"
+    r"|model\.safetensors|config\.json|\.write-test-\w+"
+)
 CHECKSUMS_NAME = "checksums.json"
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _SINGLE_PROCESS_NOTE = r"torch\.distributed is (disabled, )?unavailable or uninitialized"
@@ -153,16 +155,20 @@ def _only_ours(folder: Path) -> bool:
 def check_writable(folder: Path) -> None:
     """Create ``folder`` if needed and prove a file can be written in it; ConfigError otherwise."""
     if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"checkpoint.folder: '{folder}' is a file, not a folder; choose another checkpoint.folder "
-                          f"or job.dump_folder")
+        raise ConfigError(
+            f"checkpoint.folder: '{folder}' is a file, not a folder; choose another checkpoint.folder "
+            f"or job.dump_folder"
+        )
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".write-test-{uuid.uuid4().hex[:8]}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"checkpoint.folder: cannot write checkpoints to '{folder}' ({e.strerror or e}); "
-                          f"choose a writable checkpoint.folder or job.dump_folder") from None
+        raise ConfigError(
+            f"checkpoint.folder: cannot write checkpoints to '{folder}' ({e.strerror or e}); "
+            f"choose a writable checkpoint.folder or job.dump_folder"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------------- validation
@@ -180,8 +186,9 @@ def read_dcp_metadata(path: str | os.PathLike):
     except restricted_unpickle.UnsafeCheckpointError as e:
         raise ConfigError(f"checkpoint '{path}' is refused: its .metadata {e}") from None
     except Exception as e:  # noqa: BLE001 - pickle raises anything on a corrupted file
-        raise ConfigError(f"checkpoint '{path}' is corrupted: its .metadata cannot be read "
-                          f"({type(e).__name__}: {e})") from None
+        raise ConfigError(
+            f"checkpoint '{path}' is corrupted: its .metadata cannot be read ({type(e).__name__}: {e})"
+        ) from None
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -196,7 +203,7 @@ def read_dcp_metadata(path: str | os.PathLike):
 
 def check_model_fits(metadata, expected: dict[str, torch.Size], path: str | os.PathLike) -> None:
     """ConfigError unless the checkpoint's ``model.*`` entries are exactly the model's FQNs with its shapes."""
-    saved = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    saved = {k[len("model.") :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
     if not saved:
         raise ConfigError(f"checkpoint '{path}' holds no model weights; is it a titanlike checkpoint?")
     for fqn, shape in expected.items():
@@ -204,12 +211,14 @@ def check_model_fits(metadata, expected: dict[str, torch.Size], path: str | os.P
             raise ConfigError(f"checkpoint '{path}' is for a different model: it has no '{fqn}'")
         have = tuple(getattr(saved[fqn], "size", ()))
         if have != tuple(shape):
-            raise ConfigError(f"checkpoint '{path}' is for a different model: '{fqn}' has shape {have} there, "
-                              f"{tuple(shape)} here")
+            raise ConfigError(
+                f"checkpoint '{path}' is for a different model: '{fqn}' has shape {have} there, {tuple(shape)} here"
+            )
     extra = sorted(set(saved) - set(expected))
     if extra:
-        raise ConfigError(f"checkpoint '{path}' is for a different model: it has '{extra[0]}', which this model "
-                          f"has not")
+        raise ConfigError(
+            f"checkpoint '{path}' is for a different model: it has '{extra[0]}', which this model has not"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- checksums
@@ -237,8 +246,10 @@ class ChecksummingWriter(FileSystemWriter):
         future = super().write_data(plan, planner)
         results = future.wait()
         files = sorted({r.storage_data.relative_path for r in results})
-        sums = {name: {"crc32": file_crc32(Path(self.path) / name), "size": (Path(self.path) / name).stat().st_size}
-                for name in files}
+        sums = {
+            name: {"crc32": file_crc32(Path(self.path) / name), "size": (Path(self.path) / name).stat().st_size}
+            for name in files
+        }
         _write_json(Path(self.path) / f"{plan.storage_data.prefix}crc32.json", sums)
         return future
 
@@ -313,8 +324,12 @@ class ModelPartsView(nn.Module):
             have = into._modules.get(name)
             if have is None:
                 # a block container (a stage keeps its entries' keys, so FQNs): merged entry by entry
-                into.add_module(name, nn.ModuleDict(dict(child.named_children()))
-                                if isinstance(child, (nn.ModuleDict, nn.ModuleList)) else child)
+                into.add_module(
+                    name,
+                    nn.ModuleDict(dict(child.named_children()))
+                    if isinstance(child, (nn.ModuleDict, nn.ModuleList))
+                    else child,
+                )
             elif isinstance(have, nn.ModuleDict) and isinstance(child, (nn.ModuleDict, nn.ModuleList)):
                 for key, sub in child.named_children():
                     if key in have:
@@ -346,8 +361,9 @@ def _parts_state(model: nn.Module, optimizer) -> dict:
     return state
 
 
-def save_parts(path: str | os.PathLike, model_parts: Sequence[nn.Module], optimizer=None, *,
-               process_group=None) -> None:
+def save_parts(
+    path: str | os.PathLike, model_parts: Sequence[nn.Module], optimizer=None, *, process_group=None
+) -> None:
     """Save the model (and AdamW state) of this rank's ``model_parts`` to the DCP folder ``path``, keyed by the plain
     model's FQNs: ``model.<fqn>``, ``optimizer.state.<fqn>.exp_avg``, ... . Collective over ``process_group``
     (default: the world). Any layout writes the single-device tensors (FSDP / TP shards, fused projections in their
@@ -360,8 +376,9 @@ def save_parts(path: str | os.PathLike, model_parts: Sequence[nn.Module], optimi
     _dcp(dcp.save, state, checkpoint_id=str(path), **kwargs)
 
 
-def load_parts(path: str | os.PathLike, model_parts: Sequence[nn.Module], optimizer=None, *,
-               process_group=None) -> None:
+def load_parts(
+    path: str | os.PathLike, model_parts: Sequence[nn.Module], optimizer=None, *, process_group=None
+) -> None:
     """Load a :func:`save_parts` folder (written under any layout) into this rank's ``model_parts`` (and the
     optimizer's state), in place. Executes nothing from the files (``restricted_unpickle``)."""
     from titanlike.parallel.fused import contiguous_for_dcp, restore_layout
@@ -372,10 +389,14 @@ def load_parts(path: str | os.PathLike, model_parts: Sequence[nn.Module], optimi
     kwargs = {"process_group": process_group} if dist.is_initialized() else {"no_dist": True}
     _dcp(restricted_unpickle.load, flat, checkpoint_id=str(path), **kwargs)
     flat = restore_layout(flat, originals)
-    set_model_state_dict(model, {k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")})
+    set_model_state_dict(model, {k[len("model.") :]: v for k, v in flat.items() if k.startswith("model.")})
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, {k[len("optimizer."):]: v for k, v in flat.items()
-                                                    if k.startswith("optimizer.")}, options=_OPTIM_OPTIONS)
+        set_optimizer_state_dict(
+            model,
+            optimizer,
+            {k[len("optimizer.") :]: v for k, v in flat.items() if k.startswith("optimizer.")},
+            options=_OPTIM_OPTIONS,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- single process
@@ -385,15 +406,16 @@ def read_model_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     sd = {}
     for key, md in metadata.state_dict_metadata.items():
         if key.startswith("model.") and hasattr(md, "size"):
-            sd[key[len("model."):]] = torch.empty(md.size, dtype=md.properties.dtype)
+            sd[key[len("model.") :]] = torch.empty(md.size, dtype=md.properties.dtype)
     if not sd:
         raise ConfigError(f"checkpoint '{path}' holds no model weights; is it a titanlike checkpoint?")
     _dcp(restricted_unpickle.load, {"model": sd}, checkpoint_id=str(path), no_dist=True)
     return sd
 
 
-def write_seed_checkpoint(state_dict: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | os.PathLike,
-                          source: str = "", **extra) -> Path:
+def write_seed_checkpoint(
+    state_dict: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | os.PathLike, source: str = "", **extra
+) -> Path:
     """Write model weights (plain tensors, our FQNs) as a DCP seed checkpoint in ``out_dir``, atomically, in this
     process. ``out_dir`` must not exist. Any layout can start from it (``checkpoint.initial_load_path``)."""
     out_dir = Path(out_dir)
@@ -409,18 +431,26 @@ def write_seed_checkpoint(state_dict: dict[str, torch.Tensor], args: ModelArgs, 
 def _meta(step: int, kind: str, args: ModelArgs, world_size: int, **extra) -> dict:
     from titanlike.models import spec_for
 
-    return {"format": FORMAT, "step": step, "kind": kind, "model": spec_for(args).name,
-            "model_args": dataclasses.asdict(args),
-            "world_size": world_size, "torch": torch.__version__,
-            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **extra}
+    return {
+        "format": FORMAT,
+        "step": step,
+        "kind": kind,
+        "model": spec_for(args).name,
+        "model_args": dataclasses.asdict(args),
+        "world_size": world_size,
+        "torch": torch.__version__,
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **extra,
+    }
 
 
 def model_args_of(path: str | os.PathLike) -> ModelArgs:
     """The ModelArgs recorded in a checkpoint's checkpoint.json."""
     meta = read_meta(path)
     if "model_args" not in meta:
-        raise ConfigError(f"checkpoint '{path}' has no {META_NAME} with the model's shape; is it a titanlike "
-                          f"checkpoint?")
+        raise ConfigError(
+            f"checkpoint '{path}' has no {META_NAME} with the model's shape; is it a titanlike checkpoint?"
+        )
     from titanlike.models import UnknownModelError, get_spec
 
     try:
@@ -435,17 +465,28 @@ def tokenizer_meta(tokenizer) -> dict:
     return {"tokenizer": tokenizer.name, "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id}
 
 
-def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard_size: int | str | None = None,
-              dtype: torch.dtype | None = None, tokenizer=None) -> Path:
+def export_hf(
+    step_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    max_shard_size: int | str | None = None,
+    dtype: torch.dtype | None = None,
+    tokenizer=None,
+) -> Path:
     """Write a checkpoint's weights as a Hugging Face Llama folder (model.safetensors or shards above
     ``max_shard_size`` + config.json), cast to ``dtype`` if given. bos/eos ids come from ``tokenizer`` or, by
     default, the tokenizer recorded in the checkpoint."""
     from titanlike.hf import DEFAULT_MAX_SHARD_SIZE, save_hf
 
     meta = tokenizer_meta(tokenizer) if tokenizer is not None else read_meta(step_dir)
-    return save_hf(read_model_state_dict(step_dir), model_args_of(step_dir), out_dir,
-                   max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE, dtype=dtype,
-                   bos_id=meta.get("bos_id"), eos_id=meta.get("eos_id"))
+    return save_hf(
+        read_model_state_dict(step_dir),
+        model_args_of(step_dir),
+        out_dir,
+        max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE,
+        dtype=dtype,
+        bos_id=meta.get("bos_id"),
+        eos_id=meta.get("eos_id"),
+    )
 
 
 def _tied_alias(key: str) -> str | None:
@@ -508,9 +549,22 @@ class CheckpointManager:
     :class:`ConfigError` on every rank); ``load``, ``maybe_save`` and ``finish`` are collective too.
     """
 
-    def __init__(self, cfg: JobConfig, *, model_parts, optimizer, lr_scheduler, dataloader, train_state,
-                 model_args: ModelArgs, tokenizer, device: torch.device, rank: int = 0, world_size: int = 1,
-                 dp_degree: int | None = None):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        *,
+        model_parts,
+        optimizer,
+        lr_scheduler,
+        dataloader,
+        train_state,
+        model_args: ModelArgs,
+        tokenizer,
+        device: torch.device,
+        rank: int = 0,
+        world_size: int = 1,
+        dp_degree: int | None = None,
+    ):
         self.cfg = cfg.checkpoint
         self.timeout = datetime.timedelta(seconds=cfg.comm.timeout_seconds)
         self.folder = checkpoint_folder(cfg)
@@ -523,9 +577,11 @@ class CheckpointManager:
         from titanlike.layout import Degrees, master_dtype
 
         d = Degrees.from_config(cfg, world_size)
-        self.seed_meta = {"seed": cfg.training.seed, "dtype": master_dtype(cfg.training.dtype),
-                          "layout": {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp,
-                                     "tp": d.tp}}
+        self.seed_meta = {
+            "seed": cfg.training.seed,
+            "dtype": master_dtype(cfg.training.dtype),
+            "layout": {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp},
+        }
         self.model = merged_model(model_parts)
         # A gloo group of its own: DCP exchanges only plans and metadata (any device), an async save runs its
         # collectives on it from a background thread without interleaving with the training collectives, and
@@ -543,8 +599,13 @@ class CheckpointManager:
 
     def _op(self, what: str):
         """A phase whose failed collectives are reported naming the ranks that stopped answering (fault.py)."""
-        return fault.operation(what, rank=self.rank, world_size=self.world_size,
-                               timeout_s=self.timeout.total_seconds(), enabled=self.distributed)
+        return fault.operation(
+            what,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout_s=self.timeout.total_seconds(),
+            enabled=self.distributed,
+        )
 
     # ------------------------------------------------------------------------------------------ input checks
     def _agree(self, fn):
@@ -577,23 +638,35 @@ class CheckpointManager:
         c, folder = self.cfg, self.folder
         plan = {"run_id": uuid.uuid4().hex[:8], "action": "fresh"}
         if c.create_seed_checkpoint:
-            ignored = [k for k, v in (("initial_load_path", c.initial_load_path), ("load_step", c.load_step >= 0),
-                                      ("export_safetensors", c.export_safetensors)) if v]
+            ignored = [
+                k
+                for k, v in (
+                    ("initial_load_path", c.initial_load_path),
+                    ("load_step", c.load_step >= 0),
+                    ("export_safetensors", c.export_safetensors),
+                )
+                if v
+            ]
             if ignored:
-                raise ConfigError(f"checkpoint.create_seed_checkpoint writes the weights initialised from "
-                                  f"training.seed and exits: {', '.join('checkpoint.' + k for k in ignored)} would be "
-                                  f"ignored; remove {'it' if len(ignored) == 1 else 'them'} (a Hugging Face folder "
-                                  f"becomes a seed checkpoint with scripts/convert_checkpoint.py from-hf)")
+                raise ConfigError(
+                    f"checkpoint.create_seed_checkpoint writes the weights initialised from "
+                    f"training.seed and exits: {', '.join('checkpoint.' + k for k in ignored)} would be "
+                    f"ignored; remove {'it' if len(ignored) == 1 else 'them'} (a Hugging Face folder "
+                    f"becomes a seed checkpoint with scripts/convert_checkpoint.py from-hf)"
+                )
             existing = committed_checkpoints(folder)
             if existing:
-                raise ConfigError(f"checkpoint.create_seed_checkpoint: '{folder}' already holds checkpoints "
-                                  f"({', '.join(f'step-{s}' for s in existing)}); not overwriting them, choose an "
-                                  f"empty checkpoint.folder")
+                raise ConfigError(
+                    f"checkpoint.create_seed_checkpoint: '{folder}' already holds checkpoints "
+                    f"({', '.join(f'step-{s}' for s in existing)}); not overwriting them, choose an "
+                    f"empty checkpoint.folder"
+                )
             check_writable(folder)
             return {**plan, "action": "seed"}
         if c.export_safetensors and not c.enable:
-            raise ConfigError("checkpoint.export_safetensors exports the final checkpoint: set checkpoint.enable = "
-                              "true as well")
+            raise ConfigError(
+                "checkpoint.export_safetensors exports the final checkpoint: set checkpoint.enable = true as well"
+            )
         if c.load_step >= 0 and not c.enable:
             raise ConfigError(f"checkpoint.load_step {c.load_step} needs checkpoint.enable = true")
         expected = self._expected_model()
@@ -603,13 +676,17 @@ class CheckpointManager:
             if c.load_step >= 0:
                 if c.load_step not in found:
                     have = ", ".join(map(str, found)) or "none"
-                    raise ConfigError(f"checkpoint.load_step {c.load_step}: there is no committed checkpoint "
-                                      f"step-{c.load_step} in '{folder}' (steps there: {have})")
+                    raise ConfigError(
+                        f"checkpoint.load_step {c.load_step}: there is no committed checkpoint "
+                        f"step-{c.load_step} in '{folder}' (steps there: {have})"
+                    )
                 later = [s for s in found if s > c.load_step]
                 if later:
-                    raise ConfigError(f"checkpoint.load_step {c.load_step}: '{folder}' also holds later checkpoints "
-                                      f"({', '.join(map(str, later))}) that this run would overwrite or purge; move "
-                                      f"them away or resume into another checkpoint.folder")
+                    raise ConfigError(
+                        f"checkpoint.load_step {c.load_step}: '{folder}' also holds later checkpoints "
+                        f"({', '.join(map(str, later))}) that this run would overwrite or purge; move "
+                        f"them away or resume into another checkpoint.folder"
+                    )
                 found = {c.load_step: found[c.load_step]}
             corrupt: list[tuple[Path, str]] = []  # newest first, set aside when an older one resumes
             for step, path in sorted(found.items(), reverse=True):
@@ -621,23 +698,34 @@ class CheckpointManager:
                     if c.on_corrupt == "previous":
                         corrupt.append((path, str(e)))
                         continue
-                    raise ConfigError(f"{e}; move it out of '{folder}' to resume from the checkpoint before it "
-                                      f"(or set checkpoint.on_corrupt = \"previous\"), or repair it") from None
+                    raise ConfigError(
+                        f"{e}; move it out of '{folder}' to resume from the checkpoint before it "
+                        f'(or set checkpoint.on_corrupt = "previous"), or repair it'
+                    ) from None
                 if read_meta(path).get("kind") == "model_only":
-                    raise ConfigError(f"checkpoint '{path}' is the model-only last save of a finished run "
-                                      f"(checkpoint.last_save_model_only): it cannot resume training; start a new "
-                                      f"run from it with checkpoint.initial_load_path (in another checkpoint.folder), "
-                                      f"or move it away to resume from the checkpoint before it")
+                    raise ConfigError(
+                        f"checkpoint '{path}' is the model-only last save of a finished run "
+                        f"(checkpoint.last_save_model_only): it cannot resume training; start a new "
+                        f"run from it with checkpoint.initial_load_path (in another checkpoint.folder), "
+                        f"or move it away to resume from the checkpoint before it"
+                    )
                 check_model_fits(metadata, expected, path)
                 keys = metadata.state_dict_metadata
-                return {**plan, "action": "resume", "path": str(path), "step": step,
-                        "corrupt": [(str(p), why) for p, why in corrupt],
-                        "full": any(k.startswith("optimizer.") for k in keys),
-                        "tied_alias": not any(k.startswith("optimizer.state.output.weight.") for k in keys),
-                        "rng_world_size": read_meta(path).get("world_size")}
+                return {
+                    **plan,
+                    "action": "resume",
+                    "path": str(path),
+                    "step": step,
+                    "corrupt": [(str(p), why) for p, why in corrupt],
+                    "full": any(k.startswith("optimizer.") for k in keys),
+                    "tied_alias": not any(k.startswith("optimizer.state.output.weight.") for k in keys),
+                    "rng_world_size": read_meta(path).get("world_size"),
+                }
             if corrupt:
-                raise ConfigError(f"no intact checkpoint in '{folder}' to resume from (checkpoint.on_corrupt = "
-                                  f"\"previous\"): {corrupt[-1][1]}; repair one or move them away to start over")
+                raise ConfigError(
+                    f"no intact checkpoint in '{folder}' to resume from (checkpoint.on_corrupt = "
+                    f'"previous"): {corrupt[-1][1]}; repair one or move them away to start over'
+                )
         if c.initial_load_path:
             plan = {**plan, **self._plan_initial(Path(c.initial_load_path), expected)}
         return plan
@@ -674,8 +762,10 @@ class CheckpointManager:
             if c.load_step >= 0:
                 raise ConfigError(f"{msg}; repair it or choose another checkpoint.load_step")
             if c.on_corrupt != "previous":
-                raise ConfigError(f"{msg}; move it out of '{self.folder}' to resume from the checkpoint before it "
-                                  f"(or set checkpoint.on_corrupt = \"previous\"), or repair it")
+                raise ConfigError(
+                    f"{msg}; move it out of '{self.folder}' to resume from the checkpoint before it "
+                    f'(or set checkpoint.on_corrupt = "previous"), or repair it'
+                )
             self._corrupt[path] = msg
             self.plan = self._agree(self._make_plan)
 
@@ -698,8 +788,10 @@ class CheckpointManager:
             if STEP_DIR.fullmatch(p.name) and not (p / ".metadata").is_file():
                 aside = p.with_name(f"{p.name}.incomplete-{run_id}")
                 os.rename(p, aside)
-                print(f"checkpoint: {p} has no .metadata (its save was never committed): set aside as {aside.name}",
-                      flush=True)
+                print(
+                    f"checkpoint: {p} has no .metadata (its save was never committed): set aside as {aside.name}",
+                    flush=True,
+                )
             elif _LEFTOVER_DIR.fullmatch(p.name):
                 if _only_ours(p):
                     shutil.rmtree(p, ignore_errors=True)
@@ -707,11 +799,15 @@ class CheckpointManager:
                 else:
                     kept.append(p.name)
         if removed:
-            print(f"checkpoint: removed {len(removed)} temporary folder(s) of interrupted saves: "
-                  f"{', '.join(removed)}", flush=True)
+            print(
+                f"checkpoint: removed {len(removed)} temporary folder(s) of interrupted saves: {', '.join(removed)}",
+                flush=True,
+            )
         if kept:
-            print(f"checkpoint: not removing {', '.join(kept)}: they hold files a checkpoint save does not write",
-                  flush=True)
+            print(
+                f"checkpoint: not removing {', '.join(kept)}: they hold files a checkpoint save does not write",
+                flush=True,
+            )
 
     def _plan_initial(self, path: Path, expected: dict[str, torch.Size]) -> dict:
         from titanlike import hf
@@ -726,12 +822,15 @@ class CheckpointManager:
             shapes = hf.safetensors_shapes(files)
             config = hf.read_hf_config(folder)
             if config is not None:
-                hf.check_same_architecture(hf.model_args_from_hf_config(config, str(folder / hf.CONFIG_NAME)),
-                                           self.model_args, f"'{path}'")
+                hf.check_same_architecture(
+                    hf.model_args_from_hf_config(config, str(folder / hf.CONFIG_NAME)), self.model_args, f"'{path}'"
+                )
             hf.from_hf({k: torch.empty(s, device="meta") for k, s in shapes.items()}, self.model_args)
         except (FileNotFoundError, ValueError) as e:
-            raise ConfigError(f"checkpoint.initial_load_path: {e}; give a checkpoint step folder or a Hugging "
-                              f"Face folder / .safetensors of this model") from None
+            raise ConfigError(
+                f"checkpoint.initial_load_path: {e}; give a checkpoint step folder or a Hugging "
+                f"Face folder / .safetensors of this model"
+            ) from None
         weights = path
         return {"action": "initial_hf", "path": str(weights)}
 
@@ -740,9 +839,13 @@ class CheckpointManager:
         from titanlike.data import loader_position
 
         counters = self.train_state.state_dict()
-        return {"step": counters["step"], "tokens_seen": counters["tokens_seen"],
-                "nonfinite_steps": counters["nonfinite_steps"], "data_position": loader_position(self.dataloader),
-                "lr_scheduler": self.lr_scheduler.state_dict()}
+        return {
+            "step": counters["step"],
+            "tokens_seen": counters["tokens_seen"],
+            "nonfinite_steps": counters["nonfinite_steps"],
+            "data_position": loader_position(self.dataloader),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+        }
 
     def _rng_state(self) -> dict:
         state = {"cpu": torch.get_rng_state()}
@@ -755,10 +858,14 @@ class CheckpointManager:
 
         # Chunk-sharded DTensors (fused projections under TP) as plain-Shard layouts: DCP writes one contiguous block
         # per rank, and the files keep the single-device order (titanlike/parallel/fused.py).
-        return {"model": contiguous_for_dcp_tree(get_model_state_dict(self.model)),
-                "optimizer": contiguous_for_dcp_tree(
-                    get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIM_OPTIONS)),
-                "train": self._train_state(), "rng": self._rng_state()}
+        return {
+            "model": contiguous_for_dcp_tree(get_model_state_dict(self.model)),
+            "optimizer": contiguous_for_dcp_tree(
+                get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIM_OPTIONS)
+            ),
+            "train": self._train_state(),
+            "rng": self._rng_state(),
+        }
 
     def _dcp_kwargs(self) -> dict:
         return {"process_group": self.pg} if self.distributed else {"no_dist": True}
@@ -791,15 +898,29 @@ class CheckpointManager:
                 if fault.is_comm_failure(e):
                     raise
                 self._save_failed(0, tmp, e)
-        self._commit(0, tmp, t0, _meta(0, "seed", self.model_args, world_size=self.world_size, **self.seed_meta,
-                                       **tokenizer_meta(self.tokenizer)))
+        self._commit(
+            0,
+            tmp,
+            t0,
+            _meta(
+                0,
+                "seed",
+                self.model_args,
+                world_size=self.world_size,
+                **self.seed_meta,
+                **tokenizer_meta(self.tokenizer),
+            ),
+        )
         if self.distributed:  # nobody leaves (and ends the job) before rank 0 renamed the folder
             with self._op("the seed checkpoint commit"):
                 dist.barrier(group=self.pg)
         if self.rank == 0:
-            print(f"checkpoint: {self.folder / 'step-0'} is a seed checkpoint (each of {self.world_size} process(es) "
-                  f"wrote its own shards); start any layout from it with "
-                  f"checkpoint.initial_load_path={self.folder / 'step-0'}", flush=True)
+            print(
+                f"checkpoint: {self.folder / 'step-0'} is a seed checkpoint (each of {self.world_size} process(es) "
+                f"wrote its own shards); start any layout from it with "
+                f"checkpoint.initial_load_path={self.folder / 'step-0'}",
+                flush=True,
+            )
         return True
 
     # ------------------------------------------------------------------------------------------ load
@@ -809,10 +930,17 @@ class CheckpointManager:
         action = plan["action"]
         if action == "resume":
             with self._op(f"the checkpoint load of step {plan['step']}"):
-                self._load_dcp(plan["path"], full=plan["full"], tied_alias=plan["tied_alias"],
-                               rng=plan["rng_world_size"] == self.world_size)
-            what = f"resumed from {plan['path']} (step {self.train_state.state_dict()['step']})" if plan["full"] else \
-                f"loaded the seed weights {plan['path']}"
+                self._load_dcp(
+                    plan["path"],
+                    full=plan["full"],
+                    tied_alias=plan["tied_alias"],
+                    rng=plan["rng_world_size"] == self.world_size,
+                )
+            what = (
+                f"resumed from {plan['path']} (step {self.train_state.state_dict()['step']})"
+                if plan["full"]
+                else f"loaded the seed weights {plan['path']}"
+            )
             self.last_step = plan["step"]
         elif action == "initial_dcp":
             with self._op("the load of the initial weights"):
@@ -853,22 +981,24 @@ class CheckpointManager:
             if fault.is_comm_failure(e):  # a rank stopped answering: not the checkpoint's fault (reported by _op)
                 raise
             first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise ConfigError(f"checkpoint '{path}' could not be loaded ({first}); move it out of its folder to "
-                              f"resume from the checkpoint before it, or repair it") from None
+            raise ConfigError(
+                f"checkpoint '{path}' could not be loaded ({first}); move it out of its folder to "
+                f"resume from the checkpoint before it, or repair it"
+            ) from None
         flat, aliased = restore_layout(flat, originals), restore_layout(aliased, originals)
         for k, v in aliased.items():
             flat[k.replace(".tok_embeddings.weight.", ".output.weight.", 1)] = v
-        model_sd = {k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")}
+        model_sd = {k[len("model.") :]: v for k, v in flat.items() if k.startswith("model.")}
         set_model_state_dict(self.model, model_sd)
         if not full:
             return
-        optim_sd = {k[len("optimizer."):]: v for k, v in flat.items() if k.startswith("optimizer.")}
+        optim_sd = {k[len("optimizer.") :]: v for k, v in flat.items() if k.startswith("optimizer.")}
         set_optimizer_state_dict(self.model, self.optimizer, optim_sd, options=_OPTIM_OPTIONS)
         from titanlike.data import set_loader_position
 
         self.train_state.load_state_dict({k: flat[f"train.{k}"] for k in ("step", "tokens_seen", "nonfinite_steps")})
         set_loader_position(self.dataloader, flat["train.data_position"])
-        sched = {k[len("train.lr_scheduler."):]: v for k, v in flat.items() if k.startswith("train.lr_scheduler.")}
+        sched = {k[len("train.lr_scheduler.") :]: v for k, v in flat.items() if k.startswith("train.lr_scheduler.")}
         self.lr_scheduler.load_state_dict(sched)
         if rng:
             torch.set_rng_state(flat[f"rng.rank{self.rank}.cpu"])
@@ -881,8 +1011,7 @@ class CheckpointManager:
         mine = get_model_state_dict(self.model)  # this rank's FQNs (a pipeline rank holds only its stages')
         dtype = next(iter(mine.values())).dtype  # the file may be bfloat16 / float16: cast to the parameters'
         full, _ = load_hf(path, self.model_args, dtype=dtype)
-        set_model_state_dict(self.model, {k: full[k] for k in mine},
-                             options=StateDictOptions(full_state_dict=True))
+        set_model_state_dict(self.model, {k: full[k] for k in mine}, options=StateDictOptions(full_state_dict=True))
 
     # ------------------------------------------------------------------------------------------ save
     def maybe_save(self, step: int, last: bool = False) -> None:
@@ -905,20 +1034,35 @@ class CheckpointManager:
                 self._barrier(what)
             if model_only:
                 dtype = getattr(torch, self.cfg.export_dtype)
-                state = {"model": {k: v.to(dtype) for k, v in get_model_state_dict(self.model).items()},
-                         "optimizer": {}}
-                meta = _meta(step, "model_only", self.model_args, world_size=self.world_size,
-                             dtype=self.cfg.export_dtype, **tokenizer_meta(self.tokenizer))
+                state = {
+                    "model": {k: v.to(dtype) for k, v in get_model_state_dict(self.model).items()},
+                    "optimizer": {},
+                }
+                meta = _meta(
+                    step,
+                    "model_only",
+                    self.model_args,
+                    world_size=self.world_size,
+                    dtype=self.cfg.export_dtype,
+                    **tokenizer_meta(self.tokenizer),
+                )
                 self._check_finite(state, step)
                 state = {"model": state["model"]}
             else:
                 state = self._state()
                 self._check_finite(state, step)
                 train = state["train"]
-                meta = _meta(step, "full", self.model_args, world_size=self.world_size,
-                             dp_degree=self.dp_degree, tokens_seen=train["tokens_seen"],
-                             data_position=train["data_position"], nonfinite_steps=train["nonfinite_steps"],
-                             **tokenizer_meta(self.tokenizer))
+                meta = _meta(
+                    step,
+                    "full",
+                    self.model_args,
+                    world_size=self.world_size,
+                    dp_degree=self.dp_degree,
+                    tokens_seen=train["tokens_seen"],
+                    data_position=train["data_position"],
+                    nonfinite_steps=train["nonfinite_steps"],
+                    **tokenizer_meta(self.tokenizer),
+                )
             tmp = self.folder / f"step-{step}.tmp-{self.plan['run_id']}"
             kwargs = {**self._dcp_kwargs(), "checkpoint_id": str(tmp)}
             if self.cfg.checksum:
@@ -936,8 +1080,10 @@ class CheckpointManager:
         if self.cfg.async_mode == "async":
             self.pending = (future, step, tmp, t0, meta)
             if self.rank == 0:
-                print(f"checkpoint: step {step} staged in {time.perf_counter() - t0:.2f}s, writing in the background",
-                      flush=True)
+                print(
+                    f"checkpoint: step {step} staged in {time.perf_counter() - t0:.2f}s, writing in the background",
+                    flush=True,
+                )
         else:
             self._commit(step, tmp, t0, meta)
 
@@ -951,15 +1097,17 @@ class CheckpointManager:
         previous = f"step-{newest} is intact" if newest is not None else "there is no earlier checkpoint"
         raise CheckpointSaveError(
             f"rank {self.rank}: the checkpoint save of step {step} into '{self.folder}' failed ({_root_cause(exc)}); "
-            f"{fault.free_space(self.folder)} there; removed its partial folder {tmp.name}, {previous}") from exc
+            f"{fault.free_space(self.folder)} there; removed its partial folder {tmp.name}, {previous}"
+        ) from exc
 
     def _barrier(self, what: str) -> None:
         """A barrier that names the ranks which do not arrive within comm.timeout_seconds (instead of hanging)."""
         try:
             dist.monitored_barrier(group=self.pg, timeout=self.timeout, wait_all_ranks=True)
         except RuntimeError as e:
-            raise fault.CollectiveFailure(f"rank {self.rank}: {what} did not start on every rank: "
-                                          f"{fault.first_line(e)}") from None
+            raise fault.CollectiveFailure(
+                f"rank {self.rank}: {what} did not start on every rank: {fault.first_line(e)}"
+            ) from None
 
     def _check_finite(self, state: dict, step: int) -> None:
         local = [t for t in _local_tensors({"m": state["model"], "o": state["optimizer"]}) if t.numel()]
@@ -971,8 +1119,10 @@ class CheckpointManager:
         if self.distributed:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.pg)
         if not ok.item():
-            raise RuntimeError(f"step {step}: the model or optimizer state holds non-finite values; not saving a "
-                               f"checkpoint from it (the previous one, if any, is intact)")
+            raise RuntimeError(
+                f"step {step}: the model or optimizer state holds non-finite values; not saving a "
+                f"checkpoint from it (the previous one, if any, is intact)"
+            )
 
     def _poll(self) -> None:
         if self.pending is not None and self.pending[0].done():
@@ -1015,8 +1165,9 @@ class CheckpointManager:
         os.rename(tmp, final)
         _fsync_dir(self.folder)
         size = sum(f.stat().st_size for f in final.iterdir()) / 2**20
-        print(f"checkpoint: saved step {step} to {final} ({size:.1f} MiB) in {time.perf_counter() - t0:.2f}s",
-              flush=True)
+        print(
+            f"checkpoint: saved step {step} to {final} ({size:.1f} MiB) in {time.perf_counter() - t0:.2f}s", flush=True
+        )
         self._purge()
 
     def _purge(self) -> None:
@@ -1024,7 +1175,7 @@ class CheckpointManager:
         run_id = self.plan["run_id"]
         found = committed_checkpoints(self.folder)
         if self.cfg.keep_latest_k > 0:
-            for step in list(found)[:-self.cfg.keep_latest_k]:
+            for step in list(found)[: -self.cfg.keep_latest_k]:
                 _remove_dir(found[step], run_id)
         for p in self.folder.iterdir():
             if p.is_dir() and _LEFTOVER_DIR.fullmatch(p.name) and _only_ours(p):
@@ -1037,13 +1188,19 @@ class CheckpointManager:
         if self.cfg.export_safetensors and self.rank == 0 and self.last_step is not None:
             t0 = time.perf_counter()
             out, run_id = self.folder / "final", self.plan["run_id"]
-            new = export_hf(self.folder / f"step-{self.last_step}", out.with_name(f"final.new-{run_id}"),
-                            dtype=getattr(torch, self.cfg.export_dtype))
+            new = export_hf(
+                self.folder / f"step-{self.last_step}",
+                out.with_name(f"final.new-{run_id}"),
+                dtype=getattr(torch, self.cfg.export_dtype),
+            )
             if out.exists():  # a previous run's export of an older step: replace it
                 _remove_dir(out, run_id)
             os.rename(new, out)
-            print(f"checkpoint: exported step {self.last_step} as Hugging Face Llama to {out} in "
-                  f"{time.perf_counter() - t0:.2f}s", flush=True)
+            print(
+                f"checkpoint: exported step {self.last_step} as Hugging Face Llama to {out} in "
+                f"{time.perf_counter() - t0:.2f}s",
+                flush=True,
+            )
         if self.distributed:
             with self._op("the end-of-training barrier"):
                 dist.barrier(group=self.pg)

@@ -244,23 +244,56 @@ class JobConfig:
 
 # key -> (lowest allowed value, what it means)
 MINIMUM = {
-    "training.steps": 1, "training.local_batch_size": 1, "training.seq_len": 1, "training.max_nonfinite_steps": 1,
-    "optimizer.lr": 0.0, "optimizer.eps": 0.0, "optimizer.weight_decay": 0.0,
-    "lr_scheduler.warmup_steps": 0, "lr_scheduler.decay_ratio": 0.0, "lr_scheduler.min_lr_factor": 0.0,
-    "model.vocab_multiple": 1, "model.dim": 0, "model.n_layers": 0, "model.n_heads": 0, "model.n_kv_heads": 0,
-    "model.ffn_hidden_dim": 0, "model.max_seq_len": 0, "model.norm_eps": 0.0, "model.rope_scaling_factor": 0.0,
-    "model.rope_low_freq_factor": 0.0, "model.rope_high_freq_factor": 0.0, "model.rope_original_max_seq_len": 0,
-    "parallelism.data_parallel_replicate_degree": 1, "parallelism.tensor_parallel_degree": 1,
-    "parallelism.context_parallel_degree": 1, "parallelism.pipeline_parallel_degree": 1,
-    "parallelism.pipeline_parallel_microbatch_size": 1, "parallelism.pipeline_parallel_layers_per_stage": 0,
-    "parallelism.pipeline_parallel_stages_per_rank": 0, "parallelism.loss_chunk_size": 0,
+    "training.steps": 1,
+    "training.local_batch_size": 1,
+    "training.seq_len": 1,
+    "training.max_nonfinite_steps": 1,
+    "optimizer.lr": 0.0,
+    "optimizer.eps": 0.0,
+    "optimizer.weight_decay": 0.0,
+    "lr_scheduler.warmup_steps": 0,
+    "lr_scheduler.decay_ratio": 0.0,
+    "lr_scheduler.min_lr_factor": 0.0,
+    "model.vocab_multiple": 1,
+    "model.dim": 0,
+    "model.n_layers": 0,
+    "model.n_heads": 0,
+    "model.n_kv_heads": 0,
+    "model.ffn_hidden_dim": 0,
+    "model.max_seq_len": 0,
+    "model.norm_eps": 0.0,
+    "model.rope_scaling_factor": 0.0,
+    "model.rope_low_freq_factor": 0.0,
+    "model.rope_high_freq_factor": 0.0,
+    "model.rope_original_max_seq_len": 0,
+    "parallelism.data_parallel_replicate_degree": 1,
+    "parallelism.tensor_parallel_degree": 1,
+    "parallelism.context_parallel_degree": 1,
+    "parallelism.pipeline_parallel_degree": 1,
+    "parallelism.pipeline_parallel_microbatch_size": 1,
+    "parallelism.pipeline_parallel_layers_per_stage": 0,
+    "parallelism.pipeline_parallel_stages_per_rank": 0,
+    "parallelism.loss_chunk_size": 0,
     "parallelism.gpus_per_node": 0,
-    "checkpoint.interval": 1, "checkpoint.keep_latest_k": 0, "metrics.log_freq": 1, "validation.freq": 1,
-    "validation.steps": -1, "data.num_workers": 0, "comm.timeout_seconds": 1, "comm.init_timeout_seconds": 1,
-    "profiling.profile_freq": 1, "profiling.profile_warmup": 0, "profiling.profile_active": 1,
+    "checkpoint.interval": 1,
+    "checkpoint.keep_latest_k": 0,
+    "metrics.log_freq": 1,
+    "validation.freq": 1,
+    "validation.steps": -1,
+    "data.num_workers": 0,
+    "comm.timeout_seconds": 1,
+    "comm.init_timeout_seconds": 1,
+    "profiling.profile_freq": 1,
+    "profiling.profile_warmup": 0,
+    "profiling.profile_active": 1,
 }
-MAXIMUM = {"lr_scheduler.decay_ratio": 1.0, "lr_scheduler.min_lr_factor": 1.0, "data.val_fraction": 0.5,
-           "optimizer.beta1": 1.0, "optimizer.beta2": 1.0}
+MAXIMUM = {
+    "lr_scheduler.decay_ratio": 1.0,
+    "lr_scheduler.min_lr_factor": 1.0,
+    "data.val_fraction": 0.5,
+    "optimizer.beta1": 1.0,
+    "optimizer.beta2": 1.0,
+}
 
 
 def _sections() -> dict[str, type]:
@@ -274,8 +307,12 @@ def _field_types(section_cls: type) -> dict[str, typing.Any]:
 
 def choices() -> dict[str, tuple]:
     """``section.key`` -> the allowed values, for every field typed ``Literal[...]``."""
-    return {f"{s}.{k}": typing.get_args(tp) for s, cls in _sections().items()
-            for k, tp in _field_types(cls).items() if typing.get_origin(tp) is Literal}
+    return {
+        f"{s}.{k}": typing.get_args(tp)
+        for s, cls in _sections().items()
+        for k, tp in _field_types(cls).items()
+        if typing.get_origin(tp) is Literal
+    }
 
 
 def field_docs(section_cls: type) -> dict[str, str]:
@@ -292,16 +329,22 @@ def field_docs(section_cls: type) -> dict[str, str]:
 
 def config_help() -> str:
     """``python train.py --help``: every key with its type or choices, its default and its doc."""
-    out = ["usage: python train.py [--job.config_file FILE] [--section.key VALUE ...]   (torchrun for several ranks)",
-           "Values: defaults < the TOML file < the command line (--section.key value, --section.key=value; a bare",
-           "--flag is true; lists: comma-separated, strings ';'-separated). Bad input exits 2 with one line.", ""]
+    out = [
+        "usage: python train.py [--job.config_file FILE] [--section.key VALUE ...]   (torchrun for several ranks)",
+        "Values: defaults < the TOML file < the command line (--section.key value, --section.key=value; a bare",
+        "--flag is true; lists: comma-separated, strings ';'-separated). Bad input exits 2 with one line.",
+        "",
+    ]
     defaults = JobConfig()
     for section, cls in _sections().items():
         out.append(f"[{section}]")
         docs = field_docs(cls)
         for key, tp in _field_types(cls).items():
-            kind = ("{" + ", ".join(repr(c) for c in typing.get_args(tp)) + "}"
-                    if typing.get_origin(tp) is Literal else _type_name(tp))
+            kind = (
+                "{" + ", ".join(repr(c) for c in typing.get_args(tp)) + "}"
+                if typing.get_origin(tp) is Literal
+                else _type_name(tp)
+            )
             default = getattr(getattr(defaults, section), key)
             out.append(f"  --{section}.{key}  {kind}, default {default!r}")
             out.append(f"      {docs.get(key, '')}")
@@ -322,8 +365,9 @@ def _type_name(tp) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is list:
         return f"a list of {_type_name(typing.get_args(tp)[0])}"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-            type(None): "none"}.get(tp, str(tp))
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "none"}.get(
+        tp, str(tp)
+    )
 
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
@@ -343,8 +387,9 @@ def _coerce(key: str, value, tp, from_cli: bool):
     if origin is list:
         (item,) = typing.get_args(tp)
         if from_cli and isinstance(value, str):
-            value = [v for v in (p.strip() for p in value.split(";" if item is str else ",")) if v] \
-                if value.strip() else []
+            value = (
+                [v for v in (p.strip() for p in value.split(";" if item is str else ",")) if v] if value.strip() else []
+            )
         if not isinstance(value, list):
             raise bad
         return [_coerce(key, v, item, from_cli) for v in value]
@@ -375,8 +420,9 @@ def _set(cfg: JobConfig, dotted: str, value, from_cli: bool) -> None:
     section, _, key = dotted.partition(".")
     sections = _sections()
     if section not in sections:
-        raise ConfigError(f"unknown config section '{section}'{_suggest(section, sections)}; "
-                          f"valid sections: {', '.join(sections)}")
+        raise ConfigError(
+            f"unknown config section '{section}'{_suggest(section, sections)}; valid sections: {', '.join(sections)}"
+        )
     if not key:
         raise ConfigError(f"'{dotted}' names a section, not a key: use --{section}.<key>")
     types_ = _field_types(sections[section])
@@ -399,8 +445,9 @@ def _parse_cli(argv: list[str]) -> list[tuple[str, str | None]]:
         if "=" in name:
             name, value = name.split("=", 1)
             i += 1
-        elif i + 1 < len(argv) and not (argv[i + 1].startswith("--") and len(argv[i + 1]) > 2
-                                        and not argv[i + 1][2:3].isdigit()):
+        elif i + 1 < len(argv) and not (
+            argv[i + 1].startswith("--") and len(argv[i + 1]) > 2 and not argv[i + 1][2:3].isdigit()
+        ):
             value = argv[i + 1]
             i += 2
         else:
@@ -452,8 +499,11 @@ def parse_config(argv: list[str] | None = None, raise_problems: bool = True) -> 
         cfg.job.config_file = path
     torchtitan_file = any(k in tt.TORCHTITAN_KEYS and k not in _all_keys() for k, _ in file_pairs)
     if torchtitan_file:  # torchtitan's defaults where the file is silent and titanlike's default differs
-        given = {k for k, _ in file_pairs} | {tt.TORCHTITAN_KEYS[k].target for k, _ in file_pairs
-                                             if k in tt.TORCHTITAN_KEYS and tt.TORCHTITAN_KEYS[k].target}
+        given = {k for k, _ in file_pairs} | {
+            tt.TORCHTITAN_KEYS[k].target
+            for k, _ in file_pairs
+            if k in tt.TORCHTITAN_KEYS and tt.TORCHTITAN_KEYS[k].target
+        }
         for key, value in tt.TORCHTITAN_DEFAULTS.items():
             if key not in given and key not in ("training.dtype", "parallelism.enable_sequence_parallel"):
                 _set(cfg, key, value, from_cli=False)
@@ -462,9 +512,11 @@ def parse_config(argv: list[str] | None = None, raise_problems: bool = True) -> 
         mixed = dict(file_pairs).get("training.mixed_precision_param", "bfloat16")
         file_pairs = [(k, v) for k, v in file_pairs if k not in ("training.dtype", "training.mixed_precision_param")]
         if tt_dtype == "bfloat16":
-            problems.append("torchtitan's training.dtype = 'bfloat16' trains bf16 weights without float32 master "
-                            "weights, which titanlike does not do: use training.dtype = 'float32' (torchtitan's "
-                            "mixed_precision_param = 'bfloat16' is then titanlike's training.dtype = 'bfloat16')")
+            problems.append(
+                "torchtitan's training.dtype = 'bfloat16' trains bf16 weights without float32 master "
+                "weights, which titanlike does not do: use training.dtype = 'float32' (torchtitan's "
+                "mixed_precision_param = 'bfloat16' is then titanlike's training.dtype = 'bfloat16')"
+            )
         elif tt_dtype != "float32":
             problems.append(f"training.dtype: '{tt_dtype}' is not a torchtitan dtype ('float32' or 'bfloat16')")
         else:
@@ -487,15 +539,19 @@ def parse_config(argv: list[str] | None = None, raise_problems: bool = True) -> 
     if torchtitan_file and "parallelism.enable_sequence_parallel" not in explicit:
         cfg.parallelism.enable_sequence_parallel = cfg.parallelism.tensor_parallel_degree > 1
         if cfg.parallelism.enable_sequence_parallel:
-            reading.notes.append("parallelism.enable_sequence_parallel = True: torchtitan shards sequences "
-                                 "whenever tensor_parallel_degree > 1")
+            reading.notes.append(
+                "parallelism.enable_sequence_parallel = True: torchtitan shards sequences "
+                "whenever tensor_parallel_degree > 1"
+            )
     problems += reading.problems
     for key, value in reading.settings:  # torchtitan's validation sizes: titanlike validates with the training's
         if key.startswith("_validation."):
             name = key.rpartition(".")[2]
             if value != getattr(cfg.training, name):
-                problems.append(f"torchtitan's validation.{name} = {value!r}: titanlike validates with "
-                                f"training.{name} ({getattr(cfg.training, name)}); remove it or make them equal")
+                problems.append(
+                    f"torchtitan's validation.{name} = {value!r}: titanlike validates with "
+                    f"training.{name} ({getattr(cfg.training, name)}); remove it or make them equal"
+                )
     object.__setattr__(cfg, "notes", reading.notes)
     object.__setattr__(cfg, "_problems", problems)
     if raise_problems:
@@ -510,8 +566,10 @@ def _raise_all(cfg: JobConfig, problems: list[str]) -> None:
     where = cfg.job.config_file
     if len(problems) == 1:
         raise ConfigError(f"{where}: {problems[0]}" if where else problems[0])
-    raise ConfigError(f"{where or 'the command line'}: {len(problems)} problems: "
-                      + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
+    raise ConfigError(
+        f"{where or 'the command line'}: {len(problems)} problems: "
+        + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
+    )
 
 
 def format_config(cfg: JobConfig) -> str:
@@ -558,8 +616,10 @@ def _apply_pairs(cfg: JobConfig, pairs, from_cli: bool, reading, problems: list[
             else:
                 section = dotted.partition(".")[0]
                 if section not in _sections() and not any(k.startswith(section + ".") for k in tt.TORCHTITAN_KEYS):
-                    problems.append(f"unknown config section '{section}'{_suggest(section, _sections())}; "
-                                    f"valid sections: {', '.join(_sections())}")
+                    problems.append(
+                        f"unknown config section '{section}'{_suggest(section, _sections())}; "
+                        f"valid sections: {', '.join(_sections())}"
+                    )
                 elif "." not in dotted:
                     problems.append(f"'{dotted}' names a section, not a key: use --{section}.<key>")
                 else:
@@ -593,8 +653,7 @@ def _read_toml(path: str, problems: list[str]) -> list[tuple[str, object]]:
     p = Path(path)
     if not p.is_file():
         what = "is a folder, not a TOML file" if p.is_dir() else "no such file"
-        raise ConfigError(f"job.config_file: {what} '{path}' (configs live in configs/, e.g. "
-                          f"configs/debug_model.toml)")
+        raise ConfigError(f"job.config_file: {what} '{path}' (configs live in configs/, e.g. configs/debug_model.toml)")
     try:
         with open(p, "rb") as f:
             data = tomllib.load(f)
@@ -614,15 +673,19 @@ def value_problems(cfg: JobConfig) -> list[str]:
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
         if value not in allowed:
-            out.append(f"{dotted}: '{value}' is not one of {', '.join(repr(c) for c in allowed)}"
-                       f"{_suggest(str(value), [str(c) for c in allowed])}")
+            out.append(
+                f"{dotted}: '{value}' is not one of {', '.join(repr(c) for c in allowed)}"
+                f"{_suggest(str(value), [str(c) for c in allowed])}"
+            )
     for dotted, lo in MINIMUM.items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
         if dotted == "training.steps" and value < lo:
             if not cfg.checkpoint.create_seed_checkpoint:  # a seed checkpoint trains nothing anyway
-                out.append(f"training.steps: {value} trains nothing; set training.steps >= 1 (to only write the "
-                           f"initial weights use checkpoint.create_seed_checkpoint)")
+                out.append(
+                    f"training.steps: {value} trains nothing; set training.steps >= 1 (to only write the "
+                    f"initial weights use checkpoint.create_seed_checkpoint)"
+                )
         elif value is not None and value < lo:
             out.append(f"{dotted}: {value} is below the minimum {lo}")
     for dotted, hi in MAXIMUM.items():
@@ -639,15 +702,17 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     if problems:
         raise ConfigError(problems[0])
     if cfg.validation.steps == 0:
-        raise ConfigError("validation.steps: 0 batches validates nothing; use -1 (the whole held-out tail), a "
-                          "positive count, or validation.enable = false")
+        raise ConfigError(
+            "validation.steps: 0 batches validates nothing; use -1 (the whole held-out tail), a "
+            "positive count, or validation.enable = false"
+        )
     if cfg.lr_scheduler.total_steps is not None and cfg.lr_scheduler.total_steps < 1:
-        raise ConfigError(f"lr_scheduler.total_steps: {cfg.lr_scheduler.total_steps} must be >= 1 (or unset: "
-                          f"training.steps)")
+        raise ConfigError(
+            f"lr_scheduler.total_steps: {cfg.lr_scheduler.total_steps} must be >= 1 (or unset: training.steps)"
+        )
     problems = layout_violations(cfg, world_size, model_args_from_config(cfg))
     if problems:
         raise ConfigError(problems[0])
-
 
 
 def model_args_from_config(cfg: JobConfig, vocab_size: int | None = None):
@@ -664,8 +729,10 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int | None = None):
         raise ConfigError(f"{e}{_suggest(cfg.model.name, registered())}") from None
     flavors = spec.flavors
     if cfg.model.flavor not in flavors:
-        raise ConfigError(f"model.flavor: unknown flavor '{cfg.model.flavor}'{_suggest(cfg.model.flavor, flavors)}"
-                          f"; valid for {spec.name}: {', '.join(flavors)}")
+        raise ConfigError(
+            f"model.flavor: unknown flavor '{cfg.model.flavor}'{_suggest(cfg.model.flavor, flavors)}"
+            f"; valid for {spec.name}: {', '.join(flavors)}"
+        )
     m = cfg.model
     # Overrides the model does not read are left out here and refused by the layout rule "model_keys".
     overrides = {k: getattr(m, k) for k in MODEL_OVERRIDES if getattr(m, k) and k in spec.config_keys}
@@ -679,8 +746,9 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int | None = None):
         args = args.replace(n_kv_heads=args.n_heads)
     scaling_params = [k for k in overrides if k.startswith("rope_") and k not in ("rope_theta", "rope_scaling")]
     if getattr(args, "rope_scaling", "none") == "none" and scaling_params:
-        raise ConfigError(f"model.{scaling_params[0]} is set but RoPE scaling is off; set model.rope_scaling = "
-                          f"'llama3' or drop it")
+        raise ConfigError(
+            f"model.{scaling_params[0]} is set but RoPE scaling is off; set model.rope_scaling = 'llama3' or drop it"
+        )
     vocab = vocab_size if vocab_size is not None else args.vocab_size
     if vocab and vocab > 0:
         args = args.replace(vocab_size=pad_vocab(vocab, m.vocab_multiple))
@@ -703,18 +771,24 @@ def hf_architecture_of(cfg: JobConfig):
 def _hf_model_args(cfg: JobConfig, hf_args, overrides: dict, vocab_size: int | None):
     spec = spec_for(hf_args)
     if spec is not None and spec.name != cfg.model.name:
-        raise ConfigError(f"checkpoint.initial_load_path '{cfg.checkpoint.initial_load_path}' is a {spec.name} model "
-                          f"(its config.json), model.name is {cfg.model.name}; set model.name = {spec.name}")
+        raise ConfigError(
+            f"checkpoint.initial_load_path '{cfg.checkpoint.initial_load_path}' is a {spec.name} model "
+            f"(its config.json), model.name is {cfg.model.name}; set model.name = {spec.name}"
+        )
     conflicts = []
     for key, value in overrides.items():
         theirs = hf_args.hidden_dim if key == "ffn_hidden_dim" else getattr(hf_args, key)
         if value != theirs:
             conflicts.append(f"model.{key} {value} (config.json has {theirs})")
     if conflicts:
-        raise ConfigError(f"checkpoint.initial_load_path '{cfg.checkpoint.initial_load_path}' sets the architecture "
-                          f"from its config.json, which disagrees with {', '.join(conflicts)}; drop those model.* "
-                          f"options")
+        raise ConfigError(
+            f"checkpoint.initial_load_path '{cfg.checkpoint.initial_load_path}' sets the architecture "
+            f"from its config.json, which disagrees with {', '.join(conflicts)}; drop those model.* "
+            f"options"
+        )
     if vocab_size is not None and vocab_size > hf_args.vocab_size:
-        raise ConfigError(f"model.tokenizer '{cfg.model.tokenizer}' has {vocab_size} ids but the Hugging Face model "
-                          f"at '{cfg.checkpoint.initial_load_path}' only {hf_args.vocab_size}; use its tokenizer")
+        raise ConfigError(
+            f"model.tokenizer '{cfg.model.tokenizer}' has {vocab_size} ids but the Hugging Face model "
+            f"at '{cfg.checkpoint.initial_load_path}' only {hf_args.vocab_size}; use its tokenizer"
+        )
     return hf_args

@@ -24,8 +24,19 @@ import torch.distributed as dist
 from titanlike.config import ConfigError
 
 # Words of the errors a collective raises when a peer is gone (gloo, nccl, the store, DCP's gathered failures).
-_COMM_WORDS = ("timed out", "timeout", "connection reset", "connection closed", "connection refused", "broken pipe",
-               "gloo", "nccl", "monitoredbarrier", "socket", "by peer")
+_COMM_WORDS = (
+    "timed out",
+    "timeout",
+    "connection reset",
+    "connection closed",
+    "connection refused",
+    "broken pipe",
+    "gloo",
+    "nccl",
+    "monitoredbarrier",
+    "socket",
+    "by peer",
+)
 _ALIVE_PREFIX = "titanlike/alive/"
 GRACE_S = 3.0  # how long a failed rank waits for the others to report in before naming the silent ones
 
@@ -112,14 +123,15 @@ def operation(what: str, *, rank: int, world_size: int, timeout_s: float, enable
             raise
         missing = silent_ranks(rank, world_size)
         if missing:
-            who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not answer within " \
-                  f"{timeout_s:g} s (stopped, hung or dead)"
+            who = (
+                f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not answer within "
+                f"{timeout_s:g} s (stopped, hung or dead)"
+            )
         elif missing is None:
             who = "the job's store does not answer either (the rank hosting it is gone)"
         else:
             who = "every rank is still alive"
-        raise CollectiveFailure(f"rank {rank}: {what} failed: {who} ({type(e).__name__}: {first_line(e)})") \
-            from e
+        raise CollectiveFailure(f"rank {rank}: {what} failed: {who} ({type(e).__name__}: {first_line(e)})") from e
 
 
 def free_space(path) -> str:

@@ -55,8 +55,11 @@ _LAYER_MAP = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_TOP_MAP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-            "output.weight": "lm_head.weight"}
+_TOP_MAP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _OURS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _HF_TO_OURS_LAYER = {v: k for k, v in _LAYER_MAP.items()}
@@ -148,8 +151,10 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
         return ad.from_hf(hf_state_dict, args)
     out = {}
     if args.tie_embeddings and "lm_head.weight" in hf_state_dict:
-        raise ValueError("the Hugging Face weights do not fit the model: the file has lm_head.weight, which a model "
-                         "with tied embeddings (tie_word_embeddings true) has not")
+        raise ValueError(
+            "the Hugging Face weights do not fit the model: the file has lm_head.weight, which a model "
+            "with tied embeddings (tie_word_embeddings true) has not"
+        )
     for name, t in hf_state_dict.items():
         if _HF_IGNORED.fullmatch(name):
             continue
@@ -167,8 +172,10 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
 
 def _vocab_hint(fqn: str, got: tuple, want: tuple) -> str:
     if fqn in ("tok_embeddings.weight", "output.weight") and got[1:] == want[1:]:
-        return (f"; the vocabulary differs ({got[0]} vs {want[0]}): give the folder with its config.json (the "
-                f"architecture is then taken from it), or set model.vocab_multiple 1 and a tokenizer of that size")
+        return (
+            f"; the vocabulary differs ({got[0]} vs {want[0]}): give the folder with its config.json (the "
+            f"architecture is then taken from it), or set model.vocab_multiple 1 and a tokenizer of that size"
+        )
     return ""
 
 
@@ -182,21 +189,76 @@ def expected_shapes(args: ModelArgs) -> dict[str, torch.Size]:
 # ------------------------------------------------------------------------------------------------ config.json
 # Fields of a Llama config.json that do not change what the weights compute (metadata, generation and inference
 # options, PretrainedConfig generics); everything else is either honoured or refused.
-IGNORED_FIELDS = frozenset({
-    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "bos_token_id", "eos_token_id",
-    "pad_token_id", "use_cache", "initializer_range", "pretraining_tp", "_name_or_path", "name_or_path",
-    "output_attentions", "output_hidden_states", "return_dict", "torchscript", "use_return_dict", "is_decoder",
-    "is_encoder_decoder", "add_cross_attention", "tie_encoder_decoder", "chunk_size_feed_forward", "id2label",
-    "label2id", "problem_type", "finetuning_task", "tokenizer_class", "prefix", "sep_token_id",
-    "decoder_start_token_id", "task_specific_params", "max_length", "min_length", "do_sample", "early_stopping",
-    "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p",
-    "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
-    "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
-    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
-    "begin_suppress_tokens", "cross_attention_hidden_size", "pruned_heads", "tf_legacy_loss",
-    "use_bfloat16", "_attn_implementation", "_attn_implementation_autoset", "attn_implementation",
-    "_commit_hash", "layer_types",
-})
+IGNORED_FIELDS = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "use_cache",
+        "initializer_range",
+        "pretraining_tp",
+        "_name_or_path",
+        "name_or_path",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "torchscript",
+        "use_return_dict",
+        "is_decoder",
+        "is_encoder_decoder",
+        "add_cross_attention",
+        "tie_encoder_decoder",
+        "chunk_size_feed_forward",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "finetuning_task",
+        "tokenizer_class",
+        "prefix",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "task_specific_params",
+        "max_length",
+        "min_length",
+        "do_sample",
+        "early_stopping",
+        "num_beams",
+        "num_beam_groups",
+        "diversity_penalty",
+        "temperature",
+        "top_k",
+        "top_p",
+        "typical_p",
+        "repetition_penalty",
+        "length_penalty",
+        "no_repeat_ngram_size",
+        "encoder_no_repeat_ngram_size",
+        "bad_words_ids",
+        "num_return_sequences",
+        "output_scores",
+        "return_dict_in_generate",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "remove_invalid_values",
+        "exponential_decay_length_penalty",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+        "cross_attention_hidden_size",
+        "pruned_heads",
+        "tf_legacy_loss",
+        "use_bfloat16",
+        "_attn_implementation",
+        "_attn_implementation_autoset",
+        "attn_implementation",
+        "_commit_hash",
+        "layer_types",
+    }
+)
 # Fields whose value must be the one this model implements: field -> (accepted values, what titanlike has).
 _FIXED_FIELDS = {
     "hidden_act": (("silu", "swish"), "SwiGLU with silu"),
@@ -205,9 +267,18 @@ _FIXED_FIELDS = {
     "attention_dropout": ((0, 0.0), "no attention dropout"),
     "partial_rotary_factor": ((1, 1.0), "RoPE on the whole head"),
 }
-_ROPE_KEYS = {"default": {"rope_type", "type", "rope_theta"},
-              "llama3": {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
-                         "original_max_position_embeddings"}}
+_ROPE_KEYS = {
+    "default": {"rope_type", "type", "rope_theta"},
+    "llama3": {
+        "rope_type",
+        "type",
+        "rope_theta",
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    },
+}
 
 
 class HFConfigError(ValueError):
@@ -227,16 +298,25 @@ def transformers_major_version() -> int | None:
 def _rope_dict(args: ModelArgs, layout: int) -> dict | None:
     if args.rope_scaling == "none":
         return {"rope_theta": args.rope_theta, "rope_type": "default"} if layout >= 5 else None
-    d = {"factor": args.rope_scaling_factor, "high_freq_factor": args.rope_high_freq_factor,
-         "low_freq_factor": args.rope_low_freq_factor,
-         "original_max_position_embeddings": args.rope_original_max_seq_len, "rope_type": "llama3"}
+    d = {
+        "factor": args.rope_scaling_factor,
+        "high_freq_factor": args.rope_high_freq_factor,
+        "low_freq_factor": args.rope_low_freq_factor,
+        "original_max_position_embeddings": args.rope_original_max_seq_len,
+        "rope_type": "llama3",
+    }
     if layout >= 5:
         d["rope_theta"] = args.rope_theta
     return dict(sorted(d.items()))
 
 
-def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32, bos_id: int | None = None,
-              eos_id: int | None = None, layout: int | None = None) -> dict:
+def hf_config(
+    args: ModelArgs,
+    dtype: torch.dtype = torch.float32,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+    layout: int | None = None,
+) -> dict:
     """A ``LlamaForCausalLM`` config.json for ``args``, in the layout of transformers ``layout`` (4 or 5; default:
     the installed version, 5 when it is absent): 5 has ``rope_parameters`` and ``dtype``, 4 top-level
     ``rope_theta`` / ``rope_scaling`` and ``torch_dtype``. Both load in both versions. Another registered model's
@@ -284,8 +364,11 @@ def _rope_from_config(config: dict, problems: list[str]) -> dict:
     params = config.get("rope_parameters")
     scaling = config.get("rope_scaling")
     if params is not None and scaling is not None:
-        if not (isinstance(params, dict) and isinstance(scaling, dict)
-                and all(params.get(k) == v for k, v in scaling.items() if k != "type")):
+        if not (
+            isinstance(params, dict)
+            and isinstance(scaling, dict)
+            and all(params.get(k) == v for k, v in scaling.items() if k != "type")
+        ):
             problems.append(f"rope_parameters = {params!r} and rope_scaling = {scaling!r} disagree")
     rope = params if params is not None else scaling
     if rope is None:
@@ -313,13 +396,18 @@ def _rope_from_config(config: dict, problems: list[str]) -> dict:
             problems.append(f"rope_type 'llama3' lacks {', '.join(missing)}")
             return out
         original = rope.get("original_max_position_embeddings", config.get("max_position_embeddings"))
-        out.update(rope_scaling="llama3", rope_scaling_factor=float(rope["factor"]),
-                   rope_low_freq_factor=float(rope["low_freq_factor"]),
-                   rope_high_freq_factor=float(rope["high_freq_factor"]),
-                   rope_original_max_seq_len=int(original) if original is not None else 8192)
+        out.update(
+            rope_scaling="llama3",
+            rope_scaling_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_max_seq_len=int(original) if original is not None else 8192,
+        )
         if not out["rope_low_freq_factor"] < out["rope_high_freq_factor"]:
-            problems.append(f"rope low_freq_factor {rope['low_freq_factor']} must be below high_freq_factor "
-                            f"{rope['high_freq_factor']}")
+            problems.append(
+                f"rope low_freq_factor {rope['low_freq_factor']} must be below high_freq_factor "
+                f"{rope['high_freq_factor']}"
+            )
     return out
 
 
@@ -343,16 +431,37 @@ def model_args_from_hf_config(config: dict, source: str = "config.json") -> Mode
         if key in config and config[key] not in accepted:
             problems.append(f"{key} = {config[key]!r} (titanlike has {ours})")
     if config.get("quantization_config") is not None:
-        problems.append(f"quantization_config = {config['quantization_config']!r} (quantized weights are not "
-                        f"supported; give a float32/bfloat16/float16 checkpoint)")
-    honoured = {"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-                "vocab_size", "tie_word_embeddings", "rms_norm_eps", "max_position_embeddings", "head_dim",
-                "rope_theta", "rope_scaling", "rope_parameters", "quantization_config", *_FIXED_FIELDS}
+        problems.append(
+            f"quantization_config = {config['quantization_config']!r} (quantized weights are not "
+            f"supported; give a float32/bfloat16/float16 checkpoint)"
+        )
+    honoured = {
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "vocab_size",
+        "tie_word_embeddings",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "head_dim",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "quantization_config",
+        *_FIXED_FIELDS,
+    }
     for key in sorted(set(config) - honoured - IGNORED_FIELDS):
-        problems.append(f"{key} = {config[key]!r} (a field titanlike's Llama does not know; remove it if it does not "
-                        f"change the model)")
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                           "vocab_size") if k not in config]
+        problems.append(
+            f"{key} = {config[key]!r} (a field titanlike's Llama does not know; remove it if it does not "
+            f"change the model)"
+        )
+    missing = [
+        k
+        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+        if k not in config
+    ]
     if missing:
         problems.append(f"lacks {', '.join(missing)}")
     rope = _rope_from_config(config, problems)
@@ -360,24 +469,34 @@ def model_args_from_hf_config(config: dict, source: str = "config.json") -> Mode
     if not missing:
         try:
             dim, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-            args = ModelArgs(dim=dim, n_layers=int(config["num_hidden_layers"]), n_heads=n_heads,
-                             n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
-                             vocab_size=int(config["vocab_size"]), ffn_hidden_dim=int(config["intermediate_size"]),
-                             norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                             max_seq_len=int(config.get("max_position_embeddings", 2048)),
-                             tie_embeddings=bool(config.get("tie_word_embeddings", False)), **rope)
+            args = ModelArgs(
+                dim=dim,
+                n_layers=int(config["num_hidden_layers"]),
+                n_heads=n_heads,
+                n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+                vocab_size=int(config["vocab_size"]),
+                ffn_hidden_dim=int(config["intermediate_size"]),
+                norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                max_seq_len=int(config.get("max_position_embeddings", 2048)),
+                tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                **rope,
+            )
         except (TypeError, ValueError) as e:
             problems.append(f"a value is not a number ({e})")
         if args is not None:
             if args.dim % args.n_heads or args.head_dim % 2:
-                problems.append(f"hidden_size {args.dim} / num_attention_heads {args.n_heads} is not an even "
-                                f"integer head size")
+                problems.append(
+                    f"hidden_size {args.dim} / num_attention_heads {args.n_heads} is not an even integer head size"
+                )
             elif config.get("head_dim") is not None and config["head_dim"] != args.head_dim:
-                problems.append(f"head_dim = {config['head_dim']} (titanlike has hidden_size / num_attention_heads "
-                                f"= {args.head_dim})")
+                problems.append(
+                    f"head_dim = {config['head_dim']} (titanlike has hidden_size / num_attention_heads "
+                    f"= {args.head_dim})"
+                )
             if args.n_heads % args.n_kv_heads:
-                problems.append(f"num_key_value_heads {args.n_kv_heads} does not divide num_attention_heads "
-                                f"{args.n_heads}")
+                problems.append(
+                    f"num_key_value_heads {args.n_kv_heads} does not divide num_attention_heads {args.n_heads}"
+                )
     if problems:
         raise HFConfigError(f"{source}: titanlike cannot honour " + "; ".join(problems))
     return args
@@ -389,17 +508,34 @@ def describe_args(args: ModelArgs) -> str:
         return ", ".join(f"{k} {v}" for k, v in vars(args).items())
     rope = f"rope_theta {args.rope_theta:g}"
     if args.rope_scaling == "llama3":
-        rope += (f", rope_scaling llama3 (factor {args.rope_scaling_factor:g}, low_freq_factor "
-                 f"{args.rope_low_freq_factor:g}, high_freq_factor {args.rope_high_freq_factor:g}, "
-                 f"original_max_seq_len {args.rope_original_max_seq_len})")
-    return (f"dim {args.dim}, n_layers {args.n_layers}, n_heads {args.n_heads}, n_kv_heads {args.n_kv_heads}, "
-            f"ffn_hidden_dim {args.hidden_dim}, vocab_size {args.vocab_size}, tie_embeddings {args.tie_embeddings}, "
-            f"{rope}, norm_eps {args.norm_eps:g}, max_seq_len {args.max_seq_len}")
+        rope += (
+            f", rope_scaling llama3 (factor {args.rope_scaling_factor:g}, low_freq_factor "
+            f"{args.rope_low_freq_factor:g}, high_freq_factor {args.rope_high_freq_factor:g}, "
+            f"original_max_seq_len {args.rope_original_max_seq_len})"
+        )
+    return (
+        f"dim {args.dim}, n_layers {args.n_layers}, n_heads {args.n_heads}, n_kv_heads {args.n_kv_heads}, "
+        f"ffn_hidden_dim {args.hidden_dim}, vocab_size {args.vocab_size}, tie_embeddings {args.tie_embeddings}, "
+        f"{rope}, norm_eps {args.norm_eps:g}, max_seq_len {args.max_seq_len}"
+    )
 
 
-ARCH_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "tie_embeddings",
-               "rope_theta", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-               "rope_original_max_seq_len", "norm_eps")
+ARCH_FIELDS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "vocab_size",
+    "hidden_dim",
+    "tie_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "rope_scaling_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_seq_len",
+    "norm_eps",
+)
 
 
 def check_same_architecture(args: ModelArgs, ours: ModelArgs, source: str) -> None:
@@ -409,15 +545,20 @@ def check_same_architecture(args: ModelArgs, ours: ModelArgs, source: str) -> No
         from titanlike.models import spec_for
 
         there, here = spec_for(args), spec_for(ours)
-        raise ValueError(f"{source} is for a different model: {there.name if there else type(args).__name__} there, "
-                         f"{here.name if here else type(ours).__name__} here (model.name)")
+        raise ValueError(
+            f"{source} is for a different model: {there.name if there else type(args).__name__} there, "
+            f"{here.name if here else type(ours).__name__} here (model.name)"
+        )
     if (ad := _adapter(args)) is not None:
         return ad.check_same_architecture(args, ours, source)
     diff = []
     for field in ARCH_FIELDS:
         a, b = getattr(args, field), getattr(ours, field)
-        if field.startswith("rope_") and field not in ("rope_theta", "rope_scaling") and \
-                "none" == args.rope_scaling == ours.rope_scaling:
+        if (
+            field.startswith("rope_")
+            and field not in ("rope_theta", "rope_scaling")
+            and "none" == args.rope_scaling == ours.rope_scaling
+        ):
             continue
         if a != b:
             diff.append(f"{field} {a} there, {b} here")
@@ -435,8 +576,18 @@ def _atomic_folder(out_dir: Path):
     return tmp
 
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
-               "GIB": 2**30, "TIB": 2**40}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(size: int | str) -> int:
@@ -449,9 +600,16 @@ def parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
 
 
-def save_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | os.PathLike,
-            max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, dtype: torch.dtype | None = None,
-            bos_id: int | None = None, eos_id: int | None = None, layout: int | None = None) -> Path:
+def save_hf(
+    state_dict: dict[str, torch.Tensor],
+    args: ModelArgs,
+    out_dir: str | os.PathLike,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    dtype: torch.dtype | None = None,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+    layout: int | None = None,
+) -> Path:
     """Write ``out_dir/model.safetensors`` (HF names, permuted q/k) and ``out_dir/config.json``; above
     ``max_shard_size`` bytes, shards ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``, as
     ``save_pretrained`` does. ``dtype``: cast the weights (default: keep). ``bos_id`` / ``eos_id``: the tokenizer's.
@@ -516,8 +674,9 @@ def resolve_weights(path: str | os.PathLike) -> tuple[list[Path], Path]:
             raise ValueError(f"'{p}' lists shards that are not there: {', '.join(missing)}")
         return [p.parent / f for f in files], p.parent
     if not p.is_file() or p.suffix != ".safetensors":
-        raise FileNotFoundError(f"'{path}' is not a .safetensors file or a folder holding {WEIGHTS_NAME} or "
-                                f"{INDEX_NAME}")
+        raise FileNotFoundError(
+            f"'{path}' is not a .safetensors file or a folder holding {WEIGHTS_NAME} or {INDEX_NAME}"
+        )
     return [p], p.parent
 
 
@@ -573,8 +732,9 @@ def safetensors_shapes(weights: Path | list[Path]) -> dict[str, tuple[int, ...]]
     return out
 
 
-def load_hf(path: str | os.PathLike, args: ModelArgs | None = None,
-            dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], ModelArgs]:
+def load_hf(
+    path: str | os.PathLike, args: ModelArgs | None = None, dtype: torch.dtype | None = None
+) -> tuple[dict[str, torch.Tensor], ModelArgs]:
     """Read a Hugging Face Llama checkpoint (a folder with config.json and model.safetensors or shards, or one
     .safetensors file) into our FQNs, tensors cast to ``dtype`` if given. ``args`` (the model to load into) is needed
     when there is no config.json; when both exist they must describe the same architecture. Returns (state dict,

@@ -37,8 +37,21 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-__all__ = ["Init", "normal", "trunc_normal", "zeros", "ones", "constant", "init_parameters", "generate",
-           "local_indices", "tile_shape", "plan_from_patterns", "canonical_fqn", "InitPlanError"]
+__all__ = [
+    "Init",
+    "normal",
+    "trunc_normal",
+    "zeros",
+    "ones",
+    "constant",
+    "init_parameters",
+    "generate",
+    "local_indices",
+    "tile_shape",
+    "plan_from_patterns",
+    "canonical_fqn",
+    "InitPlanError",
+]
 
 TILE_ROWS, TILE_COLS = 128, 256  # 32,768 elements: ~0.25 MB of float64 per tile
 TILE_1D = 32768
@@ -127,7 +140,7 @@ def _groups(ix: torch.Tensor, tile: int) -> list[tuple[int, slice, torch.Tensor 
     ids, counts = torch.unique_consecutive(tiles, return_counts=True)
     out, start = [], 0
     for tid, cnt in zip(ids.tolist(), counts.tolist()):
-        sub = ix[start:start + cnt] - tid * tile
+        sub = ix[start : start + cnt] - tid * tile
         first, last = int(sub[0]), int(sub[-1])
         within = slice(first, last + 1) if last - first + 1 == cnt else sub  # contiguous: a view
         out.append((tid, slice(start, start + cnt), within))
@@ -135,9 +148,15 @@ def _groups(ix: torch.Tensor, tile: int) -> list[tuple[int, slice, torch.Tensor 
     return out
 
 
-def generate(init: Init, seed: int, key: str, shape: Sequence[int],
-             index: Sequence[torch.Tensor] | None = None, dtype: torch.dtype = torch.float32,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+def generate(
+    init: Init,
+    seed: int,
+    key: str,
+    shape: Sequence[int],
+    index: Sequence[torch.Tensor] | None = None,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The elements ``index`` (one sorted index list per dim; None: all) of the tensor of global ``shape`` that
     ``init`` makes from ``(seed, key)``: a tensor of shape ``[len(i) for i in index]`` (written into ``out`` when
     given, whatever its device and dtype)."""
@@ -223,8 +242,9 @@ def plan_from_patterns(patterns: Mapping[str, Init | Callable[[re.Match], Init]]
 
 
 @torch.no_grad()
-def init_parameters(module: nn.Module, plan: Callable[[str], Init] | Mapping[str, Init], seed: int,
-                    prefix: str = "") -> None:
+def init_parameters(
+    module: nn.Module, plan: Callable[[str], Init] | Mapping[str, Init], seed: int, prefix: str = ""
+) -> None:
     """Fill every parameter of ``module`` (plain or DTensor, each rank its own shard) from ``plan`` and ``seed``.
 
     ``plan``: ``fqn -> Init`` or a ``{regex: Init}`` mapping (:func:`plan_from_patterns`); FQNs are the plain
@@ -241,14 +261,18 @@ def init_parameters(module: nn.Module, plan: Callable[[str], Init] | Mapping[str
         except (InitPlanError, KeyError):
             missing.append(fqn)
     if missing:
-        raise InitPlanError(f"init: no distribution for {len(missing)} parameter(s): {', '.join(missing[:8])}"
-                            f"{' ...' if len(missing) > 8 else ''}; add them to the model's init plan")
+        raise InitPlanError(
+            f"init: no distribution for {len(missing)} parameter(s): {', '.join(missing[:8])}"
+            f"{' ...' if len(missing) > 8 else ''}; add them to the model's init plan"
+        )
     from torch.distributed.tensor import DTensor
 
     for (fqn, p), init in zip(params, inits):
         if p.is_meta:
-            raise ValueError(f"init: parameter '{fqn}' is on the meta device; allocate it first "
-                             "(titanlike.parallel.to_empty_keeping_ties)")
+            raise ValueError(
+                f"init: parameter '{fqn}' is on the meta device; allocate it first "
+                "(titanlike.parallel.to_empty_keeping_ties)"
+            )
         local = p.to_local() if isinstance(p, DTensor) else p.data  # under no_grad: the local tensor itself
         if local.numel() == 0:
             continue

@@ -23,8 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["IGNORE_INDEX", "ScaledLoss", "compute_dtype", "cross_entropy_loss", "flatten_tokens", "reduce_loss",
-           "row_chunks"]
+__all__ = [
+    "IGNORE_INDEX",
+    "ScaledLoss",
+    "compute_dtype",
+    "cross_entropy_loss",
+    "flatten_tokens",
+    "reduce_loss",
+    "row_chunks",
+]
 
 IGNORE_INDEX = -100
 REDUCTIONS = ("sum", "mean")
@@ -58,8 +65,10 @@ def flatten_tokens(logits: Tensor, labels: Tensor, reduction: str, chunk_size: i
     if labels.is_floating_point() or labels.is_complex():
         raise TypeError(f"labels must be integer class indices, got {labels.dtype}")
     if logits.ndim < 1 or labels.shape != logits.shape[:-1]:
-        raise ValueError(f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab dim, "
-                         f"{tuple(logits.shape[:-1])}")
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab dim, "
+            f"{tuple(logits.shape[:-1])}"
+        )
     return logits.reshape(labels.numel(), logits.shape[-1]), labels.reshape(-1).long()
 
 
@@ -114,8 +123,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def cross_entropy_loss(logits: Tensor, labels: Tensor, *, ignore_index: int = IGNORE_INDEX, reduction: str = "sum",
-                       chunk_size: int | None = None) -> Tensor:
+def cross_entropy_loss(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    reduction: str = "sum",
+    chunk_size: int | None = None,
+) -> Tensor:
     """Cross entropy of ``logits`` (..., vocab) against ``labels`` (...), in at least float32.
 
     Args:
@@ -128,8 +143,9 @@ def cross_entropy_loss(logits: Tensor, labels: Tensor, *, ignore_index: int = IG
     """
     logits2d, labels1d = flatten_tokens(logits, labels, reduction, chunk_size)
     if chunk_size is None:
-        loss_sum = F.cross_entropy(logits2d.to(compute_dtype(logits.dtype)), labels1d,
-                                   ignore_index=ignore_index, reduction="sum")
+        loss_sum = F.cross_entropy(
+            logits2d.to(compute_dtype(logits.dtype)), labels1d, ignore_index=ignore_index, reduction="sum"
+        )
     else:
         loss_sum = _ChunkedCrossEntropy.apply(logits2d, labels1d, ignore_index, chunk_size)
     return reduce_loss(loss_sum, labels1d, ignore_index, reduction)

@@ -47,15 +47,28 @@ class UnsafeCheckpointError(ValueError):
 
 # (module, name) -> the object; what DCP's pickler writes for the metadata of every layout (see the module docstring).
 METADATA_GLOBALS: dict[tuple[str, str], Any] = {
-    **{("torch.distributed.checkpoint.metadata", c.__name__): c
-       for c in (md.Metadata, md.MetadataIndex, md.StorageMeta, md.TensorStorageMetadata, md.BytesStorageMetadata,
-                 md.ChunkStorageMetadata, md.TensorProperties, md._MEM_FORMAT_ENCODING)},
+    **{
+        ("torch.distributed.checkpoint.metadata", c.__name__): c
+        for c in (
+            md.Metadata,
+            md.MetadataIndex,
+            md.StorageMeta,
+            md.TensorStorageMetadata,
+            md.BytesStorageMetadata,
+            md.ChunkStorageMetadata,
+            md.TensorProperties,
+            md._MEM_FORMAT_ENCODING,
+        )
+    },
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # torch.strided is pickled as a lookup
     # StorageMeta.checkpoint_id is the path the checkpoint was saved to (pathlib._local since Python 3.13)
-    **{(mod, c.__name__): c for mod in ("pathlib", "pathlib._local")
-       for c in (pathlib.PosixPath, pathlib.PurePosixPath)},
+    **{
+        (mod, c.__name__): c
+        for mod in ("pathlib", "pathlib._local")
+        for c in (pathlib.PosixPath, pathlib.PurePosixPath)
+    },
 }
 _DTYPES = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}  # torch.float32, torch.uint8, ...
 # Python objects among them whose attributes pickle's BUILD could set: compared with a snapshot around every read.
@@ -119,8 +132,9 @@ def unpickle_metadata(data: bytes | io.IOBase) -> md.Metadata:
         error = e
     tampered = _tampered_classes(snapshot)
     if unpickler.refused:
-        raise UnsafeCheckpointError(f"would import {', '.join(unpickler.refused)}, which DCP metadata never "
-                                    f"holds (refused unexecuted)")
+        raise UnsafeCheckpointError(
+            f"would import {', '.join(unpickler.refused)}, which DCP metadata never holds (refused unexecuted)"
+        )
     if tampered:
         raise UnsafeCheckpointError(f"would change the class {', '.join(tampered)} (refused)")
     if error is not None:
@@ -160,23 +174,46 @@ def _check_metadata(m) -> None:
             raise _bad(f"the key {key!r} is not a string")
         if type(e) is md.BytesStorageMetadata:
             continue
-        if not (type(e) is tensor and type(e.properties) is props and type(e.properties.dtype) is dtype
-                and _size(e.size) and type(e.chunks) is list
-                and all(type(c) is chunk_t and _size(c.offsets) and _size(c.sizes) for c in e.chunks)):
+        if not (
+            type(e) is tensor
+            and type(e.properties) is props
+            and type(e.properties.dtype) is dtype
+            and _size(e.size)
+            and type(e.chunks) is list
+            and all(type(c) is chunk_t and _size(c.offsets) and _size(c.sizes) for c in e.chunks)
+        ):
             raise _bad(f"the entry {key!r} is not a well-formed tensor or bytes entry")
     for index, info in m.storage_data.items():
         if not (type(index) is md.MetadataIndex and type(index.fqn) is str and type(info) is _StorageInfo):
             raise _bad(f"a storage entry is a {type(index).__name__}: {type(info).__name__}")
         name = info.relative_path
-        if not (type(name) is str and name not in ("", ".", "..") and "/" not in name and os.sep not in name
-                and "\0" not in name):
+        if not (
+            type(name) is str
+            and name not in ("", ".", "..")
+            and "/" not in name
+            and os.sep not in name
+            and "\0" not in name
+        ):
             raise _bad(f"storage of {index.fqn!r} names the file {name!r}, outside the checkpoint")
-        if not (type(info.offset) is int and type(info.length) is int and info.offset >= 0 and info.length >= 0
-                and (info.transform_descriptors is None or (type(info.transform_descriptors) in (list, tuple) and all(
-                    type(t) is str for t in info.transform_descriptors)))):
+        if not (
+            type(info.offset) is int
+            and type(info.length) is int
+            and info.offset >= 0
+            and info.length >= 0
+            and (
+                info.transform_descriptors is None
+                or (
+                    type(info.transform_descriptors) in (list, tuple)
+                    and all(type(t) is str for t in info.transform_descriptors)
+                )
+            )
+        ):
             raise _bad(f"storage of {index.fqn!r} has a bad offset, length or transform")
-    if not (_plain(m.planner_data) and (m.storage_meta is None or type(m.storage_meta) is md.StorageMeta)
-            and (m.version is None or type(m.version) is str)):
+    if not (
+        _plain(m.planner_data)
+        and (m.storage_meta is None or type(m.storage_meta) is md.StorageMeta)
+        and (m.version is None or type(m.version) is str)
+    ):
         raise _bad("planner_data, storage_meta or version is not what DCP writes")
 
 
@@ -235,5 +272,4 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def load(state_dict: dict, checkpoint_id: str | os.PathLike, **kwargs) -> None:
     """``dcp.load`` that executes nothing from the files: restricted metadata, byte entries as data only."""
-    dcp.load(state_dict, storage_reader=SafeFileSystemReader(str(checkpoint_id)), planner=SafeLoadPlanner(),
-             **kwargs)
+    dcp.load(state_dict, storage_reader=SafeFileSystemReader(str(checkpoint_id)), planner=SafeLoadPlanner(), **kwargs)

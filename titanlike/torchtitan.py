@@ -56,192 +56,329 @@ NO_MOE = "titanlike has no mixture-of-experts layers"
 # Every key of torchtitan v0.2.2's torchtitan/config/job_config.py (nested tables flattened with dots).
 TORCHTITAN_KEYS: dict[str, Key] = {
     # [job]
-    "job.config_file": S(), "job.dump_folder": S(), "job.description": S(), "job.print_config": S(),
-    "job.save_config_file": Key(INERT, ok=(None, ""), note="titanlike does not write the merged config; "
-                                "job.print_config prints it"),
+    "job.config_file": S(),
+    "job.dump_folder": S(),
+    "job.description": S(),
+    "job.print_config": S(),
+    "job.save_config_file": Key(
+        INERT, ok=(None, ""), note="titanlike does not write the merged config; job.print_config prints it"
+    ),
     "job.custom_config_module": Key(INERT, ok=("",), note="titanlike's config is one fixed dataclass tree"),
     # [profiling]
-    "profiling.enable_profiling": S(), "profiling.save_traces_folder": S(), "profiling.profile_freq": S(),
+    "profiling.enable_profiling": S(),
+    "profiling.save_traces_folder": S(),
+    "profiling.profile_freq": S(),
     "profiling.profiler_active": Key(MAPPED, "profiling.profile_active", "profiling.profile_active (same meaning)"),
     "profiling.profiler_warmup": Key(MAPPED, "profiling.profile_warmup", "profiling.profile_warmup (same meaning)"),
-    "profiling.enable_memory_snapshot": S(), "profiling.save_memory_snapshot_folder": S(),
+    "profiling.enable_memory_snapshot": S(),
+    "profiling.save_memory_snapshot_folder": S(),
     # [metrics]
-    "metrics.log_freq": S(), "metrics.enable_tensorboard": S(), "metrics.disable_color_printing": S(),
+    "metrics.log_freq": S(),
+    "metrics.enable_tensorboard": S(),
+    "metrics.disable_color_printing": S(),
     "metrics.save_tb_folder": S(),
-    "metrics.save_for_all_ranks": Key(INERT, ok=(False,), note="titanlike logs global metrics (all-reduced) from "
-                                      "rank 0 only"),
-    "metrics.enable_wandb": Key(INERT, ok=(False,), note="no Weights & Biases: titanlike writes tensorboard and "
-                                "<dump_folder>/metrics.jsonl"),
+    "metrics.save_for_all_ranks": Key(
+        INERT, ok=(False,), note="titanlike logs global metrics (all-reduced) from rank 0 only"
+    ),
+    "metrics.enable_wandb": Key(
+        INERT, ok=(False,), note="no Weights & Biases: titanlike writes tensorboard and <dump_folder>/metrics.jsonl"
+    ),
     # [model]
-    "model.name": S(), "model.flavor": S(),
-    "model.hf_assets_path": Key(REFUSED, "model.tokenizer", "titanlike reads tiktoken rank files, not Hugging Face "
-                                "tokenizer folders: set model.tokenizer (test, gpt2, cl100k or a .tiktoken path); "
-                                "for Hugging Face weights use checkpoint.initial_load_path <folder>"),
-    "model.tokenizer_path": Key(REFUSED, "model.tokenizer", "use model.tokenizer (test, gpt2, cl100k or a .tiktoken "
-                                "path)"),
-    "model.converters": Key(MAPPED, None, "no converters needed", convert=lambda v: {},
-                            accept=_only([], why="titanlike's float8 is its [float8] section (float8.recipe = "
-                                         "'tensorwise' | 'rowwise' through torchao, or model.kernels = 'te' for "
-                                         "Transformer Engine); remove model.converters and set float8.recipe")),
+    "model.name": S(),
+    "model.flavor": S(),
+    "model.hf_assets_path": Key(
+        REFUSED,
+        "model.tokenizer",
+        "titanlike reads tiktoken rank files, not Hugging Face "
+        "tokenizer folders: set model.tokenizer (test, gpt2, cl100k or a .tiktoken path); "
+        "for Hugging Face weights use checkpoint.initial_load_path <folder>",
+    ),
+    "model.tokenizer_path": Key(
+        REFUSED, "model.tokenizer", "use model.tokenizer (test, gpt2, cl100k or a .tiktoken path)"
+    ),
+    "model.converters": Key(
+        MAPPED,
+        None,
+        "no converters needed",
+        convert=lambda v: {},
+        accept=_only(
+            [],
+            why="titanlike's float8 is its [float8] section (float8.recipe = "
+            "'tensorwise' | 'rowwise' through torchao, or model.kernels = 'te' for "
+            "Transformer Engine); remove model.converters and set float8.recipe",
+        ),
+    ),
     "model.print_after_conversion": Key(INERT, ok=(False,), note="titanlike has no model converters"),
     # [optimizer]
-    "optimizer.name": S(), "optimizer.lr": S(), "optimizer.beta1": S(), "optimizer.beta2": S(), "optimizer.eps": S(),
-    "optimizer.weight_decay": S(), "optimizer.implementation": S(),
-    "optimizer.early_step_in_backward": Key(INERT, ok=(False,), note="not implemented: the optimizer steps after "
-                                            "the backward (needed for gradient clipping by global norm)"),
+    "optimizer.name": S(),
+    "optimizer.lr": S(),
+    "optimizer.beta1": S(),
+    "optimizer.beta2": S(),
+    "optimizer.eps": S(),
+    "optimizer.weight_decay": S(),
+    "optimizer.implementation": S(),
+    "optimizer.early_step_in_backward": Key(
+        INERT,
+        ok=(False,),
+        note="not implemented: the optimizer steps after the backward (needed for gradient clipping by global norm)",
+    ),
     # [lr_scheduler]
-    "lr_scheduler.warmup_steps": S(), "lr_scheduler.total_steps": S(), "lr_scheduler.decay_ratio": S(),
-    "lr_scheduler.decay_type": S(), "lr_scheduler.min_lr_factor": S(),
+    "lr_scheduler.warmup_steps": S(),
+    "lr_scheduler.total_steps": S(),
+    "lr_scheduler.decay_ratio": S(),
+    "lr_scheduler.decay_type": S(),
+    "lr_scheduler.min_lr_factor": S(),
     # [training]
-    "training.dataset": Key(MAPPED, "data.path", "titanlike's shipped corpus (data.path = ''), the local small test "
-                            "set as torchtitan's c4_test is", convert=_dataset,
-                            accept=_only("c4_test", why="titanlike reads local files, never downloads: set "
-                                         "data.path (a text file, folder, .jsonl or .bin)")),
+    "training.dataset": Key(
+        MAPPED,
+        "data.path",
+        "titanlike's shipped corpus (data.path = ''), the local small test set as torchtitan's c4_test is",
+        convert=_dataset,
+        accept=_only(
+            "c4_test",
+            why="titanlike reads local files, never downloads: set data.path (a text file, folder, .jsonl or .bin)",
+        ),
+    ),
     "training.dataset_path": Key(MAPPED, "data.path", "data.path (a text file, folder of .txt/.jsonl, .jsonl or .bin)"),
-    "training.local_batch_size": S(), "training.global_batch_size": S(), "training.seq_len": S(),
-    "training.max_norm": S(), "training.steps": S(),
+    "training.local_batch_size": S(),
+    "training.global_batch_size": S(),
+    "training.seq_len": S(),
+    "training.max_norm": S(),
+    "training.steps": S(),
     "training.enable_cpu_offload": Key(INERT, ok=(False,), note="FSDP CPU offload is not implemented"),
     "training.dtype": S(),
-    "training.mixed_precision_param": Key(MAPPED, "training.dtype", "training.dtype = 'bfloat16' is titanlike's "
-                                          "bf16 parameters over float32 master weights", convert=_mixed_param),
+    "training.mixed_precision_param": Key(
+        MAPPED,
+        "training.dtype",
+        "training.dtype = 'bfloat16' is titanlike's bf16 parameters over float32 master weights",
+        convert=_mixed_param,
+    ),
     "training.mixed_precision_reduce": Key(INERT, ok=("float32",), note="titanlike reduces gradients in float32"),
     "training.gc_freq": Key(INERT, ok=(50,), note="titanlike leaves Python's garbage collector alone"),
     "training.gc_debug": Key(INERT, ok=(False,), note="titanlike leaves Python's garbage collector alone"),
     "training.dataloader.num_workers": Key(MAPPED, "data.num_workers", "data.num_workers (same meaning)"),
-    "training.dataloader.persistent_workers": Key(INERT, ok=(False,), note="titanlike's loader is built once per "
-                                                  "run"),
+    "training.dataloader.persistent_workers": Key(INERT, ok=(False,), note="titanlike's loader is built once per run"),
     "training.dataloader.pin_memory": Key(INERT, ok=(False,), note="batches are moved with non_blocking copies"),
     "training.dataloader.prefetch_factor": Key(INERT, ok=(None,), note="torch's default prefetching"),
     # [parallelism]
-    "parallelism.data_parallel_replicate_degree": S(), "parallelism.data_parallel_shard_degree": S(),
-    "parallelism.fsdp_reshard_after_forward": S(), "parallelism.tensor_parallel_degree": S(),
+    "parallelism.data_parallel_replicate_degree": S(),
+    "parallelism.data_parallel_shard_degree": S(),
+    "parallelism.fsdp_reshard_after_forward": S(),
+    "parallelism.tensor_parallel_degree": S(),
     "parallelism.disable_loss_parallel": S(),
-    "parallelism.enable_async_tensor_parallel": Key(INERT, ok=(False,), note="async TP (CUDA symmetric memory + "
-                                                    "compile) is not implemented; TP runs synchronous collectives "
-                                                    "with the same numerics: remove it"),
+    "parallelism.enable_async_tensor_parallel": Key(
+        INERT,
+        ok=(False,),
+        note="async TP (CUDA symmetric memory + "
+        "compile) is not implemented; TP runs synchronous collectives "
+        "with the same numerics: remove it",
+    ),
     "parallelism.pipeline_parallel_degree": S(),
-    "parallelism.module_fqns_per_model_part": Key(MAPPED, "parallelism.pipeline_parallel_module_names",
-                                                  "parallelism.pipeline_parallel_module_names (one comma-separated "
-                                                  "string per stage)", convert=_list_of_parts),
+    "parallelism.module_fqns_per_model_part": Key(
+        MAPPED,
+        "parallelism.pipeline_parallel_module_names",
+        "parallelism.pipeline_parallel_module_names (one comma-separated string per stage)",
+        convert=_list_of_parts,
+    ),
     "parallelism.pipeline_parallel_first_stage_less_layers": S(),
     "parallelism.pipeline_parallel_last_stage_less_layers": S(),
-    "parallelism.pipeline_parallel_layers_per_stage": S(), "parallelism.pipeline_parallel_schedule": S(),
-    "parallelism.pipeline_parallel_schedule_csv": Key(INERT, ok=(None, ""), note="schedules are chosen by name "
-                                                      "(parallelism.pipeline_parallel_schedule)"),
+    "parallelism.pipeline_parallel_layers_per_stage": S(),
+    "parallelism.pipeline_parallel_schedule": S(),
+    "parallelism.pipeline_parallel_schedule_csv": Key(
+        INERT, ok=(None, ""), note="schedules are chosen by name (parallelism.pipeline_parallel_schedule)"
+    ),
     "parallelism.pipeline_parallel_microbatch_size": S(),
     "parallelism.pipeline_parallel_expert_parallel_overlap": Key(INERT, ok=(True, False), note=NO_MOE),
     "parallelism.context_parallel_degree": S(),
-    "parallelism.context_parallel_load_balancer": Key(INERT, ok=(None, "headtail"), note="titanlike's context "
-                                                      "parallelism always balances head-tail (chunks r and 2cp-1-r)"),
-    "parallelism.context_parallel_rotate_method": Key(INERT, ok=("allgather",), note="titanlike's context "
-                                                      "parallelism all-gathers K/V"),
+    "parallelism.context_parallel_load_balancer": Key(
+        INERT,
+        ok=(None, "headtail"),
+        note="titanlike's context parallelism always balances head-tail (chunks r and 2cp-1-r)",
+    ),
+    "parallelism.context_parallel_rotate_method": Key(
+        INERT, ok=("allgather",), note="titanlike's context parallelism all-gathers K/V"
+    ),
     "parallelism.expert_parallel_degree": Key(INERT, ok=(1,), note=NO_MOE),
     "parallelism.expert_tensor_parallel_degree": Key(INERT, ok=(1,), note=NO_MOE),
     "parallelism.expert_parallel_comm_backend": Key(INERT, ok=("standard",), note=NO_MOE),
     # [checkpoint]
     "checkpoint.enable": S(),
-    "checkpoint.enable_ft_dataloader_checkpoints": Key(INERT, ok=(True, False), note="fault tolerance (torchft) is "
-                                                       "not supported"),
-    "checkpoint.folder": S(), "checkpoint.interval": S(), "checkpoint.initial_load_path": S(),
-    "checkpoint.initial_load_model_only": Key(INERT, ok=(True,), note="titanlike's initial_load_path loads model "
-                                              "weights only; to resume a full state put the checkpoint in "
-                                              "checkpoint.folder"),
-    "checkpoint.initial_load_in_hf": Key(INERT, ok=(True, False), note="titanlike tells a Hugging Face folder from "
-                                         "a DCP one by its files"),
-    "checkpoint.initial_load_in_hf_quantized": Key(INERT, ok=(False,), note="quantized Hugging Face weights are not "
-                                                   "supported"),
+    "checkpoint.enable_ft_dataloader_checkpoints": Key(
+        INERT, ok=(True, False), note="fault tolerance (torchft) is not supported"
+    ),
+    "checkpoint.folder": S(),
+    "checkpoint.interval": S(),
+    "checkpoint.initial_load_path": S(),
+    "checkpoint.initial_load_model_only": Key(
+        INERT,
+        ok=(True,),
+        note="titanlike's initial_load_path loads model "
+        "weights only; to resume a full state put the checkpoint in "
+        "checkpoint.folder",
+    ),
+    "checkpoint.initial_load_in_hf": Key(
+        INERT, ok=(True, False), note="titanlike tells a Hugging Face folder from a DCP one by its files"
+    ),
+    "checkpoint.initial_load_in_hf_quantized": Key(
+        INERT, ok=(False,), note="quantized Hugging Face weights are not supported"
+    ),
     "checkpoint.last_save_model_only": S(),
-    "checkpoint.last_save_in_hf": Key(MAPPED, "checkpoint.export_safetensors", "checkpoint.export_safetensors "
-                                      "(<folder>/final as Hugging Face safetensors + config.json)"),
+    "checkpoint.last_save_in_hf": Key(
+        MAPPED,
+        "checkpoint.export_safetensors",
+        "checkpoint.export_safetensors (<folder>/final as Hugging Face safetensors + config.json)",
+    ),
     "checkpoint.export_dtype": S(),
-    "checkpoint.async_mode": Key(MAPPED, "checkpoint.async_mode", "'async_with_pinned_mem' is 'async' (staged "
-                                 "in host memory)", convert=lambda v: {"checkpoint.async_mode":
-                                                                       "async" if v == "async_with_pinned_mem" else v}),
-    "checkpoint.keep_latest_k": S(), "checkpoint.load_step": S(),
-    "checkpoint.exclude_from_loading": Key(INERT, ok=([],), note="not implemented: a resume loads the whole state "
-                                           "(model, optimizer, schedule, data position, RNG)"),
-    "checkpoint.enable_first_step_checkpoint": Key(INERT, ok=(False,), note="not implemented: checkpoints are "
-                                                   "saved every checkpoint.interval steps and at the last step"),
+    "checkpoint.async_mode": Key(
+        MAPPED,
+        "checkpoint.async_mode",
+        "'async_with_pinned_mem' is 'async' (staged in host memory)",
+        convert=lambda v: {"checkpoint.async_mode": "async" if v == "async_with_pinned_mem" else v},
+    ),
+    "checkpoint.keep_latest_k": S(),
+    "checkpoint.load_step": S(),
+    "checkpoint.exclude_from_loading": Key(
+        INERT,
+        ok=([],),
+        note="not implemented: a resume loads the whole state (model, optimizer, schedule, data position, RNG)",
+    ),
+    "checkpoint.enable_first_step_checkpoint": Key(
+        INERT,
+        ok=(False,),
+        note="not implemented: checkpoints are saved every checkpoint.interval steps and at the last step",
+    ),
     "checkpoint.create_seed_checkpoint": S(),
     "checkpoint.load_only": Key(INERT, ok=(False,), note="not implemented: a run with checkpoint.enable saves"),
     # [activation_checkpoint]
-    "activation_checkpoint.mode": S(), "activation_checkpoint.selective_ac_option": S(),
+    "activation_checkpoint.mode": S(),
+    "activation_checkpoint.selective_ac_option": S(),
     "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": Key(
-        INERT, ok=(["moe.router.gate"], []), note=NO_MOE),
+        INERT, ok=(["moe.router.gate"], []), note=NO_MOE
+    ),
     "activation_checkpoint.early_stop": Key(INERT, ok=(False,), note="not implemented"),
     "activation_checkpoint.memory_budget": Key(INERT, ok=(0.5,), note="mode 'memory_budget' is not implemented"),
-    "activation_checkpoint.visualize_memory_budget_pareto": Key(INERT, ok=(False,), note="mode 'memory_budget' is "
-                                                                "not implemented"),
-    "activation_checkpoint.preserve_rng_state": Key(INERT, ok=(True,), note="titanlike's checkpointing preserves "
-                                                    "the RNG state"),
+    "activation_checkpoint.visualize_memory_budget_pareto": Key(
+        INERT, ok=(False,), note="mode 'memory_budget' is not implemented"
+    ),
+    "activation_checkpoint.preserve_rng_state": Key(
+        INERT, ok=(True,), note="titanlike's checkpointing preserves the RNG state"
+    ),
     "activation_checkpoint.determinism_check": Key(INERT, ok=("default",), note="torch's default check"),
     "activation_checkpoint.debug": Key(INERT, ok=(False,), note="not implemented"),
     # [compile]
-    "compile.enable": S(), "compile.backend": S(),
-    "compile.components": Key(MAPPED, None, "titanlike compiles every transformer block (the model); the loss runs "
-                              "eager (same numerics)", convert=lambda v: {},
-                              accept=_only(["model", "loss"], ["model"], ["loss", "model"],
-                                           why="titanlike compiles the model's blocks: use ['model'] or "
-                                           "['model', 'loss'], or compile.enable = false")),
+    "compile.enable": S(),
+    "compile.backend": S(),
+    "compile.components": Key(
+        MAPPED,
+        None,
+        "titanlike compiles every transformer block (the model); the loss runs eager (same numerics)",
+        convert=lambda v: {},
+        accept=_only(
+            ["model", "loss"],
+            ["model"],
+            ["loss", "model"],
+            why="titanlike compiles the model's blocks: use ['model'] or ['model', 'loss'], or compile.enable = false",
+        ),
+    ),
     # [quantize.*]: torchao float8 / MX. titanlike's float8 is its own [float8] section (torchao or TE).
-    **{f"quantize.linear.float8.{k}": Key(INERT, ok=ok, note="applies with model.converters = ['float8'] only; "
-                                          "titanlike's float8 is the [float8] section (float8.recipe, "
-                                          f"float8.{k.replace('recipe_name', 'recipe')})")
-       for k, ok in (("enable_fsdp_float8_all_gather", (False, True)),
-                     ("precompute_float8_dynamic_scale_for_fsdp", (False, True)), ("recipe_name", (None,)),
-                     ("filter_fqns", None), ("emulate", (False,)))},
-    **{f"quantize.linear.mx.{k}": Key(INERT, ok=ok, note="torchao MX is not supported; titanlike's mxfp8 is "
-                                      "model.kernels = 'te' + float8.recipe = 'mxfp8'")
-       for k, ok in (("mxfp8_dim1_cast_kernel_choice", ("triton",)), ("recipe_name", ("mxfp8_cublas",)),
-                     ("filter_fqns", (["output"],)))},
+    **{
+        f"quantize.linear.float8.{k}": Key(
+            INERT,
+            ok=ok,
+            note="applies with model.converters = ['float8'] only; "
+            "titanlike's float8 is the [float8] section (float8.recipe, "
+            f"float8.{k.replace('recipe_name', 'recipe')})",
+        )
+        for k, ok in (
+            ("enable_fsdp_float8_all_gather", (False, True)),
+            ("precompute_float8_dynamic_scale_for_fsdp", (False, True)),
+            ("recipe_name", (None,)),
+            ("filter_fqns", None),
+            ("emulate", (False,)),
+        )
+    },
+    **{
+        f"quantize.linear.mx.{k}": Key(
+            INERT,
+            ok=ok,
+            note="torchao MX is not supported; titanlike's mxfp8 is model.kernels = 'te' + float8.recipe = 'mxfp8'",
+        )
+        for k, ok in (
+            ("mxfp8_dim1_cast_kernel_choice", ("triton",)),
+            ("recipe_name", ("mxfp8_cublas",)),
+            ("filter_fqns", (["output"],)),
+        )
+    },
     "quantize.grouped_mm.float8.fqns": Key(INERT, ok=([], ""), note=NO_MOE),
     "quantize.grouped_mm.mx.recipe_name": Key(INERT, ok=("mxfp8",), note=NO_MOE),
     "quantize.grouped_mm.mx.fqns": Key(INERT, ok=([], ""), note=NO_MOE),
     # [comm]
     "comm.init_timeout_seconds": S(),
     "comm.train_timeout_seconds": Key(MAPPED, "comm.timeout_seconds", "comm.timeout_seconds (every collective)"),
-    "comm.trace_buf_size": Key(INERT, ok=(20000,), note="NCCL's flight recorder is configured by its environment "
-                               "variables"),
+    "comm.trace_buf_size": Key(
+        INERT, ok=(20000,), note="NCCL's flight recorder is configured by its environment variables"
+    ),
     "comm.save_traces_folder": Key(INERT, ok=("comm_traces",), note="NCCL's flight recorder is not configured here"),
     "comm.save_traces_file_prefix": Key(INERT, ok=("rank_",), note="NCCL's flight recorder is not configured here"),
-    "comm.mode": Key(INERT, ok=("default",), note="for a fake-backend dry run use scripts/plan.py (it dry-runs "
-                     "the layout on a fake process group)"),
+    "comm.mode": Key(
+        INERT,
+        ok=("default",),
+        note="for a fake-backend dry run use scripts/plan.py (it dry-runs the layout on a fake process group)",
+    ),
     # [memory_estimation]
     "memory_estimation.enable": Key(INERT, ok=(False,), note="use scripts/plan.py (memory per rank of any layout)"),
     "memory_estimation.disable_fake_mode": Key(INERT, ok=(False,), note="use scripts/plan.py"),
     # [fault_tolerance]
-    **{f"fault_tolerance.{k}": Key(INERT, ok=ok, note="fault tolerance (torchft) is not supported")
-       for k, ok in (("enable", (False,)), ("process_group", ("gloo",)), ("process_group_timeout_ms", (10000,)),
-                     ("replica_id", (0,)), ("group_size", (0,)), ("min_replica_size", (1,)),
-                     ("semi_sync_method", (None,)))},
+    **{
+        f"fault_tolerance.{k}": Key(INERT, ok=ok, note="fault tolerance (torchft) is not supported")
+        for k, ok in (
+            ("enable", (False,)),
+            ("process_group", ("gloo",)),
+            ("process_group_timeout_ms", (10000,)),
+            ("replica_id", (0,)),
+            ("group_size", (0,)),
+            ("min_replica_size", (1,)),
+            ("semi_sync_method", (None,)),
+        )
+    },
     # [experimental]
     "experimental.custom_import": Key(INERT, ok=("",), note="titanlike has no plugin imports"),
     "experimental.custom_args_module": Key(INERT, ok=("",), note="titanlike's config is one fixed dataclass tree"),
     # [validation]
     "validation.enable": S(),
-    "validation.dataset": Key(MAPPED, None, "titanlike validates on the held-out tail (data.val_fraction) of the "
-                              "training data", convert=lambda v: {},
-                              accept=_only("c4_validation", why="titanlike validates on the held-out tail "
-                                           "(data.val_fraction) of data.path")),
-    "validation.dataset_path": Key(REFUSED, "data.val_fraction", "titanlike validates on the held-out tail of "
-                                   "data.path: set data.val_fraction"),
-    "validation.local_batch_size": Key(MAPPED, None, "equal to training.local_batch_size, which validation uses",
-                                       convert=lambda v: {"_validation.local_batch_size": v}),
-    "validation.seq_len": Key(MAPPED, None, "equal to training.seq_len, which validation uses",
-                              convert=lambda v: {"_validation.seq_len": v}),
-    "validation.freq": S(), "validation.steps": S(),
+    "validation.dataset": Key(
+        MAPPED,
+        None,
+        "titanlike validates on the held-out tail (data.val_fraction) of the training data",
+        convert=lambda v: {},
+        accept=_only("c4_validation", why="titanlike validates on the held-out tail (data.val_fraction) of data.path"),
+    ),
+    "validation.dataset_path": Key(
+        REFUSED, "data.val_fraction", "titanlike validates on the held-out tail of data.path: set data.val_fraction"
+    ),
+    "validation.local_batch_size": Key(
+        MAPPED,
+        None,
+        "equal to training.local_batch_size, which validation uses",
+        convert=lambda v: {"_validation.local_batch_size": v},
+    ),
+    "validation.seq_len": Key(
+        MAPPED, None, "equal to training.seq_len, which validation uses", convert=lambda v: {"_validation.seq_len": v}
+    ),
+    "validation.freq": S(),
+    "validation.steps": S(),
     "validation.dataloader.num_workers": Key(INERT, ok=(0,), note="validation batches are read in the process"),
-    "validation.dataloader.persistent_workers": Key(INERT, ok=(False,), note="validation batches are read in the "
-                                                    "process"),
+    "validation.dataloader.persistent_workers": Key(
+        INERT, ok=(False,), note="validation batches are read in the process"
+    ),
     "validation.dataloader.pin_memory": Key(INERT, ok=(False,), note="validation batches are read in the process"),
-    "validation.dataloader.prefetch_factor": Key(INERT, ok=(None,), note="validation batches are read in the "
-                                                 "process"),
+    "validation.dataloader.prefetch_factor": Key(INERT, ok=(None,), note="validation batches are read in the process"),
     # [debug]
-    "debug.seed": Key(MAPPED, "training.seed", "training.seed",
-                      convert=lambda v: {"training.seed": v} if v is not None else {}),
+    "debug.seed": Key(
+        MAPPED, "training.seed", "training.seed", convert=lambda v: {"training.seed": v} if v is not None else {}
+    ),
     "debug.deterministic": Key(MAPPED, "training.deterministic", "training.deterministic"),
-    "debug.deterministic_warn_only": Key(INERT, ok=(False,), note="deterministic mode raises on a "
-                                         "nondeterministic op"),
+    "debug.deterministic_warn_only": Key(INERT, ok=(False,), note="deterministic mode raises on a nondeterministic op"),
     "debug.moe_force_load_balance": Key(INERT, ok=(False,), note=NO_MOE),
 }
 
@@ -268,23 +405,33 @@ TORCHTITAN_DEFAULTS = {
 
 # Meaning-based suggestions for keys that neither side has (checked before spelling).
 SYNONYMS = {
-    "training.batch_size": "training.local_batch_size", "training.lr": "optimizer.lr",
-    "training.learning_rate": "optimizer.lr", "optimizer.learning_rate": "optimizer.lr",
-    "training.warmup_steps": "lr_scheduler.warmup_steps", "training.seed": "training.seed",
+    "training.batch_size": "training.local_batch_size",
+    "training.lr": "optimizer.lr",
+    "training.learning_rate": "optimizer.lr",
+    "optimizer.learning_rate": "optimizer.lr",
+    "training.warmup_steps": "lr_scheduler.warmup_steps",
+    "training.seed": "training.seed",
     "training.gradient_accumulation_steps": "training.global_batch_size",
-    "training.data_path": "data.path", "data.dataset": "data.path", "data.dataset_path": "data.path",
-    "model.vocab_size": "model.tokenizer", "model.tokenizer_name": "model.tokenizer",
-    "training.grad_clip": "training.max_norm", "training.clip_grad_norm": "training.max_norm",
+    "training.data_path": "data.path",
+    "data.dataset": "data.path",
+    "data.dataset_path": "data.path",
+    "model.vocab_size": "model.tokenizer",
+    "model.tokenizer_name": "model.tokenizer",
+    "training.grad_clip": "training.max_norm",
+    "training.clip_grad_norm": "training.max_norm",
     "parallelism.sequence_parallel": "parallelism.enable_sequence_parallel",
-    "parallelism.tp": "parallelism.tensor_parallel_degree", "parallelism.pp": "parallelism.pipeline_parallel_degree",
+    "parallelism.tp": "parallelism.tensor_parallel_degree",
+    "parallelism.pp": "parallelism.pipeline_parallel_degree",
     "parallelism.dp": "parallelism.data_parallel_shard_degree",
-    "checkpoint.save_interval": "checkpoint.interval", "metrics.log_interval": "metrics.log_freq",
+    "checkpoint.save_interval": "checkpoint.interval",
+    "metrics.log_interval": "metrics.log_freq",
 }
 
 
 @dataclass
 class Reading:
     """What reading torchtitan keys produced: settings for titanlike keys, notes to print, problems to report."""
+
     settings: list[tuple[str, object]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)

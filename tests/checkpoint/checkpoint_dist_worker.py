@@ -91,12 +91,38 @@ CASES = [
 def train_args(out: Path, name: str, extra: list[str]) -> list[str]:
     from titanlike.data import asset_path
 
-    return ["--model.flavor", "tiny", "--training.dtype", "float64", "--training.steps", "6",
-            "--training.global_batch_size", "8", "--training.local_batch_size", "2", "--training.seq_len", "32",
-            "--data.path", str(asset_path("corpus", "tinyshakespeare.txt")), "--validation.enable", "false",
-            "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "100", "--lr_scheduler.warmup_steps", "2",
-            "--comm.timeout_seconds", "60", "--checkpoint.enable", "--checkpoint.interval", str(SAVE_STEP),
-            "--job.dump_folder", str(out / name), *(a.format(out=out) for a in extra)]
+    return [
+        "--model.flavor",
+        "tiny",
+        "--training.dtype",
+        "float64",
+        "--training.steps",
+        "6",
+        "--training.global_batch_size",
+        "8",
+        "--training.local_batch_size",
+        "2",
+        "--training.seq_len",
+        "32",
+        "--data.path",
+        str(asset_path("corpus", "tinyshakespeare.txt")),
+        "--validation.enable",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.log_freq",
+        "100",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--comm.timeout_seconds",
+        "60",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        str(SAVE_STEP),
+        "--job.dump_folder",
+        str(out / name),
+        *(a.format(out=out) for a in extra),
+    ]
 
 
 def _barrier(store, key: str) -> None:
@@ -138,9 +164,15 @@ def _record_loaded_weights(trainer, path: Path) -> None:
     def load_and_record():
         step = load()
         sd = get_model_state_dict(merged_model(trainer.model_parts))
-        torch.save({"meta_init": trainer.meta_init,
-                    "weights": {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-                                for k, v in sd.items()}}, path)
+        torch.save(
+            {
+                "meta_init": trainer.meta_init,
+                "weights": {
+                    k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in sd.items()
+                },
+            },
+            path,
+        )
         return step
 
     trainer.checkpointer.load = load_and_record
@@ -166,8 +198,14 @@ def _run_cases(rank: int, store, out: Path) -> None:
             store.set(f"port/{i}", str(unused_port()))
         _barrier(store, f"start/{i}")
         if rank < n:
-            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=store.get(f"port/{i}").decode())
+            os.environ.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(n),
+                LOCAL_WORLD_SIZE=str(n),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=store.get(f"port/{i}").decode(),
+            )
             print(f"=== case {name} (rank {rank} of {n})", flush=True)
             trainer = Trainer(load_config(train_args(out, name, extra), world_size=n))
             tied = {}
@@ -194,8 +232,15 @@ def _proc_main(rank: int, listener: socket.socket, out: Path) -> None:
         port = listener.getsockname()[1]
         timeout = datetime.timedelta(seconds=300)
         if rank == 0:
-            store = dist.TCPStore("127.0.0.1", port, PROCS, is_master=True, master_listen_fd=listener.fileno(),
-                                  wait_for_workers=False, timeout=timeout)
+            store = dist.TCPStore(
+                "127.0.0.1",
+                port,
+                PROCS,
+                is_master=True,
+                master_listen_fd=listener.fileno(),
+                wait_for_workers=False,
+                timeout=timeout,
+            )
         else:
             listener.close()
             store = dist.TCPStore("127.0.0.1", port, PROCS, is_master=False, timeout=timeout)

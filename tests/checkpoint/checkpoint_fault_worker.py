@@ -85,8 +85,14 @@ def _rank(rank: int, port: int, mode: str, dump: Path, argv: list[str]) -> None:
     log = open(dump / f"rank{rank}.log", "w")
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     code = 1
     try:
         import torch
@@ -107,7 +113,7 @@ def _rank(rank: int, port: int, mode: str, dump: Path, argv: list[str]) -> None:
 
 def main() -> int:
     split = sys.argv.index("--")
-    out, modes, argv = Path(sys.argv[1]), sys.argv[2:split], sys.argv[split + 1:]
+    out, modes, argv = Path(sys.argv[1]), sys.argv[2:split], sys.argv[split + 1 :]
     ctx = mp.get_context("fork")
     jobs = {}
     for mode in modes:
@@ -130,9 +136,14 @@ def main() -> int:
                         os.kill(p.pid, signal.SIGKILL)
                     p.join()
                 fault = dump / "fault_time"
-                (dump / "job.json").write_text(json.dumps({
-                    "exit_codes": [p.exitcode for p in procs],
-                    "seconds_after_fault": ended - float(fault.read_text()) if fault.exists() else None}))
+                (dump / "job.json").write_text(
+                    json.dumps(
+                        {
+                            "exit_codes": [p.exitcode for p in procs],
+                            "seconds_after_fault": ended - float(fault.read_text()) if fault.exists() else None,
+                        }
+                    )
+                )
                 running.discard(mode)
         time.sleep(0.05)
     return 0

@@ -22,10 +22,29 @@ CORPUS = str(asset_path("corpus", "tinyshakespeare.txt"))
 
 
 def base_args(dump: Path, steps: int = 8, *extra: str) -> list[str]:
-    return ["--model.flavor", "tiny", "--training.steps", str(steps), "--training.local_batch_size", "4",
-            "--training.seq_len", "32", "--data.path", CORPUS, "--validation.enable", "false",
-            "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "100", "--lr_scheduler.warmup_steps", "2",
-            "--job.dump_folder", str(dump), *extra]
+    return [
+        "--model.flavor",
+        "tiny",
+        "--training.steps",
+        str(steps),
+        "--training.local_batch_size",
+        "4",
+        "--training.seq_len",
+        "32",
+        "--data.path",
+        CORPUS,
+        "--validation.enable",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.log_freq",
+        "100",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--job.dump_folder",
+        str(dump),
+        *extra,
+    ]
 
 
 def run(dump: Path, steps: int = 8, *extra: str) -> tuple[Trainer, list[float]]:
@@ -65,8 +84,9 @@ def test_resume_is_bitwise_exact(straight, tmp_path, mode):
         first, _ = run(source, 8, "--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.async_mode", mode)
         assert first.checkpointer.last_step == 8
     shutil.copytree(source / "checkpoint" / "step-4", tmp_path / "b" / "checkpoint" / "step-4")
-    b, losses_b = run(tmp_path / "b", 8, "--checkpoint.enable", "--checkpoint.interval", "4",
-                      "--checkpoint.async_mode", mode)
+    b, losses_b = run(
+        tmp_path / "b", 8, "--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.async_mode", mode
+    )
     assert not a.meta_init and b.meta_init  # the resumed run never initialised weights it would overwrite
     assert losses_b == losses_a[4:]  # bitwise: float equality of every loss
     assert (b.step, b.tokens_seen, b.nonfinite_steps) == (a.step, a.tokens_seen, a.nonfinite_steps)
@@ -100,8 +120,21 @@ def test_seed_checkpoint_then_start_from_it_under_another_seed(tmp_path):
         assert torch.equal(seed_weights[k], v), k
 
     # A run with a different training.seed starts from the seed checkpoint's weights, at step 0.
-    other = Trainer(load_config(base_args(tmp_path / "other", 2, "--training.seed", "7", "--data.shuffle", "false",
-                                          "--checkpoint.initial_load_path", str(step0)), world_size=1))
+    other = Trainer(
+        load_config(
+            base_args(
+                tmp_path / "other",
+                2,
+                "--training.seed",
+                "7",
+                "--data.shuffle",
+                "false",
+                "--checkpoint.initial_load_path",
+                str(step0),
+            ),
+            world_size=1,
+        )
+    )
     assert not torch.equal(other.model_parts[0].tok_embeddings.weight, seed_weights["tok_embeddings.weight"])
     assert other.checkpointer.load() == 0
     for k, v in other.model_parts[0].state_dict().items():
@@ -117,8 +150,14 @@ def test_seed_checkpoint_then_start_from_it_under_another_seed(tmp_path):
 def test_injected_nonfinite_losses_are_skipped_counted_and_never_saved(tmp_path, monkeypatch):
     """NaN losses at steps 3 and 5: both skipped (weights unchanged), counted, and no checkpoint holds a non-finite
     value; a third one at step 6 is the max_nonfinite_steps=3rd skip: the run stops there."""
-    trainer = Trainer(load_config(base_args(tmp_path, 8, "--checkpoint.enable", "--checkpoint.interval", "1",
-                                            "--training.max_nonfinite_steps", "3"), world_size=1))
+    trainer = Trainer(
+        load_config(
+            base_args(
+                tmp_path, 8, "--checkpoint.enable", "--checkpoint.interval", "1", "--training.max_nonfinite_steps", "3"
+            ),
+            world_size=1,
+        )
+    )
     loss_fn = trainer.loss.loss_fn
     bad_steps = {3, 5, 6}
     weights_before: dict[int, torch.Tensor] = {}
@@ -129,8 +168,11 @@ def test_injected_nonfinite_losses_are_skipped_counted_and_never_saved(tmp_path,
         return out * float("nan") if trainer.step in bad_steps else out
 
     trainer.loss.loss_fn = poisoned
-    with pytest.raises(RuntimeError, match=r"stopping at step 6: 3 non-finite steps skipped, "
-                                           r"training.max_nonfinite_steps=3"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"stopping at step 6: 3 non-finite steps skipped, "
+        r"training.max_nonfinite_steps=3",
+    ):
         trainer.train()
     assert trainer.step == 6 and trainer.nonfinite_steps == 3
     folder = tmp_path / "checkpoint"
@@ -142,8 +184,14 @@ def test_injected_nonfinite_losses_are_skipped_counted_and_never_saved(tmp_path,
         assert all(torch.isfinite(t).all() for t in sd.values()), step
 
     # Resuming from step-5 restores the counter: one more non-finite step is tolerated, the next one is not.
-    resumed = Trainer(load_config(base_args(tmp_path, 8, "--checkpoint.enable", "--checkpoint.interval", "1",
-                                            "--training.max_nonfinite_steps", "3"), world_size=1))
+    resumed = Trainer(
+        load_config(
+            base_args(
+                tmp_path, 8, "--checkpoint.enable", "--checkpoint.interval", "1", "--training.max_nonfinite_steps", "3"
+            ),
+            world_size=1,
+        )
+    )
     resumed.checkpointer.load()
     assert (resumed.step, resumed.nonfinite_steps) == (5, 2)
 
@@ -170,8 +218,13 @@ KILL_POINTS = ["write_data", "finish"]
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
     """For every pause point, a run (8 steps, a save every 2) SIGKILLed inside its save of step 4 (side by side)."""
-    return kill_at_pause_points(tmp_path_factory, KILL_WORKER, REPO, KILL_POINTS,
-                                lambda dump: base_args(dump, 8, "--checkpoint.enable", "--checkpoint.interval", "2"))
+    return kill_at_pause_points(
+        tmp_path_factory,
+        KILL_WORKER,
+        REPO,
+        KILL_POINTS,
+        lambda dump: base_args(dump, 8, "--checkpoint.enable", "--checkpoint.interval", "2"),
+    )
 
 
 @pytest.mark.parametrize("pause", KILL_POINTS)
@@ -194,8 +247,13 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint(straight, killed, p
 def test_kill_9_during_a_seed_write_commits_nothing_and_a_rerun_cleans_up(tmp_path_factory):
     """A seed-checkpoint run SIGKILLed after DCP's .metadata but before the commit leaves no step-0 (only its
     temporary folder); run again into the same folder, it removes the leftover and commits step-0."""
-    dump = kill_at_pause_points(tmp_path_factory, KILL_WORKER, REPO, ["finish"],
-                                lambda d: base_args(d, 4, "--checkpoint.create_seed_checkpoint"))["finish"]
+    dump = kill_at_pause_points(
+        tmp_path_factory,
+        KILL_WORKER,
+        REPO,
+        ["finish"],
+        lambda d: base_args(d, 4, "--checkpoint.create_seed_checkpoint"),
+    )["finish"]
     folder = dump / "checkpoint"
     leftovers = [p.name for p in folder.iterdir()]
     assert committed_checkpoints(folder) == {} and len(leftovers) == 1 and leftovers[0].startswith("step-0.tmp-")

@@ -20,24 +20,48 @@ CORPUS = str(asset_path("corpus", "tinyshakespeare.txt"))
 
 
 def args(dump: Path, *extra: str) -> list[str]:
-    return ["--model.flavor", "tiny", "--training.steps", "4", "--training.local_batch_size", "2",
-            "--training.seq_len", "16", "--data.path", CORPUS, "--validation.enable", "false",
-            "--metrics.enable_tensorboard", "false", "--metrics.enable_jsonl", "false", "--metrics.log_freq", "100",
-            "--job.dump_folder", str(dump), *extra]
+    return [
+        "--model.flavor",
+        "tiny",
+        "--training.steps",
+        "4",
+        "--training.local_batch_size",
+        "2",
+        "--training.seq_len",
+        "16",
+        "--data.path",
+        CORPUS,
+        "--validation.enable",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.enable_jsonl",
+        "false",
+        "--metrics.log_freq",
+        "100",
+        "--job.dump_folder",
+        str(dump),
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
     """A dump folder whose checkpoint folder holds step-2 and step-4 of the tiny model."""
     dump = tmp_path_factory.mktemp("saved")
-    Trainer(load_config(args(dump, "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.checksum"),
-                        world_size=1)).train()
+    Trainer(
+        load_config(
+            args(dump, "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.checksum"), world_size=1
+        )
+    ).train()
     return dump
 
 
 def snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(root.rglob("*"))
+    }
 
 
 def fails_with(capsys, root: Path, argv: list[str], *expected: str) -> str:
@@ -60,17 +84,31 @@ def dump(saved, tmp_path) -> Path:
 
 
 def test_checkpoint_of_another_model_shape(dump, capsys):
-    fails_with(capsys, dump, args(dump, "--checkpoint.enable", "--model.dim", "64"),
-               "step-4' is for a different model", "tok_embeddings.weight' has shape (2048, 32) there, (2048, 64) here")
-    fails_with(capsys, dump, args(dump, "--checkpoint.enable", "--model.n_layers", "3"),
-               "is for a different model: it has no 'layers.2.attention_norm.weight'")
+    fails_with(
+        capsys,
+        dump,
+        args(dump, "--checkpoint.enable", "--model.dim", "64"),
+        "step-4' is for a different model",
+        "tok_embeddings.weight' has shape (2048, 32) there, (2048, 64) here",
+    )
+    fails_with(
+        capsys,
+        dump,
+        args(dump, "--checkpoint.enable", "--model.n_layers", "3"),
+        "is for a different model: it has no 'layers.2.attention_norm.weight'",
+    )
 
 
 def test_truncated_checkpoint(dump, capsys):
     data = dump / "checkpoint" / "step-4" / "__0_0.distcp"
     data.write_bytes(data.read_bytes()[:1000])
-    fails_with(capsys, dump, args(dump, "--checkpoint.enable"),
-               "step-4' is corrupted: __0_0.distcp is truncated (1000 of", "move it out of")
+    fails_with(
+        capsys,
+        dump,
+        args(dump, "--checkpoint.enable"),
+        "step-4' is corrupted: __0_0.distcp is truncated (1000 of",
+        "move it out of",
+    )
 
 
 def test_missing_data_file(dump, capsys):
@@ -94,74 +132,129 @@ def test_corrupted_entry_found_while_loading(dump, capsys):
     md = FileSystemReader(str(step4)).read_metadata()
     info = next(v for k, v in md.storage_data.items() if k.fqn == "train.lr_scheduler.base_lrs")
     raw = bytearray((step4 / info.relative_path).read_bytes())
-    raw[info.offset: info.offset + info.length] = b"\x00" * info.length
+    raw[info.offset : info.offset + info.length] = b"\x00" * info.length
     (step4 / info.relative_path).write_bytes(bytes(raw))
-    fails_with(capsys, dump, args(dump, "--checkpoint.enable", "--checkpoint.checksum", "false"),
-               "step-4' could not be loaded")
+    fails_with(
+        capsys, dump, args(dump, "--checkpoint.enable", "--checkpoint.checksum", "false"), "step-4' could not be loaded"
+    )
     # With checksums (the saved fixture wrote them) the damage is found before anything is read, naming the file.
-    fails_with(capsys, dump, args(dump, "--checkpoint.enable", "--checkpoint.checksum"),
-               f"step-4' is corrupted: {info.relative_path} does not match its checksum")
+    fails_with(
+        capsys,
+        dump,
+        args(dump, "--checkpoint.enable", "--checkpoint.checksum"),
+        f"step-4' is corrupted: {info.relative_path} does not match its checksum",
+    )
 
 
 def test_load_step_that_does_not_exist_or_is_not_the_newest(dump, capsys):
-    fails_with(capsys, dump, args(dump, "--checkpoint.enable", "--checkpoint.load_step", "3"),
-               "checkpoint.load_step 3: there is no committed checkpoint step-3", "(steps there: 2, 4)")
-    fails_with(capsys, dump, args(dump, "--checkpoint.enable", "--checkpoint.load_step", "2"),
-               "also holds later checkpoints (4)")
+    fails_with(
+        capsys,
+        dump,
+        args(dump, "--checkpoint.enable", "--checkpoint.load_step", "3"),
+        "checkpoint.load_step 3: there is no committed checkpoint step-3",
+        "(steps there: 2, 4)",
+    )
+    fails_with(
+        capsys,
+        dump,
+        args(dump, "--checkpoint.enable", "--checkpoint.load_step", "2"),
+        "also holds later checkpoints (4)",
+    )
     fails_with(capsys, dump, args(dump, "--checkpoint.load_step", "4"), "needs checkpoint.enable = true")
 
 
 def test_unwritable_checkpoint_folder(tmp_path, capsys):
     (tmp_path / "checkpoint").write_text("a file where the folder should be")
-    fails_with(capsys, tmp_path, args(tmp_path, "--checkpoint.enable"),
-               "checkpoint.folder: '", "is a file, not a folder")
+    fails_with(
+        capsys, tmp_path, args(tmp_path, "--checkpoint.enable"), "checkpoint.folder: '", "is a file, not a folder"
+    )
     fails_with(capsys, tmp_path, args(tmp_path, "--checkpoint.create_seed_checkpoint"), "is a file, not a folder")
     (tmp_path / "blocker").write_text("a file where a parent folder should be")
-    fails_with(capsys, tmp_path, args(tmp_path, "--checkpoint.enable", "--checkpoint.folder",
-                                      str(tmp_path / "blocker" / "ckpt")),
-               "checkpoint.folder: cannot write checkpoints to", "(Not a directory)")
+    fails_with(
+        capsys,
+        tmp_path,
+        args(tmp_path, "--checkpoint.enable", "--checkpoint.folder", str(tmp_path / "blocker" / "ckpt")),
+        "checkpoint.folder: cannot write checkpoints to",
+        "(Not a directory)",
+    )
 
 
 def test_seed_checkpoint_never_overwrites(dump, capsys):
-    fails_with(capsys, dump, args(dump, "--checkpoint.create_seed_checkpoint"),
-               "already holds checkpoints (step-2, step-4); not overwriting them")
+    fails_with(
+        capsys,
+        dump,
+        args(dump, "--checkpoint.create_seed_checkpoint"),
+        "already holds checkpoints (step-2, step-4); not overwriting them",
+    )
 
 
 def test_seed_checkpoint_refuses_the_keys_it_would_ignore(tmp_path, capsys):
     """A seed checkpoint is the weights initialised from training.seed: initial weights to load, a step to resume
     or an export at the end would be silently ignored; every one is named in the one line."""
-    fails_with(capsys, tmp_path, args(tmp_path, "--checkpoint.create_seed_checkpoint", "--checkpoint.enable",
-                                      "--checkpoint.initial_load_path", str(tmp_path), "--checkpoint.load_step", "2",
-                                      "--checkpoint.export_safetensors"),
-               "checkpoint.initial_load_path, checkpoint.load_step, checkpoint.export_safetensors would be ignored; "
-               "remove them")
+    fails_with(
+        capsys,
+        tmp_path,
+        args(
+            tmp_path,
+            "--checkpoint.create_seed_checkpoint",
+            "--checkpoint.enable",
+            "--checkpoint.initial_load_path",
+            str(tmp_path),
+            "--checkpoint.load_step",
+            "2",
+            "--checkpoint.export_safetensors",
+        ),
+        "checkpoint.initial_load_path, checkpoint.load_step, checkpoint.export_safetensors would be ignored; "
+        "remove them",
+    )
 
 
 def test_bad_initial_load_path(dump, tmp_path, capsys):
-    fails_with(capsys, dump, args(dump, "--checkpoint.initial_load_path", str(tmp_path / "nothing")),
-               "checkpoint.initial_load_path:", "does not exist")
-    fails_with(capsys, dump, args(dump, "--checkpoint.initial_load_path", CORPUS),
-               "is not a .safetensors file or a folder holding model.safetensors")
+    fails_with(
+        capsys,
+        dump,
+        args(dump, "--checkpoint.initial_load_path", str(tmp_path / "nothing")),
+        "checkpoint.initial_load_path:",
+        "does not exist",
+    )
+    fails_with(
+        capsys,
+        dump,
+        args(dump, "--checkpoint.initial_load_path", CORPUS),
+        "is not a .safetensors file or a folder holding model.safetensors",
+    )
     other = FLAVORS["tiny"].replace(vocab_size=2048, dim=64)
     hf_dir = tmp_path / "hf"
     from titanlike.models import Transformer
 
     save_hf(Transformer(other).state_dict(), other, hf_dir)
     # config.json sets the architecture; a model option that disagrees with it is refused
-    fails_with(capsys, dump, args(dump, "--checkpoint.initial_load_path", str(hf_dir / "model.safetensors"),
-                                  "--model.dim", "32"),
-               "sets the architecture from its config.json, which disagrees with model.dim 32 (config.json has 64)")
+    fails_with(
+        capsys,
+        dump,
+        args(dump, "--checkpoint.initial_load_path", str(hf_dir / "model.safetensors"), "--model.dim", "32"),
+        "sets the architecture from its config.json, which disagrees with model.dim 32 (config.json has 64)",
+    )
     (hf_dir / "config.json").unlink()  # without config.json the shapes still decide
-    fails_with(capsys, dump, args(dump, "--checkpoint.initial_load_path", str(hf_dir)),
-               "model.embed_tokens.weight has shape (2048, 64), the model needs (2048, 32)")
+    fails_with(
+        capsys,
+        dump,
+        args(dump, "--checkpoint.initial_load_path", str(hf_dir)),
+        "model.embed_tokens.weight has shape (2048, 64), the model needs (2048, 32)",
+    )
     (hf_dir / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
-    fails_with(capsys, dump, args(dump, "--checkpoint.initial_load_path", str(hf_dir)),
-               "is not a readable safetensors file")
+    fails_with(
+        capsys, dump, args(dump, "--checkpoint.initial_load_path", str(hf_dir)), "is not a readable safetensors file"
+    )
 
 
 def test_export_needs_checkpointing(tmp_path, capsys):
-    fails_with(capsys, tmp_path, args(tmp_path, "--checkpoint.export_safetensors"),
-               "checkpoint.export_safetensors exports the final checkpoint: set checkpoint.enable")
+    fails_with(
+        capsys,
+        tmp_path,
+        args(tmp_path, "--checkpoint.export_safetensors"),
+        "checkpoint.export_safetensors exports the final checkpoint: set checkpoint.enable",
+    )
 
 
 def test_the_intact_checkpoint_still_resumes(dump):

@@ -37,8 +37,15 @@ RESHARDS = [
 
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     """Run a launcher in a session of its own; on a timeout kill it with every process it forked."""
-    proc = subprocess.Popen(cmd, env=worker_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=worker_env(),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -137,10 +144,11 @@ def test_gpt2_checkpoint_exports_as_gpt2lmheadmodel(cases, tmp_path):
 
 
 # seed written by several ranks -> (its layout, the seed written by one process it must equal)
-SEED_WRITERS = {"seed_tp2_fsdp2": ({"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}, "seed_single"),
-                "seed_pp2_tp2": ({"pp": 2, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 2}, "seed_single"),
-                "seed_tied_zbv_pp2": ({"pp": 2, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1},
-                                      "seed_tied_single")}
+SEED_WRITERS = {
+    "seed_tp2_fsdp2": ({"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}, "seed_single"),
+    "seed_pp2_tp2": ({"pp": 2, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 2}, "seed_single"),
+    "seed_tied_zbv_pp2": ({"pp": 2, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}, "seed_tied_single"),
+}
 
 
 def test_a_seed_checkpoint_written_by_any_layout_holds_the_one_process_weights(cases):
@@ -156,8 +164,14 @@ def test_a_seed_checkpoint_written_by_any_layout_holds_the_one_process_weights(c
         world = layout["pp"] * layout["dp_shard"] * layout["tp"]
         assert results[name]["losses"] == [] and [p.name for p in folder.iterdir()] == ["step-0"]
         meta = read_meta(folder / "step-0")
-        assert (meta["kind"], meta["step"], meta["world_size"], meta["layout"], meta["seed"], meta["dtype"]) == \
-            ("seed", 0, world, layout, 42, "float64"), meta
+        assert (meta["kind"], meta["step"], meta["world_size"], meta["layout"], meta["seed"], meta["dtype"]) == (
+            "seed",
+            0,
+            world,
+            layout,
+            42,
+            "float64",
+        ), meta
         files = json.loads((folder / "step-0" / "checksums.json").read_text())["files"]
         assert sorted(f for f in files if f.endswith(".distcp")) == [f"__{r}_0.distcp" for r in range(world)]
         got = read_model_state_dict(folder / "step-0")
@@ -165,8 +179,10 @@ def test_a_seed_checkpoint_written_by_any_layout_holds_the_one_process_weights(c
         assert all(torch.equal(got[k], ref[k]) for k in ref), name
 
 
-@pytest.mark.parametrize("case,ranks,reference", [("single_from_seed_tp2_fsdp2", 1, "single"),
-                                                  ("pp2_fsdp2_from_seed_pp2_tp2", 4, "pp2_fsdp2")])
+@pytest.mark.parametrize(
+    "case,ranks,reference",
+    [("single_from_seed_tp2_fsdp2", 1, "single"), ("pp2_fsdp2_from_seed_pp2_tp2", 4, "pp2_fsdp2")],
+)
 def test_a_seed_checkpoint_loads_into_another_layout(cases, case, ranks, reference):
     """A seed written by 4 ranks loads, resharded, into one process and into pp2 x fsdp2: after the load (before any
     step, the model built on the meta device) the full weights of every rank equal the one-process seed's bitwise,
@@ -196,10 +212,27 @@ def test_a_hung_or_dead_rank_ends_the_job_within_the_timeout(tmp_path):
     loadable, none of the interrupted step."""
     from titanlike.data import asset_path
 
-    args = ["--model.flavor", "tiny", "--training.steps", "6", "--training.local_batch_size", "2",
-            "--training.seq_len", "32", "--data.path", str(asset_path("corpus", "tinyshakespeare.txt")),
-            "--validation.enable", "false", "--metrics.enable_tensorboard", "false", "--checkpoint.enable",
-            "--checkpoint.interval", "1", "--comm.timeout_seconds", str(TIMEOUT_S)]
+    args = [
+        "--model.flavor",
+        "tiny",
+        "--training.steps",
+        "6",
+        "--training.local_batch_size",
+        "2",
+        "--training.seq_len",
+        "32",
+        "--data.path",
+        str(asset_path("corpus", "tinyshakespeare.txt")),
+        "--validation.enable",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "1",
+        "--comm.timeout_seconds",
+        str(TIMEOUT_S),
+    ]
     proc = _run([sys.executable, str(FAULT_WORKER), str(tmp_path), *FAULTS, "--", *args], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     latency = {}
@@ -214,19 +247,22 @@ def test_a_hung_or_dead_rank_ends_the_job_within_the_timeout(tmp_path):
         errors = [ln for ln in log0.splitlines() if ln.startswith("error: ")]
         assert len(errors) == 1, log0[-3000:]
         if mode == "hang_at_save":
-            assert errors[0].startswith("error: rank 0: the checkpoint save of step 2 did not start on every rank"), \
+            assert errors[0].startswith("error: rank 0: the checkpoint save of step 2 did not start on every rank"), (
                 errors
+            )
             assert "Ranks 1 failed to pass monitoredBarrier in 5000 ms" in errors[0], errors
             assert list(saved) == [1]
             assert not list((dump / "checkpoint").glob("step-2*"))  # no rank started writing it
         elif mode == "sigstop_in_save":
-            assert errors[0].startswith(f"error: rank 0: the checkpoint save of step 2 failed: rank 1 did not answer "
-                                        f"within {TIMEOUT_S} s"), errors
+            assert errors[0].startswith(
+                f"error: rank 0: the checkpoint save of step 2 failed: rank 1 did not answer within {TIMEOUT_S} s"
+            ), errors
             assert list(saved) == [1]
         else:
             assert list(saved) == [1, 2], (mode, list(saved))
-            assert errors[0].startswith(f"error: rank 0: training step 3 failed: rank 1 did not answer within "
-                                        f"{TIMEOUT_S} s"), errors
+            assert errors[0].startswith(
+                f"error: rank 0: training step 3 failed: rank 1 did not answer within {TIMEOUT_S} s"
+            ), errors
             if mode == "hang_in_step":
                 assert f"Timed out waiting {TIMEOUT_S * 1000}ms" in errors[0], errors
         for path in saved.values():

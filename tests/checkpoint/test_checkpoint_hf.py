@@ -56,7 +56,7 @@ def hf_llama_logits(sd: dict[str, torch.Tensor], config: dict, tokens: torch.Ten
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
     def rotate_half(x):
-        return torch.cat((-x[..., hd // 2:], x[..., : hd // 2]), dim=-1)
+        return torch.cat((-x[..., hd // 2 :], x[..., : hd // 2]), dim=-1)
 
     theta = config["rope_parameters"]["rope_theta"] if "rope_parameters" in config else config["rope_theta"]
     inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
@@ -101,8 +101,17 @@ def test_state_dict_round_trip_and_names(kind):
     assert "model.embed_tokens.weight" in hf and "model.norm.weight" in hf
     assert ("lm_head.weight" in hf) == (not args.tie_embeddings)
     for i in range(args.n_layers):
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                     "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"):
+        for name in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+            "input_layernorm",
+            "post_attention_layernorm",
+        ):
             assert f"model.layers.{i}.{name}.weight" in hf
     back = from_hf(hf, args)
     assert back.keys() == sd.keys()
@@ -122,8 +131,11 @@ def test_exported_weights_are_a_faithful_rotate_half_llama(kind):
     plain = {k: v for k, v in to_hf(model.state_dict(), args).items()}
     for name, t in model.state_dict().items():
         if name.endswith(("attention.wq.weight", "attention.wk.weight")):
-            plain[name.replace("attention.wq", "self_attn.q_proj").replace("attention.wk", "self_attn.k_proj")
-                  .replace("layers.", "model.layers.", 1)] = t
+            plain[
+                name.replace("attention.wq", "self_attn.q_proj")
+                .replace("attention.wk", "self_attn.k_proj")
+                .replace("layers.", "model.layers.", 1)
+            ] = t
     assert (ours - hf_llama_logits(plain, config, tokens)).abs().max() > 0.05
 
 
@@ -136,13 +148,36 @@ def test_convert_script_both_ways_keeps_the_logits(tmp_path):
     assert main(["to-hf", str(tmp_path / "step-0"), str(tmp_path / "hf")]) == 0
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
-    assert {k: config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                                   "num_key_value_heads", "head_dim", "vocab_size", "rope_parameters", "rms_norm_eps",
-                                   "tie_word_embeddings", "max_position_embeddings", "dtype")} == {
-        "hidden_size": 64, "intermediate_size": args.hidden_dim, "num_hidden_layers": 2, "num_attention_heads": 8,
-        "num_key_value_heads": 4, "head_dim": 8, "vocab_size": 96,
-        "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False, "max_position_embeddings": args.max_seq_len, "dtype": "float32"}
+    assert {
+        k: config[k]
+        for k in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "rope_parameters",
+            "rms_norm_eps",
+            "tie_word_embeddings",
+            "max_position_embeddings",
+            "dtype",
+        )
+    } == {
+        "hidden_size": 64,
+        "intermediate_size": args.hidden_dim,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 8,
+        "vocab_size": 96,
+        "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": args.max_seq_len,
+        "dtype": "float32",
+    }
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as f:
         assert set(f.keys()) == set(to_hf(sd, args))
 
@@ -156,8 +191,22 @@ def test_convert_script_both_ways_keeps_the_logits(tmp_path):
     assert torch.equal(imported(tokens), model(tokens))
 
     # Sharded above --max-shard-size (as save_pretrained names the files), cast on request; loads back.
-    assert main(["to-hf", str(tmp_path / "step-0"), str(tmp_path / "hf16"), "--max-shard-size", "20KB",
-                 "--dtype", "bfloat16", "--tokenizer", "test"]) == 0
+    assert (
+        main(
+            [
+                "to-hf",
+                str(tmp_path / "step-0"),
+                str(tmp_path / "hf16"),
+                "--max-shard-size",
+                "20KB",
+                "--dtype",
+                "bfloat16",
+                "--tokenizer",
+                "test",
+            ]
+        )
+        == 0
+    )
     shards = sorted(p.name for p in (tmp_path / "hf16").glob("model-*.safetensors"))
     assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     config16 = json.loads((tmp_path / "hf16" / "config.json").read_text())
@@ -173,11 +222,38 @@ def test_convert_script_both_ways_keeps_the_logits(tmp_path):
 
 def test_trainer_exports_hf_and_another_run_starts_from_the_safetensors(tmp_path):
     corpus = str(asset_path("corpus", "tinyshakespeare.txt"))
-    common = ["--model.flavor", "tiny", "--model.tie_embeddings", "true", "--training.local_batch_size", "2",
-              "--training.seq_len", "16", "--data.path", corpus, "--validation.enable", "false",
-              "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "100"]
-    trainer = Trainer(load_config([*common, "--training.steps", "3", "--job.dump_folder", str(tmp_path / "a"),
-                                   "--checkpoint.enable", "--checkpoint.export_safetensors"], world_size=1))
+    common = [
+        "--model.flavor",
+        "tiny",
+        "--model.tie_embeddings",
+        "true",
+        "--training.local_batch_size",
+        "2",
+        "--training.seq_len",
+        "16",
+        "--data.path",
+        corpus,
+        "--validation.enable",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.log_freq",
+        "100",
+    ]
+    trainer = Trainer(
+        load_config(
+            [
+                *common,
+                "--training.steps",
+                "3",
+                "--job.dump_folder",
+                str(tmp_path / "a"),
+                "--checkpoint.enable",
+                "--checkpoint.export_safetensors",
+            ],
+            world_size=1,
+        )
+    )
     trainer.train()
     final = tmp_path / "a" / "checkpoint" / "final"
     assert sorted(p.name for p in final.iterdir()) == ["config.json", "model.safetensors"]
@@ -186,9 +262,22 @@ def test_trainer_exports_hf_and_another_run_starts_from_the_safetensors(tmp_path
     trained = trainer.model_parts[0].state_dict()
     assert all(torch.equal(weights[k], trained[k]) for k in trained)
 
-    other = Trainer(load_config([*common, "--training.steps", "1", "--training.seed", "5", "--job.dump_folder",
-                                 str(tmp_path / "b"), "--checkpoint.initial_load_path",
-                                 str(final / "model.safetensors")], world_size=1))
+    other = Trainer(
+        load_config(
+            [
+                *common,
+                "--training.steps",
+                "1",
+                "--training.seed",
+                "5",
+                "--job.dump_folder",
+                str(tmp_path / "b"),
+                "--checkpoint.initial_load_path",
+                str(final / "model.safetensors"),
+            ],
+            world_size=1,
+        )
+    )
     other.checkpointer.load()
     tokens = torch.randint(0, args.vocab_size, (2, 8))
     with torch.no_grad():

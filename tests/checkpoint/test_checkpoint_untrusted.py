@@ -31,10 +31,32 @@ CORPUS = str(asset_path("corpus", "tinyshakespeare.txt"))
 
 
 def args(dump: Path, *extra: str) -> list[str]:
-    return ["--model.flavor", "tiny", "--training.steps", "3", "--training.local_batch_size", "2",
-            "--training.seq_len", "16", "--data.path", CORPUS, "--validation.enable", "false",
-            "--metrics.enable_tensorboard", "false", "--metrics.enable_jsonl", "false", "--metrics.log_freq", "100",
-            "--job.dump_folder", str(dump), "--checkpoint.enable", "--checkpoint.interval", "2", *extra]
+    return [
+        "--model.flavor",
+        "tiny",
+        "--training.steps",
+        "3",
+        "--training.local_batch_size",
+        "2",
+        "--training.seq_len",
+        "16",
+        "--data.path",
+        CORPUS,
+        "--validation.enable",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.enable_jsonl",
+        "false",
+        "--metrics.log_freq",
+        "100",
+        "--job.dump_folder",
+        str(dump),
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        *extra,
+    ]
 
 
 class Touch:
@@ -94,15 +116,28 @@ def test_crafted_metadata_and_byte_entry_refused_through_train_py(saved, tmp_pat
     one-process checkpoint) on the crafted byte entry, where every rank reads the entry and refuses it (no hang)."""
     env = worker_env()
     logs = tmp_path / "logs"
-    launch = {"metadata": [sys.executable, "train.py"],
-              "bytes": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--log-dir",
-                        str(logs), "--redirects", "3", "train.py"]}
+    launch = {
+        "metadata": [sys.executable, "train.py"],
+        "bytes": [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--log-dir",
+            str(logs),
+            "--redirects",
+            "3",
+            "train.py",
+        ],
+    }
     cases = {}
     for name, craft in [("metadata", craft_metadata), ("bytes", craft_byte_entry)]:
         dump, step, marker = _copy(saved, tmp_path / name)
         craft(step, marker)
-        proc = subprocess.Popen([*launch[name], *args(dump)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [*launch[name], *args(dump)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         cases[name] = (proc, step, marker)
     for name, (proc, step, marker) in cases.items():
         _, err = proc.communicate(timeout=240)
@@ -143,8 +178,11 @@ def test_crafted_byte_entries_refused_by_the_python_api(saved, tmp_path):
     craft_byte_entry(step, marker, "train.step")
     craft_byte_entry(step, marker, "train.data_position")
     trainer = Trainer(load_config(args(dump), world_size=1))
-    with pytest.raises(ConfigError, match=r"'train.data_position' would import posix.system; 'train.step' would "
-                                          r"import posix.system \(refused unexecuted\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'train.data_position' would import posix.system; 'train.step' would "
+        r"import posix.system \(refused unexecuted\)",
+    ):
         trainer.checkpointer.load()
     assert not marker.exists()
 
@@ -167,7 +205,7 @@ def test_byte_entries_and_rng_round_trip_unchanged(saved):
     dcp.load(stock, checkpoint_id=str(step), no_dist=True)
     assert ours.keys() == stock.keys()
     for k in keys:
-        assert (torch.equal(ours[k], stock[k]) if k.startswith("rng.") else ours[k] == stock[k]), k
+        assert torch.equal(ours[k], stock[k]) if k.startswith("rng.") else ours[k] == stock[k], k
     assert ours["train.step"] == 2 and ours["train.data_position"] == 2 * 2
 
 
@@ -184,6 +222,9 @@ def test_metadata_that_changes_a_class_or_names_files_outside_is_refused(saved, 
     md = _metadata(step)
     next(iter(md.storage_data.values())).relative_path = "../../etc/passwd"
     (step / ".metadata").write_bytes(pickle.dumps(md))
-    with pytest.raises(ConfigError, match=r"is corrupted: its \.metadata cannot be read \(ValueError: not DCP "
-                                          r"metadata: storage of .* names the file '\.\./\.\./etc/passwd'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"is corrupted: its \.metadata cannot be read \(ValueError: not DCP "
+        r"metadata: storage of .* names the file '\.\./\.\./etc/passwd'",
+    ):
         read_dcp_metadata(step)

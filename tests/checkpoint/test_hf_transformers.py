@@ -25,22 +25,51 @@ from titanlike.training.trainer import Trainer
 transformers = pytest.importorskip("transformers", minversion="5", reason="the [hf] extra: pip install -e '.[hf]'")
 
 TOL = 1e-5  # float32 logits: transformers computes RoPE angles in float32, titanlike in float64
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 # dim 128 / 8 heads: head_dim 16, so the llama3 rule keeps, interpolates and stretches some frequency each.
-BASE = dict(hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-            vocab_size=2048, max_position_embeddings=256, bos_token_id=2001, eos_token_id=2000)
+BASE = dict(
+    hidden_size=128,
+    intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=2048,
+    max_position_embeddings=256,
+    bos_token_id=2001,
+    eos_token_id=2000,
+)
 CASES = {
     # what the issue's done-when names: transformers 5 layout, llama3 scaling, eps 1e-6, GQA, untied, sharded
-    "v5_llama3_untied_sharded": dict(config=dict(rms_norm_eps=1e-6, tie_word_embeddings=False,
-                                                 rope_parameters=LLAMA3), dtype=torch.float32, shard="1MB"),
+    "v5_llama3_untied_sharded": dict(
+        config=dict(rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=LLAMA3),
+        dtype=torch.float32,
+        shard="1MB",
+    ),
     # transformers 4's layout (top-level rope_theta + rope_scaling), tied
-    "v4_layout_llama3_tied": dict(config=dict(rms_norm_eps=1e-6, tie_word_embeddings=True, rope_parameters=LLAMA3),
-                                  dtype=torch.float32, shard=None, v4=True),
+    "v4_layout_llama3_tied": dict(
+        config=dict(rms_norm_eps=1e-6, tie_word_embeddings=True, rope_parameters=LLAMA3),
+        dtype=torch.float32,
+        shard=None,
+        v4=True,
+    ),
     # bf16 weights, plain RoPE with another base, the default eps, GQA 8/4
-    "bf16_default_rope": dict(config=dict(rms_norm_eps=1e-5, tie_word_embeddings=False, num_key_value_heads=4,
-                                          rope_parameters={"rope_type": "default", "rope_theta": 20000.0}),
-                              dtype=torch.bfloat16, shard=None),
+    "bf16_default_rope": dict(
+        config=dict(
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            num_key_value_heads=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
+        ),
+        dtype=torch.bfloat16,
+        shard=None,
+    ),
 }
 
 
@@ -135,10 +164,23 @@ def test_import_train_export_reload_against_transformers(case, saved, tmp_path):
 def test_titanlike_export_resaved_by_transformers_comes_back_the_same(tmp_path):
     """titanlike (transformers-4 layout) -> from_pretrained -> save_pretrained (transformers-5 layout) -> titanlike:
     the rope base and scaling survive the change of layout; weights and logits are identical."""
-    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, ffn_hidden_dim=96,
-                     norm_eps=1e-6, rope_theta=500000.0, max_seq_len=128, tie_embeddings=True,
-                     rope_scaling="llama3", rope_scaling_factor=32.0, rope_low_freq_factor=1.0,
-                     rope_high_freq_factor=4.0, rope_original_max_seq_len=32)
+    args = ModelArgs(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=300,
+        ffn_hidden_dim=96,
+        norm_eps=1e-6,
+        rope_theta=500000.0,
+        max_seq_len=128,
+        tie_embeddings=True,
+        rope_scaling="llama3",
+        rope_scaling_factor=32.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_seq_len=32,
+    )
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
@@ -185,8 +227,14 @@ UNSUPPORTED = [
     ("rope_parameters.high_freq_factor", 0.5, "low_freq_factor 1.0 must be below high_freq_factor 0.5"),
 ]
 # Shape fields: config.json alone is consistent, but the weights beside it are not.
-SHAPES = [("hidden_size", 256), ("num_hidden_layers", 3), ("num_key_value_heads", 4), ("intermediate_size", 256),
-          ("vocab_size", 4096), ("tie_word_embeddings", True)]
+SHAPES = [
+    ("hidden_size", 256),
+    ("num_hidden_layers", 3),
+    ("num_key_value_heads", 4),
+    ("intermediate_size", 256),
+    ("vocab_size", 4096),
+    ("tie_word_embeddings", True),
+]
 
 
 def test_every_config_field_titanlike_cannot_honour_is_refused(saved, tmp_path):
@@ -211,19 +259,34 @@ def test_every_config_field_titanlike_cannot_honour_is_refused(saved, tmp_path):
             load_hf(copy)
     # Fields that change the computation but not the shapes are taken from config.json (and printed), never
     # silently replaced by a default: the imported model follows the file.
-    for key, value, field in [("rms_norm_eps", 1e-3, "norm_eps"), ("rope_parameters.rope_theta", 1e4, "rope_theta"),
-                              ("rope_parameters.factor", 4.0, "rope_scaling_factor"),
-                              ("rope_parameters.original_max_position_embeddings", 128, "rope_original_max_seq_len"),
-                              ("max_position_embeddings", 512, "max_seq_len")]:
+    for key, value, field in [
+        ("rms_norm_eps", 1e-3, "norm_eps"),
+        ("rope_parameters.rope_theta", 1e4, "rope_theta"),
+        ("rope_parameters.factor", 4.0, "rope_scaling_factor"),
+        ("rope_parameters.original_max_position_embeddings", 128, "rope_original_max_seq_len"),
+        ("max_position_embeddings", 512, "max_seq_len"),
+    ]:
         (copy / "config.json").write_text(json.dumps(_mutated(config, key, value)))
         assert getattr(hf_architecture(copy), field) == value
 
 
 # titanlike option that disagrees with the folder's config.json -> refused, naming both values.
-CONFLICTS = [("dim", "64"), ("n_layers", "4"), ("n_heads", "4"), ("n_kv_heads", "8"), ("ffn_hidden_dim", "256"),
-             ("max_seq_len", "512"), ("rope_theta", "10000"), ("norm_eps", "1e-5"), ("rope_scaling", "none"),
-             ("rope_scaling_factor", "16"), ("rope_low_freq_factor", "2"), ("rope_high_freq_factor", "8"),
-             ("rope_original_max_seq_len", "8192"), ("tie_embeddings", "true")]
+CONFLICTS = [
+    ("dim", "64"),
+    ("n_layers", "4"),
+    ("n_heads", "4"),
+    ("n_kv_heads", "8"),
+    ("ffn_hidden_dim", "256"),
+    ("max_seq_len", "512"),
+    ("rope_theta", "10000"),
+    ("norm_eps", "1e-5"),
+    ("rope_scaling", "none"),
+    ("rope_scaling_factor", "16"),
+    ("rope_low_freq_factor", "2"),
+    ("rope_high_freq_factor", "8"),
+    ("rope_original_max_seq_len", "8192"),
+    ("tie_embeddings", "true"),
+]
 
 
 def test_model_options_that_disagree_with_config_json_are_refused(saved):
@@ -233,17 +296,35 @@ def test_model_options_that_disagree_with_config_json_are_refused(saved):
             load_config(["--checkpoint.initial_load_path", folder, f"--model.{key}", value], world_size=1)
         assert f"model.{key} " in str(e.value) and "config.json has" in str(e.value), (key, str(e.value))
     # the same values as the file are not a conflict
-    load_config(["--checkpoint.initial_load_path", folder, "--model.dim", "128", "--model.norm_eps", "1e-6"],
-                world_size=1)
+    load_config(
+        ["--checkpoint.initial_load_path", folder, "--model.dim", "128", "--model.norm_eps", "1e-6"], world_size=1
+    )
 
 
 # --------------------------------------------------------------------------------------------- done-when
 def test_training_starts_from_a_save_pretrained_folder_with_no_model_flags(saved, tmp_path, capsys):
     folder = saved["v5_llama3_untied_sharded"]
-    cfg = load_config(["--checkpoint.initial_load_path", str(folder), "--training.steps", "1",
-                       "--training.local_batch_size", "2", "--training.seq_len", "64", "--data.path",
-                       str(asset_path("corpus", "tinyshakespeare.txt")), "--validation.enable", "false",
-                       "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(tmp_path)], world_size=1)
+    cfg = load_config(
+        [
+            "--checkpoint.initial_load_path",
+            str(folder),
+            "--training.steps",
+            "1",
+            "--training.local_batch_size",
+            "2",
+            "--training.seq_len",
+            "64",
+            "--data.path",
+            str(asset_path("corpus", "tinyshakespeare.txt")),
+            "--validation.enable",
+            "false",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        world_size=1,
+    )
     trainer = Trainer(cfg)
     printed = capsys.readouterr().out
     assert "architecture from" in printed and "rope_scaling llama3 (factor 8" in printed and "norm_eps 1e-06" in printed

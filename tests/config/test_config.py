@@ -38,44 +38,71 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
 
 
 def test_value_forms():
-    cfg = load_config(["--training.seq_len=32", "--metrics.enable_tensorboard", "false",
-                       "--training.global_batch_size", "-1", "--profiling.ranks", "0,1",
-                       "--model.tie_embeddings", "true", "--training.dtype", "float64", "--checkpoint.enable"])
+    cfg = load_config(
+        [
+            "--training.seq_len=32",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--training.global_batch_size",
+            "-1",
+            "--profiling.ranks",
+            "0,1",
+            "--model.tie_embeddings",
+            "true",
+            "--training.dtype",
+            "float64",
+            "--checkpoint.enable",
+        ]
+    )
     assert cfg.training.seq_len == 32 and cfg.metrics.enable_tensorboard is False
     assert cfg.profiling.ranks == [0, 1] and cfg.model.tie_embeddings is True
     assert cfg.training.dtype == "float64" and cfg.checkpoint.enable is True
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--training.step", "5"], "unknown config key 'training.step' (did you mean 'training.steps'?)"),
-    (["--trainng.steps", "5"], "unknown config section 'trainng' (did you mean 'training'?)"),
-    (["--training.steps", "many"], "training.steps: expected an integer, got 'many'"),
-    (["--training.steps", "-3"], "training.steps: -3 trains nothing; set training.steps >= 1"),
-    (["--optimizer.lr", "fast"], "optimizer.lr: expected a number"),
-    (["--training.dtype", "fp16"], "training.dtype: 'fp16' is not one of"),
-    (["--lr_scheduler.decay_type", "cosin"], "did you mean 'cosine'?"),
-    (["--job.config_file", "missing.toml"], "job.config_file: no such file 'missing.toml'"),
-    (["--training.steps"], "--training.steps needs a value"),
-    (["steps=3"], "unexpected argument 'steps=3'"),
-    (["--model.flavor", "debugmodle"], "model.flavor: unknown flavor 'debugmodle' (did you mean 'debugmodel'?)"),
-    (["--model.n_heads", "8", "--model.n_kv_heads", "3"], "n_heads 8 is not divisible by n_kv_heads 3"),
-    (["--model.dim", "100", "--model.n_heads", "8", "--model.n_kv_heads", "8"],
-     "dim 100 is not divisible by n_heads 8"),
-    (["--training.seq_len", "4096"], "exceeds the model's max_seq_len"),
-    (["--training.global_batch_size", "12"], "global_batch_size 12 is not divisible by local_batch_size 8"),
-    (["--parallelism.enable_sequence_parallel"], "enable_sequence_parallel needs tensor_parallel_degree > 1"),
-    (["--float8.recipe", "current"],
-     "float8.recipe=current is a Transformer Engine recipe; with float8.backend=torchao "
-     "use tensorwise, rowwise, rowwise_with_gw_hp (or set model.kernels=te for TE's)"),
-    (["--float8.recipe", "current", "--float8.backend", "te"], "float8.backend=te needs Transformer Engine kernels"),
-    (["--model.name", "gtp2"], "model.name: unknown model 'gtp2'; registered: gpt2, llama3 (did you mean 'gpt2'?)"),
-    (["--model.name", "gpt2", "--model.rope_theta", "5e5"], "model.rope_theta: gpt2 has no such setting"),
-    (["--model.name", "gpt2", "--model.n_kv_heads", "2"], "model.n_kv_heads: gpt2 has no such setting"),
-    (["--model.name", "gpt2", "--model.flavor", "124m"],
-     "unknown flavor '124m' (did you mean '124M'?); valid for gpt2"),
-    (["--model.name", "gpt2", "--model.kernels", "te"], "model.kernels=te swaps Transformer Engine modules into the "
-                                                         "Llama model only"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--training.step", "5"], "unknown config key 'training.step' (did you mean 'training.steps'?)"),
+        (["--trainng.steps", "5"], "unknown config section 'trainng' (did you mean 'training'?)"),
+        (["--training.steps", "many"], "training.steps: expected an integer, got 'many'"),
+        (["--training.steps", "-3"], "training.steps: -3 trains nothing; set training.steps >= 1"),
+        (["--optimizer.lr", "fast"], "optimizer.lr: expected a number"),
+        (["--training.dtype", "fp16"], "training.dtype: 'fp16' is not one of"),
+        (["--lr_scheduler.decay_type", "cosin"], "did you mean 'cosine'?"),
+        (["--job.config_file", "missing.toml"], "job.config_file: no such file 'missing.toml'"),
+        (["--training.steps"], "--training.steps needs a value"),
+        (["steps=3"], "unexpected argument 'steps=3'"),
+        (["--model.flavor", "debugmodle"], "model.flavor: unknown flavor 'debugmodle' (did you mean 'debugmodel'?)"),
+        (["--model.n_heads", "8", "--model.n_kv_heads", "3"], "n_heads 8 is not divisible by n_kv_heads 3"),
+        (
+            ["--model.dim", "100", "--model.n_heads", "8", "--model.n_kv_heads", "8"],
+            "dim 100 is not divisible by n_heads 8",
+        ),
+        (["--training.seq_len", "4096"], "exceeds the model's max_seq_len"),
+        (["--training.global_batch_size", "12"], "global_batch_size 12 is not divisible by local_batch_size 8"),
+        (["--parallelism.enable_sequence_parallel"], "enable_sequence_parallel needs tensor_parallel_degree > 1"),
+        (
+            ["--float8.recipe", "current"],
+            "float8.recipe=current is a Transformer Engine recipe; with float8.backend=torchao "
+            "use tensorwise, rowwise, rowwise_with_gw_hp (or set model.kernels=te for TE's)",
+        ),
+        (
+            ["--float8.recipe", "current", "--float8.backend", "te"],
+            "float8.backend=te needs Transformer Engine kernels",
+        ),
+        (["--model.name", "gtp2"], "model.name: unknown model 'gtp2'; registered: gpt2, llama3 (did you mean 'gpt2'?)"),
+        (["--model.name", "gpt2", "--model.rope_theta", "5e5"], "model.rope_theta: gpt2 has no such setting"),
+        (["--model.name", "gpt2", "--model.n_kv_heads", "2"], "model.n_kv_heads: gpt2 has no such setting"),
+        (
+            ["--model.name", "gpt2", "--model.flavor", "124m"],
+            "unknown flavor '124m' (did you mean '124M'?); valid for gpt2",
+        ),
+        (
+            ["--model.name", "gpt2", "--model.kernels", "te"],
+            "model.kernels=te swaps Transformer Engine modules into the Llama model only",
+        ),
+    ],
+)
 def test_errors_are_one_line_naming_the_fix(argv, message):
     with pytest.raises(ConfigError) as e:
         load_config(argv)
@@ -118,8 +145,12 @@ def test_vocab_is_padded():
 
 
 def test_train_py_exits_2_with_one_line_before_anything_starts(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--training.stesp", "3",
-                        "--job.dump_folder", str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--training.stesp", "3", "--job.dump_folder", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert r.returncode == 2
     assert r.stderr.strip() == "error: unknown config key 'training.stesp' (did you mean 'training.steps'?)"
     assert not (tmp_path / "out").exists()  # nothing half-written

@@ -36,8 +36,9 @@ def unread_keys(fields: dict[str, list[str]]) -> list[str]:
         for key in keys:
             pattern = re.compile(rf"\.{key}\b|[\"']{key}[\"']")
             shared = names.count(key) > 1
-            if not any(pattern.search(text) and (not shared or re.search(rf"\b{section}\b", text))
-                       for text in code.values()):
+            if not any(
+                pattern.search(text) and (not shared or re.search(rf"\b{section}\b", text)) for text in code.values()
+            ):
                 missing.append(f"{section}.{key}")
     return missing
 
@@ -76,9 +77,25 @@ def test_train_py_help_prints_the_tree_and_exits_0(capsys):
 def test_deterministic_float32_runs_repeat_bitwise(tmp_path):
     from titanlike.training.trainer import Trainer
 
-    argv = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.local_batch_size", "4",
-            "--training.steps", "4", "--training.deterministic", "--training.dtype", "float32",
-            "--validation.enable", "false", "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "100"]
+    argv = [
+        "--model.flavor",
+        "tiny",
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "4",
+        "--training.steps",
+        "4",
+        "--training.deterministic",
+        "--training.dtype",
+        "float32",
+        "--validation.enable",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.log_freq",
+        "100",
+    ]
     runs = []
     try:
         for i in range(2):

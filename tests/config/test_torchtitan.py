@@ -14,57 +14,155 @@ from titanlike.config import ConfigError, JobConfig, _all_keys, format_config, l
 
 # torchtitan v0.2.2, torchtitan/config/job_config.py: every key with its default (None where TOML cannot say it).
 V022 = {
-    "job": dict(config_file=None, dump_folder="./outputs", description="default job", print_config=False,
-                save_config_file=None, custom_config_module=""),
-    "profiling": dict(enable_profiling=False, save_traces_folder="profile_traces", profile_freq=10,
-                      profiler_active=1, profiler_warmup=3, enable_memory_snapshot=False,
-                      save_memory_snapshot_folder="memory_snapshot"),
-    "metrics": dict(log_freq=10, enable_tensorboard=False, disable_color_printing=False, save_tb_folder="tb",
-                    save_for_all_ranks=False, enable_wandb=False),
-    "model": dict(name="llama3", flavor="debugmodel", hf_assets_path="./tests/assets/tokenizer", tokenizer_path=None,
-                  converters=[], print_after_conversion=False),
-    "optimizer": dict(name="AdamW", lr=8e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
-                      implementation="fused", early_step_in_backward=False),
+    "job": dict(
+        config_file=None,
+        dump_folder="./outputs",
+        description="default job",
+        print_config=False,
+        save_config_file=None,
+        custom_config_module="",
+    ),
+    "profiling": dict(
+        enable_profiling=False,
+        save_traces_folder="profile_traces",
+        profile_freq=10,
+        profiler_active=1,
+        profiler_warmup=3,
+        enable_memory_snapshot=False,
+        save_memory_snapshot_folder="memory_snapshot",
+    ),
+    "metrics": dict(
+        log_freq=10,
+        enable_tensorboard=False,
+        disable_color_printing=False,
+        save_tb_folder="tb",
+        save_for_all_ranks=False,
+        enable_wandb=False,
+    ),
+    "model": dict(
+        name="llama3",
+        flavor="debugmodel",
+        hf_assets_path="./tests/assets/tokenizer",
+        tokenizer_path=None,
+        converters=[],
+        print_after_conversion=False,
+    ),
+    "optimizer": dict(
+        name="AdamW",
+        lr=8e-4,
+        beta1=0.9,
+        beta2=0.95,
+        eps=1e-8,
+        weight_decay=0.1,
+        implementation="fused",
+        early_step_in_backward=False,
+    ),
     "lr_scheduler": dict(warmup_steps=200, total_steps=None, decay_ratio=None, decay_type="linear", min_lr_factor=0.0),
-    "training": dict(dataset="c4_test", dataset_path=None, local_batch_size=8, global_batch_size=-1, seq_len=2048,
-                     max_norm=1.0, steps=10000, enable_cpu_offload=False, dtype="float32",
-                     mixed_precision_param="bfloat16", mixed_precision_reduce="float32", gc_freq=50, gc_debug=False),
+    "training": dict(
+        dataset="c4_test",
+        dataset_path=None,
+        local_batch_size=8,
+        global_batch_size=-1,
+        seq_len=2048,
+        max_norm=1.0,
+        steps=10000,
+        enable_cpu_offload=False,
+        dtype="float32",
+        mixed_precision_param="bfloat16",
+        mixed_precision_reduce="float32",
+        gc_freq=50,
+        gc_debug=False,
+    ),
     "training.dataloader": dict(num_workers=0, persistent_workers=False, pin_memory=False, prefetch_factor=None),
-    "parallelism": dict(data_parallel_replicate_degree=1, data_parallel_shard_degree=-1,
-                        fsdp_reshard_after_forward="default", tensor_parallel_degree=1, disable_loss_parallel=False,
-                        enable_async_tensor_parallel=False, pipeline_parallel_degree=1,
-                        module_fqns_per_model_part=None, pipeline_parallel_first_stage_less_layers=1,
-                        pipeline_parallel_last_stage_less_layers=1, pipeline_parallel_layers_per_stage=None,
-                        pipeline_parallel_schedule="1F1B", pipeline_parallel_schedule_csv="",
-                        pipeline_parallel_microbatch_size=1, pipeline_parallel_expert_parallel_overlap=True,
-                        context_parallel_degree=1, context_parallel_load_balancer="headtail",
-                        context_parallel_rotate_method="allgather", expert_parallel_degree=1,
-                        expert_tensor_parallel_degree=1, expert_parallel_comm_backend="standard"),
-    "checkpoint": dict(enable=False, enable_ft_dataloader_checkpoints=True, folder="checkpoint", interval=500,
-                       initial_load_path=None, initial_load_model_only=True, initial_load_in_hf=False,
-                       initial_load_in_hf_quantized=False, last_save_model_only=True, last_save_in_hf=False,
-                       export_dtype="float32", async_mode="disabled", keep_latest_k=10, load_step=-1,
-                       exclude_from_loading=[], enable_first_step_checkpoint=False, create_seed_checkpoint=False,
-                       load_only=False),
-    "activation_checkpoint": dict(mode="selective", selective_ac_option="2",
-                                  per_op_sac_force_recompute_mm_shapes_by_fqns=["moe.router.gate"], early_stop=False,
-                                  memory_budget=0.5, visualize_memory_budget_pareto=False, preserve_rng_state=True,
-                                  determinism_check="default", debug=False),
+    "parallelism": dict(
+        data_parallel_replicate_degree=1,
+        data_parallel_shard_degree=-1,
+        fsdp_reshard_after_forward="default",
+        tensor_parallel_degree=1,
+        disable_loss_parallel=False,
+        enable_async_tensor_parallel=False,
+        pipeline_parallel_degree=1,
+        module_fqns_per_model_part=None,
+        pipeline_parallel_first_stage_less_layers=1,
+        pipeline_parallel_last_stage_less_layers=1,
+        pipeline_parallel_layers_per_stage=None,
+        pipeline_parallel_schedule="1F1B",
+        pipeline_parallel_schedule_csv="",
+        pipeline_parallel_microbatch_size=1,
+        pipeline_parallel_expert_parallel_overlap=True,
+        context_parallel_degree=1,
+        context_parallel_load_balancer="headtail",
+        context_parallel_rotate_method="allgather",
+        expert_parallel_degree=1,
+        expert_tensor_parallel_degree=1,
+        expert_parallel_comm_backend="standard",
+    ),
+    "checkpoint": dict(
+        enable=False,
+        enable_ft_dataloader_checkpoints=True,
+        folder="checkpoint",
+        interval=500,
+        initial_load_path=None,
+        initial_load_model_only=True,
+        initial_load_in_hf=False,
+        initial_load_in_hf_quantized=False,
+        last_save_model_only=True,
+        last_save_in_hf=False,
+        export_dtype="float32",
+        async_mode="disabled",
+        keep_latest_k=10,
+        load_step=-1,
+        exclude_from_loading=[],
+        enable_first_step_checkpoint=False,
+        create_seed_checkpoint=False,
+        load_only=False,
+    ),
+    "activation_checkpoint": dict(
+        mode="selective",
+        selective_ac_option="2",
+        per_op_sac_force_recompute_mm_shapes_by_fqns=["moe.router.gate"],
+        early_stop=False,
+        memory_budget=0.5,
+        visualize_memory_budget_pareto=False,
+        preserve_rng_state=True,
+        determinism_check="default",
+        debug=False,
+    ),
     "compile": dict(enable=False, components=["model", "loss"], backend="inductor"),
-    "quantize.linear.float8": dict(enable_fsdp_float8_all_gather=False, precompute_float8_dynamic_scale_for_fsdp=False,
-                                   recipe_name=None, filter_fqns=[], emulate=False),
-    "quantize.linear.mx": dict(mxfp8_dim1_cast_kernel_choice="triton", recipe_name="mxfp8_cublas",
-                               filter_fqns=["output"]),
+    "quantize.linear.float8": dict(
+        enable_fsdp_float8_all_gather=False,
+        precompute_float8_dynamic_scale_for_fsdp=False,
+        recipe_name=None,
+        filter_fqns=[],
+        emulate=False,
+    ),
+    "quantize.linear.mx": dict(
+        mxfp8_dim1_cast_kernel_choice="triton", recipe_name="mxfp8_cublas", filter_fqns=["output"]
+    ),
     "quantize.grouped_mm.float8": dict(fqns=[]),
     "quantize.grouped_mm.mx": dict(recipe_name="mxfp8", fqns=[]),
-    "comm": dict(init_timeout_seconds=300, train_timeout_seconds=100, trace_buf_size=20000,
-                 save_traces_folder="comm_traces", save_traces_file_prefix="rank_", mode="default"),
+    "comm": dict(
+        init_timeout_seconds=300,
+        train_timeout_seconds=100,
+        trace_buf_size=20000,
+        save_traces_folder="comm_traces",
+        save_traces_file_prefix="rank_",
+        mode="default",
+    ),
     "memory_estimation": dict(enable=False, disable_fake_mode=False),
-    "fault_tolerance": dict(enable=False, process_group="gloo", process_group_timeout_ms=10000, replica_id=0,
-                            group_size=0, min_replica_size=1, semi_sync_method=None),
+    "fault_tolerance": dict(
+        enable=False,
+        process_group="gloo",
+        process_group_timeout_ms=10000,
+        replica_id=0,
+        group_size=0,
+        min_replica_size=1,
+        semi_sync_method=None,
+    ),
     "experimental": dict(custom_import="", custom_args_module=""),
-    "validation": dict(enable=False, dataset="c4_validation", dataset_path=None, local_batch_size=8, seq_len=2048,
-                       freq=10, steps=-1),
+    "validation": dict(
+        enable=False, dataset="c4_validation", dataset_path=None, local_batch_size=8, seq_len=2048, freq=10, steps=-1
+    ),
     "validation.dataloader": dict(num_workers=0, persistent_workers=False, pin_memory=False, prefetch_factor=None),
     "debug": dict(seed=None, deterministic=False, deterministic_warn_only=False, moe_force_load_balance=False),
 }
@@ -113,12 +211,19 @@ def test_a_file_with_every_key_at_torchtitans_default(tmp_path):
     assert "model.hf_assets_path" in msg and "model.tokenizer" in msg  # the equivalent is named
     assert msg.count("torchtitan's") == len(REFUSED_AT_DEFAULT)
     # Without the refused key the file loads, with torchtitan's meaning.
-    cfg = load(tmp_path, toml_of({k: v for k, v in present.items() if k not in REFUSED_AT_DEFAULT}),
-               "--model.max_seq_len", "2048")
+    cfg = load(
+        tmp_path,
+        toml_of({k: v for k, v in present.items() if k not in REFUSED_AT_DEFAULT}),
+        "--model.max_seq_len",
+        "2048",
+    )
     assert cfg.training.dtype == "bfloat16"  # mixed_precision_param
     assert cfg.comm.timeout_seconds == 100 and cfg.profiling.profile_active == 1
-    assert (cfg.lr_scheduler.warmup_steps, cfg.lr_scheduler.decay_type, cfg.lr_scheduler.decay_ratio) == \
-        (200, "linear", None)
+    assert (cfg.lr_scheduler.warmup_steps, cfg.lr_scheduler.decay_type, cfg.lr_scheduler.decay_ratio) == (
+        200,
+        "linear",
+        None,
+    )
     assert cfg.activation_checkpoint.mode == "selective" and cfg.activation_checkpoint.selective_ac_option == "2"
     assert cfg.checkpoint.last_save_model_only and cfg.checkpoint.keep_latest_k == 10
     notes = "\n".join(cfg.notes)
@@ -128,11 +233,21 @@ def test_a_file_with_every_key_at_torchtitans_default(tmp_path):
 
 
 def test_inert_keys_at_values_that_would_matter_are_refused_all_at_once(tmp_path):
-    bad = {"metrics.enable_wandb": True, "parallelism.expert_parallel_degree": 2, "training.enable_cpu_offload": True,
-           "fault_tolerance.enable": True, "checkpoint.load_only": True, "memory_estimation.enable": True,
-           "parallelism.enable_async_tensor_parallel": True, "model.converters": ["float8"],
-           "training.dataset": "c4", "validation.dataset_path": "/data/val", "training.gc_freq": 1,
-           "compile.components": ["loss"], "activation_checkpoint.mode": "memory_budget"}
+    bad = {
+        "metrics.enable_wandb": True,
+        "parallelism.expert_parallel_degree": 2,
+        "training.enable_cpu_offload": True,
+        "fault_tolerance.enable": True,
+        "checkpoint.load_only": True,
+        "memory_estimation.enable": True,
+        "parallelism.enable_async_tensor_parallel": True,
+        "model.converters": ["float8"],
+        "training.dataset": "c4",
+        "validation.dataset_path": "/data/val",
+        "training.gc_freq": 1,
+        "compile.components": ["loss"],
+        "activation_checkpoint.mode": "memory_budget",
+    }
     msg = error(tmp_path, toml_of({**bad, "model.tokenizer": "test"}))
     assert msg.startswith(str(tmp_path / "tt.toml")) and f"{len(bad)} problems" in msg
     for dotted in bad:
@@ -224,9 +339,12 @@ def test_llama3_style_files_report_every_problem_then_keep_torchtitans_meaning(t
         assert f"{n_problems} problems" in msg, msg
         assert "model.hf_assets_path" in msg and "training.dataset = 'c4'" in msg
         # The user's fixes, as the messages name them: model.tokenizer, data.path, remove async TP / converters.
-        fixed = (text.replace(f'hf_assets_path = "./assets/hf/Llama-3.1-{size}"', 'tokenizer = "cl100k"')
-                 .replace('dataset = "c4"\n', 'dataset_path = "data.bin"\n')
-                 .replace("enable_async_tensor_parallel = true", "").replace('converters = ["float8"]', ""))
+        fixed = (
+            text.replace(f'hf_assets_path = "./assets/hf/Llama-3.1-{size}"', 'tokenizer = "cl100k"')
+            .replace('dataset = "c4"\n', 'dataset_path = "data.bin"\n')
+            .replace("enable_async_tensor_parallel = true", "")
+            .replace('converters = ["float8"]', "")
+        )
         cfg = load(tmp_path, fixed, world_size=world)
         assert cfg.job.description == f"Llama 3 {size} training"
         assert cfg.training.dtype == "bfloat16"  # torchtitan's bf16 mixed-precision parameters
@@ -279,7 +397,8 @@ def test_debug_style_file_and_command_line_torchtitan_keys(tmp_path):
     assert "[lr_scheduler]" in format_config(cfg) and "decay_ratio = 0.8" in format_config(cfg)
     # torchtitan's pure-bf16 dtype has no titanlike meaning
     assert "trains bf16 weights without float32 master weights" in error(
-        tmp_path, text.replace('dataset = "c4_test"', 'dataset = "c4_test"\n        dtype = "bfloat16"'))
+        tmp_path, text.replace('dataset = "c4_test"', 'dataset = "c4_test"\n        dtype = "bfloat16"')
+    )
 
 
 def test_titanlike_configs_are_not_read_as_torchtitan_files():
@@ -295,12 +414,35 @@ def test_trainer_prints_description_and_config_and_saves_the_last_step_model_onl
     from titanlike.data import asset_path
     from titanlike.training.trainer import Trainer
 
-    common = ["--model.flavor", "tiny", "--training.local_batch_size", "2", "--training.seq_len", "16",
-              "--data.path", str(asset_path("corpus", "tinyshakespeare.txt")), "--validation.enable", "false",
-              "--checkpoint.enable", "--checkpoint.interval", "1"]
-    run = [*common, "--training.steps", "2", "--job.dump_folder", str(tmp_path / "a"), "--job.description",
-           "a tiny run", "--job.print_config", "--checkpoint.last_save_model_only", "--checkpoint.export_dtype",
-           "bfloat16", "--metrics.disable_color_printing"]
+    common = [
+        "--model.flavor",
+        "tiny",
+        "--training.local_batch_size",
+        "2",
+        "--training.seq_len",
+        "16",
+        "--data.path",
+        str(asset_path("corpus", "tinyshakespeare.txt")),
+        "--validation.enable",
+        "false",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "1",
+    ]
+    run = [
+        *common,
+        "--training.steps",
+        "2",
+        "--job.dump_folder",
+        str(tmp_path / "a"),
+        "--job.description",
+        "a tiny run",
+        "--job.print_config",
+        "--checkpoint.last_save_model_only",
+        "--checkpoint.export_dtype",
+        "bfloat16",
+        "--metrics.disable_color_printing",
+    ]
     trainer = Trainer(load_config(run, world_size=1))
     trainer.train()
     out = capsys.readouterr().out
@@ -315,8 +457,20 @@ def test_trainer_prints_description_and_config_and_saves_the_last_step_model_onl
     with pytest.raises(ConfigError, match="model-only last save of a finished run"):
         Trainer(load_config(run, world_size=1))
     # a new run starts from it
-    other = Trainer(load_config([*common, "--training.steps", "1", "--job.dump_folder", str(tmp_path / "b"),
-                                 "--checkpoint.initial_load_path", str(step2)], world_size=1))
+    other = Trainer(
+        load_config(
+            [
+                *common,
+                "--training.steps",
+                "1",
+                "--job.dump_folder",
+                str(tmp_path / "b"),
+                "--checkpoint.initial_load_path",
+                str(step2),
+            ],
+            world_size=1,
+        )
+    )
     other.checkpointer.load()
     final = trainer.model_parts[0].state_dict()
     loaded = other.model_parts[0].state_dict()

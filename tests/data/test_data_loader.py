@@ -41,11 +41,18 @@ def step_windows(dp_degree, local_batch_size, n_steps, global_batch_size=8, num_
     accum = global_batch_size // (dp_degree * local_batch_size)
     per_rank = []
     for r in range(dp_degree):
-        dl = loader(global_batch_size=global_batch_size, local_batch_size=local_batch_size, dp_rank=r,
-                    dp_degree=dp_degree, num_workers=num_workers, start_sample=start_sample)
+        dl = loader(
+            global_batch_size=global_batch_size,
+            local_batch_size=local_batch_size,
+            dp_rank=r,
+            dp_degree=dp_degree,
+            num_workers=num_workers,
+            start_sample=start_sample,
+        )
         per_rank.append([windows_of(x) for x, _ in itertools.islice(dl, n_steps * accum)])
-    return [sum((per_rank[r][s * accum + m] for r in range(dp_degree) for m in range(accum)), [])
-            for s in range(n_steps)]
+    return [
+        sum((per_rank[r][s * accum + m] for r in range(dp_degree) for m in range(accum)), []) for s in range(n_steps)
+    ]
 
 
 def test_shapes_labels_and_type():
@@ -104,10 +111,12 @@ def test_resume_under_another_layout_yields_the_uninterrupted_samples(num_worker
         dl2 = loader(local_batch_size=1, dp_degree=4, dp_rank=r, num_workers=num_workers)
         dl2.load_state_dict(state)
         resumed.append([windows_of(x) for x, _ in itertools.islice(dl2, 6)])
-    assert [sum((resumed[r][s * 2] + resumed[r][s * 2 + 1] for r in range(4)), []) for s in range(3)] == \
-        uninterrupted[3:]
-    assert step_windows(4, 1, n_steps=3, start_sample=state["global_sample"], num_workers=num_workers) == \
-        uninterrupted[3:]
+    assert [sum((resumed[r][s * 2] + resumed[r][s * 2 + 1] for r in range(4)), []) for s in range(3)] == uninterrupted[
+        3:
+    ]
+    assert (
+        step_windows(4, 1, n_steps=3, start_sample=state["global_sample"], num_workers=num_workers) == uninterrupted[3:]
+    )
 
 
 def test_workers_yield_the_same_stream_and_position():
@@ -148,8 +157,10 @@ def test_set_position_and_start_sample_agree():
 def test_layout_errors():
     with pytest.raises(ValueError, match="global_batch_size 8 is not divisible by dp_degree 3 x local_batch_size 1"):
         loader(local_batch_size=1, dp_degree=3)
-    with pytest.raises(ValueError, match="global_batch_size 8 is not divisible by dp_degree 2 x local_batch_size 3; "
-                                         "use a multiple of 6"):
+    with pytest.raises(
+        ValueError,
+        match="global_batch_size 8 is not divisible by dp_degree 2 x local_batch_size 3; use a multiple of 6",
+    ):
         loader(local_batch_size=3, dp_degree=2)
     with pytest.raises(ValueError, match=r"dp_rank must be in \[0, 2\), got 2"):
         loader(local_batch_size=1, dp_degree=2, dp_rank=2)
@@ -166,13 +177,15 @@ def test_layout_errors():
         with pytest.raises(ValueError, match="global_sample|global sample index"):
             dl.load_state_dict(bad)
     with pytest.raises(ValueError, match="cannot fill one window"):
-        build_dataloader(TOKENS[:3], seq_len=SEQ, global_batch_size=1, local_batch_size=1, dp_rank=0, dp_degree=1,
-                         seed=0)
+        build_dataloader(
+            TOKENS[:3], seq_len=SEQ, global_batch_size=1, local_batch_size=1, dp_rank=0, dp_degree=1, seed=0
+        )
 
 
 def val_windows(dp_rank, dp_degree, batch_size=2, max_batches=None):
-    vl = build_validation_loader(TOKENS, seq_len=SEQ, batch_size=batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
-                                 max_batches=max_batches)
+    vl = build_validation_loader(
+        TOKENS, seq_len=SEQ, batch_size=batch_size, dp_rank=dp_rank, dp_degree=dp_degree, max_batches=max_batches
+    )
     return [windows_of(x) for x, _ in vl]
 
 
@@ -186,8 +199,9 @@ def test_validation_loader_is_finite_deterministic_and_disjoint():
     assert sorted(sum(ranks, [])) == list(range(18))  # disjoint, every full round of windows, tail dropped
     assert val_windows(0, 3) == [[0, 1], [6, 7], [12, 13]]
     # The first K batches of D ranks cover the first K * D batches of one rank.
-    assert sorted(sum((sum(val_windows(r, 2, max_batches=2), []) for r in range(2)), [])) == \
-        sum(val_windows(0, 1, max_batches=4), [])
+    assert sorted(sum((sum(val_windows(r, 2, max_batches=2), []) for r in range(2)), [])) == sum(
+        val_windows(0, 1, max_batches=4), []
+    )
     assert len(val_windows(0, 1, max_batches=2)) == 2
 
 

@@ -33,16 +33,37 @@ def make_inputs(tmp_path):
 def test_cli_round_trip(tmp_path):
     folder, jsonl = make_inputs(tmp_path)
     out = tmp_path / "out" / "corpus.bin"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--tokenizer", "gpt2", "--input", str(folder), str(jsonl),
-                           "--output", str(out), "--text-field", "content"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--tokenizer",
+            "gpt2",
+            "--input",
+            str(folder),
+            str(jsonl),
+            "--output",
+            str(out),
+            "--text-field",
+            "content",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     tok = build_tokenizer("gpt2")
     expected = load_token_stream([folder, jsonl], tok, text_field="content")
     assert f"wrote {len(expected):,} tokens (gpt2, vocab 50257) to {out}" in proc.stdout
     assert np.array_equal(open_token_file(out, tok), expected)
-    assert tok.decode(expected).split("<|endoftext|>")[:-1] == \
-        ["The first book, ünïcödé.\n", "The second book.\n", "page 0", "page 1", "page 2"]
+    assert tok.decode(expected).split("<|endoftext|>")[:-1] == [
+        "The first book, ünïcödé.\n",
+        "The second book.\n",
+        "page 0",
+        "page 1",
+        "page 2",
+    ]
     assert sorted(p.name for p in out.parent.iterdir()) == ["corpus.bin", "corpus.bin.json"]  # no temp files left
 
 

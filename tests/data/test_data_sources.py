@@ -96,8 +96,15 @@ def test_bin_round_trip_is_memory_mapped(tmp_path, tok):
     n = write_token_file(iter_token_chunks([tmp_path / "a.txt", tmp_path / "b.jsonl"], tok), tmp_path / "x.bin", tok)
     assert n == len(text_stream)
     meta = json.loads(sidecar_path(tmp_path / "x.bin").read_text())
-    assert meta | {"n_tokens": n} == {"format": "titanlike-tokens", "version": 1, "dtype": "uint16", "n_tokens": n,
-                                      "tokenizer": "test", "vocab_size": 2008, "eos_id": 2000}
+    assert meta | {"n_tokens": n} == {
+        "format": "titanlike-tokens",
+        "version": 1,
+        "dtype": "uint16",
+        "n_tokens": n,
+        "tokenizer": "test",
+        "vocab_size": 2008,
+        "eos_id": 2000,
+    }
     assert (tmp_path / "x.bin").stat().st_size == 2 * n
     loaded = load_token_stream(tmp_path / "x.bin", tok)
     assert isinstance(loaded, np.memmap) and not loaded.flags.writeable
@@ -217,8 +224,8 @@ def test_sample_order_is_a_pure_function_of_global_index_and_seed():
     n = len(a)
     order = a.window_indices(range(3 * n))
     for e in range(3):  # each epoch visits every window once, in its own order
-        assert sorted(order[e * n:(e + 1) * n].tolist()) == list(range(n))
-    assert not np.array_equal(order[:n], order[n:2 * n])
+        assert sorted(order[e * n : (e + 1) * n].tolist()) == list(range(n))
+    assert not np.array_equal(order[:n], order[n : 2 * n])
     assert not np.array_equal(order[:n], np.arange(n))
     # Asking in any order, one at a time, or from a fresh object gives the same answer.
     b = PackedWindows(tokens, seq_len=8, seed=3)
@@ -226,8 +233,7 @@ def test_sample_order_is_a_pure_function_of_global_index_and_seed():
     g = 2 * n + 5
     assert b.sample(g)[0].tolist() == a[int(order[g])][0].tolist()
     assert not np.array_equal(PackedWindows(tokens, seq_len=8, seed=4).window_indices(range(n)), order[:n])
-    assert PackedWindows(tokens, seq_len=8, shuffle=False).window_indices(range(2 * n)).tolist() == \
-        list(range(n)) * 2
+    assert PackedWindows(tokens, seq_len=8, shuffle=False).window_indices(range(2 * n)).tolist() == list(range(n)) * 2
 
 
 def test_packed_windows_pickle_memmap_by_reference(tmp_path, tok):

@@ -15,8 +15,13 @@ def _excerpts() -> list[str]:
     ball = asset_path("corpus", "gutenberg", "chesterton-ball.txt").read_text(encoding="utf-8")
     moby = asset_path("corpus", "gutenberg", "melville-moby_dick.txt").read_bytes().decode("utf-8")
     i = ball.index("Brunetière")
-    return [shakespeare[:3000], ball[i - 500:i + 500], moby[10000:13000], "  tabs\tand\r\nCRLF  \n\n  ",
-            "ünïcödé → 漢字 🙂"]
+    return [
+        shakespeare[:3000],
+        ball[i - 500 : i + 500],
+        moby[10000:13000],
+        "  tabs\tand\r\nCRLF  \n\n  ",
+        "ünïcödé → 漢字 🙂",
+    ]
 
 
 def test_round_trip_on_corpus_excerpts(tok):
@@ -36,13 +41,36 @@ def test_round_trip_random_unicode():
         assert tok.decode(tok.encode(text)) == text
 
 
-@pytest.mark.parametrize("name, vocab, eos, bos, specials", [
-    ("gpt2", 50257, 50256, None, {"<|endoftext|>": 50256}),
-    ("cl100k", 100277, 100257, None, {"<|endoftext|>": 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259,
-                                      "<|fim_suffix|>": 100260, "<|endofprompt|>": 100276}),
-    ("test", 2008, 2000, 2001, {"<|end_of_text|>": 2000, "<|begin_of_text|>": 2001,
-                                **{f"<|reserved_special_token_{i}|>": 2002 + i for i in range(6)}}),
-])
+@pytest.mark.parametrize(
+    "name, vocab, eos, bos, specials",
+    [
+        ("gpt2", 50257, 50256, None, {"<|endoftext|>": 50256}),
+        (
+            "cl100k",
+            100277,
+            100257,
+            None,
+            {
+                "<|endoftext|>": 100257,
+                "<|fim_prefix|>": 100258,
+                "<|fim_middle|>": 100259,
+                "<|fim_suffix|>": 100260,
+                "<|endofprompt|>": 100276,
+            },
+        ),
+        (
+            "test",
+            2008,
+            2000,
+            2001,
+            {
+                "<|end_of_text|>": 2000,
+                "<|begin_of_text|>": 2001,
+                **{f"<|reserved_special_token_{i}|>": 2002 + i for i in range(6)},
+            },
+        ),
+    ],
+)
 def test_special_token_ids(name, vocab, eos, bos, specials):
     tok = build_tokenizer(name)
     assert (tok.name, tok.vocab_size, tok.eos_id, tok.bos_id, tok.special_tokens) == (name, vocab, eos, bos, specials)

@@ -72,8 +72,11 @@ def rank_main(rank: int, world_size: int, out: str, checkpoint: str) -> None:
     fresh, _ = ex.build(config, mesh, seed=0)
     torch.manual_seed(0)
     initial = dict(ex.GPT(config).to(torch.float64).named_parameters(remove_duplicate=False))
-    r["initial_weights"] = max((_full(p.detach()) - initial[n]).abs().max().item()
-                               for part in fresh.model_parts for n, p in part.named_parameters())
+    r["initial_weights"] = max(
+        (_full(p.detach()) - initial[n]).abs().max().item()
+        for part in fresh.model_parts
+        for n, p in part.named_parameters()
+    )
     c_attn = [p for part in fresh.model_parts for n, p in part.named_parameters() if n.endswith("attn.c_attn.weight")]
     r["c_attn_is_chunk_sharded"] = all(p.to_local().shape[0] == p.shape[0] // 2 for p in c_attn) and bool(c_attn)
 
@@ -83,10 +86,12 @@ def rank_main(rank: int, world_size: int, out: str, checkpoint: str) -> None:
     r["loss"] = max(abs(res.loss - rec["loss"]) for res, rec in zip(results, ref))
     r["grad_norm"] = max(abs(res.grad_norm - rec["norm"]) for res, rec in zip(results, ref))
     r["clipped"] = min(rec["norm"] for rec in ref) > 2 * ex.MAX_NORM
-    r["grads"], r["weights"], names = compare(done["pp"].model_parts, ref[STEPS - 1]["grads"],
-                                              ref[STEPS - 1]["weights"])
-    r["resumed_grads"], r["resumed_weights"], _ = compare(done["resumed"].model_parts, ref[STEPS]["grads"],
-                                                          ref[STEPS]["weights"])
+    r["grads"], r["weights"], names = compare(
+        done["pp"].model_parts, ref[STEPS - 1]["grads"], ref[STEPS - 1]["weights"]
+    )
+    r["resumed_grads"], r["resumed_weights"], _ = compare(
+        done["resumed"].model_parts, ref[STEPS]["grads"], ref[STEPS]["weights"]
+    )
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, names)
     r["coverage"] = sorted(set(ref[0]["weights"]) - {n for ns in everyone for n in ns})

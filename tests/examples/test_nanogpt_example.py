@@ -22,10 +22,12 @@ def _python_blocks(markdown: str) -> list[str]:
 def test_the_documented_example_is_the_file():
     code = EXAMPLE.read_text()
     doc = (REPO / "docs" / "parallelizing_your_own_module.md").read_text()
-    assert code in _python_blocks(doc), ("docs/parallelizing_your_own_module.md must show "
-                                         "examples/nanogpt_parallel.py verbatim: paste the file into its code block")
+    assert code in _python_blocks(doc), (
+        "docs/parallelizing_your_own_module.md must show "
+        "examples/nanogpt_parallel.py verbatim: paste the file into its code block"
+    )
     readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("### Parallelizing your own module"):readme.index('## What "correct" means here')]
+    section = readme[readme.index("### Parallelizing your own module") : readme.index('## What "correct" means here')]
     assert "docs/parallelizing_your_own_module.md" in section
     blocks = _python_blocks(section)
     assert blocks and all(b in code for b in blocks), "README's example excerpt must be a verbatim part of the file"
@@ -36,7 +38,7 @@ def test_the_example_uses_the_public_api_only():
     assert "torch.distributed.pipelining" not in code
     ours = re.findall(r"^from (titanlike[\w.]*) import", code, flags=re.M)
     assert set(ours) <= {"titanlike.parallel", "titanlike.checkpoint", "titanlike.training.step"}, ours
-    model = code[code.index("# ----"):code.index("# ----", code.index("# ----") + 1)]
+    model = code[code.index("# ----") : code.index("# ----", code.index("# ----") + 1)]
     assert "titanlike" not in model and "permute" not in model and "index_select" not in model
 
 
@@ -44,8 +46,9 @@ def test_the_example_uses_the_public_api_only():
 def result(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("nanogpt_example")
     out = tmp / "result.json"
-    proc = run_script(HERE / "nanogpt_example_worker.py", "--out", str(out), "--checkpoint", str(tmp / "ckpt"),
-                      timeout=400)
+    proc = run_script(
+        HERE / "nanogpt_example_worker.py", "--out", str(out), "--checkpoint", str(tmp / "ckpt"), timeout=400
+    )
     assert proc.returncode == 0, f"example worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     r = json.loads(out.read_text())
     print("\nnanoGPT example vs one process:", {k: v for k, v in r.items()})

@@ -34,11 +34,33 @@ STEPS = 6
 
 
 def base_args(dump: Path, *extra: str) -> list[str]:
-    return ["--model.flavor", "tiny", "--training.steps", str(STEPS), "--training.local_batch_size", "4",
-            "--training.seq_len", "32", "--data.path", CORPUS, "--validation.enable", "false",
-            "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "100", "--lr_scheduler.warmup_steps", "2",
-            "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.checksum", "--job.dump_folder",
-            str(dump), *extra]
+    return [
+        "--model.flavor",
+        "tiny",
+        "--training.steps",
+        str(STEPS),
+        "--training.local_batch_size",
+        "4",
+        "--training.seq_len",
+        "32",
+        "--data.path",
+        CORPUS,
+        "--validation.enable",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.log_freq",
+        "100",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.checksum",
+        "--job.dump_folder",
+        str(dump),
+        *extra,
+    ]
 
 
 def run(dump: Path, *extra: str) -> tuple[Trainer, list[float]]:
@@ -99,8 +121,9 @@ def test_resume_is_bitwise_including_the_rng(straight, tmp_path):
     assert_same_run(a, b)
     assert torch.equal(torch.get_rng_state(), rng_a)
     for s in (4, 6):
-        assert torch.equal(saved_rng(tmp_path / "checkpoint" / f"step-{s}"), saved_rng(straight[0] / "checkpoint" /
-                                                                                          f"step-{s}")), s
+        assert torch.equal(
+            saved_rng(tmp_path / "checkpoint" / f"step-{s}"), saved_rng(straight[0] / "checkpoint" / f"step-{s}")
+        ), s
 
 
 def test_resume_test_catches_one_rng_draw_off(straight, tmp_path, monkeypatch):
@@ -224,8 +247,10 @@ def test_weights_made_non_finite_by_an_update_stop_the_run(tmp_path, capsys):
     capsys.readouterr()
     assert main(base_args(tmp_path, "--optimizer.eps", "0", "--checkpoint.interval", "1")) == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: stopping at step 1: the optimizer update made parameter 'tok_embeddings.weight' "
-                          "non-finite although the loss"), err
+    assert err.startswith(
+        "error: stopping at step 1: the optimizer update made parameter 'tok_embeddings.weight' "
+        "non-finite although the loss"
+    ), err
     assert "\n" not in err and "optimizer.eps = 0" in err
     assert committed_checkpoints(tmp_path / "checkpoint") == {}
 
@@ -244,8 +269,13 @@ KILL_POINTS = ["before_rename", "after_rename", "mid_purge"]
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
     """For every phase, a run SIGKILLed inside its save of step 4 (keep_latest_k 1; the three side by side)."""
-    return kill_at_pause_points(tmp_path_factory, KILL_WORKER, REPO, KILL_POINTS,
-                                lambda dump: base_args(dump, "--checkpoint.keep_latest_k", "1"))
+    return kill_at_pause_points(
+        tmp_path_factory,
+        KILL_WORKER,
+        REPO,
+        KILL_POINTS,
+        lambda dump: base_args(dump, "--checkpoint.keep_latest_k", "1"),
+    )
 
 
 @pytest.mark.parametrize("pause", KILL_POINTS)
@@ -260,11 +290,13 @@ def test_kill_9_at_each_phase_of_a_save(straight, killed, pause, capsys):
     out = capsys.readouterr().out
     if pause != "after_rename":
         assert "removed 1 temporary folder(s) of interrupted saves" in out, out
-    assert losses == straight[2][expected[-1]:]
+    assert losses == straight[2][expected[-1] :]
     assert_same_run(straight[1], b)
     assert sorted(p.name for p in folder.iterdir()) == ["step-6"]
-    assert torch.equal(read_model_state_dict(folder / "step-6")["output.weight"],
-                       read_model_state_dict(straight[0] / "checkpoint" / "step-6")["output.weight"])
+    assert torch.equal(
+        read_model_state_dict(folder / "step-6")["output.weight"],
+        read_model_state_dict(straight[0] / "checkpoint" / "step-6")["output.weight"],
+    )
 
 
 def test_every_process_group_gets_the_timeout(tmp_path):
@@ -276,8 +308,13 @@ def test_every_process_group_gets_the_timeout(tmp_path):
 
     from titanlike.fault import bound_process_groups, group_timeout_seconds
 
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=77))
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(str(tmp_path / "store"), 1),
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=77),
+    )
     try:
         group = dist.new_group(backend="gloo")
         assert (group_timeout_seconds(dist.group.WORLD), group_timeout_seconds(group)) == (77, 1800)
@@ -301,8 +338,10 @@ def test_a_comm_failure_is_told_apart_from_a_bug():
 
 def test_the_new_keys_are_validated(tmp_path, capsys):
     assert main(base_args(tmp_path, "--checkpoint.on_corrupt", "prev")) == 2
-    assert "checkpoint.on_corrupt: 'prev' is not one of 'stop', 'previous' (did you mean 'previous'?)" in \
-        capsys.readouterr().err
+    assert (
+        "checkpoint.on_corrupt: 'prev' is not one of 'stop', 'previous' (did you mean 'previous'?)"
+        in capsys.readouterr().err
+    )
     assert main(base_args(tmp_path, "--checkpoint.checksum", "maybe")) == 2
     assert "checkpoint.checksum: expected true or false" in capsys.readouterr().err
     assert main(base_args(tmp_path, "--training.max_nonfinite_steps", "0")) == 2

@@ -62,8 +62,9 @@ def build(kind: str, mesh1, mesh2) -> nn.Module:
         fully_shard(m[0], mesh=mesh1)
         fully_shard(m, mesh=mesh1)
     elif kind == "tp2_fsdp2":
-        parallelize_module(m[0], mesh2["tp"], {"a": ColwiseParallel(), "b": RowwiseParallel(),
-                                               "c": FusedColwiseParallel(3)})
+        parallelize_module(
+            m[0], mesh2["tp"], {"a": ColwiseParallel(), "b": RowwiseParallel(), "c": FusedColwiseParallel(3)}
+        )
         prepare_fused_for_fsdp(m[0])
         fully_shard(m[0], mesh=mesh2["dp"], shard_placement_fn=fsdp_placement)
         fully_shard(m, mesh=mesh2["dp"])

@@ -37,8 +37,7 @@ def _subsets(n: int, g: torch.Generator) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("shape", [(7,), (TILE_1D + 5,), (TILE_ROWS + 3, 2 * TILE_COLS + 1), (3, 5, 300),
-                                   (1, 1)])
+@pytest.mark.parametrize("shape", [(7,), (TILE_1D + 5,), (TILE_ROWS + 3, 2 * TILE_COLS + 1), (3, 5, 300), (1, 1)])
 @pytest.mark.parametrize("init", [normal(0.02), trunc_normal(0.5, a=-0.6, b=0.9, mean=0.1)], ids=str)
 def test_any_subset_equals_the_same_elements_of_the_whole(shape, init):
     full = generate(init, 7, "w", shape, dtype=torch.float64)
@@ -59,7 +58,7 @@ def test_values_depend_on_seed_key_and_shape_only():
     assert not torch.equal(a, generate(normal(1.0), 1, "layers.0.w", (300, 300)))
     assert not torch.equal(a, generate(normal(1.0), 0, "layers.1.w", (300, 300)))
     # tiles differ from each other (no repeated stream)
-    assert not torch.equal(a[:TILE_ROWS, :TILE_COLS][:44], a[TILE_ROWS:2 * TILE_ROWS, :TILE_COLS][:44])
+    assert not torch.equal(a[:TILE_ROWS, :TILE_COLS][:44], a[TILE_ROWS : 2 * TILE_ROWS, :TILE_COLS][:44])
     # one value set for every dtype: float32 / bf16 are the float64 values rounded
     a64 = generate(normal(1.0), 0, "w", (50, 70), dtype=torch.float64)
     assert torch.equal(generate(normal(1.0), 0, "w", (50, 70), dtype=torch.bfloat16), a64.to(torch.bfloat16))
@@ -123,7 +122,8 @@ def test_shards_on_four_ranks_equal_the_single_device_init():
     """A 4-rank gloo worker: local_indices against DTensor's own layout (distribute_tensor) for Shard, uneven and
     empty shards, _StridedShard, 2-D meshes; and init_parameters on FSDP2 / TP x FSDP2 modules (uneven shapes)
     against the whole tensor."""
-    proc = subprocess.run([sys.executable, str(HERE / "init_worker.py")], env=worker_env(), capture_output=True,
-                          text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "init_worker.py")], env=worker_env(), capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "checked" in proc.stdout, proc.stdout

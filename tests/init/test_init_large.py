@@ -15,12 +15,38 @@ import sys
 import pytest
 from dist_utils import REPO, worker_env
 
-ARGS = ["--job.config_file", "configs/debug_model.toml", "--model.dim", "2048", "--model.n_layers", "18",
-        "--model.n_heads", "16", "--model.n_kv_heads", "8", "--model.ffn_hidden_dim", "5632",
-        "--parallelism.tensor_parallel_degree", "8", "--parallelism.data_parallel_shard_degree", "1",
-        "--training.steps", "1", "--training.seq_len", "32", "--training.local_batch_size", "1",
-        "--validation.enable", "false", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-        "--optimizer.implementation", "for-loop"]  # no foreach temporaries: 8 ranks share 24 GiB
+ARGS = [
+    "--job.config_file",
+    "configs/debug_model.toml",
+    "--model.dim",
+    "2048",
+    "--model.n_layers",
+    "18",
+    "--model.n_heads",
+    "16",
+    "--model.n_kv_heads",
+    "8",
+    "--model.ffn_hidden_dim",
+    "5632",
+    "--parallelism.tensor_parallel_degree",
+    "8",
+    "--parallelism.data_parallel_shard_degree",
+    "1",
+    "--training.steps",
+    "1",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "1",
+    "--validation.enable",
+    "false",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--optimizer.implementation",
+    "for-loop",
+]  # no foreach temporaries: 8 ranks share 24 GiB
 
 
 def _host_bytes() -> int:
@@ -29,8 +55,20 @@ def _host_bytes() -> int:
 
 @pytest.mark.timeout(900)
 def test_a_model_too_large_to_initialise_whole_per_rank_starts_sharded_on_8_ranks(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "8",
-           "--log-dir", str(tmp_path / "logs"), "train.py", *ARGS, "--job.dump_folder", str(tmp_path / "run")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "8",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "train.py",
+        *ARGS,
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=840)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]

@@ -66,7 +66,7 @@ def _train(model, loss_fn, batches, dp_rank: int, dp: int, micro: int = 1, after
     losses = []
     for inputs, labels in batches:
         n = inputs.shape[0] // dp
-        x, y = inputs[dp_rank * n:(dp_rank + 1) * n], labels[dp_rank * n:(dp_rank + 1) * n]
+        x, y = inputs[dp_rank * n : (dp_rank + 1) * n], labels[dp_rank * n : (dp_rank + 1) * n]
         opt.zero_grad()
         loss = 0.0
         for xm, ym in zip(x.chunk(micro), y.chunk(micro)):
@@ -128,10 +128,10 @@ def worker(rank: int, world_size: int, ckpt_dir: str) -> None:
         wq = model.layers["0"].attention.wq
         seen = []  # what reaches wq after the TP input hook: float8 styles hand it a float8 (DTensor) tensor
         wq.register_forward_pre_hook(
-            lambda m, a, seen=seen: seen.append(type(getattr(a[0], "_local_tensor", a[0])).__name__))
+            lambda m, a, seen=seen: seen.append(type(getattr(a[0], "_local_tensor", a[0])).__name__)
+        )
         local_w = wq.weight._local_tensor if hasattr(wq.weight, "_local_tensor") else wq.weight
-        info = {"float8_linear": is_float8_linear(wq), "weight_kind": type(local_w).__name__,
-                "wq_input": None}
+        info = {"float8_linear": is_float8_linear(wq), "weight_kind": type(local_w).__name__, "wq_input": None}
         dp_rank = mesh["dp_shard_cp"].get_local_rank() if dp > 1 else 0
         loss_fn = build_loss_fn(cfg, dims, mesh)
         losses = _train(model, loss_fn, batches, dp_rank, dp, after_step=precompute_float8_scales if f8ag else None)

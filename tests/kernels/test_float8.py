@@ -31,8 +31,15 @@ from titanlike.training.trainer import Trainer  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("float8_dist_worker.py")
 CORPUS = str(asset_path("corpus", "tinyshakespeare.txt"))
-BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
-                 "feed_forward.w2", "feed_forward.w3")
+BLOCK_LINEARS = (
+    "attention.wq",
+    "attention.wk",
+    "attention.wv",
+    "attention.wo",
+    "feed_forward.w1",
+    "feed_forward.w2",
+    "feed_forward.w3",
+)
 
 
 def _transformer(**kw) -> Transformer:
@@ -64,11 +71,11 @@ def test_shape_fqn_and_tie_filters_on_a_user_module():
             self.embed = nn.Embedding(100, 64)
             self.proj_in = nn.Linear(64, 128, bias=False)
             self.odd = nn.Linear(128, 40, bias=False)  # 40 % 16 != 0: stays high precision
-            self.gate = nn.Linear(40, 64, bias=True)   # 40 % 16 != 0 on the input side
-            self.router = nn.Linear(64, 64)            # excluded by name below
+            self.gate = nn.Linear(40, 64, bias=True)  # 40 % 16 != 0 on the input side
+            self.router = nn.Linear(64, 64)  # excluded by name below
             self.output = nn.Linear(64, 112, bias=False)
             self.tied = nn.Linear(64, 100, bias=False)
-            self.tied.weight = self.embed.weight       # shared weight: never converted
+            self.tied.weight = self.embed.weight  # shared weight: never converted
 
         def forward(self, x):
             h = self.embed(x)
@@ -109,21 +116,49 @@ def test_every_recipe_trains_under_cpu_autocast(recipe):
 
 # ---------------------------------------------------------------------------------------------- training
 def _run(dump: Path, steps: int, *extra: str, flavor: str = "tiny") -> tuple[Trainer, list[float]]:
-    args = ["--model.flavor", flavor, "--training.steps", str(steps), "--training.local_batch_size", "4",
-            "--training.seq_len", "32", "--data.path", CORPUS, "--validation.enable", "false",
-            "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "100", "--lr_scheduler.warmup_steps",
-            "2", "--job.dump_folder", str(dump), *extra]
+    args = [
+        "--model.flavor",
+        flavor,
+        "--training.steps",
+        str(steps),
+        "--training.local_batch_size",
+        "4",
+        "--training.seq_len",
+        "32",
+        "--data.path",
+        CORPUS,
+        "--validation.enable",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.log_freq",
+        "100",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--job.dump_folder",
+        str(dump),
+        *extra,
+    ]
     trainer = Trainer(load_config(args, world_size=1))
     return trainer, trainer.train()
 
 
 def test_float8_run_of_the_debug_model_tracks_the_run_without_float8(tmp_path):
     """12 steps of the debug model (CI); the 30- and 50-step numbers are in docs/performance.md."""
-    common = ["--training.seq_len", "64", "--training.local_batch_size", "8", "--optimizer.lr", "3e-3",
-              "--lr_scheduler.warmup_steps", "4"]
+    common = [
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "8",
+        "--optimizer.lr",
+        "3e-3",
+        "--lr_scheduler.warmup_steps",
+        "4",
+    ]
     _, ref = _run(tmp_path / "ref", 12, *common, flavor="debugmodel")
-    trainer, fp8 = _run(tmp_path / "f8", 12, *common, "--float8.recipe", "tensorwise", "--float8.emulate",
-                        flavor="debugmodel")
+    trainer, fp8 = _run(
+        tmp_path / "f8", 12, *common, "--float8.recipe", "tensorwise", "--float8.emulate", flavor="debugmodel"
+    )
     assert len(trainer.model_parts[0]._float8_converted) == 4 * 7
     rel = [abs(a - b) / b for a, b in zip(fp8, ref)]
     assert max(rel) < 0.01, rel  # 30 steps at seq 128 measured <= 0.12% per step (docs/performance.md)
@@ -147,8 +182,9 @@ def test_a_float8_checkpoint_resumes_without_float8_and_back(tmp_path, first, se
 
 # ---------------------------------------------------------------------------------------------- composition
 def test_float8_composes_with_fsdp2_and_tp2_like_one_process(tmp_path):
-    proc = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "ckpt")], cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), str(tmp_path / "ckpt")], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     res = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
     ref = res["reference"]
@@ -176,24 +212,44 @@ def test_float8_composes_with_fsdp2_and_tp2_like_one_process(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- bad input
-@pytest.mark.parametrize("argv,message", [
-    (["--float8.recipe", "tensorwise", "--training.dtype", "float64"],
-     "float8.recipe=tensorwise does not combine with training.dtype=float64"),
-    (["--float8.recipe", "current"],
-     "float8.recipe=current is a Transformer Engine recipe; with float8.backend=torchao"),
-    (["--float8.recipe", "rowwise", "--float8.backend", "te"], "float8.backend=te needs Transformer Engine kernels"),
-    (["--float8.recipe", "rowwise", "--model.kernels", "te", "--float8.backend", "torchao"],
-     "float8.backend=torchao converts nn.Linear layers, but model.kernels=te"),
-    (["--float8.recipe", "rowwise", "--float8.enable_fsdp_float8_all_gather"],
-     "float8.enable_fsdp_float8_all_gather needs float8.recipe=tensorwise"),
-    (["--float8.recipe", "tensorwise", "--float8.precompute_float8_dynamic_scale_for_fsdp"],
-     "float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather=true"),
-    (["--float8.emulate", "--float8.enable_fsdp_float8_all_gather"],
-     "float8.emulate, float8.enable_fsdp_float8_all_gather set but float8.recipe is empty"),
-    (["--float8.recipe", "delayed", "--model.kernels", "te", "--float8.emulate"],
-     "float8.emulate apply to float8.backend=torchao only"),
-    (["--float8.recipe", "tensorwse"], "did you mean 'tensorwise'"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--float8.recipe", "tensorwise", "--training.dtype", "float64"],
+            "float8.recipe=tensorwise does not combine with training.dtype=float64",
+        ),
+        (
+            ["--float8.recipe", "current"],
+            "float8.recipe=current is a Transformer Engine recipe; with float8.backend=torchao",
+        ),
+        (
+            ["--float8.recipe", "rowwise", "--float8.backend", "te"],
+            "float8.backend=te needs Transformer Engine kernels",
+        ),
+        (
+            ["--float8.recipe", "rowwise", "--model.kernels", "te", "--float8.backend", "torchao"],
+            "float8.backend=torchao converts nn.Linear layers, but model.kernels=te",
+        ),
+        (
+            ["--float8.recipe", "rowwise", "--float8.enable_fsdp_float8_all_gather"],
+            "float8.enable_fsdp_float8_all_gather needs float8.recipe=tensorwise",
+        ),
+        (
+            ["--float8.recipe", "tensorwise", "--float8.precompute_float8_dynamic_scale_for_fsdp"],
+            "float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather=true",
+        ),
+        (
+            ["--float8.emulate", "--float8.enable_fsdp_float8_all_gather"],
+            "float8.emulate, float8.enable_fsdp_float8_all_gather set but float8.recipe is empty",
+        ),
+        (
+            ["--float8.recipe", "delayed", "--model.kernels", "te", "--float8.emulate"],
+            "float8.emulate apply to float8.backend=torchao only",
+        ),
+        (["--float8.recipe", "tensorwse"], "did you mean 'tensorwise'"),
+    ],
+)
 def test_bad_float8_config_is_one_line(argv, message):
     with pytest.raises(ConfigError) as e:
         load_config(argv, world_size=1)
@@ -207,8 +263,9 @@ def test_runtime_refusals_are_one_line(monkeypatch):
         f8.check_float8_runtime("rowwise", False, "cuda", capability=(8, 0))
     f8.check_float8_runtime("rowwise", False, "cuda", capability=(9, 0))  # H100 / H200: fine
     monkeypatch.setattr(f8, "offered_recipes", lambda: ("tensorwise", "rowwise"))  # an older torchao
-    with pytest.raises(f8.Float8UnavailableError, match="float8.recipe=rowwise_with_gw_hp is not offered by the "
-                                                        "installed torchao"):
+    with pytest.raises(
+        f8.Float8UnavailableError, match="float8.recipe=rowwise_with_gw_hp is not offered by the installed torchao"
+    ):
         f8.check_float8_runtime("rowwise_with_gw_hp", True, "cpu")
     monkeypatch.setattr(f8, "_cached_torchao", lambda: "ModuleNotFoundError: No module named 'torchao'")
     with pytest.raises(f8.Float8UnavailableError) as e:
@@ -221,9 +278,24 @@ def test_runtime_refusals_are_one_line(monkeypatch):
 
 def test_train_py_refuses_float8_without_a_float8_gpu_before_anything_starts(tmp_path):
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "train.py", "--job.config_file", "configs/debug_model.toml",
-                        "--float8.recipe", "tensorwise", "--training.device", "cpu", "--job.dump_folder", str(out)],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--job.config_file",
+            "configs/debug_model.toml",
+            "--float8.recipe",
+            "tensorwise",
+            "--training.device",
+            "cpu",
+            "--job.dump_folder",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("error: float8.recipe=tensorwise without emulation needs a CUDA GPU"), r.stderr

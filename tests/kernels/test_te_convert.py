@@ -43,10 +43,25 @@ class _TEModuleBase(nn.Module):
 
 
 class StandInLinear(_TEModuleBase):
-    def __init__(self, in_features, out_features, sequence_parallel=False, fuse_wgrad_accumulation=False,
-                 tp_group=None, tp_size=1, get_rng_state_tracker=None, rng_tracker_name=None, init_method=None,
-                 bias=True, return_bias=False, params_dtype=None, parallel_mode=None, parameters_split=None,
-                 device="cuda", **kwargs):
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        sequence_parallel=False,
+        fuse_wgrad_accumulation=False,
+        tp_group=None,
+        tp_size=1,
+        get_rng_state_tracker=None,
+        rng_tracker_name=None,
+        init_method=None,
+        bias=True,
+        return_bias=False,
+        params_dtype=None,
+        parallel_mode=None,
+        parameters_split=None,
+        device="cuda",
+        **kwargs,
+    ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         dtype = params_dtype or torch.get_default_dtype()
@@ -59,12 +74,20 @@ class StandInLinear(_TEModuleBase):
 
 
 class StandInRMSNorm(_TEModuleBase):
-    def __init__(self, normalized_shape, eps=1e-5, sequence_parallel=None, params_dtype=None,
-                 zero_centered_gamma=False, device="cuda"):
+    def __init__(
+        self,
+        normalized_shape,
+        eps=1e-5,
+        sequence_parallel=None,
+        params_dtype=None,
+        zero_centered_gamma=False,
+        device="cuda",
+    ):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(normalized_shape, dtype=params_dtype or torch.get_default_dtype(),
-                                               device=device))
+        self.weight = nn.Parameter(
+            torch.empty(normalized_shape, dtype=params_dtype or torch.get_default_dtype(), device=device)
+        )
 
     def reset_parameters(self, defer_init=None):
         nn.init.ones_(self.weight)
@@ -89,14 +112,25 @@ def _autocast(enabled=True, calibrating=False, recipe=None, amax_reduction_group
 
 
 def _standin(new_api=True):
-    recipe = types.SimpleNamespace(**{n: _recipe_class(n) for n in (
-        "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling")})
+    recipe = types.SimpleNamespace(
+        **{
+            n: _recipe_class(n)
+            for n in ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling")
+        }
+    )
     legacy = None
     if not new_api:
+
         def legacy(enabled=True, calibrating=False, fp8_recipe=None, fp8_group=None):
             return _autocast(enabled, calibrating, fp8_recipe, fp8_group)
-    return types.SimpleNamespace(Linear=StandInLinear, RMSNorm=StandInRMSNorm,
-                                 autocast=_autocast if new_api else None, fp8_autocast=legacy, recipe=recipe)
+
+    return types.SimpleNamespace(
+        Linear=StandInLinear,
+        RMSNorm=StandInRMSNorm,
+        autocast=_autocast if new_api else None,
+        fp8_autocast=legacy,
+        recipe=recipe,
+    )
 
 
 def _model(dtype=torch.float64, **shape):
@@ -164,8 +198,15 @@ def test_state_dict_maps_both_ways():
 
 
 @pytest.mark.parametrize("new_api", [True, False])
-@pytest.mark.parametrize("name,cls", [("delayed", "DelayedScaling"), ("current", "Float8CurrentScaling"),
-                                      ("block", "Float8BlockScaling"), ("mxfp8", "MXFP8BlockScaling")])
+@pytest.mark.parametrize(
+    "name,cls",
+    [
+        ("delayed", "DelayedScaling"),
+        ("current", "Float8CurrentScaling"),
+        ("block", "Float8BlockScaling"),
+        ("mxfp8", "MXFP8BlockScaling"),
+    ],
+)
 def test_fp8_recipe_wraps_the_forward_in_te_autocast(name, cls, new_api):
     ref = _model(torch.float32, dim=64, ffn_hidden_dim=128)  # every linear dim a multiple of 32 (MXFP8)
     model = convert_to_te(copy.deepcopy(ref), name, te=_standin(new_api), capability=(10, 0))

@@ -26,8 +26,21 @@ CASES = {
     "seq_len_max": (1, ["--training.seq_len", "512"]),
     "degrees": (4, ["--parallelism.tensor_parallel_degree", "3"]),
     "cp_seq_len": (2, [*CP2, "--training.seq_len", "14"]),
-    "cp_sp_seq_len": (8, [*CP2, "--parallelism.tensor_parallel_degree", "4", "--parallelism.enable_sequence_parallel",
-                          "--model.n_heads", "8", "--model.n_kv_heads", "4", "--training.seq_len", "12"]),
+    "cp_sp_seq_len": (
+        8,
+        [
+            *CP2,
+            "--parallelism.tensor_parallel_degree",
+            "4",
+            "--parallelism.enable_sequence_parallel",
+            "--model.n_heads",
+            "8",
+            "--model.n_kv_heads",
+            "4",
+            "--training.seq_len",
+            "12",
+        ],
+    ),
     "cp_kernels": (2, [*CP2, "--model.kernels", "te"]),
     "cp_float8": (2, [*CP2, "--float8.recipe", "tensorwise"]),
     "cp_schedule": (4, [*CP2, *ZB]),
@@ -37,26 +50,52 @@ CASES = {
     "tp_heads": (8, ["--parallelism.tensor_parallel_degree", "8"]),
     "tp_kv_heads": (4, ["--parallelism.tensor_parallel_degree", "4"]),
     "tp_ffn": (2, ["--parallelism.tensor_parallel_degree", "2", "--model.ffn_hidden_dim", "91"]),
-    "tp_vocab": (2, ["--parallelism.tensor_parallel_degree", "2", "--model.flavor", "gpt2_small",
-                     "--model.vocab_multiple", "1"]),
-    "sp_seq_len": (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel",
-                       "--training.seq_len", "15"]),
+    "tp_vocab": (
+        2,
+        ["--parallelism.tensor_parallel_degree", "2", "--model.flavor", "gpt2_small", "--model.vocab_multiple", "1"],
+    ),
+    "sp_seq_len": (
+        2,
+        [
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.enable_sequence_parallel",
+            "--training.seq_len",
+            "15",
+        ],
+    ),
     "sp_needs_tp": (1, ["--parallelism.enable_sequence_parallel"]),
     "te_tp": (2, ["--parallelism.tensor_parallel_degree", "2", "--model.kernels", "te"]),
     "batch": (2, ["--training.global_batch_size", "6"]),
-    "pp_names_need_pp": (1, ["--parallelism.pipeline_parallel_module_names",
-                             "tok_embeddings,layers.0;layers.1,norm,output"]),
-    "ac_option": (1, ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
-                      "+2"]),
+    "pp_names_need_pp": (
+        1,
+        ["--parallelism.pipeline_parallel_module_names", "tok_embeddings,layers.0;layers.1,norm,output"],
+    ),
+    "ac_option": (
+        1,
+        ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "+2"],
+    ),
     "float8": (1, ["--float8.recipe", "delayed"]),  # a TE recipe with the torchao backend
-    "pp_stages_divide": (4, ["--parallelism.pipeline_parallel_degree", "4",
-                             "--parallelism.pipeline_parallel_layers_per_stage", "1"]),
+    "pp_stages_divide": (
+        4,
+        ["--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_layers_per_stage", "1"],
+    ),
     "pp_single_stage": (2, [*PP2, "--model.n_layers", "4", "--parallelism.pipeline_parallel_stages_per_rank", "2"]),
     "pp_v_two_stages": (2, [*ZB, "--parallelism.pipeline_parallel_stages_per_rank", "1"]),
-    "pp_multi_stage": (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                           "--parallelism.pipeline_parallel_stages_per_rank", "1"]),
-    "pp_module_names": (2, [*PP2, "--parallelism.pipeline_parallel_module_names",
-                            "tok_embeddings,layers.1;layers.0,norm,output"]),
+    "pp_multi_stage": (
+        2,
+        [
+            *PP2,
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+            "--parallelism.pipeline_parallel_stages_per_rank",
+            "1",
+        ],
+    ),
+    "pp_module_names": (
+        2,
+        [*PP2, "--parallelism.pipeline_parallel_module_names", "tok_embeddings,layers.1;layers.0,norm,output"],
+    ),
     "pp_layers_per_stage": (2, [*PP2, "--parallelism.pipeline_parallel_layers_per_stage", "3"]),
     "pp_even_split": (2, [*PP2, "--model.n_layers", "3"]),
     "pp_stage_has_block": (2, [*PP2, "--parallelism.pipeline_parallel_first_stage_less_layers", "2"]),
@@ -69,9 +108,24 @@ CASES = {
 
 # further cases of a rule that guards several things
 MORE_CASES = [
-    ("model_shape", (1, ["--model.rope_scaling", "llama3", "--model.rope_scaling_factor", "8",
-                         "--model.rope_low_freq_factor", "4", "--model.rope_high_freq_factor", "1",
-                         "--model.rope_original_max_seq_len", "8192"])),
+    (
+        "model_shape",
+        (
+            1,
+            [
+                "--model.rope_scaling",
+                "llama3",
+                "--model.rope_scaling_factor",
+                "8",
+                "--model.rope_low_freq_factor",
+                "4",
+                "--model.rope_high_freq_factor",
+                "1",
+                "--model.rope_original_max_seq_len",
+                "8192",
+            ],
+        ),
+    ),
 ]
 
 
@@ -79,8 +133,11 @@ def test_every_rule_has_a_case():
     assert set(CASES) == set(RULES)
 
 
-@pytest.mark.parametrize("rule,case", [*sorted(CASES.items()), *MORE_CASES],
-                         ids=[*sorted(CASES), *(f"{r}-{i}" for i, (r, _) in enumerate(MORE_CASES))])
+@pytest.mark.parametrize(
+    "rule,case",
+    [*sorted(CASES.items()), *MORE_CASES],
+    ids=[*sorted(CASES), *(f"{r}-{i}" for i, (r, _) in enumerate(MORE_CASES))],
+)
 def test_each_rule_fires_and_train_py_exits_2_with_one_line(rule, case, monkeypatch, capsys):
     world, bad = case
     argv = TINY + bad

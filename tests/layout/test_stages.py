@@ -26,8 +26,10 @@ def _layers(stage):
 
 
 def test_even_split_and_weighted_ends():
-    assert split_module_names(4, 2) == [["tok_embeddings", "layers.0", "layers.1"],
-                                        ["layers.2", "layers.3", "norm", "output"]]
+    assert split_module_names(4, 2) == [
+        ["tok_embeddings", "layers.0", "layers.1"],
+        ["layers.2", "layers.3", "norm", "output"],
+    ]
     # 6 blocks + 1 (embedding) + 1 (head) = 8 units over 4 stages.
     assert [_layers(s) for s in split_module_names(6, 4, 1, 1)] == [[0], [1, 2], [3, 4], [5]]
     # Weighted first stage only: 7 + 1 = 8 units over 4 stages.
@@ -43,8 +45,11 @@ def test_even_split_and_weighted_ends():
 
 def test_module_names_by_hand():
     specs = ["tok_embeddings, layers.0", "layers.1,layers.2", "layers.3, norm, output"]
-    assert parse_module_names(specs, 4) == [["tok_embeddings", "layers.0"], ["layers.1", "layers.2"],
-                                            ["layers.3", "norm", "output"]]
+    assert parse_module_names(specs, 4) == [
+        ["tok_embeddings", "layers.0"],
+        ["layers.1", "layers.2"],
+        ["layers.3", "norm", "output"],
+    ]
     assert parse_module_names(["tok_embeddings", "layers.0,layers.1,norm,output"], 2)[0] == ["tok_embeddings"]
     bad = {
         "in order": ["tok_embeddings,layers.1", "layers.0,norm,output"],
@@ -119,11 +124,18 @@ def test_stage_module_names_follow_the_config():
     args = ARGS.replace(n_layers=4)
     cfg = _cfg(pipeline_parallel_degree=2, pipeline_parallel_schedule="Interleaved1F1B")
     assert [_layers(s) for s in stage_module_names(cfg, args)] == [[0], [1], [2], [3]]
-    cfg = _cfg(pipeline_parallel_degree=2, pipeline_parallel_module_names=["tok_embeddings,layers.0",
-                                                                           "layers.1,layers.2,layers.3,norm,output"])
+    cfg = _cfg(
+        pipeline_parallel_degree=2,
+        pipeline_parallel_module_names=["tok_embeddings,layers.0", "layers.1,layers.2,layers.3,norm,output"],
+    )
     assert [_layers(s) for s in stage_module_names(cfg, args)] == [[0], [1, 2, 3]]
-    cfg = _cfg(pipeline_parallel_degree=2, pipeline_parallel_layers_per_stage=2, pipeline_parallel_schedule="1F1B",
-               pipeline_parallel_first_stage_less_layers=1, pipeline_parallel_last_stage_less_layers=1)
+    cfg = _cfg(
+        pipeline_parallel_degree=2,
+        pipeline_parallel_layers_per_stage=2,
+        pipeline_parallel_schedule="1F1B",
+        pipeline_parallel_first_stage_less_layers=1,
+        pipeline_parallel_last_stage_less_layers=1,
+    )
     assert pipeline_stage_count(cfg, args) == 3 and layout_violations(cfg, 2, args)  # 6 units in 3 stages on 2 ranks
 
 
@@ -134,23 +146,36 @@ def _violations(world=2, **par):
 
 def test_config_rules_for_the_schedules():
     assert _violations(pipeline_parallel_degree=2) == ""
-    for sched in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-                  "DualPipeV"):
+    for sched in (
+        "GPipe",
+        "1F1B",
+        "Interleaved1F1B",
+        "LoopedBFS",
+        "InterleavedZeroBubble",
+        "ZBVZeroBubble",
+        "DualPipeV",
+    ):
         assert _violations(pipeline_parallel_degree=2, pipeline_parallel_schedule=sched) == "", sched
     # DualPipeV needs at least as many microbatches as stages (2 pp); 2 ranks x 2 stages = 4 > 2 microbatches.
-    assert "DualPipeV needs" in _violations(pipeline_parallel_degree=2, pipeline_parallel_schedule="DualPipeV",
-                                            pipeline_parallel_microbatch_size=4)
+    assert "DualPipeV needs" in _violations(
+        pipeline_parallel_degree=2, pipeline_parallel_schedule="DualPipeV", pipeline_parallel_microbatch_size=4
+    )
     # Interleaved schedules run rounds of pp microbatches: 5 microbatches on pp 2 make 2 rounds, which do not divide.
     cfg = _cfg(pipeline_parallel_degree=2, pipeline_parallel_schedule="InterleavedZeroBubble")
     cfg.training.local_batch_size = 5
     args = ModelArgs(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=2048, max_seq_len=512)
     assert any("rounds" in v for v in layout_violations(cfg, 2, args))
     # layers_per_stage must divide the (weighted) layers: 4 layers in stages of 3 is not a layout.
-    assert "layers_per_stage 3" in _violations(pipeline_parallel_degree=2, pipeline_parallel_layers_per_stage=3,
-                                               pipeline_parallel_stages_per_rank=1)
+    assert "layers_per_stage 3" in _violations(
+        pipeline_parallel_degree=2, pipeline_parallel_layers_per_stage=3, pipeline_parallel_stages_per_rank=1
+    )
     # FSDP resharding after forward gives wrong gradients with the zero-bubble schedules.
-    assert "reshard" in _violations(world=4, pipeline_parallel_degree=2, pipeline_parallel_schedule="ZBVZeroBubble",
-                                    fsdp_reshard_after_forward="always")
+    assert "reshard" in _violations(
+        world=4,
+        pipeline_parallel_degree=2,
+        pipeline_parallel_schedule="ZBVZeroBubble",
+        fsdp_reshard_after_forward="always",
+    )
     # Split backward (input grads, later weight grads) vs features that allow one backward per forward.
     for sched in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
         cfg = _cfg(pipeline_parallel_degree=2, pipeline_parallel_schedule=sched)
@@ -166,5 +191,6 @@ def test_config_rules_for_the_schedules():
     cfg.activation_checkpoint.mode = "selective"
     assert layout_violations(cfg, 2, args) == []
     assert "must be on the last stage" in _violations(
-        pipeline_parallel_degree=2, pipeline_parallel_module_names=["tok_embeddings,layers.0,norm",
-                                                                    "layers.1,layers.2,layers.3,output"])
+        pipeline_parallel_degree=2,
+        pipeline_parallel_module_names=["tok_embeddings,layers.0,norm", "layers.1,layers.2,layers.3,output"],
+    )

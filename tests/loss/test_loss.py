@@ -24,26 +24,35 @@ def _loss_and_grad(fn, logits):
 
 def _reference(logits, labels, ignore_index, reduction):
     """F.cross_entropy on the float64 flattened logits; "mean" of zero tokens is defined as 0."""
+
     def fn(x):
         flat = x.reshape(-1, x.shape[-1])
         loss = F.cross_entropy(flat, labels.reshape(-1), ignore_index=ignore_index, reduction="sum")
         if reduction == "mean":
             loss = loss / (labels != ignore_index).sum().clamp(min=1)
         return loss
+
     return _loss_and_grad(fn, logits)
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("chunk_size", [None, 1, 4, 21, 100])
-@pytest.mark.parametrize("ignore_index, ignore", [(-100, ()), (-100, [(0, -100), (5, -100), (20, -100)]),
-                                                  (3, [(2, 3), (9, 3)])])
+@pytest.mark.parametrize(
+    "ignore_index, ignore", [(-100, ()), (-100, [(0, -100), (5, -100), (20, -100)]), (3, [(2, 3), (9, 3)])]
+)
 def test_matches_f_cross_entropy_float64(reduction, chunk_size, ignore_index, ignore):
     logits, labels = _data(ignore=ignore)
-    ours = _loss_and_grad(lambda x: cross_entropy_loss(x, labels, ignore_index=ignore_index, reduction=reduction,
-                                                       chunk_size=chunk_size), logits)
+    ours = _loss_and_grad(
+        lambda x: cross_entropy_loss(x, labels, ignore_index=ignore_index, reduction=reduction, chunk_size=chunk_size),
+        logits,
+    )
     # Straight F.cross_entropy with the reduction built in (no zero-token case here).
-    ref = _loss_and_grad(lambda x: F.cross_entropy(x.reshape(-1, 13), labels.reshape(-1), ignore_index=ignore_index,
-                                                   reduction=reduction), logits)
+    ref = _loss_and_grad(
+        lambda x: F.cross_entropy(
+            x.reshape(-1, 13), labels.reshape(-1), ignore_index=ignore_index, reduction=reduction
+        ),
+        logits,
+    )
     assert ours[0].dtype == torch.float64
     torch.testing.assert_close(ours[0], ref[0], rtol=0, atol=1e-12)
     torch.testing.assert_close(ours[1], ref[1], rtol=0, atol=1e-12)
@@ -56,8 +65,9 @@ def test_all_ignored_gives_zero_without_nan(chunk_size):
     logits, labels = _data()
     labels.fill_(-100)
     for reduction in ("sum", "mean"):
-        loss, grad = _loss_and_grad(lambda x: cross_entropy_loss(x, labels, reduction=reduction,
-                                                                 chunk_size=chunk_size), logits)
+        loss, grad = _loss_and_grad(
+            lambda x: cross_entropy_loss(x, labels, reduction=reduction, chunk_size=chunk_size), logits
+        )
         assert loss.item() == 0.0
         assert torch.count_nonzero(grad) == 0
 
@@ -65,8 +75,9 @@ def test_all_ignored_gives_zero_without_nan(chunk_size):
 @pytest.mark.parametrize("chunk_size", [None, 5])
 def test_empty_batch(chunk_size):
     logits, labels = _data(shape=(0,))
-    loss, grad = _loss_and_grad(lambda x: cross_entropy_loss(x, labels, reduction="mean", chunk_size=chunk_size),
-                                logits)
+    loss, grad = _loss_and_grad(
+        lambda x: cross_entropy_loss(x, labels, reduction="mean", chunk_size=chunk_size), logits
+    )
     assert loss.item() == 0.0 and grad.shape == logits.shape
 
 
@@ -75,8 +86,9 @@ def test_low_precision_logits_computed_in_float32(dtype):
     logits, labels = _data(shape=(4, 16), vocab=257, dtype=dtype, ignore=[(3, -100)])
     ref_loss, ref_grad = _reference(logits.double(), labels, -100, "mean")  # float64 on the same rounded logits
     for chunk_size in (None, 7):
-        loss, grad = _loss_and_grad(lambda x: cross_entropy_loss(x, labels, reduction="mean", chunk_size=chunk_size),
-                                    logits)
+        loss, grad = _loss_and_grad(
+            lambda x: cross_entropy_loss(x, labels, reduction="mean", chunk_size=chunk_size), logits
+        )
         assert loss.dtype == torch.float32 and grad.dtype == dtype
         torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-6, atol=1e-6)
         # Errors left: rounding the gradient to the logits dtype, and float32 arithmetic (|logits| ~ 10).
@@ -127,8 +139,10 @@ def test_peak_memory_chunked_vs_unchunked(capsys):
             cross_entropy_loss(leaf, labels, chunk_size=chunk_size).backward()
         peaks[chunk_size] = tracker.get_tracker_snapshot("peak")[leaf.device]["Total"]
     with capsys.disabled():
-        print(f"\n[loss peak] tokens={tokens} vocab={vocab} bf16 logits={leaf.numel() * 2 / 2**20:.0f} MiB: "
-              f"unchunked {peaks[None] / 2**20:.0f} MiB, chunk_size=256 {peaks[256] / 2**20:.0f} MiB")
+        print(
+            f"\n[loss peak] tokens={tokens} vocab={vocab} bf16 logits={leaf.numel() * 2 / 2**20:.0f} MiB: "
+            f"unchunked {peaks[None] / 2**20:.0f} MiB, chunk_size=256 {peaks[256] / 2**20:.0f} MiB"
+        )
     assert peaks[None] > 0 and peaks[256] > 0
 
 

@@ -19,8 +19,9 @@ def build(args=ARGS, seed=0):
     return m
 
 
-@pytest.mark.parametrize("flavor,count", [("124M", 124_439_808), ("350M", 354_823_168), ("774M", 774_030_080),
-                                          ("1.5B", 1_557_611_200)])
+@pytest.mark.parametrize(
+    "flavor,count", [("124M", 124_439_808), ("350M", 354_823_168), ("774M", 774_030_080), ("1.5B", 1_557_611_200)]
+)
 def test_published_parameter_counts(flavor, count):
     args = FLAVORS[flavor]  # vocab 50,257, 1,024 positions, tied: the published GPT-2 sizes
     assert args.num_params() == count

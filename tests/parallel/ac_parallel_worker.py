@@ -25,9 +25,12 @@ from titanlike.parallel.activation_checkpoint import apply_ac  # noqa: E402
 from titanlike.parallel.fsdp import apply_fsdp  # noqa: E402
 from titanlike.parallel.tensor_parallel import apply_tp  # noqa: E402
 
-CONFIGS = {"none": ActivationCheckpoint(mode="none"), "full": ActivationCheckpoint(mode="full"),
-           "every2": ActivationCheckpoint(mode="selective", selective_ac_option="2"),
-           "op": ActivationCheckpoint(mode="selective", selective_ac_option="op")}
+CONFIGS = {
+    "none": ActivationCheckpoint(mode="none"),
+    "full": ActivationCheckpoint(mode="full"),
+    "every2": ActivationCheckpoint(mode="selective", selective_ac_option="2"),
+    "op": ActivationCheckpoint(mode="selective", selective_ac_option="op"),
+}
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -73,11 +76,16 @@ def worker(rank: int, world_size: int) -> None:
             loss = _loss(model, tokens)
             with CollectiveCounter() as comm:
                 loss.backward()
-            diff = max((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).sub(ref_grads[n]).abs()
-                       .max().item() for n, p in model.named_parameters())
+            diff = max(
+                (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).sub(ref_grads[n]).abs().max().item()
+                for n, p in model.named_parameters()
+            )
             backward_collectives = comm.count
-            result[f"{'sp' if sp else 'tp'}/{name}"] = {"max_grad_diff": diff, "same_names": same_names,
-                                                        "backward_collectives": backward_collectives}
+            result[f"{'sp' if sp else 'tp'}/{name}"] = {
+                "max_grad_diff": diff,
+                "same_names": same_names,
+                "backward_collectives": backward_collectives,
+            }
     # FSDP dp=2: each rank takes half the batch; the loss is its CE sum over the global token count and
     # the FSDP wrapper sums gradients, so they equal the one-device mean-loss gradients.
     n_tokens = tokens[:, 1:].numel()

@@ -51,10 +51,26 @@ GLOBAL_BATCH = 8
 SEQ = 16
 VOCAB = 128
 # Shared by every layout and the reference: float64, AdamW, clipping with a small max_norm (it acts every step).
-BASE_ARGS = ("--model.flavor", "tiny", "--model.dim", "64", "--model.max_seq_len", str(SEQ),
-             "--training.seq_len", str(SEQ), "--training.dtype", "float64", "--training.max_norm", "0.05",
-             "--training.global_batch_size", str(GLOBAL_BATCH), "--optimizer.lr", "0.01",
-             "--optimizer.weight_decay", "0.1")
+BASE_ARGS = (
+    "--model.flavor",
+    "tiny",
+    "--model.dim",
+    "64",
+    "--model.max_seq_len",
+    str(SEQ),
+    "--training.seq_len",
+    str(SEQ),
+    "--training.dtype",
+    "float64",
+    "--training.max_norm",
+    "0.05",
+    "--training.global_batch_size",
+    str(GLOBAL_BATCH),
+    "--optimizer.lr",
+    "0.01",
+    "--optimizer.weight_decay",
+    "0.1",
+)
 # Model shapes: tiny = dim 64, 2 layers, 4 heads, 2 kv heads (GQA), SwiGLU 176, vocab 128.
 MODELS = {
     "gqa": (),
@@ -95,8 +111,14 @@ NO_LP = ("--parallelism.disable_loss_parallel", "true")
 
 
 def _dp(replicate, shard, local_batch):
-    return ("--parallelism.data_parallel_replicate_degree", str(replicate),
-            "--parallelism.data_parallel_shard_degree", str(shard), "--training.local_batch_size", str(local_batch))
+    return (
+        "--parallelism.data_parallel_replicate_degree",
+        str(replicate),
+        "--parallelism.data_parallel_shard_degree",
+        str(shard),
+        "--training.local_batch_size",
+        str(local_batch),
+    )
 
 
 LAYOUTS = [
@@ -117,8 +139,7 @@ LAYOUTS = [
     Layout("ddp2", 2, _dp(2, 1, 4)),
     Layout("tp2_sp_ac_selective_op", 2, _tp(2, *SP, "--activation_checkpoint.mode", "selective", *_dp(1, 1, 8))),
     Layout("MUT tp2 no f backward all-reduce", 2, _tp(2, *_dp(1, 1, 8)), mutation="tp_no_backward_reduce"),
-    Layout("MUT tp2_sp no f backward reduce-scatter", 2, _tp(2, *SP, *_dp(1, 1, 8)),
-           mutation="tp_no_backward_reduce"),
+    Layout("MUT tp2_sp no f backward reduce-scatter", 2, _tp(2, *SP, *_dp(1, 1, 8)), mutation="tp_no_backward_reduce"),
     Layout("MUT tp2 CE without max all-reduce", 2, _tp(2, *_dp(1, 1, 8)), mutation="ce_no_max_all_reduce"),
     Layout("MUT tp2_sp norms not sequence-parallel", 2, _tp(2, *SP, *_dp(1, 1, 8)), mutation="sp_norm_plain"),
     Layout("MUT fsdp2 loss averaged per rank", 2, _dp(1, 2, 4), mutation="loss_mean_per_rank"),
@@ -127,15 +148,34 @@ LAYOUTS = [
     Layout("gpt2 tp2_sp", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="gpt2"),
     Layout("gpt2 tp2_sp untied no loss parallel", 2, _tp(2, *SP, *NO_LP, *_dp(1, 1, 8)), model="gpt2_untied"),
     Layout("gpt2 fsdp2", 2, _dp(1, 2, 4), model="gpt2"),
-    Layout("MUT gpt2 tp2 c_attn plain ColwiseParallel", 2, _tp(2, *_dp(1, 1, 8)), model="gpt2",
-           mutation="fused_plain_colwise"),
-    Layout("MUT gpt2 tp2_sp no f backward reduce-scatter", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="gpt2",
-           mutation="tp_no_backward_reduce"),
-    Layout("MUT tp2_sp to_empty drops the gradient hooks", 2, _tp(2, *SP, *_dp(1, 1, 8)),
-           mutation="to_empty_drops_grad_hooks"),
+    Layout(
+        "MUT gpt2 tp2 c_attn plain ColwiseParallel",
+        2,
+        _tp(2, *_dp(1, 1, 8)),
+        model="gpt2",
+        mutation="fused_plain_colwise",
+    ),
+    Layout(
+        "MUT gpt2 tp2_sp no f backward reduce-scatter",
+        2,
+        _tp(2, *SP, *_dp(1, 1, 8)),
+        model="gpt2",
+        mutation="tp_no_backward_reduce",
+    ),
+    Layout(
+        "MUT tp2_sp to_empty drops the gradient hooks",
+        2,
+        _tp(2, *SP, *_dp(1, 1, 8)),
+        mutation="to_empty_drops_grad_hooks",
+    ),
     Layout("MUT fsdp2 init ignores the shards", 2, _dp(1, 2, 4), mutation="init_ignores_shards"),
-    Layout("MUT gpt2 tp2 init of fused c_attn as a plain shard", 2, _tp(2, *_dp(1, 1, 8)), model="gpt2",
-           mutation="init_strided_as_shard"),
+    Layout(
+        "MUT gpt2 tp2 init of fused c_attn as a plain shard",
+        2,
+        _tp(2, *_dp(1, 1, 8)),
+        model="gpt2",
+        mutation="init_strided_as_shard",
+    ),
     Layout("MUT fsdp2 validation leaves FSDP unsharded", 2, _dp(1, 2, 4), mutation="eval_keeps_unsharded"),
     Layout("cp2", 2, _cp(2, *_dp(1, 1, 8))),
     Layout("cp2_tied_accum2", 2, _cp(2, *_dp(1, 1, 4)), model="tied"),
@@ -190,8 +230,9 @@ class _GradNotReduced(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if isinstance(grad, DTensor):
-            return DTensor.from_local(grad.to_local(), grad.device_mesh, [Replicate()] * grad.device_mesh.ndim,
-                                      run_check=False)
+            return DTensor.from_local(
+                grad.to_local(), grad.device_mesh, [Replicate()] * grad.device_mesh.ndim, run_check=False
+            )
         return grad
 
 
@@ -233,8 +274,14 @@ def _sp_norm_plain():
 
     def plain_norm(sequence_parallel):
         seq = Shard(1) if sequence_parallel else Replicate()
-        return PrepareModuleInputOutput(input_layouts=seq, desired_input_layouts=seq, use_local_input=True,
-                                        output_layouts=seq, desired_output_layouts=seq, use_local_output=False)
+        return PrepareModuleInputOutput(
+            input_layouts=seq,
+            desired_input_layouts=seq,
+            use_local_input=True,
+            output_layouts=seq,
+            desired_output_layouts=seq,
+            use_local_output=False,
+        )
 
     # apply_tp now refuses a plan that leaves parameters plain next to DTensors (this one, up front); the mutation
     # switches that check off to show the gate itself catches the wrong gradients too.
@@ -311,8 +358,7 @@ def _cp_rope_local():
     """Rotary embeddings at the local positions 0..s-1 of each cp rank instead of the tokens' global ones."""
     import titanlike.parallel.context_parallel as cpm
 
-    with patched(cpm, "_rope_positions", lambda seq_len, cp, rank, device: torch.arange(seq_len // cp,
-                                                                                        device=device)):
+    with patched(cpm, "_rope_positions", lambda seq_len, cp, rank, device: torch.arange(seq_len // cp, device=device)):
         yield
 
 
@@ -326,8 +372,11 @@ def _cp_tokens_per_rank():
     import titanlike.training.step as step
 
     original = step.count_tokens
-    with patched(step, "count_tokens", lambda micro_batches, dp_group=None: original(
-            micro_batches, _DP_ONLY.get(dp_group, dp_group))):
+    with patched(
+        step,
+        "count_tokens",
+        lambda micro_batches, dp_group=None: original(micro_batches, _DP_ONLY.get(dp_group, dp_group)),
+    ):
         yield
 
 
@@ -378,9 +427,14 @@ def _init_strided_as_shard():
 
     def local_indices(t):
         if isinstance(t, DTensor) and any(type(p).__name__ == "_StridedShard" for p in t.placements):
-            t = DTensor.from_local(t.to_local(), t.device_mesh,
-                                   [Shard(p.dim) if type(p).__name__ == "_StridedShard" else p for p in t.placements],
-                                   run_check=False, shape=t.shape, stride=t.stride())
+            t = DTensor.from_local(
+                t.to_local(),
+                t.device_mesh,
+                [Shard(p.dim) if type(p).__name__ == "_StridedShard" else p for p in t.placements],
+                run_check=False,
+                shape=t.shape,
+                stride=t.stride(),
+            )
         return original(t)
 
     with patched(init, "local_indices", local_indices):
@@ -470,12 +524,23 @@ class Context:
             opt = build_optimizer([ref], cfg)
             records = []
             for step in range(1, STEPS + 1):
-                res = train_step([ref], opt, [global_batch(step)], ScaledLoss(_plain_loss(cfg)),
-                                 max_norm=cfg.training.max_norm, clip_fn=plain_clip_grad_norm_)
+                res = train_step(
+                    [ref],
+                    opt,
+                    [global_batch(step)],
+                    ScaledLoss(_plain_loss(cfg)),
+                    max_norm=cfg.training.max_norm,
+                    clip_fn=plain_clip_grad_norm_,
+                )
                 named = _all_names(ref)
-                records.append(Record(res.loss, res.grad_norm,
-                                      {n: p.grad.detach().clone() for n, p in named.items()},
-                                      {n: p.detach().clone() for n, p in named.items()}))
+                records.append(
+                    Record(
+                        res.loss,
+                        res.grad_norm,
+                        {n: p.grad.detach().clone() for n, p in named.items()},
+                        {n: p.detach().clone() for n, p in named.items()},
+                    )
+                )
             self.references[layout.model] = records
         return model, self.references[layout.model]
 
@@ -552,15 +617,23 @@ def build_spmd(layout: Layout, cfg: JobConfig, ctx: Context, initial: nn.Module)
     def eval_sum(inputs, labels):
         from titanlike.training.step import eval_loss_sum
 
-        total = sum(eval_loss_sum(model, loss_fn, x, y, built.forward_context)
-                    for x, y in micro_batches(inputs, labels))
+        total = sum(
+            eval_loss_sum(model, loss_fn, x, y, built.forward_context) for x, y in micro_batches(inputs, labels)
+        )
         if group is not None:
             dist.all_reduce(total, group=group)
         return total.item()
 
-    return Built(model_parts=[model], optimizer=build_optimizer([model], cfg), eval_sum=eval_sum, loss=built.loss,
-                 clip_fn=built.clip_fn, micro_batches=micro_batches,
-                 step_kwargs={"dp_group": group, "forward_ctx": built.forward_context}, aliases_checked=tied_ok)
+    return Built(
+        model_parts=[model],
+        optimizer=build_optimizer([model], cfg),
+        eval_sum=eval_sum,
+        loss=built.loss,
+        clip_fn=built.clip_fn,
+        micro_batches=micro_batches,
+        step_kwargs={"dp_group": group, "forward_ctx": built.forward_context},
+        aliases_checked=tied_ok,
+    )
 
 
 def cp_slicer(dims) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -602,8 +675,9 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
     t0 = time.perf_counter()
     cfg = config(layout, ctx.world_size)
     initial, records = ctx.reference(layout, cfg)
-    diffs = dict(init=0.0, grad_placements=0.0, loss=0.0, loss_step1=0.0, grad_norm=0.0, grads=0.0, weights=0.0,
-                 eval=0.0)
+    diffs = dict(
+        init=0.0, grad_placements=0.0, loss=0.0, loss_step1=0.0, grad_norm=0.0, grads=0.0, weights=0.0, eval=0.0
+    )
     compared: set[str] = set()
     mutation = MUTATIONS[layout.mutation]() if layout.mutation else contextlib.nullcontext()
     with mutation:
@@ -614,8 +688,15 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
                 diffs["init"] = max(diffs["init"], _max_abs(_full(p), start[name]))
         for step in range(1, STEPS + 1):
             ref = records[step - 1]
-            res = train_step(built.model_parts, built.optimizer, built.micro_batches(*global_batch(step)), built.loss,
-                             max_norm=cfg.training.max_norm, clip_fn=built.clip_fn, **built.step_kwargs)
+            res = train_step(
+                built.model_parts,
+                built.optimizer,
+                built.micro_batches(*global_batch(step)),
+                built.loss,
+                max_norm=cfg.training.max_norm,
+                clip_fn=built.clip_fn,
+                **built.step_kwargs,
+            )
             loss_diff = abs(res.loss - ref.loss)
             diffs["loss"] = max(diffs["loss"], loss_diff)
             if step == 1:
@@ -643,12 +724,19 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
     aliases = torch.tensor([int(built.aliases_checked)])
     dist.all_reduce(aliases, op=dist.ReduceOp.MIN)
     checks = {"coverage": unique <= union <= every, "tied_still_tied": bool(aliases.item())}
-    return {"mutation": layout.mutation, "model": layout.model, **diffs, **checks,
-            "ok": diffs["init"] == 0.0 and diffs["grad_placements"] == 0
-            and all(diffs[k] <= TOL for k in ("loss", "grad_norm", "grads", "weights", "eval"))
-            and all(checks.values()),
-            "ref_grad_norms": [r.grad_norm for r in records], "max_norm": cfg.training.max_norm,
-            "seconds": round(time.perf_counter() - t0, 2)}
+    return {
+        "mutation": layout.mutation,
+        "model": layout.model,
+        **diffs,
+        **checks,
+        "ok": diffs["init"] == 0.0
+        and diffs["grad_placements"] == 0
+        and all(diffs[k] <= TOL for k in ("loss", "grad_norm", "grads", "weights", "eval"))
+        and all(checks.values()),
+        "ref_grad_norms": [r.grad_norm for r in records],
+        "max_norm": cfg.training.max_norm,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
 
 
 def gate_main(rank: int, world_size: int, out: str, only: list[str] | None = None) -> None:
@@ -662,12 +750,15 @@ def gate_main(rank: int, world_size: int, out: str, only: list[str] | None = Non
         results[layout.name] = run_layout(layout, ctx)
         if rank == 0:
             r = results[layout.name]
-            print(f"[gate ws={world_size}] {layout.name:45s} ok={r['ok']!s:5} init {r['init']:.0e} "
-                  f"grad_placements {r['grad_placements']:.0f} "
-                  f"loss {r['loss']:.1e} "
-                  f"grad_norm {r['grad_norm']:.1e} grads {r['grads']:.1e} weights {r['weights']:.1e} "
-                  f"eval {r['eval']:.1e} "
-                  f"({r['seconds']} s)", flush=True)
+            print(
+                f"[gate ws={world_size}] {layout.name:45s} ok={r['ok']!s:5} init {r['init']:.0e} "
+                f"grad_placements {r['grad_placements']:.0f} "
+                f"loss {r['loss']:.1e} "
+                f"grad_norm {r['grad_norm']:.1e} grads {r['grads']:.1e} weights {r['weights']:.1e} "
+                f"eval {r['eval']:.1e} "
+                f"({r['seconds']} s)",
+                flush=True,
+            )
     probes = {}
     if world_size == 4 and (not only or "fused_gqa tp2_fsdp2" in only):  # a user module's probe, sharing this launch
         from tp_probe_worker import probe_fused_gqa_fsdp
@@ -675,12 +766,15 @@ def gate_main(rank: int, world_size: int, out: str, only: list[str] | None = Non
         t0 = time.perf_counter()
         probes["fused_gqa tp2_fsdp2"] = probe_fused_gqa_fsdp()
         if rank == 0:
-            print(f"[gate ws={world_size}] fused_gqa tp2_fsdp2 (grouped-query fused q|k|v, tp-replicated) "
-                  f"train {probes['fused_gqa tp2_fsdp2']['train_diff']:.1e} ({time.perf_counter() - t0:.2f} s)",
-                  flush=True)
+            print(
+                f"[gate ws={world_size}] fused_gqa tp2_fsdp2 (grouped-query fused q|k|v, tp-replicated) "
+                f"train {probes['fused_gqa tp2_fsdp2']['train_diff']:.1e} ({time.perf_counter() - t0:.2f} s)",
+                flush=True,
+            )
     if rank == 0:
-        Path(out).write_text(json.dumps({"world_size": world_size, "tolerance": TOL, "layouts": results,
-                                         "probes": probes}, indent=1))
+        Path(out).write_text(
+            json.dumps({"world_size": world_size, "tolerance": TOL, "layouts": results, "probes": probes}, indent=1)
+        )
 
 
 def main(argv: list[str] | None = None, entry=None) -> int:

@@ -85,8 +85,12 @@ def _ours(logits, labels, mesh, placements, **kw):
     finally:
         lp._all_reduce = real
     assert type(loss) is torch.Tensor and x.grad.placements == x.placements
-    log = {"forward": calls["forward"], "backward": calls["backward"],
-           "forward_comm": fwd_comm.get_total_counts(), "backward_comm": bwd_comm.get_total_counts()}
+    log = {
+        "forward": calls["forward"],
+        "backward": calls["backward"],
+        "forward_comm": fwd_comm.get_total_counts(),
+        "backward_comm": bwd_comm.get_total_counts(),
+    }
     return loss.detach(), x.grad.full_tensor(), log
 
 
@@ -102,8 +106,18 @@ def _err(a, b) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
-def _case(mesh, placements, vocab, ignore_index, reduction, chunk_size, *, all_ignored=False, dtype=torch.float64,
-          torch_mesh=None):
+def _case(
+    mesh,
+    placements,
+    vocab,
+    ignore_index,
+    reduction,
+    chunk_size,
+    *,
+    all_ignored=False,
+    dtype=torch.float64,
+    torch_mesh=None,
+):
     logits, labels = _inputs(vocab, ignore_index, all_ignored, dtype)
     kw = dict(ignore_index=ignore_index, reduction=reduction, chunk_size=chunk_size)
     ref_loss, ref_grad = _reference(logits, labels, ignore_index, reduction)
@@ -139,16 +153,20 @@ def _explicit_split_case(world_size):
     logits, labels = _inputs(vocab, -100)
     rank = dist.get_rank()
     start = sum(sizes[:rank])
-    local = logits[..., start:start + sizes[rank]].clone().requires_grad_()
-    loss = lp.vocab_parallel_cross_entropy(local, labels, vocab_start=start, group=None, reduction="mean",
-                                           chunk_size=CHUNK)
+    local = logits[..., start : start + sizes[rank]].clone().requires_grad_()
+    loss = lp.vocab_parallel_cross_entropy(
+        local, labels, vocab_start=start, group=None, reduction="mean", chunk_size=CHUNK
+    )
     loss.backward()
     full_grad = torch.zeros_like(logits)  # gathered for the test: each rank fills its columns, then SUM
-    full_grad[..., start:start + sizes[rank]] = local.grad
+    full_grad[..., start : start + sizes[rank]] = local.grad
     dist.all_reduce(full_grad)
     ref_loss, ref_grad = _reference(logits, labels, -100, "mean")
-    return {"loss_err": _err(loss, ref_loss), "grad_err": _err(full_grad, ref_grad),
-            "rank_spread": _spread(loss.detach())}
+    return {
+        "loss_err": _err(loss, ref_loss),
+        "grad_err": _err(full_grad, ref_grad),
+        "rank_spread": _spread(loss.detach()),
+    }
 
 
 def _mutation_case(mesh, skip_position, chunk_size):
@@ -187,11 +205,13 @@ def _checks(world_size):
                     # torch's own loss_parallel fails on an empty shard (index out of bounds in its gather).
                     empty_shard = (world_size - 1) * -(-vocab // world_size) >= vocab
                     torch_mesh = None if empty_shard else tp
-                    results[name] = _case(tp, [Shard(-1)], vocab, ignore_index, reduction, chunk_size,
-                                          torch_mesh=torch_mesh)
+                    results[name] = _case(
+                        tp, [Shard(-1)], vocab, ignore_index, reduction, chunk_size, torch_mesh=torch_mesh
+                    )
     for chunk_size in (None, CHUNK):
-        results[f"all_ignored_mean_chunk{chunk_size}"] = _case(tp, [Shard(2)], 11, -100, "mean", chunk_size,
-                                                               all_ignored=True)
+        results[f"all_ignored_mean_chunk{chunk_size}"] = _case(
+            tp, [Shard(2)], 11, -100, "mean", chunk_size, all_ignored=True
+        )
     results["bf16"] = _case(tp, [Shard(2)], 11, -100, "mean", CHUNK, dtype=torch.bfloat16)
     if world_size == 4:
         mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -207,8 +227,13 @@ def _checks(world_size):
 def _run(rank: int, world_size: int, out_dir: str) -> None:
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=30))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{out_dir}/store",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=30),
+        )
         results = _checks(world_size)
         # Worst value over the ranks for every metric, in one collective.
         keys = [(case, metric) for case, metrics in results.items() for metric in metrics]
@@ -237,5 +262,6 @@ def _run(rank: int, world_size: int, out_dir: str) -> None:
 if __name__ == "__main__":
     world_size, out_dir = int(sys.argv[1]), sys.argv[2]
     # fork: the ranks inherit the imported torch instead of importing it again each (seconds per rank here).
-    torch.multiprocessing.start_processes(_run, args=(world_size, out_dir), nprocs=world_size, join=True,
-                                          start_method="fork")
+    torch.multiprocessing.start_processes(
+        _run, args=(world_size, out_dir), nprocs=world_size, join=True, start_method="fork"
+    )

@@ -31,10 +31,18 @@ def tp_plan(module: nn.Module) -> dict:
         plan["wte"] = RowwiseParallel(input_layouts=Replicate())
         plan["wpe"] = ReplicateParallel()
     for i in module.h._modules:
-        plan.update({f"h.{i}.ln_1": ReplicateParallel(), f"h.{i}.ln_2": ReplicateParallel(), f"h.{i}.attn": f,
-                     f"h.{i}.mlp": f, f"h.{i}.attn.c_attn": FusedColwiseParallel(3),
-                     f"h.{i}.attn.c_proj": RowwiseParallel(), f"h.{i}.mlp.c_fc": ColwiseParallel(),
-                     f"h.{i}.mlp.c_proj": RowwiseParallel()})
+        plan.update(
+            {
+                f"h.{i}.ln_1": ReplicateParallel(),
+                f"h.{i}.ln_2": ReplicateParallel(),
+                f"h.{i}.attn": f,
+                f"h.{i}.mlp": f,
+                f"h.{i}.attn.c_attn": FusedColwiseParallel(3),
+                f"h.{i}.attn.c_proj": RowwiseParallel(),
+                f"h.{i}.mlp.c_fc": ColwiseParallel(),
+                f"h.{i}.mlp.c_proj": RowwiseParallel(),
+            }
+        )
     if module.lm_head is not None:
         plan["ln_f"] = ReplicateParallel()
         plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())

@@ -28,16 +28,18 @@ from torch import nn  # noqa: E402
 
 from titanlike.training.optim import build_optimizer  # noqa: E402
 
-gate.MODELS.update({
-    "deep": ("--model.n_layers", "8"),
-    "deep_tied": ("--model.n_layers", "8", "--model.tie_embeddings", "true"),
-    "six": ("--model.n_layers", "6"),
-    # GPT-2 (tied embeddings across the first and last stage; fused c_attn; learned positions on the first stage).
-    "gpt2_deep": ("--model.name", "gpt2", "--model.n_layers", "8"),
-    # tests/parallel/nanogpt.py: a user's module, not a registered model (gate.CUSTOM_MODELS); the config only
-    # carries the run settings (4 blocks, as NanoGPT has, for the split checks).
-    "nanogpt": ("--model.n_layers", "4"),
-})
+gate.MODELS.update(
+    {
+        "deep": ("--model.n_layers", "8"),
+        "deep_tied": ("--model.n_layers", "8", "--model.tie_embeddings", "true"),
+        "six": ("--model.n_layers", "6"),
+        # GPT-2 (tied embeddings across the first and last stage; fused c_attn; learned positions on the first stage).
+        "gpt2_deep": ("--model.name", "gpt2", "--model.n_layers", "8"),
+        # tests/parallel/nanogpt.py: a user's module, not a registered model (gate.CUSTOM_MODELS); the config only
+        # carries the run settings (4 blocks, as NanoGPT has, for the split checks).
+        "nanogpt": ("--model.n_layers", "4"),
+    }
+)
 
 
 def _nanogpt():
@@ -80,9 +82,17 @@ SP = ("--parallelism.enable_sequence_parallel", "true")
 
 
 def _pp(degree: int, schedule: str, local_batch: int, microbatch: int = 1, *more: str) -> tuple[str, ...]:
-    return ("--parallelism.pipeline_parallel_degree", str(degree), "--parallelism.pipeline_parallel_schedule",
-            schedule, "--training.local_batch_size", str(local_batch),
-            "--parallelism.pipeline_parallel_microbatch_size", str(microbatch), *more)
+    return (
+        "--parallelism.pipeline_parallel_degree",
+        str(degree),
+        "--parallelism.pipeline_parallel_schedule",
+        schedule,
+        "--training.local_batch_size",
+        str(local_batch),
+        "--parallelism.pipeline_parallel_microbatch_size",
+        str(microbatch),
+        *more,
+    )
 
 
 def _tp2(*more: str) -> tuple[str, ...]:
@@ -100,30 +110,60 @@ LAYOUTS = [
     _layout("pp2 1F1B tied", 2, _pp(2, "1F1B", 8, 2), model="deep_tied"),
     _layout("pp2 ZBVZeroBubble tied", 2, _pp(2, "ZBVZeroBubble", 8, 2), model="deep_tied"),
     _layout("pp2 1F1B accum2", 2, _pp(2, "1F1B", 4, 2)),
-    _layout("pp2 Interleaved1F1B module_names", 2, _pp(2, "Interleaved1F1B", 8, 2,
-                                                       "--parallelism.pipeline_parallel_module_names", HAND)),
-    _layout("pp2 Interleaved1F1B less_layers 1+1", 2, _pp(
-        2, "Interleaved1F1B", 8, 2, "--parallelism.pipeline_parallel_first_stage_less_layers", "1",
-        "--parallelism.pipeline_parallel_last_stage_less_layers", "1"), model="six"),
+    _layout(
+        "pp2 Interleaved1F1B module_names",
+        2,
+        _pp(2, "Interleaved1F1B", 8, 2, "--parallelism.pipeline_parallel_module_names", HAND),
+    ),
+    _layout(
+        "pp2 Interleaved1F1B less_layers 1+1",
+        2,
+        _pp(
+            2,
+            "Interleaved1F1B",
+            8,
+            2,
+            "--parallelism.pipeline_parallel_first_stage_less_layers",
+            "1",
+            "--parallelism.pipeline_parallel_last_stage_less_layers",
+            "1",
+        ),
+        model="six",
+    ),
     _layout("MUT pp2 tied grads not summed", 2, _pp(2, "1F1B", 8, 2), "deep_tied", "pp_tied_not_summed"),
     _layout("MUT pp2 V tied grads not summed", 2, _pp(2, "ZBVZeroBubble", 8, 2), "deep_tied", "pp_tied_not_summed"),
     *[_layout(f"gpt2 pp2 {s} tied", 2, _pp(2, s, 8, 2), model="gpt2_deep") for s in SCHEDULES],
     _layout("MUT gpt2 pp2 tied grads not summed", 2, _pp(2, "1F1B", 8, 2), "gpt2_deep", "pp_tied_not_summed"),
     Layout("nanogpt pp2 1F1B user split tied", 2, _pp(2, "1F1B", 8, 2), model="nanogpt", kind="user_pp"),
-    Layout("nanogpt pp2 ZBVZeroBubble user split tied V", 2, _pp(2, "ZBVZeroBubble", 8, 2), model="nanogpt",
-           kind="user_pp"),
-    Layout("MUT nanogpt pp2 tied grads not summed", 2, _pp(2, "1F1B", 8, 2), model="nanogpt", kind="user_pp",
-           mutation="pp_tied_not_summed"),
+    Layout(
+        "nanogpt pp2 ZBVZeroBubble user split tied V", 2, _pp(2, "ZBVZeroBubble", 8, 2), model="nanogpt", kind="user_pp"
+    ),
+    Layout(
+        "MUT nanogpt pp2 tied grads not summed",
+        2,
+        _pp(2, "1F1B", 8, 2),
+        model="nanogpt",
+        kind="user_pp",
+        mutation="pp_tied_not_summed",
+    ),
     _layout("pp2 1F1B tie under names the spec does not list", 2, _pp(2, "1F1B", 8, 2), model="deep_tie_unlisted"),
-    _layout("pp2 ZBVZeroBubble tie under names the spec does not list", 2, _pp(2, "ZBVZeroBubble", 8, 2),
-            model="deep_tie_unlisted"),
+    _layout(
+        "pp2 ZBVZeroBubble tie under names the spec does not list",
+        2,
+        _pp(2, "ZBVZeroBubble", 8, 2),
+        model="deep_tie_unlisted",
+    ),
     _layout("pp2 1F1B spec's tied names not tied", 2, _pp(2, "1F1B", 8, 2), model="deep_spec_names_untied"),
-    _layout("MUT pp2 tie under unlisted names not summed", 2, _pp(2, "1F1B", 8, 2), "deep_tie_unlisted",
-            "pp_tied_not_summed"),
+    _layout(
+        "MUT pp2 tie under unlisted names not summed",
+        2,
+        _pp(2, "1F1B", 8, 2),
+        "deep_tie_unlisted",
+        "pp_tied_not_summed",
+    ),
     _layout("MUT pp2 microbatch loss / m", 2, _pp(2, "1F1B", 8, 2), mutation="pp_loss_over_microbatches"),
     _layout("MUT pp2 norm not reduced over stages", 2, _pp(2, "1F1B", 8, 2), mutation="pp_norm_not_reduced"),
-    _layout("MUT pp2 tied weight counted twice in norm", 2, _pp(2, "1F1B", 8, 2), "deep_tied",
-            "pp_tied_norm_twice"),
+    _layout("MUT pp2 tied weight counted twice in norm", 2, _pp(2, "1F1B", 8, 2), "deep_tied", "pp_tied_norm_twice"),
     # 4 ranks: pure pp 4 (8 microbatches of 1), pp 2 x fsdp 2 (4 of 1), pp 2 x tp 2 (4 of 2).
     *[_layout(f"pp4 {s}", 4, _pp(4, s, 8)) for s in SCHEDULES],
     _layout("pp4 Interleaved1F1B tied", 4, _pp(4, "Interleaved1F1B", 8), model="deep_tied"),
@@ -133,25 +173,39 @@ LAYOUTS = [
     _layout("pp2 tp2 1F1B", 4, _tp2(*_pp(2, "1F1B", 8, 2))),
     _layout("pp2 tp2_sp Interleaved1F1B", 4, _tp2(*SP, *_pp(2, "Interleaved1F1B", 8, 2))),
     _layout("pp2 tp2_sp DualPipeV tied", 4, _tp2(*SP, *_pp(2, "DualPipeV", 8, 2)), model="deep_tied"),
-    _layout("pp2 fsdp2 1F1B reshard_after_forward always", 4,
-            _pp(2, "1F1B", 4, 1, "--parallelism.fsdp_reshard_after_forward", "always")),
-    _layout("MUT pp2 fsdp2 ZBVZeroBubble resharding after forward", 4, _pp(2, "ZBVZeroBubble", 4),
-            mutation="pp_fsdp_reshard_after_forward"),
+    _layout(
+        "pp2 fsdp2 1F1B reshard_after_forward always",
+        4,
+        _pp(2, "1F1B", 4, 1, "--parallelism.fsdp_reshard_after_forward", "always"),
+    ),
+    _layout(
+        "MUT pp2 fsdp2 ZBVZeroBubble resharding after forward",
+        4,
+        _pp(2, "ZBVZeroBubble", 4),
+        mutation="pp_fsdp_reshard_after_forward",
+    ),
     _layout("gpt2 pp2 tp2_sp 1F1B tied", 4, _tp2(*SP, *_pp(2, "1F1B", 8, 2)), model="gpt2_deep"),
     _layout("gpt2 pp2 fsdp2 ZBVZeroBubble tied", 4, _pp(2, "ZBVZeroBubble", 4), model="gpt2_deep"),
-    Layout("nanogpt pp2 tp2 1F1B user split and plan fused c_attn", 4, _tp2(*_pp(2, "1F1B", 8, 2)),
-           model="nanogpt", kind="user_pp"),
+    Layout(
+        "nanogpt pp2 tp2 1F1B user split and plan fused c_attn",
+        4,
+        _tp2(*_pp(2, "1F1B", 8, 2)),
+        model="nanogpt",
+        kind="user_pp",
+    ),
     _layout("MUT pp4 tied grads not summed", 4, _pp(4, "Interleaved1F1B", 8), "deep_tied", "pp_tied_not_summed"),
     _layout("MUT pp4 norm not reduced over stages", 4, _pp(4, "1F1B", 8), mutation="pp_norm_not_reduced"),
-    _layout("cp2 pp2 1F1B tied", 4, ("--parallelism.context_parallel_degree", "2", *_pp(2, "1F1B", 8, 2)),
-            model="deep_tied"),
+    _layout(
+        "cp2 pp2 1F1B tied", 4, ("--parallelism.context_parallel_degree", "2", *_pp(2, "1F1B", 8, 2)), model="deep_tied"
+    ),
     # 8 ranks: pp 2 x fsdp 2 x tp 2 (+SP); 2 microbatches of 2 (DualPipeV needs 4 of 1).
     _layout("pp2 fsdp2 tp2_sp 1F1B", 8, _tp2(*SP, *_pp(2, "1F1B", 4, 2))),
     _layout("pp2 fsdp2 tp2_sp InterleavedZeroBubble", 8, _tp2(*SP, *_pp(2, "InterleavedZeroBubble", 4, 2))),
     _layout("pp2 fsdp2 tp2_sp DualPipeV", 8, _tp2(*SP, *_pp(2, "DualPipeV", 4))),
     _layout("pp2 fsdp2 tp2 GPipe tied", 8, _tp2(*_pp(2, "GPipe", 4, 2)), model="deep_tied"),
-    _layout("gpt2 pp2 fsdp2 tp2_sp Interleaved1F1B tied", 8, _tp2(*SP, *_pp(2, "Interleaved1F1B", 4, 2)),
-            model="gpt2_deep"),
+    _layout(
+        "gpt2 pp2 fsdp2 tp2_sp Interleaved1F1B tied", 8, _tp2(*SP, *_pp(2, "Interleaved1F1B", 4, 2)), model="gpt2_deep"
+    ),
     _layout("pp2 fsdp2 tp2_sp ZBVZeroBubble tied", 8, _tp2(*SP, *_pp(2, "ZBVZeroBubble", 4, 2)), model="deep_tied"),
 ]
 
@@ -218,13 +272,15 @@ def _fsdp_reshard_after_forward():
         yield
 
 
-gate.MUTATIONS.update({
-    "pp_tied_not_summed": _tied_not_summed,
-    "pp_loss_over_microbatches": _loss_over_microbatches,
-    "pp_norm_not_reduced": _norm_not_reduced,
-    "pp_tied_norm_twice": _tied_norm_twice,
-    "pp_fsdp_reshard_after_forward": _fsdp_reshard_after_forward,
-})
+gate.MUTATIONS.update(
+    {
+        "pp_tied_not_summed": _tied_not_summed,
+        "pp_loss_over_microbatches": _loss_over_microbatches,
+        "pp_norm_not_reduced": _norm_not_reduced,
+        "pp_tied_norm_twice": _tied_norm_twice,
+        "pp_fsdp_reshard_after_forward": _fsdp_reshard_after_forward,
+    }
+)
 
 
 # ---------------------------------------------------------------------------------------------- builder, eval
@@ -236,7 +292,7 @@ def _dp_slice(mesh, dims, t: torch.Tensor) -> torch.Tensor:
     """This data-parallel rank's rows, and this cp rank's two chunks of each (the data loader's cut)."""
     rows = GLOBAL_BATCH // dims.dp
     r = dims.get_mesh("dp").get_local_rank()
-    return gate.cp_slicer(dims)(t[r * rows:(r + 1) * rows])
+    return gate.cp_slicer(dims)(t[r * rows : (r + 1) * rows])
 
 
 def _eval_diff(pp, mesh, dims, reference: nn.Module) -> float:
@@ -263,8 +319,9 @@ def build_pp(layout: Layout, cfg, ctx, initial) -> Built:
     if layout.model in gate.CUSTOM_MODELS:  # a model changed after construction (extra ties): the materialised path
         built = build_parallel_model(initial, cfg, dims, mesh, torch.device("cpu"))
     else:  # the trainer's fresh start: stages built and parallelized on meta, each rank generating only its shards
-        built = build_parallel_model(gate.build_model(cfg, device="meta"), cfg, dims, mesh, torch.device("cpu"),
-                                     init_seed=gate.INIT_SEED)
+        built = build_parallel_model(
+            gate.build_model(cfg, device="meta"), cfg, dims, mesh, torch.device("cpu"), init_seed=gate.INIT_SEED
+        )
     pp = built.pp
     EVAL[layout.name] = [_eval_diff(pp, mesh, dims, initial)]
     _BUILT.update(pp=pp, mesh=mesh, dims=dims)
@@ -273,11 +330,19 @@ def build_pp(layout: Layout, cfg, ctx, initial) -> Built:
     def micro_batches(inputs, labels):
         return list(zip(_dp_slice(mesh, dims, inputs).chunk(n_micro), _dp_slice(mesh, dims, labels).chunk(n_micro)))
 
-    return Built(model_parts=built.model_parts, optimizer=build_optimizer(built.model_parts, cfg), loss=built.loss,
-                 clip_fn=built.clip_fn, micro_batches=micro_batches,
-                 step_kwargs={"dp_group": gate.loss_group_for_gate(dims),
-                              "pp_schedule": pp.schedule, "pp_group": pp.pp_group,
-                              "has_last_stage": pp.has_last_stage})
+    return Built(
+        model_parts=built.model_parts,
+        optimizer=build_optimizer(built.model_parts, cfg),
+        loss=built.loss,
+        clip_fn=built.clip_fn,
+        micro_batches=micro_batches,
+        step_kwargs={
+            "dp_group": gate.loss_group_for_gate(dims),
+            "pp_schedule": pp.schedule,
+            "pp_group": pp.pp_group,
+            "has_last_stage": pp.has_last_stage,
+        },
+    )
 
 
 gate.BUILDERS["pp"] = build_pp
@@ -302,19 +367,33 @@ def build_user_pp(layout: Layout, cfg, ctx, initial) -> Built:
         return apply_tp(module, mesh["tp"], tp_plan(module)) if dims.tp_enabled else module
 
     split = NANO_SPLIT_V if schedule_facts(schedule).v_placement else NANO_SPLIT
-    pp = pipeline_module(copy.deepcopy(initial), mesh["pp"], split,
-                         loss_fn=lambda out, labels: cross_entropy_loss(out, labels, reduction="sum"),
-                         n_microbatches=n_micro, schedule=schedule, parallelize_stage=parallelize)
+    pp = pipeline_module(
+        copy.deepcopy(initial),
+        mesh["pp"],
+        split,
+        loss_fn=lambda out, labels: cross_entropy_loss(out, labels, reduction="sum"),
+        n_microbatches=n_micro,
+        schedule=schedule,
+        parallelize_stage=parallelize,
+    )
     n_acc = cfg.training.global_batch_size // (cfg.training.local_batch_size * dims.dp)
 
     def micro_batches(inputs, labels):
         return list(zip(_dp_slice(mesh, dims, inputs).chunk(n_acc), _dp_slice(mesh, dims, labels).chunk(n_acc)))
 
-    return Built(model_parts=pp.model_parts, optimizer=build_optimizer(pp.model_parts, cfg), loss=pp.loss,
-                 clip_fn=pp.finalize_grads_and_clip_, micro_batches=micro_batches,
-                 step_kwargs={"dp_group": dims.get_mesh("dp").get_group() if dims.dp_enabled else None,
-                              "pp_schedule": pp.schedule, "pp_group": pp.pp_group,
-                              "has_last_stage": pp.has_last_stage})
+    return Built(
+        model_parts=pp.model_parts,
+        optimizer=build_optimizer(pp.model_parts, cfg),
+        loss=pp.loss,
+        clip_fn=pp.finalize_grads_and_clip_,
+        micro_batches=micro_batches,
+        step_kwargs={
+            "dp_group": dims.get_mesh("dp").get_group() if dims.dp_enabled else None,
+            "pp_schedule": pp.schedule,
+            "pp_group": pp.pp_group,
+            "has_last_stage": pp.has_last_stage,
+        },
+    )
 
 
 gate.BUILDERS["user_pp"] = build_user_pp
@@ -348,9 +427,12 @@ def gate_main(rank: int, world_size: int, out: str, only: list[str] | None) -> N
             continue
         results[layout.name] = r = run(layout, ctx)
         if rank == 0:
-            print(f"[pp gate ws={world_size}] {layout.name:42s} ok={r['ok']!s:5} loss {r['loss']:.1e} grad_norm "
-                  f"{r['grad_norm']:.1e} grads {r['grads']:.1e} weights {r['weights']:.1e} eval {r['eval']:.1e} "
-                  f"({r['seconds']} s)", flush=True)
+            print(
+                f"[pp gate ws={world_size}] {layout.name:42s} ok={r['ok']!s:5} loss {r['loss']:.1e} grad_norm "
+                f"{r['grad_norm']:.1e} grads {r['grads']:.1e} weights {r['weights']:.1e} eval {r['eval']:.1e} "
+                f"({r['seconds']} s)",
+                flush=True,
+            )
     if rank == 0:
         Path(out).write_text(json.dumps({"world_size": world_size, "tolerance": TOL, "layouts": results}, indent=1))
 

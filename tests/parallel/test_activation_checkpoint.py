@@ -85,13 +85,17 @@ def test_recomputation_happens_as_configured():
     tokens = torch.randint(0, 64, (2, 9))
     base = _model(n_layers=2)
     counts = {"none": _backward_op_counts(base, tokens)}
-    for label, cfg in (("full", ActivationCheckpoint(mode="full")),
-                       ("op", ActivationCheckpoint(mode="selective", selective_ac_option="op"))):
+    for label, cfg in (
+        ("full", ActivationCheckpoint(mode="full")),
+        ("op", ActivationCheckpoint(mode="selective", selective_ac_option="op")),
+    ):
         counts[label] = _backward_op_counts(apply_ac(copy.deepcopy(base), cfg), tokens)
     mm = {k: c["mm"] for k, c in counts.items()}
     silu = {k: c["silu"] for k, c in counts.items()}
-    sdpa = {k: sum(v for op, v in c.items() if op.startswith("_scaled_dot_product") and "backward" not in op)
-            for k, c in counts.items()}
+    sdpa = {
+        k: sum(v for op, v in c.items() if op.startswith("_scaled_dot_product") and "backward" not in op)
+        for k, c in counts.items()
+    }
     # Full AC recomputes 6 of the 7 linears per block: non-reentrant checkpointing stops the recomputation
     # once every saved tensor is regenerated, and w2's output is not saved (only added to the residual).
     assert mm["full"] == mm["none"] + 12

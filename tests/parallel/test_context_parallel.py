@@ -51,8 +51,11 @@ def test_loader_hands_each_cp_rank_its_chunks_of_the_same_samples():
             ys = torch.cat([per_rank[r][k][1][1] for r in range(cp)], dim=1)
             assert torch.equal(cp_unshard(xs, cp), x) and torch.equal(cp_unshard(ys, cp), y)
     val = list(build_validation_loader(tokens, seq_len=16, batch_size=2, dp_rank=0, dp_degree=1, max_batches=2))
-    val1 = list(build_validation_loader(tokens, seq_len=16, batch_size=2, dp_rank=0, dp_degree=1, max_batches=2,
-                                        cp_rank=1, cp_degree=2))
+    val1 = list(
+        build_validation_loader(
+            tokens, seq_len=16, batch_size=2, dp_rank=0, dp_degree=1, max_batches=2, cp_rank=1, cp_degree=2
+        )
+    )
     assert torch.equal(val1[0][0], cp_shard(val[0][0], 2, 1))
 
 
@@ -67,8 +70,7 @@ def test_cp_layout_rules_are_reported_together():
     assert "seq_len 36 is not divisible by 2 x context_parallel_degree = 8" in text
     assert "model.kernels=te has no context-parallel path" in text
     cfg.model.kernels, cfg.float8.recipe = "torch", "tensorwise"
-    assert any("float8 training is not proven under context parallelism" in v
-               for v in layout_violations(cfg, 8, args))
+    assert any("float8 training is not proven under context parallelism" in v for v in layout_violations(cfg, 8, args))
     cfg.float8.recipe = ""
     cfg.training.seq_len, cfg.model.kernels = 40, "torch"  # 8 | 40, but a cp rank's 10 tokens are odd... for tp 4
     p.tensor_parallel_degree = 4
@@ -83,11 +85,27 @@ def test_cp_layout_rules_are_reported_together():
 
 
 def test_train_py_refuses_a_bad_cp_layout_in_one_line(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--job.config_file", "configs/debug_model.toml",
-                        "--parallelism.context_parallel_degree", "3", "--training.seq_len", "64",
-                        "--job.dump_folder", str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT,
-                       env={"PYTHONPATH": str(ROOT), "WORLD_SIZE": "6", "PATH": "/usr/bin:/bin"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "--job.config_file",
+            "configs/debug_model.toml",
+            "--parallelism.context_parallel_degree",
+            "3",
+            "--training.seq_len",
+            "64",
+            "--job.dump_folder",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "WORLD_SIZE": "6", "PATH": "/usr/bin:/bin"},
+    )
     assert r.returncode == 2, r.stderr
-    assert r.stderr.strip() == ("error: training.seq_len 64 is not divisible by 2 x context_parallel_degree = 6 (each "
-                                "cp rank holds 2 of 6 load-balanced chunks); choose a multiple of 6")
+    assert r.stderr.strip() == (
+        "error: training.seq_len 64 is not divisible by 2 x context_parallel_degree = 6 (each "
+        "cp rank holds 2 of 6 load-balanced chunks); choose a multiple of 6"
+    )
     assert not (tmp_path / "out").exists()

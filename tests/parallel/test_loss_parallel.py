@@ -20,8 +20,13 @@ TOL = 1e-12
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def results(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"loss_parallel_{request.param}")
-    proc = subprocess.run([sys.executable, str(WORKER), str(request.param), str(out)], env=worker_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), str(request.param), str(out)],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     errors = "".join(p.read_text() for p in sorted(out.glob("error_rank*.txt")))
     assert proc.returncode == 0, f"worker failed (rc {proc.returncode}):\n{errors}\n{proc.stderr[-3000:]}"
     return json.loads((out / "results.json").read_text())

@@ -57,7 +57,8 @@ def test_the_device_mesh_matches_the_pure_python_grid(rank):
             assert d.get_mesh(name).mesh.flatten().tolist() == mine, name
         hsdp = d.get_mesh(("dp_replicate", "dp_shard_cp"))
         assert hsdp.ndim == 2 and sorted(hsdp.mesh.flatten().tolist()) == next(
-            g for g in rank_groups(d, "dp") if rank in g)
+            g for g in rank_groups(d, "dp") if rank in g
+        )
         with pytest.raises(ValueError, match="must be one of"):
             d.get_mesh(("dp", "tp"))
     finally:
@@ -72,8 +73,7 @@ def test_describe_layout_lists_groups_and_warns_for_tp_across_nodes():
     assert "dp_shard (fsdp) groups of 2: [0,4] [1,5] [2,6] [3,7]" in text
     assert "WARNING" not in text
     warned = describe_layout(d, gpus_per_node=2).splitlines()
-    assert [line for line in warned if line.startswith("WARNING")] == [
-        line for line in warned if "spans nodes" in line]
+    assert [line for line in warned if line.startswith("WARNING")] == [line for line in warned if "spans nodes" in line]
     assert sum(line.startswith("WARNING: tp group [0,1,2,3] spans nodes [0, 1]") for line in warned) == 1
     assert sum(line.startswith("WARNING") for line in warned) == 2
     pp = describe_layout(ParallelDims(1, -1, 1, 2, 2, 4), gpus_per_node=2)
@@ -91,20 +91,48 @@ def test_describe_layout_takes_gpus_per_node_from_local_world_size(monkeypatch):
 TINY = ["--model.flavor", "tiny", "--training.seq_len", "16", "--training.local_batch_size", "4"]
 
 
-@pytest.mark.parametrize("argv, world, message", [
-    (["--parallelism.tensor_parallel_degree", "3"], 4, "world size 4 is not divisible by tp 3"),
-    (["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "3"], 4,
-     "!= world size 4"),
-    (["--parallelism.tensor_parallel_degree", "8"], 8, "does not divide n_heads 4"),
-    (["--parallelism.tensor_parallel_degree", "4"], 4, "does not divide n_kv_heads 2"),
-    (["--model.flavor", "gpt2_small", "--model.vocab_multiple", "1", "--parallelism.tensor_parallel_degree", "2"],
-     2, "does not divide the vocabulary 50257; set model.vocab_multiple"),
-    (["--parallelism.enable_sequence_parallel"], 2, "enable_sequence_parallel needs tensor_parallel_degree > 1"),
-    (["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel",
-      "--training.seq_len", "15"], 2, "seq_len 15 is not divisible by tensor_parallel_degree 2"),
-    (["--training.global_batch_size", "6"], 2, "global_batch_size 6 is not divisible by local_batch_size 4 x "
-                                               "data-parallel degree 2"),
-])
+@pytest.mark.parametrize(
+    "argv, world, message",
+    [
+        (["--parallelism.tensor_parallel_degree", "3"], 4, "world size 4 is not divisible by tp 3"),
+        (
+            ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "3"],
+            4,
+            "!= world size 4",
+        ),
+        (["--parallelism.tensor_parallel_degree", "8"], 8, "does not divide n_heads 4"),
+        (["--parallelism.tensor_parallel_degree", "4"], 4, "does not divide n_kv_heads 2"),
+        (
+            [
+                "--model.flavor",
+                "gpt2_small",
+                "--model.vocab_multiple",
+                "1",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+            ],
+            2,
+            "does not divide the vocabulary 50257; set model.vocab_multiple",
+        ),
+        (["--parallelism.enable_sequence_parallel"], 2, "enable_sequence_parallel needs tensor_parallel_degree > 1"),
+        (
+            [
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.enable_sequence_parallel",
+                "--training.seq_len",
+                "15",
+            ],
+            2,
+            "seq_len 15 is not divisible by tensor_parallel_degree 2",
+        ),
+        (
+            ["--training.global_batch_size", "6"],
+            2,
+            "global_batch_size 6 is not divisible by local_batch_size 4 x data-parallel degree 2",
+        ),
+    ],
+)
 def test_bad_layouts_are_config_errors_naming_the_fix(argv, world, message):
     with pytest.raises(ConfigError) as e:
         load_config(TINY + argv, world_size=world)
@@ -114,8 +142,14 @@ def test_bad_layouts_are_config_errors_naming_the_fix(argv, world, message):
 
 def test_train_py_exits_2_with_one_line_on_a_bad_layout():
     env = worker_env(WORLD_SIZE="4")
-    proc = subprocess.run([sys.executable, "train.py", *TINY, "--parallelism.tensor_parallel_degree", "3"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "train.py", *TINY, "--parallelism.tensor_parallel_degree", "3"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "not divisible by tp 3" in lines[0], proc.stderr

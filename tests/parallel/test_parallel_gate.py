@@ -35,14 +35,15 @@ BROKEN = 1e-6  # a mutation must move something by at least this much (the gate'
 def gate_results(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp("gate") / f"gate{world}.json"
-    proc = run_script(HERE / "gate.py", "--world-size", str(world), "--out", str(out), "--timeout", "60",
-                      timeout=420)
+    proc = run_script(HERE / "gate.py", "--world-size", str(world), "--out", str(out), "--timeout", "60", timeout=420)
     assert proc.returncode == 0, f"gate worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     results = json.loads(out.read_text())
     print(f"\ngate world size {world} (max |diff| over 3 steps):")
     for name, r in results["layouts"].items():
-        print(f"  {name:45s} loss {r['loss']:.1e} grad_norm {r['grad_norm']:.1e} grads {r['grads']:.1e} "
-              f"weights {r['weights']:.1e}  {r['seconds']} s")
+        print(
+            f"  {name:45s} loss {r['loss']:.1e} grad_norm {r['grad_norm']:.1e} grads {r['grads']:.1e} "
+            f"weights {r['weights']:.1e}  {r['seconds']} s"
+        )
     return world, results
 
 
@@ -59,8 +60,20 @@ def test_layouts_train_exactly_like_one_device(gate_results):
         if r["mutation"]:
             continue
         if not r["ok"]:
-            bad[name] = {k: r[k] for k in ("init", "grad_placements", "loss", "grad_norm", "grads", "weights", "eval",
-                                           "coverage", "tied_still_tied")}
+            bad[name] = {
+                k: r[k]
+                for k in (
+                    "init",
+                    "grad_placements",
+                    "loss",
+                    "grad_norm",
+                    "grads",
+                    "weights",
+                    "eval",
+                    "coverage",
+                    "tied_still_tied",
+                )
+            }
         # Clipping acted on every step (the reference norm exceeds max_norm), so it was tested too.
         assert min(r["ref_grad_norms"]) > 2 * r["max_norm"], name
     assert not bad, f"layouts differ from one device by more than {gate.TOL}: {bad}"
@@ -91,9 +104,26 @@ def test_mutations_break_the_gate(gate_results):
 
 def test_matrix_covers_the_required_layouts():
     by_name = {layout.name: layout for layout in gate.LAYOUTS}
-    required = ["tp2", "tp2_sp", "tp4_gqa", "tp2_no_loss_parallel", "fsdp2", "fsdp4", "hsdp2x2", "tp2_fsdp2",
-                "tp2_sp_fsdp2", "tp2_hsdp2x2", "fsdp2_accum2", "tp2_tied", "fsdp2_tied",
-                "cp2", "cp4", "cp2_tp2_sp", "cp2_fsdp2", "cp2_tp2_fsdp2"]
+    required = [
+        "tp2",
+        "tp2_sp",
+        "tp4_gqa",
+        "tp2_no_loss_parallel",
+        "fsdp2",
+        "fsdp4",
+        "hsdp2x2",
+        "tp2_fsdp2",
+        "tp2_sp_fsdp2",
+        "tp2_hsdp2x2",
+        "fsdp2_accum2",
+        "tp2_tied",
+        "fsdp2_tied",
+        "cp2",
+        "cp4",
+        "cp2_tp2_sp",
+        "cp2_fsdp2",
+        "cp2_tp2_fsdp2",
+    ]
     assert all(n in by_name for n in required)
     assert {layout.mutation for layout in gate.LAYOUTS if layout.mutation} == set(EXPECTED_BREAK)
 
@@ -107,9 +137,11 @@ def test_grouped_query_fused_qkv_under_tp2_fsdp2(gate_results):
         return
     probe = results["probes"]["fused_gqa tp2_fsdp2"]
     # FSDP shards the tp-replicated weight over dp like any replicated parameter; gate|up keeps its strided layout.
-    assert probe["placements"] == {"attn.qkv.weight": "(Shard(dim=0), Replicate())",
-                                   "attn.qkv.bias": "(Shard(dim=0), Replicate())",
-                                   "ffn.gate_up.weight": "(Shard(dim=1), _StridedShard(dim=0, sf=2))"}
+    assert probe["placements"] == {
+        "attn.qkv.weight": "(Shard(dim=0), Replicate())",
+        "attn.qkv.bias": "(Shard(dim=0), Replicate())",
+        "ffn.gate_up.weight": "(Shard(dim=1), _StridedShard(dim=0, sf=2))",
+    }
     assert probe["full_tensor_in_order"]
     assert probe["train_diff"] <= gate.TOL, probe
     assert probe["dcp"]["fresh_differs_before_load"] > 0.1

@@ -50,10 +50,16 @@ def test_whole_model_collectives_are_pinned(probes):
         "backward": {"all_reduce": [4 + 1, 5 * ACT]},  # blocks, head input (f)
     }
     assert comms["model sp=True lp=True"] == {
-        "forward": {"reduce_scatter_tensor": [1 + 4, 5 * ACT], "all_gather_into_tensor": [4 + 1, 5 * ACT],
-                    "all_reduce": ce},
-        "backward": {"reduce_scatter_tensor": [4 + 1, 5 * ACT], "all_gather_into_tensor": [4 + 1, 5 * ACT],
-                     "all_reduce": [5, 5 * NORM]},  # 2 norm weights per block + the final norm
+        "forward": {
+            "reduce_scatter_tensor": [1 + 4, 5 * ACT],
+            "all_gather_into_tensor": [4 + 1, 5 * ACT],
+            "all_reduce": ce,
+        },
+        "backward": {
+            "reduce_scatter_tensor": [4 + 1, 5 * ACT],
+            "all_gather_into_tensor": [4 + 1, 5 * ACT],
+            "all_reduce": [5, 5 * NORM],
+        },  # 2 norm weights per block + the final norm
     }
     assert comms["model sp=False lp=False"] == {  # the head all-gathers the logits, the loss needs nothing
         "forward": {"all_reduce": [5, 5 * ACT], "all_gather_into_tensor": [1, LOGITS]},
@@ -65,9 +71,16 @@ def test_whole_model_collectives_are_pinned(probes):
 def test_a_users_own_module_with_a_user_plan_matches_one_device(probes):
     user = probes["user_module"]
     assert user["tp_diff"] <= 1e-12 and user["fsdp_diff"] <= 1e-12, user
-    assert user["tp_placements"] == {"ln.weight": ["R"], "ln.bias": ["R"], "up.weight": ["S(0)"],
-                                     "up.bias": ["S(0)"], "gate.weight": ["S(0)"], "gate.bias": ["S(0)"],
-                                     "down.weight": ["S(1)"], "down.bias": ["R"]}
+    assert user["tp_placements"] == {
+        "ln.weight": ["R"],
+        "ln.bias": ["R"],
+        "up.weight": ["S(0)"],
+        "up.bias": ["S(0)"],
+        "gate.weight": ["S(0)"],
+        "gate.bias": ["S(0)"],
+        "down.weight": ["S(1)"],
+        "down.bias": ["R"],
+    }
 
 
 def test_bf16_training_uses_fsdp_mixed_precision(probes):
@@ -114,8 +127,11 @@ def test_grouped_query_fused_qkv_is_tp_replicated_cut_per_rank_and_trains_like_o
     gqa = probes["fused_gqa"]
     assert gqa["sizes"] == [16, 8, 8]
     # Unequal chunks stay Replicate over tp (single-device order everywhere); equal gate|up keeps _StridedShard.
-    assert gqa["placements"] == {"attn.qkv.weight": "(Replicate(),)", "attn.qkv.bias": "(Replicate(),)",
-                                 "ffn.gate_up.weight": "(_StridedShard(dim=0, sf=2),)"}
+    assert gqa["placements"] == {
+        "attn.qkv.weight": "(Replicate(),)",
+        "attn.qkv.bias": "(Replicate(),)",
+        "ffn.gate_up.weight": "(_StridedShard(dim=0, sf=2),)",
+    }
     assert gqa["full_tensor_in_order"]
     assert gqa["local_output_vs_chunk_slices"] == 0.0  # rank r's output: [q_r | k_r | v_r] of the one-device output
     assert gqa["train_diff sp=False"] <= 1e-10 and gqa["train_diff sp=True"] <= 1e-10, gqa
@@ -128,8 +144,10 @@ def test_grouped_query_fused_qkv_costs_the_unfused_collectives_plus_two_gradient
     for sp in (False, True):
         fused, split = gqa[f"comms sp={sp}"]["fused"], gqa[f"comms sp={sp}"]["split"]
         assert fused["forward"] == split["forward"], (sp, fused, split)
-        extra = {**split["backward"], "all_reduce": [a + b for a, b in zip(split["backward"].get("all_reduce", [0, 0]),
-                                                                           GQA_EXTRA, strict=True)]}
+        extra = {
+            **split["backward"],
+            "all_reduce": [a + b for a, b in zip(split["backward"].get("all_reduce", [0, 0]), GQA_EXTRA, strict=True)],
+        }
         assert fused["backward"] == extra, (sp, fused, split)
     plain = gqa["comms sp=False"]["split"]
     assert plain == {"forward": {"all_reduce": [2, 2 * GQA_ACT]}, "backward": {"all_reduce": [2, 2 * GQA_ACT]}}
@@ -147,14 +165,17 @@ def test_grouped_query_fused_qkv_mutations_break_it(probes):
 def test_silent_no_ops_are_one_line_errors_at_apply_time(probes):
     errors = probes["errors"]
     assert "UserMLP is not a registered model, so there is no default plan; pass plan=" in errors["no default plan"]
-    assert "the plan leaves the parameters of ln plain tensors next to DTensors" in errors[
-        "module left out of the plan"]
+    assert (
+        "the plan leaves the parameters of ln plain tensors next to DTensors" in errors["module left out of the plan"]
+    )
     assert "ReplicateParallel()" in errors["module left out of the plan"]
     assert "UserMLP has no block container (.layers) and no model spec" in errors["fsdp without blocks"]
     assert "pass blocks=[...]" in errors["fsdp without blocks"]
     assert "chunk sizes [12, 3, 3] must each divide by tp 2" in errors["fused chunks not divisible by tp"]
-    assert "chunk sizes [16, 8, 8] hold [2.0, 1.0, 1.0] heads of 8; each chunk's head count must divide by tp 2" in \
-        errors["fused kv heads not divisible by tp"]
+    assert (
+        "chunk sizes [16, 8, 8] hold [2.0, 1.0, 1.0] heads of 8; each chunk's head count must divide by tp 2"
+        in errors["fused kv heads not divisible by tp"]
+    )
     assert "chunk sizes [16, 8, 8] differ" in errors["fused unequal chunks as a DTensor output"]
     assert "use_local_output=True" in errors["fused unequal chunks as a DTensor output"]
     assert all("\n" not in e for e in errors.values())

@@ -28,14 +28,17 @@ EXPECTED_BREAK = {
 def gate_results(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp("ppgate") / f"ppgate{world}.json"
-    proc = run_script(HERE / "pipeline_gate.py", "--world-size", str(world), "--out", str(out), "--timeout", "120",
-                      timeout=480)
+    proc = run_script(
+        HERE / "pipeline_gate.py", "--world-size", str(world), "--out", str(out), "--timeout", "120", timeout=480
+    )
     assert proc.returncode == 0, f"pipeline gate worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     results = json.loads(out.read_text())
     print(f"\npipeline gate, world size {world} (max |diff| over 3 steps):")
     for name, r in results["layouts"].items():
-        print(f"  {name:42s} loss {r['loss']:.1e} grad_norm {r['grad_norm']:.1e} grads {r['grads']:.1e} "
-              f"weights {r['weights']:.1e} eval {r['eval']:.1e}  {r['seconds']} s")
+        print(
+            f"  {name:42s} loss {r['loss']:.1e} grad_norm {r['grad_norm']:.1e} grads {r['grads']:.1e} "
+            f"weights {r['weights']:.1e} eval {r['eval']:.1e}  {r['seconds']} s"
+        )
     return world, results
 
 

@@ -94,8 +94,11 @@ def test_a_user_split_stage_copies_only_what_it_keeps():
     first = build_stage_from_fqns(model, split[0])
     assert first.lm_head is None and first.ln_f is None and list(first.h._modules) == ["0", "1"]
     names = {n for n, _ in first.named_parameters()}
-    assert names == {n for n, _ in model.named_parameters(remove_duplicate=False)
-                     if n.split(".")[0] in ("wte", "wpe") or n.startswith(("h.0.", "h.1."))}
+    assert names == {
+        n
+        for n, _ in model.named_parameters(remove_duplicate=False)
+        if n.split(".")[0] in ("wte", "wpe") or n.startswith(("h.0.", "h.1."))
+    }
     for n, p in first.named_parameters():
         original = model.get_parameter(n)
         assert torch.equal(p, original) and p.data_ptr() != original.data_ptr()  # a copy, equal

@@ -9,21 +9,54 @@ from pathlib import Path
 from dist_utils import worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMON = ["train.py", "--job.config_file", "configs/debug_model.toml", "--training.steps", "3",
-          "--metrics.log_freq", "1", "--validation.freq", "3", "--validation.steps", "1",
-          "--metrics.enable_tensorboard", "false", "--model.tie_embeddings", "true",
-          "--training.local_batch_size", "16"]
-PP = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
-      "--parallelism.enable_sequence_parallel", "true", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
-      "--parallelism.pipeline_parallel_microbatch_size", "4")
+COMMON = [
+    "train.py",
+    "--job.config_file",
+    "configs/debug_model.toml",
+    "--training.steps",
+    "3",
+    "--metrics.log_freq",
+    "1",
+    "--validation.freq",
+    "3",
+    "--validation.steps",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--model.tie_embeddings",
+    "true",
+    "--training.local_batch_size",
+    "16",
+]
+PP = (
+    "--parallelism.pipeline_parallel_degree",
+    "2",
+    "--parallelism.tensor_parallel_degree",
+    "2",
+    "--parallelism.enable_sequence_parallel",
+    "true",
+    "--parallelism.pipeline_parallel_schedule",
+    "ZBVZeroBubble",
+    "--parallelism.pipeline_parallel_microbatch_size",
+    "4",
+)
 
 
 def _run(out: Path, *args: str, nproc: int = 1) -> list[dict]:
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                    "--standalone", f"--nproc_per_node={nproc}"]
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    )
     env = worker_env()
-    r = subprocess.run([*launcher, *COMMON, "--job.dump_folder", str(out), *args], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [*launcher, *COMMON, "--job.dump_folder", str(out), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

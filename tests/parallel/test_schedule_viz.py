@@ -15,8 +15,7 @@ from titanlike.parallel.schedule_viz import (
 )
 
 V_STYLE = ("ZBVZeroBubble", "DualPipeV")
-CASES = [(name, 2 if name in V_STYLE or "Interleaved" in name or name == "LoopedBFS" else 1)
-         for name in SCHEDULES]
+CASES = [(name, 2 if name in V_STYLE or "Interleaved" in name or name == "LoopedBFS" else 1) for name in SCHEDULES]
 
 
 def _check_timeline(tl):
@@ -101,8 +100,11 @@ def test_single_stage_order_matches_torch_ir(name):
     ir = cls._get_pipeline_order(SimpleNamespace(_num_stages=pp, _n_microbatches=m))
     tl = schedule_timeline(name, pp, m)
     for rank in range(pp):
-        want = [(a.computation_type.value, a.stage_index, a.microbatch_index)
-                for a in ir[rank] if a is not None and a.computation_type.value in "FB"]
+        want = [
+            (a.computation_type.value, a.stage_index, a.microbatch_index)
+            for a in ir[rank]
+            if a is not None and a.computation_type.value in "FB"
+        ]
         got = [(b.kind, b.stage, b.microbatch) for b in tl.ranks[rank]]
         if rank == pp - 1:
             got, want = [g[:2] for g in got], [w[:2] for w in want]
@@ -128,8 +130,11 @@ def test_zero_bubble_split_durations():
 def test_dualpipev_overlapped_actions_run_back_to_back():
     tl = schedule_timeline("DualPipeV", 4, 8, 2)
     for blocks in tl.ranks:
-        pairs = [(a, b) for a, b in zip(blocks, blocks[1:]) if a.overlapped and b.overlapped
-                 and a.kind == "F" and b.kind == "B"]
+        pairs = [
+            (a, b)
+            for a, b in zip(blocks, blocks[1:])
+            if a.overlapped and b.overlapped and a.kind == "F" and b.kind == "B"
+        ]
         assert pairs
         assert all(b.start >= a.end for a, b in pairs)
     assert sum(b.overlapped for blocks in tl.ranks for b in blocks) % 2 == 0
@@ -183,8 +188,7 @@ def _load_script():
 def test_script(capsys, tmp_path):
     script = _load_script()
     png = tmp_path / "x.png"
-    assert script.main(["--schedule", "1F1B", "--pp", "4", "--microbatches", "8",
-                        "--png", str(png)]) == 0
+    assert script.main(["--schedule", "1F1B", "--pp", "4", "--microbatches", "8", "--png", str(png)]) == 0
     out = capsys.readouterr().out
     assert sum(line.startswith("rank ") for line in out.splitlines()) == 4
     assert "0.2727" in out and "0.3750" in out and png.exists()

@@ -86,18 +86,29 @@ class BytesCommDebugMode(CommDebugMode):
 
 
 def _canonical(name: str) -> str:
-    return {"allreduce_": "all_reduce", "_reduce_scatter_base_": "reduce_scatter_tensor",
-            "_allgather_base_": "all_gather_into_tensor"}.get(name, name)
+    return {
+        "allreduce_": "all_reduce",
+        "_reduce_scatter_base_": "reduce_scatter_tensor",
+        "_allgather_base_": "all_gather_into_tensor",
+    }.get(name, name)
 
 
 def _tp_args(*extra):
-    return ("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
-            "--training.local_batch_size", str(GLOBAL_BATCH), *extra)
+    return (
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--training.local_batch_size",
+        str(GLOBAL_BATCH),
+        *extra,
+    )
 
 
 def _tp2_model(sp: bool, lp: bool):
-    extra = (("--parallelism.enable_sequence_parallel", "true") if sp else ()) + \
-        (() if lp else ("--parallelism.disable_loss_parallel", "true"))
+    extra = (("--parallelism.enable_sequence_parallel", "true") if sp else ()) + (
+        () if lp else ("--parallelism.disable_loss_parallel", "true")
+    )
     cfg = config(Layout("probe", 2, _tp_args(*extra)), 2)
     dims = ParallelDims.from_config(cfg, 2)
     mesh = dims.build_mesh("cpu")
@@ -184,16 +195,22 @@ def probe_user_module() -> dict:
     torch.manual_seed(0)
     reference = UserMLP().double()
     g = torch.Generator().manual_seed(5)
-    batches = [(torch.randn(8, 5, 16, generator=g, dtype=torch.float64),
-                torch.randn(8, 5, 16, generator=g, dtype=torch.float64)) for _ in range(3)]
+    batches = [
+        (
+            torch.randn(8, 5, 16, generator=g, dtype=torch.float64),
+            torch.randn(8, 5, 16, generator=g, dtype=torch.float64),
+        )
+        for _ in range(3)
+    ]
     n_total = batches[0][1].numel()
     one_device = _train_user(copy.deepcopy(reference), batches, n_total)
     # TP 2 with the user's plan: same batches on both ranks.
     tp_dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, world_size=2)
     tp_dims.build_mesh("cpu")
     tp_model = apply_tp(copy.deepcopy(reference), tp_dims.get_mesh("tp"), USER_PLAN)
-    placements = {n: [str(x) for x in p.placements] if isinstance(p, DTensor) else "plain"
-                  for n, p in tp_model.named_parameters()}
+    placements = {
+        n: [str(x) for x in p.placements] if isinstance(p, DTensor) else "plain" for n, p in tp_model.named_parameters()
+    }
     tp_diff = _max_diff(_train_user(tp_model, batches, n_total), one_device)
     # FSDP 2: each rank trains on half of every batch (the loss still divides by the global count).
     dp_dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, world_size=2)
@@ -208,8 +225,21 @@ def probe_user_module() -> dict:
 
 def probe_mixed_precision() -> dict:
     """FSDP 2 with training.dtype = bfloat16: bf16 forward, fp32 sharded parameters and gradients."""
-    cfg = config(Layout("bf16", 2, ("--training.dtype", "bfloat16", "--parallelism.data_parallel_shard_degree", "2",
-                                    "--training.local_batch_size", "4")), 2)
+    cfg = config(
+        Layout(
+            "bf16",
+            2,
+            (
+                "--training.dtype",
+                "bfloat16",
+                "--parallelism.data_parallel_shard_degree",
+                "2",
+                "--training.local_batch_size",
+                "4",
+            ),
+        ),
+        2,
+    )
     dims = ParallelDims.from_config(cfg, 2)
     mesh = dims.build_mesh("cpu")
     reference = build_model(cfg).float()
@@ -222,11 +252,13 @@ def probe_mixed_precision() -> dict:
     total = loss.detach().clone()
     dist.all_reduce(total)
     expected = build_loss_fn(cfg, ParallelDims(1, 1, 1, 1, 1, 1))(reference(inputs), labels)
-    return {"logits_dtype": str(logits.dtype),
-            "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-            "param_types": sorted({type(p).__name__ for p in model.parameters()}),
-            "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()}),
-            "loss_rel_diff": abs(total.item() - expected.item()) / expected.item()}
+    return {
+        "logits_dtype": str(logits.dtype),
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "param_types": sorted({type(p).__name__ for p in model.parameters()}),
+        "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()}),
+        "loss_rel_diff": abs(total.item() - expected.item()) / expected.item(),
+    }
 
 
 def probe_clip_pp() -> dict:
@@ -254,11 +286,13 @@ def probe_errors() -> dict:
 
     mesh = ParallelDims(1, 1, 1, 2, 1, 2).build_mesh("cpu")
     out = {}
-    for name, plan, tied in (("unknown key", {"layers.*.attention.wqq": ColwiseParallel()}, False),
-                             ("tied different layouts", {"tok_embeddings": ColwiseParallel(),
-                                                         "output": ColwiseParallel()}, True)):
-        args = ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=32, multiple_of=16, max_seq_len=8,
-                         tie_embeddings=tied)
+    for name, plan, tied in (
+        ("unknown key", {"layers.*.attention.wqq": ColwiseParallel()}, False),
+        ("tied different layouts", {"tok_embeddings": ColwiseParallel(), "output": ColwiseParallel()}, True),
+    ):
+        args = ModelArgs(
+            dim=16, n_layers=1, n_heads=2, vocab_size=32, multiple_of=16, max_seq_len=8, tie_embeddings=tied
+        )
         try:
             apply_tp(Transformer(args), mesh["tp"], plan)
             out[name] = "no error"
@@ -269,13 +303,16 @@ def probe_errors() -> dict:
     dp_mesh = ParallelDims(1, 2, 1, 1, 1, 2).build_mesh("cpu")["dp_shard"]
     silent = {
         "no default plan": lambda: apply_tp(UserMLP(), mesh["tp"]),
-        "module left out of the plan": lambda: apply_tp(UserMLP(), mesh["tp"], {k: v for k, v in USER_PLAN.items()
-                                                                                if k != "ln"}),
+        "module left out of the plan": lambda: apply_tp(
+            UserMLP(), mesh["tp"], {k: v for k, v in USER_PLAN.items() if k != "ln"}
+        ),
         "fsdp without blocks": lambda: apply_fsdp(UserMLP(), dp_mesh),
-        "fused chunks not divisible by tp": lambda: apply_tp(nn.Linear(16, 18), mesh["tp"],
-                                                             FusedColwiseParallel([12, 3, 3])),
-        "fused kv heads not divisible by tp": lambda: apply_tp(nn.Linear(16, 32), mesh["tp"],
-                                                               FusedColwiseParallel([16, 8, 8], head_dim=8)),
+        "fused chunks not divisible by tp": lambda: apply_tp(
+            nn.Linear(16, 18), mesh["tp"], FusedColwiseParallel([12, 3, 3])
+        ),
+        "fused kv heads not divisible by tp": lambda: apply_tp(
+            nn.Linear(16, 32), mesh["tp"], FusedColwiseParallel([16, 8, 8], head_dim=8)
+        ),
         "fused unequal chunks as a DTensor output": lambda: FusedColwiseParallel([16, 8, 8], use_local_output=False),
     }
     for name, fn in silent.items():
@@ -401,23 +438,31 @@ def probe_fused() -> dict:
     torch.manual_seed(0)
     reference = FusedUser().double()
     g = torch.Generator().manual_seed(7)
-    batches = [(torch.randn(4, 6, 16, generator=g, dtype=torch.float64),
-                torch.randn(4, 6, 16, generator=g, dtype=torch.float64)) for _ in range(3)]
+    batches = [
+        (
+            torch.randn(4, 6, 16, generator=g, dtype=torch.float64),
+            torch.randn(4, 6, 16, generator=g, dtype=torch.float64),
+        )
+        for _ in range(3)
+    ]
     n_total = batches[0][1].numel()
     mesh = ParallelDims(1, 1, 1, 2, 1, 2).build_mesh("cpu")
     out: dict = {}
     # The single-device order, and each rank holding its slice of every chunk.
     model = apply_tp(copy.deepcopy(reference), mesh["tp"], _fused_plan(True))
     w, ref_w = model.attn.qkv.weight, reference.attn.qkv.weight
-    out["full_tensor_in_order"] = all(torch.equal(_full(p), reference.get_parameter(n))
-                                      for n, p in model.named_parameters())
+    out["full_tensor_in_order"] = all(
+        torch.equal(_full(p), reference.get_parameter(n)) for n, p in model.named_parameters()
+    )
     out["local_is_chunk_slices"] = torch.equal(w.to_local(), torch.cat([c.chunk(2)[rank] for c in ref_w.chunk(3)]))
     out["placements"] = str(w.placements)
     # Same collectives as the unfused plan (forward + backward of one step).
     x, y = batches[0]
     counts = {}
-    for name, m in (("fused", copy.deepcopy(model)), ("split", apply_tp(SplitUser(reference), mesh["tp"],
-                                                                         _fused_plan(False)))):
+    for name, m in (
+        ("fused", copy.deepcopy(model)),
+        ("split", apply_tp(SplitUser(reference), mesh["tp"], _fused_plan(False))),
+    ):
         with BytesCommDebugMode() as fwd:
             o = m(x)
         with BytesCommDebugMode() as bwd:
@@ -425,8 +470,9 @@ def probe_fused() -> dict:
         counts[name] = {"forward": fwd.summary(), "backward": bwd.summary()}
     out["comms"] = counts
     # Training equals one device.
-    out["train_diff"] = _max_diff(_train_user(model, batches, n_total), _train_user(copy.deepcopy(reference), batches,
-                                                                                    n_total))
+    out["train_diff"] = _max_diff(
+        _train_user(model, batches, n_total), _train_user(copy.deepcopy(reference), batches, n_total)
+    )
     # DCP at tp 2 -> one process, no process group: the file holds the single-device order.
     path = [tempfile.mkdtemp(prefix="fused_dcp_") if rank == 0 else None]
     dist.broadcast_object_list(path)
@@ -447,8 +493,13 @@ def _gqa_case():
     torch.manual_seed(1)
     reference = FusedUser(kv_heads=2).double()
     g = torch.Generator().manual_seed(8)
-    batches = [(torch.randn(4, 6, 16, generator=g, dtype=torch.float64),
-                torch.randn(4, 6, 16, generator=g, dtype=torch.float64)) for _ in range(3)]
+    batches = [
+        (
+            torch.randn(4, 6, 16, generator=g, dtype=torch.float64),
+            torch.randn(4, 6, 16, generator=g, dtype=torch.float64),
+        )
+        for _ in range(3)
+    ]
     return reference, batches, batches[0][1].numel()
 
 
@@ -514,8 +565,10 @@ def _dcp_round_trip(model, build_fresh, tag: str) -> dict:
     target = contiguous_for_dcp_tree(originals)
     dcp.load(target, checkpoint_id=path[0])
     set_model_state_dict(fresh, restore_layout(target, originals))
-    out = {"fresh_differs_before_load": before,
-           "same_layout_diff": max((_full(p) - trained[n]).abs().max().item() for n, p in fresh.named_parameters())}
+    out = {
+        "fresh_differs_before_load": before,
+        "same_layout_diff": max((_full(p) - trained[n]).abs().max().item() for n, p in fresh.named_parameters()),
+    }
     dist.barrier()
     if dist.get_rank() == 0:
         state = {k: torch.zeros_like(v) for k, v in plain.state_dict().items()}
@@ -538,10 +591,12 @@ def probe_fused_gqa() -> dict:
         return apply_tp(copy.deepcopy(reference), mesh, _fused_plan(True, sizes, sp))
 
     model = build()
-    out["placements"] = {n: str(model.get_parameter(n).placements)
-                         for n in ("attn.qkv.weight", "attn.qkv.bias", "ffn.gate_up.weight")}
-    out["full_tensor_in_order"] = all(torch.equal(_full(p), reference.get_parameter(n))
-                                      for n, p in model.named_parameters())
+    out["placements"] = {
+        n: str(model.get_parameter(n).placements) for n in ("attn.qkv.weight", "attn.qkv.bias", "ffn.gate_up.weight")
+    }
+    out["full_tensor_in_order"] = all(
+        torch.equal(_full(p), reference.get_parameter(n)) for n, p in model.named_parameters()
+    )
     x, y = batches[0]
     mine = torch.cat([c.chunk(2, -1)[rank] for c in reference.attn.qkv(x).split(sizes, -1)], -1)
     out["local_output_vs_chunk_slices"] = (model.attn.qkv(x) - mine).abs().max().item()
@@ -557,8 +612,9 @@ def probe_fused_gqa() -> dict:
             counts[name] = {"forward": fwd.summary(), "backward": bwd.summary()}
         out[f"comms sp={sp}"] = counts
         m = build(sp)
-        out[f"train_diff sp={sp}"] = _max_diff(_train_user(m, batches, n_total, forward=_seq_sharded(m, mesh) if sp
-                                                           else None), one_device)
+        out[f"train_diff sp={sp}"] = _max_diff(
+            _train_user(m, batches, n_total, forward=_seq_sharded(m, mesh) if sp else None), one_device
+        )
         if not sp:
             trained = m
 
@@ -588,10 +644,15 @@ def probe_fused_gqa_fsdp() -> dict:
         return apply_fsdp(m, dp_mesh, blocks=[m.attn, m.ffn])
 
     model = build()
-    out: dict = {"placements": {n: str(model.get_parameter(n).placements)
-                                for n in ("attn.qkv.weight", "attn.qkv.bias", "ffn.gate_up.weight")}}
-    out["full_tensor_in_order"] = all(torch.equal(_full(p), reference.get_parameter(n))
-                                      for n, p in model.named_parameters())
+    out: dict = {
+        "placements": {
+            n: str(model.get_parameter(n).placements)
+            for n in ("attn.qkv.weight", "attn.qkv.bias", "ffn.gate_up.weight")
+        }
+    }
+    out["full_tensor_in_order"] = all(
+        torch.equal(_full(p), reference.get_parameter(n)) for n, p in model.named_parameters()
+    )
     dp_rank, group = dp_mesh.get_local_rank(), dp_mesh.get_group()
     halves = [(x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]) for x, y in batches]
     out["train_diff"] = _max_diff(_train_user(model, halves, n_total, dp_group=group), one_device)
@@ -607,9 +668,15 @@ def probe_fused_gqa_fsdp() -> dict:
 
 
 def main_probe(rank: int, world_size: int, out: str) -> None:
-    results = {"comms": probe_comms(), "user_module": probe_user_module(), "mixed_precision": probe_mixed_precision(),
-               "clip_pp": probe_clip_pp(), "errors": probe_errors(), "fused": probe_fused(),
-               "fused_gqa": probe_fused_gqa()}
+    results = {
+        "comms": probe_comms(),
+        "user_module": probe_user_module(),
+        "mixed_precision": probe_mixed_precision(),
+        "clip_pp": probe_clip_pp(),
+        "errors": probe_errors(),
+        "fused": probe_fused(),
+        "fused_gqa": probe_fused_gqa(),
+    }
     if rank == 0:
         Path(out).write_text(json.dumps(results, indent=1))
 

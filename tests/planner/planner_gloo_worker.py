@@ -25,34 +25,107 @@ from pathlib import Path
 WORLD = 4
 # name -> config overrides (small model: the model section is set below)
 CASES = {
-    "tp2_sp_fsdp2_bf16": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel",
-                          "--training.dtype", "bfloat16"],
-    "tp2_fsdp2_fp32_fullac_chunked": ["--parallelism.tensor_parallel_degree", "2",
-                                      "--activation_checkpoint.mode", "full", "--parallelism.loss_chunk_size", "24"],
-    "hsdp2x2_bf16_accum2": ["--parallelism.data_parallel_replicate_degree", "2", "--training.dtype", "bfloat16",
-                            "--training.global_batch_size", "16"],
-    "tp2_sp_fsdp2_bf16_ac_every2": ["--parallelism.tensor_parallel_degree", "2",
-                                    "--parallelism.enable_sequence_parallel", "--training.dtype", "bfloat16",
-                                    "--activation_checkpoint.mode", "selective",
-                                    "--activation_checkpoint.selective_ac_option", "2"],
-    "tp2_sp_fsdp2_selective_always": ["--parallelism.tensor_parallel_degree", "2",
-                                      "--parallelism.enable_sequence_parallel", "--activation_checkpoint.mode",
-                                      "selective", "--parallelism.fsdp_reshard_after_forward", "always"],
-    "pp2_fsdp2_1f1b_bf16_tied": ["--parallelism.pipeline_parallel_degree", "2", "--training.dtype", "bfloat16",
-                                 "--training.local_batch_size", "4", "--model.tie_embeddings", "true",
-                                 "--model.n_layers", "4"],
-    "pp2_tp2_sp_interleaved_accum2": ["--parallelism.pipeline_parallel_degree", "2",
-                                      "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                                      "--parallelism.tensor_parallel_degree", "2",
-                                      "--parallelism.enable_sequence_parallel", "--training.local_batch_size", "2",
-                                      "--training.global_batch_size", "8", "--model.n_layers", "4"],
+    "tp2_sp_fsdp2_bf16": [
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.enable_sequence_parallel",
+        "--training.dtype",
+        "bfloat16",
+    ],
+    "tp2_fsdp2_fp32_fullac_chunked": [
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--activation_checkpoint.mode",
+        "full",
+        "--parallelism.loss_chunk_size",
+        "24",
+    ],
+    "hsdp2x2_bf16_accum2": [
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--training.dtype",
+        "bfloat16",
+        "--training.global_batch_size",
+        "16",
+    ],
+    "tp2_sp_fsdp2_bf16_ac_every2": [
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.enable_sequence_parallel",
+        "--training.dtype",
+        "bfloat16",
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "2",
+    ],
+    "tp2_sp_fsdp2_selective_always": [
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.enable_sequence_parallel",
+        "--activation_checkpoint.mode",
+        "selective",
+        "--parallelism.fsdp_reshard_after_forward",
+        "always",
+    ],
+    "pp2_fsdp2_1f1b_bf16_tied": [
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--training.dtype",
+        "bfloat16",
+        "--training.local_batch_size",
+        "4",
+        "--model.tie_embeddings",
+        "true",
+        "--model.n_layers",
+        "4",
+    ],
+    "pp2_tp2_sp_interleaved_accum2": [
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "Interleaved1F1B",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.enable_sequence_parallel",
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        "8",
+        "--model.n_layers",
+        "4",
+    ],
     "cp2_fsdp2": ["--parallelism.context_parallel_degree", "2"],
-    "cp2_tp2_sp_fullac": ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
-                          "--parallelism.enable_sequence_parallel", "--activation_checkpoint.mode", "full"],
+    "cp2_tp2_sp_fullac": [
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.enable_sequence_parallel",
+        "--activation_checkpoint.mode",
+        "full",
+    ],
 }
-MODEL = ["--model.flavor", "tiny", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
-         "--model.n_kv_heads", "2", "--model.ffn_hidden_dim", "96", "--model.max_seq_len", "32",
-         "--training.seq_len", "16", "--training.local_batch_size", "2"]
+MODEL = [
+    "--model.flavor",
+    "tiny",
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--model.ffn_hidden_dim",
+    "96",
+    "--model.max_seq_len",
+    "32",
+    "--training.seq_len",
+    "16",
+    "--training.local_batch_size",
+    "2",
+]
 VOCAB = 250  # with vocab_multiple 2: 250 rows, uneven FSDP chunks under tp 2 x dp_shard 2 (125 -> 63 / 62)
 
 
@@ -76,9 +149,15 @@ def _recorder():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     c10d = dist.distributed_c10d
-    ops = {torch.ops._c10d_functional.all_gather_into_tensor, torch.ops._c10d_functional.reduce_scatter_tensor,
-           torch.ops._c10d_functional.all_reduce, torch.ops.c10d._allgather_base_,
-           torch.ops.c10d._reduce_scatter_base_, torch.ops.c10d.allreduce_, torch.ops.c10d.send}
+    ops = {
+        torch.ops._c10d_functional.all_gather_into_tensor,
+        torch.ops._c10d_functional.reduce_scatter_tensor,
+        torch.ops._c10d_functional.all_reduce,
+        torch.ops.c10d._allgather_base_,
+        torch.ops.c10d._reduce_scatter_base_,
+        torch.ops.c10d.allreduce_,
+        torch.ops.c10d.send,
+    }
 
     class Recorder(TorchDispatchMode):
         def __init__(self):
@@ -114,6 +193,7 @@ def _describe(func, args, phase: str, c10d) -> tuple[str, int, tuple[int, ...], 
     if name == "all_reduce":  # (input, op, group_name)
         pg = c10d._resolve_process_group(args[2])
         return "all_reduce", _nbytes(args[0]), tuple(c10d.get_process_group_ranks(pg)), phase
+
     def ranks(script_pg):  # c10d ops carry the process group as a TorchScript object
         return tuple(c10d.get_process_group_ranks(c10d.ProcessGroup.unbox(script_pg)))
 
@@ -233,8 +313,14 @@ def run_case(rank: int, name: str) -> dict:
         "optimizer": sum(_local_bytes(v) for p in params for v in optimizer.state[p].values()),
     }
     plan_mem = {it.name: it.bytes for it in rank_memory(layout, args, rank) if it.name in held}
-    return {"measured": dict(measured), "planned": dict(planned), "held": held, "plan_memory": plan_mem,
-            "comm_debug_total": comm_debug, "recorded_total": recorded}
+    return {
+        "measured": dict(measured),
+        "planned": dict(planned),
+        "held": held,
+        "plan_memory": plan_mem,
+        "comm_debug_total": comm_debug,
+        "recorded_total": recorded,
+    }
 
 
 def main(rank: int, world_size: int, out_path: str) -> None:
@@ -244,8 +330,9 @@ def main(rank: int, world_size: int, out_path: str) -> None:
     gathered = [None] * world_size
     dist.all_gather_object(gathered, results)
     if rank == 0:
-        Path(out_path).write_text(json.dumps({"cases": {name: {str(r): gathered[r][name] for r in range(world_size)}
-                                                        for name in CASES}}))
+        Path(out_path).write_text(
+            json.dumps({"cases": {name: {str(r): gathered[r][name] for r in range(world_size)} for name in CASES}})
+        )
 
 
 def _rank_entry(rank: int, world_size: int, port: int, out_path: str) -> None:
@@ -284,8 +371,10 @@ def launch(out_path: str, timeout_s: float = 240.0) -> int:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), str(port), out_path], env=env)
-             for r in range(WORLD)]
+    procs = [
+        subprocess.Popen([sys.executable, __file__, "--rank", str(r), str(port), out_path], env=env)
+        for r in range(WORLD)
+    ]
     deadline = time.monotonic() + timeout_s
     while any(p.poll() is None for p in procs):
         if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:

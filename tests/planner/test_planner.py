@@ -39,13 +39,23 @@ def _plan(world: int, *argv: str, hw=H100, vocab: int | None = None):
 
 
 # The walkthrough's Lab 1: 16 GPUs, 8 per node, a 32-layer, 32-head model (Llama-3-8B with 32 kv heads).
-LAB1 = ("--model.flavor", "8B", "--model.n_kv_heads", "32", "--training.seq_len", "4096", "--training.dtype",
-        "bfloat16", "--training.local_batch_size", "8", "--parallelism.enable_sequence_parallel")
+LAB1 = (
+    "--model.flavor",
+    "8B",
+    "--model.n_kv_heads",
+    "32",
+    "--training.seq_len",
+    "4096",
+    "--training.dtype",
+    "bfloat16",
+    "--training.local_batch_size",
+    "8",
+    "--parallelism.enable_sequence_parallel",
+)
 
 
 def test_lab1_tp8_pp2_is_legal_and_node_local():
-    plan = _plan(16, *LAB1, "--parallelism.tensor_parallel_degree", "8", "--parallelism.pipeline_parallel_degree",
-                 "2")
+    plan = _plan(16, *LAB1, "--parallelism.tensor_parallel_degree", "8", "--parallelism.pipeline_parallel_degree", "2")
     assert plan.legal and plan.warnings == [] or all("memory" in w for w in plan.warnings)
     lo = plan.layout
     assert (lo.tp, lo.pp, lo.dp) == (8, 2, 1)
@@ -65,6 +75,7 @@ def test_lab1_tp16_is_legal_but_flagged_and_slow():
     assert [w for w in bad.warnings if "tp groups span nodes" in w and "[0..15]" in w]
     assert "WARNING" in render_plan(bad) and "SPAN NODES" in render_plan(bad)
     assert bad.cost.dims["tp"].link == "network"
+
     # Part V's reason: the same per-layer all-reduce volume, now on a 9x slower wire, for twice the layers.
     def tp_seconds_per_block(plan):
         return plan.cost.dims["tp"].seconds / sum(n.startswith("layers.") for n in plan.layout.stages[0])
@@ -86,8 +97,20 @@ def test_lab1_suggest_ranks_node_local_tp_first_and_marks_the_rest():
 
 
 def test_lab1_second_part_64_gpus_48_layers_64_heads():
-    argv = ("--model.flavor", "70B", "--model.n_layers", "48", "--model.n_kv_heads", "64", "--training.seq_len",
-            "4096", "--training.dtype", "bfloat16", "--training.local_batch_size", "8")
+    argv = (
+        "--model.flavor",
+        "70B",
+        "--model.n_layers",
+        "48",
+        "--model.n_kv_heads",
+        "64",
+        "--training.seq_len",
+        "4096",
+        "--training.dtype",
+        "bfloat16",
+        "--training.local_batch_size",
+        "8",
+    )
     plan = _plan(64, *argv, "--parallelism.tensor_parallel_degree", "8", "--parallelism.pipeline_parallel_degree", "8")
     assert plan.legal and not plan.layout.groups["tp"].spanning and plan.layout.groups["pp"].crosses_nodes
     found, _ = suggest_layouts(plan.cfg, 64, H100, plan.args, global_batch=8)
@@ -95,13 +118,34 @@ def test_lab1_second_part_64_gpus_48_layers_64_heads():
 
 
 def test_every_violation_at_once_each_with_its_fix():
-    plan = _plan(12, "--parallelism.tensor_parallel_degree", "3", "--parallelism.enable_sequence_parallel",
-                 "--parallelism.pipeline_parallel_degree", "2", "--model.n_layers", "5", "--training.seq_len", "100",
-                 "--training.local_batch_size", "1", "--training.global_batch_size", "3", vocab=2006)
+    plan = _plan(
+        12,
+        "--parallelism.tensor_parallel_degree",
+        "3",
+        "--parallelism.enable_sequence_parallel",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--model.n_layers",
+        "5",
+        "--training.seq_len",
+        "100",
+        "--training.local_batch_size",
+        "1",
+        "--training.global_batch_size",
+        "3",
+        vocab=2006,
+    )
     v = "\n".join(plan.violations)
     assert len(plan.violations) == 7 and plan.layout is None
-    for needle in ("does not divide n_heads", "n_kv_heads 4", "the vocabulary 2048", "seq_len 100", "split evenly",
-                   "fewer than pp", "global_batch_size 3"):
+    for needle in (
+        "does not divide n_heads",
+        "n_kv_heads 4",
+        "the vocabulary 2048",
+        "seq_len 100",
+        "split evenly",
+        "fewer than pp",
+        "global_batch_size 3",
+    ):
         assert needle in v, needle
     text = render_plan(plan)
     assert f"{len(plan.violations)} violations" in text and all(x in text for x in plan.violations)
@@ -114,8 +158,22 @@ def test_cli_exit_codes_and_overrides():
     assert rc == 2 and "does not divide n_heads" in out.getvalue()
     out = io.StringIO()
     with redirect_stdout(out):
-        rc = plan_cli.main(["--world-size", "8", "--gpus-per-node", "2", "--no-dry-run", "--ib-gbps", "25",
-                            "--parallelism.tensor_parallel_degree", "4", "--suggest", "--top", "3"])
+        rc = plan_cli.main(
+            [
+                "--world-size",
+                "8",
+                "--gpus-per-node",
+                "2",
+                "--no-dry-run",
+                "--ib-gbps",
+                "25",
+                "--parallelism.tensor_parallel_degree",
+                "4",
+                "--suggest",
+                "--top",
+                "3",
+            ]
+        )
     text = out.getvalue()
     assert rc == 0 and "network 25 GB/s" in text and "tp groups span nodes" in text and "== suggest" in text
     with pytest.raises(SystemExit):
@@ -134,8 +192,20 @@ def _wire(msgs, dim, what=None):
 
 def test_tp_volume_is_megatrons_8_L_ring_bsh_with_and_without_sp():
     for sp in ((), ("--parallelism.enable_sequence_parallel",)):
-        lo, args = _layout(8, "--model.flavor", "8B", "--training.seq_len", "2048", "--training.local_batch_size", "2",
-                           "--training.dtype", "bfloat16", "--parallelism.tensor_parallel_degree", "4", *sp)
+        lo, args = _layout(
+            8,
+            "--model.flavor",
+            "8B",
+            "--training.seq_len",
+            "2048",
+            "--training.local_batch_size",
+            "2",
+            "--training.dtype",
+            "bfloat16",
+            "--parallelism.tensor_parallel_degree",
+            "4",
+            *sp,
+        )
         b, s, h, t, L = 2, 2048, args.dim, 4, args.n_layers
         megatron = 8 * L * (t - 1) / t * b * s * h * 2
         msgs = messages(lo, args)
@@ -145,9 +215,19 @@ def test_tp_volume_is_megatrons_8_L_ring_bsh_with_and_without_sp():
 
 
 def test_pp_volume_is_2_m_bsh_times_v_and_dp_volume_is_2_ring_P():
-    lo, args = _layout(16, "--model.flavor", "8B", "--training.seq_len", "2048", "--training.local_batch_size", "8",
-                       "--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule",
-                       "Interleaved1F1B")
+    lo, args = _layout(
+        16,
+        "--model.flavor",
+        "8B",
+        "--training.seq_len",
+        "2048",
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.pipeline_parallel_degree",
+        "4",
+        "--parallelism.pipeline_parallel_schedule",
+        "Interleaved1F1B",
+    )
     m, b, s, h, v = 8, 1, 2048, args.dim, 2
     middle = messages(lo, args, rank=lo.world_size // lo.pp)  # pp rank 1 holds stages 1 and 5: both send both ways
     assert _wire(middle, "pp") == 2 * m * v * b * s * h * 4
@@ -188,9 +268,11 @@ def test_group_map_matches_the_rank_grid(shape):
 @pytest.mark.parametrize("tied", [False, True])
 def test_param_shapes_match_the_model(tied):
     args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32, tie_embeddings=tied)
-    for names, kw in ((["tok_embeddings", "layers.0", "layers.1", "layers.2", "norm", "output"], {}),
-                      (["layers.2", "norm", "output"], {"layer_ids": [2], "has_embedding": False}),
-                      (["tok_embeddings", "layers.0"], {"layer_ids": [0], "has_head": False})):
+    for names, kw in (
+        (["tok_embeddings", "layers.0", "layers.1", "layers.2", "norm", "output"], {}),
+        (["layers.2", "norm", "output"], {"layer_ids": [2], "has_embedding": False}),
+        (["tok_embeddings", "layers.0"], {"layer_ids": [0], "has_head": False}),
+    ):
         with torch.device("meta"):
             model = Transformer(args, **kw)
         assert param_shapes(args, names) == {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -212,8 +294,7 @@ def _measured_activations(args, layout_argv, mode):
         p.data = p.data.to(dtype)
     if mode != "none":
         apply_ac(block, ActivationCheckpoint(mode="full" if mode == "full" else "selective", selective_ac_option="op"))
-    x_leaf = torch.randn(cfg.training.local_batch_size, cfg.training.seq_len, args.dim, dtype=dtype,
-                         requires_grad=True)
+    x_leaf = torch.randn(cfg.training.local_batch_size, cfg.training.seq_len, args.dim, dtype=dtype, requires_grad=True)
     tracker = MemTracker()
     tracker.track_external(block, x_leaf)
     with tracker:
@@ -229,7 +310,15 @@ def _measured_activations(args, layout_argv, mode):
 @pytest.mark.parametrize("mode", ["none", "op", "full"])
 def test_activation_formula_equals_what_a_real_block_holds(dtype, mode):
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden_dim=160, vocab_size=64, max_seq_len=64)
-    argv = ("--training.dtype", dtype, "--training.seq_len", "32", "--training.local_batch_size", "3",
-            "--model.flavor", "tiny")
+    argv = (
+        "--training.dtype",
+        dtype,
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "3",
+        "--model.flavor",
+        "tiny",
+    )
     lo, _ = _layout(1, *argv, args=args)
     assert block_activation_bytes(lo, args, 3 * 32, mode) == _measured_activations(args, argv, mode)

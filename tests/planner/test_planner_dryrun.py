@@ -29,8 +29,16 @@ def test_405b_4d_layout_on_16384_ranks_end_to_end():
     out = io.StringIO()
     t0 = time.perf_counter()
     with redirect_stdout(out):
-        rc = plan_cli.main(["--job.config_file", str(REPO / "configs/llama3_405b.toml"), "--world-size", "16384",
-                            "--gpus-per-node", "8"])
+        rc = plan_cli.main(
+            [
+                "--job.config_file",
+                str(REPO / "configs/llama3_405b.toml"),
+                "--world-size",
+                "16384",
+                "--gpus-per-node",
+                "8",
+            ]
+        )
     seconds = time.perf_counter() - t0
     text = out.getvalue()
     assert rc == 0, text
@@ -47,12 +55,32 @@ def test_405b_4d_layout_on_16384_ranks_end_to_end():
 
 
 def test_dry_run_shards_and_probe_equal_the_analytic_ones_on_any_rank():
-    cfg = parse_config(["--model.flavor", "70B", "--training.seq_len", "4096", "--training.dtype", "bfloat16",
-                        "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "8",
-                        "--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule",
-                        "Interleaved1F1B", "--parallelism.data_parallel_replicate_degree", "2",
-                        "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
-                        "2", "--model.vocab_multiple", "8"])
+    cfg = parse_config(
+        [
+            "--model.flavor",
+            "70B",
+            "--training.seq_len",
+            "4096",
+            "--training.dtype",
+            "bfloat16",
+            "--training.local_batch_size",
+            "8",
+            "--parallelism.tensor_parallel_degree",
+            "8",
+            "--parallelism.pipeline_parallel_degree",
+            "4",
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "2",
+            "--model.vocab_multiple",
+            "8",
+        ]
+    )
     args = model_args_from_config(cfg, 100003)  # 100,008 rows: 12,501 per tp rank, uneven FSDP chunks
     layout = Layout.from_config(cfg, 1024, args, gpus_per_node=8)
     assert (layout.dp_shard, layout.dp_replicate, layout.stages_per_rank) == (16, 2, 2)
@@ -62,11 +90,13 @@ def test_dry_run_shards_and_probe_equal_the_analytic_ones_on_any_rank():
         assert {(r.stage, r.name): r.local_shape for r in d.params} == analytic
         assert {r.dtype for r in d.params} == {args_dtype()}
         tokens = layout.microbatch_size * layout.seq_len
-        assert d.block_activation_bytes == block_activation_bytes(layout, args, tokens,
-                                                                  layout.checkpointed(d.probe_layer))
+        assert d.block_activation_bytes == block_activation_bytes(
+            layout, args, tokens, layout.checkpointed(d.probe_layer)
+        )
     wq = next(r for r in d.params if r.name.endswith("attention.wq.weight"))  # HSDP x TP: a 3-D layout
-    assert wq.placements == ("(Replicate(), _StridedShard(dim=0, sf=8), Shard(dim=0)) "
-                             "on ('dp_replicate', 'dp_shard', 'tp')")
+    assert wq.placements == (
+        "(Replicate(), _StridedShard(dim=0, sf=8), Shard(dim=0)) on ('dp_replicate', 'dp_shard', 'tp')"
+    )
 
 
 def args_dtype():
@@ -80,11 +110,27 @@ def test_405b_with_context_parallel_on_16384_ranks():
     reduce-scatters per block, FSDP over dp_shard x cp) and dry-run with the CP attention core at 16,384 ranks."""
     # Its own interpreter: a second fake process group of another shape in the same process finds torch's cached
     # device-mesh groups of the first one (destroyed) and fails with "Could not resolve the process group".
-    proc = subprocess.run([sys.executable, str(REPO / "scripts/plan.py"), "--job.config_file",
-                           str(REPO / "configs/llama3_405b.toml"), "--world-size", "16384", "--gpus-per-node", "8",
-                           "--parallelism.context_parallel_degree", "4", "--training.seq_len", "32768"],
-                          capture_output=True, text=True, cwd=REPO, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts/plan.py"),
+            "--job.config_file",
+            str(REPO / "configs/llama3_405b.toml"),
+            "--world-size",
+            "16384",
+            "--gpus-per-node",
+            "8",
+            "--parallelism.context_parallel_degree",
+            "4",
+            "--training.seq_len",
+            "32768",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+    )
     text = proc.stdout
     assert proc.returncode == 0, text + proc.stderr[-3000:]
     assert "OK: every layout rule holds" in text and "fits" in text
@@ -101,19 +147,43 @@ def test_405b_with_context_parallel_on_16384_ranks():
     assert re.search(r"activation probe: block layers\.0 .*8192 tokens \(cp 4", text)
 
 
-@pytest.mark.parametrize("extra", [
-    [],
-    ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel",
-     "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
-    ["--parallelism.tensor_parallel_degree", "2"],
-], ids=["fsdp8", "tp2_sp_op_ac", "tp2"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        [
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.enable_sequence_parallel",
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "op",
+        ],
+        ["--parallelism.tensor_parallel_degree", "2"],
+    ],
+    ids=["fsdp8", "tp2_sp_op_ac", "tp2"],
+)
 def test_gpt2_block_activations_equal_the_probe(extra):
     """GPT-2's block (LayerNorm, fused q|k|v, GELU MLP: its spec's norm_kind / mlp_kind) has its own activation
     model; the analytic bytes equal the dry run's FakeTensorMode probe (the Llama model's formula was +75%)."""
-    proc = subprocess.run([sys.executable, str(REPO / "scripts/plan.py"), "--job.config_file",
-                           str(REPO / "configs/gpt2_small.toml"), "--world-size", "8", *extra],
-                          capture_output=True, text=True, cwd=REPO, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts/plan.py"),
+            "--job.config_file",
+            str(REPO / "configs/gpt2_small.toml"),
+            "--world-size",
+            "8",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert re.search(r"activation probe: block layers\.0 .* held after its forward; equal", proc.stdout), \
-        proc.stdout[-2000:]
+    assert re.search(r"activation probe: block layers\.0 .* held after its forward; equal", proc.stdout), proc.stdout[
+        -2000:
+    ]

@@ -26,8 +26,9 @@ REPO = WORKER.parents[2]
 def test_planner_matches_gloo_runs(tmp_path):
     out = tmp_path / "gloo.json"
     env = worker_env()
-    proc = subprocess.run([sys.executable, str(WORKER), str(out)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     cases = json.loads(out.read_text())["cases"]
     assert len(cases) == 9
@@ -42,11 +43,22 @@ def test_planner_matches_gloo_runs(tmp_path):
                 assert r["comm_debug_total"] == r["recorded_total"] > 0, where
     # Exercised: every dimension, op and phase the planner prices.
     keys = {k for ranks in cases.values() for r in ranks.values() for k in r["measured"]}
-    for key in ("tp all_gather forward", "tp reduce_scatter backward", "tp all_reduce forward", "tp all_reduce "
-                "backward", "dp_shard all_gather forward", "dp_shard all_gather backward", "dp_shard reduce_scatter "
-                "backward", "dp_replicate all_reduce backward", "pp send any", "pp all_reduce step",
-                "cp all_gather forward", "cp reduce_scatter backward", "cp all_gather backward",
-                "dp_shard_cp reduce_scatter backward"):
+    for key in (
+        "tp all_gather forward",
+        "tp reduce_scatter backward",
+        "tp all_reduce forward",
+        "tp all_reduce backward",
+        "dp_shard all_gather forward",
+        "dp_shard all_gather backward",
+        "dp_shard reduce_scatter backward",
+        "dp_replicate all_reduce backward",
+        "pp send any",
+        "pp all_reduce step",
+        "cp all_gather forward",
+        "cp reduce_scatter backward",
+        "cp all_gather backward",
+        "dp_shard_cp reduce_scatter backward",
+    ):
         assert key in keys, key
     # CP: per block and pass, one all-gather of K and one of V forward, one reduce-scatter of each gradient backward
     # (2 blocks); full AC repeats the two all-gathers in the backward. Bytes: the planner's, checked above.

@@ -18,10 +18,36 @@ def test_benchmark_prints_both_rows(tmp_path):
     env = worker_env()
     env.pop("MASTER_PORT", None)
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "benchmark.py"), "--flavor", "tiny", "--batch", "2", "--seq-len", "32",
-         "--steps", "2", "--warmup", "1", "--device", "cpu", "--ac", "op", "--loss-chunk", "16",
-         "--peak-tflops", "1", "--json", str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(REPO / "scripts" / "benchmark.py"),
+            "--flavor",
+            "tiny",
+            "--batch",
+            "2",
+            "--seq-len",
+            "32",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--device",
+            "cpu",
+            "--ac",
+            "op",
+            "--loss-chunk",
+            "16",
+            "--peak-tflops",
+            "1",
+            "--json",
+            str(out),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     for name in ("titanlike", "plain"):
@@ -42,7 +68,12 @@ def test_benchmark_te_without_transformer_engine_is_one_line():
     if te_available():
         pytest.skip("Transformer Engine is installed here: the missing-TE error cannot occur")
     script = REPO / "scripts" / "benchmark.py"
-    proc = subprocess.run([sys.executable, str(script), "--kernels", "te", "--device", "cpu"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--kernels", "te", "--device", "cpu"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "model.kernels=te needs NVIDIA Transformer Engine" in proc.stderr

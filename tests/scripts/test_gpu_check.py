@@ -15,12 +15,20 @@ SCRIPT = REPO / "scripts" / "gpu_check.sh"
 def test_gpu_check_dry_run_writes_every_row(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("MASTER_PORT", None)
-    proc = subprocess.run(["bash", str(SCRIPT), "--device", "cpu", "--wheels", "none", "--out", str(tmp_path),
-                           "--budget", "3000"], cwd=REPO, env=env, capture_output=True, text=True, timeout=3000)
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "--device", "cpu", "--wheels", "none", "--out", str(tmp_path), "--budget", "3000"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3000,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["exit_codes"] == {k: "0" for k in ("bf16_b4", "bf16_b8", "float8_tw_b4", "float8_rw_b4",
-                                                       "fsdp_on_b4", "train_1b", "bf16_b8_ac_op")}, proc.stdout
+    assert summary["exit_codes"] == {
+        k: "0"
+        for k in ("bf16_b4", "bf16_b8", "float8_tw_b4", "float8_rw_b4", "fsdp_on_b4", "train_1b", "bf16_b8_ac_op")
+    }, proc.stdout
     rows = {r["row"]: r for r in summary["rows"]}
     assert set(rows) == {"bf16_b4", "bf16_b8", "float8_tw_b4", "float8_rw_b4", "fsdp_on_b4", "bf16_b8_ac_op"}
     assert rows["float8_tw_b4"]["float8"] == "tensorwise" and rows["float8_rw_b4"]["float8"] == "rowwise"
@@ -33,7 +41,12 @@ def test_gpu_check_dry_run_writes_every_row(tmp_path):
 
 
 def test_gpu_check_bad_argument_is_one_line(tmp_path):
-    proc = subprocess.run(["bash", str(SCRIPT), "--device", "tpu", "--out", str(tmp_path / "o")], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "--device", "tpu", "--out", str(tmp_path / "o")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and proc.stderr.strip() == "gpu_check.sh: --device must be cuda or cpu, got 'tpu'"
     assert not (tmp_path / "o").exists()

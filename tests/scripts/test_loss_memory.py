@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import loss_memory  # noqa: E402
 
-MiB = 2 ** 20
+MiB = 2**20
 
 
 def test_chunked_peak_is_a_fraction_of_unchunked_on_128k_vocab(capsys):
@@ -20,8 +20,10 @@ def test_chunked_peak_is_a_fraction_of_unchunked_on_128k_vocab(capsys):
     assert unchunked >= 6 * logits_bytes
     assert chunked <= 3 * logits_bytes
     with capsys.disabled():
-        print(f"\n[loss memory] {tokens}x{vocab} bf16: unchunked {unchunked / MiB:.0f} MiB, "
-              f"chunk 256 {chunked / MiB:.0f} MiB")
+        print(
+            f"\n[loss memory] {tokens}x{vocab} bf16: unchunked {unchunked / MiB:.0f} MiB, "
+            f"chunk 256 {chunked / MiB:.0f} MiB"
+        )
 
 
 def test_script_prints_a_table(capsys):

@@ -7,20 +7,23 @@ from titanlike.models.llama import FLAVORS
 from titanlike.training.mfu import device_peak_flops, mfu, peak_key, peak_tflops_for_name
 
 
-@pytest.mark.parametrize("name,dtype,expected", [
-    ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
-    ("NVIDIA A100 80GB PCIe", "bfloat16", 312.0),
-    ("NVIDIA A100-SXM4-40GB", "fp8", None),  # no FP8 on Ampere
-    ("NVIDIA H100 80GB HBM3", "bf16", 989.0),
-    ("NVIDIA H100 80GB HBM3", "fp8", 1979.0),
-    ("NVIDIA H100 PCIe", "bf16", 756.0),
-    ("NVIDIA H100 NVL", "fp8", 1670.0),
-    ("NVIDIA H200", "bf16", 989.0),
-    ("NVIDIA H200", "float32", 494.5),
-    ("NVIDIA B200", "bf16", 2250.0),
-    ("NVIDIA B200", "mxfp8", 4500.0),
-    ("NVIDIA GeForce RTX 3090", "bf16", None),
-])
+@pytest.mark.parametrize(
+    "name,dtype,expected",
+    [
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+        ("NVIDIA A100 80GB PCIe", "bfloat16", 312.0),
+        ("NVIDIA A100-SXM4-40GB", "fp8", None),  # no FP8 on Ampere
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.0),
+        ("NVIDIA H100 80GB HBM3", "fp8", 1979.0),
+        ("NVIDIA H100 PCIe", "bf16", 756.0),
+        ("NVIDIA H100 NVL", "fp8", 1670.0),
+        ("NVIDIA H200", "bf16", 989.0),
+        ("NVIDIA H200", "float32", 494.5),
+        ("NVIDIA B200", "bf16", 2250.0),
+        ("NVIDIA B200", "mxfp8", 4500.0),
+        ("NVIDIA GeForce RTX 3090", "bf16", None),
+    ],
+)
 def test_peak_table(name, dtype, expected):
     assert peak_tflops_for_name(name, dtype) == expected
 

@@ -26,11 +26,18 @@ def test_off_by_default_is_a_shared_no_op(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("global_step,expected", [(0, ["iteration_3", "iteration_6"]),
-                                                  (4, ["iteration_6", "iteration_9"])])
+@pytest.mark.parametrize(
+    "global_step,expected", [(0, ["iteration_3", "iteration_6"]), (4, ["iteration_6", "iteration_9"])]
+)
 def test_traces_for_the_scheduled_window(tmp_path, global_step, expected):
-    pcfg = Profiling(enable_profiling=True, save_traces_folder="traces", profile_freq=3, profile_warmup=1,
-                     profile_active=1, ranks=[0, 2])
+    pcfg = Profiling(
+        enable_profiling=True,
+        save_traces_folder="traces",
+        profile_freq=3,
+        profile_warmup=1,
+        profile_active=1,
+        ranks=[0, 2],
+    )
     with maybe_profile(pcfg, 2, str(tmp_path), global_step=global_step) as prof:
         assert prof.enabled
         for _ in range(7 if global_step == 0 else 5):
@@ -52,8 +59,9 @@ def test_empty_ranks_means_every_rank_and_bad_window_is_an_error(tmp_path):
     pcfg = Profiling(enable_profiling=True, ranks=[], profile_freq=2, profile_warmup=0, profile_active=1)
     assert maybe_profile(pcfg, 5, str(tmp_path)).enabled
     with pytest.raises(ValueError, match="profile_freq"):
-        maybe_profile(Profiling(enable_profiling=True, profile_freq=2, profile_warmup=2, profile_active=1), 0,
-                      str(tmp_path))
+        maybe_profile(
+            Profiling(enable_profiling=True, profile_freq=2, profile_warmup=2, profile_active=1), 0, str(tmp_path)
+        )
 
 
 def test_memory_snapshot_without_cuda_writes_nothing(tmp_path):

@@ -36,31 +36,58 @@ def torchtitan_lambda(i, total, warmup, ratio, kind, floor):
 @pytest.mark.parametrize("ratio", [None, 0.2, 0.8])
 def test_lr_schedule_is_torchtitans(decay, ratio):
     extra = ["--lr_scheduler.decay_ratio", str(ratio)] if ratio is not None else []
-    cfg = cfg_for("--training.steps", "100", "--lr_scheduler.warmup_steps", "10", "--lr_scheduler.decay_type", decay,
-                  "--lr_scheduler.min_lr_factor", "0.1", *extra)
+    cfg = cfg_for(
+        "--training.steps",
+        "100",
+        "--lr_scheduler.warmup_steps",
+        "10",
+        "--lr_scheduler.decay_type",
+        decay,
+        "--lr_scheduler.min_lr_factor",
+        "0.1",
+        *extra,
+    )
     f = [lr_factor(s, cfg) for s in range(1, 101)]
     assert f == pytest.approx([torchtitan_lambda(i, 100, 10, ratio, decay, 0.1) for i in range(100)], abs=1e-15)
     assert f[0] == pytest.approx(0.1) and f[9] == 1.0  # linear warmup: step s gets s / warmup
     stable_until = 10 if ratio is None else 100 - round(100 * ratio)  # warmup -> stable -> decay, any decay type
-    assert f[9:stable_until + 1] == [1.0] * (stable_until - 8) and f[stable_until + 1] < 1.0
+    assert f[9 : stable_until + 1] == [1.0] * (stable_until - 8) and f[stable_until + 1] < 1.0
     assert all(a >= b - 1e-12 for a, b in zip(f[10:], f[11:]))  # monotone decay towards min_lr_factor
     assert 0.1 < f[-1] < 0.2
 
 
 def test_lr_schedule_wsd_constant_and_the_debug_file_case():
     # torchtitan's debug file (warmup 2, decay_ratio 0.8, linear) run for 100 steps: stable at step 20.
-    cfg = cfg_for("--training.steps", "100", "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0.8",
-                  "--lr_scheduler.decay_type", "cosine")
+    cfg = cfg_for(
+        "--training.steps",
+        "100",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--lr_scheduler.decay_ratio",
+        "0.8",
+        "--lr_scheduler.decay_type",
+        "cosine",
+    )
     assert lr_factor(20, cfg) == 1.0 and lr_factor(22, cfg) < 1.0
     wsd = cfg_for("--training.steps", "100", "--lr_scheduler.warmup_steps", "10", "--lr_scheduler.decay_type", "wsd")
     assert [lr_factor(s, wsd) for s in range(1, 101)] == pytest.approx(
-        [torchtitan_lambda(i, 100, 10, 0.2, "linear", 0.0) for i in range(100)])
-    const = cfg_for("--training.steps", "50", "--lr_scheduler.warmup_steps", "5", "--lr_scheduler.decay_type",
-                    "constant")
+        [torchtitan_lambda(i, 100, 10, 0.2, "linear", 0.0) for i in range(100)]
+    )
+    const = cfg_for(
+        "--training.steps", "50", "--lr_scheduler.warmup_steps", "5", "--lr_scheduler.decay_type", "constant"
+    )
     assert [lr_factor(s, const) for s in range(5, 51)] == [1.0] * 46
     # total_steps shorter than the run: the factor stays at min_lr_factor afterwards
-    longer = cfg_for("--training.steps", "30", "--lr_scheduler.total_steps", "20", "--lr_scheduler.warmup_steps", "2",
-                     "--lr_scheduler.min_lr_factor", "0.25")
+    longer = cfg_for(
+        "--training.steps",
+        "30",
+        "--lr_scheduler.total_steps",
+        "20",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--lr_scheduler.min_lr_factor",
+        "0.25",
+    )
     assert lr_factor(25, longer) == 0.25 and lr_factor(30, longer) == 0.25
 
 
@@ -100,7 +127,7 @@ def test_gradient_accumulation_equals_one_big_batch():
         x, y = b[:, :-1], b[:, 1:].clone()
         y[0, :5] = IGNORE_INDEX  # uneven token counts across micro-batches: a mean of means would be wrong
         r1 = train_step([big], opt_big, [(x, y)], _loss(), max_norm=0.5, clip_fn=plain_clip_grad_norm_)
-        micro = [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)]
+        micro = [(x[i : i + 2], y[i : i + 2]) for i in range(0, 8, 2)]
         r2 = train_step([acc], opt_acc, micro, _loss(), max_norm=0.5, clip_fn=plain_clip_grad_norm_)
         assert abs(r1.loss - r2.loss) <= 1e-12 and abs(r1.grad_norm - r2.grad_norm) <= 1e-12
         assert r1.tokens == r2.tokens == 8 * 16 - 5
@@ -119,7 +146,7 @@ def test_mean_of_means_is_caught():
     big, acc = _model(), _model()
     train_step([big], build_optimizer([big], cfg), [(x, y)], _loss(), max_norm=0, clip_fn=plain_clip_grad_norm_)
     wrong = ScaledLoss(lambda lg, lb: cross_entropy_loss(lg, lb, reduction="mean") / 4)
-    micro = [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)]
+    micro = [(x[i : i + 2], y[i : i + 2]) for i in range(0, 8, 2)]
     train_step([acc], build_optimizer([acc], cfg), micro, wrong, max_norm=0, clip_fn=plain_clip_grad_norm_)
     assert max((p.grad - q.grad).abs().max() for p, q in zip(big.parameters(), acc.parameters())) > 1e-6
 

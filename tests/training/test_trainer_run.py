@@ -10,10 +10,28 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_debug_config_learns(tmp_path):
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "train.py", "--job.config_file", "configs/debug_model.toml",
-                        "--training.steps", "60", "--metrics.log_freq", "10", "--lr_scheduler.warmup_steps", "10",
-                        "--validation.freq", "60", "--job.dump_folder", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--job.config_file",
+            "configs/debug_model.toml",
+            "--training.steps",
+            "60",
+            "--metrics.log_freq",
+            "10",
+            "--lr_scheduler.warmup_steps",
+            "10",
+            "--validation.freq",
+            "60",
+            "--job.dump_folder",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [row for row in rows if "loss" in row]
@@ -30,9 +48,24 @@ def test_debug_config_learns(tmp_path):
 
 def test_a_model_too_large_for_the_host_is_refused_up_front_with_the_fix(tmp_path):
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "train.py", "--model.flavor", "405B", "--model.tokenizer", "cl100k",
-                        "--training.seq_len", "128", "--job.dump_folder", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--model.flavor",
+            "405B",
+            "--model.tokenizer",
+            "cl100k",
+            "--training.seq_len",
+            "128",
+            "--job.dump_folder",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2
     line = r.stderr.strip()
     # The state of the one rank (the whole 405B model is its shard: parameters, gradients, AdamW) cannot fit.

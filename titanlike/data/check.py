@@ -35,8 +35,10 @@ def check_encoding(encoding: str, errors: str) -> str | None:
 
 def _fix(encoding: str) -> str:
     if encoding.replace("_", "-").lower() in ("utf-8", "utf8"):
-        return ("convert it (iconv -f latin1 -t utf-8), or read it on purpose with data.encoding = 'latin-1' or "
-                "data.encoding_errors = 'replace'")
+        return (
+            "convert it (iconv -f latin1 -t utf-8), or read it on purpose with data.encoding = 'latin-1' or "
+            "data.encoding_errors = 'replace'"
+        )
     return "convert it, set the right data.encoding, or data.encoding_errors = 'replace'"
 
 
@@ -44,8 +46,11 @@ def _check_text(path: Path, encoding: str, errors: str) -> str | None:
     data = path.read_bytes()
     if not data.strip():
         return f"{path} is empty"
-    if b"\x00" in data[:_SNIFF] and not encoding.lower().startswith("utf-16") and not encoding.lower().startswith(
-            "utf-32"):
+    if (
+        b"\x00" in data[:_SNIFF]
+        and not encoding.lower().startswith("utf-16")
+        and not encoding.lower().startswith("utf-32")
+    ):
         return f"{path} holds NUL bytes: binary data, not text (a .bin must come from scripts/preprocess_data.py)"
     try:
         data.decode(encoding if encoding.replace("_", "-").lower() not in ("utf-8", "utf8") else "utf-8-sig", errors)
@@ -63,8 +68,9 @@ def _check_jsonl(path: Path, text_field: str, encoding: str, errors: str) -> str
                 continue
             why = None
             try:
-                record = json.loads(line.decode(encoding, errors) if encoding.lower() not in ("utf-8", "utf8")
-                                    else line)
+                record = json.loads(
+                    line.decode(encoding, errors) if encoding.lower() not in ("utf-8", "utf8") else line
+                )
             except UnicodeDecodeError as e:
                 why = f"is not {encoding} text (offset {e.start} of the line); {_fix(encoding)}"
             except ValueError as e:
@@ -88,8 +94,13 @@ def _check_jsonl(path: Path, text_field: str, encoding: str, errors: str) -> str
     return None
 
 
-def check_sources(paths: str | os.PathLike | Sequence[str | os.PathLike], tokenizer: Tokenizer,
-                  text_field: str = "text", encoding: str = "utf-8", errors: str = "strict") -> list[str]:
+def check_sources(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    tokenizer: Tokenizer,
+    text_field: str = "text",
+    encoding: str = "utf-8",
+    errors: str = "strict",
+) -> list[str]:
     """One line per bad source file or folder (all of them); [] when every file can be read."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -100,8 +111,10 @@ def check_sources(paths: str | os.PathLike | Sequence[str | os.PathLike], tokeni
             found = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in TEXT_SUFFIXES)
             if not found:
                 others = sorted(f.name for f in p.iterdir())[:3]
-                problems.append(f"data folder {p} holds no .txt or .jsonl files"
-                                + (f" (it has {', '.join(others)})" if others else " (it is empty)"))
+                problems.append(
+                    f"data folder {p} holds no .txt or .jsonl files"
+                    + (f" (it has {', '.join(others)})" if others else " (it is empty)")
+                )
             files += found
         elif p.is_file():
             files.append(p)
@@ -130,6 +143,8 @@ def check_sources(paths: str | os.PathLike | Sequence[str | os.PathLike], tokeni
 def check_length(n_tokens: int, seq_len: int, where: str) -> str | None:
     """The problem when ``n_tokens`` training tokens cannot fill one window of seq_len + 1."""
     if n_tokens < seq_len + 1:
-        return (f"{where} holds {n_tokens:,} training tokens, fewer than one window of training.seq_len + 1 = "
-                f"{seq_len + 1:,}; use more data, a shorter training.seq_len or a smaller data.val_fraction")
+        return (
+            f"{where} holds {n_tokens:,} training tokens, fewer than one window of training.seq_len + 1 = "
+            f"{seq_len + 1:,}; use more data, a shorter training.seq_len or a smaller data.val_fraction"
+        )
     return None

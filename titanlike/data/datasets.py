@@ -72,8 +72,10 @@ def _read_utf8(path: Path, encoding: str = "utf-8", errors: str = "strict") -> s
         return path.read_bytes().decode("utf-8-sig" if _utf8(encoding) else encoding, errors)
     except UnicodeDecodeError as e:
         what = "UTF-8" if _utf8(encoding) else f"{encoding} text"
-        raise ValueError(f"{path} is not {what} (bad byte at offset {e.start}); convert it, "
-                         f"e.g. iconv -f latin1 -t utf-8, or set data.encoding") from None
+        raise ValueError(
+            f"{path} is not {what} (bad byte at offset {e.start}); convert it, "
+            f"e.g. iconv -f latin1 -t utf-8, or set data.encoding"
+        ) from None
 
 
 def _jsonl_documents(path: Path, text_field: str, encoding: str = "utf-8", errors: str = "strict") -> Iterator[str]:
@@ -84,21 +86,30 @@ def _jsonl_documents(path: Path, text_field: str, encoding: str = "utf-8", error
             try:
                 record = json.loads(line if _utf8(encoding) else line.decode(encoding, errors))
             except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-                raise ValueError(f"{path}:{lineno} is not a JSON object ({e}); each line of a .jsonl file "
-                                 f"must be one JSON object") from None
+                raise ValueError(
+                    f"{path}:{lineno} is not a JSON object ({e}); each line of a .jsonl file must be one JSON object"
+                ) from None
             if not isinstance(record, dict) or text_field not in record:
-                raise ValueError(f"{path}:{lineno} has no {text_field!r} field; set text_field to the key "
-                                 f"that holds the document text")
+                raise ValueError(
+                    f"{path}:{lineno} has no {text_field!r} field; set text_field to the key "
+                    f"that holds the document text"
+                )
             text = record[text_field]
             if not isinstance(text, str):
-                raise ValueError(f"{path}:{lineno}: field {text_field!r} is a {type(text).__name__}, not a string; "
-                                 f"set text_field to the key that holds the document text")
+                raise ValueError(
+                    f"{path}:{lineno}: field {text_field!r} is a {type(text).__name__}, not a string; "
+                    f"set text_field to the key that holds the document text"
+                )
             yield text
 
 
-def iter_token_chunks(paths: str | os.PathLike | Sequence[str | os.PathLike], tokenizer: Tokenizer,
-                      text_field: str = "text", encoding: str = "utf-8",
-                      errors: str = "strict") -> Iterator[np.ndarray]:
+def iter_token_chunks(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    tokenizer: Tokenizer,
+    text_field: str = "text",
+    encoding: str = "utf-8",
+    errors: str = "strict",
+) -> Iterator[np.ndarray]:
     """The token stream of `paths`, in order, as consecutive chunks (memory-mapped for .bin files).
 
     Text and JSON lines are decoded with `encoding` and the `errors` policy ('strict', 'replace', 'ignore').
@@ -123,8 +134,11 @@ def iter_token_chunks(paths: str | os.PathLike | Sequence[str | os.PathLike], to
             yield from flush()
             yield open_token_file(path, tokenizer)
             continue
-        docs = _jsonl_documents(path, text_field, encoding, errors) if path.suffix == ".jsonl" \
+        docs = (
+            _jsonl_documents(path, text_field, encoding, errors)
+            if path.suffix == ".jsonl"
             else [_read_utf8(path, encoding, errors)]
+        )
         for doc in docs:
             if doc:
                 pending.append(doc)
@@ -134,8 +148,13 @@ def iter_token_chunks(paths: str | os.PathLike | Sequence[str | os.PathLike], to
     yield from flush()
 
 
-def load_token_stream(path: str | os.PathLike | Sequence[str | os.PathLike], tokenizer: Tokenizer,
-                      text_field: str = "text", encoding: str = "utf-8", errors: str = "strict") -> np.ndarray:
+def load_token_stream(
+    path: str | os.PathLike | Sequence[str | os.PathLike],
+    tokenizer: Tokenizer,
+    text_field: str = "text",
+    encoding: str = "utf-8",
+    errors: str = "strict",
+) -> np.ndarray:
     """All documents of `path` (one source or a list of them) as one flat token array.
 
     The dtype is uint16 for vocabularies up to 65,536 ids, else uint32. A single .bin source is
@@ -175,11 +194,18 @@ def write_token_file(chunks: Iterable[np.ndarray], out_path: str | os.PathLike, 
                 raise ValueError(f"nothing to write to {out}: the inputs hold no text")
             f.flush()
             os.fsync(f.fileno())
-        meta = {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "dtype": token_dtype(tokenizer.vocab_size).name,
-                "n_tokens": n_tokens, "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
-                "eos_id": tokenizer.eos_id}
-        with tempfile.NamedTemporaryFile("w", dir=out.parent, prefix=f".{out.name}.", suffix=".json",
-                                         delete=False) as f:
+        meta = {
+            "format": SIDECAR_FORMAT,
+            "version": SIDECAR_VERSION,
+            "dtype": token_dtype(tokenizer.vocab_size).name,
+            "n_tokens": n_tokens,
+            "tokenizer": tokenizer.name,
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id,
+        }
+        with tempfile.NamedTemporaryFile(
+            "w", dir=out.parent, prefix=f".{out.name}.", suffix=".json", delete=False
+        ) as f:
             tmp_json = f.name
             json.dump(meta, f, indent=2)
             f.write("\n")
@@ -219,12 +245,16 @@ def open_token_file(path: str | os.PathLike, tokenizer: Tokenizer) -> np.ndarray
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"sidecar {side} is unreadable ({e!r}); {fix}") from None
     if made_with != (tokenizer.name, tokenizer.vocab_size, tokenizer.eos_id):
-        raise ValueError(f"{path} was tokenized with {made_with[0]!r} (vocab {made_with[1]}, eos {made_with[2]}) but "
-                         f"this run uses {tokenizer.name!r} (vocab {tokenizer.vocab_size}, eos {tokenizer.eos_id}); "
-                         f"use that tokenizer or {fix}")
+        raise ValueError(
+            f"{path} was tokenized with {made_with[0]!r} (vocab {made_with[1]}, eos {made_with[2]}) but "
+            f"this run uses {tokenizer.name!r} (vocab {tokenizer.vocab_size}, eos {tokenizer.eos_id}); "
+            f"use that tokenizer or {fix}"
+        )
     if dtype != token_dtype(tokenizer.vocab_size) or path.stat().st_size != n_tokens * dtype.itemsize:
-        raise ValueError(f"{path} holds {path.stat().st_size} bytes, not the {n_tokens} {dtype} tokens its sidecar "
-                         f"promises (truncated or overwritten); {fix}")
+        raise ValueError(
+            f"{path} holds {path.stat().st_size} bytes, not the {n_tokens} {dtype} tokens its sidecar "
+            f"promises (truncated or overwritten); {fix}"
+        )
     if n_tokens == 0:
         return np.empty(0, dtype)  # np.memmap cannot map an empty file
     return np.memmap(path, dtype=dtype.newbyteorder("<"), mode="r", shape=(n_tokens,))
@@ -265,8 +295,10 @@ class PackedWindows(torch.utils.data.Dataset):
         self.shuffle = shuffle
         self.n_windows = (len(tokens) - 1) // seq_len
         if self.n_windows < 1:
-            raise ValueError(f"{len(tokens)} tokens cannot fill one window of seq_len + 1 = {seq_len + 1} tokens; "
-                             f"use more data or a shorter seq_len")
+            raise ValueError(
+                f"{len(tokens)} tokens cannot fill one window of seq_len + 1 = {seq_len + 1} tokens; "
+                f"use more data or a shorter seq_len"
+            )
         self._perms: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:

@@ -42,8 +42,10 @@ def _check_layout(global_batch_size: int, local_batch_size: int, dp_rank: int, d
     if local_batch_size < 1 or global_batch_size < 1:
         raise ValueError(f"batch sizes must be >= 1, got global {global_batch_size}, local {local_batch_size}")
     if global_batch_size % (dp_degree * local_batch_size):
-        raise ValueError(f"global_batch_size {global_batch_size} is not divisible by dp_degree {dp_degree} x "
-                         f"local_batch_size {local_batch_size}; use a multiple of {dp_degree * local_batch_size}")
+        raise ValueError(
+            f"global_batch_size {global_batch_size} is not divisible by dp_degree {dp_degree} x "
+            f"local_batch_size {local_batch_size}; use a multiple of {dp_degree * local_batch_size}"
+        )
 
 
 class _CPSlice:
@@ -66,8 +68,9 @@ class _CPSlice:
 
 def _check_position(global_sample: Any) -> int:
     if isinstance(global_sample, bool) or not isinstance(global_sample, (int, np.integer)) or global_sample < 0:
-        raise ValueError(f"the data loader position must be a non-negative integer global sample index, "
-                         f"got {global_sample!r}")
+        raise ValueError(
+            f"the data loader position must be a non-negative integer global sample index, got {global_sample!r}"
+        )
     return int(global_sample)
 
 
@@ -81,8 +84,18 @@ class GlobalSampleStream(IterableDataset):
     round robin puts back in sequence.
     """
 
-    def __init__(self, windows: PackedWindows, *, global_batch_size: int, local_batch_size: int,
-                 dp_rank: int, dp_degree: int, start_sample: int = 0, cp_rank: int = 0, cp_degree: int = 1):
+    def __init__(
+        self,
+        windows: PackedWindows,
+        *,
+        global_batch_size: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_degree: int,
+        start_sample: int = 0,
+        cp_rank: int = 0,
+        cp_degree: int = 1,
+    ):
         _check_layout(global_batch_size, local_batch_size, dp_rank, dp_degree)
         self.cp_rank, self.cp_degree = cp_rank, cp_degree
         self._cp = _CPSlice(cp_rank, cp_degree, windows.seq_len)
@@ -97,8 +110,9 @@ class GlobalSampleStream(IterableDataset):
 
     def micro_batch_samples(self, step_start: int, micro_batch: int) -> range:
         """The global samples of this rank's `micro_batch` in the step that starts at `step_start`."""
-        first = (step_start + self.dp_rank * (self.global_batch_size // self.dp_degree)
-                 + micro_batch * self.local_batch_size)
+        first = (
+            step_start + self.dp_rank * (self.global_batch_size // self.dp_degree) + micro_batch * self.local_batch_size
+        )
         return range(first, first + self.local_batch_size)
 
     def __iter__(self) -> Iterator[Batch]:
@@ -107,8 +121,14 @@ class GlobalSampleStream(IterableDataset):
         step_start, micro_batch = self.global_sample, self.micro_batch
         for k in range(worker, 1 << 62, n_workers):
             m = micro_batch + k
-            yield self._cp(self.windows.batch(self.micro_batch_samples(
-                step_start + (m // self.accumulation_steps) * self.global_batch_size, m % self.accumulation_steps)))
+            yield self._cp(
+                self.windows.batch(
+                    self.micro_batch_samples(
+                        step_start + (m // self.accumulation_steps) * self.global_batch_size,
+                        m % self.accumulation_steps,
+                    )
+                )
+            )
 
     def advance(self) -> None:
         """Record that one more micro-batch was handed to the trainer."""
@@ -159,10 +179,22 @@ def set_loader_position(loader: TokenDataLoader, global_sample: int) -> None:
     loader.load_state_dict({"global_sample": global_sample})
 
 
-def build_dataloader(tokens: np.ndarray, *, seq_len: int, global_batch_size: int, local_batch_size: int,
-                     dp_rank: int, dp_degree: int, seed: int, shuffle: bool = True, num_workers: int = 0,
-                     start_sample: int = 0, pin_memory: bool = False, cp_rank: int = 0,
-                     cp_degree: int = 1) -> TokenDataLoader:
+def build_dataloader(
+    tokens: np.ndarray,
+    *,
+    seq_len: int,
+    global_batch_size: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    seed: int,
+    shuffle: bool = True,
+    num_workers: int = 0,
+    start_sample: int = 0,
+    pin_memory: bool = False,
+    cp_rank: int = 0,
+    cp_degree: int = 1,
+) -> TokenDataLoader:
     """An endless loader of (inputs, labels), each LongTensor[local_batch_size, seq_len], for one rank.
 
     Every global_batch_size / (dp_degree * local_batch_size) consecutive batches make one
@@ -170,22 +202,40 @@ def build_dataloader(tokens: np.ndarray, *, seq_len: int, global_batch_size: int
     """
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-    stream = GlobalSampleStream(PackedWindows(tokens, seq_len, seed=seed, shuffle=shuffle),
-                                global_batch_size=global_batch_size, local_batch_size=local_batch_size,
-                                dp_rank=dp_rank, dp_degree=dp_degree, start_sample=start_sample, cp_rank=cp_rank,
-                                cp_degree=cp_degree)
+    stream = GlobalSampleStream(
+        PackedWindows(tokens, seq_len, seed=seed, shuffle=shuffle),
+        global_batch_size=global_batch_size,
+        local_batch_size=local_batch_size,
+        dp_rank=dp_rank,
+        dp_degree=dp_degree,
+        start_sample=start_sample,
+        cp_rank=cp_rank,
+        cp_degree=cp_degree,
+    )
     with warnings.catch_warnings():  # torchdata <= 0.11 calls torch.set_vital, deprecated in recent torch
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         # A generator of its own: every iter() draws the workers' base seed from it, and from the global one
         # otherwise, which would put the global RNG one draw off after a resume (the model's dropout, say, would
         # then not continue bitwise). The batches never depend on it (the order is a function of the seed).
-        return TokenDataLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
-                               generator=torch.Generator().manual_seed(seed))
+        return TokenDataLoader(
+            stream,
+            batch_size=None,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            generator=torch.Generator().manual_seed(seed),
+        )
 
 
 class _ValidationBatches(torch.utils.data.Dataset):
-    def __init__(self, windows: PackedWindows, batch_size: int, dp_rank: int, dp_degree: int, n_batches: int,
-                 cp: _CPSlice | None = None):
+    def __init__(
+        self,
+        windows: PackedWindows,
+        batch_size: int,
+        dp_rank: int,
+        dp_degree: int,
+        n_batches: int,
+        cp: _CPSlice | None = None,
+    ):
         self.windows, self.batch_size, self.dp_rank, self.dp_degree = windows, batch_size, dp_rank, dp_degree
         self.cp = cp or _CPSlice()
         self.n_batches = n_batches
@@ -200,8 +250,17 @@ class _ValidationBatches(torch.utils.data.Dataset):
         return self.cp(self.windows.batch(range(first, first + self.batch_size)))
 
 
-def build_validation_loader(tokens: np.ndarray, *, seq_len: int, batch_size: int, dp_rank: int, dp_degree: int,
-                            max_batches: int | None = None, cp_rank: int = 0, cp_degree: int = 1) -> DataLoader:
+def build_validation_loader(
+    tokens: np.ndarray,
+    *,
+    seq_len: int,
+    batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    max_batches: int | None = None,
+    cp_rank: int = 0,
+    cp_degree: int = 1,
+) -> DataLoader:
     """A finite, deterministic loader of (inputs, labels) batches over `tokens`, in storage order.
 
     Batch k of rank r is windows [(k*D + r)*B, (k*D + r + 1)*B): ranks read disjoint windows, every
@@ -215,12 +274,17 @@ def build_validation_loader(tokens: np.ndarray, *, seq_len: int, batch_size: int
     n_windows = max(len(tokens) - 1, 0) // max(seq_len, 1)
     n_batches = n_windows // (batch_size * dp_degree)
     if n_batches == 0:
-        raise ValueError(f"the validation split has {len(tokens)} tokens, {n_windows} windows of {seq_len + 1}: "
-                         f"too few for one batch of {batch_size} on each of {dp_degree} ranks; raise val_fraction "
-                         f"or lower the batch size")
+        raise ValueError(
+            f"the validation split has {len(tokens)} tokens, {n_windows} windows of {seq_len + 1}: "
+            f"too few for one batch of {batch_size} on each of {dp_degree} ranks; raise val_fraction "
+            f"or lower the batch size"
+        )
     if max_batches is not None:
         n_batches = min(n_batches, max_batches)
     windows = PackedWindows(tokens, seq_len, shuffle=False)
     cp = _CPSlice(cp_rank, cp_degree, seq_len)
-    return DataLoader(_ValidationBatches(windows, batch_size, dp_rank, dp_degree, n_batches, cp), batch_size=None,
-                      generator=torch.Generator().manual_seed(0))  # leaves the global RNG alone
+    return DataLoader(
+        _ValidationBatches(windows, batch_size, dp_rank, dp_degree, n_batches, cp),
+        batch_size=None,
+        generator=torch.Generator().manual_seed(0),
+    )  # leaves the global RNG alone

@@ -75,7 +75,8 @@ class Tokenizer:
         self.name = name
         self.encoding = encoding
         self.special_tokens: dict[str, int] = dict(
-            sorted(((t, encoding.encode_single_token(t)) for t in encoding.special_tokens_set), key=lambda kv: kv[1]))
+            sorted(((t, encoding.encode_single_token(t)) for t in encoding.special_tokens_set), key=lambda kv: kv[1])
+        )
         self.eos_id: int = self.special_tokens[eos_token]
         self.bos_id: int | None = self.special_tokens[bos_token] if bos_token is not None else None
         self.vocab_size: int = encoding.n_vocab  # every id in [0, vocab_size) is a rank or a special
@@ -84,8 +85,9 @@ class Tokenizer:
         ids = self.encoding.encode_ordinary(text)
         return self._wrap(ids, bos, eos)
 
-    def encode_batch(self, texts: Sequence[str], bos: bool = False, eos: bool = False,
-                     num_threads: int | None = None) -> list[list[int]]:
+    def encode_batch(
+        self, texts: Sequence[str], bos: bool = False, eos: bool = False, num_threads: int | None = None
+    ) -> list[list[int]]:
         """`encode` over many documents, in parallel threads (tiktoken releases the GIL)."""
         threads = num_threads or min(8, os.cpu_count() or 1)
         batch = self.encoding.encode_ordinary_batch(list(texts), num_threads=threads)
@@ -121,13 +123,16 @@ def build_tokenizer(name_or_path: str, pattern: str | None = None) -> Tokenizer:
         return _build(name_or_path, asset_path("tokenizers", filename), pattern, specials, eos, bos)
     path = Path(name_or_path).expanduser()
     if not path.is_file():
-        raise ValueError(f"tokenizer {name_or_path!r} is neither a known name ({', '.join(TOKENIZER_NAMES)}) "
-                         f"nor an existing .tiktoken rank file; use one of those names or fix the path")
+        raise ValueError(
+            f"tokenizer {name_or_path!r} is neither a known name ({', '.join(TOKENIZER_NAMES)}) "
+            f"nor an existing .tiktoken rank file; use one of those names or fix the path"
+        )
     return _build(path.stem, path, pattern or LLAMA3_PATTERN, None, END_OF_TEXT, BEGIN_OF_TEXT)
 
 
-def _build(name: str, path: Path, pattern: str, specials: dict[str, int] | None, eos: str,
-           bos: str | None) -> Tokenizer:
+def _build(
+    name: str, path: Path, pattern: str, specials: dict[str, int] | None, eos: str, bos: str | None
+) -> Tokenizer:
     try:
         ranks = tiktoken.load.load_tiktoken_bpe(str(path))
     except (ValueError, OSError) as e:  # malformed lines raise ValueError / binascii.Error

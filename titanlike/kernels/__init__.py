@@ -13,6 +13,13 @@ from titanlike.kernels.te import (
 )
 
 __all__ = [
-    "FP8_RECIPES", "TEUnavailableError", "convert_kernels", "convert_to_te", "load_te", "make_fp8_recipe",
-    "te_available", "te_to_torch_state_dict", "torch_to_te_state_dict",
+    "FP8_RECIPES",
+    "TEUnavailableError",
+    "convert_kernels",
+    "convert_to_te",
+    "load_te",
+    "make_fp8_recipe",
+    "te_available",
+    "te_to_torch_state_dict",
+    "torch_to_te_state_dict",
 ]

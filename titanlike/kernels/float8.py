@@ -42,9 +42,18 @@ import torch
 from torch import nn
 
 __all__ = [
-    "TORCHAO_RECIPES", "FLOAT8_ALIGN", "Float8UnavailableError", "load_torchao_float8", "torchao_available",
-    "check_float8_runtime", "float8_linear_config", "float8_filter", "convert_to_float8", "is_float8_linear",
-    "float8_tensorwise_tp", "precompute_float8_scales",
+    "TORCHAO_RECIPES",
+    "FLOAT8_ALIGN",
+    "Float8UnavailableError",
+    "load_torchao_float8",
+    "torchao_available",
+    "check_float8_runtime",
+    "float8_linear_config",
+    "float8_filter",
+    "convert_to_float8",
+    "is_float8_linear",
+    "float8_tensorwise_tp",
+    "precompute_float8_scales",
 ]
 
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -82,7 +91,8 @@ def load_torchao_float8():
     if isinstance(result, str):
         raise Float8UnavailableError(
             f"float8.backend=torchao needs torchao, which cannot be imported here ({result}); "
-            f"pip install 'torchao==0.18.0' (the project's [float8] extra) or leave float8.recipe empty")
+            f"pip install 'torchao==0.18.0' (the project's [float8] extra) or leave float8.recipe empty"
+        )
     return result[1]
 
 
@@ -96,30 +106,37 @@ def offered_recipes() -> tuple[str, ...]:
     return tuple(r.value for r in f8.Float8LinearRecipeName)
 
 
-def check_float8_runtime(recipe: str, emulate: bool, device: torch.device | str,
-                         capability: tuple[int, int] | None = None) -> None:
+def check_float8_runtime(
+    recipe: str, emulate: bool, device: torch.device | str, capability: tuple[int, int] | None = None
+) -> None:
     """Everything about the machine that can make ``float8.backend=torchao`` fail, as one-line errors: torchao
     missing, a recipe the installed version does not offer, no GPU or one older than sm_89 without emulation."""
     f8 = load_torchao_float8()
     offered = offered_recipes()
     if recipe not in offered:
         version = _cached_torchao()[0]
-        raise Float8UnavailableError(f"float8.recipe={recipe} is not offered by the installed torchao {version} "
-                                     f"(it has {', '.join(offered)}); choose one of those or install torchao==0.18.0")
+        raise Float8UnavailableError(
+            f"float8.recipe={recipe} is not offered by the installed torchao {version} "
+            f"(it has {', '.join(offered)}); choose one of those or install torchao==0.18.0"
+        )
     del f8
     if emulate:
         return
     dev = torch.device(device)
     if dev.type != "cuda":
-        raise Float8UnavailableError(f"float8.recipe={recipe} without emulation needs a CUDA GPU with compute "
-                                     f"capability >= 8.9; set float8.emulate=true to run torchao's emulation on "
-                                     f"{dev.type}")
+        raise Float8UnavailableError(
+            f"float8.recipe={recipe} without emulation needs a CUDA GPU with compute "
+            f"capability >= 8.9; set float8.emulate=true to run torchao's emulation on "
+            f"{dev.type}"
+        )
     if capability is None:
         capability = torch.cuda.get_device_capability(dev)
     if tuple(capability) < MIN_CAPABILITY:
-        raise Float8UnavailableError(f"float8.recipe={recipe} needs compute capability >= 8.9 (Ada/Hopper or "
-                                     f"newer), this GPU has {capability[0]}.{capability[1]}; set "
-                                     f"float8.emulate=true (slow) or leave float8.recipe empty")
+        raise Float8UnavailableError(
+            f"float8.recipe={recipe} needs compute capability >= 8.9 (Ada/Hopper or "
+            f"newer), this GPU has {capability[0]}.{capability[1]}; set "
+            f"float8.emulate=true (slow) or leave float8.recipe empty"
+        )
 
 
 def float8_linear_config(recipe: str, *, emulate: bool = False, enable_fsdp_float8_all_gather: bool = False):
@@ -151,9 +168,13 @@ def float8_filter(model: nn.Module, filter_fqns: Iterable[str] = ("output",)):
     def keep(module: nn.Module, fqn: str) -> bool:
         if not isinstance(module, nn.Linear):
             return True  # torchao asks about containers too: descend
-        return (not is_float8_linear(module) and not any(f in fqn for f in filter_fqns)
-                and module.in_features % FLOAT8_ALIGN == 0 and module.out_features % FLOAT8_ALIGN == 0
-                and id(module.weight) not in shared)
+        return (
+            not is_float8_linear(module)
+            and not any(f in fqn for f in filter_fqns)
+            and module.in_features % FLOAT8_ALIGN == 0
+            and module.out_features % FLOAT8_ALIGN == 0
+            and id(module.weight) not in shared
+        )
 
     return keep
 
@@ -182,9 +203,14 @@ def _autocast_float8_linear_class():
     return Float8Linear
 
 
-def convert_to_float8(model: nn.Module, recipe: str, *, emulate: bool = False,
-                      filter_fqns: Iterable[str] = ("output",), enable_fsdp_float8_all_gather: bool = False
-                      ) -> list[str]:
+def convert_to_float8(
+    model: nn.Module,
+    recipe: str,
+    *,
+    emulate: bool = False,
+    filter_fqns: Iterable[str] = ("output",),
+    enable_fsdp_float8_all_gather: bool = False,
+) -> list[str]:
     """Swap torchao ``Float8Linear`` into ``model`` in place; return the converted FQNs (sorted).
 
     Call on the unparallelized model (before TP/FSDP). Raises :class:`Float8UnavailableError` (one line) if
@@ -194,10 +220,11 @@ def convert_to_float8(model: nn.Module, recipe: str, *, emulate: bool = False,
 
     f8 = load_torchao_float8()
     if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise ValueError("float8 conversion must come before tensor parallelism / FSDP (convert the plain model, "
-                         "then parallelize it)")
-    config = float8_linear_config(recipe, emulate=emulate,
-                                  enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather)
+        raise ValueError(
+            "float8 conversion must come before tensor parallelism / FSDP (convert the plain model, "
+            "then parallelize it)"
+        )
+    config = float8_linear_config(recipe, emulate=emulate, enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather)
     f8.convert_to_float8_training(model, config=config, module_filter_fn=float8_filter(model, filter_fqns))
     cls = _autocast_float8_linear_class()
     converted = []

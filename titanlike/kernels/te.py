@@ -50,8 +50,15 @@ from torch.distributed.tensor import DTensor
 from titanlike.models.llama import RMSNorm
 
 __all__ = [
-    "TEUnavailableError", "load_te", "te_available", "make_fp8_recipe", "convert_to_te", "convert_kernels",
-    "te_to_torch_state_dict", "torch_to_te_state_dict", "FP8_RECIPES",
+    "TEUnavailableError",
+    "load_te",
+    "te_available",
+    "make_fp8_recipe",
+    "convert_to_te",
+    "convert_kernels",
+    "te_to_torch_state_dict",
+    "torch_to_te_state_dict",
+    "FP8_RECIPES",
 ]
 
 EXTRA_STATE = "_extra_state"
@@ -75,8 +82,13 @@ def _import_te(import_module: Callable[[str], types.ModuleType]) -> types.Simple
     """The TE pieces the converter uses, as one namespace (the shape test stand-ins copy)."""
     te = import_module("transformer_engine.pytorch")
     recipe = import_module("transformer_engine.common.recipe")
-    return types.SimpleNamespace(Linear=te.Linear, RMSNorm=te.RMSNorm, autocast=getattr(te, "autocast", None),
-                                 fp8_autocast=getattr(te, "fp8_autocast", None), recipe=recipe)
+    return types.SimpleNamespace(
+        Linear=te.Linear,
+        RMSNorm=te.RMSNorm,
+        autocast=getattr(te, "autocast", None),
+        fp8_autocast=getattr(te, "fp8_autocast", None),
+        recipe=recipe,
+    )
 
 
 @functools.cache
@@ -99,7 +111,8 @@ def load_te(import_module: Callable[[str], types.ModuleType] | None = None) -> t
     if isinstance(result, str):
         raise TEUnavailableError(
             f"model.kernels=te needs NVIDIA Transformer Engine, which cannot be imported here ({result}); "
-            f"install transformer-engine[pytorch] on a CUDA machine or use model.kernels=torch")
+            f"install transformer-engine[pytorch] on a CUDA machine or use model.kernels=torch"
+        )
     return result
 
 
@@ -118,8 +131,10 @@ def make_fp8_recipe(name: str, recipe_module, capability: tuple[int, int] | None
     if capability is None:
         raise ValueError(f"float8.recipe={name} needs a CUDA GPU (compute capability >= {floor[0]}.{floor[1]})")
     if tuple(capability) < floor:
-        raise ValueError(f"float8.recipe={name} ({what}) needs compute capability >= {floor[0]}.{floor[1]}, "
-                         f"this GPU has {capability[0]}.{capability[1]}")
+        raise ValueError(
+            f"float8.recipe={name} ({what}) needs compute capability >= {floor[0]}.{floor[1]}, "
+            f"this GPU has {capability[0]}.{capability[1]}"
+        )
     return getattr(recipe_module, cls_name)()
 
 
@@ -129,8 +144,7 @@ def _current_capability() -> tuple[int, int] | None:
 
 def _new_linear(te, old: nn.Linear) -> nn.Module:
     w = old.weight
-    new = te.Linear(old.in_features, old.out_features, bias=old.bias is not None, params_dtype=w.dtype,
-                    device=w.device)
+    new = te.Linear(old.in_features, old.out_features, bias=old.bias is not None, params_dtype=w.dtype, device=w.device)
     _copy_params(old, new)
     return new
 
@@ -148,8 +162,9 @@ def _copy_params(old: nn.Module, new: nn.Module) -> None:
     for name, p in old.named_parameters():
         q = new_params[name]
         if q.shape != p.shape:
-            raise RuntimeError(f"TE module {type(new).__name__}.{name} has shape {tuple(q.shape)}, "
-                               f"expected {tuple(p.shape)}")
+            raise RuntimeError(
+                f"TE module {type(new).__name__}.{name} has shape {tuple(q.shape)}, expected {tuple(p.shape)}"
+            )
         if p.device.type != "meta":
             q.copy_(p)
         q.requires_grad_(p.requires_grad)
@@ -187,8 +202,14 @@ def _fp8_context_factory(te, recipe, group) -> Callable:
     return functools.partial(te.fp8_autocast, enabled=True, fp8_recipe=recipe, fp8_group=group)
 
 
-def convert_to_te(model: nn.Module, float8_recipe: str = "", *, te: types.SimpleNamespace | None = None,
-                  capability: tuple[int, int] | None = None, fp8_group=None) -> nn.Module:
+def convert_to_te(
+    model: nn.Module,
+    float8_recipe: str = "",
+    *,
+    te: types.SimpleNamespace | None = None,
+    capability: tuple[int, int] | None = None,
+    fp8_group=None,
+) -> nn.Module:
     """Swap TE modules into ``model`` (a ``Transformer`` or a pipeline stage of one) in place; returns it.
 
     Call on the unparallelized model (materialised or on the meta device), before ``parallelize_model``.
@@ -199,8 +220,10 @@ def convert_to_te(model: nn.Module, float8_recipe: str = "", *, te: types.Simple
     if te is None:
         te = load_te()
     if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise ValueError("model.kernels=te must be applied before tensor parallelism / FSDP, and does not combine "
-                         "with tensor_parallel_degree > 1 (TE modules are not nn.Linear)")
+        raise ValueError(
+            "model.kernels=te must be applied before tensor parallelism / FSDP, and does not combine "
+            "with tensor_parallel_degree > 1 (TE modules are not nn.Linear)"
+        )
     if capability is None and float8_recipe:
         capability = _current_capability()
     recipe = make_fp8_recipe(float8_recipe, te.recipe, capability)
@@ -208,8 +231,10 @@ def convert_to_te(model: nn.Module, float8_recipe: str = "", *, te: types.Simple
         align = _FP8_ALIGN.get(float8_recipe, 16)
         for name, m in model.named_modules():
             if isinstance(m, nn.Linear) and name != "output" and (m.in_features % align or m.out_features % align):
-                raise ValueError(f"float8.recipe={float8_recipe}: {name} is {m.in_features} -> {m.out_features}; "
-                                 f"FP8 GEMMs need both dims to be multiples of {align}")
+                raise ValueError(
+                    f"float8.recipe={float8_recipe}: {name} is {m.in_features} -> {m.out_features}; "
+                    f"FP8 GEMMs need both dims to be multiples of {align}"
+                )
     converted: list[str] = []
     for name, block in model.layers.named_children():
         _swap_children(block, te, f"layers.{name}.", converted)

@@ -30,17 +30,25 @@ from titanlike.layout.errors import ConfigError
 __all__ = ["FLATTENED", "MESH_DIMS", "Degrees", "degree_problems", "describe_layout", "rank_groups", "rank_of"]
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
-             "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+FLATTENED = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
 
 
-def degree_problems(*, dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int,
-                    world_size: int) -> tuple[list[str], int]:
+def degree_problems(
+    *, dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int, world_size: int
+) -> tuple[list[str], int]:
     """The degree arithmetic: (one line per problem, the resolved dp_shard). ``dp_shard = -1`` takes whatever
     the other degrees leave of ``world_size``. The resolved value is 1 where it cannot be resolved."""
     out = []
-    for name, value in (("data_parallel_replicate_degree", dp_replicate), ("context_parallel_degree", cp),
-                        ("tensor_parallel_degree", tp), ("pipeline_parallel_degree", pp)):
+    for name, value in (
+        ("data_parallel_replicate_degree", dp_replicate),
+        ("context_parallel_degree", cp),
+        ("tensor_parallel_degree", tp),
+        ("pipeline_parallel_degree", pp),
+    ):
         if value < 1:
             out.append(f"parallelism.{name}: {value} must be >= 1")
     if world_size < 1:
@@ -50,15 +58,19 @@ def degree_problems(*, dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: i
     rest = tp * pp * cp * dp_replicate
     if dp_shard == -1:
         if world_size % rest:
-            return [f"parallelism: world size {world_size} is not divisible by tp {tp} x pp {pp} x cp {cp} x "
-                    f"dp_replicate {dp_replicate} = {rest}; change the degrees or the number of processes"], 1
+            return [
+                f"parallelism: world size {world_size} is not divisible by tp {tp} x pp {pp} x cp {cp} x "
+                f"dp_replicate {dp_replicate} = {rest}; change the degrees or the number of processes"
+            ], 1
         return [], world_size // rest
     if dp_shard < 1:
         return [f"parallelism.data_parallel_shard_degree: {dp_shard} must be -1 (infer) or >= 1"], 1
     if rest * dp_shard != world_size:
-        return [f"parallelism: pp {pp} x dp_replicate {dp_replicate} x dp_shard {dp_shard} x cp {cp} x tp {tp} = "
-                f"{rest * dp_shard} != world size {world_size}; set data_parallel_shard_degree = -1 to infer it or "
-                f"change the degrees"], dp_shard
+        return [
+            f"parallelism: pp {pp} x dp_replicate {dp_replicate} x dp_shard {dp_shard} x cp {cp} x tp {tp} = "
+            f"{rest * dp_shard} != world size {world_size}; set data_parallel_shard_degree = -1 to infer it or "
+            f"change the degrees"
+        ], dp_shard
     return [], dp_shard
 
 
@@ -74,8 +86,14 @@ class Degrees:
     world_size: int
 
     def __post_init__(self):
-        problems, self.dp_shard = degree_problems(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
-                                                  cp=self.cp, tp=self.tp, pp=self.pp, world_size=self.world_size)
+        problems, self.dp_shard = degree_problems(
+            dp_replicate=self.dp_replicate,
+            dp_shard=self.dp_shard,
+            cp=self.cp,
+            tp=self.tp,
+            pp=self.pp,
+            world_size=self.world_size,
+        )
         if problems:
             raise ConfigError(problems[0])
 
@@ -83,9 +101,14 @@ class Degrees:
     def from_config(cls, cfg, world_size: int):
         """The degrees of ``cfg.parallelism`` on ``world_size`` ranks."""
         p = cfg.parallelism
-        return cls(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-                   cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
-                   world_size=world_size)
+        return cls(
+            dp_replicate=p.data_parallel_replicate_degree,
+            dp_shard=p.data_parallel_shard_degree,
+            cp=p.context_parallel_degree,
+            tp=p.tensor_parallel_degree,
+            pp=p.pipeline_parallel_degree,
+            world_size=world_size,
+        )
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -150,8 +173,12 @@ def rank_groups(dims: Degrees, names: str | tuple[str, ...]) -> list[list[int]]:
     groups = []
     for outer in itertools.product(*(range(sizes[n]) for n in fixed)):
         base = dict(zip(fixed, outer))
-        groups.append(sorted(rank_of(dims, {**base, **dict(zip(names, inner))})
-                             for inner in itertools.product(*(range(sizes[n]) for n in names))))
+        groups.append(
+            sorted(
+                rank_of(dims, {**base, **dict(zip(names, inner))})
+                for inner in itertools.product(*(range(sizes[n]) for n in names))
+            )
+        )
     return sorted(groups)
 
 
@@ -162,14 +189,22 @@ def describe_layout(dims: Degrees, gpus_per_node: int | None = None) -> str:
     gpn = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or dims.world_size
     degrees = " x ".join(f"{n} {s}" for n, s in zip(MESH_DIMS, dims.shape))
     n_nodes = math.ceil(dims.world_size / gpn)
-    lines = [f"parallel layout: {degrees} = world size {dims.world_size} "
-             f"({n_nodes} node{'s' if n_nodes > 1 else ''} of {gpn} rank{'s' if gpn > 1 else ''})"]
+    lines = [
+        f"parallel layout: {degrees} = world size {dims.world_size} "
+        f"({n_nodes} node{'s' if n_nodes > 1 else ''} of {gpn} rank{'s' if gpn > 1 else ''})"
+    ]
 
     def fmt(groups):
         return " ".join("[" + ",".join(map(str, g)) + "]" for g in groups)
 
-    for label, names in (("tp", "tp"), ("cp", "cp"), ("dp_shard (fsdp)", "dp_shard"),
-                         ("dp_replicate", "dp_replicate"), ("dp (data)", "dp"), ("pp", "pp")):
+    for label, names in (
+        ("tp", "tp"),
+        ("cp", "cp"),
+        ("dp_shard (fsdp)", "dp_shard"),
+        ("dp_replicate", "dp_replicate"),
+        ("dp (data)", "dp"),
+        ("pp", "pp"),
+    ):
         size = math.prod(dict(zip(MESH_DIMS, dims.shape))[n] for n in FLATTENED.get(names, (names,)))
         if size > 1:
             lines.append(f"  {label} groups of {size}: {fmt(rank_groups(dims, names))}")
@@ -178,6 +213,8 @@ def describe_layout(dims: Degrees, gpus_per_node: int | None = None) -> str:
     for group in rank_groups(dims, "tp"):
         nodes = sorted({r // gpn for r in group})
         if len(nodes) > 1:
-            lines.append(f"WARNING: tp group [{','.join(map(str, group))}] spans nodes {nodes}: every layer's "
-                         f"tensor-parallel collectives cross the inter-node link; keep tp <= gpus_per_node ({gpn})")
+            lines.append(
+                f"WARNING: tp group [{','.join(map(str, group))}] spans nodes {nodes}: every layer's "
+                f"tensor-parallel collectives cross the inter-node link; keep tp <= gpus_per_node ({gpn})"
+            )
     return "\n".join(lines)

@@ -10,8 +10,14 @@ from typing import Literal
 from titanlike.layout.errors import ConfigError
 
 __all__ = [
-    "BatchSplit", "ac_block_mode", "batch_split", "loss_parallel_enabled", "master_dtype", "parse_ac_option",
-    "precision_policy", "reshard_after_forward",
+    "BatchSplit",
+    "ac_block_mode",
+    "batch_split",
+    "loss_parallel_enabled",
+    "master_dtype",
+    "parse_ac_option",
+    "precision_policy",
+    "reshard_after_forward",
 ]
 
 Precision = Literal["fsdp", "autocast", "none"]
@@ -112,7 +118,10 @@ def batch_split(global_batch_size: int, local_batch_size: int, dp: int) -> Batch
         return BatchSplit(max(gbs, 1), 1, f"training.global_batch_size: {gbs} must be -1 or >= 1")
     per_pass = local_batch_size * dp
     if gbs % per_pass:
-        return BatchSplit(gbs, max(1, gbs // per_pass),
-                          f"training.global_batch_size {gbs} is not divisible by local_batch_size {local_batch_size} "
-                          f"x data-parallel degree {dp}; use a multiple of {per_pass}")
+        return BatchSplit(
+            gbs,
+            max(1, gbs // per_pass),
+            f"training.global_batch_size {gbs} is not divisible by local_batch_size {local_batch_size} "
+            f"x data-parallel degree {dp}; use a multiple of {per_pass}",
+        )
     return BatchSplit(gbs, gbs // per_pass)

@@ -19,9 +19,21 @@ from titanlike.models.spec import get_spec
 __all__ = ["MODEL_OVERRIDES", "RULES", "layout_violations", "rule_violations"]
 
 # The model.<key> shape overrides of the config (each model's spec lists the ones it reads: ModelSpec.config_keys).
-MODEL_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len", "rope_theta",
-                   "norm_eps", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
-                   "rope_high_freq_factor", "rope_original_max_seq_len")
+MODEL_OVERRIDES = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_hidden_dim",
+    "max_seq_len",
+    "rope_theta",
+    "norm_eps",
+    "rope_scaling",
+    "rope_scaling_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_seq_len",
+)
 
 # rule name -> what it guards (the messages themselves name the keys and the fix)
 RULES = {
@@ -29,7 +41,7 @@ RULES = {
     "heads_kv": "n_heads divisible by n_kv_heads",
     "model_keys": "every model.<key> override set is one the model (model.name's spec) reads",
     "model_shape": "the model's own shape rules (ModelSpec.shape_violations; Llama: head_dim even for RoPE, "
-                   "RoPE scaling factor >= 1, low < high frequency factor, original length >= 1)",
+    "RoPE scaling factor >= 1, low < high frequency factor, original length >= 1)",
     "seq_len_max": "training.seq_len <= the model's max_seq_len",
     "degrees": "the degrees multiply to the world size (dp_shard -1 infers)",
     "cp_seq_len": "seq_len divisible by 2 x cp (two load-balanced chunks per cp rank)",
@@ -83,24 +95,41 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
     spec = get_spec(cfg.model.name)
     unread = [k for k in MODEL_OVERRIDES if getattr(cfg.model, k) and k not in spec.config_keys]
     if unread:
-        add("model_keys", f"model.{unread[0]}: {spec.name} has no such setting (it reads "
-                          f"{', '.join('model.' + k for k in spec.config_keys)}); remove "
-                          f"{', '.join('model.' + k for k in unread)}")
+        add(
+            "model_keys",
+            f"model.{unread[0]}: {spec.name} has no such setting (it reads "
+            f"{', '.join('model.' + k for k in spec.config_keys)}); remove "
+            f"{', '.join('model.' + k for k in unread)}",
+        )
     # Model shape.
     if args.dim % args.n_heads:
-        add("dim_heads",
-            f"model: dim {args.dim} is not divisible by n_heads {args.n_heads}; choose n_heads dividing dim")
+        add(
+            "dim_heads",
+            f"model: dim {args.dim} is not divisible by n_heads {args.n_heads}; choose n_heads dividing dim",
+        )
     if args.n_heads % args.n_kv_heads:
-        add("heads_kv", f"model: n_heads {args.n_heads} is not divisible by n_kv_heads {args.n_kv_heads}; "
-                   f"choose n_kv_heads dividing n_heads")
+        add(
+            "heads_kv",
+            f"model: n_heads {args.n_heads} is not divisible by n_kv_heads {args.n_kv_heads}; "
+            f"choose n_kv_heads dividing n_heads",
+        )
     out += [("model_shape", m) for m in spec.shape_violations(args)]
     if t.seq_len > args.max_seq_len:
-        add("seq_len_max", f"training.seq_len {t.seq_len} exceeds the model's max_seq_len {args.max_seq_len}; "
-                   f"lower training.seq_len or raise model.max_seq_len")
+        add(
+            "seq_len_max",
+            f"training.seq_len {t.seq_len} exceeds the model's max_seq_len {args.max_seq_len}; "
+            f"lower training.seq_len or raise model.max_seq_len",
+        )
     # Degrees.
     tp, pp, cp = p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree
-    problems, dps = degree_problems(dp_replicate=p.data_parallel_replicate_degree,
-                                    dp_shard=p.data_parallel_shard_degree, cp=cp, tp=tp, pp=pp, world_size=world_size)
+    problems, dps = degree_problems(
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        cp=cp,
+        tp=tp,
+        pp=pp,
+        world_size=world_size,
+    )
     out += [("degrees", m) for m in problems]
     if cp > 1:
         out += _context_parallel_violations(cfg, cp, tp)
@@ -108,27 +137,45 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
     # Tensor / sequence parallel.
     if tp > 1:
         if args.n_heads % tp:
-            add("tp_heads", f"parallelism.tensor_parallel_degree {tp} does not divide n_heads {args.n_heads}; "
-                       f"choose a tp degree dividing {args.n_heads}")
+            add(
+                "tp_heads",
+                f"parallelism.tensor_parallel_degree {tp} does not divide n_heads {args.n_heads}; "
+                f"choose a tp degree dividing {args.n_heads}",
+            )
         if args.n_kv_heads % tp and args.n_kv_heads != args.n_heads:
-            add("tp_kv_heads", f"parallelism.tensor_parallel_degree {tp} does not divide n_kv_heads {args.n_kv_heads}; "
-                       f"choose a tp degree dividing {args.n_kv_heads}")
+            add(
+                "tp_kv_heads",
+                f"parallelism.tensor_parallel_degree {tp} does not divide n_kv_heads {args.n_kv_heads}; "
+                f"choose a tp degree dividing {args.n_kv_heads}",
+            )
         if args.hidden_dim % tp:
-            add("tp_ffn", f"parallelism.tensor_parallel_degree {tp} does not divide the ffn hidden size "
-                       f"{args.hidden_dim}")
+            add(
+                "tp_ffn",
+                f"parallelism.tensor_parallel_degree {tp} does not divide the ffn hidden size {args.hidden_dim}",
+            )
         if args.vocab_size > 0 and args.vocab_size % tp:
-            add("tp_vocab",
+            add(
+                "tp_vocab",
                 f"parallelism.tensor_parallel_degree {tp} does not divide the vocabulary {args.vocab_size}; "
-                       f"set model.vocab_multiple to a multiple of {tp}")
+                f"set model.vocab_multiple to a multiple of {tp}",
+            )
         if p.enable_sequence_parallel and t.seq_len % tp:
-            add("sp_seq_len", f"training.seq_len {t.seq_len} is not divisible by tensor_parallel_degree {tp} under "
-                       f"sequence parallelism; choose a multiple of {tp}")
+            add(
+                "sp_seq_len",
+                f"training.seq_len {t.seq_len} is not divisible by tensor_parallel_degree {tp} under "
+                f"sequence parallelism; choose a multiple of {tp}",
+            )
         if cfg.model.kernels == "te":
-            add("te_tp", f"model.kernels=te does not combine with tensor_parallel_degree {tp} (TE modules are not "
-                       f"nn.Linear, so the TP plan cannot shard them); use model.kernels=torch or tp 1")
+            add(
+                "te_tp",
+                f"model.kernels=te does not combine with tensor_parallel_degree {tp} (TE modules are not "
+                f"nn.Linear, so the TP plan cannot shard them); use model.kernels=torch or tp 1",
+            )
     elif p.enable_sequence_parallel:
-        add("sp_needs_tp", "parallelism.enable_sequence_parallel needs tensor_parallel_degree > 1; "
-                   "turn it off or raise the tp degree")
+        add(
+            "sp_needs_tp",
+            "parallelism.enable_sequence_parallel needs tensor_parallel_degree > 1; turn it off or raise the tp degree",
+        )
     # Batch.
     split = batch_split(t.global_batch_size, t.local_batch_size, dp)
     if split.problem:
@@ -144,14 +191,23 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
         except ConfigError as e:
             add("ac_option", str(e))
     if cfg.model.kernels == "te" and spec.name != "llama3":
-        add("te_model", f"model.kernels=te swaps Transformer Engine modules into the Llama model only; use "
-                        f"model.kernels=torch for {spec.name}")
+        add(
+            "te_model",
+            f"model.kernels=te swaps Transformer Engine modules into the Llama model only; use "
+            f"model.kernels=torch for {spec.name}",
+        )
     if cfg.float8.recipe and spec.name != "llama3":
-        add("float8_model", f"float8.recipe={cfg.float8.recipe}: float8 training is wired for the Llama model only; "
-                            f"leave float8.recipe empty for {spec.name}")
+        add(
+            "float8_model",
+            f"float8.recipe={cfg.float8.recipe}: float8 training is wired for the Llama model only; "
+            f"leave float8.recipe empty for {spec.name}",
+        )
     if cp > 1 and spec.name != "llama3":
-        add("cp_model", f"parallelism.context_parallel_degree {cp}: context parallelism is wired for the Llama model "
-                        f"only (its attention core and RoPE positions); set cp 1 for {spec.name}")
+        add(
+            "cp_model",
+            f"parallelism.context_parallel_degree {cp}: context parallelism is wired for the Llama model "
+            f"only (its attention core and RoPE positions); set cp 1 for {spec.name}",
+        )
     out += [("float8", m) for m in float8_violations(cfg)]
     return out
 
@@ -160,28 +216,48 @@ def _context_parallel_violations(cfg, cp: int, tp: int) -> list[tuple[str, str]]
     p, t = cfg.parallelism, cfg.training
     out: list[tuple[str, str]] = []
     if t.seq_len % (2 * cp):
-        out.append(("cp_seq_len",
-                    f"training.seq_len {t.seq_len} is not divisible by 2 x context_parallel_degree = {2 * cp} (each "
-                    f"cp rank holds 2 of {2 * cp} load-balanced chunks); choose a multiple of {2 * cp}"))
+        out.append(
+            (
+                "cp_seq_len",
+                f"training.seq_len {t.seq_len} is not divisible by 2 x context_parallel_degree = {2 * cp} (each "
+                f"cp rank holds 2 of {2 * cp} load-balanced chunks); choose a multiple of {2 * cp}",
+            )
+        )
     elif p.enable_sequence_parallel and tp > 1 and (t.seq_len // cp) % tp:
-        out.append(("cp_sp_seq_len",
-                    f"training.seq_len {t.seq_len}: the {t.seq_len // cp} tokens of a cp rank are not divisible by "
-                    f"tensor_parallel_degree {tp} under sequence parallelism; choose a multiple of {cp * tp} and "
-                    f"{2 * cp}"))
+        out.append(
+            (
+                "cp_sp_seq_len",
+                f"training.seq_len {t.seq_len}: the {t.seq_len // cp} tokens of a cp rank are not divisible by "
+                f"tensor_parallel_degree {tp} under sequence parallelism; choose a multiple of {cp * tp} and "
+                f"{2 * cp}",
+            )
+        )
     if cfg.model.kernels != "torch":
-        out.append(("cp_kernels",
-                    f"parallelism.context_parallel_degree {cp}: model.kernels={cfg.model.kernels} has no "
-                    f"context-parallel path (proven only with the torch kernels); set model.kernels=torch or cp 1"))
+        out.append(
+            (
+                "cp_kernels",
+                f"parallelism.context_parallel_degree {cp}: model.kernels={cfg.model.kernels} has no "
+                f"context-parallel path (proven only with the torch kernels); set model.kernels=torch or cp 1",
+            )
+        )
     if cfg.float8.recipe:
-        out.append(("cp_float8",
-                    f"float8.recipe={cfg.float8.recipe} with context_parallel_degree {cp}: float8 training is not "
-                    f"proven under context parallelism; leave float8.recipe empty or set cp 1"))
+        out.append(
+            (
+                "cp_float8",
+                f"float8.recipe={cfg.float8.recipe} with context_parallel_degree {cp}: float8 training is not "
+                f"proven under context parallelism; leave float8.recipe empty or set cp 1",
+            )
+        )
     sched = p.pipeline_parallel_schedule
     if p.pipeline_parallel_degree > 1 and schedule_facts(sched).split_backward:
-        out.append(("cp_schedule",
-                    f"parallelism.pipeline_parallel_schedule {sched} is not supported with context parallelism (its "
-                    f"split backward is unverified with the K/V reduce-scatter); use "
-                    f"{', '.join(n for n in SCHEDULES if not schedule_facts(n).split_backward)}"))
+        out.append(
+            (
+                "cp_schedule",
+                f"parallelism.pipeline_parallel_schedule {sched} is not supported with context parallelism (its "
+                f"split backward is unverified with the K/V reduce-scatter); use "
+                f"{', '.join(n for n in SCHEDULES if not schedule_facts(n).split_backward)}",
+            )
+        )
     return out
 
 
@@ -196,20 +272,29 @@ def _pipeline_violations(cfg, args, pp: int) -> list[tuple[str, str]]:
     facts = schedule_facts(sched)
     n_stages = pipeline_stage_count(cfg, args)
     if n_stages % pp:
-        add("pp_stages_divide", f"pipeline: {n_stages} stages do not divide evenly over pp {pp} ranks; adjust "
-                   f"pipeline_parallel_layers_per_stage or pipeline_parallel_stages_per_rank")
+        add(
+            "pp_stages_divide",
+            f"pipeline: {n_stages} stages do not divide evenly over pp {pp} ranks; adjust "
+            f"pipeline_parallel_layers_per_stage or pipeline_parallel_stages_per_rank",
+        )
     v = n_stages // pp if n_stages % pp == 0 else 1
     if facts.single_stage and v != 1:
-        add("pp_single_stage",
+        add(
+            "pp_single_stage",
             f"parallelism.pipeline_parallel_schedule {sched} runs one stage per rank but the split gives "
-                   f"{v}; use Interleaved1F1B / LoopedBFS / InterleavedZeroBubble or fewer stages")
+            f"{v}; use Interleaved1F1B / LoopedBFS / InterleavedZeroBubble or fewer stages",
+        )
     if facts.v_placement and v != 2:
-        add("pp_v_two_stages",
-            f"parallelism.pipeline_parallel_schedule {sched} needs exactly 2 stages per rank (V shape), "
-                   f"got {v}")
+        add(
+            "pp_v_two_stages",
+            f"parallelism.pipeline_parallel_schedule {sched} needs exactly 2 stages per rank (V shape), got {v}",
+        )
     if not facts.single_stage and not facts.v_placement and v < 2:
-        add("pp_multi_stage", f"parallelism.pipeline_parallel_schedule {sched} needs at least 2 stages per rank; use "
-                   f"GPipe / 1F1B or set pipeline_parallel_stages_per_rank >= 2")
+        add(
+            "pp_multi_stage",
+            f"parallelism.pipeline_parallel_schedule {sched} needs at least 2 stages per rank; use "
+            f"GPipe / 1F1B or set pipeline_parallel_stages_per_rank >= 2",
+        )
     eff = args.n_layers + p.pipeline_parallel_first_stage_less_layers + p.pipeline_parallel_last_stage_less_layers
     lps = p.pipeline_parallel_layers_per_stage
     if p.pipeline_parallel_module_names:
@@ -219,52 +304,76 @@ def _pipeline_violations(cfg, args, pp: int) -> list[tuple[str, str]]:
             add("pp_module_names", str(e))
     else:
         if lps and (eff % lps or (p.pipeline_parallel_stages_per_rank and eff != lps * n_stages)):
-            add("pp_layers_per_stage",
+            add(
+                "pp_layers_per_stage",
                 f"parallelism.pipeline_parallel_layers_per_stage {lps} does not fit {args.n_layers} layers "
-                       f"(+{p.pipeline_parallel_first_stage_less_layers} for the embedding, "
-                       f"+{p.pipeline_parallel_last_stage_less_layers} for the head) in {n_stages} stages; "
-                       f"choose a divisor of {eff} (or drop pipeline_parallel_stages_per_rank)")
+                f"(+{p.pipeline_parallel_first_stage_less_layers} for the embedding, "
+                f"+{p.pipeline_parallel_last_stage_less_layers} for the head) in {n_stages} stages; "
+                f"choose a divisor of {eff} (or drop pipeline_parallel_stages_per_rank)",
+            )
         elif eff % n_stages:
-            add("pp_even_split",
+            add(
+                "pp_even_split",
                 f"pipeline: {args.n_layers} layers (+{p.pipeline_parallel_first_stage_less_layers} for the "
-                       f"embedding, +{p.pipeline_parallel_last_stage_less_layers} for the head) do not split evenly "
-                       f"into {n_stages} stages; change n_layers or list pipeline_parallel_module_names per stage")
-        elif eff // n_stages <= max(p.pipeline_parallel_first_stage_less_layers,
-                                    p.pipeline_parallel_last_stage_less_layers):
-            add("pp_stage_has_block",
+                f"embedding, +{p.pipeline_parallel_last_stage_less_layers} for the head) do not split evenly "
+                f"into {n_stages} stages; change n_layers or list pipeline_parallel_module_names per stage",
+            )
+        elif eff // n_stages <= max(
+            p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers
+        ):
+            add(
+                "pp_stage_has_block",
                 f"pipeline: {n_stages} stages of {eff // n_stages} layers leave the first or last stage "
-                       f"without a transformer block; use fewer stages")
+                f"without a transformer block; use fewer stages",
+            )
     mbs = p.pipeline_parallel_microbatch_size
     if t.local_batch_size % mbs:
-        add("pp_microbatch_size", f"training.local_batch_size {t.local_batch_size} is not divisible by "
-                   f"pipeline_parallel_microbatch_size {mbs}")
+        add(
+            "pp_microbatch_size",
+            f"training.local_batch_size {t.local_batch_size} is not divisible by "
+            f"pipeline_parallel_microbatch_size {mbs}",
+        )
     else:
         m = t.local_batch_size // mbs
         if sched != "GPipe" and m < pp:
-            add("pp_microbatches",
+            add(
+                "pp_microbatches",
                 f"pipeline: {m} microbatches (local_batch_size / pipeline_parallel_microbatch_size) are fewer "
-                       f"than pp {pp} stages for {sched}; raise local_batch_size to at least {pp * mbs}")
+                f"than pp {pp} stages for {sched}; raise local_batch_size to at least {pp * mbs}",
+            )
         elif sched == "DualPipeV" and m < n_stages:
-            add("pp_microbatches",
+            add(
+                "pp_microbatches",
                 f"pipeline: DualPipeV needs at least as many microbatches as stages ({n_stages}), got {m}; "
-                       f"raise local_batch_size to at least {n_stages * mbs}")
+                f"raise local_batch_size to at least {n_stages * mbs}",
+            )
         elif sched in ("Interleaved1F1B", "InterleavedZeroBubble") and m % max(1, m // pp):
-            add("pp_microbatches",
+            add(
+                "pp_microbatches",
                 f"pipeline: {sched} runs the {m} microbatches in rounds of pp={pp} and needs m divisible by "
-                       f"m // pp = {m // pp}; use a multiple of {pp} microbatches")
+                f"m // pp = {m // pp}; use a multiple of {pp} microbatches",
+            )
     # Split-backward (zero-bubble) schedules run each backward as an input-gradient and a later weight-gradient
     # pass over the same graph (retain_graph); these features assume one backward per forward.
     if facts.split_backward:
         if p.fsdp_reshard_after_forward == "always":
-            add("zb_reshard",
+            add(
+                "zb_reshard",
                 f"parallelism.fsdp_reshard_after_forward 'always' gives wrong gradients with {sched} (its "
-                       f"weight-gradient passes run outside FSDP's hooks); use 'default' or 'never'")
+                f"weight-gradient passes run outside FSDP's hooks); use 'default' or 'never'",
+            )
         ac = cfg.activation_checkpoint
         if ac.mode == "selective" and ac.selective_ac_option == "op":
-            add("zb_op_ac", f"activation_checkpoint: op-level selective checkpointing allows one backward per region, "
-                       f"{sched} runs two; use mode 'full', selective_ac_option N (every N-th block) or another "
-                       f"schedule")
+            add(
+                "zb_op_ac",
+                f"activation_checkpoint: op-level selective checkpointing allows one backward per region, "
+                f"{sched} runs two; use mode 'full', selective_ac_option N (every N-th block) or another "
+                f"schedule",
+            )
         if cfg.compile.enable:
-            add("zb_compile", f"compile.enable: compiled blocks allow one backward per forward, {sched} runs two; turn "
-                       f"compile off or use 1F1B / Interleaved1F1B")
+            add(
+                "zb_compile",
+                f"compile.enable: compiled blocks allow one backward per forward, {sched} runs two; turn "
+                f"compile off or use 1F1B / Interleaved1F1B",
+            )
     return out

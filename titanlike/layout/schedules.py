@@ -26,7 +26,6 @@ from torch.distributed.pipelining import schedules as _torch
 __all__ = ["SCHEDULES", "ScheduleFacts", "StandInStage", "schedule_class", "schedule_facts", "stage_ids_for_rank"]
 
 
-
 def _registered() -> tuple[str, ...]:
     """The concrete schedules torch registers by name: every public ``Schedule<Name>`` class that
     ``get_schedule_class("<Name>")`` returns (its abstract bases are not ``Schedule*``)."""
@@ -34,8 +33,8 @@ def _registered() -> tuple[str, ...]:
     for attr, obj in vars(_torch).items():
         if isinstance(obj, type) and attr.startswith("Schedule") and issubclass(obj, _torch._PipelineSchedule):
             try:
-                if _torch.get_schedule_class(attr[len("Schedule"):]) is obj:
-                    names.append(attr[len("Schedule"):])
+                if _torch.get_schedule_class(attr[len("Schedule") :]) is obj:
+                    names.append(attr[len("Schedule") :])
             except ValueError:
                 continue
     return tuple(names)

@@ -36,8 +36,9 @@ def pipeline_stage_count(cfg, args) -> int:
     return pp * schedule_facts(p.pipeline_parallel_schedule).default_stages_per_rank
 
 
-def split_module_names(n_layers: int, n_stages: int, first_less: int = 0, last_less: int = 0, *,
-                       spec: ModelSpec | None = None) -> list[list[str]]:
+def split_module_names(
+    n_layers: int, n_stages: int, first_less: int = 0, last_less: int = 0, *, spec: ModelSpec | None = None
+) -> list[list[str]]:
     """Module names of each of ``n_stages`` stages, the blocks split evenly.
 
     The embedding counts as ``first_less`` blocks and the norm + head as ``last_less`` blocks, so the first and
@@ -45,14 +46,18 @@ def split_module_names(n_layers: int, n_stages: int, first_less: int = 0, last_l
     """
     eff = n_layers + first_less + last_less
     if n_stages < 1 or eff % n_stages:
-        raise ConfigError(f"pipeline: {n_layers} layers (+{first_less} for the embedding, +{last_less} for the "
-                          f"head) do not split evenly into {n_stages} stages; change n_layers or list "
-                          f"pipeline_parallel_module_names per stage")
+        raise ConfigError(
+            f"pipeline: {n_layers} layers (+{first_less} for the embedding, +{last_less} for the "
+            f"head) do not split evenly into {n_stages} stages; change n_layers or list "
+            f"pipeline_parallel_module_names per stage"
+        )
     per = eff // n_stages
     counts = [per - (first_less if s == 0 else 0) - (last_less if s == n_stages - 1 else 0) for s in range(n_stages)]
     if min(counts) < 0:
-        raise ConfigError(f"pipeline: {n_stages} stages of {per} layers cannot absorb the embedding weight "
-                          f"{first_less} and head weight {last_less}; use fewer stages or lower the weights")
+        raise ConfigError(
+            f"pipeline: {n_stages} stages of {per} layers cannot absorb the embedding weight "
+            f"{first_less} and head weight {last_less}; use fewer stages or lower the weights"
+        )
     spec = _spec(spec)
     names, start = [], 0
     for s, count in enumerate(counts):
@@ -93,16 +98,19 @@ def parse_module_names(specs: Sequence[str], n_layers: int, *, spec: ModelSpec |
                 if s != len(stages) - 1:
                     raise ConfigError(f"{key}: {name} must be on the last stage, found on stage {s}")
             else:
-                raise ConfigError(f"{key}: unknown module '{name}' on stage {s}; valid: {', '.join(first)}, "
-                                  f"{spec.block_container}.<i> (0 <= i < {n_layers}), {', '.join(last)}")
+                raise ConfigError(
+                    f"{key}: unknown module '{name}' on stage {s}; valid: {', '.join(first)}, "
+                    f"{spec.block_container}.<i> (0 <= i < {n_layers}), {', '.join(last)}"
+                )
     if layers != list(range(n_layers)):
         c = spec.block_container
-        raise ConfigError(f"{key}: the stages must list {c}.0 .. {c}.{n_layers - 1} each exactly once and in "
-                          f"order, got {', '.join(f'{c}.{i}' for i in layers)}")
+        raise ConfigError(
+            f"{key}: the stages must list {c}.0 .. {c}.{n_layers - 1} each exactly once and in "
+            f"order, got {', '.join(f'{c}.{i}' for i in layers)}"
+        )
     for name, s in [*((n, 0) for n in first), *((n, -1) for n in last)]:
         if sum(n == name for names in stages for n in names) != 1 or name not in stages[s]:
-            raise ConfigError(f"{key}: {name} must appear exactly once, on the {'first' if s == 0 else 'last'} "
-                              f"stage")
+            raise ConfigError(f"{key}: {name} must appear exactly once, on the {'first' if s == 0 else 'last'} stage")
     return stages
 
 
@@ -112,6 +120,10 @@ def stage_module_names(cfg, args) -> list[list[str]]:
     spec = get_spec(cfg.model.name)
     if p.pipeline_parallel_module_names:
         return parse_module_names(p.pipeline_parallel_module_names, args.n_layers, spec=spec)
-    return split_module_names(args.n_layers, pipeline_stage_count(cfg, args),
-                              p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers,
-                              spec=spec)
+    return split_module_names(
+        args.n_layers,
+        pipeline_stage_count(cfg, args),
+        p.pipeline_parallel_first_stage_less_layers,
+        p.pipeline_parallel_last_stage_less_layers,
+        spec=spec,
+    )

@@ -7,5 +7,16 @@ tensor-parallel plans live in ``titanlike.parallel``: ``tensor_parallel.model_tp
 from titanlike.models.llama import FLAVORS, ModelArgs, Transformer, TransformerBlock, pad_vocab
 from titanlike.models.spec import ModelSpec, UnknownModelError, get_spec, register, registered, spec_for
 
-__all__ = ["FLAVORS", "ModelArgs", "ModelSpec", "Transformer", "TransformerBlock", "UnknownModelError", "get_spec",
-           "pad_vocab", "register", "registered", "spec_for"]
+__all__ = [
+    "FLAVORS",
+    "ModelArgs",
+    "ModelSpec",
+    "Transformer",
+    "TransformerBlock",
+    "UnknownModelError",
+    "get_spec",
+    "pad_vocab",
+    "register",
+    "registered",
+    "spec_for",
+]

@@ -79,9 +79,11 @@ class ModelSpec:
     def stage_kwargs(self, names: Sequence[str]) -> dict:
         """``build`` keyword arguments of the pipeline stage holding the module FQNs ``names``."""
         prefix = self.block_container + "."
-        return dict(layer_ids=[int(n[len(prefix):]) for n in names if n.startswith(prefix)],
-                    has_input=any(n in names for n in self.input_modules),
-                    has_output=any(n in names for n in self.output_modules))
+        return dict(
+            layer_ids=[int(n[len(prefix) :]) for n in names if n.startswith(prefix)],
+            has_input=any(n in names for n in self.input_modules),
+            has_output=any(n in names for n in self.output_modules),
+        )
 
     def flops_per_token(self, args, seq_len: int) -> int:
         return args.flops_per_token(seq_len)
@@ -144,5 +146,7 @@ def check_state_dict_fits(out: dict, args, hf_name, hint=None) -> None:
         got = tuple(out[k].shape)
         if got != tuple(shape):
             extra_hint = hint(k, got, tuple(shape)) if hint else ""
-            raise ValueError(f"the Hugging Face weights do not fit the model: {hf_name(k)} has shape {got}, the "
-                             f"model needs {tuple(shape)}{extra_hint}")
+            raise ValueError(
+                f"the Hugging Face weights do not fit the model: {hf_name(k)} has shape {got}, the "
+                f"model needs {tuple(shape)}{extra_hint}"
+            )

@@ -52,18 +52,29 @@ def _ops(namespace: str, names: list[str]) -> set:
 
 # Outputs that selective op-level AC saves; everything else is recomputed in the backward.
 SAC_SAVE_OPS: frozenset = frozenset(
-    _ops("aten", [
-        "mm", "addmm", "bmm",  # nn.Linear lowers to mm / addmm; the math attention path to bmm
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_fused_attention_overrideable",
-        "max",  # a scalar per tensor: float8 scaling reads amaxes, recomputing them would be wasted reductions
-    ])
-    | _ops("_c10d_functional", [  # what DTensor / functional collectives dispatch to under TP and SP
-        "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single",
-    ])
+    _ops(
+        "aten",
+        [
+            "mm",
+            "addmm",
+            "bmm",  # nn.Linear lowers to mm / addmm; the math attention path to bmm
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_fused_attention_overrideable",
+            "max",  # a scalar per tensor: float8 scaling reads amaxes, recomputing them would be wasted reductions
+        ],
+    )
+    | _ops(
+        "_c10d_functional",
+        [  # what DTensor / functional collectives dispatch to under TP and SP
+            "all_reduce",
+            "reduce_scatter_tensor",
+            "all_gather_into_tensor",
+            "all_to_all_single",
+        ],
+    )
 )
 
 
@@ -90,8 +101,7 @@ class _Checkpointed:
 def _checkpointed_class(cls: type, selective_op: bool) -> type:
     name = f"{'OpCheckpointed' if selective_op else 'Checkpointed'}{cls.__name__}"
     context_fn = _selective_op_context_fn if selective_op else noop_context_fn
-    return type(name, (_Checkpointed, cls), {"_ac_context_fn": staticmethod(context_fn),
-                                              "__module__": cls.__module__})
+    return type(name, (_Checkpointed, cls), {"_ac_context_fn": staticmethod(context_fn), "__module__": cls.__module__})
 
 
 def is_checkpointed(module: nn.Module) -> bool:

@@ -56,8 +56,9 @@ def _null_context() -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def build_parallel_model(model: nn.Module, cfg, dims: ParallelDims, mesh, device: torch.device, *,
-                         init_seed: int | None = None) -> ParallelModel:
+def build_parallel_model(
+    model: nn.Module, cfg, dims: ParallelDims, mesh, device: torch.device, *, init_seed: int | None = None
+) -> ParallelModel:
     """Parallelize the plain ``model`` for the layout ``dims`` on ``mesh`` (None: one process, no mesh) and move
     it to ``device``.
 
@@ -69,8 +70,13 @@ def build_parallel_model(model: nn.Module, cfg, dims: ParallelDims, mesh, device
     """
     if dims.pp_enabled:
         pp = apply_pp(model, dims, mesh, cfg, device, init_seed=init_seed)
-        return ParallelModel(model_parts=pp.model_parts, loss=pp.loss, clip_fn=pp.finalize_grads_and_clip_,
-                             forward_context=_null_context, pp=pp)
+        return ParallelModel(
+            model_parts=pp.model_parts,
+            loss=pp.loss,
+            clip_fn=pp.finalize_grads_and_clip_,
+            forward_context=_null_context,
+            pp=pp,
+        )
     on_meta = any(p.is_meta for p in model.parameters())
     model = parallelize_model(model, dims, mesh, cfg)
     loss = ScaledLoss(build_loss_fn(cfg, dims, mesh))
@@ -79,6 +85,7 @@ def build_parallel_model(model: nn.Module, cfg, dims: ParallelDims, mesh, device
     else:
         keeping_grad_hooks(model, lambda: model.to(device))
     if precision_policy(cfg.training.dtype, dims) == "autocast":
+
         def forward_context() -> contextlib.AbstractContextManager:
             return torch.autocast(device.type, dtype=torch.bfloat16)
     else:

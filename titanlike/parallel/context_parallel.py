@@ -36,8 +36,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.bias import causal_lower_right
 
-__all__ = ["ContextParallelAttention", "apply_cp", "chunk_attention", "chunk_ids", "cp_positions", "cp_shard",
-           "cp_unshard"]
+__all__ = [
+    "ContextParallelAttention",
+    "apply_cp",
+    "chunk_attention",
+    "chunk_ids",
+    "cp_positions",
+    "cp_shard",
+    "cp_unshard",
+]
 
 
 # ---------------------------------------------------------------------------------------------- the layout
@@ -147,8 +154,8 @@ class ContextParallelAttention(nn.Module):
         kt, vt = k_all.transpose(1, 2), v_all.transpose(1, 2)
         outs = []
         for half, j in enumerate(chunk_ids(cp, self.rank)):
-            qj = q[:, half * c:(half + 1) * c].transpose(1, 2)
-            outs.append(chunk_attention(qj, kt[:, :, :(j + 1) * c], vt[:, :, :(j + 1) * c]).transpose(1, 2))
+            qj = q[:, half * c : (half + 1) * c].transpose(1, 2)
+            outs.append(chunk_attention(qj, kt[:, :, : (j + 1) * c], vt[:, :, : (j + 1) * c]).transpose(1, 2))
         return torch.cat(outs, dim=1)
 
 
@@ -166,7 +173,7 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     if q.device.type == "cpu" and _cpu_flash is not None:
         if n == c:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return _TwoBlockAttentionCPU.apply(q, k[:, :, :n - c], v[:, :, :n - c], k[:, :, n - c:], v[:, :, n - c:])
+        return _TwoBlockAttentionCPU.apply(q, k[:, :, : n - c], v[:, :, : n - c], k[:, :, n - c :], v[:, :, n - c :])
     mask = torch.ones(c, n, dtype=torch.bool, device=q.device).tril(n - c)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
@@ -227,8 +234,13 @@ def _global_rope_hook(cp: int, rank: int):
     return hook
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, core_attr: str = "sdpa",
-             rope_modules: type | tuple[type, ...] | None = None) -> nn.Module:
+def apply_cp(
+    model: nn.Module,
+    cp_mesh: DeviceMesh,
+    *,
+    core_attr: str = "sdpa",
+    rope_modules: type | tuple[type, ...] | None = None,
+) -> nn.Module:
     """Context parallelism over ``cp_mesh`` (1-D), in place; returns ``model``.
 
     Every module with a ``core_attr`` child (an attention module calling its core as ``core(q, k, v)``) gets a
@@ -249,7 +261,8 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, core_attr: str = "sdpa",
     swapped = 0
     for module in model.modules():
         if isinstance(getattr(module, core_attr, None), nn.Module) and not isinstance(
-                getattr(module, core_attr), ContextParallelAttention):
+            getattr(module, core_attr), ContextParallelAttention
+        ):
             setattr(module, core_attr, ContextParallelAttention(cp_mesh))
             swapped += 1
         if rope_modules and isinstance(module, rope_modules):

@@ -37,15 +37,18 @@ class ParallelDims(Degrees):
         in the same process group returns the same meshes (no new process groups).
         """
         if dist.get_world_size() != self.world_size:
-            raise ConfigError(f"ParallelDims: built for world size {self.world_size} but the process group has "
-                              f"{dist.get_world_size()} ranks")
+            raise ConfigError(
+                f"ParallelDims: built for world size {self.world_size} but the process group has "
+                f"{dist.get_world_size()} ranks"
+            )
         key = (self.shape, device_type, dist.group.WORLD)
         if key not in _BUILT:
             mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
             meshes = {"world": mesh, **{name: mesh[parts]._flatten(name) for name, parts in FLATTENED.items()}}
             if self.cp > 1 and self.dp_replicate > 1:  # HSDP under cp: (dp_replicate, dp_shard x cp), 2-D
                 meshes[("dp_replicate", "dp_shard_cp")] = meshes["dp_cp"]._unflatten(
-                    0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp"))
+                    0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp")
+                )
             _BUILT[key] = meshes
         self._meshes = _BUILT[key]
         return self._meshes["world"]
@@ -70,6 +73,5 @@ class ParallelDims(Degrees):
         if names in self._meshes:  # ("dp_replicate", "dp_shard_cp") under cp: HSDP's mesh
             return self._meshes[names]
         if any(n not in MESH_DIMS for n in names):
-            raise ValueError(f"ParallelDims.get_mesh: {names} must be one of {tuple(FLATTENED)} or dims of "
-                             f"{MESH_DIMS}")
+            raise ValueError(f"ParallelDims.get_mesh: {names} must be one of {tuple(FLATTENED)} or dims of {MESH_DIMS}")
         return world[names]

@@ -80,6 +80,7 @@ def apply_fsdp(
         raise ValueError(f"reshard_after_forward must be one of {RESHARD_CHOICES}, got {reshard_after_forward!r}")
     if dp_mesh.ndim not in (1, 2):
         raise ValueError(f"apply_fsdp needs a 1-D (FSDP) or 2-D (HSDP: replicate, shard) mesh, got {dp_mesh}")
+
     def reshard(group: str) -> bool:
         return reshard_policy(reshard_after_forward, group, pp_enabled)
 
@@ -94,9 +95,11 @@ def apply_fsdp(
     if blocks is None:
         container = getattr(model, spec.block_container if spec is not None else "layers", None)
         if not isinstance(container, nn.Module):
-            raise ValueError(f"apply_fsdp: {type(model).__name__} has no block container (.layers) and no model spec, "
-                             f"so every parameter would land in one root group; pass blocks=[...] (the modules that "
-                             f"each get their own FSDP group), or blocks=[] for one group on purpose")
+            raise ValueError(
+                f"apply_fsdp: {type(model).__name__} has no block container (.layers) and no model spec, "
+                f"so every parameter would land in one root group; pass blocks=[...] (the modules that "
+                f"each get their own FSDP group), or blocks=[] for one group on purpose"
+            )
         blocks = list(container.children())
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard("block"), **kw)

@@ -64,8 +64,15 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["FusedColwiseParallel", "contiguous_for_dcp", "contiguous_for_dcp_tree", "restore_layout", "is_strided",
-           "prepare_fused_for_fsdp", "fsdp_placement"]
+__all__ = [
+    "FusedColwiseParallel",
+    "contiguous_for_dcp",
+    "contiguous_for_dcp_tree",
+    "restore_layout",
+    "is_strided",
+    "prepare_fused_for_fsdp",
+    "fsdp_placement",
+]
 
 
 class FusedColwiseParallel(ParallelStyle):
@@ -94,9 +101,11 @@ class FusedColwiseParallel(ParallelStyle):
             self.n_chunks, self.sizes = len(sizes), sizes
         self.unequal = self.sizes is not None and len(set(self.sizes)) > 1
         if self.unequal and not use_local_output:
-            raise ValueError(f"FusedColwiseParallel: chunk sizes {self.sizes} differ, so the output "
-                             f"[chunk_0 slice | chunk_1 slice | ...] has no DTensor placement; use "
-                             f"use_local_output=True")
+            raise ValueError(
+                f"FusedColwiseParallel: chunk sizes {self.sizes} differ, so the output "
+                f"[chunk_0 slice | chunk_1 slice | ...] has no DTensor placement; use "
+                f"use_local_output=True"
+            )
         if head_dim is not None and head_dim < 1:
             raise ValueError(f"FusedColwiseParallel: head_dim must be >= 1, got {head_dim}")
         self.use_local_output, self.head_dim = use_local_output, head_dim
@@ -110,19 +119,26 @@ class FusedColwiseParallel(ParallelStyle):
         out = module.out_features
         tp = device_mesh.size()
         if self.sizes is not None and sum(self.sizes) != out:
-            raise ValueError(f"FusedColwiseParallel: chunk sizes {self.sizes} add up to {sum(self.sizes)}, the "
-                             f"Linear has {out} output features")
+            raise ValueError(
+                f"FusedColwiseParallel: chunk sizes {self.sizes} add up to {sum(self.sizes)}, the "
+                f"Linear has {out} output features"
+            )
         if self.unequal and any(c % tp for c in self.sizes):
-            raise ValueError(f"FusedColwiseParallel: chunk sizes {self.sizes} must each divide by tp {tp} (each rank "
-                             f"takes 1/{tp} of every chunk: whole heads of q, k and v)")
+            raise ValueError(
+                f"FusedColwiseParallel: chunk sizes {self.sizes} must each divide by tp {tp} (each rank "
+                f"takes 1/{tp} of every chunk: whole heads of q, k and v)"
+            )
         if not self.unequal and out % (self.n_chunks * tp):
-            raise ValueError(f"FusedColwiseParallel: {out} output features do not split into {self.n_chunks} chunks "
-                             f"x tp {tp}")
+            raise ValueError(
+                f"FusedColwiseParallel: {out} output features do not split into {self.n_chunks} chunks x tp {tp}"
+            )
         sizes = self.sizes or [out // self.n_chunks] * self.n_chunks
         if self.head_dim and any(c % self.head_dim or (c // self.head_dim) % tp for c in sizes):
-            raise ValueError(f"FusedColwiseParallel: chunk sizes {sizes} hold {[c / self.head_dim for c in sizes]} "
-                             f"heads of {self.head_dim}; each chunk's head count must divide by tp {tp} (whole heads "
-                             f"per rank: n_heads and n_kv_heads divisible by tp)")
+            raise ValueError(
+                f"FusedColwiseParallel: chunk sizes {sizes} hold {[c / self.head_dim for c in sizes]} "
+                f"heads of {self.head_dim}; each chunk's head count must divide by tp {tp} (whole heads "
+                f"per rank: n_heads and n_kv_heads divisible by tp)"
+            )
         for name, p in list(module.named_parameters(recurse=False)):
             dt = distribute_tensor(p.data if not isinstance(p, DTensor) else p, device_mesh, [self._placement()])
             module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
@@ -140,15 +156,18 @@ class FusedColwiseParallel(ParallelStyle):
             y = F.linear(x_local, w, b)
             if use_local_output:
                 return y
-            return DTensor.from_local(y, device_mesh, [_StridedShard(y.ndim - 1, split_factor=n_chunks)],
-                                      run_check=False)
+            return DTensor.from_local(
+                y, device_mesh, [_StridedShard(y.ndim - 1, split_factor=n_chunks)], run_check=False
+            )
 
         module.forward = forward
         return module
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(chunks={self.sizes or self.n_chunks}, "
-                f"use_local_output={self.use_local_output}, head_dim={self.head_dim})")
+        return (
+            f"{type(self).__name__}(chunks={self.sizes or self.n_chunks}, "
+            f"use_local_output={self.use_local_output}, head_dim={self.head_dim})"
+        )
 
 
 def _local_rows(param, device_mesh, sizes):

@@ -60,6 +60,9 @@ def tp_plan(args=None, sequence_parallel: bool = False, loss_parallel: bool = Tr
         "layers.*.mlp.c_fc": ColwiseParallel(),
         "layers.*.mlp.c_proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
         "norm": _norm_style(sequence_parallel),
-        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
+        "output": ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
     }

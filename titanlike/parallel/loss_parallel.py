@@ -40,8 +40,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Sum over rows of the cross entropy of the full (sharded) logits; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, local_logits: Tensor, labels: Tensor, vocab_start: int, group, ignore_index: int,
-                chunk_size: int | None) -> Tensor:
+    def forward(
+        ctx, local_logits: Tensor, labels: Tensor, vocab_start: int, group, ignore_index: int, chunk_size: int | None
+    ) -> Tensor:
         dtype = compute_dtype(local_logits.dtype)
         rows, local_vocab = local_logits.shape
         valid = labels != ignore_index
@@ -127,13 +128,21 @@ def _vocab_mesh_dim(placements: Sequence[Placement], ndim: int) -> int:
     vocab_dims = [i for i, p in enumerate(placements) if type(p) is Shard and p.dim % ndim == ndim - 1]
     others = [p for i, p in enumerate(placements) if i not in vocab_dims and not isinstance(p, Replicate)]
     if len(vocab_dims) != 1 or others:
-        raise ValueError("loss_parallel_cross_entropy needs logits sharded on the vocab (last) dim over exactly "
-                         f"one mesh dim and replicated over the others, got placements {tuple(placements)}")
+        raise ValueError(
+            "loss_parallel_cross_entropy needs logits sharded on the vocab (last) dim over exactly "
+            f"one mesh dim and replicated over the others, got placements {tuple(placements)}"
+        )
     return vocab_dims[0]
 
 
-def loss_parallel_cross_entropy(logits: DTensor, labels: Tensor, *, ignore_index: int = IGNORE_INDEX,
-                                reduction: str = "sum", chunk_size: int | None = None) -> Tensor:
+def loss_parallel_cross_entropy(
+    logits: DTensor,
+    labels: Tensor,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    reduction: str = "sum",
+    chunk_size: int | None = None,
+) -> Tensor:
     """``vocab_parallel_cross_entropy`` of a DTensor whose vocab (last) dim is ``Shard`` ed on one mesh dim.
 
     ``labels`` is a plain tensor (or a replicated DTensor) of shape ``logits.shape[:-1]``, the same on
@@ -152,7 +161,16 @@ def loss_parallel_cross_entropy(logits: DTensor, labels: Tensor, *, ignore_index
     vocab = logits.shape[-1]
     size, vocab_start = _shard_size_and_offset(vocab, mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim))
     if local_logits.shape[-1] != size:
-        raise ValueError(f"local vocab shard has {local_logits.shape[-1]} columns, but Shard's torch.chunk layout "
-                         f"of {vocab} columns over {mesh.size(mesh_dim)} ranks gives {size} here")
-    return vocab_parallel_cross_entropy(local_logits, labels, vocab_start=vocab_start, group=mesh.get_group(mesh_dim),
-                                        ignore_index=ignore_index, reduction=reduction, chunk_size=chunk_size)
+        raise ValueError(
+            f"local vocab shard has {local_logits.shape[-1]} columns, but Shard's torch.chunk layout "
+            f"of {vocab} columns over {mesh.size(mesh_dim)} ranks gives {size} here"
+        )
+    return vocab_parallel_cross_entropy(
+        local_logits,
+        labels,
+        vocab_start=vocab_start,
+        group=mesh.get_group(mesh_dim),
+        ignore_index=ignore_index,
+        reduction=reduction,
+        chunk_size=chunk_size,
+    )

@@ -29,8 +29,10 @@ def keeping_grad_hooks(model: nn.Module, apply) -> None:
     (a full-vocabulary gradient on every rank); the gate checks every gradient's placements (docs/facts.md).
     """
     hooks = {name: list((p._post_accumulate_grad_hooks or {}).values()) for name, p in model.named_parameters()}
-    marks = {name: {k: v for k, v in p.__dict__.items() if k.startswith("_titanlike")}
-             for name, p in model.named_parameters()}
+    marks = {
+        name: {k: v for k, v in p.__dict__.items() if k.startswith("_titanlike")}
+        for name, p in model.named_parameters()
+    }
     apply()
     for name, p in model.named_parameters():
         if hooks.get(name):
@@ -60,9 +62,11 @@ def param_init_for(model: nn.Module):
     """The init plan (``fqn -> Init``) of a registered model or pipeline stage of one; a ValueError otherwise."""
     spec = spec_for(model)
     if spec is None or spec.param_init is None:
-        raise ValueError(f"{type(model).__name__} has no init plan: register a ModelSpec with param_init for it "
-                         f"(docs/adding_a_model.md), or call titanlike.init.init_parameters(module, plan, seed) "
-                         f"yourself after to_empty")
+        raise ValueError(
+            f"{type(model).__name__} has no init plan: register a ModelSpec with param_init for it "
+            f"(docs/adding_a_model.md), or call titanlike.init.init_parameters(module, plan, seed) "
+            f"yourself after to_empty"
+        )
     return spec.param_init(model.args)
 
 

@@ -64,18 +64,38 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh, cfg) -> nn.Mod
     p = cfg.parallelism
     f8 = cfg.float8
     if f8.recipe and float8_backend(cfg) == "torchao" and not hasattr(model, "_float8_converted"):
-        convert_to_float8(model, f8.recipe, emulate=f8.emulate, filter_fqns=f8.filter_fqns,
-                          enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather and dims.fsdp_enabled)
+        convert_to_float8(
+            model,
+            f8.recipe,
+            emulate=f8.emulate,
+            filter_fqns=f8.filter_fqns,
+            enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather and dims.fsdp_enabled,
+        )
     if dims.tp_enabled:
-        float8_tp = float8_tensorwise_tp(model, ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
-                                                 "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"))
+        float8_tp = float8_tensorwise_tp(
+            model,
+            (
+                "attention.wq",
+                "attention.wk",
+                "attention.wv",
+                "attention.wo",
+                "feed_forward.w1",
+                "feed_forward.w2",
+                "feed_forward.w3",
+            ),
+        )
         tp_mesh = _submesh(dims, mesh, "tp")
         if p.enable_sequence_parallel and tp_mesh.device_type == "cpu":
             # gloo cannot all-gather float8 dtypes ("RuntimeError: Invalid scalar type", torch 2.13): on CPU the SP
             # all-gathers stay high precision (plain styles); NCCL moves float8 bytes.
             float8_tp = False
-        apply_tp(model, tp_mesh, sequence_parallel=p.enable_sequence_parallel,
-                 loss_parallel=loss_parallel_enabled(cfg, dims), float8=float8_tp)
+        apply_tp(
+            model,
+            tp_mesh,
+            sequence_parallel=p.enable_sequence_parallel,
+            loss_parallel=loss_parallel_enabled(cfg, dims),
+            float8=float8_tp,
+        )
     if dims.cp_enabled:
         from titanlike.parallel.context_parallel import apply_cp
 
@@ -88,9 +108,14 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh, cfg) -> nn.Mod
         names = ("dp_replicate", "dp_shard_cp") if dims.dp_replicate_enabled else "dp_shard_cp"
         dp_mesh = _submesh(dims, mesh, names)
         mixed = precision_policy(cfg.training.dtype, dims) == "fsdp"
-        apply_fsdp(model, dp_mesh, param_dtype=torch.bfloat16 if mixed else None,
-                   reduce_dtype=torch.float32 if mixed else None, reshard_after_forward=p.fsdp_reshard_after_forward,
-                   pp_enabled=dims.pp_enabled)
+        apply_fsdp(
+            model,
+            dp_mesh,
+            param_dtype=torch.bfloat16 if mixed else None,
+            reduce_dtype=torch.float32 if mixed else None,
+            reshard_after_forward=p.fsdp_reshard_after_forward,
+            pp_enabled=dims.pp_enabled,
+        )
     return model
 
 
@@ -107,8 +132,10 @@ def build_loss_fn(cfg, dims: ParallelDims, mesh=None) -> Callable[[Tensor, Tenso
 
         def vocab_parallel_loss(logits: Tensor, labels: Tensor) -> Tensor:
             if tp_mesh is not None and getattr(logits, "device_mesh", tp_mesh) != tp_mesh:
-                raise ValueError(f"vocab-parallel loss: logits live on {logits.device_mesh}, expected the tp mesh "
-                                 f"{tp_mesh}; parallelize the model with the same mesh")
+                raise ValueError(
+                    f"vocab-parallel loss: logits live on {logits.device_mesh}, expected the tp mesh "
+                    f"{tp_mesh}; parallelize the model with the same mesh"
+                )
             return loss_parallel_cross_entropy(logits, labels, reduction="sum", chunk_size=chunk)
 
         return vocab_parallel_loss

@@ -60,9 +60,14 @@ from titanlike.parallel import clip
 from titanlike.parallel.materialize import materialize, to_empty_keeping_ties
 from titanlike.parallel.parallelize import build_loss_fn, parallelize_model
 
-__all__ = ["PipelineParallel", "apply_pp", "build_stage_from_fqns", "build_stage_module", "check_split",
-           "pipeline_module"]
-
+__all__ = [
+    "PipelineParallel",
+    "apply_pp",
+    "build_stage_from_fqns",
+    "build_stage_module",
+    "check_split",
+    "pipeline_module",
+]
 
 
 # ---------------------------------------------------------------------------------------------------- the build
@@ -89,8 +94,10 @@ def build_stage_module(full_model: nn.Module, names: Iterable[str], device: torc
     names = list(names)
     spec = spec_for(full_model)
     if spec is None:
-        raise ValueError(f"build_stage_module: {type(full_model).__name__} is not a registered model; register a "
-                         f"ModelSpec for it (docs/adding_a_model.md)")
+        raise ValueError(
+            f"build_stage_module: {type(full_model).__name__} is not a registered model; register a "
+            f"ModelSpec for it (docs/adding_a_model.md)"
+        )
     dtype = next(full_model.parameters()).dtype
     with torch.device("meta"), _default_dtype(dtype):
         stage = spec.build(full_model.args, **spec.stage_kwargs(names))
@@ -176,8 +183,9 @@ class PipelineParallel:
                     carry = out
                 else:
                     out = _local(out).contiguous()
-                    dist.send_object_list([(tuple(out.shape), out.dtype)], dst=self.stage_rank(s + 1),
-                                          group=self.pp_group, device=device)
+                    dist.send_object_list(
+                        [(tuple(out.shape), out.dtype)], dst=self.stage_rank(s + 1), group=self.pp_group, device=device
+                    )
                     dist.send(out, dst=self.stage_rank(s + 1), group=self.pp_group)
         dist.all_reduce(total, group=self.pp_group)  # only the last stage contributed
         # FSDP groups that keep their parameters after forward (all of them under PP) would stay unsharded: the
@@ -211,8 +219,12 @@ class PipelineParallel:
         """
         self.finalize_grads()
         params = list(parameters)
-        return clip.clip_grad_norm_(params, max_norm, pp_group=self.pp_group,
-                                    norm_parameters=[p for p in params if id(p) not in self.norm_excluded])
+        return clip.clip_grad_norm_(
+            params,
+            max_norm,
+            pp_group=self.pp_group,
+            norm_parameters=[p for p in params if id(p) not in self.norm_excluded],
+        )
 
 
 def _holds(stage: nn.Module, names: Sequence[str]) -> bool:
@@ -227,8 +239,11 @@ def _plain_tensors_between_stages(stage: nn.Module, tp_mesh, sequence_parallel: 
     seq = Shard(1) if sequence_parallel else Replicate()
     spec = spec_for(stage)
     if not _holds(stage, spec.input_modules):
-        parallelize_module(stage, tp_mesh, PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(seq,),
-                                                              use_local_output=False))
+        parallelize_module(
+            stage,
+            tp_mesh,
+            PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(seq,), use_local_output=False),
+        )
     if not _holds(stage, spec.output_modules):
         stage.register_forward_hook(_local_copy)
 
@@ -239,8 +254,9 @@ def _local_copy(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
     return output.to_local().clone() if isinstance(output, DTensor) else output
 
 
-def _shared_parameters(model: nn.Module, module_fqns_per_stage: Sequence[Sequence[str]]
-                       ) -> list[tuple[list[str], list[int]]]:
+def _shared_parameters(
+    model: nn.Module, module_fqns_per_stage: Sequence[Sequence[str]]
+) -> list[tuple[list[str], list[int]]]:
     """Parameters of the full ``model`` reachable under several names (by identity, whatever the names) whose names
     lie on more than one stage: (their names, the stages holding one of them)."""
     by_id: dict[int, list[str]] = {}
@@ -248,8 +264,9 @@ def _shared_parameters(model: nn.Module, module_fqns_per_stage: Sequence[Sequenc
         by_id.setdefault(id(p), []).append(name)
     shared = []
     for names in by_id.values():
-        holders = sorted({s for s, fqns in enumerate(module_fqns_per_stage) for n in names
-                          if _module_owner(model, fqns, n)})
+        holders = sorted(
+            {s for s, fqns in enumerate(module_fqns_per_stage) for n in names if _module_owner(model, fqns, n)}
+        )
         if len(holders) > 1:
             shared.append((names, holders))
     return shared
@@ -258,6 +275,7 @@ def _shared_parameters(model: nn.Module, module_fqns_per_stage: Sequence[Sequenc
 def _check_tied_layout(names: list[str], mine: list[nn.Parameter], group) -> None:
     """All copies of a tied parameter must have the same placements and local shape, or summing local shards
     would be wrong."""
+
     def layout(p):
         return (tuple(map(str, p.placements)) if isinstance(p, DTensor) else None, tuple(_local(p).shape))
 
@@ -267,12 +285,20 @@ def _check_tied_layout(names: list[str], mine: list[nn.Parameter], group) -> Non
         dist.all_gather_object(gathered, seen[0], group=group)
         seen += gathered
     if any(o != seen[0] for o in seen):
-        raise RuntimeError(f"tied parameter {' = '.join(names)}: its copies on different pipeline stages are sharded "
-                           f"differently ({sorted(set(seen))}); give the modules holding it the same TP / FSDP layout")
+        raise RuntimeError(
+            f"tied parameter {' = '.join(names)}: its copies on different pipeline stages are sharded "
+            f"differently ({sorted(set(seen))}); give the modules holding it the same TP / FSDP layout"
+        )
 
 
-def _tied_across_stages(model: nn.Module, module_fqns_per_stage: Sequence[Sequence[str]], parts: Sequence[nn.Module],
-                        stage_ids: Sequence[int], pp_group: dist.ProcessGroup, schedule: str):
+def _tied_across_stages(
+    model: nn.Module,
+    module_fqns_per_stage: Sequence[Sequence[str]],
+    parts: Sequence[nn.Module],
+    stage_ids: Sequence[int],
+    pp_group: dist.ProcessGroup,
+    schedule: str,
+):
     """After parallelize, for :class:`PipelineParallel`: every parameter the full ``model`` shares by identity
     between stages (each stage holds its own copy), as (this rank's copies, the group of the ranks holding a copy:
     None when this rank holds them all, the pp group when every pp rank does, else a group made by its members),
@@ -307,8 +333,9 @@ def _tied_across_stages(model: nn.Module, module_fqns_per_stage: Sequence[Sequen
     return tied_sets, excluded
 
 
-def apply_pp(model: nn.Module, dims, mesh, cfg, device: torch.device, *,
-             init_seed: int | None = None) -> PipelineParallel:
+def apply_pp(
+    model: nn.Module, dims, mesh, cfg, device: torch.device, *, init_seed: int | None = None
+) -> PipelineParallel:
     """Split the full ``model`` into this rank's stages, parallelize them, build the schedule.
 
     ``model`` on the meta device: the stages are built and parallelized on meta, then only this rank's shards are
@@ -342,17 +369,29 @@ def apply_pp(model: nn.Module, dims, mesh, cfg, device: torch.device, *,
     cls = schedule_class(schedule_name)
     single = schedule_facts(schedule_name).single_stage
     if single and len(stages) != 1:
-        raise ConfigError(f"parallelism.pipeline_parallel_schedule {schedule_name} runs one stage per rank, "
-                          f"the split gives {len(stages)}")
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule {schedule_name} runs one stage per rank, "
+            f"the split gives {len(stages)}"
+        )
     schedule = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
 
     # After parallelize (FSDP / TP have replaced the parameters by DTensors): the full model's ties, by identity.
     tied_sets, excluded = _tied_across_stages(model, names, parts, stage_ids, pp_group, schedule_name)
-    return PipelineParallel(model_parts=parts, stages=stages, stage_ids=stage_ids, num_stages=n_stages,
-                            schedule=schedule, loss=loss, pp_group=pp_group, has_first_stage=0 in stage_ids,
-                            has_last_stage=n_stages - 1 in stage_ids,
-                            microbatch_size=p.pipeline_parallel_microbatch_size, schedule_name=schedule_name,
-                            tied_sets=tied_sets, norm_excluded=excluded)
+    return PipelineParallel(
+        model_parts=parts,
+        stages=stages,
+        stage_ids=stage_ids,
+        num_stages=n_stages,
+        schedule=schedule,
+        loss=loss,
+        pp_group=pp_group,
+        has_first_stage=0 in stage_ids,
+        has_last_stage=n_stages - 1 in stage_ids,
+        microbatch_size=p.pipeline_parallel_microbatch_size,
+        schedule_name=schedule_name,
+        tied_sets=tied_sets,
+        norm_excluded=excluded,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- any module
@@ -374,8 +413,9 @@ def check_split(model: nn.Module, module_fqns_per_stage: Sequence[Sequence[str]]
         problems.append("give at least 2 stages, none of them empty")
     unknown = [f for f in flat if f not in modules or f == ""]
     if unknown:
-        problems.append(f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a submodule of "
-                        f"{type(model).__name__}")
+        problems.append(
+            f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a submodule of {type(model).__name__}"
+        )
     twice = sorted({f for f in flat if flat.count(f) > 1})
     if twice:
         problems.append(f"{', '.join(twice)} listed more than once")
@@ -389,8 +429,10 @@ def check_split(model: nn.Module, module_fqns_per_stage: Sequence[Sequence[str]]
     if orphans:
         problems.append(f"parameter(s) {', '.join(orphans[:6])} in no listed module")
     if problems:
-        raise ValueError(f"pipeline split of {type(model).__name__}: " + "; ".join(problems) + "; list module FQNs "
-                         "(model.named_modules()) per stage so that every parameter is in exactly one")
+        raise ValueError(
+            f"pipeline split of {type(model).__name__}: " + "; ".join(problems) + "; list module FQNs "
+            "(model.named_modules()) per stage so that every parameter is in exactly one"
+        )
 
 
 def build_stage_from_fqns(model: nn.Module, fqns: Sequence[str]) -> nn.Module:
@@ -430,9 +472,17 @@ def build_stage_from_fqns(model: nn.Module, fqns: Sequence[str]) -> nn.Module:
     return stage
 
 
-def pipeline_module(model: nn.Module, pp_mesh, module_fqns_per_stage: Sequence[Sequence[str]], *,
-                    loss_fn, n_microbatches: int, schedule: str = "1F1B", device: torch.device | str = "cpu",
-                    parallelize_stage=None) -> PipelineParallel:
+def pipeline_module(
+    model: nn.Module,
+    pp_mesh,
+    module_fqns_per_stage: Sequence[Sequence[str]],
+    *,
+    loss_fn,
+    n_microbatches: int,
+    schedule: str = "1F1B",
+    device: torch.device | str = "cpu",
+    parallelize_stage=None,
+) -> PipelineParallel:
     """Pipeline-parallelize any module: stages from a user's split (module FQNs per stage), this rank's stages
     built and run by the ``schedule`` (any of :data:`SCHEDULES`; loop placement, V placement for the V schedules).
 
@@ -467,8 +517,18 @@ def pipeline_module(model: nn.Module, pp_mesh, module_fqns_per_stage: Sequence[S
         raise ValueError(f"schedule {schedule} runs one stage per rank, the split gives {len(stages)} on this rank")
     sched = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
     tied_sets, excluded = _tied_across_stages(model, module_fqns_per_stage, parts, stage_ids, pp_group, schedule)
-    return PipelineParallel(model_parts=parts, stages=stages, stage_ids=stage_ids, num_stages=n_stages,
-                            schedule=sched, loss=loss, pp_group=pp_group, has_first_stage=0 in stage_ids,
-                            has_last_stage=n_stages - 1 in stage_ids, microbatch_size=0, schedule_name=schedule,
-                            tied_sets=tied_sets, norm_excluded=excluded)
-
+    return PipelineParallel(
+        model_parts=parts,
+        stages=stages,
+        stage_ids=stage_ids,
+        num_stages=n_stages,
+        schedule=sched,
+        loss=loss,
+        pp_group=pp_group,
+        has_first_stage=0 in stage_ids,
+        has_last_stage=n_stages - 1 in stage_ids,
+        microbatch_size=0,
+        schedule_name=schedule,
+        tied_sets=tied_sets,
+        norm_excluded=excluded,
+    )

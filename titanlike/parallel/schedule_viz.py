@@ -146,9 +146,7 @@ def _single_stage_order(schedule: str, pp: int, m: int) -> dict[int, list[_Actio
     return order
 
 
-def _multi_stage_order(
-    schedule: str, pp: int, m: int, v: int
-) -> tuple[dict[int, list[_Action]], dict[int, int]]:
+def _multi_stage_order(schedule: str, pp: int, m: int, v: int) -> tuple[dict[int, list[_Action]], dict[int, int]]:
     num_stages = pp * v
     local = [r for r in range(num_stages) if r % pp == 0]  # loop: rank 0 holds 0, pp, ...
     if schedule_facts(schedule).v_placement:
@@ -167,19 +165,14 @@ def _multi_stage_order(
         )
         return ops or None
 
-    order = {
-        rank: [op for op in map(convert, sched.pipeline_order[rank]) if op is not None]
-        for rank in range(pp)
-    }
+    order = {rank: [op for op in map(convert, sched.pipeline_order[rank]) if op is not None] for rank in range(pp)}
     return order, dict(sched.stage_index_to_group_rank)
 
 
 # ----------------------------------------------------------------------- simulation
 
 
-def _simulate(
-    order: dict[int, list[_Action]], num_stages: int, durations: dict[str, float]
-) -> list[list[Block]]:
+def _simulate(order: dict[int, list[_Action]], num_stages: int, durations: dict[str, float]) -> list[list[Block]]:
     ready: dict[_Op, float] = {}  # op -> time its result is available to other ops
 
     def deps(op: _Op) -> list[_Op]:
@@ -210,9 +203,7 @@ def _simulate(
                 for op in action:
                     start = max([t] + [ready[d] for d in deps(op) if d in ready])
                     t = start + durations[op.kind]
-                    placed.append(
-                        Block(op.kind, op.stage, op.microbatch, start, t, len(action) > 1)
-                    )
+                    placed.append(Block(op.kind, op.stage, op.microbatch, start, t, len(action) > 1))
                 for op in action:  # results leave the rank when the whole action is done
                     if op in ready:
                         raise ValueError(f"{op} scheduled twice")
@@ -296,10 +287,7 @@ def _time_unit(tl: Timeline) -> float:
 
 
 def _title(tl: Timeline) -> str:
-    return (
-        f"{tl.schedule}  pp={tl.pp}  microbatches={tl.n_microbatches}  "
-        f"stages/rank={tl.stages_per_rank}"
-    )
+    return f"{tl.schedule}  pp={tl.pp}  microbatches={tl.n_microbatches}  stages/rank={tl.stages_per_rank}"
 
 
 def _stats(tl: Timeline) -> str:
@@ -359,8 +347,7 @@ def _hatch(draw, x0: int, y0: int, x1: int, y1: int, step: int = 8) -> None:
     h = y1 - y0
     for x in range(x0 - h, x1, step):  # line from (x, y0) down-right to (x + h, y1), clipped
         cut_left, cut_right = max(0, x0 - x), max(0, x + h - x1)
-        draw.line([(x + cut_left, y0 + cut_left), (x + h - cut_right, y1 - cut_right)],
-                  fill=(205, 205, 205))
+        draw.line([(x + cut_left, y0 + cut_left), (x + h - cut_right, y1 - cut_right)], fill=(205, 205, 205))
 
 
 def render_png(tl: Timeline, path) -> None:
@@ -392,8 +379,7 @@ def render_png(tl: Timeline, path) -> None:
                 draw.line([(x0, y1 - 2), (x1 - 1, y1 - 2)], fill="black", width=2)
             label = str(b.microbatch)
             if draw.textlength(label, font=small) < x1 - x0 - 2:
-                draw.text(((x0 + x1) / 2, (y0 + y1) / 2), label, fill="black", font=small,
-                          anchor="mm")
+                draw.text(((x0 + x1) / 2, (y0 + y1) / 2), label, fill="black", font=small, anchor="mm")
 
     # time axis
     axis_y = top + tl.pp * (row_h + gap)
@@ -409,8 +395,7 @@ def render_png(tl: Timeline, path) -> None:
     x = left
     for k in kinds:
         draw.rectangle([x, legend_y, x + 14, legend_y + 14], fill=_COLORS[k])
-        draw.text((x + 18, legend_y + 7), f"{k} {names[k]}", fill="black", font=small,
-                  anchor="lm")
+        draw.text((x + 18, legend_y + 7), f"{k} {names[k]}", fill="black", font=small, anchor="lm")
         x += 30 + round(draw.textlength(f"{k} {names[k]}", font=small))
     notes = ["number = microbatch", "hatched = idle"]
     if tl.stages_per_rank > 1:

@@ -83,8 +83,9 @@ class ReplicateParallel(ParallelStyle):
         return outputs.to_local() if use_local_output else outputs
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, None, self._prepare_input_fn,
-                                 partial(self._prepare_output_fn, self.use_local_output))
+        return distribute_module(
+            module, device_mesh, None, self._prepare_input_fn, partial(self._prepare_output_fn, self.use_local_output)
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(use_local_output={self.use_local_output})"
@@ -96,8 +97,9 @@ def _norm_style(sequence_parallel: bool) -> ParallelStyle:
     return SequenceParallel() if sequence_parallel else ReplicateParallel()
 
 
-def tp_plan(sequence_parallel: bool = False, loss_parallel: bool = True, float8: bool = False
-            ) -> dict[str, ParallelStyle]:
+def tp_plan(
+    sequence_parallel: bool = False, loss_parallel: bool = True, float8: bool = False
+) -> dict[str, ParallelStyle]:
     """The tensor-parallel plan of ``titanlike.models.llama.Transformer`` (see the module docstring).
 
     Keys are ``parallelize_module`` patterns (``*`` matches one path atom). The plan covers a whole model;
@@ -130,8 +132,11 @@ def tp_plan(sequence_parallel: bool = False, loss_parallel: bool = True, float8:
         "layers.*.feed_forward.w3": colwise(),
         "layers.*.feed_forward.w2": rowwise(output_layouts=seq, use_local_output=False),
         "norm": _norm_style(sequence_parallel),
-        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
+        "output": ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
     }
 
 
@@ -164,13 +169,15 @@ def _retie(model: nn.Module, groups: list[list[str]]) -> None:
             p = model.get_parameter(name)
             if p is first:
                 continue
-            same = (isinstance(p, DTensor) == isinstance(first, DTensor)
-                    and (not isinstance(p, DTensor)
-                         or (p.placements == first.placements and p.device_mesh == first.device_mesh)))
+            same = isinstance(p, DTensor) == isinstance(first, DTensor) and (
+                not isinstance(p, DTensor) or (p.placements == first.placements and p.device_mesh == first.device_mesh)
+            )
             if not same:
-                raise ValueError(f"tied parameters '{names[0]}' and '{name}' got different tensor-parallel layouts "
-                                 f"({_layout(first)} vs {_layout(p)}); give both modules styles that shard the "
-                                 f"shared weight alike (RowwiseParallel embedding + ColwiseParallel head: Shard(0))")
+                raise ValueError(
+                    f"tied parameters '{names[0]}' and '{name}' got different tensor-parallel layouts "
+                    f"({_layout(first)} vs {_layout(p)}); give both modules styles that shard the "
+                    f"shared weight alike (RowwiseParallel embedding + ColwiseParallel head: Shard(0))"
+                )
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, first)
 
@@ -197,12 +204,15 @@ def _check_all_or_nothing(model: nn.Module) -> None:
     if plain and len(plain) != len(list(model.parameters())):
         owners = sorted({n.rpartition(".")[0] or "<root>" for n in plain})
         shown = ", ".join(owners[:6]) + (f" and {len(owners) - 6} more" if len(owners) > 6 else "")
-        raise ValueError(f"apply_tp: the plan leaves the parameters of {shown} plain tensors next to DTensors; give "
-                         f"those modules a style (ReplicateParallel() for modules that run replicated, e.g. norms)")
+        raise ValueError(
+            f"apply_tp: the plan leaves the parameters of {shown} plain tensors next to DTensors; give "
+            f"those modules a style (ReplicateParallel() for modules that run replicated, e.g. norms)"
+        )
 
 
-def model_tp_plan(spec, args, sequence_parallel: bool = False, loss_parallel: bool = True, *,
-                  float8: bool = False) -> dict:
+def model_tp_plan(
+    spec, args, sequence_parallel: bool = False, loss_parallel: bool = True, *, float8: bool = False
+) -> dict:
     """The TP plan of a registered model: its spec's ``tp_plan``, or for the built-in models (whose specs leave it
     None) the plan kept here in the parallel package: Llama's :func:`tp_plan`, GPT-2's
     :func:`titanlike.parallel.gpt2.tp_plan`."""
@@ -236,22 +246,25 @@ def apply_tp(
     parameters stay tied, and gradients keep their parameter's placements.
     """
     if tp_mesh.ndim != 1:
-        raise ValueError(f"apply_tp needs a 1-D tensor-parallel mesh, got {tp_mesh.ndim}-D {tp_mesh}; "
-                         f"pass mesh['tp']")
+        raise ValueError(f"apply_tp needs a 1-D tensor-parallel mesh, got {tp_mesh.ndim}-D {tp_mesh}; pass mesh['tp']")
     if plan is None:
         from titanlike.models.spec import spec_for
 
         spec = spec_for(model)
         if spec is None:
-            raise ValueError(f"apply_tp: {type(model).__name__} is not a registered model, so there is no default "
-                             f"plan; pass plan={{module-path pattern: ParallelStyle}} for it")
+            raise ValueError(
+                f"apply_tp: {type(model).__name__} is not a registered model, so there is no default "
+                f"plan; pass plan={{module-path pattern: ParallelStyle}} for it"
+            )
         plan = model_tp_plan(spec, getattr(model, "args", None), sequence_parallel, loss_parallel, float8=float8)
         plan = {k: v for k, v in plan.items() if _matches(model, k)}
     elif isinstance(plan, dict):
         missing = [k for k in plan if not _matches(model, k)]
         if missing:
-            raise ValueError(f"tensor-parallel plan keys {missing} match no submodule of {type(model).__name__}; "
-                             f"use module paths like those of model.named_modules() ('*' matches one atom)")
+            raise ValueError(
+                f"tensor-parallel plan keys {missing} match no submodule of {type(model).__name__}; "
+                f"use module paths like those of model.named_modules() ('*' matches one atom)"
+            )
     tied = shared_parameters(model)
     parallelize_module(model, tp_mesh, plan)
     _retie(model, tied)

@@ -108,13 +108,26 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
                 add("tp", "reduce_scatter", "forward", A, t, "block outputs of wo / w2", 2 * n * passes)
                 add("tp", "all_gather", "backward", A, t, "block outputs of wo / w2", 2 * n * passes)
                 add("tp", "reduce_scatter", "backward", A, t, "block inputs of attention / ffn", 2 * n * passes)
-                add("tp", "all_gather", "backward", A, t, "recomputed inputs of attention / ffn (full AC)",
-                    2 * recomputed * passes)
-                add("tp", "reduce_scatter", "backward", A, t, "recomputed output of wo (full AC)",
-                    recomputed * passes)
+                add(
+                    "tp",
+                    "all_gather",
+                    "backward",
+                    A,
+                    t,
+                    "recomputed inputs of attention / ffn (full AC)",
+                    2 * recomputed * passes,
+                )
+                add("tp", "reduce_scatter", "backward", A, t, "recomputed output of wo (full AC)", recomputed * passes)
                 n_norms = 2 * len(ids) + ("norm" in names)
-                add("tp", "all_reduce", "backward", h * a if lo.fsdp else h * lo.param_bytes, t,
-                    "norm weight gradients (SP)", n_norms * passes)
+                add(
+                    "tp",
+                    "all_reduce",
+                    "backward",
+                    h * a if lo.fsdp else h * lo.param_bytes,
+                    t,
+                    "norm weight gradients (SP)",
+                    n_norms * passes,
+                )
                 if "tok_embeddings" in names:
                     add("tp", "reduce_scatter", "forward", A, t, "embedding output", passes)
                     add("tp", "all_gather", "backward", A, t, "embedding output grad", passes)
@@ -123,8 +136,7 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
                     add("tp", "reduce_scatter", "backward", A, t, "head input grad", passes)
             else:
                 add("tp", "all_reduce", "forward", A, t, "block outputs of wo / w2", 2 * len(ids) * passes)
-                add("tp", "all_reduce", "backward", A, t, "block input grads of attention / ffn",
-                    2 * len(ids) * passes)
+                add("tp", "all_reduce", "backward", A, t, "block input grads of attention / ffn", 2 * len(ids) * passes)
                 add("tp", "all_reduce", "backward", A, t, "recomputed output of wo (full AC)", recomputed * passes)
                 if "tok_embeddings" in names:
                     add("tp", "all_reduce", "forward", A, t, "embedding output", passes)
@@ -135,10 +147,24 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
                     rows = b * s
                     chunk = lo.loss_chunk_size or rows
                     full, rest = divmod(rows, chunk)
-                    add("tp", "all_reduce", "forward", chunk * lo.compute_bytes, t, "vocab-parallel loss (max, sum, "
-                        "target)", 3 * full * passes)
-                    add("tp", "all_reduce", "forward", rest * lo.compute_bytes, t, "vocab-parallel loss (max, sum, "
-                        "target)", 3 * (rest > 0) * passes)
+                    add(
+                        "tp",
+                        "all_reduce",
+                        "forward",
+                        chunk * lo.compute_bytes,
+                        t,
+                        "vocab-parallel loss (max, sum, target)",
+                        3 * full * passes,
+                    )
+                    add(
+                        "tp",
+                        "all_reduce",
+                        "forward",
+                        rest * lo.compute_bytes,
+                        t,
+                        "vocab-parallel loss (max, sum, target)",
+                        3 * (rest > 0) * passes,
+                    )
                 else:
                     add("tp", "all_gather", "forward", b * s * args.vocab_size * a, t, "logits", passes)
         # ---------------------------------------------------------------------------------- context parallel
@@ -146,8 +172,9 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
             n, recomputed = len(ids), sum(lo.checkpointed(i) == "full" for i in ids)
             add("cp", "all_gather", "forward", kv_bytes, lo.cp, "K and V of every block", 2 * n * passes)
             add("cp", "reduce_scatter", "backward", kv_bytes, lo.cp, "K and V grads of every block", 2 * n * passes)
-            add("cp", "all_gather", "backward", kv_bytes, lo.cp, "recomputed K and V (full AC)",
-                2 * recomputed * passes)
+            add(
+                "cp", "all_gather", "backward", kv_bytes, lo.cp, "recomputed K and V (full AC)", 2 * recomputed * passes
+            )
         # ---------------------------------------------------------------------------------- pipeline
         if lo.pp > 1:
             p2p = A // t if lo.sequence_parallel else A
@@ -157,8 +184,11 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
                 add("pp", "send", "backward", p2p, 2, "stage input grad", passes)
             tied = args.tie_embeddings and (sid == 0 or sid == len(lo.stages) - 1) and not lo.v_placement
             if tied:  # finalize_grads: the two copies of the tied weight sum their gradient shards
-                shard = next(p for p in rank_param_shards(lo, args, rank)[sid]
-                             if p.name in ("tok_embeddings.weight", "output.weight"))
+                shard = next(
+                    p
+                    for p in rank_param_shards(lo, args, rank)[sid]
+                    if p.name in ("tok_embeddings.weight", "output.weight")
+                )
                 add("pp", "all_reduce", "step", shard.numel * lo.param_bytes, 2, "tied embedding grads", 1)
     # -------------------------------------------------------------------------------------- data parallel
     if lo.fsdp:
@@ -180,12 +210,28 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
                 reduce_phase = "step" if lo.pp > 1 else "backward"
                 add(fdim, "all_gather", "forward", padded * ds * a, ds, what, fwd_ag)
                 add(fdim, "all_gather", "backward", padded * ds * a, ds, what, bwd_ag)
-                add(fdim, "reduce_scatter", reduce_phase, padded * ds * lo.reduce_bytes, ds,
-                    what.replace("params", "grads"), rs)
-                add("dp_replicate", "all_reduce", reduce_phase, padded * lo.reduce_bytes, dr,
-                    what.replace("params", "grad shards"), rs)
-    return [Message(dim, op, phase, count, nbytes, group, what)
-            for (dim, op, phase, nbytes, group, what), count in out.items()]
+                add(
+                    fdim,
+                    "reduce_scatter",
+                    reduce_phase,
+                    padded * ds * lo.reduce_bytes,
+                    ds,
+                    what.replace("params", "grads"),
+                    rs,
+                )
+                add(
+                    "dp_replicate",
+                    "all_reduce",
+                    reduce_phase,
+                    padded * lo.reduce_bytes,
+                    dr,
+                    what.replace("params", "grad shards"),
+                    rs,
+                )
+    return [
+        Message(dim, op, phase, count, nbytes, group, what)
+        for (dim, op, phase, nbytes, group, what), count in out.items()
+    ]
 
 
 @lru_cache(maxsize=512)
@@ -263,8 +309,9 @@ def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
         def seconds(ms):
             return sum(m.wire_bytes for m in ms) / bw + sum(m.count for m in ms) * hw.latency_s
 
-        dims[dim] = DimCost(dim, sum(m.count for m in msgs), sum(m.wire_bytes for m in msgs), gm.link,
-                            seconds(msgs), 0.0)
+        dims[dim] = DimCost(
+            dim, sum(m.count for m in msgs), sum(m.wire_bytes for m in msgs), gm.link, seconds(msgs), 0.0
+        )
         after[dim] = seconds([m for m in msgs if m.phase == "step"])
     bub = bubble(lo.schedule or "1F1B", lo.pp, lo.n_microbatches, lo.stages_per_rank)
     tp_s = dims["tp"].seconds if "tp" in dims else 0.0
@@ -282,8 +329,17 @@ def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
         total = sum(dims[x].seconds for x in dp)
         dims[d] = _replace(dims[d], dp_exposed * dims[d].seconds / total if total else 0.0)
     mfu = model_flops / (lo.world_size * hw.peak_flops * step)
-    return StepCost(compute=compute, model_flops=model_flops, rank_flops=rank_flops, bubble=bub, dims=dims,
-                    step_time=step, mfu=mfu, tokens_per_s=tokens / step, world_size=lo.world_size)
+    return StepCost(
+        compute=compute,
+        model_flops=model_flops,
+        rank_flops=rank_flops,
+        bubble=bub,
+        dims=dims,
+        step_time=step,
+        mfu=mfu,
+        tokens_per_s=tokens / step,
+        world_size=lo.world_size,
+    )
 
 
 def _replace(d: DimCost, exposed: float) -> DimCost:

@@ -80,8 +80,9 @@ def dry_run(cfg: JobConfig, layout: Layout, args, rank: int = 0, probe_activatio
     dist.init_process_group("fake", rank=rank, world_size=layout.world_size, store=FakeStore())
     try:
         d = layout.dims  # plain degrees; the mesh comes from parallel's ParallelDims
-        dims = ParallelDims(dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, cp=d.cp, tp=d.tp, pp=d.pp,
-                            world_size=d.world_size)
+        dims = ParallelDims(
+            dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, cp=d.cp, tp=d.tp, pp=d.pp, world_size=d.world_size
+        )
         mesh = dims.build_mesh("cpu")
         records = []
         for sid in layout.stage_ids(layout.pp_rank_of(rank)):
@@ -94,8 +95,12 @@ def dry_run(cfg: JobConfig, layout: Layout, args, rank: int = 0, probe_activatio
                 records.append(ParamRecord(sid, name, shape, local, p.dtype, placements))
         result = DryRun(rank, layout.world_size, records, 0.0)
         if probe_activations:
-            first = next(n for sid in layout.stage_ids(layout.pp_rank_of(rank)) for n in layout.stages[sid]
-                         if n.startswith("layers."))
+            first = next(
+                n
+                for sid in layout.stage_ids(layout.pp_rank_of(rank))
+                for n in layout.stages[sid]
+                if n.startswith("layers.")
+            )
             result.probe_layer = int(first.split(".")[1])
             result.block_activation_bytes = _probe_block(cfg, layout, args, mesh, result.probe_layer)
         result.seconds = time.perf_counter() - t0
@@ -117,8 +122,12 @@ def _probe_block(cfg: JobConfig, layout: Layout, args, mesh, layer_id: int) -> i
 
     block = spec_for(args).build_meta(args, layer_ids=[layer_id], has_input=False, has_output=False)
     if layout.tp > 1:
-        apply_tp(block, mesh["tp"], sequence_parallel=layout.sequence_parallel,
-                 loss_parallel=loss_parallel_enabled(cfg, layout.dims))
+        apply_tp(
+            block,
+            mesh["tp"],
+            sequence_parallel=layout.sequence_parallel,
+            loss_parallel=loss_parallel_enabled(cfg, layout.dims),
+        )
     if layout.cp > 1:
         from titanlike.parallel.context_parallel import apply_cp
 
@@ -138,8 +147,9 @@ def _probe_block(cfg: JobConfig, layout: Layout, args, mesh, layer_id: int) -> i
             block.get_submodule(owner)._buffers[leaf] = buf.to(rope)
         x_leaf = torch.empty(layout.microbatch_size, seq, args.dim, dtype=act, requires_grad=True)
         if layout.tp > 1:
-            x_leaf = DTensor.from_local(x_leaf, mesh["tp"], [Shard(1) if layout.sequence_parallel else Replicate()],
-                                        run_check=False)
+            x_leaf = DTensor.from_local(
+                x_leaf, mesh["tp"], [Shard(1) if layout.sequence_parallel else Replicate()], run_check=False
+            )
         tracker = MemTracker()
         tracker.track_external(block, x_leaf)
         with tracker:

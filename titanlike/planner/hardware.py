@@ -56,23 +56,41 @@ class Hardware:
         return replace(self, **kw)
 
 
-def hardware_for(gpu: str = "H100", *, gpus_per_node: int = 8, dtype: str = "bfloat16", float8_recipe: str = "",
-                 peak_tflops: float = 0.0, nvlink_gbps: float | None = None, ib_gbps: float | None = None,
-                 memory_gib: float | None = None, compute_efficiency: float = 0.6,
-                 latency_us: float = 10.0) -> Hardware:
+def hardware_for(
+    gpu: str = "H100",
+    *,
+    gpus_per_node: int = 8,
+    dtype: str = "bfloat16",
+    float8_recipe: str = "",
+    peak_tflops: float = 0.0,
+    nvlink_gbps: float | None = None,
+    ib_gbps: float | None = None,
+    memory_gib: float | None = None,
+    compute_efficiency: float = 0.6,
+    latency_us: float = 10.0,
+) -> Hardware:
     """A :class:`Hardware` from the table, any figure overridable (``peak_tflops > 0`` replaces the peak)."""
     name = next((k for k in GPUS if k.lower() == gpu.lower()), None)
     if name is None:
-        raise ValueError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)} (or give --memory-gib, --peak-tflops, "
-                         f"--nvlink-gbps and --ib-gbps with one of them)")
+        raise ValueError(
+            f"unknown GPU {gpu!r}; known: {', '.join(GPUS)} (or give --memory-gib, --peak-tflops, "
+            f"--nvlink-gbps and --ib-gbps with one of them)"
+        )
     mem, nvlink, ib = GPUS[name]
     tflops = peak_tflops if peak_tflops > 0 else peak_tflops_for_name(name, peak_key(dtype, float8_recipe))
     if tflops is None:
-        raise ValueError(f"no {peak_key(dtype, float8_recipe)} peak for {name} in titanlike.planner.peaks; "
-                         f"give --peak-tflops")
+        raise ValueError(
+            f"no {peak_key(dtype, float8_recipe)} peak for {name} in titanlike.planner.peaks; give --peak-tflops"
+        )
     if gpus_per_node < 1:
         raise ValueError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
-    return Hardware(gpu=name, peak_flops=tflops * 1e12, memory_bytes=(memory_gib or mem) * GiB,
-                    gpus_per_node=gpus_per_node, nvlink_bw=(nvlink_gbps or nvlink) * 1e9,
-                    network_bw=(ib_gbps or ib) * 1e9, latency_s=latency_us * 1e-6,
-                    compute_efficiency=compute_efficiency)
+    return Hardware(
+        gpu=name,
+        peak_flops=tflops * 1e12,
+        memory_bytes=(memory_gib or mem) * GiB,
+        gpus_per_node=gpus_per_node,
+        nvlink_bw=(nvlink_gbps or nvlink) * 1e9,
+        network_bw=(ib_gbps or ib) * 1e9,
+        latency_s=latency_us * 1e-6,
+        compute_efficiency=compute_efficiency,
+    )

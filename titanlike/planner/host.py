@@ -36,8 +36,9 @@ def local_world_size(world_size: int, env: Mapping[str, str] = os.environ) -> in
     return max(1, min(int(env.get("LOCAL_WORLD_SIZE", "1")), world_size))
 
 
-def host_memory_problem(cfg, world_size: int, args, *, local_ranks: int, host_bytes: int,
-                        device_type: str = "cpu") -> str | None:
+def host_memory_problem(
+    cfg, world_size: int, args, *, local_ranks: int, host_bytes: int, device_type: str = "cpu"
+) -> str | None:
     """One line naming the fix when, on a CPU device, the ranks of some node (``local_ranks`` consecutive ranks per
     node, as torchrun places them; every node assumed to have ``host_bytes``) need more than ``HOST_FRACTION`` of
     ``host_bytes``; None when every node fits, and always on another device. Every rank computes the same answer,
@@ -52,8 +53,9 @@ def host_memory_problem(cfg, world_size: int, args, *, local_ranks: int, host_by
         c = layout.coords(rank)  # a rank's shards depend on its pp stage(s), tp rank and FSDP shard index only
         key = (c["pp"], c["tp"], layout.fsdp_shard_index(c))
         if key not in cache:
-            cache[key] = [it for it in rank_state_memory(layout, args, rank)
-                          if not seed_only or it.name == "parameters"]
+            cache[key] = [
+                it for it in rank_state_memory(layout, args, rank) if not seed_only or it.name == "parameters"
+            ]
         return cache[key]
 
     worst_node, worst = None, 0.0
@@ -67,11 +69,16 @@ def host_memory_problem(cfg, world_size: int, args, *, local_ranks: int, host_by
     rank = max(worst_node, key=lambda r: sum(it.bytes for it in items(r)))
     parts = " + ".join(f"{it.name} {fmt_bytes(it.bytes)}" for it in items(rank) if it.bytes)
     n = len(worst_node)
-    where = "this host" if n == world_size else \
-        f"node {worst_node[0] // local_ranks} (ranks {worst_node[0]}-{worst_node[-1]}, a host like this one)"
+    where = (
+        "this host"
+        if n == world_size
+        else f"node {worst_node[0] // local_ranks} (ranks {worst_node[0]}-{worst_node[-1]}, a host like this one)"
+    )
     who = "the one rank on this host needs" if n == 1 else f"the {n} ranks on {where} need"
-    return (f"host memory: {who} {fmt_bytes(worst)} of "
-            f"{'weights' if seed_only else 'state'}, more than {HOST_FRACTION:.0%} of the {fmt_bytes(host_bytes)} "
-            f"of host memory (rank {rank}: {fmt_bytes(sum(it.bytes for it in items(rank)))}, planner: {parts}); "
-            f"shard it over more ranks on more nodes (a larger dp_shard / tp / pp degree), start fewer ranks per node "
-            f"(torchrun --nproc_per_node), or train on GPUs (--training.device cuda)")
+    return (
+        f"host memory: {who} {fmt_bytes(worst)} of "
+        f"{'weights' if seed_only else 'state'}, more than {HOST_FRACTION:.0%} of the {fmt_bytes(host_bytes)} "
+        f"of host memory (rank {rank}: {fmt_bytes(sum(it.bytes for it in items(rank)))}, planner: {parts}); "
+        f"shard it over more ranks on more nodes (a larger dp_shard / tp / pp degree), start fewer ranks per node "
+        f"(torchrun --nproc_per_node), or train on GPUs (--training.device cuda)"
+    )

@@ -66,19 +66,34 @@ class Layout:
         dims = Degrees.from_config(cfg, world_size)
         pp = dims.pp > 1
         spec = get_spec(cfg.model.name)
-        stages = tuple(tuple(s) for s in stage_module_names(cfg, args)) if pp else \
-            (spec.input_modules + tuple(f"{spec.block_container}.{i}" for i in range(args.n_layers))
-             + spec.output_modules,)
+        stages = (
+            tuple(tuple(s) for s in stage_module_names(cfg, args))
+            if pp
+            else (
+                spec.input_modules
+                + tuple(f"{spec.block_container}.{i}" for i in range(args.n_layers))
+                + spec.output_modules,
+            )
+        )
         split = batch_split(t.global_batch_size, t.local_batch_size, dims.dp)
-        return cls(dims=dims, gpus_per_node=gpus_per_node, sequence_parallel=p.enable_sequence_parallel,
-                   loss_parallel=loss_parallel_enabled(cfg, dims),
-                   schedule=p.pipeline_parallel_schedule if pp else "", stages=stages,
-                   microbatch_size=p.pipeline_parallel_microbatch_size if pp else t.local_batch_size,
-                   n_microbatches=t.local_batch_size // p.pipeline_parallel_microbatch_size if pp else 1,
-                   accum_steps=split.accum_steps, seq_len=t.seq_len, global_batch=split.global_batch,
-                   dtype=t.dtype, reshard_after_forward=p.fsdp_reshard_after_forward,
-                   ac_mode=cfg.activation_checkpoint.mode, ac_option=cfg.activation_checkpoint.selective_ac_option,
-                   loss_chunk_size=p.loss_chunk_size)
+        return cls(
+            dims=dims,
+            gpus_per_node=gpus_per_node,
+            sequence_parallel=p.enable_sequence_parallel,
+            loss_parallel=loss_parallel_enabled(cfg, dims),
+            schedule=p.pipeline_parallel_schedule if pp else "",
+            stages=stages,
+            microbatch_size=p.pipeline_parallel_microbatch_size if pp else t.local_batch_size,
+            n_microbatches=t.local_batch_size // p.pipeline_parallel_microbatch_size if pp else 1,
+            accum_steps=split.accum_steps,
+            seq_len=t.seq_len,
+            global_batch=split.global_batch,
+            dtype=t.dtype,
+            reshard_after_forward=p.fsdp_reshard_after_forward,
+            ac_mode=cfg.activation_checkpoint.mode,
+            ac_option=cfg.activation_checkpoint.selective_ac_option,
+            loss_chunk_size=p.loss_chunk_size,
+        )
 
     # ----------------------------------------------------------------------------------------- degrees
     # The degrees, read through from ``dims``.
@@ -126,7 +141,7 @@ class Layout:
 
     @property
     def precision(self) -> str:
-        """"fsdp" (FSDP mixed precision), "autocast" or "none": ``titanlike.layout.precision_policy``."""
+        """ "fsdp" (FSDP mixed precision), "autocast" or "none": ``titanlike.layout.precision_policy``."""
         return precision_policy(self.dtype, self.dims)
 
     @property
@@ -184,8 +199,10 @@ class Layout:
     @cached_property
     def groups(self) -> dict[str, GroupMap]:
         """tp, cp, dp_shard, dp_replicate, dp and pp groups against node boundaries."""
-        return {name: group_map(self.dims, name, self.gpus_per_node)
-                for name in ("tp", "cp", "dp_shard", "dp_shard_cp", "dp_replicate", "dp", "pp")}
+        return {
+            name: group_map(self.dims, name, self.gpus_per_node)
+            for name in ("tp", "cp", "dp_shard", "dp_shard_cp", "dp_replicate", "dp", "pp")
+        }
 
 
 @dataclass(frozen=True)
@@ -227,6 +244,12 @@ def group_map(dims: Degrees, name: str, gpus_per_node: int) -> GroupMap:
     spanning = tuple(tuple(int(r) for r in g) for g in groups[crossing])
     max_nodes = max(len(np.unique(row)) for row in nodes[crossing]) if crossing.any() else 1
     stride = int(groups[0, 1] - groups[0, 0]) if size > 1 else 0
-    return GroupMap(name=name, size=size, n_groups=groups.shape[0], stride=stride,
-                    spanning=spanning if size > 1 else (), max_nodes=max_nodes,
-                    example=tuple(int(r) for r in groups[0]))
+    return GroupMap(
+        name=name,
+        size=size,
+        n_groups=groups.shape[0],
+        stride=stride,
+        spanning=spanning if size > 1 else (),
+        max_nodes=max_nodes,
+        example=tuple(int(r) for r in groups[0]),
+    )

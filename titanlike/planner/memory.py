@@ -29,13 +29,33 @@ from functools import lru_cache
 
 from titanlike.planner.layout import Layout
 
-__all__ = ["STATE_ITEMS", "MemoryItem", "ParamShard", "block_activation_bytes", "chunk", "fsdp_units",
-           "inflight_microbatches", "param_shapes", "rank_activation_memory", "rank_memory", "rank_param_shards",
-           "rank_state_memory", "tp_shard_dim"]
+__all__ = [
+    "STATE_ITEMS",
+    "MemoryItem",
+    "ParamShard",
+    "block_activation_bytes",
+    "chunk",
+    "fsdp_units",
+    "inflight_microbatches",
+    "param_shapes",
+    "rank_activation_memory",
+    "rank_memory",
+    "rank_param_shards",
+    "rank_state_memory",
+    "tp_shard_dim",
+]
 
-_LAYER_PARAMS = ("attention_norm.weight", "attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
-                 "attention.wo.weight", "ffn_norm.weight", "feed_forward.w1.weight", "feed_forward.w2.weight",
-                 "feed_forward.w3.weight")
+_LAYER_PARAMS = (
+    "attention_norm.weight",
+    "attention.wq.weight",
+    "attention.wk.weight",
+    "attention.wv.weight",
+    "attention.wo.weight",
+    "ffn_norm.weight",
+    "feed_forward.w1.weight",
+    "feed_forward.w2.weight",
+    "feed_forward.w3.weight",
+)
 
 
 def chunk(n: int, parts: int, index: int) -> int:
@@ -68,10 +88,14 @@ def param_shapes(args, names: Sequence[str]) -> dict[str, tuple[int, ...]]:
         return dict(_built_shapes(spec, args, tuple(names)))
     h, hd = args.dim, args.head_dim
     shapes = {
-        "attention_norm.weight": (h,), "attention.wq.weight": (args.n_heads * hd, h),
-        "attention.wk.weight": (args.n_kv_heads * hd, h), "attention.wv.weight": (args.n_kv_heads * hd, h),
-        "attention.wo.weight": (h, args.n_heads * hd), "ffn_norm.weight": (h,),
-        "feed_forward.w1.weight": (args.hidden_dim, h), "feed_forward.w2.weight": (h, args.hidden_dim),
+        "attention_norm.weight": (h,),
+        "attention.wq.weight": (args.n_heads * hd, h),
+        "attention.wk.weight": (args.n_kv_heads * hd, h),
+        "attention.wv.weight": (args.n_kv_heads * hd, h),
+        "attention.wo.weight": (h, args.n_heads * hd),
+        "ffn_norm.weight": (h,),
+        "feed_forward.w1.weight": (args.hidden_dim, h),
+        "feed_forward.w2.weight": (h, args.hidden_dim),
         "feed_forward.w3.weight": (args.hidden_dim, h),
     }
     out: dict[str, tuple[int, ...]] = {}
@@ -145,8 +169,9 @@ def rank_param_shards(layout: Layout, args, rank: int = 0) -> dict[int, list[Par
     return out
 
 
-def fsdp_units(layout: Layout, args, shards: list[ParamShard],
-               names: Sequence[str]) -> list[tuple[str, list[ParamShard]]]:
+def fsdp_units(
+    layout: Layout, args, shards: list[ParamShard], names: Sequence[str]
+) -> list[tuple[str, list[ParamShard]]]:
     """FSDP groups of one stage module as titanlike.parallel.fsdp.apply_fsdp builds them: (kind, params) with kind
     "block", "embedding", "head" or "root"; groups without parameters are left out."""
     by_name = {p.name: p for p in shards}
@@ -297,8 +322,9 @@ def rank_state_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
     pb, a = layout.param_bytes, layout.act_bytes
     n_local = sum(p.numel for ps in shards.values() for p in ps)
     n_tensors = sum(len(ps) for ps in shards.values())
-    sharded = (f"sharded over {layout.fsdp_dim} {layout.fsdp_shard}" if layout.fsdp and layout.fsdp_shard > 1
-               else "unsharded")
+    sharded = (
+        f"sharded over {layout.fsdp_dim} {layout.fsdp_shard}" if layout.fsdp and layout.fsdp_shard > 1 else "unsharded"
+    )
     items = [
         MemoryItem("parameters", n_local * pb, f"{n_local / 1e6:,.1f}M elements, fp{8 * pb} master copy, {sharded}"),
         MemoryItem("gradients", n_local * pb, f"fp{8 * pb}, same shards"),
@@ -312,17 +338,26 @@ def rank_state_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
         gathered = sum(p.tp_numel for _, ps in resident for p in ps)
         largest = sorted((sum(p.tp_numel for p in ps) for _, ps in blocks), reverse=True)[:2]
         gathered += sum(largest)
-        note = ("every group gathered for the whole step (no reshard after forward)" if not blocks else
-                f"two groups in flight (current + prefetched){' + head/root kept' if resident else ''}")
+        note = (
+            "every group gathered for the whole step (no reshard after forward)"
+            if not blocks
+            else f"two groups in flight (current + prefetched){' + head/root kept' if resident else ''}"
+        )
         items.append(MemoryItem("gathered params", gathered * a, f"{note}, {_dtype(a)}"))
         if layout.pp > 1:  # gradient sync is off until the last microbatch: unsharded grads accumulate
             grads = sum(p.tp_numel for units in stage_units.values() for _, ps in units for p in ps)
-            items.append(MemoryItem("unsharded grads", grads * layout.reduce_bytes,
-                                    "accumulated across microbatches until the last backward (pp)"))
+            items.append(
+                MemoryItem(
+                    "unsharded grads",
+                    grads * layout.reduce_bytes,
+                    "accumulated across microbatches until the last backward (pp)",
+                )
+            )
         else:
             unit = max((sum(p.tp_numel for p in ps) for units in stage_units.values() for _, ps in units), default=0)
-            items.append(MemoryItem("unsharded grads", unit * (a + layout.reduce_bytes),
-                                    "one group before its reduce-scatter"))
+            items.append(
+                MemoryItem("unsharded grads", unit * (a + layout.reduce_bytes), "one group before its reduce-scatter")
+            )
     elif layout.precision == "autocast":
         items.append(MemoryItem("autocast weights", n_local * 2, "bf16 copies of every weight during fwd+bwd"))
     return items
@@ -335,8 +370,9 @@ def rank_activation_memory(layout: Layout, args, rank: int = 0) -> list[MemoryIt
     stage_ids = layout.stage_ids(c["pp"])
     tokens = layout.microbatch_size * layout.local_seq_len
     if layout.pp > 1:
-        counts = inflight_microbatches(layout.schedule or "1F1B", layout.pp, layout.n_microbatches,
-                                       layout.stages_per_rank)[c["pp"]]
+        counts = inflight_microbatches(
+            layout.schedule or "1F1B", layout.pp, layout.n_microbatches, layout.stages_per_rank
+        )[c["pp"]]
     else:
         counts = (1,)
     act = transient = 0.0
@@ -351,14 +387,22 @@ def rank_activation_memory(layout: Layout, args, rank: int = 0) -> list[MemoryIt
         act += count * per_mb
         detail.append(f"{count} x stage {s}" if layout.pp > 1 else "1 microbatch")
         if any(layout.checkpointed(i) != "none" for i in ids):
-            recompute = max(block_activation_bytes(layout, args, tokens) -
-                            block_activation_bytes(layout, args, tokens, layout.checkpointed(i)) for i in ids)
+            recompute = max(
+                block_activation_bytes(layout, args, tokens)
+                - block_activation_bytes(layout, args, tokens, layout.checkpointed(i))
+                for i in ids
+            )
             transient = max(transient, recompute)
     ac = layout.ac_mode if layout.ac_mode != "selective" else f"selective {layout.ac_option}"
     sp = "on" if layout.sequence_parallel else "off"
     cp = f" (seq {layout.seq_len} / cp {layout.cp})" if layout.cp > 1 else ""
-    items.append(MemoryItem("activations", act, f"{' + '.join(detail)} of {layout.microbatch_size} x "
-                                                f"{layout.local_seq_len} tokens{cp}, AC {ac}, SP {sp}"))
+    items.append(
+        MemoryItem(
+            "activations",
+            act,
+            f"{' + '.join(detail)} of {layout.microbatch_size} x {layout.local_seq_len} tokens{cp}, AC {ac}, SP {sp}",
+        )
+    )
     items.append(MemoryItem("transient", transient, "largest of: loss working set, one block's recomputation"))
     return items
 

@@ -28,9 +28,16 @@ PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
 ]
 
 _DTYPE_KEYS = {
-    "bf16": "bf16", "bfloat16": "bf16", "fp16": "bf16", "float16": "bf16",
-    "fp8": "fp8", "float8": "fp8", "mxfp8": "fp8",
-    "tf32": "tf32", "fp32": "tf32", "float32": "tf32",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "bf16",
+    "float16": "bf16",
+    "fp8": "fp8",
+    "float8": "fp8",
+    "mxfp8": "fp8",
+    "tf32": "tf32",
+    "fp32": "tf32",
+    "float32": "tf32",
 }
 
 
@@ -51,4 +58,3 @@ def peak_tflops_for_name(device_name: str, dtype: str = "bf16") -> float | None:
         if pattern in device_name:
             return peaks.get(key)
     return None
-

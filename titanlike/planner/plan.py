@@ -48,8 +48,9 @@ class Plan:
         return bool(self.memory) and self.total_memory(self.peak_rank) <= self.hardware.usable_memory
 
 
-def make_plan(cfg: JobConfig, world_size: int, hardware: Hardware, args, *, rank: int = 0,
-              run_dry: bool = True) -> Plan:
+def make_plan(
+    cfg: JobConfig, world_size: int, hardware: Hardware, args, *, rank: int = 0, run_dry: bool = True
+) -> Plan:
     """Validate ``cfg`` for ``world_size`` ranks of ``hardware`` and, if it is legal, price, size and dry-run it."""
     violations = layout_violations(cfg, world_size, args)
     try:
@@ -68,18 +69,22 @@ def make_plan(cfg: JobConfig, world_size: int, hardware: Hardware, args, *, rank
         if gm.spanning:
             shown = "; ".join(_ranks(g) for g in gm.spanning[:4])
             more = f" (and {len(gm.spanning) - 4} more)" if len(gm.spanning) > 4 else ""
-            plan.warnings.append(f"{len(gm.spanning)} of {gm.n_groups} {dim} groups span nodes: {shown}{more}; every "
-                                 f"layer's {dim} collectives then ride the inter-node network; keep {dim} <= "
-                                 f"gpus_per_node ({lo.gpus_per_node}) and a divisor of it")
+            plan.warnings.append(
+                f"{len(gm.spanning)} of {gm.n_groups} {dim} groups span nodes: {shown}{more}; every "
+                f"layer's {dim} collectives then ride the inter-node network; keep {dim} <= "
+                f"gpus_per_node ({lo.gpus_per_node}) and a divisor of it"
+            )
     plan.cost = step_cost(lo, args, hardware, rank)
     per_pp = lo.world_size // lo.pp
     for r in sorted({rank} | {p * per_pp for p in range(lo.pp)}):
         plan.memory[r] = rank_memory(lo, args, r)
     if not plan.fits:
         r = plan.peak_rank
-        plan.warnings.append(f"memory: rank {r} needs {plan.total_memory(r) / GiB:.1f} GiB, more than the "
-                             f"{hardware.usable_memory / GiB:.1f} GiB usable on a {hardware.gpu}; see the memory "
-                             f"section (activation checkpointing, smaller microbatches, more pp/tp)")
+        plan.warnings.append(
+            f"memory: rank {r} needs {plan.total_memory(r) / GiB:.1f} GiB, more than the "
+            f"{hardware.usable_memory / GiB:.1f} GiB usable on a {hardware.gpu}; see the memory "
+            f"section (activation checkpointing, smaller microbatches, more pp/tp)"
+        )
     if run_dry:
         plan.dry = dry_run(cfg, lo, args, rank)
     return plan
@@ -115,25 +120,39 @@ def fmt_seconds(s: float) -> str:
 def _header(plan: Plan) -> list[str]:
     cfg, args, hw = plan.cfg, plan.args, plan.hardware
     n_nodes = -(-plan.world_size // hw.gpus_per_node)
-    lines = [f"titanlike layout plan: {cfg.model.name}/{cfg.model.flavor} ({args.num_params() / 1e9:.2f}B parameters, "
-             f"{args.n_layers} layers, dim {args.dim}, {args.n_heads} heads / {args.n_kv_heads} kv, vocab "
-             f"{args.vocab_size}) on {plan.world_size:,} x {hw.gpu} ({n_nodes:,} node{'s' * (n_nodes > 1)} of "
-             f"{hw.gpus_per_node})"]
-    lines.append(f"  links per GPU and direction: NVLink {hw.nvlink_bw / 1e9:.0f} GB/s inside a node, network "
-                 f"{hw.network_bw / 1e9:.0f} GB/s between nodes; peak {hw.peak_flops / 1e12:.0f} TFLOP/s "
-                 f"({cfg.training.dtype}), kernels at {hw.compute_efficiency:.0%} of it; "
-                 f"{hw.memory_bytes / GiB:.1f} GiB memory")
+    lines = [
+        f"titanlike layout plan: {cfg.model.name}/{cfg.model.flavor} ({args.num_params() / 1e9:.2f}B parameters, "
+        f"{args.n_layers} layers, dim {args.dim}, {args.n_heads} heads / {args.n_kv_heads} kv, vocab "
+        f"{args.vocab_size}) on {plan.world_size:,} x {hw.gpu} ({n_nodes:,} node{'s' * (n_nodes > 1)} of "
+        f"{hw.gpus_per_node})"
+    ]
+    lines.append(
+        f"  links per GPU and direction: NVLink {hw.nvlink_bw / 1e9:.0f} GB/s inside a node, network "
+        f"{hw.network_bw / 1e9:.0f} GB/s between nodes; peak {hw.peak_flops / 1e12:.0f} TFLOP/s "
+        f"({cfg.training.dtype}), kernels at {hw.compute_efficiency:.0%} of it; "
+        f"{hw.memory_bytes / GiB:.1f} GiB memory"
+    )
     lo = plan.layout
     if lo is not None:
-        sched = (f" ({lo.schedule}, {lo.stages_per_rank} stage{'s' * (lo.stages_per_rank > 1)}/rank, "
-                 f"{len(lo.stages)} stages)") if lo.pp > 1 else ""
-        lines.append(f"  layout: tp {lo.tp}{' +SP' if lo.sequence_parallel else ''} x pp {lo.pp}{sched} x dp_shard "
-                     f"{lo.dp_shard} x dp_replicate {lo.dp_replicate} x cp {lo.dims.cp}; AC {_ac(lo)}; "
-                     f"FSDP reshard after forward: {lo.reshard_after_forward}")
-        lines.append(f"  batch: {lo.global_batch:,} x {lo.seq_len:,} = {lo.tokens_per_step:,} tokens per step; "
-                     f"{lo.global_batch // (lo.dp * lo.accum_steps)} sequences per dp rank per pass, microbatch "
-                     f"{lo.microbatch_size} -> {lo.n_microbatches} microbatch{'es' * (lo.n_microbatches > 1)}, "
-                     f"{lo.accum_steps} accumulation step{'s' * (lo.accum_steps > 1)}")
+        sched = (
+            (
+                f" ({lo.schedule}, {lo.stages_per_rank} stage{'s' * (lo.stages_per_rank > 1)}/rank, "
+                f"{len(lo.stages)} stages)"
+            )
+            if lo.pp > 1
+            else ""
+        )
+        lines.append(
+            f"  layout: tp {lo.tp}{' +SP' if lo.sequence_parallel else ''} x pp {lo.pp}{sched} x dp_shard "
+            f"{lo.dp_shard} x dp_replicate {lo.dp_replicate} x cp {lo.dims.cp}; AC {_ac(lo)}; "
+            f"FSDP reshard after forward: {lo.reshard_after_forward}"
+        )
+        lines.append(
+            f"  batch: {lo.global_batch:,} x {lo.seq_len:,} = {lo.tokens_per_step:,} tokens per step; "
+            f"{lo.global_batch // (lo.dp * lo.accum_steps)} sequences per dp rank per pass, microbatch "
+            f"{lo.microbatch_size} -> {lo.n_microbatches} microbatch{'es' * (lo.n_microbatches > 1)}, "
+            f"{lo.accum_steps} accumulation step{'s' * (lo.accum_steps > 1)}"
+        )
     return lines
 
 
@@ -155,11 +174,13 @@ def _validation(plan: Plan) -> list[str]:
 def _map(plan: Plan) -> list[str]:
     lo = plan.layout
     gpn = lo.gpus_per_node
-    out = ["", "== map",
-           f"  rank = (((pp * {lo.dp_replicate} + dp_replicate) * {lo.dp_shard} + dp_shard) * {lo.dims.cp} + cp) * "
-           f"{lo.tp} + tp;  node = rank // {gpn};  {lo.n_nodes:,} nodes",
-           f"  {'dim':<13}{'size':>6}{'stride':>8}{'groups':>8}  {'nodes/group':>11}  link     "
-           f"rank {plan.rank}'s group"]
+    out = [
+        "",
+        "== map",
+        f"  rank = (((pp * {lo.dp_replicate} + dp_replicate) * {lo.dp_shard} + dp_shard) * {lo.dims.cp} + cp) * "
+        f"{lo.tp} + tp;  node = rank // {gpn};  {lo.n_nodes:,} nodes",
+        f"  {'dim':<13}{'size':>6}{'stride':>8}{'groups':>8}  {'nodes/group':>11}  link     rank {plan.rank}'s group",
+    ]
     for name in ("tp", "cp", "dp_shard", "dp_shard_cp", "dp_replicate", "dp", "pp"):
         gm = lo.groups[name]
         if name == "dp_shard_cp" and 1 in (lo.dp_shard, lo.cp):
@@ -167,13 +188,16 @@ def _map(plan: Plan) -> list[str]:
         if gm.size == 1 or (name == "dp" and 1 in (lo.dp_shard, lo.dp_replicate)):
             continue
         mine = _group_of(lo, name, plan.rank)
-        out.append(f"  {name:<13}{gm.size:>6}{gm.stride:>8}{gm.n_groups:>8}  {gm.max_nodes:>11}  {gm.link:<8} "
-                   f"{_ranks(mine)}")
+        out.append(
+            f"  {name:<13}{gm.size:>6}{gm.stride:>8}{gm.n_groups:>8}  {gm.max_nodes:>11}  {gm.link:<8} {_ranks(mine)}"
+        )
     if all(lo.groups[n].size == 1 for n in ("tp", "cp", "dp", "pp")):
         out.append("  single rank: nothing to map")
     tp = lo.groups["tp"]
-    out.append(f"  tp groups {'stay inside a node' if not tp.spanning else 'SPAN NODES (see the warning above)'}"
-               + (f"; each node holds {gpn // lo.tp} tp group(s)" if lo.tp <= gpn and not tp.spanning else ""))
+    out.append(
+        f"  tp groups {'stay inside a node' if not tp.spanning else 'SPAN NODES (see the warning above)'}"
+        + (f"; each node holds {gpn // lo.tp} tp group(s)" if lo.tp <= gpn and not tp.spanning else "")
+    )
     return out
 
 
@@ -196,42 +220,61 @@ def _group_of(lo: Layout, name: str, rank: int) -> tuple[int, ...]:
 
 def _price(plan: Plan) -> list[str]:
     lo, c, hw = plan.layout, plan.cost, plan.hardware
-    out = ["", f"== price per step (rank {plan.rank}; one optimizer step)",
-           f"  {'dim':<13}{'op':<15}{'phase':<9}{'count':>7}  {'message':>11}  {'wire/GPU':>11}  what"]
+    out = [
+        "",
+        f"== price per step (rank {plan.rank}; one optimizer step)",
+        f"  {'dim':<13}{'op':<15}{'phase':<9}{'count':>7}  {'message':>11}  {'wire/GPU':>11}  what",
+    ]
     for m in sorted(messages(lo, plan.args, plan.rank), key=lambda m: (_DIM_ORDER.index(m.dim), -m.wire_bytes)):
-        out.append(f"  {m.dim:<13}{m.op:<15}{m.phase:<9}{m.count:>7}  {fmt_bytes(m.nbytes):>11}  "
-                   f"{fmt_bytes(m.wire_bytes):>11}  {m.what}")
+        out.append(
+            f"  {m.dim:<13}{m.op:<15}{m.phase:<9}{m.count:>7}  {fmt_bytes(m.nbytes):>11}  "
+            f"{fmt_bytes(m.wire_bytes):>11}  {m.what}"
+        )
     out.append("")
     out.append(f"  {'dim':<13}{'messages':>9}  {'wire/GPU':>11}  {'link':<10}{'time':>10}  {'exposed':>10}")
     for dim in _DIM_ORDER:
         d = c.dims.get(dim)
         if d:
-            out.append(f"  {dim:<13}{d.messages:>9}  {fmt_bytes(d.wire_bytes):>11}  {d.link:<10}"
-                       f"{fmt_seconds(d.seconds):>10}  {fmt_seconds(d.exposed):>10}")
+            out.append(
+                f"  {dim:<13}{d.messages:>9}  {fmt_bytes(d.wire_bytes):>11}  {d.link:<10}"
+                f"{fmt_seconds(d.seconds):>10}  {fmt_seconds(d.exposed):>10}"
+            )
     b, s, h, t = lo.microbatch_size, lo.seq_len, plan.args.dim, lo.tp
     if t > 1:
         per_mb = 8 * plan.args.n_layers / lo.pp * (t - 1) / t * b * s * h * lo.act_bytes
-        out.append(f"  check: Megatron's TP volume 8 L/pp (t-1)/t b s h = {fmt_bytes(per_mb)} per microbatch x "
-                   f"{lo.n_microbatches * lo.accum_steps} = {fmt_bytes(per_mb * lo.n_microbatches * lo.accum_steps)}")
+        out.append(
+            f"  check: Megatron's TP volume 8 L/pp (t-1)/t b s h = {fmt_bytes(per_mb)} per microbatch x "
+            f"{lo.n_microbatches * lo.accum_steps} = {fmt_bytes(per_mb * lo.n_microbatches * lo.accum_steps)}"
+        )
     if lo.pp > 1:
         v, m = lo.stages_per_rank, lo.n_microbatches
-        out.append(f"  bubble: (p-1)/(v m) = {lo.pp - 1}/({v} x {m}) = {(lo.pp - 1) / (v * m):.3f}; simulated "
-                   f"{lo.schedule}: {c.bubble:.3f} (idle / busy)")
-    out.append(f"  compute: {_flops(c.rank_flops)} on this rank at {hw.compute_efficiency:.0%} x "
-               f"{hw.peak_flops / 1e12:.0f} TFLOP/s = {fmt_seconds(c.compute)}"
-               + (" (includes recomputation)" if lo.ac_mode != "none" else ""))
-    hidden = "reductions deferred past the last backward + what compute cannot hide" if lo.pp > 1 else \
-        "what compute cannot hide"
+        out.append(
+            f"  bubble: (p-1)/(v m) = {lo.pp - 1}/({v} x {m}) = {(lo.pp - 1) / (v * m):.3f}; simulated "
+            f"{lo.schedule}: {c.bubble:.3f} (idle / busy)"
+        )
+    out.append(
+        f"  compute: {_flops(c.rank_flops)} on this rank at {hw.compute_efficiency:.0%} x "
+        f"{hw.peak_flops / 1e12:.0f} TFLOP/s = {fmt_seconds(c.compute)}"
+        + (" (includes recomputation)" if lo.ac_mode != "none" else "")
+    )
+    hidden = (
+        "reductions deferred past the last backward + what compute cannot hide"
+        if lo.pp > 1
+        else "what compute cannot hide"
+    )
     if lo.cp > 1:
         kv = lo.seq_len * plan.args.n_kv_heads // t * plan.args.head_dim * lo.act_bytes * lo.microbatch_size
-        out.append(f"  cp: per block 2 all-gathers (K, V) forward + 2 reduce-scatters backward of b S kv_dim/t a = "
-                   f"{fmt_bytes(kv)} each, {fmt_bytes(4 * kv * (lo.cp - 1) / lo.cp)} on the wire per block and "
-                   f"microbatch; synchronous inside attention, so fully exposed")
+        out.append(
+            f"  cp: per block 2 all-gathers (K, V) forward + 2 reduce-scatters backward of b S kv_dim/t a = "
+            f"{fmt_bytes(kv)} each, {fmt_bytes(4 * kv * (lo.cp - 1) / lo.cp)} on the wire per block and "
+            f"microbatch; synchronous inside attention, so fully exposed"
+        )
     cp = " + cp" if lo.cp > 1 else ""
-    out.append(f"  step = (compute + tp{cp}) x (1 + bubble) + pp + dp exposed ({hidden}) = "
-               f"{fmt_seconds(c.step_time)}")
-    out.append(f"  MFU {c.mfu:.1%}; {c.tokens_per_s:,.0f} tokens/s ({c.tokens_per_s_per_gpu:,.0f} per GPU); "
-               f"model FLOPs {_flops(c.model_flops)} per step")
+    out.append(f"  step = (compute + tp{cp}) x (1 + bubble) + pp + dp exposed ({hidden}) = {fmt_seconds(c.step_time)}")
+    out.append(
+        f"  MFU {c.mfu:.1%}; {c.tokens_per_s:,.0f} tokens/s ({c.tokens_per_s_per_gpu:,.0f} per GPU); "
+        f"model FLOPs {_flops(c.model_flops)} per step"
+    )
     return out
 
 
@@ -245,18 +288,22 @@ def _memory(plan: Plan) -> list[str]:
     for r in ranks:
         lo = plan.layout
         stages = lo.stage_ids(lo.pp_rank_of(r))
-        out.append(f"  rank {r} (pp rank {lo.pp_rank_of(r)}, stage{'s' * (len(stages) > 1)} "
-                   f"{', '.join(map(str, stages))}):")
+        out.append(
+            f"  rank {r} (pp rank {lo.pp_rank_of(r)}, stage{'s' * (len(stages) > 1)} {', '.join(map(str, stages))}):"
+        )
         for it in plan.memory[r]:
             out.append(f"    {it.name:<18}{fmt_bytes(it.bytes):>12}  {it.note}")
         total = plan.total_memory(r)
         verdict = "fits" if total <= hw.usable_memory else "DOES NOT FIT"
-        out.append(f"    {'total':<18}{fmt_bytes(total):>12}  of {hw.memory_bytes / GiB:.1f} GiB "
-                   f"({hw.usable_memory / GiB:.1f} usable): {verdict}")
+        out.append(
+            f"    {'total':<18}{fmt_bytes(total):>12}  of {hw.memory_bytes / GiB:.1f} GiB "
+            f"({hw.usable_memory / GiB:.1f} usable): {verdict}"
+        )
     lo = plan.layout
     tokens = lo.microbatch_size * lo.local_seq_len
     alts = []
     for mode in ("none", "op", "full"):
+
         def size(sp: bool) -> str:
             return fmt_bytes(block_activation_bytes(_replace_layout(lo, sequence_parallel=sp), plan.args, tokens, mode))
 
@@ -274,34 +321,54 @@ def _replace_layout(lo: Layout, **kw) -> Layout:
 
 def _dry(plan: Plan) -> list[str]:
     d, lo = plan.dry, plan.layout
-    out = ["", f"== dry run (titanlike.parallel.parallelize_model on a fake process group of {d.world_size:,} ranks, "
-               f"meta device; rank {d.rank})"]
+    out = [
+        "",
+        f"== dry run (titanlike.parallel.parallelize_model on a fake process group of {d.world_size:,} ranks, "
+        f"meta device; rank {d.rank})",
+    ]
     analytic = {(s, p.name): p for s, ps in rank_param_shards(lo, plan.args, d.rank).items() for p in ps}
     groups: dict[tuple, list] = defaultdict(list)
     for r in d.params:
         key = (r.stage, re.sub(r"layers\.\d+\.", "layers.*.", r.name), r.shape, r.local_shape, r.placements)
         groups[key].append(r)
-    out.append(f"  {'stage':>5}  {'parameter':<34}{'x':>3}  {'global shape':<17}{'local shape':<15}{'bytes':>11}  "
-               f"placements (mesh dims)")
+    out.append(
+        f"  {'stage':>5}  {'parameter':<34}{'x':>3}  {'global shape':<17}{'local shape':<15}{'bytes':>11}  "
+        f"placements (mesh dims)"
+    )
     for (stage, name, shape, local, placements), recs in groups.items():
-        out.append(f"  {stage:>5}  {name:<34}{len(recs):>3}  {str(shape):<17}{str(local):<15}"
-                   f"{fmt_bytes(recs[0].nbytes):>11}  {placements}")
-    mismatches = [r.name for r in d.params if (r.stage, r.name) not in analytic
-                  or analytic[(r.stage, r.name)].local_shape != r.local_shape]
+        out.append(
+            f"  {stage:>5}  {name:<34}{len(recs):>3}  {str(shape):<17}{str(local):<15}"
+            f"{fmt_bytes(recs[0].nbytes):>11}  {placements}"
+        )
+    mismatches = [
+        r.name
+        for r in d.params
+        if (r.stage, r.name) not in analytic or analytic[(r.stage, r.name)].local_shape != r.local_shape
+    ]
     missing = len(analytic) - (len(d.params) - len(mismatches))
     total = sum(r.nbytes for r in d.params)
-    out.append(f"  {len(d.params)} parameters, {fmt_bytes(total)} on this rank; analytic shard shapes: "
-               + ("all equal" if not mismatches and not missing else
-                  f"{len(mismatches)} differ ({', '.join(mismatches[:3])}), {missing} missing"))
+    out.append(
+        f"  {len(d.params)} parameters, {fmt_bytes(total)} on this rank; analytic shard shapes: "
+        + (
+            "all equal"
+            if not mismatches and not missing
+            else f"{len(mismatches)} differ ({', '.join(mismatches[:3])}), {missing} missing"
+        )
+    )
     if d.block_activation_bytes is not None:
         cp = f" (cp {lo.cp}: this rank's share of {lo.seq_len}, with the gathered K/V)" if lo.cp > 1 else ""
         tokens = lo.microbatch_size * lo.local_seq_len
         analytic_act = block_activation_bytes(lo, plan.args, tokens, lo.checkpointed(d.probe_layer))
-        same = "equal" if analytic_act == d.block_activation_bytes else \
-            f"analytic {fmt_bytes(analytic_act)} ({analytic_act / max(d.block_activation_bytes, 1) - 1:+.1%})"
-        out.append(f"  activation probe: block layers.{d.probe_layer} under FakeTensorMode, {lo.microbatch_size} x "
-                   f"{lo.local_seq_len} tokens{cp}: {fmt_bytes(d.block_activation_bytes)} held after its forward; "
-                   f"{same}")
+        same = (
+            "equal"
+            if analytic_act == d.block_activation_bytes
+            else f"analytic {fmt_bytes(analytic_act)} ({analytic_act / max(d.block_activation_bytes, 1) - 1:+.1%})"
+        )
+        out.append(
+            f"  activation probe: block layers.{d.probe_layer} under FakeTensorMode, {lo.microbatch_size} x "
+            f"{lo.local_seq_len} tokens{cp}: {fmt_bytes(d.block_activation_bytes)} held after its forward; "
+            f"{same}"
+        )
     out.append(f"  took {d.seconds:.1f} s")
     return out
 

@@ -73,15 +73,23 @@ def _overrides(base: JobConfig, sets: dict[str, object]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def suggest_layouts(cfg: JobConfig, world_size: int, hardware: Hardware, args, *, global_batch: int,
-                    max_tp: int | None = None) -> tuple[list[Candidate], dict[str, int]]:
+def suggest_layouts(
+    cfg: JobConfig, world_size: int, hardware: Hardware, args, *, global_batch: int, max_tp: int | None = None
+) -> tuple[list[Candidate], dict[str, int]]:
     """All fitting layouts, fastest first, and counts: layouts considered, and rejected as illegal
     (titanlike.layout.layout_violations, with the base config's other settings, e.g. compile) or over
     memory even with full activation checkpointing."""
     stats = {"layouts": 0, "illegal": 0, "out of memory": 0}
     found: list[Candidate] = []
-    tps = [t for t in _divisors(world_size) if t <= (max_tp or world_size) and args.n_heads % t == 0
-           and args.n_kv_heads % t == 0 and args.hidden_dim % t == 0 and args.vocab_size % t == 0]
+    tps = [
+        t
+        for t in _divisors(world_size)
+        if t <= (max_tp or world_size)
+        and args.n_heads % t == 0
+        and args.n_kv_heads % t == 0
+        and args.hidden_dim % t == 0
+        and args.vocab_size % t == 0
+    ]
     for tp in tps:
         for pp in [p for p in _divisors(world_size // tp) if p <= args.n_layers]:
             dp = world_size // (tp * pp)
@@ -89,24 +97,48 @@ def suggest_layouts(cfg: JobConfig, world_size: int, hardware: Hardware, args, *
                 continue
             shards = sorted({dp} | {s for s in (8, 32, 128) if s < dp and dp % s == 0}, reverse=True)
             for dp_shard in shards:
-                for schedule, v in (_SCHEDULES if pp > 1 else (("1F1B", 1),)):
-                    for mbs in ((1, 2, 4) if pp > 1 else (1,)):
-                        c = _best(cfg, world_size, hardware, args, global_batch, tp, pp, dp_shard, dp // dp_shard,
-                                  schedule, v, mbs, stats)
+                for schedule, v in _SCHEDULES if pp > 1 else (("1F1B", 1),):
+                    for mbs in (1, 2, 4) if pp > 1 else (1,):
+                        c = _best(
+                            cfg,
+                            world_size,
+                            hardware,
+                            args,
+                            global_batch,
+                            tp,
+                            pp,
+                            dp_shard,
+                            dp // dp_shard,
+                            schedule,
+                            v,
+                            mbs,
+                            stats,
+                        )
                         if c is not None:
                             found.append(c)
     found.sort(key=lambda c: c.step_time)
     return found, stats
 
 
-def _best(cfg, world_size, hw: Hardware, args, global_batch, tp, pp, dp_shard, dp_replicate, schedule, v, mbs,
-          stats) -> Candidate | None:
+def _best(
+    cfg, world_size, hw: Hardware, args, global_batch, tp, pp, dp_shard, dp_replicate, schedule, v, mbs, stats
+) -> Candidate | None:
     stats["layouts"] += 1
     dp = dp_shard * dp_replicate
     accums = [1] if pp > 1 else [a for a in _divisors(global_batch // dp)]
     n_stages = pp * v
-    ends = next(((f, l) for f, l in _ENDS if (args.n_layers + f + l) % n_stages == 0
-                 and (args.n_layers + f + l) // n_stages > max(f, l)), None) if pp > 1 else (0, 0)
+    ends = (
+        next(
+            (
+                (f, l)
+                for f, l in _ENDS
+                if (args.n_layers + f + l) % n_stages == 0 and (args.n_layers + f + l) // n_stages > max(f, l)
+            ),
+            None,
+        )
+        if pp > 1
+        else (0, 0)
+    )
     if ends is None:
         stats["illegal"] += 1
         return None
@@ -115,20 +147,29 @@ def _best(cfg, world_size, hw: Hardware, args, global_batch, tp, pp, dp_shard, d
         local = global_batch // (dp * accum)
         for ac, option in _AC:
             sets = {
-                "parallelism.tensor_parallel_degree": tp, "parallelism.enable_sequence_parallel": tp > 1,
-                "parallelism.pipeline_parallel_degree": pp, "parallelism.data_parallel_shard_degree": dp_shard,
-                "parallelism.data_parallel_replicate_degree": dp_replicate, "parallelism.context_parallel_degree": 1,
-                "training.local_batch_size": local, "training.global_batch_size": global_batch,
-                "activation_checkpoint.mode": ac, "activation_checkpoint.selective_ac_option": option,
+                "parallelism.tensor_parallel_degree": tp,
+                "parallelism.enable_sequence_parallel": tp > 1,
+                "parallelism.pipeline_parallel_degree": pp,
+                "parallelism.data_parallel_shard_degree": dp_shard,
+                "parallelism.data_parallel_replicate_degree": dp_replicate,
+                "parallelism.context_parallel_degree": 1,
+                "training.local_batch_size": local,
+                "training.global_batch_size": global_batch,
+                "activation_checkpoint.mode": ac,
+                "activation_checkpoint.selective_ac_option": option,
             }
             if pp > 1:
-                sets.update({"parallelism.pipeline_parallel_schedule": schedule,
-                             "parallelism.pipeline_parallel_microbatch_size": mbs,
-                             "parallelism.pipeline_parallel_stages_per_rank": v,
-                             "parallelism.pipeline_parallel_layers_per_stage": 0,
-                             "parallelism.pipeline_parallel_module_names": [],
-                             "parallelism.pipeline_parallel_first_stage_less_layers": ends[0],
-                             "parallelism.pipeline_parallel_last_stage_less_layers": ends[1]})
+                sets.update(
+                    {
+                        "parallelism.pipeline_parallel_schedule": schedule,
+                        "parallelism.pipeline_parallel_microbatch_size": mbs,
+                        "parallelism.pipeline_parallel_stages_per_rank": v,
+                        "parallelism.pipeline_parallel_layers_per_stage": 0,
+                        "parallelism.pipeline_parallel_module_names": [],
+                        "parallelism.pipeline_parallel_first_stage_less_layers": ends[0],
+                        "parallelism.pipeline_parallel_last_stage_less_layers": ends[1],
+                    }
+                )
             cand_cfg = _configure(cfg, sets)
             if layout_violations(cand_cfg, world_size, args):  # e.g. op-level AC under a zero-bubble schedule
                 continue
@@ -139,8 +180,23 @@ def _best(cfg, world_size, hw: Hardware, args, global_batch, tp, pp, dp_shard, d
             if memory > hw.usable_memory:
                 continue
             cost = step_cost(lo, args, hw)
-            return Candidate(tp, pp, dp_shard, dp_replicate, schedule if pp > 1 else "", v, mbs if pp > 1 else local,
-                             local, accum, ac if ac != "selective" else "selective op", memory, cost.step_time,
-                             cost.mfu, cost.bubble, lo.groups["tp"].crosses_nodes, _overrides(cfg, sets))
+            return Candidate(
+                tp,
+                pp,
+                dp_shard,
+                dp_replicate,
+                schedule if pp > 1 else "",
+                v,
+                mbs if pp > 1 else local,
+                local,
+                accum,
+                ac if ac != "selective" else "selective op",
+                memory,
+                cost.step_time,
+                cost.mfu,
+                cost.bubble,
+                lo.groups["tp"].crosses_nodes,
+                _overrides(cfg, sets),
+            )
     stats["out of memory" if legal else "illegal"] += 1
     return None

@@ -33,8 +33,17 @@ def format_eta(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-_COLORS = {"step": "\033[36m", "loss": "\033[32m", "val_loss": "\033[32m", "lr": "\033[33m",
-           "grad_norm": "\033[35m", "tok/s": "\033[34m", "mfu": "\033[34m", "mem": "\033[33m", "eta": "\033[37m"}
+_COLORS = {
+    "step": "\033[36m",
+    "loss": "\033[32m",
+    "val_loss": "\033[32m",
+    "lr": "\033[33m",
+    "grad_norm": "\033[35m",
+    "tok/s": "\033[34m",
+    "mfu": "\033[34m",
+    "mem": "\033[33m",
+    "eta": "\033[37m",
+}
 _RESET = "\033[0m"
 
 
@@ -84,15 +93,27 @@ def _continue_or_rotate(path: Path, start_step: int) -> None:
             keep.append(line)
     if len(keep) != len(lines):
         path.write_text("".join(keep))
-        print(f"metrics: resuming at step {start_step}: dropped {len(lines) - len(keep)} line(s) of {path} logged "
-              f"after it by the run that stopped", flush=True)
+        print(
+            f"metrics: resuming at step {start_step}: dropped {len(lines) - len(keep)} line(s) of {path} logged "
+            f"after it by the run that stopped",
+            flush=True,
+        )
 
 
 class MetricsLogger:
     """Writes on rank 0 only; other ranks get a logger that does nothing."""
 
-    def __init__(self, dump_folder: str | Path, *, enabled: bool, tensorboard: bool, tb_folder: str,
-                 jsonl: bool, color: bool = False, start_step: int = 0):
+    def __init__(
+        self,
+        dump_folder: str | Path,
+        *,
+        enabled: bool,
+        tensorboard: bool,
+        tb_folder: str,
+        jsonl: bool,
+        color: bool = False,
+        start_step: int = 0,
+    ):
         self.enabled = enabled
         self.color = color
         self.writer = None

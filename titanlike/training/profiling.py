@@ -65,14 +65,19 @@ class Profiler:
     def __init__(self, pcfg, rank: int, dump_folder: str, global_step: int = 0):
         wait = pcfg.profile_freq - pcfg.profile_warmup - pcfg.profile_active
         if pcfg.enable_profiling and wait < 0:
-            raise ValueError(f"profiling.profile_freq ({pcfg.profile_freq}) must be at least profile_warmup + "
-                             f"profile_active ({pcfg.profile_warmup} + {pcfg.profile_active})")
+            raise ValueError(
+                f"profiling.profile_freq ({pcfg.profile_freq}) must be at least profile_warmup + "
+                f"profile_active ({pcfg.profile_warmup} + {pcfg.profile_active})"
+            )
         self.rank = rank
         self.freq = pcfg.profile_freq
         self.step_num = global_step
         self.trace_dir = os.path.join(dump_folder, pcfg.save_traces_folder) if pcfg.enable_profiling else None
-        self.snapshot_dir = (os.path.join(dump_folder, pcfg.save_memory_snapshot_folder)
-                             if pcfg.enable_memory_snapshot and torch.cuda.is_available() else None)
+        self.snapshot_dir = (
+            os.path.join(dump_folder, pcfg.save_memory_snapshot_folder)
+            if pcfg.enable_memory_snapshot and torch.cuda.is_available()
+            else None
+        )
         if pcfg.enable_memory_snapshot and self.snapshot_dir is None:
             logger.warning("profiling.enable_memory_snapshot needs CUDA; no memory snapshot will be written")
         self._torch_profiler = None

@@ -107,13 +107,22 @@ def train_step(
     """
     for m in model_parts:
         m.zero_grad(set_to_none=True)
-    total, tokens = forward_backward(model_parts, micro_batches, loss, dp_group=dp_group, pp_schedule=pp_schedule,
-                                     pp_group=pp_group, has_last_stage=has_last_stage, forward_ctx=forward_ctx)
+    total, tokens = forward_backward(
+        model_parts,
+        micro_batches,
+        loss,
+        dp_group=dp_group,
+        pp_schedule=pp_schedule,
+        pp_group=pp_group,
+        has_last_stage=has_last_stage,
+        forward_ctx=forward_ctx,
+    )
     params = [p for m in model_parts for p in m.parameters()]
     norm = clip_fn(params, max_norm)
     # One device-to-host copy for both numbers (one host sync per step, not two).
-    loss_value, norm_value = torch.stack([total, torch.as_tensor(norm, dtype=torch.float64,
-                                                                 device=total.device)]).tolist()
+    loss_value, norm_value = torch.stack(
+        [total, torch.as_tensor(norm, dtype=torch.float64, device=total.device)]
+    ).tolist()
     finite = math.isfinite(loss_value) and math.isfinite(norm_value)
     if finite:
         optimizer.step()
@@ -134,10 +143,13 @@ def reshard_fsdp(module: nn.Module) -> None:
 
 
 @torch.no_grad()
-def eval_loss_sum(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                  inputs: torch.Tensor, labels: torch.Tensor,
-                  forward_ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-                  ) -> torch.Tensor:
+def eval_loss_sum(
+    model: nn.Module,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    forward_ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> torch.Tensor:
     """``loss_fn(model(inputs), labels)`` in eval mode, as float64, leaving the model ready to train again."""
     model.eval()
     try:
@@ -149,4 +161,3 @@ def eval_loss_sum(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tenso
     if hasattr(loss, "full_tensor"):
         loss = loss.full_tensor()
     return loss.detach().to(torch.float64)
-

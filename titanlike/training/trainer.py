@@ -73,13 +73,19 @@ class TrainState:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "nonfinite_steps": self.nonfinite_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.step, self.tokens_seen, self.nonfinite_steps = (int(state["step"]), int(state["tokens_seen"]),
-                                                             int(state["nonfinite_steps"]))
+        self.step, self.tokens_seen, self.nonfinite_steps = (
+            int(state["step"]),
+            int(state["tokens_seen"]),
+            int(state["nonfinite_steps"]),
+        )
 
 
 def _counter(name: str) -> property:
-    return property(lambda self: getattr(self.train_state, name),
-                    lambda self, value: setattr(self.train_state, name, value), doc=f"``train_state.{name}``")
+    return property(
+        lambda self: getattr(self.train_state, name),
+        lambda self, value: setattr(self.train_state, name, value),
+        doc=f"``train_state.{name}``",
+    )
 
 
 class Trainer:
@@ -105,8 +111,10 @@ class Trainer:
         if hf_architecture_of(cfg) is not None:
             from titanlike.hf import describe_args
 
-            self.architecture_note = (f"model: architecture from {cfg.checkpoint.initial_load_path} config.json "
-                                      f"(overrides flavor {cfg.model.flavor}): {describe_args(self.model_args)}")
+            self.architecture_note = (
+                f"model: architecture from {cfg.checkpoint.initial_load_path} config.json "
+                f"(overrides flavor {cfg.model.flavor}): {describe_args(self.model_args)}"
+            )
         self.spec = get_spec(cfg.model.name)
         problems = layout_violations(cfg, self.world_size, self.model_args)
         if problems:
@@ -128,9 +136,11 @@ class Trainer:
         self._check_host_memory()
         data_path = cfg.data.path or None
         if data_path is not None and not Path(data_path).exists():
-            raise ConfigError(f"data.path: '{data_path}' does not exist; give a text file, a folder of .txt, "
-                              f"a .jsonl or a .bin from scripts/preprocess_data.py (or leave it empty for the "
-                              f"shipped corpus)")
+            raise ConfigError(
+                f"data.path: '{data_path}' does not exist; give a text file, a folder of .txt, "
+                f"a .jsonl or a .bin from scripts/preprocess_data.py (or leave it empty for the "
+                f"shipped corpus)"
+            )
         dump = Path(cfg.job.dump_folder)
         if dump.exists() and not dump.is_dir():
             raise ConfigError(f"job.dump_folder: '{dump}' is a file, not a folder; choose another job.dump_folder")
@@ -198,8 +208,7 @@ class Trainer:
         if cfg.model.kernels != "torch":
             from titanlike.kernels import convert_kernels
 
-            model = convert_kernels(model, cfg.model.kernels,
-                                    cfg.float8.recipe if float8_backend(cfg) == "te" else "")
+            model = convert_kernels(model, cfg.model.kernels, cfg.float8.recipe if float8_backend(cfg) == "te" else "")
         self.num_params = sum(p.numel() for p in model.parameters())
 
         # One builder for the trainer, the numerics gate and the benchmark (titanlike.parallel.build).
@@ -214,7 +223,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model_parts, cfg)
         # torchao float8 all-gather: every weight's float8 scale in one all-reduce after each optimizer step.
         self.float8_precompute = cfg.float8.precompute_float8_dynamic_scale_for_fsdp and any(
-            getattr(m, "_float8_fsdp_all_gather", False) for m in self.model_parts)
+            getattr(m, "_float8_fsdp_all_gather", False) for m in self.model_parts
+        )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
 
         # Data: the global sample order depends only on the seed; this rank reads its data-parallel slice.
@@ -224,26 +234,41 @@ class Trainer:
         t = cfg.training
         split = batch_split(t.global_batch_size, t.local_batch_size, dp_degree)
         self.global_batch, self.accum_steps = split.global_batch, split.accum_steps
-        self.dataloader = build_dataloader(train_tokens, seq_len=t.seq_len, global_batch_size=self.global_batch,
-                                           local_batch_size=t.local_batch_size, dp_rank=dp_rank,
-                                           dp_degree=dp_degree, seed=t.seed, shuffle=cfg.data.shuffle,
-                                           num_workers=cfg.data.num_workers, cp_rank=self.cp_rank,
-                                           cp_degree=self.cp_degree)
+        self.dataloader = build_dataloader(
+            train_tokens,
+            seq_len=t.seq_len,
+            global_batch_size=self.global_batch,
+            local_batch_size=t.local_batch_size,
+            dp_rank=dp_rank,
+            dp_degree=dp_degree,
+            seed=t.seed,
+            shuffle=cfg.data.shuffle,
+            num_workers=cfg.data.num_workers,
+            cp_rank=self.cp_rank,
+            cp_degree=self.cp_degree,
+        )
         val_windows = max(len(val_tokens) - 1, 0) // t.seq_len
-        self.val_tokens = val_tokens if cfg.validation.enable and val_windows >= t.local_batch_size * dp_degree \
-            else None
+        self.val_tokens = (
+            val_tokens if cfg.validation.enable and val_windows >= t.local_batch_size * dp_degree else None
+        )
         if cfg.validation.enable and self.val_tokens is None and self.rank == 0:
-            print(f"validation: skipped, the held-out tail (data.val_fraction {cfg.data.val_fraction}) has "
-                  f"{len(val_tokens):,} tokens = {val_windows} windows of {t.seq_len + 1}, fewer than one batch of "
-                  f"{t.local_batch_size} on each of {dp_degree} data-parallel ranks; raise data.val_fraction, lower "
-                  f"training.local_batch_size, or set validation.enable = false", flush=True)
+            print(
+                f"validation: skipped, the held-out tail (data.val_fraction {cfg.data.val_fraction}) has "
+                f"{len(val_tokens):,} tokens = {val_windows} windows of {t.seq_len + 1}, fewer than one batch of "
+                f"{t.local_batch_size} on each of {dp_degree} data-parallel ranks; raise data.val_fraction, lower "
+                f"training.local_batch_size, or set validation.enable = false",
+                flush=True,
+            )
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         if self.rank == 0:
-            print(f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params / 1e6:.2f}M parameters, "
-                  f"vocab {args.vocab_size}; data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens "
-                  f"(loaded in {self.data_seconds:.1f}s); global batch {self.global_batch} x {t.seq_len} "
-                  f"tokens, {self.accum_steps} accumulation step(s); {self.world_size} process(es) on "
-                  f"{self.device.type}, {cfg.training.dtype}", flush=True)
+            print(
+                f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params / 1e6:.2f}M parameters, "
+                f"vocab {args.vocab_size}; data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens "
+                f"(loaded in {self.data_seconds:.1f}s); global batch {self.global_batch} x {t.seq_len} "
+                f"tokens, {self.accum_steps} accumulation step(s); {self.world_size} process(es) on "
+                f"{self.device.type}, {cfg.training.dtype}",
+                flush=True,
+            )
 
         self.train_state = TrainState()
         self.checkpointer = None
@@ -252,10 +277,19 @@ class Trainer:
             from titanlike.checkpoint import CheckpointManager
 
             self.checkpointer = CheckpointManager(
-                cfg, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-                dataloader=self.dataloader, train_state=self.train_state, model_args=self.model_args,
-                tokenizer=self.tokenizer, device=self.device, rank=self.rank, world_size=self.world_size,
-                dp_degree=self.dp_degree)
+                cfg,
+                model_parts=self.model_parts,
+                optimizer=self.optimizer,
+                lr_scheduler=self.lr_scheduler,
+                dataloader=self.dataloader,
+                train_state=self.train_state,
+                model_args=self.model_args,
+                tokenizer=self.tokenizer,
+                device=self.device,
+                rank=self.rank,
+                world_size=self.world_size,
+                dp_degree=self.dp_degree,
+            )
 
     def _report_init(self, seconds: float, init_seed: int | None) -> None:
         """Rank 0: how the weights started, the build's time and the largest peak host memory (RSS) of any rank."""
@@ -263,11 +297,17 @@ class Trainer:
         if self.distributed:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         if self.rank == 0:
-            how = (f"sharded init from seed {init_seed}" if init_seed is not None
-                   else "shards allocated for the checkpoint load")
+            how = (
+                f"sharded init from seed {init_seed}"
+                if init_seed is not None
+                else "shards allocated for the checkpoint load"
+            )
             full = self.num_params * DTYPES[master_dtype(self.cfg.training.dtype)].itemsize
-            print(f"init: {how} in {seconds:.1f}s; peak host memory of a rank {_gib(peak.item())} (the whole "
-                  f"model is {_gib(full)})", flush=True)
+            print(
+                f"init: {how} in {seconds:.1f}s; peak host memory of a rank {_gib(peak.item())} (the whole "
+                f"model is {_gib(full)})",
+                flush=True,
+            )
 
     def _load_data(self) -> None:
         """Check every data file (all of them, each rank on its own: no process group yet), then tokenize; every
@@ -285,8 +325,9 @@ class Trainer:
             raise ConfigError(f"data.path: {len(bad)} bad input{'s' if len(bad) > 1 else ''}: " + "; ".join(bad))
         t0 = time.perf_counter()
         try:
-            tokens = load_token_stream(sources, self.tokenizer, text_field=d.text_field, encoding=d.encoding,
-                                       errors=d.encoding_errors)
+            tokens = load_token_stream(
+                sources, self.tokenizer, text_field=d.text_field, encoding=d.encoding, errors=d.encoding_errors
+            )
         except ValueError as e:
             raise ConfigError(f"data.path: {e}") from None
         self.train_tokens, self.val_tokens_all = split_stream(tokens, d.val_fraction)
@@ -299,8 +340,7 @@ class Trainer:
         """Rank 0: the job's description, the notes on torchtitan keys read, the full config if asked, the
         architecture taken from a Hugging Face config.json."""
         cfg = self.cfg
-        print(f"job: {cfg.job.description}" + (f" ({cfg.job.config_file})" if cfg.job.config_file else ""),
-              flush=True)
+        print(f"job: {cfg.job.description}" + (f" ({cfg.job.config_file})" if cfg.job.config_file else ""), flush=True)
         for note in getattr(cfg, "notes", []):
             print(f"config: {note}", flush=True)
         if cfg.job.print_config:
@@ -316,9 +356,14 @@ class Trainer:
         never held, so the model's size alone refuses nothing (titanlike/planner/host.py)."""
         from titanlike.planner import host
 
-        problem = host.host_memory_problem(self.cfg, self.world_size, self.model_args,
-                                           local_ranks=host.local_world_size(self.world_size),
-                                           host_bytes=host.host_memory_bytes(), device_type=self.device.type)
+        problem = host.host_memory_problem(
+            self.cfg,
+            self.world_size,
+            self.model_args,
+            local_ranks=host.local_world_size(self.world_size),
+            host_bytes=host.host_memory_bytes(),
+            device_type=self.device.type,
+        )
         if problem:
             raise ConfigError(problem)
 
@@ -336,8 +381,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def _next_micro_batches(self, it) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
-                for x, y in (next(it) for _ in range(self.accum_steps))]
+        return [
+            (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+            for x, y in (next(it) for _ in range(self.accum_steps))
+        ]
 
     def train(self) -> list[float]:
         cfg = self.cfg
@@ -345,10 +392,15 @@ class Trainer:
             if self.checkpointer.maybe_create_seed_checkpoint():
                 return []
             self.checkpointer.load()
-        logger = MetricsLogger(cfg.job.dump_folder, enabled=self.rank == 0, tensorboard=cfg.metrics.enable_tensorboard,
-                               start_step=self.step,
-                               tb_folder=cfg.metrics.save_tb_folder, jsonl=cfg.metrics.enable_jsonl,
-                               color=use_color(cfg.metrics.disable_color_printing))
+        logger = MetricsLogger(
+            cfg.job.dump_folder,
+            enabled=self.rank == 0,
+            tensorboard=cfg.metrics.enable_tensorboard,
+            start_step=self.step,
+            tb_folder=cfg.metrics.save_tb_folder,
+            jsonl=cfg.metrics.enable_jsonl,
+            color=use_color(cfg.metrics.disable_color_printing),
+        )
         from titanlike.training.mfu import device_peak_flops, mfu, peak_key
         from titanlike.training.profiling import maybe_profile
 
@@ -364,11 +416,20 @@ class Trainer:
                 self.step += 1
                 with self._op(f"training step {self.step}"):
                     micro_batches = self._next_micro_batches(data_iter)
-                    res = train_step(self.model_parts, self.optimizer, micro_batches, self.loss,
-                                     max_norm=cfg.training.max_norm, clip_fn=self.clip_fn,
-                                     lr_scheduler=self.lr_scheduler, dp_group=self.dp_group,
-                                     pp_schedule=self.pp_schedule, pp_group=self.pp_group,
-                                     has_last_stage=self.has_last_stage, forward_ctx=self.forward_context)
+                    res = train_step(
+                        self.model_parts,
+                        self.optimizer,
+                        micro_batches,
+                        self.loss,
+                        max_norm=cfg.training.max_norm,
+                        clip_fn=self.clip_fn,
+                        lr_scheduler=self.lr_scheduler,
+                        dp_group=self.dp_group,
+                        pp_schedule=self.pp_schedule,
+                        pp_group=self.pp_group,
+                        has_last_stage=self.has_last_stage,
+                        forward_ctx=self.forward_context,
+                    )
                     if not res.skipped:
                         self._check_update_finite(res)
                     if self.float8_precompute:
@@ -383,11 +444,16 @@ class Trainer:
                     self.nonfinite_steps += 1
                     limit = cfg.training.max_nonfinite_steps
                     if self.rank == 0:
-                        print(f"step {self.step}: non-finite loss {res.loss} or grad norm {res.grad_norm}: update "
-                              f"skipped ({self.nonfinite_steps} of at most {limit})", flush=True)
+                        print(
+                            f"step {self.step}: non-finite loss {res.loss} or grad norm {res.grad_norm}: update "
+                            f"skipped ({self.nonfinite_steps} of at most {limit})",
+                            flush=True,
+                        )
                     if self.nonfinite_steps >= limit:
-                        raise NonFiniteError(f"stopping at step {self.step}: {self.nonfinite_steps} non-finite steps "
-                                             f"skipped, training.max_nonfinite_steps={limit}")
+                        raise NonFiniteError(
+                            f"stopping at step {self.step}: {self.nonfinite_steps} non-finite steps "
+                            f"skipped, training.max_nonfinite_steps={limit}"
+                        )
                 if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps or self.step == 1:
                     tps, eta = throughput.measure(self.step - last_logged, cfg.training.steps - self.step)
                     last_logged = self.step
@@ -395,14 +461,29 @@ class Trainer:
                     util = mfu(tps_dev, flops_per_token, peak) if peak else None
                     lr = self.lr_scheduler.get_last_lr()[0]
                     mem = peak_memory_gib(self.device)
-                    line = (f"step {self.step:5d}  loss {res.loss:8.4f}  lr {lr:.3e}  grad_norm {res.grad_norm:7.3f}"
-                            f"  tok/s {tps:9.0f}" + (f"  mfu {100 * util:5.1f}%" if util is not None else "")
-                            + f"  mem {mem:6.2f}GiB  eta {format_eta(eta)}")
-                    logger.log(self.step, {"loss": res.loss, "lr": lr, "grad_norm": res.grad_norm,
-                                           "tokens_per_s": tps, "tokens_per_s_per_device": tps_dev,
-                                           "mfu": util, "memory_gib": mem, "skipped": res.skipped}, console=line)
-                if self.val_tokens is not None and (self.step % cfg.validation.freq == 0
-                                                    or self.step == cfg.training.steps):
+                    line = (
+                        f"step {self.step:5d}  loss {res.loss:8.4f}  lr {lr:.3e}  grad_norm {res.grad_norm:7.3f}"
+                        f"  tok/s {tps:9.0f}"
+                        + (f"  mfu {100 * util:5.1f}%" if util is not None else "")
+                        + f"  mem {mem:6.2f}GiB  eta {format_eta(eta)}"
+                    )
+                    logger.log(
+                        self.step,
+                        {
+                            "loss": res.loss,
+                            "lr": lr,
+                            "grad_norm": res.grad_norm,
+                            "tokens_per_s": tps,
+                            "tokens_per_s_per_device": tps_dev,
+                            "mfu": util,
+                            "memory_gib": mem,
+                            "skipped": res.skipped,
+                        },
+                        console=line,
+                    )
+                if self.val_tokens is not None and (
+                    self.step % cfg.validation.freq == 0 or self.step == cfg.training.steps
+                ):
                     with self._op(f"the validation at step {self.step}"):
                         val = self.validate()
                     logger.log(self.step, {"val_loss": val}, console=f"step {self.step:5d}  val_loss {val:8.4f}")
@@ -416,8 +497,13 @@ class Trainer:
 
     def _op(self, what: str):
         """A phase whose failed collectives are reported naming the ranks that stopped answering (fault.py)."""
-        return fault.operation(what, rank=self.rank, world_size=self.world_size,
-                               timeout_s=self.timeout.total_seconds(), enabled=self.distributed)
+        return fault.operation(
+            what,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout_s=self.timeout.total_seconds(),
+            enabled=self.distributed,
+        )
 
     @torch.no_grad()
     def _check_update_finite(self, res) -> None:
@@ -428,8 +514,11 @@ class Trainer:
         A non-finite update cannot be undone without a copy of the state, so the run stops before saving it."""
         from torch.distributed.tensor import DTensor
 
-        named = [(n, p.to_local() if isinstance(p, DTensor) else p)
-                 for part in self.model_parts for n, p in part.named_parameters()]
+        named = [
+            (n, p.to_local() if isinstance(p, DTensor) else p)
+            for part in self.model_parts
+            for n, p in part.named_parameters()
+        ]
         named = [(n, t) for n, t in named if t.numel()]
         ok = torch.ones(1, device=self.device)
         if named:
@@ -453,7 +542,8 @@ class Trainer:
         raise NonFiniteError(
             f"stopping at step {self.step}: the optimizer update made parameter '{name}' non-finite{where} although "
             f"the loss ({res.loss:.4g}) and the gradient norm ({res.grad_norm:.4g}) were finite; it is not saved "
-            f"(resume from the last checkpoint; check optimizer.eps = {self.cfg.optimizer.eps:g} and optimizer.lr)")
+            f"(resume from the last checkpoint; check optimizer.eps = {self.cfg.optimizer.eps:g} and optimizer.lr)"
+        )
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -461,11 +551,16 @@ class Trainer:
         from titanlike.data import build_validation_loader
 
         cfg = self.cfg
-        loader = build_validation_loader(self.val_tokens, seq_len=cfg.training.seq_len,
-                                         batch_size=cfg.training.local_batch_size, dp_rank=self.dp_rank,
-                                         dp_degree=self.dp_degree,
-                                         max_batches=cfg.validation.steps if cfg.validation.steps > 0 else None,
-                                         cp_rank=self.cp_rank, cp_degree=self.cp_degree)
+        loader = build_validation_loader(
+            self.val_tokens,
+            seq_len=cfg.training.seq_len,
+            batch_size=cfg.training.local_batch_size,
+            dp_rank=self.dp_rank,
+            dp_degree=self.dp_degree,
+            max_batches=cfg.validation.steps if cfg.validation.steps > 0 else None,
+            cp_rank=self.cp_rank,
+            cp_degree=self.cp_degree,
+        )
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for m in self.model_parts:
             m.eval()

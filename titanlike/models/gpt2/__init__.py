@@ -32,10 +32,23 @@ def _shard_dims(name: str, tp: bool, fsdp: bool) -> tuple[int | None, int]:
     return None, 0  # LayerNorms, c_proj biases, position table: replicated
 
 
-SPEC = register(ModelSpec(
-    name="gpt2", model_cls=GPT2, args_cls=GPT2Args, flavors=FLAVORS, build=_build,
-    input_modules=("tok_embeddings", "pos_embeddings"), output_modules=("norm", "output"), block_container="layers",
-    tied=(("tok_embeddings.weight", "output.weight"),), param_init=param_init, norm_kind="layer", mlp_kind="gelu",
-    config_keys=("dim", "n_layers", "n_heads", "ffn_hidden_dim", "max_seq_len", "norm_eps"),
-    hf_adapter="titanlike.models.gpt2.hf", hf_model_type="gpt2", shard_dims=_shard_dims,
-))
+SPEC = register(
+    ModelSpec(
+        name="gpt2",
+        model_cls=GPT2,
+        args_cls=GPT2Args,
+        flavors=FLAVORS,
+        build=_build,
+        input_modules=("tok_embeddings", "pos_embeddings"),
+        output_modules=("norm", "output"),
+        block_container="layers",
+        tied=(("tok_embeddings.weight", "output.weight"),),
+        param_init=param_init,
+        norm_kind="layer",
+        mlp_kind="gelu",
+        config_keys=("dim", "n_layers", "n_heads", "ffn_hidden_dim", "max_seq_len", "norm_eps"),
+        hf_adapter="titanlike.models.gpt2.hf",
+        hf_model_type="gpt2",
+        shard_dims=_shard_dims,
+    )
+)

@@ -27,15 +27,30 @@ import torch
 from titanlike.models.gpt2.model import GPT2Args
 
 _TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-_TOP = {"tok_embeddings.weight": "transformer.wte.weight", "pos_embeddings.weight": "transformer.wpe.weight",
-        "norm.weight": "transformer.ln_f.weight", "norm.bias": "transformer.ln_f.bias",
-        "output.weight": "lm_head.weight"}
+_TOP = {
+    "tok_embeddings.weight": "transformer.wte.weight",
+    "pos_embeddings.weight": "transformer.wpe.weight",
+    "norm.weight": "transformer.ln_f.weight",
+    "norm.bias": "transformer.ln_f.bias",
+    "output.weight": "lm_head.weight",
+}
 _TOP_BACK = {v: k for k, v in _TOP.items()}
 _OURS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"transformer\.h\.(\d+)\.(.+)")
-_LAYER_SUFFIXES = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
-                   "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
-                   "mlp.c_proj.weight", "mlp.c_proj.bias")
+_LAYER_SUFFIXES = (
+    "ln_1.weight",
+    "ln_1.bias",
+    "attn.c_attn.weight",
+    "attn.c_attn.bias",
+    "attn.c_proj.weight",
+    "attn.c_proj.bias",
+    "ln_2.weight",
+    "ln_2.bias",
+    "mlp.c_fc.weight",
+    "mlp.c_fc.bias",
+    "mlp.c_proj.weight",
+    "mlp.c_proj.bias",
+)
 _HF_IGNORED = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)")
 
 
@@ -83,11 +98,13 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: GPT2Args) -> dict[str,
     return out
 
 
-def hf_config(args: GPT2Args, dtype: torch.dtype = torch.float32, bos_id: int | None = None,
-              eos_id: int | None = None) -> dict:
+def hf_config(
+    args: GPT2Args, dtype: torch.dtype = torch.float32, bos_id: int | None = None, eos_id: int | None = None
+) -> dict:
     """A ``GPT2LMHeadModel`` config.json for ``args`` (dropout 0: the same function as our model)."""
     ids = {k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id)) if v is not None}
-    return {**ids,
+    return {
+        **ids,
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
         "vocab_size": args.vocab_size,
@@ -117,15 +134,23 @@ def model_args_from_hf_config(config: dict) -> GPT2Args:
     try:
         dim = int(config["n_embd"])
         inner = int(config.get("n_inner") or 4 * dim)
-        args = GPT2Args(dim=dim, n_layers=int(config["n_layer"]), n_heads=int(config["n_head"]),
-                        vocab_size=int(config["vocab_size"]), ffn_hidden_dim=None if inner == 4 * dim else inner,
-                        norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
-                        max_seq_len=int(config.get("n_positions", 1024)),
-                        tie_embeddings=bool(config.get("tie_word_embeddings", True)))
+        args = GPT2Args(
+            dim=dim,
+            n_layers=int(config["n_layer"]),
+            n_heads=int(config["n_head"]),
+            vocab_size=int(config["vocab_size"]),
+            ffn_hidden_dim=None if inner == 4 * dim else inner,
+            norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
+            max_seq_len=int(config.get("n_positions", 1024)),
+            tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+        )
     except KeyError as e:
         raise ValueError(f"config.json lacks {e.args[0]}") from None
-    unsupported = {"activation_function": "gelu_new", "scale_attn_by_inverse_layer_idx": False,
-                   "scale_attn_weights": True}
+    unsupported = {
+        "activation_function": "gelu_new",
+        "scale_attn_by_inverse_layer_idx": False,
+        "scale_attn_weights": True,
+    }
     for key, ours in unsupported.items():
         if config.get(key, ours) != ours:
             raise ValueError(f"config.json: {key} = {config[key]!r} is not supported (this model has {ours!r})")
@@ -133,8 +158,16 @@ def model_args_from_hf_config(config: dict) -> GPT2Args:
 
 
 def check_same_architecture(args: GPT2Args, ours: GPT2Args, source: str) -> None:
-    for field in ("dim", "n_layers", "n_heads", "vocab_size", "hidden_dim", "max_seq_len", "norm_eps",
-                  "tie_embeddings"):
+    for field in (
+        "dim",
+        "n_layers",
+        "n_heads",
+        "vocab_size",
+        "hidden_dim",
+        "max_seq_len",
+        "norm_eps",
+        "tie_embeddings",
+    ):
         a, b = getattr(args, field), getattr(ours, field)
         if a != b:
             raise ValueError(f"{source} is for a different model: {field} {a} there, {b} here")

@@ -142,26 +142,29 @@ def param_init(args: GPT2Args) -> Callable[[str], Init]:
     projections reading the residual stream, N(0, 0.02 / sqrt(2 n_layers)) for those writing into it (``c_proj``),
     N(0, 0.01) for positions, zero biases, LayerNorm weights one. A tied head is generated as the embedding."""
     emb = normal(0.02)
-    return plan_from_patterns({
-        r"tok_embeddings\.weight": emb,
-        r"pos_embeddings\.weight": normal(0.01),
-        r"layers\.\d+\.(ln_1|ln_2)\.weight": ones(),
-        r"layers\.\d+\.(ln_1|ln_2)\.bias": zeros(),
-        r"layers\.\d+\.(attn\.c_attn|mlp\.c_fc)\.weight": normal(0.02),
-        r"layers\.\d+\.(attn|mlp)\.c_proj\.weight": normal(0.02 / math.sqrt(2 * args.n_layers)),
-        r"layers\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.bias": zeros(),
-        r"norm\.weight": ones(),
-        r"norm\.bias": zeros(),
-        r"output\.weight": emb.tied_to("tok_embeddings.weight") if args.tie_embeddings else normal(0.02),
-    })
+    return plan_from_patterns(
+        {
+            r"tok_embeddings\.weight": emb,
+            r"pos_embeddings\.weight": normal(0.01),
+            r"layers\.\d+\.(ln_1|ln_2)\.weight": ones(),
+            r"layers\.\d+\.(ln_1|ln_2)\.bias": zeros(),
+            r"layers\.\d+\.(attn\.c_attn|mlp\.c_fc)\.weight": normal(0.02),
+            r"layers\.\d+\.(attn|mlp)\.c_proj\.weight": normal(0.02 / math.sqrt(2 * args.n_layers)),
+            r"layers\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.bias": zeros(),
+            r"norm\.weight": ones(),
+            r"norm\.bias": zeros(),
+            r"output\.weight": emb.tied_to("tok_embeddings.weight") if args.tie_embeddings else normal(0.02),
+        }
+    )
 
 
 class GPT2(nn.Module):
     """GPT-2, or a contiguous part of it (a pipeline stage): ``layer_ids`` selects the blocks, ``has_input`` the
     token + position embeddings (input: token ids), ``has_output`` the final LayerNorm + head (output: logits)."""
 
-    def __init__(self, args: GPT2Args, layer_ids: Iterable[int] | None = None, has_input: bool = True,
-                 has_output: bool = True):
+    def __init__(
+        self, args: GPT2Args, layer_ids: Iterable[int] | None = None, has_input: bool = True, has_output: bool = True
+    ):
         super().__init__()
         if args.vocab_size <= 0:
             raise ValueError("GPT2Args.vocab_size is not set: take it from the tokenizer")

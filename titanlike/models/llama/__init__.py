@@ -15,8 +15,20 @@ from titanlike.models.llama.model import (
     rope_tables,
 )
 
-__all__ = ["FLAVORS", "Attention", "CausalAttention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer",
-           "TransformerBlock", "apply_rope", "pad_vocab", "param_init", "rope_tables"]
+__all__ = [
+    "FLAVORS",
+    "Attention",
+    "CausalAttention",
+    "FeedForward",
+    "ModelArgs",
+    "RMSNorm",
+    "Transformer",
+    "TransformerBlock",
+    "apply_rope",
+    "pad_vocab",
+    "param_init",
+    "rope_tables",
+]
 
 
 def _build(args, layer_ids=None, has_input=True, has_output=True):
@@ -31,8 +43,10 @@ def _shape_violations(args) -> list[str]:
         if args.rope_scaling_factor < 1:
             out.append(f"model.rope_scaling_factor {args.rope_scaling_factor} must be >= 1")
         if not args.rope_low_freq_factor < args.rope_high_freq_factor:
-            out.append(f"model.rope_low_freq_factor {args.rope_low_freq_factor} must be below "
-                       f"model.rope_high_freq_factor {args.rope_high_freq_factor}")
+            out.append(
+                f"model.rope_low_freq_factor {args.rope_low_freq_factor} must be below "
+                f"model.rope_high_freq_factor {args.rope_high_freq_factor}"
+            )
         if args.rope_original_max_seq_len < 1:
             out.append("model.rope_original_max_seq_len must be >= 1")
     return out
@@ -40,12 +54,35 @@ def _shape_violations(args) -> list[str]:
 
 from titanlike.models.spec import ModelSpec, register  # noqa: E402
 
-SPEC = register(ModelSpec(
-    name="llama3", model_cls=Transformer, args_cls=ModelArgs, flavors=FLAVORS, build=_build,
-    input_modules=("tok_embeddings",), output_modules=("norm", "output"), block_container="layers",
-    tied=(("tok_embeddings.weight", "output.weight"),), param_init=param_init, shape_violations=_shape_violations,
-    config_keys=("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len", "rope_theta",
-                 "norm_eps", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                 "rope_original_max_seq_len"),
-    hf_adapter="titanlike.hf", hf_model_type="llama",
-))
+SPEC = register(
+    ModelSpec(
+        name="llama3",
+        model_cls=Transformer,
+        args_cls=ModelArgs,
+        flavors=FLAVORS,
+        build=_build,
+        input_modules=("tok_embeddings",),
+        output_modules=("norm", "output"),
+        block_container="layers",
+        tied=(("tok_embeddings.weight", "output.weight"),),
+        param_init=param_init,
+        shape_violations=_shape_violations,
+        config_keys=(
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "ffn_hidden_dim",
+            "max_seq_len",
+            "rope_theta",
+            "norm_eps",
+            "rope_scaling",
+            "rope_scaling_factor",
+            "rope_low_freq_factor",
+            "rope_high_freq_factor",
+            "rope_original_max_seq_len",
+        ),
+        hf_adapter="titanlike.hf",
+        hf_model_type="llama",
+    )
+)

@@ -97,19 +97,65 @@ def pad_vocab(vocab_size: int, multiple: int) -> int:
 
 # Flavors. Vocab sizes are the tokenizer's; llama3 flavors use the Llama-3 128,256 vocabulary.
 FLAVORS: dict[str, ModelArgs] = {
-    "debugmodel": ModelArgs(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, multiple_of=64, max_seq_len=512,
-                            rope_theta=10000.0),
+    "debugmodel": ModelArgs(
+        dim=128, n_layers=4, n_heads=8, n_kv_heads=4, multiple_of=64, max_seq_len=512, rope_theta=10000.0
+    ),
     "tiny": ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16, max_seq_len=256),
-    "gpt2_small": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_hidden_dim=3072,
-                            vocab_size=50257, max_seq_len=1024, tie_embeddings=True),
-    "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
-                    vocab_size=128256, rope_theta=500000.0, max_seq_len=131072, tie_embeddings=True),
-    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
-                    vocab_size=128256, rope_theta=500000.0, max_seq_len=131072),
-    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
-                     vocab_size=128256, rope_theta=500000.0, max_seq_len=131072),
-    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
-                      multiple_of=4096, vocab_size=128256, rope_theta=500000.0, max_seq_len=131072),
+    "gpt2_small": ModelArgs(
+        dim=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=12,
+        ffn_hidden_dim=3072,
+        vocab_size=50257,
+        max_seq_len=1024,
+        tie_embeddings=True,
+    ),
+    "1B": ModelArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_seq_len=131072,
+        tie_embeddings=True,
+    ),
+    "8B": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_seq_len=131072,
+    ),
+    "70B": ModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_seq_len=131072,
+    ),
+    "405B": ModelArgs(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_seq_len=131072,
+    ),
 }
 
 
@@ -153,8 +199,9 @@ def rope_inv_freq(head_dim: int, theta: float, args: ModelArgs | None = None) ->
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float,
-                args: ModelArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    head_dim: int, max_seq_len: int, theta: float, args: ModelArgs | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape (max_seq_len, head_dim // 2), computed in float64 (``args``: rope scaling)."""
     inv_freq = rope_inv_freq(head_dim, theta, args)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
@@ -183,8 +230,7 @@ class CausalAttention(nn.Module):
         if n_rep > 1:  # grouped-query attention: each kv head serves n_rep query heads
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return out.transpose(1, 2)
 
 
@@ -261,15 +307,18 @@ def param_init(args: ModelArgs) -> Callable[[str], Init]:
         return trunc_normal(0.02 / math.sqrt(2 * (int(m.group(1)) + 1)))
 
     tied = normal(0.02)
-    return plan_from_patterns({
-        r"tok_embeddings\.weight": tied if args.tie_embeddings else normal(1.0),
-        r"layers\.\d+\.(attention_norm|ffn_norm)\.weight": ones(),
-        r"layers\.\d+\.(attention\.(wq|wk|wv)|feed_forward\.w1)\.weight": trunc_normal(0.02),
-        r"layers\.(\d+)\.(attention\.wo|feed_forward\.w2|feed_forward\.w3)\.weight": residual,
-        r"norm\.weight": ones(),
-        r"output\.weight": tied.tied_to("tok_embeddings.weight") if args.tie_embeddings
-        else trunc_normal(d ** -0.5, a=-3 * d ** -0.5, b=3 * d ** -0.5),
-    })
+    return plan_from_patterns(
+        {
+            r"tok_embeddings\.weight": tied if args.tie_embeddings else normal(1.0),
+            r"layers\.\d+\.(attention_norm|ffn_norm)\.weight": ones(),
+            r"layers\.\d+\.(attention\.(wq|wk|wv)|feed_forward\.w1)\.weight": trunc_normal(0.02),
+            r"layers\.(\d+)\.(attention\.wo|feed_forward\.w2|feed_forward\.w3)\.weight": residual,
+            r"norm\.weight": ones(),
+            r"output\.weight": tied.tied_to("tok_embeddings.weight")
+            if args.tie_embeddings
+            else trunc_normal(d**-0.5, a=-3 * d**-0.5, b=3 * d**-0.5),
+        }
+    )
 
 
 class Transformer(nn.Module):
@@ -280,8 +329,9 @@ class Transformer(nn.Module):
     embedding takes hidden states; one without the head returns hidden states.
     """
 
-    def __init__(self, args: ModelArgs, layer_ids: Iterable[int] | None = None, has_embedding: bool = True,
-                 has_head: bool = True):
+    def __init__(
+        self, args: ModelArgs, layer_ids: Iterable[int] | None = None, has_embedding: bool = True, has_head: bool = True
+    ):
         super().__init__()
         if args.vocab_size <= 0:
             raise ValueError("ModelArgs.vocab_size is not set: take it from the tokenizer")
