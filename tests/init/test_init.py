@@ -24,7 +24,7 @@ from titanlike.init import (
     trunc_normal,
     zeros,
 )
-from titanlike.models.spec import get_spec
+from titanlike.models import get_spec
 
 HERE = Path(__file__).resolve().parent
 

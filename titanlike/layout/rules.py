@@ -14,7 +14,7 @@ from titanlike.layout.float8 import float8_violations
 from titanlike.layout.policy import batch_split, parse_ac_option
 from titanlike.layout.schedules import SCHEDULES, schedule_facts
 from titanlike.layout.stages import parse_module_names, pipeline_stage_count
-from titanlike.models.spec import get_spec
+from titanlike.models import get_spec
 
 __all__ = ["MODEL_OVERRIDES", "RULES", "layout_violations", "rule_violations"]
 

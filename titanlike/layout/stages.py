@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from titanlike.layout.errors import ConfigError
 from titanlike.layout.schedules import schedule_facts
-from titanlike.models.spec import ModelSpec, get_spec
+from titanlike.models import ModelSpec, get_spec
 
 __all__ = ["parse_module_names", "pipeline_stage_count", "split_module_names", "stage_module_names"]
 

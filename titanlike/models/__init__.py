@@ -1,11 +1,12 @@
 """Model definitions, one folder per model, each registering a :class:`~titanlike.models.spec.ModelSpec`.
 
-Plain ``torch.nn``: the models import nothing from ``torch.distributed`` and nothing else of titanlike (their
-tensor-parallel plans live in ``titanlike.parallel``: ``tensor_parallel.model_tp_plan``).
+Plain ``torch.nn``: the models import nothing from ``torch.distributed`` and nothing of titanlike but ``init``
+(parameter distributions). ``registry`` imports the built-in models and answers ``get_spec`` / ``spec_for``.
 """
 
 from titanlike.models.llama import FLAVORS, ModelArgs, Transformer, TransformerBlock, pad_vocab
-from titanlike.models.spec import ModelSpec, UnknownModelError, get_spec, register, registered, spec_for
+from titanlike.models.registry import get_spec, registered, spec_for
+from titanlike.models.spec import ModelSpec, UnknownModelError, register
 
 __all__ = [
     "FLAVORS",

@@ -2,8 +2,9 @@
 
 torchtitan's ``TrainSpec`` idea, kept small. Each model lives in ``titanlike/models/<name>/`` and registers one
 :class:`ModelSpec` with :func:`register`; the trainer, pipeline, FSDP grouping, checkpoints, Hugging Face interop,
-planner and benchmark ask the spec (:func:`get_spec` by ``model.name``, :func:`spec_for` by model or args object)
-and never name a model class. See docs/adding_a_model.md.
+planner and benchmark ask the spec (``titanlike.models.get_spec`` by ``model.name``, ``titanlike.models.spec_for``
+by model or args object: :mod:`titanlike.models.registry`, which imports the built-in models) and never name a
+model class. This module imports no model package: the model packages import it. See docs/adding_a_model.md.
 
 Roles (module FQNs of the full model, all direct children of the root):
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ModelSpec", "register", "get_spec", "spec_for", "registered", "UnknownModelError"]
+__all__ = ["ModelSpec", "UnknownModelError", "check_state_dict_fits", "lookup", "register"]
 
 
 class UnknownModelError(ValueError):
@@ -106,26 +107,9 @@ def register(spec: ModelSpec) -> ModelSpec:
     return spec
 
 
-def _load_builtin() -> None:
-    import titanlike.models.gpt2  # noqa: F401
-    import titanlike.models.llama  # noqa: F401
-
-
-def registered() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-def get_spec(name: str) -> ModelSpec:
-    _load_builtin()
-    if name not in _REGISTRY:
-        raise UnknownModelError(f"model.name: unknown model '{name}'; registered: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name]
-
-
-def spec_for(obj) -> ModelSpec | None:
-    """The spec whose model or args class ``obj`` (a model, a pipeline stage, or its args) is an instance of."""
-    _load_builtin()
+def lookup(obj) -> ModelSpec | None:
+    """The registered spec whose model or args class ``obj`` is an instance of, among the models registered so far
+    (``titanlike.models.spec_for`` loads the built-in ones first)."""
     for spec in _REGISTRY.values():
         if isinstance(obj, (spec.model_cls, spec.args_cls)):
             return spec
@@ -136,7 +120,7 @@ def check_state_dict_fits(out: dict, args, hf_name, hint=None) -> None:
     """Refuse a converted Hugging Face state dict whose names or shapes are not exactly those of the model of
     ``args`` (one ValueError naming the first missing / extra parameter or wrong shape, in Hugging Face names).
     ``hint(fqn, got, want)`` may add a sentence to a shape mismatch."""
-    expected = {k: v.shape for k, v in spec_for(args).build_meta(args).state_dict().items()}
+    expected = {k: v.shape for k, v in lookup(args).build_meta(args).state_dict().items()}
     missing = [k for k in expected if k not in out]
     extra = [k for k in out if k not in expected]
     if missing or extra:

@@ -85,7 +85,7 @@ def apply_fsdp(
         return reshard_policy(reshard_after_forward, group, pp_enabled)
 
     kw = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
-    from titanlike.models.spec import spec_for
+    from titanlike.models import spec_for
     from titanlike.parallel.fused import fsdp_placement, prepare_fused_for_fsdp
 
     prepare_fused_for_fsdp(model)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from titanlike.init import init_parameters
-from titanlike.models.spec import spec_for
+from titanlike.models import spec_for
 
 __all__ = ["materialize", "to_empty_keeping_ties", "keeping_grad_hooks", "param_init_for"]
 

@@ -55,7 +55,7 @@ from titanlike.layout import (
     stage_module_names,
 )
 from titanlike.loss import ScaledLoss
-from titanlike.models.spec import spec_for
+from titanlike.models import spec_for
 from titanlike.parallel import clip
 from titanlike.parallel.materialize import materialize, to_empty_keeping_ties
 from titanlike.parallel.parallelize import build_loss_fn, parallelize_model

@@ -248,7 +248,7 @@ def apply_tp(
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tp needs a 1-D tensor-parallel mesh, got {tp_mesh.ndim}-D {tp_mesh}; pass mesh['tp']")
     if plan is None:
-        from titanlike.models.spec import spec_for
+        from titanlike.models import spec_for
 
         spec = spec_for(model)
         if spec is None:

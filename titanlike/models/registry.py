@@ -1,0 +1,29 @@
+"""The model registry: the built-in models (one import line each) and the lookups the package uses.
+
+A model package registers its :class:`~titanlike.models.spec.ModelSpec` when it is imported; this module imports
+the built-in ones, so that ``model.name`` can select any of them. A model registered from outside the package
+(a user's) only has to be imported before its name is used.
+"""
+
+from __future__ import annotations
+
+import titanlike.models.gpt2  # noqa: F401
+import titanlike.models.llama  # noqa: F401
+from titanlike.models.spec import _REGISTRY, ModelSpec, UnknownModelError, lookup
+
+__all__ = ["get_spec", "registered", "spec_for"]
+
+
+def registered() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_spec(name: str) -> ModelSpec:
+    if name not in _REGISTRY:
+        raise UnknownModelError(f"model.name: unknown model '{name}'; registered: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+def spec_for(obj) -> ModelSpec | None:
+    """The spec whose model or args class ``obj`` (a model, a pipeline stage, or its args) is an instance of."""
+    return lookup(obj)
