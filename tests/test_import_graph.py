@@ -4,26 +4,33 @@ Units are the top-level packages / modules of ``titanlike`` (``parallel``, ``lay
 between them must be acyclic, and the lower layers may import only what lies below them:
 
     init    -> nothing of ours            loss     -> nothing of ours
-    models  -> init (parameter distributions)
-    layout  -> models only                kernels  -> models, layout (model transforms: TE, float8)
-    parallel -> layout, models, loss, kernels
+    sharding -> nothing of ours (the sharding vocabulary: plain data the models declare their TP layout in)
+    models  -> init, sharding
+    layout  -> models, sharding           kernels  -> models, layout, sharding (model transforms: TE, float8)
+    parallel -> layout, models, loss, kernels, init, sharding
     training -> everything below (it is the top, with the planner and the scripts)
+
+Inside a unit the modules import each other without cycles too: the module graph of the whole package (every
+``import`` / ``from ... import`` at any depth, ``from package import submodule`` counted as an edge to the
+submodule) has no cycle.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "titanlike"
 
 ALLOWED = {
     "init": set(),
-    "models": {"init"},
+    "sharding": set(),
+    "models": {"init", "sharding"},
     "loss": set(),
-    "layout": {"models"},
-    "parallel": {"layout", "models", "loss", "kernels", "init"},
-    "kernels": {"models", "layout"},
+    "layout": {"models", "sharding"},
+    "parallel": {"layout", "models", "loss", "kernels", "init", "sharding"},
+    "kernels": {"models", "layout", "sharding"},
 }
 
 
@@ -54,6 +61,42 @@ def import_graph() -> dict[str, set[str]]:
     return edges
 
 
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the package (a package is its ``__init__``)."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Module -> the modules of the package it imports (every import statement, function-level ones included;
+    ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``)."""
+    modules = _modules()
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                subs = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in modules]
+                targets = subs + ([mod] if len(subs) < len(node.names) else [])
+            else:
+                continue
+            for target in targets:
+                if target in modules and target != name:
+                    edges.setdefault(name, set()).add(target)
+    return edges
+
+
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     out, state = [], {}
 
@@ -80,6 +123,13 @@ def test_the_package_import_graph_is_acyclic():
     assert len(edges) >= 6  # the walk saw the package (config, parallel, training, planner, checkpoint, ...)
 
 
+def test_no_two_modules_import_each_other():
+    edges = module_graph()
+    assert _cycles(edges) == []
+    assert len(edges) >= 40  # the walk saw the modules, inside the units too
+    assert "titanlike.parallel.tensor_parallel" in edges["titanlike.parallel.parallelize"]
+
+
 def test_lower_layers_import_only_what_lies_below():
     edges = import_graph()
     for unit, allowed in ALLOWED.items():
@@ -88,3 +138,16 @@ def test_lower_layers_import_only_what_lies_below():
 
 def test_a_planted_cycle_is_found():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_a_function_level_import_cycle_between_modules_is_found(tmp_path, monkeypatch):
+    """Two modules of one unit that import each other, one of them inside a function (what the unit graph cannot
+    see): the module graph has the cycle."""
+    pkg = tmp_path / "titanlike" / "unit"
+    pkg.mkdir(parents=True)
+    (pkg.parent / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from titanlike.unit import b\n")
+    (pkg / "b.py").write_text("def f():\n    from titanlike.unit.a import x\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / "titanlike")
+    assert _cycles(module_graph()) == [["titanlike.unit.a", "titanlike.unit.b", "titanlike.unit.a"]]

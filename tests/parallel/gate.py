@@ -314,10 +314,9 @@ def _fused_plain_colwise():
     and the attention silently mixes q, k and v across heads (what a user gets without FusedColwiseParallel)."""
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    import titanlike.parallel.gpt2 as g
+    import titanlike.parallel.tensor_parallel as tpm
 
-    original = g.tp_plan
-    with patched(g, "tp_plan", lambda *a, **k: original(*a, **k, fused_style=ColwiseParallel())):
+    with patched(tpm, "_fused_style", lambda entry: ColwiseParallel()):
         yield
 
 

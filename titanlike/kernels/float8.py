@@ -5,10 +5,12 @@ unparallelized model (materialised or on the meta device), before ``parallelize_
 ``nn.Linear`` subclass that keeps the same ``weight`` parameter object, so parameter names, shapes, values and
 therefore checkpoints are unchanged: a float8 run resumes without float8 and vice versa.
 
-Which layers: every ``nn.Linear`` whose fully qualified name contains none of ``float8.filter_fqns`` (default
-``["output"]``: the vocabulary head stays high precision, as torchtitan does) and whose two dims are multiples
-of 16 (the float8 GEMM's alignment; others stay in the run's dtype). A weight shared with another module (a
-tied head) is never converted.
+Which layers: of a registered model, those its sharding entries mark float8-eligible (``titanlike.sharding``:
+Colwise / Rowwise entries with ``float8=True``; ``modules=`` patterns), of any other module every ``nn.Linear``;
+of those, each whose fully qualified name contains none of ``float8.filter_fqns`` (default ``["output"]``: the
+vocabulary head stays high precision, as torchtitan does) and whose two dims are multiples of 16 (the float8
+GEMM's alignment; others stay in the run's dtype). A weight shared with another module (a tied head) is never
+converted.
 
 Recipes, as torchao names them (``Float8LinearConfig.from_recipe_name``):
 
@@ -40,6 +42,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+from titanlike.sharding import matches
 
 __all__ = [
     "TORCHAO_RECIPES",
@@ -159,10 +163,12 @@ def _shared_weights(model: nn.Module) -> set[int]:
     return {k for k, n in count.items() if n > 1}
 
 
-def float8_filter(model: nn.Module, filter_fqns: Iterable[str] = ("output",)):
-    """``module_filter_fn(module, fqn) -> bool`` for torchao: an ``nn.Linear`` (not already float8) whose FQN
-    contains none of ``filter_fqns``, whose in/out features are multiples of 16, and whose weight is not shared."""
+def float8_filter(model: nn.Module, filter_fqns: Iterable[str] = ("output",), modules: Iterable[str] | None = None):
+    """``module_filter_fn(module, fqn) -> bool`` for torchao: an ``nn.Linear`` (not already float8) matching one of
+    the ``modules`` patterns (None: any), whose FQN contains none of ``filter_fqns``, whose in/out features are
+    multiples of 16, and whose weight is not shared."""
     filter_fqns = tuple(filter_fqns)
+    patterns = None if modules is None else tuple(modules)
     shared = _shared_weights(model)
 
     def keep(module: nn.Module, fqn: str) -> bool:
@@ -170,6 +176,7 @@ def float8_filter(model: nn.Module, filter_fqns: Iterable[str] = ("output",)):
             return True  # torchao asks about containers too: descend
         return (
             not is_float8_linear(module)
+            and (patterns is None or any(matches(p, fqn) for p in patterns))
             and not any(f in fqn for f in filter_fqns)
             and module.in_features % FLOAT8_ALIGN == 0
             and module.out_features % FLOAT8_ALIGN == 0
@@ -210,11 +217,13 @@ def convert_to_float8(
     emulate: bool = False,
     filter_fqns: Iterable[str] = ("output",),
     enable_fsdp_float8_all_gather: bool = False,
+    modules: Iterable[str] | None = None,
 ) -> list[str]:
     """Swap torchao ``Float8Linear`` into ``model`` in place; return the converted FQNs (sorted).
 
-    Call on the unparallelized model (before TP/FSDP). Raises :class:`Float8UnavailableError` (one line) if
-    torchao is missing or lacks ``recipe``.
+    Call on the unparallelized model (before TP/FSDP). ``modules``: module patterns the converted Linears must
+    match (a registered model's float8-eligible entries, ``titanlike.sharding.float8_patterns``; None: every
+    Linear). Raises :class:`Float8UnavailableError` (one line) if torchao is missing or lacks ``recipe``.
     """
     from torch.distributed.tensor import DTensor
 
@@ -225,7 +234,7 @@ def convert_to_float8(
             "then parallelize it)"
         )
     config = float8_linear_config(recipe, emulate=emulate, enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather)
-    f8.convert_to_float8_training(model, config=config, module_filter_fn=float8_filter(model, filter_fqns))
+    f8.convert_to_float8_training(model, config=config, module_filter_fn=float8_filter(model, filter_fqns, modules))
     cls = _autocast_float8_linear_class()
     converted = []
     for name, m in model.named_modules():
@@ -239,24 +248,16 @@ def convert_to_float8(
     return converted
 
 
-def float8_tensorwise_tp(model: nn.Module, names: Iterable[str]) -> bool:
-    """True when every module ``names`` selects (per block: the TP'd projections) is a tensorwise ``Float8Linear``:
-    then the TP plan can use torchao's float8 styles (float8 all-gathers). Rowwise recipes, or a block where the
-    shape filter left a projection high precision, keep the plain styles (Float8Linear accepts DTensor inputs)."""
+def float8_tensorwise_tp(model: nn.Module, patterns: Iterable[str]) -> bool:
+    """True when every module matching ``patterns`` (a model's float8-eligible sharding entries) is a tensorwise
+    ``Float8Linear``, and there is at least one: then the TP plan can use torchao's float8 styles (float8
+    all-gathers). Rowwise recipes, or a module the shape filter left high precision, keep the plain styles
+    (Float8Linear accepts DTensor inputs)."""
     if getattr(model, "_float8_recipe", "") != "tensorwise":
         return False
-    layers = getattr(model, "layers", None)
-    if layers is None:
-        return False
-    for block in layers.children():
-        for n in names:
-            try:
-                m = block.get_submodule(n)
-            except AttributeError:
-                return False
-            if not is_float8_linear(m):
-                return False
-    return True
+    patterns = tuple(patterns)
+    selected = [m for name, m in model.named_modules() if any(matches(p, name) for p in patterns)]
+    return bool(selected) and all(is_float8_linear(m) for m in selected)
 
 
 def precompute_float8_scales(model: nn.Module) -> None:

@@ -17,8 +17,8 @@ Roles (module FQNs of the full model, all direct children of the root):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -43,10 +43,10 @@ class ModelSpec:
     output_modules: tuple[str, ...]
     block_container: str = "layers"
     tied: tuple[tuple[str, str], ...] = ()
-    # tp_plan(args, sequence_parallel, loss_parallel, float8=False) -> {module-path pattern: ParallelStyle}. None:
-    # a built-in model, whose plan lives in titanlike.parallel (titanlike.parallel.tensor_parallel.model_tp_plan):
-    # the models import nothing of the parallel package.
-    tp_plan: Callable[..., dict] | None = None
+    # How the modules split over tensor parallelism: {module pattern: titanlike.sharding entry}, plain data from
+    # models/<name>/sharding.py. The translator (titanlike.parallel.tensor_parallel.tp_plan) makes the TP plan of
+    # it, the planner every parameter's TP and FSDP dims, the float8 conversion its eligible Linears. Empty: no TP.
+    sharding: Mapping[str, object] = field(default_factory=dict)
     # Extra shape rules of this model (one line with the fix per violation), on top of the shared ones.
     shape_violations: Callable[[object], list[str]] = lambda args: []
     # The config overrides (model.<key>) this model reads; the others must stay unset.
@@ -55,9 +55,6 @@ class ModelSpec:
     # check_same_architecture (see titanlike/hf.py for the Llama one).
     hf_adapter: str = ""
     hf_model_type: str = ""
-    # Planner: shard_dims(fqn, tp_enabled, fsdp_enabled) -> (tensor-parallel dim or None, FSDP dim) of a parameter,
-    # as this model's plan and apply_fsdp shard it (None: the Llama rules of titanlike.planner.memory).
-    shard_dims: Callable[[str, bool, bool], tuple[int | None, int]] | None = None
     # param_init(args) -> (full-model FQN -> titanlike.init.Init): every parameter's distribution. The sharded,
     # layout-independent init (titanlike.parallel.materialize) fills each rank's shards from it; a tied copy names
     # its owner (Init.key). The model class also has init_buffers(device) for its non-persistent buffers.

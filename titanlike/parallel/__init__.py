@@ -21,12 +21,11 @@ from titanlike.parallel.context_parallel import apply_cp, cp_shard
 from titanlike.parallel.dims import ParallelDims
 from titanlike.parallel.fsdp import apply_fsdp
 from titanlike.parallel.fused import FusedColwiseParallel
-from titanlike.parallel.gpt2 import PositionEmbeddingParallel
 from titanlike.parallel.loss_parallel import loss_parallel_cross_entropy, vocab_parallel_cross_entropy
 from titanlike.parallel.materialize import to_empty_keeping_ties
 from titanlike.parallel.parallelize import build_loss_fn, loss_group, loss_parallel_enabled, parallelize_model
 from titanlike.parallel.pipeline import PipelineParallel, apply_pp, pipeline_module
-from titanlike.parallel.tensor_parallel import ReplicateParallel, apply_tp, tp_plan
+from titanlike.parallel.tensor_parallel import PositionEmbeddingParallel, ReplicateParallel, apply_tp, tp_plan
 
 __all__ = [
     "MESH_DIMS",

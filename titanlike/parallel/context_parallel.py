@@ -220,16 +220,16 @@ def _rope_positions(seq_len: int, cp: int, rank: int, device) -> Tensor:
 
 
 def _global_rope_hook(cp: int, rank: int):
-    """Forward pre-hook of an attention module called as ``(x, cos, sin)``: hand it the rotary rows of its
+    """Forward pre-hook of an attention module called as ``(x, cos=..., sin=...)``: hand it the rotary rows of its
     tokens' global positions (``apply_rope`` then takes the first ``s`` rows, which are exactly those)."""
 
-    def hook(module, args):
-        x, cos, sin, *rest = args
+    def hook(module, args, kwargs):
+        x, cos, sin = args[0], kwargs["cos"], kwargs["sin"]
         local = x.shape[1]  # DTensor or not: the logical length of this cp rank's tokens
         pos = _rope_positions(local * cp, cp, rank, cos.device)
         if isinstance(cos, DTensor):  # never under titanlike's plans; kept simple
             cos, sin = cos.full_tensor(), sin.full_tensor()
-        return (x, cos.index_select(0, pos), sin.index_select(0, pos), *rest)
+        return args, {**kwargs, "cos": cos.index_select(0, pos), "sin": sin.index_select(0, pos)}
 
     return hook
 
@@ -245,8 +245,8 @@ def apply_cp(
 
     Every module with a ``core_attr`` child (an attention module calling its core as ``core(q, k, v)``) gets a
     :class:`ContextParallelAttention` core. ``rope_modules`` (default: titanlike's Llama ``Attention``) are the
-    modules called as ``(x, cos, sin)`` with rotary tables indexed by position: a pre-hook gives them the rows of
-    their tokens' global positions. A model with learned absolute positions passes ``rope_modules=()`` and feeds
+    modules called as ``(x, cos=..., sin=...)`` with rotary tables indexed by position: a pre-hook gives them the
+    rows of their tokens' global positions. A model with learned absolute positions passes ``rope_modules=()`` and feeds
     ``cp_positions`` to its position embedding itself. Call after tensor parallelism (the hook then sees the
     replicated input) and before activation checkpointing / compile / FSDP; the batches must be cut with
     :func:`cp_shard`.
@@ -266,7 +266,7 @@ def apply_cp(
             setattr(module, core_attr, ContextParallelAttention(cp_mesh))
             swapped += 1
         if rope_modules and isinstance(module, rope_modules):
-            module.register_forward_pre_hook(_global_rope_hook(cp, rank))
+            module.register_forward_pre_hook(_global_rope_hook(cp, rank), with_kwargs=True)
     if swapped == 0 and any(True for _ in model.modules() if rope_modules and isinstance(_, rope_modules)):
         raise ValueError(f"apply_cp: no '{core_attr}' attention core to swap in {type(model).__name__}")
     return model

@@ -27,12 +27,14 @@ from torch import Tensor, nn
 from titanlike.kernels.float8 import convert_to_float8, float8_tensorwise_tp
 from titanlike.layout import float8_backend, loss_parallel_enabled, precision_policy
 from titanlike.loss import cross_entropy_loss
+from titanlike.models import spec_for
 from titanlike.parallel.activation_checkpoint import apply_ac
 from titanlike.parallel.compile import apply_compile
 from titanlike.parallel.dims import ParallelDims
 from titanlike.parallel.fsdp import apply_fsdp
 from titanlike.parallel.loss_parallel import loss_parallel_cross_entropy
 from titanlike.parallel.tensor_parallel import apply_tp
+from titanlike.sharding import float8_patterns
 
 __all__ = ["parallelize_model", "build_loss_fn", "loss_parallel_enabled", "loss_group"]
 
@@ -63,6 +65,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh, cfg) -> nn.Mod
     """
     p = cfg.parallelism
     f8 = cfg.float8
+    spec = spec_for(model)
+    float8_modules = float8_patterns(spec.sharding) if spec is not None else None  # None: every Linear
     if f8.recipe and float8_backend(cfg) == "torchao" and not hasattr(model, "_float8_converted"):
         convert_to_float8(
             model,
@@ -70,20 +74,10 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh, cfg) -> nn.Mod
             emulate=f8.emulate,
             filter_fqns=f8.filter_fqns,
             enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather and dims.fsdp_enabled,
+            modules=float8_modules,
         )
     if dims.tp_enabled:
-        float8_tp = float8_tensorwise_tp(
-            model,
-            (
-                "attention.wq",
-                "attention.wk",
-                "attention.wv",
-                "attention.wo",
-                "feed_forward.w1",
-                "feed_forward.w2",
-                "feed_forward.w3",
-            ),
-        )
+        float8_tp = float8_modules is not None and float8_tensorwise_tp(model, float8_modules)
         tp_mesh = _submesh(dims, mesh, "tp")
         if p.enable_sequence_parallel and tp_mesh.device_type == "cpu":
             # gloo cannot all-gather float8 dtypes ("RuntimeError: Invalid scalar type", torch 2.13): on CPU the SP

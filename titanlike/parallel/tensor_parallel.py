@@ -1,29 +1,36 @@
 """Tensor (+ sequence) parallelism, Megatron-style, applied from outside with DTensor ``ParallelStyle`` s.
 
-The plan is data: :func:`tp_plan` returns ``{module-path pattern: ParallelStyle}`` for the Llama model, and
-:func:`apply_tp` applies any such plan (a user's plan for their own module too) with ``parallelize_module``.
+A registered model declares how its modules split as plain data (``titanlike.sharding`` entries, in
+``titanlike/models/<name>/sharding.py``); :func:`tp_plan` is the one translator of such entries into torch (or
+torchao float8) ``ParallelStyle`` s, and :func:`apply_tp` applies a plan with ``parallelize_module``: the model's
+own (``plan=None``) or any ``{module-path pattern: ParallelStyle}`` a user writes for their own module.
 
-The Llama plan (``seq`` = ``Shard(1)`` under sequence parallelism, else ``Replicate()``):
+The translation (``seq`` = ``Shard(1)`` under sequence parallelism, else ``Replicate()``):
 
-=============================  =======================================================================
-``tok_embeddings``             RowwiseParallel: vocab-sharded table, output ``seq`` (all-reduce, or
-                               reduce-scatter under SP)
-``layers.*.attention_norm``    SP: SequenceParallel (runs on the local sequence shard, weight replicated);
-``layers.*.ffn_norm``, norm    else ReplicateParallel (runs on the replicated stream, returns a local tensor)
-``layers.*.attention``         PrepareModuleInput ``seq`` -> Replicate: the "f" operator, identity forward /
-``layers.*.feed_forward``      all-reduce backward (SP: all-gather forward / reduce-scatter backward)
-``wq wk wv w1 w3``             ColwiseParallel: output-feature shards, local heads / hidden units
-``wo w2``                      RowwiseParallel, output ``seq``: the "g" operator, all-reduce forward (SP:
-                               reduce-scatter)
-``output``                     ColwiseParallel from ``seq``: logits stay a DTensor ``Shard(-1)`` for the
-                               vocab-parallel loss, or are all-gathered (``loss_parallel=False``)
-=============================  =======================================================================
+=====================  ==========================================================================================
+``VocabEmbedding``     RowwiseParallel: vocab-sharded table, output ``seq`` (all-reduce, or reduce-scatter under SP)
+``PositionTable``      :class:`PositionEmbeddingParallel`: replicated table, output in the stream's layout
+``Norm``               SP: SequenceParallel (runs on the local sequence shard, weight replicated); else
+                       :class:`ReplicateParallel` (runs on the replicated stream, returns a local tensor)
+``HeadNorm``           SequenceParallel over the heads dim: runs on this rank's heads, weight replicated, its
+                       gradient a ``Partial`` sum over tp (never ReplicateParallel: each rank sees other heads)
+``Region``             PrepareModuleInput ``seq`` -> Replicate of the first input (keyword arguments untouched):
+                       the "f" operator, identity forward / all-reduce backward (SP: all-gather / reduce-scatter)
+``Colwise``            ColwiseParallel: output-feature shards, local heads / hidden units
+``FusedColwise``       :class:`~titanlike.parallel.fused.FusedColwiseParallel`: each rank its slice of every chunk
+``Rowwise``            RowwiseParallel, output ``seq``: the "g" operator, all-reduce forward (SP: reduce-scatter)
+``Head``               ColwiseParallel from ``seq``: logits stay a DTensor ``Shard(-1)`` for the vocab-parallel
+                       loss, or are all-gathered (``loss_parallel=False``)
+=====================  ==========================================================================================
 
 One transformer block therefore costs two all-reduces forward and two backward (SP: an all-gather and a
 reduce-scatter in each direction instead of each all-reduce, same bytes, plus the all-reduce of the two norm
-weight gradients, each rank having seen a different part of the sequence). The embedding and the two
-RowwiseParallel projections return DTensors (``use_local_output=False``), so the residual stream between
-blocks is a DTensor: per-block ``torch.compile`` needs that, and SP needs it to know the stream is sharded.
+weight gradients, each rank having seen a different part of the sequence). The embedding and the Rowwise
+projections return DTensors (``use_local_output=False``), so the residual stream between blocks is a DTensor:
+per-block ``torch.compile`` needs that, and SP needs it to know the stream is sharded. ``float8=True`` (every
+float8-eligible projection is a tensorwise torchao ``Float8Linear``): torchao's ``Float8ColwiseParallel`` /
+``Float8RowwiseParallel`` / ``PrepareFloat8ModuleInput`` for the float8 entries and their regions, as torchtitan
+does: the activation is cast to float8 before the all-gather (SP) and the output gradient in the backward.
 
 Every parameter of the parallelized model is a DTensor (norm weights ``Replicate``): one foreach optimizer
 step handles them all (it refuses a mix of DTensors and plain tensors), and checkpoints see one kind.
@@ -37,7 +44,7 @@ parameter's placements (clipping, optimizer and checkpoints see ordinary gradien
 
 from __future__ import annotations
 
-from fnmatch import fnmatch
+from collections.abc import Mapping
 from functools import partial
 
 from torch import nn
@@ -52,7 +59,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-__all__ = ["tp_plan", "model_tp_plan", "apply_tp", "ReplicateParallel", "shared_parameters"]
+from titanlike import sharding as sh
+from titanlike.parallel.fused import FusedColwiseParallel
+
+__all__ = ["tp_plan", "apply_tp", "ReplicateParallel", "PositionEmbeddingParallel", "shared_parameters"]
 
 
 class ReplicateParallel(ParallelStyle):
@@ -91,62 +101,137 @@ class ReplicateParallel(ParallelStyle):
         return f"{type(self).__name__}(use_local_output={self.use_local_output})"
 
 
+class PositionEmbeddingParallel(ReplicateParallel):
+    """A replicated position table whose (seq, dim) output takes the residual stream's layout: ``Replicate``, or
+    under sequence parallelism ``Shard(0)`` (this rank's positions), so that adding it to the token embedding's
+    ``Shard(1)`` output is local. ``use_local_output=True``: that layout's local tensor (for a plan whose residual
+    stream is plain local tensors, like torchtitan's): the ``(seq / tp, dim)`` rows of this rank under SP."""
+
+    def __init__(self, sequence_parallel: bool, *, use_local_output: bool = False):
+        super().__init__(use_local_output=False)
+        self.sequence_parallel = sequence_parallel
+        self.local_output = use_local_output
+
+    def _apply(self, module, device_mesh):
+        sp, local = self.sequence_parallel, self.local_output
+
+        def output_fn(mod, inputs, output):
+            if sp and isinstance(output, DTensor):
+                output = output.redistribute(device_mesh, [Shard(0)])
+            return output.to_local() if local and isinstance(output, DTensor) else output
+
+        module = super()._apply(module, device_mesh)
+        module.register_forward_hook(output_fn)
+        return module
+
+
+# ------------------------------------------------------------------------------------------------- the translator
 def _norm_style(sequence_parallel: bool) -> ParallelStyle:
     """SP: the norm runs on the local sequence shard, weight replicated (SequenceParallel). Without SP it runs
     on the replicated stream and hands a local tensor to the next module's f operator."""
     return SequenceParallel() if sequence_parallel else ReplicateParallel()
 
 
-def tp_plan(
-    sequence_parallel: bool = False, loss_parallel: bool = True, float8: bool = False
-) -> dict[str, ParallelStyle]:
-    """The tensor-parallel plan of ``titanlike.models.llama.Transformer`` (see the module docstring).
+def _head_norm_style(entry: sh.HeadNorm) -> ParallelStyle:
+    """A norm over this rank's own heads: its local input is this rank's shard of the heads dim, its weight
+    replicated; autograd gives the weight a ``Partial`` gradient (each rank's heads), summed over tp by the
+    gradient hook of :func:`apply_tp`."""
+    return SequenceParallel(sequence_dim=entry.heads_dim, use_local_output=True)
 
-    Keys are ``parallelize_module`` patterns (``*`` matches one path atom). The plan covers a whole model;
-    :func:`apply_tp` skips the keys a pipeline stage does not have. ``float8=True`` (every block projection is a
-    tensorwise torchao ``Float8Linear``): torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` /
-    ``PrepareFloat8ModuleInput`` in the blocks, as torchtitan does: the activation is cast to float8 before the
-    all-gather (SP) and the output gradient in the backward, so those collectives move float8 bytes.
+
+class _FusedInProportion(ParallelStyle):
+    """:class:`FusedColwiseParallel` with the chunk sizes of a :class:`titanlike.sharding.FusedColwise` given in
+    proportion, scaled to the Linear's output features when applied."""
+
+    def __init__(self, entry: sh.FusedColwise):
+        super().__init__()
+        self.entry = entry
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        sizes = self.entry.sizes(module.out_features)
+        return FusedColwiseParallel(sizes, head_dim=self.entry.head_dim)._apply(module, device_mesh)
+
+    def __repr__(self) -> str:
+        return f"FusedColwiseParallel(chunks in proportion {self.entry.chunks}, head_dim={self.entry.head_dim})"
+
+
+def _fused_style(entry: sh.FusedColwise) -> ParallelStyle:
+    if isinstance(entry.chunks, int):
+        return FusedColwiseParallel(entry.chunks, head_dim=entry.head_dim)
+    return _FusedInProportion(entry)
+
+
+def _entries(sharding) -> Mapping[str, sh.Entry]:
+    entries = getattr(sharding, "sharding", sharding)  # a ModelSpec, or the entries themselves
+    if not isinstance(entries, Mapping) or not all(isinstance(e, sh.Entry) for e in entries.values()):
+        raise TypeError(
+            f"tp_plan needs titanlike.sharding entries ({{module pattern: Entry}}) or a ModelSpec, got "
+            f"{type(sharding).__name__}"
+        )
+    return entries
+
+
+def tp_plan(
+    sharding, sequence_parallel: bool = False, loss_parallel: bool = True, *, float8: bool = False
+) -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan (``{module-path pattern: ParallelStyle}``, for ``parallelize_module`` /
+    :func:`apply_tp`) of ``sharding``: ``titanlike.sharding`` entries by module pattern, or a ``ModelSpec`` (its
+    ``sharding``). The one translator of entries into styles (table in the module docstring).
+
+    ``float8=True`` (every float8-eligible Linear is a tensorwise torchao ``Float8Linear``): torchao's float8 styles
+    for the entries with ``float8=True`` and for the regions holding them, so that the SP all-gather and the
+    backward move float8 bytes.
     """
+    entries = _entries(sharding)
     seq = Shard(1) if sequence_parallel else Replicate()
-    colwise, rowwise, prepare = ColwiseParallel, RowwiseParallel, PrepareModuleInput
-    if float8:
+    f8_patterns = sh.float8_patterns(entries) if float8 else ()
+    if f8_patterns:
         from torchao.float8.float8_tensor_parallel import (
             Float8ColwiseParallel,
             Float8RowwiseParallel,
             PrepareFloat8ModuleInput,
         )
 
-        colwise, rowwise, prepare = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
-    return {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=False),
-        "layers.*.attention_norm": _norm_style(sequence_parallel),
-        "layers.*.attention": prepare(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)),
-        "layers.*.attention.wq": colwise(),
-        "layers.*.attention.wk": colwise(),
-        "layers.*.attention.wv": colwise(),
-        "layers.*.attention.wo": rowwise(output_layouts=seq, use_local_output=False),
-        "layers.*.ffn_norm": _norm_style(sequence_parallel),
-        "layers.*.feed_forward": prepare(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-        "layers.*.feed_forward.w1": colwise(),
-        "layers.*.feed_forward.w3": colwise(),
-        "layers.*.feed_forward.w2": rowwise(output_layouts=seq, use_local_output=False),
-        "norm": _norm_style(sequence_parallel),
-        "output": ColwiseParallel(
-            input_layouts=seq,
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        ),
-    }
+    def styles(pattern: str, entry: sh.Entry) -> ParallelStyle:
+        f8 = pattern in f8_patterns
+        colwise = Float8ColwiseParallel if f8 else ColwiseParallel
+        rowwise = Float8RowwiseParallel if f8 else RowwiseParallel
+        if isinstance(entry, sh.VocabEmbedding):
+            return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=False)
+        if isinstance(entry, sh.PositionTable):
+            return PositionEmbeddingParallel(sequence_parallel)
+        if isinstance(entry, sh.Norm):
+            return _norm_style(sequence_parallel)
+        if isinstance(entry, sh.HeadNorm):
+            return _head_norm_style(entry)
+        if isinstance(entry, sh.Region):
+            inner = any(p.startswith(pattern + ".") for p in f8_patterns)
+            prepare = PrepareFloat8ModuleInput if inner else PrepareModuleInput
+            return prepare(
+                input_layouts=(seq,),
+                desired_input_layouts=(Replicate(),),
+                input_kwarg_layouts={},
+                desired_input_kwarg_layouts={},
+            )
+        if isinstance(entry, sh.Colwise):
+            return colwise()
+        if isinstance(entry, sh.FusedColwise):
+            return _fused_style(entry)
+        if isinstance(entry, sh.Rowwise):
+            return rowwise(output_layouts=seq, use_local_output=False)
+        if isinstance(entry, sh.Head):
+            return ColwiseParallel(
+                input_layouts=seq,
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            )
+        raise TypeError(f"tp_plan: no tensor-parallel style for sharding entry {entry!r} ('{pattern}')")
+
+    return {pattern: styles(pattern, entry) for pattern, entry in entries.items()}
 
 
 def _matches(model: nn.Module, pattern: str) -> bool:
-    atoms = pattern.split(".")
-    for name, _ in model.named_modules():
-        parts = name.split(".") if name else []
-        if len(parts) == len(atoms) and all(fnmatch(p, a) for p, a in zip(parts, atoms)):
-            return True
-    return False
+    return any(sh.matches(pattern, name) for name, _ in model.named_modules())
 
 
 def shared_parameters(model: nn.Module) -> list[list[str]]:
@@ -210,25 +295,6 @@ def _check_all_or_nothing(model: nn.Module) -> None:
         )
 
 
-def model_tp_plan(
-    spec, args, sequence_parallel: bool = False, loss_parallel: bool = True, *, float8: bool = False
-) -> dict:
-    """The TP plan of a registered model: its spec's ``tp_plan``, or for the built-in models (whose specs leave it
-    None) the plan kept here in the parallel package: Llama's :func:`tp_plan`, GPT-2's
-    :func:`titanlike.parallel.gpt2.tp_plan`."""
-    if spec.tp_plan is not None:
-        return spec.tp_plan(args, sequence_parallel, loss_parallel, float8=float8)
-    if spec.name == "llama3":
-        return tp_plan(sequence_parallel, loss_parallel, float8)
-    if spec.name == "gpt2":
-        from titanlike.parallel import gpt2
-
-        if float8:
-            raise ValueError("float8 training is wired for the Llama model only; turn float8.recipe off for gpt2")
-        return gpt2.tp_plan(args, sequence_parallel, loss_parallel)
-    raise ValueError(f"model '{spec.name}' registered no tp_plan; give its ModelSpec one (docs/adding_a_model.md)")
-
-
 def apply_tp(
     model: nn.Module,
     tp_mesh: DeviceMesh,
@@ -240,8 +306,9 @@ def apply_tp(
 ) -> nn.Module:
     """Apply a tensor-parallel plan to ``model`` over the 1-D ``tp_mesh``, in place; return ``model``.
 
-    ``plan=None`` uses :func:`tp_plan` ``(sequence_parallel, loss_parallel)`` and skips keys ``model`` lacks
-    (a pipeline stage without embedding or head). A user plan (``{pattern: style}`` or one style for the whole
+    ``plan=None``: a registered model's own plan, :func:`tp_plan` of its spec's sharding entries with
+    ``sequence_parallel``, ``loss_parallel`` and ``float8``, skipping keys ``model`` lacks (a pipeline stage
+    without embedding or head). A user plan (``{pattern: style}`` or one style for the whole
     module) is applied as given; a key matching no module is an error. Works on the meta device. Tied
     parameters stay tied, and gradients keep their parameter's placements.
     """
@@ -256,7 +323,7 @@ def apply_tp(
                 f"apply_tp: {type(model).__name__} is not a registered model, so there is no default "
                 f"plan; pass plan={{module-path pattern: ParallelStyle}} for it"
             )
-        plan = model_tp_plan(spec, getattr(model, "args", None), sequence_parallel, loss_parallel, float8=float8)
+        plan = tp_plan(spec.sharding, sequence_parallel, loss_parallel, float8=float8)
         plan = {k: v for k, v in plan.items() if _matches(model, k)}
     elif isinstance(plan, dict):
         missing = [k for k in plan if not _matches(model, k)]

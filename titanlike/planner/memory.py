@@ -1,10 +1,12 @@
 """Memory per rank: parameter shards, gradients, AdamW states, FSDP buffers and activations.
 
-Shapes are exact. Each parameter's local shape follows the layouts titanlike applies: tensor parallelism shards
-``wq wk wv w1 w3 output tok_embeddings`` on dim 0 and ``wo w2`` on dim 1 (norm weights are replicated), then
-FSDP2 shards dim 0 of the tp-local tensor over ``dp_shard``. Both split like ``torch.chunk``: ``ceil(n / k)``
-per rank, the last ranks smaller or empty. FSDP's collectives move the padded size (every rank ``ceil(n / k)``
-rows). AdamW holds ``exp_avg`` and ``exp_avg_sq`` per parameter shard plus a float32 ``step`` scalar.
+Shapes are exact. Each parameter's local shape follows the layouts titanlike applies, read off the model's sharding
+entries (``titanlike.sharding.param_dims``, the same entries the tensor-parallel plan is translated from): Llama's
+``wq wk wv w1 w3 output tok_embeddings`` on dim 0 and ``wo w2`` on dim 1 (norm weights replicated), then FSDP2
+shards the tp-local tensor over ``dp_shard`` (dim 0; dim 1 for a chunk-sharded fused projection). Both split like
+``torch.chunk``: ``ceil(n / k)`` per rank, the last ranks smaller or empty. FSDP's collectives move the padded size
+(every rank ``ceil(n / k)`` rows). AdamW holds ``exp_avg`` and ``exp_avg_sq`` per parameter shard plus a float32
+``step`` scalar.
 
 Activations are what autograd keeps between a block's forward and its backward, per token, with ``h`` the model
 dim, ``H`` the SwiGLU width, ``n`` the heads, ``a`` the activation bytes (2 in bf16), ``c`` the norms' compute
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from titanlike.planner.layout import Layout
+from titanlike.sharding import param_dims
 
 __all__ = [
     "STATE_ITEMS",
@@ -42,20 +45,7 @@ __all__ = [
     "rank_memory",
     "rank_param_shards",
     "rank_state_memory",
-    "tp_shard_dim",
 ]
-
-_LAYER_PARAMS = (
-    "attention_norm.weight",
-    "attention.wq.weight",
-    "attention.wk.weight",
-    "attention.wv.weight",
-    "attention.wo.weight",
-    "ffn_norm.weight",
-    "feed_forward.w1.weight",
-    "feed_forward.w2.weight",
-    "feed_forward.w3.weight",
-)
 
 
 def chunk(n: int, parts: int, index: int) -> int:
@@ -82,42 +72,9 @@ def _built_shapes(spec, args, names: tuple[str, ...]) -> dict[str, tuple[int, ..
 
 def param_shapes(args, names: Sequence[str]) -> dict[str, tuple[int, ...]]:
     """Full shapes of the parameters of a stage holding modules ``names`` (the model's own FQNs, in
-    ``named_parameters`` order; a tied head inside the stage is the embedding's parameter)."""
-    spec = _spec(args)
-    if spec is not None and spec.name != "llama3":  # any other model: its own constructor on the meta device
-        return dict(_built_shapes(spec, args, tuple(names)))
-    h, hd = args.dim, args.head_dim
-    shapes = {
-        "attention_norm.weight": (h,),
-        "attention.wq.weight": (args.n_heads * hd, h),
-        "attention.wk.weight": (args.n_kv_heads * hd, h),
-        "attention.wv.weight": (args.n_kv_heads * hd, h),
-        "attention.wo.weight": (h, args.n_heads * hd),
-        "ffn_norm.weight": (h,),
-        "feed_forward.w1.weight": (args.hidden_dim, h),
-        "feed_forward.w2.weight": (h, args.hidden_dim),
-        "feed_forward.w3.weight": (args.hidden_dim, h),
-    }
-    out: dict[str, tuple[int, ...]] = {}
-    if "tok_embeddings" in names:
-        out["tok_embeddings.weight"] = (args.vocab_size, h)
-    for name in names:
-        if name.startswith("layers."):
-            out.update({f"{name}.{k}": shapes[k] for k in _LAYER_PARAMS})
-    if "norm" in names:
-        out["norm.weight"] = (h,)
-    if "output" in names and not (args.tie_embeddings and "tok_embeddings" in names):
-        out["output.weight"] = (args.vocab_size, h)
-    return out
-
-
-def tp_shard_dim(name: str) -> int | None:
-    """The dim tensor parallelism shards parameter ``name`` on (titanlike.parallel.tensor_parallel.tp_plan)."""
-    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-        return 1
-    if name.endswith("norm.weight"):
-        return None
-    return 0
+    ``named_parameters`` order; a tied head inside the stage is the embedding's parameter): the model's own
+    constructor on the meta device."""
+    return dict(_built_shapes(_spec(args), args, tuple(names)))
 
 
 @dataclass(frozen=True)
@@ -151,14 +108,11 @@ def rank_param_shards(layout: Layout, args, rank: int = 0) -> dict[int, list[Par
     out = {}
     for s in layout.stage_ids(c["pp"]):
         shards = []
-        spec = _spec(args)
+        sharding = _spec(args).sharding
         for name, shape in param_shapes(args, layout.stages[s]).items():
             tp_shape = list(shape)
-            if spec is not None and spec.shard_dims is not None:
-                d, fd = spec.shard_dims(name, layout.tp > 1, layout.fsdp)
-            else:
-                d, fd = tp_shard_dim(name), 0
-            if d is not None and layout.tp > 1:
+            d, fd = param_dims(sharding, name, len(shape), tp=layout.tp, fsdp=layout.fsdp)
+            if d is not None:
                 tp_shape[d] = chunk(shape[d], layout.tp, c["tp"])
             local, padded = list(tp_shape), _prod(tp_shape)
             if layout.fsdp:

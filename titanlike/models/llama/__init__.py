@@ -52,6 +52,7 @@ def _shape_violations(args) -> list[str]:
     return out
 
 
+from titanlike.models.llama.sharding import SHARDING  # noqa: E402
 from titanlike.models.spec import ModelSpec, register  # noqa: E402
 
 SPEC = register(
@@ -60,6 +61,7 @@ SPEC = register(
         model_cls=Transformer,
         args_cls=ModelArgs,
         flavors=FLAVORS,
+        sharding=SHARDING,
         build=_build,
         input_modules=("tok_embeddings",),
         output_modules=("norm", "output"),

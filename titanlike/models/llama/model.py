@@ -245,7 +245,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.sdpa = CausalAttention()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # -1: the number of heads this module holds (all of them, or the local ones under tensor parallelism).
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -280,7 +280,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.hidden_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+        h = x + self.attention(self.attention_norm(x), cos=cos, sin=sin)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self, seed: int | None = None):
