@@ -186,16 +186,16 @@ def run_titanlike(a, args, batches, device: torch.device) -> tuple[float, float,
     cfg = job_config(a)
     _init_one_rank_group(device)
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)
-    mesh = dims.build_mesh(device.type)
+    dims.build_mesh(device.type)
     model = build_model(args, device, a.seed, a.model)
     convert_kernels(model, a.kernels, a.float8 if a.float8_backend == "te" else "")
-    built = build_parallel_model(model, cfg, dims, mesh, device)  # the trainer's builder (torchao float8 here)
+    built = build_parallel_model(model, cfg, dims, device)  # the trainer's builder (torchao float8 here)
     model, forward_ctx = built.model_parts[0], built.forward_context
     if a.fsdp == "on":  # FSDP2 on this one rank as well (its wrapper cost; see docs/facts.md)
         bf16 = a.dtype == "bfloat16"
         apply_fsdp(
             model,
-            dims.get_mesh("dp_shard_cp"),
+            dims.fsdp_mesh(),
             param_dtype=torch.bfloat16 if bf16 else None,
             reduce_dtype=torch.float32 if bf16 else None,
         )

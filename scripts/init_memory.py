@@ -83,17 +83,18 @@ def worker(a) -> None:
     args = model_args_from_config(cfg, vocab_size=a.vocab)
     spec = get_spec(cfg.model.name)
     dims = ParallelDims.from_config(cfg, world)
-    mesh = dims.build_mesh("cpu") if world > 1 else None
+    if world > 1:
+        dims.build_mesh("cpu")
     base = _status("VmRSS")
     cpu = torch.device("cpu")
     if a.mode == "sharded":
         with torch.device("meta"):
             model = spec.build(args)
-        built = build_parallel_model(model, cfg, dims, mesh, cpu, init_seed=0)
+        built = build_parallel_model(model, cfg, dims, cpu, init_seed=0)
     else:
         model = spec.build(args)
         model.init_weights(seed=0)
-        built = build_parallel_model(model, cfg, dims, mesh, cpu)
+        built = build_parallel_model(model, cfg, dims, cpu)
         del model
     peak = _status("VmHWM")
     shards = sum(

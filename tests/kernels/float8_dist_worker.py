@@ -83,7 +83,7 @@ def _train(model, loss_fn, batches, dp_rank: int, dp: int, micro: int = 1, after
     return losses
 
 
-def _checkpoint_into_plain(model, dims, mesh, ckpt_dir: str) -> float:
+def _checkpoint_into_plain(model, dims, ckpt_dir: str) -> float:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -91,7 +91,7 @@ def _checkpoint_into_plain(model, dims, mesh, ckpt_dir: str) -> float:
 
     sd = get_model_state_dict(model)
     dcp.save(sd, checkpoint_id=ckpt_dir)
-    plain = parallelize_model(_model(), dims, mesh, JobConfig())  # no float8
+    plain = parallelize_model(_model(), dims, JobConfig())  # no float8
     target = get_model_state_dict(plain)
     assert sorted(target) == sorted(sd), "float8 changed the state-dict keys"
     dcp.load(target, checkpoint_id=ckpt_dir)
@@ -115,16 +115,20 @@ def worker(rank: int, world_size: int, ckpt_dir: str) -> None:
     for recipe in ("tensorwise", "rowwise"):
         for micro in (1, 2):  # the whole global batch at once, or in the two halves the dp ranks see
             cfg = _cfg(recipe, False, False)
-            model = parallelize_model(_model(), one, None, cfg)
+            model = parallelize_model(_model(), one, cfg)
             out["reference"][f"{recipe}_micro{micro}"] = _train(model, build_loss_fn(cfg, one), batches, 0, 1, micro)
             out.setdefault("converted", sorted(model._float8_converted))
+    built: dict = {}  # mesh shape -> ParallelDims with its meshes (one set of process groups per shape)
     for name, (dp, tp, sp, recipe, f8ag) in LAYOUTS.items():
         if rank == 0:
             print(f"layout {name}", file=sys.stderr, flush=True)
         dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, world_size=world_size)
-        mesh = dims.build_mesh("cpu")
+        if dims.shape not in built:
+            dims.build_mesh("cpu")
+            built[dims.shape] = dims
+        dims = built[dims.shape]
         cfg = _cfg(recipe, f8ag, sp)
-        model = parallelize_model(_model(), dims, mesh, cfg)
+        model = parallelize_model(_model(), dims, cfg)
         wq = model.layers["0"].attention.wq
         seen = []  # what reaches wq after the TP input hook: float8 styles hand it a float8 (DTensor) tensor
         wq.register_forward_pre_hook(
@@ -132,12 +136,12 @@ def worker(rank: int, world_size: int, ckpt_dir: str) -> None:
         )
         local_w = wq.weight._local_tensor if hasattr(wq.weight, "_local_tensor") else wq.weight
         info = {"float8_linear": is_float8_linear(wq), "weight_kind": type(local_w).__name__, "wq_input": None}
-        dp_rank = mesh["dp_shard_cp"].get_local_rank() if dp > 1 else 0
-        loss_fn = build_loss_fn(cfg, dims, mesh)
+        dp_rank = dims.get_mesh("dp_shard_cp").get_local_rank() if dp > 1 else 0
+        loss_fn = build_loss_fn(cfg, dims)
         losses = _train(model, loss_fn, batches, dp_rank, dp, after_step=precompute_float8_scales if f8ag else None)
         info["wq_input"] = seen[0]
         if f8ag:  # DCP round trip: the float8 (all-gather) model's checkpoint loads into a plain FSDP model
-            info["checkpoint_max_diff"] = _checkpoint_into_plain(model, dims, mesh, ckpt_dir)
+            info["checkpoint_max_diff"] = _checkpoint_into_plain(model, dims, ckpt_dir)
         out["layouts"][name] = {"recipe": recipe, "dp": dp, "losses": losses, **info}
         dist.barrier()
     if rank == 0:

@@ -510,10 +510,18 @@ class Context:
         self.world_size = world_size
 
         self.references: dict[str, list[Record]] = {}
+        self._dims: dict = {}  # mesh shape -> ParallelDims with its meshes built
 
-    def mesh(self, dims):
-        """``dims.build_mesh("cpu")``: built once per shape for the whole run (``build_mesh`` caches)."""
-        return dims.build_mesh("cpu")
+    def dims(self, cfg: JobConfig):
+        """The layout's ``ParallelDims`` with its meshes, built once per shape for the whole run (one process group
+        runs every layout: no new groups per layout)."""
+        from titanlike.parallel import ParallelDims
+
+        dims = ParallelDims.from_config(cfg, self.world_size)
+        if dims.shape not in self._dims:
+            dims.build_mesh("cpu")
+            self._dims[dims.shape] = dims
+        return self._dims[dims.shape]
 
     def reference(self, layout: Layout, cfg: JobConfig) -> tuple[nn.Module, list[Record]]:
         """The initial model and, per step, what one device computes on the full global batch."""
@@ -585,18 +593,17 @@ def _load_full_weights(model: nn.Module, source: nn.Module) -> None:
 
 def build_spmd(layout: Layout, cfg: JobConfig, ctx: Context, initial: nn.Module) -> Built:
     """Everything but pipelining: ``build_parallel_model`` over the layout's mesh, the trainer's own builder."""
-    from titanlike.parallel import ParallelDims, build_parallel_model
+    from titanlike.parallel import build_parallel_model
 
-    dims = ParallelDims.from_config(cfg, ctx.world_size)
-    mesh = ctx.mesh(dims)
+    dims = ctx.dims(cfg)
     cpu = torch.device("cpu")
     if layout.model in CUSTOM_MODELS or layout.init == "materialised":
-        built = build_parallel_model(copy.deepcopy(initial), cfg, dims, mesh, cpu)
+        built = build_parallel_model(copy.deepcopy(initial), cfg, dims, cpu)
     elif layout.init == "checkpoint":
-        built = build_parallel_model(build_model(cfg, device="meta"), cfg, dims, mesh, cpu)
+        built = build_parallel_model(build_model(cfg, device="meta"), cfg, dims, cpu)
         _load_full_weights(built.model_parts[0], initial)
     else:  # the trainer's fresh start: each rank generates only its shards
-        built = build_parallel_model(build_model(cfg, device="meta"), cfg, dims, mesh, cpu, init_seed=INIT_SEED)
+        built = build_parallel_model(build_model(cfg, device="meta"), cfg, dims, cpu, init_seed=INIT_SEED)
     model = built.model_parts[0]
     aliases = shared_parameters(initial)
     tied_ok = all(len({id(model.get_parameter(n)) for n in names}) == 1 for names in aliases)

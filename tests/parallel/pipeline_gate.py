@@ -288,19 +288,19 @@ EVAL: dict[str, list[float]] = {}  # layout name -> [eval diff before training, 
 _BUILT: dict = {}
 
 
-def _dp_slice(mesh, dims, t: torch.Tensor) -> torch.Tensor:
+def _dp_slice(dims, t: torch.Tensor) -> torch.Tensor:
     """This data-parallel rank's rows, and this cp rank's two chunks of each (the data loader's cut)."""
     rows = GLOBAL_BATCH // dims.dp
     r = dims.get_mesh("dp").get_local_rank()
     return gate.cp_slicer(dims)(t[r * rows : (r + 1) * rows])
 
 
-def _eval_diff(pp, mesh, dims, reference: nn.Module) -> float:
+def _eval_diff(pp, dims, reference: nn.Module) -> float:
     """|sum CE of the pipeline over the global eval batch - one device's|, this rank's view."""
     from titanlike.loss import cross_entropy_loss
 
     inputs, labels = global_batch(STEPS + 1)
-    total = pp.eval_loss(_dp_slice(mesh, dims, inputs), _dp_slice(mesh, dims, labels))
+    total = pp.eval_loss(_dp_slice(dims, inputs), _dp_slice(dims, labels))
     group = gate.loss_group_for_gate(dims)
     if group is not None:
         dist.all_reduce(total, group=group)
@@ -312,23 +312,22 @@ def _eval_diff(pp, mesh, dims, reference: nn.Module) -> float:
 def build_pp(layout: Layout, cfg, ctx, initial) -> Built:
     """``build_parallel_model`` (``apply_pp``) on the full model, the trainer's own builder; the validation loss is
     checked once before training."""
-    from titanlike.parallel import ParallelDims, build_parallel_model
+    from titanlike.parallel import build_parallel_model
 
-    dims = ParallelDims.from_config(cfg, ctx.world_size)
-    mesh = dims.build_mesh("cpu")  # cached per shape: no new process groups per layout
+    dims = ctx.dims(cfg)  # built once per shape: no new process groups per layout
     if layout.model in gate.CUSTOM_MODELS:  # a model changed after construction (extra ties): the materialised path
-        built = build_parallel_model(initial, cfg, dims, mesh, torch.device("cpu"))
+        built = build_parallel_model(initial, cfg, dims, torch.device("cpu"))
     else:  # the trainer's fresh start: stages built and parallelized on meta, each rank generating only its shards
         built = build_parallel_model(
-            gate.build_model(cfg, device="meta"), cfg, dims, mesh, torch.device("cpu"), init_seed=gate.INIT_SEED
+            gate.build_model(cfg, device="meta"), cfg, dims, torch.device("cpu"), init_seed=gate.INIT_SEED
         )
     pp = built.pp
-    EVAL[layout.name] = [_eval_diff(pp, mesh, dims, initial)]
-    _BUILT.update(pp=pp, mesh=mesh, dims=dims)
+    EVAL[layout.name] = [_eval_diff(pp, dims, initial)]
+    _BUILT.update(pp=pp, dims=dims)
     n_micro = cfg.training.global_batch_size // (cfg.training.local_batch_size * dims.dp)
 
     def micro_batches(inputs, labels):
-        return list(zip(_dp_slice(mesh, dims, inputs).chunk(n_micro), _dp_slice(mesh, dims, labels).chunk(n_micro)))
+        return list(zip(_dp_slice(dims, inputs).chunk(n_micro), _dp_slice(dims, labels).chunk(n_micro)))
 
     return Built(
         model_parts=built.model_parts,
@@ -355,11 +354,11 @@ def build_user_pp(layout: Layout, cfg, ctx, initial) -> Built:
 
     from titanlike.layout import schedule_facts
     from titanlike.loss import cross_entropy_loss
-    from titanlike.parallel import ParallelDims, apply_tp
+    from titanlike.parallel import apply_tp
     from titanlike.parallel.pipeline import pipeline_module
 
-    dims = ParallelDims.from_config(cfg, ctx.world_size)
-    mesh = dims.build_mesh("cpu")
+    dims = ctx.dims(cfg)
+    mesh = dims.world_mesh  # the user's way: submeshes sliced from the world mesh
     schedule = cfg.parallelism.pipeline_parallel_schedule
     n_micro = cfg.training.local_batch_size // cfg.parallelism.pipeline_parallel_microbatch_size
 
@@ -379,7 +378,7 @@ def build_user_pp(layout: Layout, cfg, ctx, initial) -> Built:
     n_acc = cfg.training.global_batch_size // (cfg.training.local_batch_size * dims.dp)
 
     def micro_batches(inputs, labels):
-        return list(zip(_dp_slice(mesh, dims, inputs).chunk(n_acc), _dp_slice(mesh, dims, labels).chunk(n_acc)))
+        return list(zip(_dp_slice(dims, inputs).chunk(n_acc), _dp_slice(dims, labels).chunk(n_acc)))
 
     return Built(
         model_parts=pp.model_parts,
@@ -409,7 +408,7 @@ def run(layout: Layout, ctx) -> dict:
     _, records = ctx.reference(layout, cfg)
     final = gate.CUSTOM_MODELS[layout.model]() if layout.model in gate.CUSTOM_MODELS else gate.build_model(cfg)
     final.load_state_dict(records[-1].weights)
-    EVAL[layout.name].append(_eval_diff(_BUILT["pp"], _BUILT["mesh"], _BUILT["dims"], final))
+    EVAL[layout.name].append(_eval_diff(_BUILT["pp"], _BUILT["dims"], final))
     diffs = torch.tensor([v if v == v else math.inf for v in EVAL[layout.name]], dtype=torch.float64)
     dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
     result["eval"] = max(diffs.tolist())

@@ -51,7 +51,7 @@ def test_the_device_mesh_matches_the_pure_python_grid(rank):
         d = ParallelDims(dp_replicate=2, dp_shard=-1, cp=1, tp=2, pp=2, world_size=16)
         mesh = d.build_mesh("cpu")
         assert mesh.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-        assert d.build_mesh("cpu") is mesh  # built once per shape
+        assert d.build_mesh("cpu") is mesh  # built once: the ParallelDims keeps its meshes
         for name in ("tp", "pp", "dp", "dp_replicate", "dp_shard_cp"):
             mine = next(g for g in rank_groups(d, name) if rank in g)
             assert d.get_mesh(name).mesh.flatten().tolist() == mine, name

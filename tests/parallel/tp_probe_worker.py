@@ -93,6 +93,17 @@ def _canonical(name: str) -> str:
     }.get(name, name)
 
 
+_DIMS: dict = {}  # mesh shape -> ParallelDims with its meshes: one set of process groups per shape in this worker
+
+
+def built_dims(dims):
+    """``dims`` with its meshes built, the same object (and groups) for every later request of its shape."""
+    if dims.shape not in _DIMS:
+        dims.build_mesh("cpu")
+        _DIMS[dims.shape] = dims
+    return _DIMS[dims.shape]
+
+
 def _tp_args(*extra):
     return (
         "--parallelism.tensor_parallel_degree",
@@ -110,17 +121,16 @@ def _tp2_model(sp: bool, lp: bool):
         () if lp else ("--parallelism.disable_loss_parallel", "true")
     )
     cfg = config(Layout("probe", 2, _tp_args(*extra)), 2)
-    dims = ParallelDims.from_config(cfg, 2)
-    mesh = dims.build_mesh("cpu")
-    model = parallelize_model(build_model(cfg), dims, mesh, cfg)
-    return cfg, dims, mesh, model
+    dims = built_dims(ParallelDims.from_config(cfg, 2))
+    model = parallelize_model(build_model(cfg), dims, cfg)
+    return cfg, dims, model
 
 
 def probe_comms() -> dict:
     out = {}
     inputs, labels = global_batch(1)
     for sp in (False, True):
-        cfg, dims, mesh, model = _tp2_model(sp, lp=True)
+        cfg, dims, model = _tp2_model(sp, lp=True)
         block = model.layers["0"]
         h = model.tok_embeddings(inputs).detach().requires_grad_()
         with BytesCommDebugMode() as fwd:
@@ -129,8 +139,8 @@ def probe_comms() -> dict:
             y.to_local().sum().backward()
         out[f"block sp={sp}"] = {"forward": fwd.summary(), "backward": bwd.summary()}
     for sp, lp in ((False, True), (True, True), (False, False), (True, False)):
-        cfg, dims, mesh, model = _tp2_model(sp, lp)
-        loss = ScaledLoss(build_loss_fn(cfg, dims, mesh))
+        cfg, dims, model = _tp2_model(sp, lp)
+        loss = ScaledLoss(build_loss_fn(cfg, dims))
         loss.denominator = count_tokens([(inputs, labels)])
         with BytesCommDebugMode() as fwd:
             value = loss(model(inputs), labels)
@@ -205,16 +215,14 @@ def probe_user_module() -> dict:
     n_total = batches[0][1].numel()
     one_device = _train_user(copy.deepcopy(reference), batches, n_total)
     # TP 2 with the user's plan: same batches on both ranks.
-    tp_dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, world_size=2)
-    tp_dims.build_mesh("cpu")
+    tp_dims = built_dims(ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, world_size=2))
     tp_model = apply_tp(copy.deepcopy(reference), tp_dims.get_mesh("tp"), USER_PLAN)
     placements = {
         n: [str(x) for x in p.placements] if isinstance(p, DTensor) else "plain" for n, p in tp_model.named_parameters()
     }
     tp_diff = _max_diff(_train_user(tp_model, batches, n_total), one_device)
     # FSDP 2: each rank trains on half of every batch (the loss still divides by the global count).
-    dp_dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, world_size=2)
-    dp_dims.build_mesh("cpu")
+    dp_dims = built_dims(ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, world_size=2))
     dp_mesh = dp_dims.get_mesh("dp_shard_cp")
     model = copy.deepcopy(reference)
     fsdp_model = apply_fsdp(model, dp_mesh, blocks=[model.down])
@@ -240,14 +248,13 @@ def probe_mixed_precision() -> dict:
         ),
         2,
     )
-    dims = ParallelDims.from_config(cfg, 2)
-    mesh = dims.build_mesh("cpu")
+    dims = built_dims(ParallelDims.from_config(cfg, 2))
     reference = build_model(cfg).float()
-    model = parallelize_model(copy.deepcopy(reference), dims, mesh, cfg)
+    model = parallelize_model(copy.deepcopy(reference), dims, cfg)
     inputs, labels = global_batch(1)
     rows = slice(dist.get_rank() * 4, dist.get_rank() * 4 + 4)
     logits = model(inputs[rows])
-    loss = build_loss_fn(cfg, dims, mesh)(logits, labels[rows])
+    loss = build_loss_fn(cfg, dims)(logits, labels[rows])
     loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total)
@@ -284,7 +291,7 @@ def probe_clip_pp() -> dict:
 def probe_errors() -> dict:
     from titanlike.models import ModelArgs, Transformer
 
-    mesh = ParallelDims(1, 1, 1, 2, 1, 2).build_mesh("cpu")
+    mesh = built_dims(ParallelDims(1, 1, 1, 2, 1, 2)).world_mesh
     out = {}
     for name, plan, tied in (
         ("unknown key", {"layers.*.attention.wqq": ColwiseParallel()}, False),
@@ -300,7 +307,7 @@ def probe_errors() -> dict:
             out[name] = str(e)
     from titanlike.parallel.fused import FusedColwiseParallel
 
-    dp_mesh = ParallelDims(1, 2, 1, 1, 1, 2).build_mesh("cpu")["dp_shard"]
+    dp_mesh = built_dims(ParallelDims(1, 2, 1, 1, 1, 2)).get_mesh("dp_shard")
     silent = {
         "no default plan": lambda: apply_tp(UserMLP(), mesh["tp"]),
         "module left out of the plan": lambda: apply_tp(
@@ -446,7 +453,7 @@ def probe_fused() -> dict:
         for _ in range(3)
     ]
     n_total = batches[0][1].numel()
-    mesh = ParallelDims(1, 1, 1, 2, 1, 2).build_mesh("cpu")
+    mesh = built_dims(ParallelDims(1, 1, 1, 2, 1, 2)).world_mesh
     out: dict = {}
     # The single-device order, and each rank holding its slice of every chunk.
     model = apply_tp(copy.deepcopy(reference), mesh["tp"], _fused_plan(True))
@@ -583,7 +590,7 @@ def probe_fused_gqa() -> dict:
     rank = dist.get_rank()
     reference, batches, n_total = _gqa_case()
     sizes = reference.qkv_sizes
-    mesh = ParallelDims(1, 1, 1, 2, 1, 2).build_mesh("cpu")["tp"]
+    mesh = built_dims(ParallelDims(1, 1, 1, 2, 1, 2)).get_mesh("tp")
     one_device = _train_user(copy.deepcopy(reference), batches, n_total)
     out: dict = {"sizes": sizes}
 

@@ -236,7 +236,7 @@ def run_case(rank: int, name: str) -> dict:
     cfg, args = case_config(name)
     layout = Layout.from_config(cfg, WORLD, args, gpus_per_node=WORLD)
     dims = ParallelDims.from_config(cfg, WORLD)
-    mesh = dims.build_mesh("cpu")
+    dims.build_mesh("cpu")
     dim_of = {}
     for dim in ("tp", "cp", "dp_shard_cp" if dims.cp > 1 else "dp_shard", "dp_replicate", "pp"):
         for g in rank_groups(dims, dim):
@@ -250,11 +250,11 @@ def run_case(rank: int, name: str) -> dict:
     if dims.pp > 1:
         from titanlike.parallel.pipeline import apply_pp
 
-        pp = apply_pp(model, dims, mesh, cfg, torch.device("cpu"))
+        pp = apply_pp(model, dims, cfg, torch.device("cpu"))
         parts = pp.model_parts
     else:
-        parts = [parallelize_model(model, dims, mesh, cfg)]
-        loss_fn = build_loss_fn(cfg, dims, mesh)
+        parts = [parallelize_model(model, dims, cfg)]
+        loss_fn = build_loss_fn(cfg, dims)
     optimizer = build_optimizer(parts, cfg)
     g = torch.Generator().manual_seed(rank // (dims.tp * dims.cp) % dims.dp)
     if dims.cp > 1:  # every cp rank draws its dp rank's batch and keeps its two chunks of each row

@@ -3,10 +3,10 @@
 Public API (see docs/parallelism.md)::
 
     dims = ParallelDims.from_config(cfg, world_size)     # degrees, validated
-    mesh = dims.build_mesh("cuda")                         # ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-    model = parallelize_model(model, dims, mesh, cfg)      # TP(+SP) -> AC -> compile -> FSDP
-    built = build_parallel_model(model, cfg, dims, mesh, device)  # all of it (+ PP): parts, loss, clip, context
-    loss_fn = build_loss_fn(cfg, dims, mesh)               # vocab-parallel CE under TP
+    dims.build_mesh("cuda")                                # ("pp", "dp_replicate", "dp_shard", "cp", "tp") + derived
+    model = parallelize_model(model, dims, cfg)            # TP(+SP) -> CP -> AC -> compile -> FSDP
+    built = build_parallel_model(model, cfg, dims, device) # all of it (+ PP): parts, loss, clip, context
+    loss_fn = build_loss_fn(cfg, dims)                     # vocab-parallel CE under TP
     norm = clip_grad_norm_(model.parameters(), max_norm)   # global norm over every mesh dim
 
 The rank grid in pure Python (``rank_groups``, ``describe_layout``, ``MESH_DIMS``) comes from ``titanlike.layout``.

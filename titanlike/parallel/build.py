@@ -1,7 +1,7 @@
 """The one builder of a parallelized model: what the trainer trains, the numerics gate checks and the benchmark
 times, so the gate tests the exact code path users run.
 
-``build_parallel_model(model, cfg, dims, mesh, device, init_seed=...)`` takes the plain single-device model, on the
+``build_parallel_model(model, cfg, dims, device, init_seed=...)`` takes the plain single-device model, on the
 meta device (the trainer's way: only this rank's shards are ever allocated, then filled by the sharded init from
 ``init_seed``, or left for a checkpoint load when ``init_seed`` is None) or materialised (the same weights on every
 rank; each rank keeps its slices), and returns a :class:`ParallelModel`: this rank's model parts, the scaled loss,
@@ -57,10 +57,10 @@ def _null_context() -> contextlib.AbstractContextManager:
 
 
 def build_parallel_model(
-    model: nn.Module, cfg, dims: ParallelDims, mesh, device: torch.device, *, init_seed: int | None = None
+    model: nn.Module, cfg, dims: ParallelDims, device: torch.device, *, init_seed: int | None = None
 ) -> ParallelModel:
-    """Parallelize the plain ``model`` for the layout ``dims`` on ``mesh`` (None: one process, no mesh) and move
-    it to ``device``.
+    """Parallelize the plain ``model`` for the layout ``dims`` on its meshes (``dims.build_mesh`` first; one process:
+    no mesh) and move it to ``device``.
 
     ``cfg`` is a ``titanlike.config.JobConfig``. A ``model`` on the meta device is parallelized there; then only
     this rank's shards are allocated and, with ``init_seed``, filled by the model's sharded init (the values of
@@ -69,7 +69,7 @@ def build_parallel_model(
     (``apply_pp``); each bf16 stage enters autocast itself, because the schedule interleaves forwards and backwards.
     """
     if dims.pp_enabled:
-        pp = apply_pp(model, dims, mesh, cfg, device, init_seed=init_seed)
+        pp = apply_pp(model, dims, cfg, device, init_seed=init_seed)
         return ParallelModel(
             model_parts=pp.model_parts,
             loss=pp.loss,
@@ -78,8 +78,8 @@ def build_parallel_model(
             pp=pp,
         )
     on_meta = any(p.is_meta for p in model.parameters())
-    model = parallelize_model(model, dims, mesh, cfg)
-    loss = ScaledLoss(build_loss_fn(cfg, dims, mesh))
+    model = parallelize_model(model, dims, cfg)
+    loss = ScaledLoss(build_loss_fn(cfg, dims))
     if on_meta:
         materialize(model, device, init_seed)
     else:
@@ -90,5 +90,5 @@ def build_parallel_model(
             return torch.autocast(device.type, dtype=torch.bfloat16)
     else:
         forward_context = _null_context
-    clip_fn = plain_clip_grad_norm_ if mesh is None else clip_grad_norm_
+    clip_fn = clip_grad_norm_ if dims.built else plain_clip_grad_norm_
     return ParallelModel(model_parts=[model], loss=loss, clip_fn=clip_fn, forward_context=forward_context)

@@ -1,11 +1,18 @@
-"""The device mesh of a layout: :class:`ParallelDims` is :class:`titanlike.layout.Degrees` plus the mesh.
+"""The device meshes of a layout: :class:`ParallelDims` is :class:`titanlike.layout.Degrees` plus every mesh.
 
 One 5-D mesh with dims ``("pp", "dp_replicate", "dp_shard", "cp", "tp")`` (tp innermost, see
-``titanlike.layout.degrees`` for the rank grid). Every dim is kept, size-1 ones included, so ``mesh["tp"]`` or
-``mesh["pp"]`` always exists and code never branches on which dims happen to be active (a size-1 group costs
+``titanlike.layout.degrees`` for the rank grid). Every dim is kept, size-1 ones included, so ``get_mesh("tp")`` or
+``get_mesh("pp")`` always exists and code never branches on which dims happen to be active (a size-1 group costs
 nothing at run time and ~1 ms to create). The flattened dims ``"dp"`` (data loading, token-count and loss
-all-reduces), ``"dp_shard_cp"`` (what FSDP shards over) and ``"dp_cp"`` (the loss group under cp) are built
-with it.
+all-reduces), ``"dp_shard_cp"`` (what FSDP shards over) and ``"dp_cp"`` (the loss group under cp) are built with
+it, and under cp with HSDP the 2-D ``("dp_replicate", "dp_shard_cp")`` mesh.
+
+``ParallelDims`` owns them all: the parallelize functions take the ``dims`` and ask it for the mesh they need
+(``dims.get_mesh("tp")``); nothing else holds a mesh beside it, and there is no module-level cache (a caller that
+builds many layouts of one shape in one process group, like the numerics gate, keeps its ``ParallelDims``). A
+further mesh (an expert-parallel ``ep`` axis borrowing ranks from ``dp_shard x cp``, and from ``tp`` under
+sequence parallelism) is one more entry of :meth:`ParallelDims._derived_meshes` and of the names ``get_mesh``
+accepts.
 """
 
 from __future__ import annotations
@@ -13,57 +20,70 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titanlike.layout import FLATTENED, MESH_DIMS, ConfigError, Degrees
 
 __all__ = ["ParallelDims"]
 
-_BUILT: dict[tuple, dict] = {}  # (shape, device type, default process group) -> meshes, see build_mesh
-
 
 @dataclass
 class ParallelDims(Degrees):
-    """Parallel degrees whose product is the world size (``dp_shard=-1`` takes whatever is left), and their mesh."""
+    """Parallel degrees whose product is the world size (``dp_shard=-1`` takes whatever is left), and their meshes."""
 
     _meshes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _device_type: str = field(default="", init=False, repr=False, compare=False)
 
-    def build_mesh(self, device_type: str):
-        """The 5-D mesh, with the flattened ``dp`` and ``dp_shard_cp`` dims.
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Build the 5-D mesh and the derived ones (flattened ``dp``, ``dp_shard_cp``, ``dp_cp``, HSDP under cp);
+        return the 5-D mesh.
 
         Needs an initialised default process group of ``world_size`` ranks. Collective: every rank must call it.
-        Take submeshes with :meth:`get_mesh` (it keeps the flattened meshes: slicing a flattened dim from the
-        root mesh, ``mesh["dp"]``, still works but is deprecated since torch 2.11). Building the same shape again
-        in the same process group returns the same meshes (no new process groups).
+        Take submeshes with :meth:`get_mesh` (slicing a flattened dim from the root mesh, ``mesh["dp"]``, still
+        works but is deprecated since torch 2.11). Calling it again on the same ``ParallelDims`` returns the same
+        meshes (no new process groups).
         """
+        if self._meshes:
+            if device_type != self._device_type:
+                raise ValueError(
+                    f"ParallelDims.build_mesh: the meshes are built for {self._device_type}, not {device_type}"
+                )
+            return self._meshes["world"]
         if dist.get_world_size() != self.world_size:
             raise ConfigError(
                 f"ParallelDims: built for world size {self.world_size} but the process group has "
                 f"{dist.get_world_size()} ranks"
             )
-        key = (self.shape, device_type, dist.group.WORLD)
-        if key not in _BUILT:
-            mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
-            meshes = {"world": mesh, **{name: mesh[parts]._flatten(name) for name, parts in FLATTENED.items()}}
-            if self.cp > 1 and self.dp_replicate > 1:  # HSDP under cp: (dp_replicate, dp_shard x cp), 2-D
-                meshes[("dp_replicate", "dp_shard_cp")] = meshes["dp_cp"]._unflatten(
-                    0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp")
-                )
-            _BUILT[key] = meshes
-        self._meshes = _BUILT[key]
-        return self._meshes["world"]
+        world = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
+        self._meshes = {"world": world, **self._derived_meshes(world)}
+        self._device_type = device_type
+        return world
+
+    def _derived_meshes(self, world: DeviceMesh) -> dict:
+        """The meshes made from the 5-D one: the flattened dims, and HSDP's 2-D mesh under cp."""
+        meshes = {name: world[parts]._flatten(name) for name, parts in FLATTENED.items()}
+        if self.cp > 1 and self.dp_replicate > 1:  # HSDP under cp: (dp_replicate, dp_shard x cp), 2-D
+            meshes[("dp_replicate", "dp_shard_cp")] = meshes["dp_cp"]._unflatten(
+                0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp")
+            )
+        return meshes
 
     @property
-    def world_mesh(self):
+    def built(self) -> bool:
+        """Whether :meth:`build_mesh` ran (a single process has no mesh: nothing to communicate)."""
+        return bool(self._meshes)
+
+    @property
+    def world_mesh(self) -> DeviceMesh:
         """The mesh :meth:`build_mesh` returned."""
         if not self._meshes:
-            raise RuntimeError("ParallelDims.world_mesh: call build_mesh(device_type) first")
+            raise RuntimeError("ParallelDims: no mesh yet; call build_mesh(device_type) first")
         return self._meshes["world"]
 
-    def get_mesh(self, names: str | tuple[str, ...]):
-        """A submesh of :meth:`build_mesh`'s mesh: one dim or flattened dim (``"tp"``, ``"dp"``, ``"dp_shard_cp"``)
-        or several plain dims in mesh order (``("dp_replicate", "dp_shard")``). ``"dp_shard_cp"`` is ``"dp_shard"``
-        while cp is 1, so ``("dp_replicate", "dp_shard_cp")`` (the HSDP mesh) works then too."""
+    def get_mesh(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        """A submesh: one dim or flattened dim (``"tp"``, ``"dp"``, ``"dp_shard_cp"``) or several plain dims in mesh
+        order (``("dp_replicate", "dp_shard")``). ``"dp_shard_cp"`` is ``"dp_shard"`` while cp is 1, so
+        ``("dp_replicate", "dp_shard_cp")`` (the HSDP mesh) works then too."""
         world = self.world_mesh
         names = (names,) if isinstance(names, str) else tuple(names)
         if self.cp == 1:
@@ -75,3 +95,7 @@ class ParallelDims(Degrees):
         if any(n not in MESH_DIMS for n in names):
             raise ValueError(f"ParallelDims.get_mesh: {names} must be one of {tuple(FLATTENED)} or dims of {MESH_DIMS}")
         return world[names]
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """What FSDP shards over: ``dp_shard x cp``, and ``dp_replicate`` (HSDP, 2-D) when it is above 1."""
+        return self.get_mesh(("dp_replicate", "dp_shard_cp") if self.dp_replicate_enabled else "dp_shard_cp")

@@ -47,21 +47,14 @@ def loss_group(dims: ParallelDims):
     return dims.get_mesh("dp").get_group() if dims.dp_enabled else None
 
 
-def _submesh(dims: ParallelDims, mesh, names):
-    """``names``' submesh of ``mesh``, via the meshes ``dims.build_mesh`` kept (no deprecated flattened slicing)."""
-    if dims._meshes and dims.world_mesh is mesh:
-        return dims.get_mesh(names)
-    return mesh[names]
-
-
-def parallelize_model(model: nn.Module, dims: ParallelDims, mesh, cfg) -> nn.Module:
+def parallelize_model(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
     """float8 (torchao) -> TP(+SP, loss parallel) -> CP -> activation checkpointing -> compile -> FSDP/HSDP, in
     place; returns ``model``.
 
     ``model`` may be on the meta device (then allocate and fill it with ``titanlike.parallel.materialize``, or
     ``to_empty_keeping_ties`` + ``init_weights``: a plain ``to_empty`` drops the gradient hooks of TP) or materialised
-    (every rank must hold the same weights: TP and FSDP keep each rank's shard of its own copy). ``mesh`` is
-    ``dims.build_mesh(...)``. Parameter names do not change.
+    (every rank must hold the same weights: TP and FSDP keep each rank's shard of its own copy). The meshes are
+    ``dims``' (``dims.build_mesh(device_type)`` first, unless every degree is 1). Parameter names do not change.
     """
     p = cfg.parallelism
     f8 = cfg.float8
@@ -78,7 +71,7 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh, cfg) -> nn.Mod
         )
     if dims.tp_enabled:
         float8_tp = float8_modules is not None and float8_tensorwise_tp(model, float8_modules)
-        tp_mesh = _submesh(dims, mesh, "tp")
+        tp_mesh = dims.get_mesh("tp")
         if p.enable_sequence_parallel and tp_mesh.device_type == "cpu":
             # gloo cannot all-gather float8 dtypes ("RuntimeError: Invalid scalar type", torch 2.13): on CPU the SP
             # all-gathers stay high precision (plain styles); NCCL moves float8 bytes.
@@ -93,14 +86,13 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh, cfg) -> nn.Mod
     if dims.cp_enabled:
         from titanlike.parallel.context_parallel import apply_cp
 
-        apply_cp(model, _submesh(dims, mesh, "cp"))
+        apply_cp(model, dims.get_mesh("cp"))
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint)
     if cfg.compile.enable:
         apply_compile(model, cfg.compile)
     if dims.fsdp_wraps:
-        names = ("dp_replicate", "dp_shard_cp") if dims.dp_replicate_enabled else "dp_shard_cp"
-        dp_mesh = _submesh(dims, mesh, names)
+        dp_mesh = dims.fsdp_mesh()
         mixed = precision_policy(cfg.training.dtype, dims) == "fsdp"
         apply_fsdp(
             model,
@@ -113,16 +105,16 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh, cfg) -> nn.Mod
     return model
 
 
-def build_loss_fn(cfg, dims: ParallelDims, mesh=None) -> Callable[[Tensor, Tensor], Tensor]:
+def build_loss_fn(cfg, dims: ParallelDims) -> Callable[[Tensor, Tensor], Tensor]:
     """``loss_fn(logits, labels) -> sum of the cross entropy`` over the non-ignored tokens.
 
     With tensor parallelism (and loss parallel not disabled) the logits are a DTensor sharded on the vocab dim
-    over ``mesh["tp"]`` and the loss is the vocab-parallel cross entropy; otherwise plain
+    over ``dims.get_mesh("tp")`` and the loss is the vocab-parallel cross entropy; otherwise plain
     ``cross_entropy_loss``. ``parallelism.loss_chunk_size`` (0: off) bounds the float32 working set.
     """
     chunk = cfg.parallelism.loss_chunk_size or None
     if loss_parallel_enabled(cfg, dims):
-        tp_mesh = _submesh(dims, mesh, "tp") if mesh is not None else None
+        tp_mesh = dims.get_mesh("tp") if dims.built else None
 
         def vocab_parallel_loss(logits: Tensor, labels: Tensor) -> Tensor:
             if tp_mesh is not None and getattr(logits, "device_mesh", tp_mesh) != tp_mesh:

@@ -333,9 +333,7 @@ def _tied_across_stages(
     return tied_sets, excluded
 
 
-def apply_pp(
-    model: nn.Module, dims, mesh, cfg, device: torch.device, *, init_seed: int | None = None
-) -> PipelineParallel:
+def apply_pp(model: nn.Module, dims, cfg, device: torch.device, *, init_seed: int | None = None) -> PipelineParallel:
     """Split the full ``model`` into this rank's stages, parallelize them, build the schedule.
 
     ``model`` on the meta device: the stages are built and parallelized on meta, then only this rank's shards are
@@ -343,7 +341,7 @@ def apply_pp(
     ``model``: each stage copies its values."""
     p = cfg.parallelism
     schedule_name = p.pipeline_parallel_schedule
-    pp_mesh = mesh["pp"]
+    pp_mesh = dims.get_mesh("pp")
     pp_group, pp_rank, pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), pp_mesh.size()
     names = stage_module_names(cfg, model.args)
     n_stages = len(names)
@@ -352,8 +350,8 @@ def apply_pp(
     parts = [build_stage_module(model, names[s], device) for s in stage_ids]
     if dims.tp_enabled:
         for m in parts:
-            _plain_tensors_between_stages(m, mesh["tp"], p.enable_sequence_parallel)
-    parts = [parallelize_model(m, dims, mesh, cfg) for m in parts]
+            _plain_tensors_between_stages(m, dims.get_mesh("tp"), p.enable_sequence_parallel)
+    parts = [parallelize_model(m, dims, cfg) for m in parts]
     if next(model.parameters()).is_meta:
         for m in parts:
             materialize(m, device, init_seed)
@@ -364,7 +362,7 @@ def apply_pp(
             m.forward = torch.autocast(device.type, dtype=torch.bfloat16)(m.forward)
     stages = [PipelineStage(m, s, n_stages, device, group=pp_group) for m, s in zip(parts, stage_ids)]
 
-    loss = ScaledLoss(build_loss_fn(cfg, dims, mesh))
+    loss = ScaledLoss(build_loss_fn(cfg, dims))
     n_microbatches = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
     cls = schedule_class(schedule_name)
     single = schedule_facts(schedule_name).single_stage

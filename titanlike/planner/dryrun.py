@@ -83,13 +83,13 @@ def dry_run(cfg: JobConfig, layout: Layout, args, rank: int = 0, probe_activatio
         dims = ParallelDims(
             dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, cp=d.cp, tp=d.tp, pp=d.pp, world_size=d.world_size
         )
-        mesh = dims.build_mesh("cpu")
+        dims.build_mesh("cpu")
         records = []
         for sid in layout.stage_ids(layout.pp_rank_of(rank)):
             names = layout.stages[sid]
             spec = spec_for(args)
             stage = spec.build_meta(args, **spec.stage_kwargs(names))
-            parallelize_model(stage, dims, mesh, cfg)
+            parallelize_model(stage, dims, cfg)
             for name, p in stage.named_parameters():
                 shape, local, placements = _describe(p)
                 records.append(ParamRecord(sid, name, shape, local, p.dtype, placements))
@@ -102,14 +102,14 @@ def dry_run(cfg: JobConfig, layout: Layout, args, rank: int = 0, probe_activatio
                 if n.startswith("layers.")
             )
             result.probe_layer = int(first.split(".")[1])
-            result.block_activation_bytes = _probe_block(cfg, layout, args, mesh, result.probe_layer)
+            result.block_activation_bytes = _probe_block(cfg, layout, args, dims, result.probe_layer)
         result.seconds = time.perf_counter() - t0
         return result
     finally:
         dist.destroy_process_group()
 
 
-def _probe_block(cfg: JobConfig, layout: Layout, args, mesh, layer_id: int) -> int:
+def _probe_block(cfg: JobConfig, layout: Layout, args, dims, layer_id: int) -> int:
     """Activation bytes one block (global index ``layer_id``) holds after its forward on one microbatch."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -124,14 +124,14 @@ def _probe_block(cfg: JobConfig, layout: Layout, args, mesh, layer_id: int) -> i
     if layout.tp > 1:
         apply_tp(
             block,
-            mesh["tp"],
+            dims.get_mesh("tp"),
             sequence_parallel=layout.sequence_parallel,
             loss_parallel=loss_parallel_enabled(cfg, layout.dims),
         )
     if layout.cp > 1:
         from titanlike.parallel.context_parallel import apply_cp
 
-        apply_cp(block, mesh["cp"])
+        apply_cp(block, dims.get_mesh("cp"))
     if layout.ac_mode != "none":
         apply_ac(block, cfg.activation_checkpoint)
     act = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}[layout.dtype]
@@ -148,7 +148,7 @@ def _probe_block(cfg: JobConfig, layout: Layout, args, mesh, layer_id: int) -> i
         x_leaf = torch.empty(layout.microbatch_size, seq, args.dim, dtype=act, requires_grad=True)
         if layout.tp > 1:
             x_leaf = DTensor.from_local(
-                x_leaf, mesh["tp"], [Shard(1) if layout.sequence_parallel else Replicate()], run_check=False
+                x_leaf, dims.get_mesh("tp"), [Shard(1) if layout.sequence_parallel else Replicate()], run_check=False
             )
         tracker = MemTracker()
         tracker.track_external(block, x_leaf)

@@ -1,4 +1,4 @@
-"""The trainer: config -> (process group, mesh) -> model -> parallelize -> data -> train loop.
+"""The trainer: config -> (process group, meshes) -> model -> parallelize -> data -> train loop.
 
 Runs as one plain process (``python train.py``) or under ``torchrun`` (gloo on CPU, nccl on CUDA, chosen from the
 device). Every configuration error is raised before a process group exists.
@@ -168,7 +168,7 @@ class Trainer:
         param_dtype = DTYPES[master_dtype(cfg.training.dtype)]  # bf16 = mixed precision over float32
         if self.rank == 0:
             self._print_start()
-        self.dims = self.mesh = None
+        self.dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)  # one process: no mesh
         dp_rank, dp_degree = 0, 1
         self.cp_rank, self.cp_degree = 0, 1
         # dp_group: the loss group (token count, reported and validation loss): dp x cp, every rank that holds a
@@ -176,7 +176,7 @@ class Trainer:
         self.dp_group = None
         if self.distributed:
             self.dims = ParallelDims.from_config(cfg, self.world_size)
-            self.mesh = self.dims.build_mesh(self.device.type)
+            self.dims.build_mesh(self.device.type)
             if self.rank == 0:
                 gpn = cfg.parallelism.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
                 print(describe_layout(self.dims, gpn), flush=True)
@@ -212,9 +212,8 @@ class Trainer:
         self.num_params = sum(p.numel() for p in model.parameters())
 
         # One builder for the trainer, the numerics gate and the benchmark (titanlike.parallel.build).
-        dims = self.dims or ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)
         t0 = time.perf_counter()
-        built = build_parallel_model(model, cfg, dims, self.mesh, self.device, init_seed=init_seed)
+        built = build_parallel_model(model, cfg, self.dims, self.device, init_seed=init_seed)
         self._report_init(time.perf_counter() - t0, init_seed)
         self.pp, self.model_parts, self.loss = built.pp, built.model_parts, built.loss
         self.pp_schedule, self.pp_group, self.has_last_stage = built.pp_schedule, built.pp_group, built.has_last_stage
