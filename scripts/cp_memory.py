@@ -41,7 +41,8 @@ def measure(flavor: str, seq_len: int, vocab: int, cp: int, rank: int) -> dict[s
     import torch
 
     from titanlike.loss import cross_entropy_loss
-    from titanlike.models.llama import FLAVORS, CausalAttention, Transformer
+    from titanlike.models.decoder import AttentionCore
+    from titanlike.models.llama import FLAVORS, Transformer
 
     args = FLAVORS[flavor].replace(vocab_size=vocab, max_seq_len=max(seq_len, FLAVORS[flavor].max_seq_len))
     torch.manual_seed(0)
@@ -50,7 +51,7 @@ def measure(flavor: str, seq_len: int, vocab: int, cp: int, rank: int) -> dict[s
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, vocab, (1, seq_len + 1), generator=g)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    core_types: tuple[type, ...] = (CausalAttention,)
+    core_types: tuple[type, ...] = (AttentionCore,)
     if cp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -16,8 +16,8 @@ DROPOUT = 0.1
 class DropoutTransformer(Transformer):
     """The plain model with dropout on the token embeddings (a forward hook: same parameters, same names)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, args):
+        super().__init__(args)
         self.tok_embeddings.register_forward_hook(lambda m, inputs, out: F.dropout(out, DROPOUT, m.training))
 
 
@@ -26,11 +26,7 @@ def _dropout_get_spec(name: str):
     spec = get_spec(name)
     if name != "llama3":
         return spec
-
-    def build(args, layer_ids=None, has_input=True, has_output=True):
-        return DropoutTransformer(args, layer_ids=layer_ids, has_embedding=has_input, has_head=has_output)
-
-    return dataclasses.replace(spec, build=build)
+    return dataclasses.replace(spec, model_cls=DropoutTransformer)
 
 
 def use_dropout_model(monkeypatch=None) -> None:

@@ -16,7 +16,7 @@ from titanlike.layout import (
     stage_module_names,
 )
 from titanlike.models import ModelArgs, Transformer
-from titanlike.parallel.pipeline import build_stage_module
+from titanlike.parallel.pipeline import build_stage
 
 ARGS = ModelArgs(dim=32, n_layers=6, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16)
 
@@ -92,7 +92,7 @@ def test_stages_compose_to_the_full_model(tied):
     args = ARGS.replace(tie_embeddings=tied)
     full = _full(args)
     names = split_module_names(args.n_layers, 4, 1, 1)
-    stages = [build_stage_module(full, n, torch.device("cpu")) for n in names]
+    stages = [build_stage(full, n) for n in names]
     full_sd = full.state_dict()
     seen = set()
     for stage in stages:

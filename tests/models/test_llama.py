@@ -76,16 +76,20 @@ def test_405b_builds_on_meta_without_memory():
     assert abs(FLAVORS["405B"].num_params() / 1e9 - 405.85) < 0.01
 
 
-def test_partial_stages_compose_to_the_full_model_and_keep_names():
+def test_pipeline_stages_compose_to_the_full_model_and_keep_names():
+    """The one stage builder (the model with the other stage's modules removed): full-model FQNs, copies of the
+    values, and the forward skips what a stage lacks (hidden states in, hidden states out)."""
+    from titanlike.parallel.pipeline import build_stage
+
     full = build().double()
     x = torch.randint(0, 96, (2, 12))
-    first = Transformer(ARGS, layer_ids=[0], has_head=False).double()
-    last = Transformer(ARGS, layer_ids=[1], has_embedding=False).double()
+    first = build_stage(full, ["tok_embeddings", "layers.0"])
+    last = build_stage(full, ["layers.1", "norm", "output"])
     sd = full.state_dict()
-    first.load_state_dict({k: v for k, v in sd.items() if k in first.state_dict()})
-    last.load_state_dict({k: v for k, v in sd.items() if k in last.state_dict()})
+    assert first.output is None and last.tok_embeddings is None and list(last.layers) == ["1"]
     assert set(first.state_dict()) | set(last.state_dict()) == set(sd)
     assert "layers.1.attention.wq.weight" in last.state_dict()
+    assert last.rope_cos.shape == full.rope_cos.shape  # root buffers (RoPE tables) on every stage
     assert torch.equal(last(first(x)), full(x))
 
 

@@ -41,7 +41,7 @@ from titanlike.config import JobConfig, load_config, model_args_from_config  # n
 from titanlike.loss import IGNORE_INDEX, ScaledLoss
 from titanlike.models import get_spec  # noqa: E402
 from titanlike.parallel.clip import plain_clip_grad_norm_
-from titanlike.parallel.tensor_parallel import shared_parameters
+from titanlike.parallel.ties import tie_groups
 from titanlike.training.optim import build_optimizer  # noqa: E402
 from titanlike.training.step import train_step  # noqa: E402
 
@@ -354,10 +354,12 @@ def _cp_chunks_wrong_order():
 
 @contextlib.contextmanager
 def _cp_rope_local():
-    """Rotary embeddings at the local positions 0..s-1 of each cp rank instead of the tokens' global ones."""
+    """The position seam gives each cp rank its local positions 0..s-1 instead of its tokens' global ones (the RoPE
+    rows, or GPT-2's learned positions, of the wrong tokens)."""
     import titanlike.parallel.context_parallel as cpm
 
-    with patched(cpm, "_rope_positions", lambda seq_len, cp, rank, device: torch.arange(seq_len // cp, device=device)):
+    local = lambda seq_len, cp, rank, device: torch.arange(seq_len // cp, device=device)  # noqa: E731
+    with patched(cpm, "_global_positions", local):
         yield
 
 
@@ -386,16 +388,12 @@ def _to_empty_drops_grad_hooks():
     so sequence-parallel norms keep ``Partial`` gradients (reduced late, in the optimizer) and a vocab-parallel
     embedding a ``Replicate`` one."""
     import titanlike.parallel.materialize as materialize
+    from titanlike.parallel.ties import retie
 
     def plain(model, device):
-        groups: dict[int, list[str]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            groups.setdefault(id(p), []).append(name)
+        groups = tie_groups(model)
         model.to_empty(device=device)
-        for names in groups.values():
-            for name in names[1:]:
-                owner, _, leaf = name.rpartition(".")
-                setattr(model.get_submodule(owner), leaf, model.get_parameter(names[0]))
+        retie(model, groups)
 
     with patched(materialize, "to_empty_keeping_ties", plain):
         yield
@@ -605,7 +603,7 @@ def build_spmd(layout: Layout, cfg: JobConfig, ctx: Context, initial: nn.Module)
     else:  # the trainer's fresh start: each rank generates only its shards
         built = build_parallel_model(build_model(cfg, device="meta"), cfg, dims, cpu, init_seed=INIT_SEED)
     model = built.model_parts[0]
-    aliases = shared_parameters(initial)
+    aliases = tie_groups(initial)
     tied_ok = all(len({id(model.get_parameter(n)) for n in names}) == 1 for names in aliases)
     dp_rank, dp = dims.get_mesh("dp").get_local_rank(), dims.dp
     n_micro = cfg.training.global_batch_size // (cfg.training.local_batch_size * dp)

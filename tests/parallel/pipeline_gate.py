@@ -224,13 +224,13 @@ def _tied_not_summed():
 def _loss_over_microbatches():
     """The schedule keeps torch's default ``scale_grads=True``: gradients divided by the number of microbatches
     on top of the loss's own global-token scaling."""
-    import titanlike.parallel.pipeline as pipeline
+    import titanlike.parallel.pipeline.runtime as runtime
 
     def default_scaling(cls):
         return lambda *a, **kw: cls(*a, **{**kw, "scale_grads": True})
 
-    real = pipeline.schedule_class
-    with patched(pipeline, "schedule_class", lambda name: default_scaling(real(name))):
+    real = runtime.schedule_class
+    with patched(runtime, "schedule_class", lambda name: default_scaling(real(name))):
         yield
 
 

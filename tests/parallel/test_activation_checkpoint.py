@@ -120,8 +120,10 @@ def test_no_ac_is_a_no_op_and_bad_options_are_one_line_errors():
 
 def test_pipeline_stage_uses_global_layer_indices():
     """A stage holding layers 1..3 checkpoints the same blocks as the full model does (every 2nd: 0, 2)."""
+    from titanlike.parallel.pipeline import build_stage
+
     args = FLAVORS["tiny"].replace(vocab_size=64, n_layers=4)
-    stage = Transformer(args, layer_ids=range(1, 4), has_embedding=False, has_head=False)
+    stage = build_stage(Transformer(args), ["layers.1", "layers.2", "layers.3"])
     apply_ac(stage, ActivationCheckpoint(mode="selective", selective_ac_option="2"))
     assert {k: is_checkpointed(b) for k, b in stage.layers.items()} == {"1": False, "2": True, "3": False}
     h = torch.randn(2, 5, 32, requires_grad=True)

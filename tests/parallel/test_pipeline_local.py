@@ -86,13 +86,13 @@ class _NoCopy(torch.nn.Linear):
 def test_a_user_split_stage_copies_only_what_it_keeps():
     from nanogpt import NanoGPT
 
-    from titanlike.parallel.pipeline import build_stage_from_fqns
+    from titanlike.parallel.pipeline import build_stage
 
     torch.manual_seed(0)
     model = NanoGPT(vocab=64, block_size=8, d=16, n_head=2, n_layer=4)
     model.h[3].mlp.c_fc = _NoCopy(16, 64)
     split = [["wte", "wpe", "h.0", "h.1"], ["h.2", "h.3", "ln_f", "lm_head"]]
-    first = build_stage_from_fqns(model, split[0])
+    first = build_stage(model, split[0])
     assert first.lm_head is None and first.ln_f is None and list(first.h._modules) == ["0", "1"]
     names = {n for n, _ in first.named_parameters()}
     assert names == {
@@ -104,8 +104,8 @@ def test_a_user_split_stage_copies_only_what_it_keeps():
         original = model.get_parameter(n)
         assert torch.equal(p, original) and p.data_ptr() != original.data_ptr()  # a copy, equal
     with pytest.raises(AssertionError, match="was copied"):  # the trap works: stage 1 keeps h.3
-        build_stage_from_fqns(model, split[1])
+        build_stage(model, split[1])
     model.h[3].mlp.c_fc = torch.nn.Linear(16, 64)
-    last = build_stage_from_fqns(model, split[1])
+    last = build_stage(model, split[1])
     assert last.wte is None and list(last.h._modules) == ["2", "3"]
     assert torch.equal(last.lm_head.weight, model.wte.weight)  # the tied weight: this stage's own copy

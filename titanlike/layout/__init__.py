@@ -38,7 +38,14 @@ from titanlike.layout.policy import (
     reshard_after_forward,
 )
 from titanlike.layout.rules import RULES, layout_violations
-from titanlike.layout.schedules import SCHEDULES, ScheduleFacts, schedule_class, schedule_facts, stage_ids_for_rank
+from titanlike.layout.schedules import (
+    SCHEDULES,
+    ScheduleFacts,
+    rank_of_stage,
+    schedule_class,
+    schedule_facts,
+    stage_ids_for_rank,
+)
 from titanlike.layout.stages import (
     parse_module_names,
     pipeline_stage_count,
@@ -73,6 +80,7 @@ __all__ = [
     "pipeline_stage_count",
     "precision_policy",
     "rank_groups",
+    "rank_of_stage",
     "rank_of",
     "reshard_after_forward",
     "schedule_class",

@@ -23,7 +23,15 @@ from dataclasses import dataclass
 
 from torch.distributed.pipelining import schedules as _torch
 
-__all__ = ["SCHEDULES", "ScheduleFacts", "StandInStage", "schedule_class", "schedule_facts", "stage_ids_for_rank"]
+__all__ = [
+    "SCHEDULES",
+    "ScheduleFacts",
+    "StandInStage",
+    "rank_of_stage",
+    "schedule_class",
+    "schedule_facts",
+    "stage_ids_for_rank",
+]
 
 
 def _registered() -> tuple[str, ...]:
@@ -106,3 +114,11 @@ def stage_ids_for_rank(pp_rank: int, pp: int, n_stages: int, schedule: str) -> l
             raise ValueError(f"{schedule} needs exactly 2 stages per rank, got {n_stages} stages on {pp} ranks")
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return list(range(pp_rank, n_stages, pp))
+
+
+def rank_of_stage(stage: int, pp: int, schedule: str) -> int:
+    """The pipeline rank holding ``stage``: the inverse of :func:`stage_ids_for_rank` (V style: ``s`` for the first
+    ``pp`` stages, ``2pp - 1 - s`` for the others; loop style ``s % pp``)."""
+    if schedule_facts(schedule).v_placement:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp

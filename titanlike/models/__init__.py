@@ -5,7 +5,7 @@ Plain ``torch.nn``: the models import nothing from ``torch.distributed`` and not
 """
 
 from titanlike.models.llama import FLAVORS, ModelArgs, Transformer, TransformerBlock, pad_vocab
-from titanlike.models.registry import get_spec, registered, spec_for
+from titanlike.models.registry import block_container_of, get_spec, registered, spec_for
 from titanlike.models.spec import ModelSpec, UnknownModelError, register
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "Transformer",
     "TransformerBlock",
     "UnknownModelError",
+    "block_container_of",
     "get_spec",
     "pad_vocab",
     "register",

@@ -7,11 +7,13 @@ the built-in ones, so that ``model.name`` can select any of them. A model regist
 
 from __future__ import annotations
 
+from torch import nn
+
 import titanlike.models.gpt2  # noqa: F401
 import titanlike.models.llama  # noqa: F401
 from titanlike.models.spec import _REGISTRY, ModelSpec, UnknownModelError, lookup
 
-__all__ = ["get_spec", "registered", "spec_for"]
+__all__ = ["block_container_of", "get_spec", "registered", "spec_for"]
 
 
 def registered() -> list[str]:
@@ -27,3 +29,11 @@ def get_spec(name: str) -> ModelSpec:
 def spec_for(obj) -> ModelSpec | None:
     """The spec whose model or args class ``obj`` (a model, a pipeline stage, or its args) is an instance of."""
     return lookup(obj)
+
+
+def block_container_of(model: nn.Module) -> nn.Module | None:
+    """The container of ``model``'s blocks (keyed by global index): its spec's ``block_container`` for a registered
+    model or a pipeline stage of one, ``.layers`` for any other module; None when it has none."""
+    spec = spec_for(model)
+    container = getattr(model, spec.block_container if spec is not None else "layers", None)
+    return container if isinstance(container, nn.Module) else None

@@ -6,18 +6,20 @@ planner and benchmark ask the spec (``titanlike.models.get_spec`` by ``model.nam
 by model or args object: :mod:`titanlike.models.registry`, which imports the built-in models) and never name a
 model class. This module imports no model package: the model packages import it. See docs/adding_a_model.md.
 
-Roles (module FQNs of the full model, all direct children of the root):
+Roles (module FQNs of the full model, all direct children of the root), read off the model class (a
+``titanlike.models.decoder.Decoder`` declares them) unless the spec gives them:
 
 * ``input_modules``: run first, on token ids (``tok_embeddings``, and ``pos_embeddings`` for GPT-2);
 * ``block_container``: the ``nn.ModuleDict`` of blocks keyed by global index (pipeline split, FSDP groups, AC,
   compile);
-* ``output_modules``: run last, produce logits (final norm + head);
-* ``tied``: ``(input parameter, output parameter)`` FQN pairs that are one parameter when ``args.tie_embeddings``.
+* ``output_modules``: run last, produce logits (final norm + head).
+
+Tied parameters are found by identity wherever they matter (``titanlike.parallel.ties``), not listed here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -33,20 +35,17 @@ class UnknownModelError(ValueError):
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    model_cls: type[nn.Module]
+    model_cls: type[nn.Module]  # model_cls(args) builds the whole model (on the meta device: build_meta)
     args_cls: type
     flavors: dict[str, object]
-    # build(args, layer_ids=None, has_input=True, has_output=True) -> the model or one pipeline stage of it, with
-    # the full model's FQNs (the partial-stage constructor).
-    build: Callable[..., nn.Module]
-    input_modules: tuple[str, ...]
-    output_modules: tuple[str, ...]
-    block_container: str = "layers"
-    tied: tuple[tuple[str, str], ...] = ()
     # How the modules split over tensor parallelism: {module pattern: titanlike.sharding entry}, plain data from
     # models/<name>/sharding.py. The translator (titanlike.parallel.tensor_parallel.tp_plan) makes the TP plan of
     # it, the planner every parameter's TP and FSDP dims, the float8 conversion its eligible Linears. Empty: no TP.
     sharding: Mapping[str, object] = field(default_factory=dict)
+    # Roles (None: the model class's attributes of the same names).
+    input_modules: tuple[str, ...] | None = None
+    output_modules: tuple[str, ...] | None = None
+    block_container: str | None = None
     # Extra shape rules of this model (one line with the fix per violation), on top of the shared ones.
     shape_violations: Callable[[object], list[str]] = lambda args: []
     # The config overrides (model.<key>) this model reads; the others must stay unset.
@@ -55,33 +54,34 @@ class ModelSpec:
     # check_same_architecture (see titanlike/hf.py for the Llama one).
     hf_adapter: str = ""
     hf_model_type: str = ""
-    # param_init(args) -> (full-model FQN -> titanlike.init.Init): every parameter's distribution. The sharded,
-    # layout-independent init (titanlike.parallel.materialize) fills each rank's shards from it; a tied copy names
-    # its owner (Init.key). The model class also has init_buffers(device) for its non-persistent buffers.
+    # param_init(args) -> (full-model FQN -> titanlike.init.Init): every parameter's distribution (None: the model
+    # class's param_init). The sharded, layout-independent init (titanlike.parallel.materialize) fills each rank's
+    # shards from it; a tied copy names its owner (Init.key). The model class also has init_buffers(device).
     param_init: Callable[[object], Callable[[str], object]] | None = None
     # The block's structure, for the planner's activation-memory model (titanlike.planner.memory): its norms
     # ("rms": RMSNorm computed in float32; "layer": LayerNorm) and its MLP ("swiglu": w1, w3, w2; "gelu": fc, proj).
     norm_kind: str = "rms"
     mlp_kind: str = "swiglu"
 
+    def __post_init__(self):
+        for name in ("input_modules", "output_modules", "block_container", "param_init"):
+            if getattr(self, name) is None:
+                value = getattr(self.model_cls, name, None)
+                if value is None and name != "param_init":
+                    raise ValueError(
+                        f"ModelSpec '{self.name}': give {name} (or a model class that declares it, like "
+                        f"titanlike.models.decoder.Decoder subclasses)"
+                    )
+                object.__setattr__(self, name, tuple(value) if isinstance(value, list) else value)
+
     # -------------------------------------------------------------------- helpers used across the package
-    def build_meta(self, args, **kw) -> nn.Module:
+    def build(self, args) -> nn.Module:
+        """The whole model of ``args`` (pipeline stages are cut from it: titanlike.parallel.pipeline)."""
+        return self.model_cls(args)
+
+    def build_meta(self, args) -> nn.Module:
         with torch.device("meta"):
-            return self.build(args, **kw)
-
-    def param_shapes(self, args, names: Sequence[str] | None = None) -> dict[str, tuple[int, ...]]:
-        """FQN -> shape of each parameter of the model (or of the stage holding ``names``), tied ones once."""
-        kw = {} if names is None else self.stage_kwargs(names)
-        return {k: tuple(p.shape) for k, p in self.build_meta(args, **kw).named_parameters()}
-
-    def stage_kwargs(self, names: Sequence[str]) -> dict:
-        """``build`` keyword arguments of the pipeline stage holding the module FQNs ``names``."""
-        prefix = self.block_container + "."
-        return dict(
-            layer_ids=[int(n[len(prefix) :]) for n in names if n.startswith(prefix)],
-            has_input=any(n in names for n in self.input_modules),
-            has_output=any(n in names for n in self.output_modules),
-        )
+            return self.build(args)
 
     def flops_per_token(self, args, seq_len: int) -> int:
         return args.flops_per_token(seq_len)

@@ -40,6 +40,7 @@ from torch.utils.checkpoint import (
 )
 
 from titanlike.layout import ac_block_mode
+from titanlike.models import block_container_of
 
 __all__ = ["apply_ac", "checkpoint_block", "is_checkpointed", "SAC_SAVE_OPS"]
 
@@ -126,18 +127,22 @@ def _layer_index(name: str, position: int) -> int:
 
 
 def apply_ac(model: nn.Module, ac_config) -> nn.Module:
-    """Apply activation checkpointing to the blocks of ``model.layers`` according to ``ac_config``.
+    """Apply activation checkpointing to the blocks of ``model``'s block container (its spec's ``block_container``;
+    ``.layers`` for an unregistered module) according to ``ac_config``.
 
     ``ac_config`` has ``mode`` (none | full | selective) and ``selective_ac_option`` ("op" or an integer N), as
     :class:`titanlike.config.ActivationCheckpoint`. Blocks are modified in place (parameter names, the module
-    objects and the ``model.layers`` entries stay the same); returns ``model``.
+    objects and the container's entries stay the same); returns ``model``.
     """
     mode, option = ac_config.mode, ac_config.selective_ac_option
     if ac_block_mode(mode, option, 0) == "none":  # validates mode and option; block 0 is checkpointed unless off
         return model
-    layers = getattr(model, "layers", None)
+    layers = block_container_of(model)
     if layers is None:
-        raise ValueError(f"activation checkpointing needs a model with .layers, got {type(model).__name__}")
+        raise ValueError(
+            f"activation checkpointing needs a model with a block container (its spec's, or .layers), got "
+            f"{type(model).__name__}"
+        )
     for position, (name, block) in enumerate(layers.named_children()):
         how = ac_block_mode(mode, option, _layer_index(name, position))
         if how != "none":

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from titanlike.models import block_container_of
+
 __all__ = ["apply_compile"]
 
 
@@ -27,16 +29,19 @@ def _fullgraph(block: nn.Module) -> bool:
 
 
 def apply_compile(model: nn.Module, compile_config) -> nn.Module:
-    """Compile every block of ``model.layers`` in place if ``compile_config.enable``; returns ``model``.
+    """Compile every block of ``model``'s block container (its spec's; ``.layers`` for an unregistered module) in
+    place if ``compile_config.enable``; returns ``model``.
 
     ``compile_config`` has ``enable`` and ``backend``, as :class:`titanlike.config.Compile`. Compilation
     itself is lazy: it happens on the first forward of each new input shape.
     """
     if not compile_config.enable:
         return model
-    layers = getattr(model, "layers", None)
+    layers = block_container_of(model)
     if layers is None:
-        raise ValueError(f"compile needs a model with .layers, got {type(model).__name__}")
+        raise ValueError(
+            f"compile needs a model with a block container (its spec's, or .layers), got {type(model).__name__}"
+        )
     for block in layers.values():
         if getattr(block, "_compiled_call_impl", None) is not None:
             raise ValueError(f"block {type(block).__name__} is already compiled")

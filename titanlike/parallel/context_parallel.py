@@ -1,10 +1,11 @@
 """Context parallelism: every sequence split over the ``cp`` ranks, attention exact, applied from outside.
 
-The plain model makes one attention call through a swappable core (``Attention.sdpa``, a
-:class:`titanlike.models.llama.CausalAttention`: causal softmax attention of ``(batch, seq, heads, head_dim)``
-queries over keys / values with fewer, grouped heads). :func:`apply_cp` swaps that core for a
-:class:`ContextParallelAttention` and makes the rotary tables follow the true global positions of the local tokens;
-nothing else in the model changes, and parameter names stay the same.
+Every model calls its attention through the shared seam (``titanlike.models.decoder.AttentionCore``: causal
+softmax attention of ``(batch, seq, heads, head_dim)`` queries over keys / values with fewer, grouped heads) and
+takes its positions from the shared position seam (``titanlike.models.decoder.Positions``: the RoPE rows and the
+learned position embeddings are looked up there). :func:`apply_cp` swaps the first for a
+:class:`ContextParallelAttention` and the second for :class:`ContextParallelPositions` (the global positions of the
+local tokens); nothing else in the model changes, and parameter names stay the same.
 
 Load balance. A sequence of ``S`` tokens is cut into ``2 * cp`` chunks of ``C = S / (2 * cp)``; cp rank ``r`` holds
 chunks ``r`` and ``2 * cp - 1 - r`` (one early, one late), so every rank has the same causal work::
@@ -33,11 +34,13 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.nn.attention.bias import causal_lower_right
+
+from titanlike.models.decoder import AttentionCore, Positions
 
 __all__ = [
     "ContextParallelAttention",
+    "ContextParallelPositions",
     "apply_cp",
     "chunk_attention",
     "chunk_ids",
@@ -214,59 +217,62 @@ def reorder_gathered(t: Tensor, cp: int) -> Tensor:
     return cp_unshard(t, cp, dim=1)
 
 
-# ---------------------------------------------------------------------------------------------- rotary positions
-def _rope_positions(seq_len: int, cp: int, rank: int, device) -> Tensor:
+# ---------------------------------------------------------------------------------------------- positions
+def _global_positions(seq_len: int, cp: int, rank: int, device) -> Tensor:
     return cp_positions(seq_len, cp, rank, device)
 
 
-def _global_rope_hook(cp: int, rank: int):
-    """Forward pre-hook of an attention module called as ``(x, cos=..., sin=...)``: hand it the rotary rows of its
-    tokens' global positions (``apply_rope`` then takes the first ``s`` rows, which are exactly those)."""
+class ContextParallelPositions(nn.Module):
+    """The position seam under context parallelism: the global positions of this cp rank's ``s = seq_len / cp``
+    tokens (chunks ``r`` and ``2 cp - 1 - r``), from which the model looks up its RoPE rows or position
+    embeddings."""
 
-    def hook(module, args, kwargs):
-        x, cos, sin = args[0], kwargs["cos"], kwargs["sin"]
-        local = x.shape[1]  # DTensor or not: the logical length of this cp rank's tokens
-        pos = _rope_positions(local * cp, cp, rank, cos.device)
-        if isinstance(cos, DTensor):  # never under titanlike's plans; kept simple
-            cos, sin = cos.full_tensor(), sin.full_tensor()
-        return args, {**kwargs, "cos": cos.index_select(0, pos), "sin": sin.index_select(0, pos)}
+    def __init__(self, cp_mesh: DeviceMesh):
+        super().__init__()
+        self.cp = cp_mesh.size()
+        self.rank = cp_mesh.get_local_rank()
 
-    return hook
+    def extra_repr(self) -> str:
+        return f"cp={self.cp}, rank={self.rank}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _global_positions(x.shape[1] * self.cp, self.cp, self.rank, x.device)  # x.shape: DTensor or not
 
 
-def apply_cp(
-    model: nn.Module,
-    cp_mesh: DeviceMesh,
-    *,
-    core_attr: str = "sdpa",
-    rope_modules: type | tuple[type, ...] | None = None,
-) -> nn.Module:
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True) -> nn.Module:
     """Context parallelism over ``cp_mesh`` (1-D), in place; returns ``model``.
 
-    Every module with a ``core_attr`` child (an attention module calling its core as ``core(q, k, v)``) gets a
-    :class:`ContextParallelAttention` core. ``rope_modules`` (default: titanlike's Llama ``Attention``) are the
-    modules called as ``(x, cos=..., sin=...)`` with rotary tables indexed by position: a pre-hook gives them the
-    rows of their tokens' global positions. A model with learned absolute positions passes ``rope_modules=()`` and feeds
-    ``cp_positions`` to its position embedding itself. Call after tensor parallelism (the hook then sees the
-    replicated input) and before activation checkpointing / compile / FSDP; the batches must be cut with
-    :func:`cp_shard`.
+    Every attention seam (``titanlike.models.decoder.AttentionCore``, called as ``core(q, k, v)``) becomes a
+    :class:`ContextParallelAttention`, every position seam (``titanlike.models.decoder.Positions``) a
+    :class:`ContextParallelPositions`. A module without an attention seam is refused (its attention would see only
+    this rank's tokens); so is one without a position seam unless ``positions=False`` (the model has no positions,
+    or feeds ``cp_positions`` to its position lookups itself). Call after tensor parallelism and before activation
+    checkpointing / compile / FSDP; the batches must be cut with :func:`cp_shard`.
     """
     if cp_mesh.ndim != 1:
         raise ValueError(f"apply_cp needs a 1-D cp mesh, got {cp_mesh}")
-    if rope_modules is None:
-        from titanlike.models.llama import Attention
-
-        rope_modules = (Attention,)
-    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-    swapped = 0
+    cores, seams = [], []
     for module in model.modules():
-        if isinstance(getattr(module, core_attr, None), nn.Module) and not isinstance(
-            getattr(module, core_attr), ContextParallelAttention
-        ):
-            setattr(module, core_attr, ContextParallelAttention(cp_mesh))
-            swapped += 1
-        if rope_modules and isinstance(module, rope_modules):
-            module.register_forward_pre_hook(_global_rope_hook(cp, rank), with_kwargs=True)
-    if swapped == 0 and any(True for _ in model.modules() if rope_modules and isinstance(_, rope_modules)):
-        raise ValueError(f"apply_cp: no '{core_attr}' attention core to swap in {type(model).__name__}")
+        for child_name, child in module.named_children():
+            if isinstance(child, AttentionCore):
+                cores.append((module, child_name))
+            elif isinstance(child, Positions):
+                seams.append((module, child_name))
+    already = any(isinstance(m, (ContextParallelAttention, ContextParallelPositions)) for m in model.modules())
+    if not cores and not already:
+        raise ValueError(
+            f"apply_cp: {type(model).__name__} has no attention seam (a titanlike.models.decoder.AttentionCore "
+            f"module called as core(q, k, v)), so each cp rank would attend over its own tokens only; route its "
+            f"attention through one, or keep context_parallel_degree 1"
+        )
+    if positions and not seams and not already:
+        raise ValueError(
+            f"apply_cp: {type(model).__name__} has no position seam (a titanlike.models.decoder.Positions module "
+            f"its RoPE / position lookups read), so its positions would restart on every cp rank; give it one, or "
+            f"pass positions=False if it has no positions or feeds cp_positions to them itself"
+        )
+    for owner, child_name in cores:
+        setattr(owner, child_name, ContextParallelAttention(cp_mesh))
+    for owner, child_name in seams:
+        setattr(owner, child_name, ContextParallelPositions(cp_mesh))
     return model

@@ -29,6 +29,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from titanlike.layout import RESHARD_CHOICES
 from titanlike.layout import reshard_after_forward as reshard_policy
+from titanlike.models import block_container_of, spec_for
+from titanlike.parallel.fused import fsdp_placement, prepare_fused_for_fsdp
 
 __all__ = ["apply_fsdp", "RESHARD_CHOICES"]
 
@@ -47,8 +49,7 @@ def _role_groups(model: nn.Module, spec) -> tuple[list[nn.Module], list[nn.Modul
     inputs = [m for m in (getattr(model, n, None) for n in spec.input_modules) if m is not None]
     outputs = [m for m in (getattr(model, n, None) for n in spec.output_modules) if m is not None]
     ids_in = {id(p) for m in inputs for p in m.parameters()}
-    ids_out = {id(p) for m in outputs for p in m.parameters()}
-    shared = ids_in & ids_out
+    shared = {id(p) for m in outputs for p in m.parameters()} & ids_in
 
     def keep(m):
         return not any(id(p) in shared for p in m.parameters())
@@ -85,16 +86,14 @@ def apply_fsdp(
         return reshard_policy(reshard_after_forward, group, pp_enabled)
 
     kw = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
-    from titanlike.models import spec_for
-    from titanlike.parallel.fused import fsdp_placement, prepare_fused_for_fsdp
 
     prepare_fused_for_fsdp(model)
     kw["shard_placement_fn"] = fsdp_placement
 
     spec = spec_for(model)
     if blocks is None:
-        container = getattr(model, spec.block_container if spec is not None else "layers", None)
-        if not isinstance(container, nn.Module):
+        container = block_container_of(model)
+        if container is None:
             raise ValueError(
                 f"apply_fsdp: {type(model).__name__} has no block container (.layers) and no model spec, "
                 f"so every parameter would land in one root group; pass blocks=[...] (the modules that "

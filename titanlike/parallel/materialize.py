@@ -14,6 +14,7 @@ from torch import nn
 
 from titanlike.init import init_parameters
 from titanlike.models import spec_for
+from titanlike.parallel.ties import retie, tie_groups
 
 __all__ = ["materialize", "to_empty_keeping_ties", "keeping_grad_hooks", "param_init_for"]
 
@@ -47,15 +48,9 @@ def to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
     """``model.to_empty(device)``, keeping what ``to_empty`` drops: parameters that were one parameter under several
     names (tied embeddings; ``to_empty`` gives every module its own new tensor) are tied again, and the parameters'
     post-accumulate-grad hooks are registered again (:func:`keeping_grad_hooks`)."""
-    groups: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
+    groups = tie_groups(model)
     keeping_grad_hooks(model, lambda: model.to_empty(device=device))
-    for names in groups.values():
-        first = model.get_parameter(names[0])
-        for name in names[1:]:
-            owner, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(owner), leaf, first)
+    retie(model, groups)
 
 
 def param_init_for(model: nn.Module):

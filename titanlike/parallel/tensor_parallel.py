@@ -61,8 +61,9 @@ from torch.distributed.tensor.parallel import (
 
 from titanlike import sharding as sh
 from titanlike.parallel.fused import FusedColwiseParallel
+from titanlike.parallel.ties import retie, tie_groups
 
-__all__ = ["tp_plan", "apply_tp", "ReplicateParallel", "PositionEmbeddingParallel", "shared_parameters"]
+__all__ = ["tp_plan", "apply_tp", "ReplicateParallel", "PositionEmbeddingParallel"]
 
 
 class ReplicateParallel(ParallelStyle):
@@ -234,37 +235,22 @@ def _matches(model: nn.Module, pattern: str) -> bool:
     return any(sh.matches(pattern, name) for name, _ in model.named_modules())
 
 
-def shared_parameters(model: nn.Module) -> list[list[str]]:
-    """Names of each parameter reachable under more than one name (tied weights)."""
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
-
-
 def _layout(p) -> str:
     return f"DTensor{tuple(p.placements)} on {p.device_mesh}" if isinstance(p, DTensor) else "a plain tensor"
 
 
-def _retie(model: nn.Module, groups: list[list[str]]) -> None:
-    """Make tied parameters one parameter again (each module's style distributed its own copy)."""
-    for names in groups:
-        first = model.get_parameter(names[0])
-        for name in names[1:]:
-            p = model.get_parameter(name)
-            if p is first:
-                continue
-            same = isinstance(p, DTensor) == isinstance(first, DTensor) and (
-                not isinstance(p, DTensor) or (p.placements == first.placements and p.device_mesh == first.device_mesh)
-            )
-            if not same:
-                raise ValueError(
-                    f"tied parameters '{names[0]}' and '{name}' got different tensor-parallel layouts "
-                    f"({_layout(first)} vs {_layout(p)}); give both modules styles that shard the "
-                    f"shared weight alike (RowwiseParallel embedding + ColwiseParallel head: Shard(0))"
-                )
-            owner, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(owner), attr, first)
+def _same_layout(first_name: str, first, name: str, p) -> None:
+    """Tied parameters re-tied after the plan must have been sharded alike (each module's style distributed its own
+    copy); otherwise the one parameter could not serve both modules."""
+    same = isinstance(p, DTensor) == isinstance(first, DTensor) and (
+        not isinstance(p, DTensor) or (p.placements == first.placements and p.device_mesh == first.device_mesh)
+    )
+    if not same:
+        raise ValueError(
+            f"tied parameters '{first_name}' and '{name}' got different tensor-parallel layouts "
+            f"({_layout(first)} vs {_layout(p)}); give both modules styles that shard the "
+            f"shared weight alike (RowwiseParallel embedding + ColwiseParallel head: Shard(0))"
+        )
 
 
 def _grad_to_param_placements(param: nn.Parameter) -> None:
@@ -332,9 +318,9 @@ def apply_tp(
                 f"tensor-parallel plan keys {missing} match no submodule of {type(model).__name__}; "
                 f"use module paths like those of model.named_modules() ('*' matches one atom)"
             )
-    tied = shared_parameters(model)
+    tied = tie_groups(model)
     parallelize_module(model, tp_mesh, plan)
-    _retie(model, tied)
+    retie(model, tied, check=_same_layout)
     _check_all_or_nothing(model)
     _reduce_partial_grads(model)
     return model

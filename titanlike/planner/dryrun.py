@@ -73,6 +73,7 @@ def dry_run(cfg: JobConfig, layout: Layout, args, rank: int = 0, probe_activatio
     from titanlike.models import spec_for
     from titanlike.parallel import ParallelDims
     from titanlike.parallel.parallelize import parallelize_model
+    from titanlike.parallel.pipeline import build_stage
 
     if dist.is_initialized():
         raise RuntimeError("dry_run creates its own fake process group; call it outside torch.distributed")
@@ -84,11 +85,11 @@ def dry_run(cfg: JobConfig, layout: Layout, args, rank: int = 0, probe_activatio
             dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, cp=d.cp, tp=d.tp, pp=d.pp, world_size=d.world_size
         )
         dims.build_mesh("cpu")
+        full = spec_for(args).build_meta(args)
         records = []
         for sid in layout.stage_ids(layout.pp_rank_of(rank)):
             names = layout.stages[sid]
-            spec = spec_for(args)
-            stage = spec.build_meta(args, **spec.stage_kwargs(names))
+            stage = build_stage(full, names)
             parallelize_model(stage, dims, cfg)
             for name, p in stage.named_parameters():
                 shape, local, placements = _describe(p)
@@ -102,25 +103,25 @@ def dry_run(cfg: JobConfig, layout: Layout, args, rank: int = 0, probe_activatio
                 if n.startswith("layers.")
             )
             result.probe_layer = int(first.split(".")[1])
-            result.block_activation_bytes = _probe_block(cfg, layout, args, dims, result.probe_layer)
+            result.block_activation_bytes = _probe_block(cfg, layout, args, dims, build_stage(full, [first]))
         result.seconds = time.perf_counter() - t0
         return result
     finally:
         dist.destroy_process_group()
 
 
-def _probe_block(cfg: JobConfig, layout: Layout, args, dims, layer_id: int) -> int:
-    """Activation bytes one block (global index ``layer_id``) holds after its forward on one microbatch."""
+def _probe_block(cfg: JobConfig, layout: Layout, args, dims, block) -> int:
+    """Activation bytes one block (a meta stage holding just that block) holds after its forward on one
+    microbatch."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from titanlike.layout import loss_parallel_enabled
-    from titanlike.models import spec_for
+    from titanlike.models import block_container_of
     from titanlike.parallel.activation_checkpoint import apply_ac
     from titanlike.parallel.tensor_parallel import apply_tp
 
-    block = spec_for(args).build_meta(args, layer_ids=[layer_id], has_input=False, has_output=False)
     if layout.tp > 1:
         apply_tp(
             block,
@@ -150,11 +151,15 @@ def _probe_block(cfg: JobConfig, layout: Layout, args, dims, layer_id: int) -> i
             x_leaf = DTensor.from_local(
                 x_leaf, dims.get_mesh("tp"), [Shard(1) if layout.sequence_parallel else Replicate()], run_check=False
             )
+        # what the model hands every block besides the hidden states (RoPE rows of the position seam's positions):
+        # made once per forward for all blocks, so not this block's activations
+        kwargs = block.block_kwargs(block.positions(x_leaf))
+        (layer,) = block_container_of(block).values()
         tracker = MemTracker()
         tracker.track_external(block, x_leaf)
         with tracker:
             x = x_leaf * 1  # the block input as the previous block hands it over: kept only if the block saves it
-            y = block(x)
+            y = layer(x, **kwargs)
             del x
             snapshot = tracker.get_tracker_snapshot("current")
         held = sum(v for dev in snapshot.values() for k, v in dev.items() if str(k).endswith("ACT"))

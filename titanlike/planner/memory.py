@@ -60,21 +60,37 @@ def _spec(args):
     return spec_for(args)
 
 
-_SHAPES: dict[tuple, dict[str, tuple[int, ...]]] = {}
+_MODELS: dict[tuple, object] = {}  # (model name, repr(args)) -> the whole model on the meta device
+_STAGES: dict[tuple, tuple[dict[str, tuple[int, ...]], list[list[str]]]] = {}
 
 
-def _built_shapes(spec, args, names: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+def _meta_model(spec, args):
+    key = (spec.name, repr(args))
+    if key not in _MODELS:
+        if len(_MODELS) > 8:
+            _MODELS.clear()
+        _MODELS[key] = spec.build_meta(args)
+    return _MODELS[key]
+
+
+def _stage(args, names: tuple[str, ...]) -> tuple[dict[str, tuple[int, ...]], list[list[str]]]:
+    """(parameter shapes, tied name groups) of the stage holding ``names``: the model's own constructor on the meta
+    device, cut by the pipeline's stage builder, ties found by identity."""
+    from titanlike.parallel.pipeline import build_stage
+    from titanlike.parallel.ties import tie_groups
+
+    spec = _spec(args)
     key = (spec.name, repr(args), names)
-    if key not in _SHAPES:
-        _SHAPES[key] = spec.param_shapes(args, names)
-    return _SHAPES[key]
+    if key not in _STAGES:
+        stage = build_stage(_meta_model(spec, args), names)
+        _STAGES[key] = ({k: tuple(p.shape) for k, p in stage.named_parameters()}, tie_groups(stage))
+    return _STAGES[key]
 
 
 def param_shapes(args, names: Sequence[str]) -> dict[str, tuple[int, ...]]:
     """Full shapes of the parameters of a stage holding modules ``names`` (the model's own FQNs, in
-    ``named_parameters`` order; a tied head inside the stage is the embedding's parameter): the model's own
-    constructor on the meta device."""
-    return dict(_built_shapes(_spec(args), args, tuple(names)))
+    ``named_parameters`` order; a tied head inside the stage is the embedding's parameter)."""
+    return dict(_stage(args, tuple(names))[0])
 
 
 @dataclass(frozen=True)
@@ -130,10 +146,12 @@ def fsdp_units(
     "block", "embedding", "head" or "root"; groups without parameters are left out."""
     by_name = {p.name: p for p in shards}
     spec = _spec(args)
-    inputs = [n for n in (spec.input_modules if spec else ("tok_embeddings",)) if n in names]
-    outputs = [n for n in (spec.output_modules if spec else ("norm", "output")) if n in names]
-    tied_owners = {fqn.split(".")[0] for pair in (spec.tied if spec else ()) for fqn in pair}
-    tied = args.tie_embeddings and bool(tied_owners) and all(any(n in names for n in (o,)) for o in tied_owners)
+    inputs = [n for n in spec.input_modules if n in names]
+    outputs = [n for n in spec.output_modules if n in names]
+    # apply_fsdp leaves a parameter the input and output modules share (a tied embedding / head) to the root
+    owners = [{name.split(".")[0] for name in group} for group in _stage(args, tuple(names))[1]]
+    tied_owners = set().union(*(o for o in owners if o & set(inputs) and o & set(outputs)))
+    tied = bool(tied_owners)
     units: list[tuple[str, list[ParamShard]]] = []
     taken: set[str] = set()
 

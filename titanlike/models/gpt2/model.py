@@ -6,9 +6,10 @@ Like the Llama model it knows nothing of parallelism:
 
 * attention infers its number of heads from the (possibly sharded) ``c_attn`` output: q, k and v are the three
   equal thirds of whatever this rank computes, so a tensor-parallel style only has to give each rank its heads
-  of each of the three chunks (``titanlike.parallel.fused.FusedColwiseParallel``);
-* the attention core is one swappable call (``attention_core``, an attribute: context parallelism replaces it);
-* blocks live in an ``nn.ModuleDict`` keyed by global index, so a pipeline stage keeps the full model's FQNs;
+  of each of the three chunks (``titanlike.parallel.fused.FusedColwiseParallel``; models/gpt2/sharding.py);
+* it is a :class:`~titanlike.models.decoder.Decoder`: blocks in an ``nn.ModuleDict`` keyed by global index, so a
+  pipeline stage keeps the full model's FQNs; attention through the shared seam (``attn.core``) and the position
+  table looked up at the shared position seam's positions, so context parallelism applies as to every model;
 * it can be built on the meta device and materialised with :meth:`GPT2.init_weights`, whose values are a pure
   function of (seed, parameter FQN, element index) (:func:`param_init`, ``titanlike.init``), so a sharded model
   fills each rank's shards with exactly the single-device values.
@@ -21,14 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titanlike.init import Init, init_parameters, normal, ones, plan_from_patterns, zeros
+from titanlike.init import Init, normal, ones, plan_from_patterns, zeros
+from titanlike.models.decoder import AttentionCore, Decoder, DecoderBlock
 
 
 @dataclass
@@ -82,26 +84,19 @@ FLAVORS: dict[str, GPT2Args] = {
 }
 
 
-def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The attention core: (batch, heads, seq, head_dim) x3 -> same, causal."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
 class CausalSelfAttention(nn.Module):
-    attention_core = staticmethod(sdpa_causal)  # swappable per instance (context parallelism)
-
     def __init__(self, args: GPT2Args):
         super().__init__()
         self.head_dim = args.head_dim
         self.c_attn = nn.Linear(args.dim, 3 * args.dim, bias=True)  # q | k | v
         self.c_proj = nn.Linear(args.dim, args.dim, bias=True)
+        self.core = AttentionCore()  # the shared attention seam (context parallelism swaps it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q, k, v = self.c_attn(x).chunk(3, dim=-1)  # this rank's heads of each chunk under tensor parallelism
-        q, k, v = (t.reshape(bsz, seqlen, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        out = self.attention_core(q, k, v)
-        return self.c_proj(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        q, k, v = (t.reshape(bsz, seqlen, -1, self.head_dim) for t in (q, k, v))
+        return self.c_proj(self.core(q, k, v).reshape(bsz, seqlen, -1))
 
 
 class MLP(nn.Module):
@@ -112,29 +107,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2's "gelu_new"
-
-
-class Block(nn.Module):
-    def __init__(self, layer_id: int, args: GPT2Args):
-        super().__init__()
-        self.layer_id = layer_id
-        self.ln_1 = nn.LayerNorm(args.dim, eps=args.norm_eps)
-        self.attn = CausalSelfAttention(args)
-        self.ln_2 = nn.LayerNorm(args.dim, eps=args.norm_eps)
-        self.mlp = MLP(args)
-        self.args = args
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attn(self.ln_1(x))
-        return h + self.mlp(self.ln_2(h))
-
-    def init_weights(self, seed: int | None = None):
-        """This block's weights as the full model's init makes them (``seed``: default ``torch.initial_seed()``)."""
-        init_parameters(self, param_init(self.args), _seed(seed), prefix=f"layers.{self.layer_id}.")
-
-
-def _seed(seed: int | None) -> int:
-    return torch.initial_seed() if seed is None else seed
 
 
 def param_init(args: GPT2Args) -> Callable[[str], Init]:
@@ -158,43 +130,35 @@ def param_init(args: GPT2Args) -> Callable[[str], Init]:
     )
 
 
-class GPT2(nn.Module):
-    """GPT-2, or a contiguous part of it (a pipeline stage): ``layer_ids`` selects the blocks, ``has_input`` the
-    token + position embeddings (input: token ids), ``has_output`` the final LayerNorm + head (output: logits)."""
+class Block(DecoderBlock):
+    param_init = staticmethod(param_init)
 
-    def __init__(
-        self, args: GPT2Args, layer_ids: Iterable[int] | None = None, has_input: bool = True, has_output: bool = True
-    ):
-        super().__init__()
-        if args.vocab_size <= 0:
-            raise ValueError("GPT2Args.vocab_size is not set: take it from the tokenizer")
-        self.args = args
-        layer_ids = range(args.n_layers) if layer_ids is None else list(layer_ids)
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if has_input else None
-        self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim) if has_input else None
-        self.layers = nn.ModuleDict({str(i): Block(i, args) for i in layer_ids})
-        self.norm = nn.LayerNorm(args.dim, eps=args.norm_eps) if has_output else None
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if has_output else None
-        if args.tie_embeddings and has_input and has_output:
-            self.output.weight = self.tok_embeddings.weight
+    def __init__(self, layer_id: int, args: GPT2Args):
+        super().__init__(layer_id, args)
+        self.ln_1 = nn.LayerNorm(args.dim, eps=args.norm_eps)
+        self.attn = CausalSelfAttention(args)
+        self.ln_2 = nn.LayerNorm(args.dim, eps=args.norm_eps)
+        self.mlp = MLP(args)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tok_embeddings is not None:
-            positions = torch.arange(x.shape[1], device=x.device)
-            h = self.tok_embeddings(x) + self.pos_embeddings(positions)
-        else:
-            h = x
-        for layer in self.layers.values():
-            h = layer(h)
-        if self.output is None:
-            return h
-        return self.output(self.norm(h))
+        h = x + self.attn(self.ln_1(x))
+        return h + self.mlp(self.ln_2(h))
 
-    def init_buffers(self, device: torch.device | None = None):
-        """GPT-2 has no buffers (positions are a learned table)."""
 
-    @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | None = None, seed: int | None = None):
-        """(Re)initialise every parameter, sharded (DTensor) ones too, each rank its own elements: :func:`param_init`
-        from ``seed`` (default ``torch.initial_seed()``), the same values under every layout."""
-        init_parameters(self, param_init(self.args), _seed(seed))
+class GPT2(Decoder):
+    """GPT-2: ``tok_embeddings`` + ``pos_embeddings`` -> ``layers`` (Block by global index) -> ``norm`` (LayerNorm)
+    -> ``output``. A pipeline stage is this module with other stages' modules removed
+    (``titanlike.parallel.pipeline.build_stage``): without the embeddings it takes hidden states, without the head it
+    returns them."""
+
+    input_modules = ("tok_embeddings", "pos_embeddings")
+    param_init = staticmethod(param_init)
+
+    def __init__(self, args: GPT2Args):
+        super().__init__(args)
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim)
+        self._build_trunk(lambda i: Block(i, args), nn.LayerNorm(args.dim, eps=args.norm_eps))
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(tokens) + self.pos_embeddings(positions)

@@ -1,24 +1,19 @@
 """The Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU) and its model spec."""
 
+from titanlike.models.layers import FeedForward, RMSNorm, apply_rope, rope_tables
 from titanlike.models.llama.model import (
     FLAVORS,
     Attention,
-    CausalAttention,
-    FeedForward,
     ModelArgs,
-    RMSNorm,
     Transformer,
     TransformerBlock,
-    apply_rope,
     pad_vocab,
     param_init,
-    rope_tables,
 )
 
 __all__ = [
     "FLAVORS",
     "Attention",
-    "CausalAttention",
     "FeedForward",
     "ModelArgs",
     "RMSNorm",
@@ -29,10 +24,6 @@ __all__ = [
     "param_init",
     "rope_tables",
 ]
-
-
-def _build(args, layer_ids=None, has_input=True, has_output=True):
-    return Transformer(args, layer_ids=layer_ids, has_embedding=has_input, has_head=has_output)
 
 
 def _shape_violations(args) -> list[str]:
@@ -62,12 +53,6 @@ SPEC = register(
         args_cls=ModelArgs,
         flavors=FLAVORS,
         sharding=SHARDING,
-        build=_build,
-        input_modules=("tok_embeddings",),
-        output_modules=("norm", "output"),
-        block_container="layers",
-        tied=(("tok_embeddings.weight", "output.weight"),),
-        param_init=param_init,
         shape_violations=_shape_violations,
         config_keys=(
             "dim",

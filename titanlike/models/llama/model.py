@@ -1,12 +1,13 @@
 """A Llama-style decoder in plain ``torch.nn``: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-The model knows nothing of parallelism. Three properties make it easy to parallelize from the outside:
+The model knows nothing of parallelism. What makes it easy to parallelize from the outside:
 
 * attention infers its number of heads from the (possibly sharded) projection outputs, so tensor parallelism
-  only has to shard ``wq/wk/wv`` column-wise and ``wo`` row-wise;
-* layers live in an ``nn.ModuleDict`` keyed by their global index, so a pipeline stage built with
-  ``Transformer(args, layer_ids=range(4, 8), has_embedding=False)`` keeps the full model's parameter names
-  (``layers.5.attention.wq.weight``) and checkpoints load across layouts;
+  only has to shard ``wq/wk/wv`` column-wise and ``wo`` row-wise (models/llama/sharding.py);
+* it is a :class:`~titanlike.models.decoder.Decoder`: layers in an ``nn.ModuleDict`` keyed by their global index,
+  so a pipeline stage (the model with the other stages' modules removed) keeps the full model's parameter names
+  (``layers.5.attention.wq.weight``) and checkpoints load across layouts; attention through the shared seam and
+  RoPE rows from the shared position seam, both of which context parallelism swaps;
 * it can be built on the meta device and materialised later with :meth:`Transformer.init_weights`, whose values are
   a pure function of (seed, parameter FQN, element index) (:func:`param_init`, ``titanlike.init``): a sharded
   model fills each rank's shards with exactly the single-device values.
@@ -16,14 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from titanlike.init import Init, init_parameters, normal, ones, plan_from_patterns, trunc_normal
+from titanlike.init import Init, normal, ones, plan_from_patterns, trunc_normal
+from titanlike.models.decoder import AttentionCore, Decoder, DecoderBlock
+from titanlike.models.layers import FeedForward, RMSNorm, RopeTables, apply_rope
 
 
 @dataclass
@@ -159,81 +161,6 @@ FLAVORS: dict[str, ModelArgs] = {
 }
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """Norms and RoPE run in at least float32 (float64 stays float64 so numerics can be compared exactly)."""
-    return torch.promote_types(x.dtype, torch.float32)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(_compute_dtype(x))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return h.type_as(x) * self.weight
-
-    def reset_parameters(self):
-        nn.init.ones_(self.weight)
-
-
-def rope_inv_freq(head_dim: int, theta: float, args: ModelArgs | None = None) -> torch.Tensor:
-    """The head_dim // 2 rotation frequencies theta^(-2i/head_dim), in float64, with ``args.rope_scaling``.
-
-    "llama3" (Llama 3.1+, as Meta's reference code and transformers' ``rope_type: llama3``): wavelengths longer than
-    ``original_max_seq_len / low_freq_factor`` are stretched by ``factor``, those shorter than
-    ``original_max_seq_len / high_freq_factor`` are kept, and the band between is interpolated smoothly.
-    """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    if args is None or args.rope_scaling == "none":
-        return inv_freq
-    factor, low, high = args.rope_scaling_factor, args.rope_low_freq_factor, args.rope_high_freq_factor
-    old_len = args.rope_original_max_seq_len
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-def rope_tables(
-    head_dim: int, max_seq_len: int, theta: float, args: ModelArgs | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (max_seq_len, head_dim // 2), computed in float64 (``args``: rope scaling)."""
-    inv_freq = rope_inv_freq(head_dim, theta, args)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x[2i], x[2i+1]) of x: (batch, seq, heads, head_dim) by the position angle."""
-    dtype = _compute_dtype(x)
-    xp = x.to(dtype).unflatten(-1, (-1, 2))
-    x0, x1 = xp[..., 0], xp[..., 1]
-    c = cos[: x.shape[1]].to(dtype)[None, :, None, :]
-    s = sin[: x.shape[1]].to(dtype)[None, :, None, :]
-    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
-    return out.type_as(x)
-
-
-class CausalAttention(nn.Module):
-    """The attention core, a swap point: causal softmax attention of ``q`` (batch, seq, heads, head_dim) over
-    ``k``, ``v`` (batch, seq, kv_heads, head_dim), kv heads shared by groups of query heads; returns (batch, seq,
-    heads, head_dim). No parameters. Context parallelism replaces it from outside
-    (``titanlike.parallel.context_parallel.ContextParallelAttention``) without touching the projections."""
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        n_rep = q.shape[2] // k.shape[2]
-        if n_rep > 1:  # grouped-query attention: each kv head serves n_rep query heads
-            k = k.repeat_interleave(n_rep, dim=2)
-            v = v.repeat_interleave(n_rep, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return out.transpose(1, 2)
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -243,7 +170,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, kv_dim, bias=False)
         self.wv = nn.Linear(args.dim, kv_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.sdpa = CausalAttention()
+        self.sdpa = AttentionCore()
 
     def forward(self, x: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -254,42 +181,6 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.sdpa(q, k, v)
         return self.wo(out.reshape(bsz, seqlen, -1))
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: ModelArgs):
-        super().__init__()
-        self.layer_id = layer_id
-        self.args = args
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos=cos, sin=sin)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-    def init_weights(self, seed: int | None = None):
-        """This block's weights as the full model's init makes them (``seed``: default ``torch.initial_seed()``)."""
-        init_parameters(self, param_init(self.args), _seed(seed), prefix=f"layers.{self.layer_id}.")
-
-
-def _seed(seed: int | None) -> int:
-    return torch.initial_seed() if seed is None else seed
 
 
 def param_init(args: ModelArgs) -> Callable[[str], Init]:
@@ -321,52 +212,31 @@ def param_init(args: ModelArgs) -> Callable[[str], Init]:
     )
 
 
-class Transformer(nn.Module):
-    """The decoder, or a contiguous part of it (a pipeline stage).
+class TransformerBlock(DecoderBlock):
+    param_init = staticmethod(param_init)
 
-    ``layer_ids`` selects which blocks this module holds; ``has_embedding`` / ``has_head`` whether it owns the
-    token embedding (input: token ids) and the final norm + output head (output: logits). A stage without the
-    embedding takes hidden states; one without the head returns hidden states.
-    """
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__(layer_id, args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
 
-    def __init__(
-        self, args: ModelArgs, layer_ids: Iterable[int] | None = None, has_embedding: bool = True, has_head: bool = True
-    ):
-        super().__init__()
-        if args.vocab_size <= 0:
-            raise ValueError("ModelArgs.vocab_size is not set: take it from the tokenizer")
-        self.args = args
-        layer_ids = range(args.n_layers) if layer_ids is None else list(layer_ids)
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if has_embedding else None
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in layer_ids})
-        self.norm = RMSNorm(args.dim, args.norm_eps) if has_head else None
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if has_head else None
-        if args.tie_embeddings and has_embedding and has_head:
-            self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args)
-        self.register_buffer("rope_cos", cos.float(), persistent=False)
-        self.register_buffer("rope_sin", sin.float(), persistent=False)
+    def forward(self, x: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos=cos, sin=sin)
+        return h + self.feed_forward(self.ffn_norm(h))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
-        if self.output is None:
-            return h
-        return self.output(self.norm(h))
 
-    @torch.no_grad()
-    def init_buffers(self, device: torch.device | None = None):
-        """(Re)compute the RoPE tables (non-persistent buffers, never in a checkpoint) on ``device``."""
-        device = device or self.rope_cos.device
-        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.args)
-        dtype = self.rope_cos.dtype if self.rope_cos.dtype == torch.float64 else torch.float32
-        self.rope_cos = cos.to(device=device, dtype=dtype)
-        self.rope_sin = sin.to(device=device, dtype=dtype)
+class Transformer(RopeTables, Decoder):
+    """The decoder: ``tok_embeddings`` -> ``layers`` (TransformerBlock by global index) -> ``norm`` -> ``output``,
+    with the RoPE tables as root buffers. A pipeline stage is this module with other stages' modules removed
+    (``titanlike.parallel.pipeline.build_stage``): without the embedding it takes hidden states, without the head it
+    returns them."""
 
-    @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | None = None, seed: int | None = None):
-        """(Re)initialise every buffer and parameter, sharded (DTensor) ones too, each rank its own elements:
-        :func:`param_init` from ``seed`` (default ``torch.initial_seed()``), the same values under every layout."""
-        self.init_buffers(buffer_device)
-        init_parameters(self, param_init(self.args), _seed(seed))
+    param_init = staticmethod(param_init)
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self._build_trunk(lambda i: TransformerBlock(i, args), RMSNorm(args.dim, args.norm_eps))
+        self._register_rope()

@@ -1,0 +1,160 @@
+"""The scaffolding every built-in decoder shares: input modules -> blocks keyed by global index -> norm -> head.
+
+A model subclasses :class:`Decoder` and keeps only what differs (its blocks, its input modules, what the blocks
+receive besides the hidden states). What the base gives, and the rest of the package relies on:
+
+* **roles** as class attributes, read by the model spec (``titanlike.models.spec``): ``input_modules`` (run first,
+  on token ids), ``block_container`` (an ``nn.ModuleDict`` of blocks keyed by their global index, so a pipeline
+  stage keeps the full model's FQNs: ``layers.5.attention.wq.weight``), ``output_modules`` (final norm + head);
+* **a forward that skips ``None`` modules**, the pipeline contract (``titanlike.parallel.pipeline.build_stage``
+  keeps a stage's modules and sets the others to None or deletes them from the container): without the input
+  modules it takes hidden states, without the head it returns them;
+* **tied embeddings** (``args.tie_embeddings``: the head's weight is the token table);
+* **two seams** that context parallelism swaps from outside (``titanlike.parallel.context_parallel``), shared by
+  every model so that one transform serves them all: :class:`AttentionCore` (the causal softmax attention of
+  ``q, k, v``) and :class:`Positions` (the positions of the tokens this rank holds, from which RoPE rows and
+  learned position embeddings are looked up);
+* ``init_weights`` / ``init_buffers`` over the model's ``param_init`` (``titanlike.init``: each element a pure
+  function of (seed, FQN, index), the same values under every layout).
+
+Per-batch attention context (document ids, positions that restart per document) would travel as keyword arguments
+of ``forward`` into :meth:`Decoder.block_kwargs`, the blocks and the attention seam (torch's pipeline stages hand
+every stage the step's keyword arguments, split by microbatch): no further seam is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanlike.init import Init, init_parameters
+
+__all__ = ["AttentionCore", "Decoder", "DecoderBlock", "Positions"]
+
+
+class AttentionCore(nn.Module):
+    """The attention seam: causal softmax attention of ``q`` (batch, seq, heads, head_dim) over ``k``, ``v``
+    (batch, seq, kv_heads, head_dim), kv heads shared by groups of query heads (``repeat_interleave``: query head
+    ``i`` uses kv head ``i // (heads / kv_heads)``); returns (batch, seq, heads, head_dim). No parameters. Every
+    model calls its attention through one of these, so context parallelism replaces it from outside
+    (``ContextParallelAttention``) without touching the projections."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n_rep = q.shape[2] // k.shape[2]
+        if n_rep > 1:  # grouped-query attention: each kv head serves n_rep query heads
+            k = k.repeat_interleave(n_rep, dim=2)
+            v = v.repeat_interleave(n_rep, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return out.transpose(1, 2)
+
+
+class Positions(nn.Module):
+    """The position seam: the positions ``(seq,)`` of the tokens of ``x`` (batch, seq, ...): ``0 .. seq - 1`` on
+    one device; under context parallelism the global positions of this rank's chunks. No parameters, no buffers
+    (so every pipeline stage keeps it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.arange(x.shape[1], device=x.device)
+
+
+def _seed(seed: int | None) -> int:
+    return torch.initial_seed() if seed is None else seed
+
+
+class DecoderBlock(nn.Module):
+    """Base of a model's blocks: its global index ``layer_id`` and the model's ``args``; ``param_init`` (class
+    attribute): the model's init plan, so a block alone initialises as the full model does."""
+
+    param_init: ClassVar[Callable[[object], Callable[[str], Init]]]
+
+    def __init__(self, layer_id: int, args):
+        super().__init__()
+        self.layer_id = layer_id
+        self.args = args
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """This block's weights as the full model's init makes them (``seed``: default ``torch.initial_seed()``)."""
+        plan = type(self).param_init(self.args)
+        init_parameters(self, plan, _seed(seed), prefix=f"{Decoder.block_container}.{self.layer_id}.")
+
+
+class Decoder(nn.Module):
+    """The decoder, or a pipeline stage of it (modules of other stages None, blocks of other stages deleted).
+
+    Subclasses build their input modules (the names in ``input_modules``), then call :meth:`_build_trunk` with
+    their block constructor and final norm, and implement :meth:`embed` (and :meth:`block_kwargs` when the blocks
+    take more than the hidden states). ``param_init(args)``: the model's init plan (class attribute, a function).
+    """
+
+    input_modules: ClassVar[tuple[str, ...]] = ("tok_embeddings",)
+    output_modules: ClassVar[tuple[str, ...]] = ("norm", "output")
+    block_container: ClassVar[str] = "layers"
+    param_init: ClassVar[Callable[[object], Callable[[str], Init]]]
+
+    def __init__(self, args):
+        super().__init__()
+        if args.vocab_size <= 0:
+            raise ValueError(f"{type(args).__name__}.vocab_size is not set: take it from the tokenizer")
+        self.args = args
+
+    def _build_trunk(self, block: Callable[[int], nn.Module], norm: nn.Module) -> None:
+        """The position seam, the blocks ``block(i)`` keyed by global index, the final norm and the head (tied to
+        ``tok_embeddings`` when ``args.tie_embeddings``)."""
+        args = self.args
+        self.positions = Positions()
+        self.layers = nn.ModuleDict({str(i): block(i) for i in range(args.n_layers)})
+        self.norm = norm
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    # ---------------------------------------------------------------------------------------- what models define
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The input modules: token ids (batch, seq) -> hidden states (batch, seq, dim)."""
+        return self.tok_embeddings(tokens)
+
+    def block_kwargs(self, positions: torch.Tensor) -> dict:
+        """What every block receives besides the hidden states (keyword arguments), e.g. the RoPE rows of
+        ``positions``."""
+        return {}
+
+    # ---------------------------------------------------------------------------------------- the shared forward
+    def _has_inputs(self) -> bool:
+        present = [getattr(self, n, None) is not None for n in self.input_modules]
+        if any(present) and not all(present):
+            missing = [n for n, p in zip(self.input_modules, present) if not p]
+            raise ValueError(
+                f"{type(self).__name__}: a stage holds some input modules but not {', '.join(missing)}; keep "
+                f"{', '.join(self.input_modules)} together on the first stage"
+            )
+        return all(present)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = self.positions(x)
+        h = self.embed(x, positions) if self._has_inputs() else x
+        kwargs = self.block_kwargs(positions)
+        for block in self.layers.values():
+            h = block(h, **kwargs)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+    # ---------------------------------------------------------------------------------------- initialisation
+    @torch.no_grad()
+    def init_buffers(self, device: torch.device | None = None) -> None:
+        """(Re)compute the non-persistent buffers (none here; RoPE tables in models that have them)."""
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None, seed: int | None = None) -> None:
+        """(Re)initialise every buffer and parameter, sharded (DTensor) ones too, each rank its own elements: the
+        model's ``param_init`` from ``seed`` (default ``torch.initial_seed()``), the same values under every
+        layout."""
+        self.init_buffers(buffer_device)
+        init_parameters(self, type(self).param_init(self.args), _seed(seed))

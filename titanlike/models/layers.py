@@ -1,0 +1,113 @@
+"""Building blocks the decoders share, in plain ``torch.nn``: RMSNorm, rotary position tables, SwiGLU.
+
+Norms and RoPE compute in at least float32 (float64 stays float64, so numerics can be compared exactly).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["FeedForward", "RMSNorm", "RopeTables", "apply_rope", "compute_dtype", "rope_inv_freq", "rope_tables"]
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """Norms and RoPE run in at least float32 (float64 stays float64 so numerics can be compared exactly)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(compute_dtype(x))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return h.type_as(x) * self.weight
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
+
+def rope_inv_freq(head_dim: int, theta: float, args=None) -> torch.Tensor:
+    """The head_dim // 2 rotation frequencies theta^(-2i/head_dim), in float64, with ``args.rope_scaling``.
+
+    "llama3" (Llama 3.1+, as Meta's reference code and transformers' ``rope_type: llama3``): wavelengths longer than
+    ``original_max_seq_len / low_freq_factor`` are stretched by ``factor``, those shorter than
+    ``original_max_seq_len / high_freq_factor`` are kept, and the band between is interpolated smoothly.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if args is None or getattr(args, "rope_scaling", "none") == "none":
+        return inv_freq
+    factor, low, high = args.rope_scaling_factor, args.rope_low_freq_factor, args.rope_high_freq_factor
+    old_len = args.rope_original_max_seq_len
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, args=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (max_seq_len, head_dim // 2), computed in float64 (``args``: rope scaling)."""
+    inv_freq = rope_inv_freq(head_dim, theta, args)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x: (batch, seq, heads, head_dim) by the position angle (Meta's
+    layout; ``cos`` / ``sin``: the rows of the tokens' positions, (seq, head_dim // 2))."""
+    dtype = compute_dtype(x)
+    xp = x.to(dtype).unflatten(-1, (-1, 2))
+    x0, x1 = xp[..., 0], xp[..., 1]
+    c = cos[: x.shape[1]].to(dtype)[None, :, None, :]
+    s = sin[: x.shape[1]].to(dtype)[None, :, None, :]
+    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class RopeTables:
+    """Mixed into a :class:`~titanlike.models.decoder.Decoder` whose blocks rotate q and k: the cos / sin tables of
+    every position up to ``args.max_seq_len`` as non-persistent root buffers (every pipeline stage keeps them; never
+    in a checkpoint), and the blocks' ``cos`` / ``sin`` keyword arguments: the rows of the tokens' positions
+    (the position seam's: global positions under context parallelism). ``args``: ``head_dim``, ``max_seq_len``,
+    ``rope_theta`` (and the RoPE scaling fields, when it has them)."""
+
+    def _register_rope(self) -> None:
+        a = self.args
+        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a)
+        self.register_buffer("rope_cos", cos.float(), persistent=False)
+        self.register_buffer("rope_sin", sin.float(), persistent=False)
+
+    def block_kwargs(self, positions: torch.Tensor) -> dict:
+        return {"cos": self.rope_cos.index_select(0, positions), "sin": self.rope_sin.index_select(0, positions)}
+
+    @torch.no_grad()
+    def init_buffers(self, device: torch.device | None = None) -> None:
+        """(Re)compute the RoPE tables on ``device`` (float32, or float64 in a float64 model)."""
+        a = self.args
+        device = device or self.rope_cos.device
+        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a)
+        dtype = self.rope_cos.dtype if self.rope_cos.dtype == torch.float64 else torch.float32
+        self.rope_cos = cos.to(device=device, dtype=dtype)
+        self.rope_sin = sin.to(device=device, dtype=dtype)
