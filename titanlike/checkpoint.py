@@ -451,10 +451,10 @@ def model_args_of(path: str | os.PathLike) -> ModelArgs:
         raise ConfigError(
             f"checkpoint '{path}' has no {META_NAME} with the model's shape; is it a titanlike checkpoint?"
         )
-    from titanlike.models import UnknownModelError, get_spec
+    from titanlike.models import DEFAULT_MODEL, UnknownModelError, get_spec
 
     try:
-        spec = get_spec(meta.get("model", "llama3"))  # checkpoints written before model specs are Llama ones
+        spec = get_spec(meta.get("model", DEFAULT_MODEL))  # checkpoints written before model specs: the default
     except UnknownModelError as e:
         raise ConfigError(f"checkpoint '{path}': {e}") from None
     return spec.args_cls(**meta["model_args"])

@@ -27,7 +27,7 @@ from typing import Literal
 
 from titanlike.layout import SCHEDULES, ConfigError, layout_violations
 from titanlike.layout.rules import MODEL_OVERRIDES
-from titanlike.models import UnknownModelError, get_spec, pad_vocab, registered, spec_for
+from titanlike.models import DEFAULT_MODEL, UnknownModelError, get_spec, pad_vocab, registered, spec_for
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -46,7 +46,7 @@ class Job:
 
 @dataclass
 class Model:
-    name: str = "llama3"  # the model: a registered spec (llama3, gpt2; titanlike.models.registered())
+    name: str = DEFAULT_MODEL  # the model: a registered spec (llama3, gpt2; titanlike.models.registered())
     flavor: str = "debugmodel"  # a size of the family (debugmodel, tiny, gpt2_small, 1B, 8B, 70B, 405B)
     tokenizer: str = "test"  # "gpt2", "cl100k", "test" (2k ranks) or a path to a .tiktoken rank file
     vocab_multiple: int = 64  # pad the vocabulary to a multiple of this (keeps vocab % tp == 0 and matmuls aligned)

@@ -35,7 +35,7 @@ chunks lie from the entries (:func:`entry_for`, :attr:`FusedColwise.chunks`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatch
 
 __all__ = [
@@ -60,9 +60,10 @@ __all__ = [
 @dataclass(frozen=True)
 class Entry:
     """How one module's parameters split over tensor parallelism. ``float8``: an ``nn.Linear`` that may train in
-    float8 (torchao ``Float8Linear``, with torchao's float8 tensor-parallel styles under tensorwise scaling)."""
+    float8 (torchao ``Float8Linear``, with torchao's float8 tensor-parallel styles under tensorwise scaling); a
+    keyword argument of every entry."""
 
-    float8: bool = False
+    float8: bool = field(default=False, kw_only=True)
 
     def tp_dim(self, leaf: str, ndim: int, *, tp: int, fsdp: bool) -> int | None:
         """The dim tensor parallelism shards this module's parameter ``leaf`` on (``ndim`` dims), None when it is
@@ -79,7 +80,7 @@ class Colwise(Entry):
     """An ``nn.Linear`` whose output features split over tp (weight and bias dim 0): from the replicated input each
     rank computes its own heads / hidden units, a local output (torch's ``ColwiseParallel``)."""
 
-    float8: bool = True
+    float8: bool = field(default=True, kw_only=True)
 
     def tp_dim(self, leaf, ndim, *, tp, fsdp):
         return 0
@@ -91,7 +92,7 @@ class Rowwise(Entry):
     the residual stream's layout (Megatron's g: an all-reduce, a reduce-scatter under SP); the bias is replicated
     and added once, after the sum (torch's ``RowwiseParallel`` to ``seq``)."""
 
-    float8: bool = True
+    float8: bool = field(default=True, kw_only=True)
 
     def tp_dim(self, leaf, ndim, *, tp, fsdp):
         return 1 if leaf == "weight" else None

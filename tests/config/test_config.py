@@ -99,7 +99,8 @@ def test_value_forms():
         ),
         (
             ["--model.name", "gpt2", "--model.kernels", "te"],
-            "model.kernels=te swaps Transformer Engine modules into the Llama model only",
+            "model.kernels=te swaps Transformer Engine modules only into models that declare them "
+            "(ModelSpec.te_norm), and gpt2 declares none; use model.kernels=torch for gpt2",
         ),
     ],
 )

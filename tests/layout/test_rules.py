@@ -3,18 +3,24 @@ configuration with exit code 2 and one line on stderr, before any process group 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch.distributed as dist
 
 from titanlike.config import model_args_from_config, parse_config
 from titanlike.layout import RULES
 from titanlike.layout.rules import rule_violations
+from titanlike.models import get_spec
+from titanlike.models.spec import _REGISTRY
 from titanlike.training.trainer import main
 
 TINY = ["--model.flavor", "tiny", "--training.seq_len", "16", "--training.local_batch_size", "4"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 GPT2 = ["--model.name", "gpt2"]
+# A model registered from outside that does not declare context parallelism (every built-in model does).
+NO_CP = dataclasses.replace(get_spec("llama3"), name="llama3_without_cp", context_parallel=False)
 ZB = [*PP2, "--model.n_layers", "4", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
 
 # rule -> (world size, the bad options on top of TINY)
@@ -44,7 +50,7 @@ CASES = {
     "cp_kernels": (2, [*CP2, "--model.kernels", "te"]),
     "cp_float8": (2, [*CP2, "--float8.recipe", "tensorwise"]),
     "cp_schedule": (4, [*CP2, *ZB]),
-    "cp_model": (2, [*GPT2, *CP2]),
+    "cp_model": (2, ["--model.name", NO_CP.name, *CP2]),
     "te_model": (1, [*GPT2, "--model.kernels", "te"]),
     "float8_model": (1, [*GPT2, "--float8.recipe", "tensorwise"]),
     "tp_heads": (8, ["--parallelism.tensor_parallel_degree", "8"]),
@@ -140,6 +146,7 @@ def test_every_rule_has_a_case():
 )
 def test_each_rule_fires_and_train_py_exits_2_with_one_line(rule, case, monkeypatch, capsys):
     world, bad = case
+    monkeypatch.setitem(_REGISTRY, NO_CP.name, NO_CP)
     argv = TINY + bad
     cfg = parse_config(argv)
     fired = rule_violations(cfg, world, model_args_from_config(cfg))

@@ -185,6 +185,9 @@ LAYOUTS = [
     Layout("MUT cp2 chunks in wrong order", 2, _cp(2, *_dp(1, 1, 8)), mutation="cp_chunks_wrong_order"),
     Layout("MUT cp2 RoPE local positions", 2, _cp(2, *_dp(1, 1, 8)), mutation="cp_rope_local"),
     Layout("MUT cp2 loss tokens per cp rank", 2, _cp(2, *_dp(1, 1, 8)), mutation="cp_tokens_per_rank"),
+    # GPT-2 under cp through the shared seams: attention (fused c_attn) and its learned positions
+    Layout("gpt2 cp2", 2, _cp(2, *_dp(1, 1, 8)), model="gpt2"),
+    Layout("MUT gpt2 cp2 positions local", 2, _cp(2, *_dp(1, 1, 8)), model="gpt2", mutation="cp_rope_local"),
     # 4 ranks
     Layout("tp4_gqa", 4, _tp(4, *_dp(1, 1, 8)), model="gqa8"),
     Layout("fsdp4", 4, _dp(1, 4, 2)),
@@ -201,6 +204,7 @@ LAYOUTS = [
     Layout("cp4", 4, _cp(4, *_dp(1, 1, 8))),
     Layout("cp2_tp2_sp", 4, _cp(2, *_tp(2, *SP, *_dp(1, 1, 8)))),
     Layout("cp2_fsdp2", 4, _cp(2, *_dp(1, 2, 4))),
+    Layout("gpt2 cp2_tp2_sp", 4, _cp(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="gpt2"),
     # 8 ranks
     Layout("tp2_hsdp2x2", 8, _tp(2, *_dp(2, 2, 2))),
     Layout("tp2_sp_fsdp4", 8, _tp(2, *SP, *_dp(1, 4, 2))),

@@ -109,3 +109,54 @@ def test_train_py_refuses_a_bad_cp_layout_in_one_line(tmp_path):
         "cp rank holds 2 of 6 load-balanced chunks); choose a multiple of 6"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_apply_cp_swaps_the_shared_seams_of_every_model_and_refuses_a_module_without_one():
+    """One transform for every model: the attention seam and the position seam of Llama and GPT-2 (and of a pipeline
+    stage of them) are swapped; a module whose attention does not go through the seam is a one-line error, never a
+    silent per-rank attention; one without a position seam needs positions=False said on purpose."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from titanlike.models import get_spec
+    from titanlike.models.decoder import AttentionCore
+    from titanlike.parallel.context_parallel import ContextParallelAttention, ContextParallelPositions, apply_cp
+    from titanlike.parallel.pipeline import build_stage
+
+    dist.init_process_group("fake", rank=1, world_size=2, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+        for name in ("llama3", "gpt2"):
+            spec = get_spec(name)
+            model = spec.build_meta(spec.flavors["tiny"].replace(vocab_size=64))
+            for m in (model, build_stage(model, ["layers.1", "norm", "output"])):
+                apply_cp(m, mesh)
+                kinds = [type(x) for x in m.modules()]
+                assert kinds.count(ContextParallelAttention) == len(m.layers) and AttentionCore not in kinds
+                assert kinds.count(ContextParallelPositions) == 1
+                assert m.positions(torch.zeros(1, 4, dtype=torch.long)).tolist() == [2, 3, 4, 5]  # rank 1's chunks
+
+        class OwnAttention(torch.nn.Module):  # attention computed in place: no seam to swap
+            def __init__(self):
+                super().__init__()
+                self.qkv = torch.nn.Linear(8, 24)
+
+            def forward(self, x):
+                q, k, v = self.qkv(x).chunk(3, -1)
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        with pytest.raises(ValueError, match=r"^apply_cp: OwnAttention has no attention seam") as e:
+            apply_cp(OwnAttention(), mesh)
+        assert "\n" not in str(e.value)
+
+        class SeamNoPositions(OwnAttention):
+            def __init__(self):
+                super().__init__()
+                self.core = AttentionCore()
+
+        with pytest.raises(ValueError, match=r"^apply_cp: SeamNoPositions has no position seam"):
+            apply_cp(SeamNoPositions(), mesh)
+        assert isinstance(apply_cp(SeamNoPositions(), mesh, positions=False).core, ContextParallelAttention)
+    finally:
+        dist.destroy_process_group()

@@ -123,6 +123,8 @@ def test_matrix_covers_the_required_layouts():
         "cp2_tp2_sp",
         "cp2_fsdp2",
         "cp2_tp2_fsdp2",
+        "gpt2 cp2",
+        "gpt2 cp2_tp2_sp",
     ]
     assert all(n in by_name for n in required)
     assert {layout.mutation for layout in gate.LAYOUTS if layout.mutation} == set(EXPECTED_BREAK)

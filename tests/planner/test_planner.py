@@ -304,7 +304,7 @@ def _measured_activations(args, layout_argv, mode):
     x_leaf = torch.randn(cfg.training.local_batch_size, cfg.training.seq_len, args.dim, dtype=dtype, requires_grad=True)
     kwargs = stage.block_kwargs(stage.positions(x_leaf))  # the RoPE rows: made once per forward for every block
     tracker = MemTracker()
-    tracker.track_external(stage, x_leaf)
+    tracker.track_external(stage, x_leaf, *kwargs.values())
     with tracker:
         x = x_leaf * 1
         y = stage.layers["0"](x, **kwargs)

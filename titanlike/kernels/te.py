@@ -1,9 +1,12 @@
 """Swap NVIDIA Transformer Engine (TE) modules into the plain model, keeping parameter names and shapes.
 
-What is swapped, in every block of ``model.layers`` and the final ``model.norm``:
+What is swapped, in every block of the model's block container and its output modules (the final norm), for a
+model whose spec declares a TE-swappable norm (``ModelSpec.te_norm``; the layout rules refuse ``model.kernels=te``
+for the others):
 
-* ``RMSNorm`` -> ``te.RMSNorm`` (parameter ``weight``, same semantics: ``zero_centered_gamma=False``);
-* ``nn.Linear`` (``wq/wk/wv/wo``, ``w1/w2/w3``) -> ``te.Linear`` (parameter ``weight``, shape (out, in)).
+* instances of that norm class (an RMSNorm with ``weight`` and ``eps``) -> ``te.RMSNorm`` (parameter ``weight``,
+  same semantics: ``zero_centered_gamma=False``);
+* ``nn.Linear`` (Llama's ``wq/wk/wv/wo``, ``w1/w2/w3``) -> ``te.Linear`` (parameter ``weight``, shape (out, in)).
 
 Parameter names, shapes and values are unchanged, so optimizers, the numerics gate (which compares by name),
 checkpoints and the TP/FSDP plans see the same model. TE modules add one non-parameter entry per module to
@@ -47,7 +50,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanlike.models.llama import RMSNorm
+from titanlike.models import block_container_of, spec_for
 
 __all__ = [
     "TEUnavailableError",
@@ -149,7 +152,7 @@ def _new_linear(te, old: nn.Linear) -> nn.Module:
     return new
 
 
-def _new_rmsnorm(te, old: RMSNorm) -> nn.Module:
+def _new_rmsnorm(te, old: nn.Module) -> nn.Module:
     w = old.weight
     new = te.RMSNorm(w.shape[0], eps=old.eps, params_dtype=w.dtype, device=w.device)
     _copy_params(old, new)
@@ -170,17 +173,17 @@ def _copy_params(old: nn.Module, new: nn.Module) -> None:
         q.requires_grad_(p.requires_grad)
 
 
-def _swap_children(module: nn.Module, te, prefix: str, converted: list[str]) -> None:
+def _swap_children(module: nn.Module, te, norm_cls: type, prefix: str, converted: list[str]) -> None:
     for name, child in module.named_children():
         path = f"{prefix}{name}"
         if isinstance(child, nn.Linear):
             setattr(module, name, _new_linear(te, child))
             converted.append(path)
-        elif isinstance(child, RMSNorm):
+        elif isinstance(child, norm_cls):
             setattr(module, name, _new_rmsnorm(te, child))
             converted.append(path)
         else:
-            _swap_children(child, te, f"{path}.", converted)
+            _swap_children(child, te, norm_cls, f"{path}.", converted)
 
 
 class _FP8Autocast:
@@ -210,13 +213,20 @@ def convert_to_te(
     capability: tuple[int, int] | None = None,
     fp8_group=None,
 ) -> nn.Module:
-    """Swap TE modules into ``model`` (a ``Transformer`` or a pipeline stage of one) in place; returns it.
+    """Swap TE modules into ``model`` (a registered model whose spec declares ``te_norm``, or a pipeline stage of
+    one) in place; returns it.
 
     Call on the unparallelized model (materialised or on the meta device), before ``parallelize_model``.
     ``te``: the TE namespace (default: :func:`load_te`, which raises one clear error where TE can't load);
     ``capability``: the GPU's compute capability (default: the current CUDA device's); ``fp8_group``: the
     process group over which delayed scaling all-reduces amaxes (TE's default: the world).
     """
+    spec = spec_for(model)
+    if spec is None or spec.te_norm is None:
+        raise ValueError(
+            f"model.kernels=te: {type(model).__name__} declares no Transformer Engine swap (ModelSpec.te_norm); "
+            f"use model.kernels=torch"
+        )
     if te is None:
         te = load_te()
     if any(isinstance(p, DTensor) for p in model.parameters()):
@@ -236,11 +246,12 @@ def convert_to_te(
                     f"FP8 GEMMs need both dims to be multiples of {align}"
                 )
     converted: list[str] = []
-    for name, block in model.layers.named_children():
-        _swap_children(block, te, f"layers.{name}.", converted)
-    if isinstance(getattr(model, "norm", None), RMSNorm):
-        model.norm = _new_rmsnorm(te, model.norm)
-        converted.append("norm")
+    for name, block in block_container_of(model).named_children():
+        _swap_children(block, te, spec.te_norm, f"{spec.block_container}.{name}.", converted)
+    for name in spec.output_modules:
+        if isinstance(getattr(model, name, None), spec.te_norm):
+            setattr(model, name, _new_rmsnorm(te, getattr(model, name)))
+            converted.append(name)
     if recipe is not None:
         model.__class__ = _fp8_class(type(model))
         model._te_fp8_context = _fp8_context_factory(te, recipe, fp8_group)

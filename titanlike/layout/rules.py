@@ -15,6 +15,7 @@ from titanlike.layout.policy import batch_split, parse_ac_option
 from titanlike.layout.schedules import SCHEDULES, schedule_facts
 from titanlike.layout.stages import parse_module_names, pipeline_stage_count
 from titanlike.models import get_spec
+from titanlike.sharding import float8_patterns
 
 __all__ = ["MODEL_OVERRIDES", "RULES", "layout_violations", "rule_violations"]
 
@@ -49,9 +50,10 @@ RULES = {
     "cp_kernels": "context parallelism with model.kernels=torch",
     "cp_float8": "context parallelism without float8",
     "cp_schedule": "context parallelism without split-backward pipeline schedules",
-    "cp_model": "context parallelism on the Llama model only (its attention core and RoPE positions)",
-    "te_model": "Transformer Engine kernels on the Llama model only",
-    "float8_model": "float8 training on the Llama model only",
+    "cp_model": "context parallelism on models that declare it (ModelSpec.context_parallel: the shared attention and "
+    "position seams)",
+    "te_model": "Transformer Engine kernels on models that declare a TE-swappable norm (ModelSpec.te_norm)",
+    "float8_model": "float8 training on models whose sharding marks float8-eligible Linears (float8=True entries)",
     "tp_heads": "tp divides n_heads",
     "tp_kv_heads": "tp divides n_kv_heads",
     "tp_ffn": "tp divides the ffn hidden size",
@@ -190,23 +192,24 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
             parse_ac_option(cfg.activation_checkpoint.selective_ac_option)
         except ConfigError as e:
             add("ac_option", str(e))
-    if cfg.model.kernels == "te" and spec.name != "llama3":
+    if cfg.model.kernels == "te" and spec.te_norm is None:
         add(
             "te_model",
-            f"model.kernels=te swaps Transformer Engine modules into the Llama model only; use "
-            f"model.kernels=torch for {spec.name}",
+            f"model.kernels=te swaps Transformer Engine modules only into models that declare them "
+            f"(ModelSpec.te_norm), and {spec.name} declares none; use model.kernels=torch for {spec.name}",
         )
-    if cfg.float8.recipe and spec.name != "llama3":
+    if cfg.float8.recipe and not float8_patterns(spec.sharding):
         add(
             "float8_model",
-            f"float8.recipe={cfg.float8.recipe}: float8 training is wired for the Llama model only; "
-            f"leave float8.recipe empty for {spec.name}",
+            f"float8.recipe={cfg.float8.recipe}: {spec.name} marks no Linear float8-eligible (its sharding "
+            f"entries); leave float8.recipe empty for {spec.name}",
         )
-    if cp > 1 and spec.name != "llama3":
+    if cp > 1 and not spec.context_parallel:
         add(
             "cp_model",
-            f"parallelism.context_parallel_degree {cp}: context parallelism is wired for the Llama model "
-            f"only (its attention core and RoPE positions); set cp 1 for {spec.name}",
+            f"parallelism.context_parallel_degree {cp}: {spec.name} does not declare context parallelism "
+            f"(ModelSpec.context_parallel: attention and positions through the shared seams); set cp 1 for "
+            f"{spec.name}",
         )
     out += [("float8", m) for m in float8_violations(cfg)]
     return out

@@ -13,13 +13,13 @@ from collections.abc import Sequence
 
 from titanlike.layout.errors import ConfigError
 from titanlike.layout.schedules import schedule_facts
-from titanlike.models import ModelSpec, get_spec
+from titanlike.models import DEFAULT_MODEL, ModelSpec, get_spec
 
 __all__ = ["parse_module_names", "pipeline_stage_count", "split_module_names", "stage_module_names"]
 
 
 def _spec(spec: ModelSpec | None) -> ModelSpec:
-    return spec if spec is not None else get_spec("llama3")
+    return spec if spec is not None else get_spec(DEFAULT_MODEL)
 
 
 def pipeline_stage_count(cfg, args) -> int:

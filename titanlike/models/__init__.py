@@ -5,10 +5,11 @@ Plain ``torch.nn``: the models import nothing from ``torch.distributed`` and not
 """
 
 from titanlike.models.llama import FLAVORS, ModelArgs, Transformer, TransformerBlock, pad_vocab
-from titanlike.models.registry import block_container_of, get_spec, registered, spec_for
+from titanlike.models.registry import DEFAULT_MODEL, block_container_of, get_spec, registered, spec_for
 from titanlike.models.spec import ModelSpec, UnknownModelError, register
 
 __all__ = [
+    "DEFAULT_MODEL",
     "FLAVORS",
     "ModelArgs",
     "ModelSpec",

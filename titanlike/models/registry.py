@@ -13,7 +13,11 @@ import titanlike.models.gpt2  # noqa: F401
 import titanlike.models.llama  # noqa: F401
 from titanlike.models.spec import _REGISTRY, ModelSpec, UnknownModelError, lookup
 
-__all__ = ["block_container_of", "get_spec", "registered", "spec_for"]
+__all__ = ["DEFAULT_MODEL", "block_container_of", "get_spec", "registered", "spec_for"]
+
+# The model a configuration without model.name, or a checkpoint written before checkpoints recorded their model,
+# means.
+DEFAULT_MODEL = "llama3"
 
 
 def registered() -> list[str]:

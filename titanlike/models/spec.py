@@ -62,6 +62,13 @@ class ModelSpec:
     # ("rms": RMSNorm computed in float32; "layer": LayerNorm) and its MLP ("swiglu": w1, w3, w2; "gelu": fc, proj).
     norm_kind: str = "rms"
     mlp_kind: str = "swiglu"
+    # Capabilities the layout rules check (titanlike.layout.rules), declared by the model, never inferred from its
+    # name. context_parallel: attention through the shared seam and every position lookup through the position seam
+    # (titanlike.models.decoder), so titanlike.parallel.context_parallel applies. te_norm: the norm class whose
+    # instances Transformer Engine may replace by te.RMSNorm (with the blocks' nn.Linear by te.Linear; None: no TE).
+    # float8: the sharding entries marked float8=True (titanlike.sharding.float8_patterns).
+    context_parallel: bool = False
+    te_norm: type | None = None
 
     def __post_init__(self):
         for name in ("input_modules", "output_modules", "block_container", "param_init"):
@@ -105,11 +112,13 @@ def register(spec: ModelSpec) -> ModelSpec:
 
 
 def lookup(obj) -> ModelSpec | None:
-    """The registered spec whose model or args class ``obj`` is an instance of, among the models registered so far
+    """The registered spec whose model or args class ``obj`` is an instance of, the most derived class first (a
+    model subclassing another registered one gets its own spec), among the models registered so far
     (``titanlike.models.spec_for`` loads the built-in ones first)."""
-    for spec in _REGISTRY.values():
-        if isinstance(obj, (spec.model_cls, spec.args_cls)):
-            return spec
+    for cls in type(obj).__mro__:
+        for spec in _REGISTRY.values():
+            if cls is spec.model_cls or cls is spec.args_cls:
+                return spec
     return None
 
 

@@ -156,7 +156,7 @@ def _probe_block(cfg: JobConfig, layout: Layout, args, dims, block) -> int:
         kwargs = block.block_kwargs(block.positions(x_leaf))
         (layer,) = block_container_of(block).values()
         tracker = MemTracker()
-        tracker.track_external(block, x_leaf)
+        tracker.track_external(block, x_leaf, *kwargs.values())
         with tracker:
             x = x_leaf * 1  # the block input as the previous block hands it over: kept only if the block saves it
             y = layer(x, **kwargs)

@@ -14,6 +14,7 @@ SPEC = register(
         args_cls=GPT2Args,
         flavors=FLAVORS,
         sharding=SHARDING,
+        context_parallel=True,
         norm_kind="layer",
         mlp_kind="gelu",
         config_keys=("dim", "n_layers", "n_heads", "ffn_hidden_dim", "max_seq_len", "norm_eps"),

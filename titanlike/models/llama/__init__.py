@@ -53,6 +53,8 @@ SPEC = register(
         args_cls=ModelArgs,
         flavors=FLAVORS,
         sharding=SHARDING,
+        context_parallel=True,
+        te_norm=RMSNorm,
         shape_violations=_shape_violations,
         config_keys=(
             "dim",
