@@ -536,6 +536,8 @@ def parse_config(argv: list[str] | None = None, raise_problems: bool = True) -> 
             value = "true"
         cli_pairs.append((key, value))
     _apply_pairs(cfg, cli_pairs, True, reading, problems, explicit)
+    if "model.name" not in explicit and cfg.checkpoint.initial_load_path:
+        _model_name_from_hf_config(cfg, reading)
     if torchtitan_file and "parallelism.enable_sequence_parallel" not in explicit:
         cfg.parallelism.enable_sequence_parallel = cfg.parallelism.tensor_parallel_degree > 1
         if cfg.parallelism.enable_sequence_parallel:
@@ -557,6 +559,22 @@ def parse_config(argv: list[str] | None = None, raise_problems: bool = True) -> 
     if raise_problems:
         _raise_all(cfg, problems)
     return cfg
+
+
+def _model_name_from_hf_config(cfg: JobConfig, reading) -> None:
+    """``model.name`` left unset and ``checkpoint.initial_load_path`` a Hugging Face folder whose config.json is a
+    registered model's (its ``model_type``): that model, so that a ``save_pretrained`` folder trains with no
+    ``--model.*`` option. A config.json titanlike cannot read is reported later, by the model arguments."""
+    try:
+        hf_args = hf_architecture_of(cfg)
+    except ConfigError:
+        return
+    spec = spec_for(hf_args) if hf_args is not None else None
+    if spec is not None and spec.name != cfg.model.name:
+        cfg.model.name = spec.name
+        reading.notes.append(
+            f"model.name = {spec.name!r}: the model of {cfg.checkpoint.initial_load_path}'s config.json"
+        )
 
 
 def _raise_all(cfg: JobConfig, problems: list[str]) -> None:

@@ -273,12 +273,13 @@ class StepCost:
 
 
 def _stage_flops_per_token(layout: Layout, args, names) -> tuple[float, float]:
-    """(training FLOPs per token of the stage's blocks and head, forward FLOPs of its recomputed blocks), with
-    ModelArgs.flops_per_token's convention: 6 per matmul parameter, 12 h s per block for attention."""
-    h, kv = args.dim, args.n_kv_heads * args.head_dim
-    per_block = 6 * (2 * h * h + 2 * h * kv + 3 * h * args.hidden_dim) + 12 * h * layout.seq_len
+    """(training FLOPs per token of the stage's blocks and head, forward FLOPs of its recomputed blocks): the model's
+    own ``flops_per_token`` (6 per matmul parameter, the head's ``6 V h`` included; attention's ``12 s`` per unit of
+    attention width), split into its ``n_layers`` equal blocks and the head."""
+    head = 6 * args.vocab_size * args.dim
+    per_block = (args.flops_per_token(layout.seq_len) - head) / args.n_layers
     ids = _layer_ids(names)
-    train = per_block * len(ids) + (6 * args.vocab_size * h if "output" in names else 0)
+    train = per_block * len(ids) + (head if "output" in names else 0)
     recompute = sum(per_block / 3 for i in ids if layout.checkpointed(i) == "full")
     return train, recompute
 

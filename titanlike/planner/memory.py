@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from titanlike.planner.layout import Layout
-from titanlike.sharding import param_dims
+from titanlike.sharding import HeadNorm, param_dims
 
 __all__ = [
     "STATE_ITEMS",
@@ -180,31 +180,34 @@ def fsdp_units(
 def block_activation_bytes(layout: Layout, args, tokens: int, mode: str = "none") -> int:
     """Bytes one transformer block keeps for its backward, for ``tokens`` tokens of one microbatch.
 
-    The block's structure comes from its model spec (``norm_kind``, ``mlp_kind``): Llama (RMSNorm upcast to float32,
-    SwiGLU) or GPT-2 (LayerNorm, fused q|k|v, GELU MLP); both equal the planner's dry-run probe (FakeTensorMode)."""
-    h, H, n = args.dim, args.hidden_dim, args.n_heads
+    The block's structure comes from its model spec (``norm_kind``, ``mlp_kind``; per-head q/k norms where its
+    sharding has ``HeadNorm`` entries) and its args (attention widths ``n_heads x head_dim`` and
+    ``n_kv_heads x head_dim``, which need not be the model dim): Llama (RMSNorm upcast to float32, SwiGLU), GPT-2
+    (LayerNorm, fused q|k|v, GELU MLP), Qwen3-like blocks (QK-norm); each equals the planner's dry-run probe
+    (FakeTensorMode)."""
+    h, H, n, kv_n = args.dim, args.hidden_dim, args.n_heads, args.n_kv_heads
+    q_w, kv_w = n * args.head_dim, kv_n * args.head_dim  # attention widths (= h for Llama and GPT-2)
     a, c, t = layout.act_bytes, layout.compute_bytes, layout.tp
     tsp = t if layout.sequence_parallel else 1
-    kv = args.n_kv_heads / args.n_heads
     spec = _spec(args)
-    gelu = spec is not None and spec.mlp_kind == "gelu"
-    layer_norm = spec is not None and spec.norm_kind == "layer"
+    gelu = spec.mlp_kind == "gelu"
+    layer_norm = spec.norm_kind == "layer"
+    qk_norm = any(isinstance(e, HeadNorm) for e in spec.sharding.values())
     # Context parallel (``tokens`` are the local ones): the attention kernel keeps K and V of the whole sequence,
     # repeated to all heads as its inputs (no AC: (cp - 1) more tokens' worth than the local K / V counted below);
     # selective op AC saves the all-gather outputs instead (kv heads) and recomputes the rest.
     gathered_kv = 0.0
     if layout.cp > 1 and mode == "none":
-        gathered_kv = 2 * a * h / t * (layout.cp - 1)
+        gathered_kv = 2 * a * q_w / t * (layout.cp - 1)
     elif layout.cp > 1 and mode == "op":
-        gathered_kv = 2 * a * h * kv / t * layout.cp
+        gathered_kv = 2 * a * kv_w / t * layout.cp
     if mode == "full":
         per_token = a * h / tsp
     elif mode == "op":
-        if gelu:  # c_attn (q|k|v), c_proj (local partial), c_fc, mlp.c_proj
-            mm = 3 * a * h / t + a * h + a * H / t + a * h
-        else:  # wq, wk, wv, wo (local partial), w1, w3, w2
-            mm = a * h / t * (1 + 2 * kv) + a * h + 2 * a * H / t + a * h
-        sdpa = a * h / t + 4 * n / t
+        # the projections' outputs: q, k, v (GPT-2's fused c_attn alike), wo's local partial, the MLP's (SwiGLU: w1,
+        # w3, w2's partial; GELU: c_fc, c_proj's partial)
+        mm = a * (q_w + 2 * kv_w) / t + a * h + (1 if gelu else 2) * a * H / t + a * h
+        sdpa = a * q_w / t + 4 * n / t
         if t > 1 and layout.sequence_parallel:
             coll = 2 * a * h + 2 * a * h / t  # all-gathers before attention / ffn, reduce-scatters after
         elif t > 1:
@@ -215,10 +218,14 @@ def block_activation_bytes(layout: Layout, args, tokens: int, mode: str = "none"
     else:
         # a norm keeps its input and statistics (RMSNorm: the float32 upcast and rstd; LayerNorm: the input and
         # 4 bytes of statistics), its output (the projection's input, all-gathered under SP); q, k, v, the
-        # attention output and its log-sum-exp; the MLP's hidden activations (SwiGLU: 4, GELU: 2)
+        # attention output and its log-sum-exp; the MLP's hidden activations (SwiGLU: 4, GELU: 2); per-head q / k
+        # RMSNorms: their float32 input, one rstd per head and their output (for the weight's gradient)
         norm = (a * h + 4) if layer_norm else (c * h + c + a * h)
         norms = 2 * (norm / tsp + a * h)
-        per_token = norms + (4 * a * h + 4 * n + (2 if gelu else 4) * a * H) / t
+        attention = 2 * a * q_w + 2 * a * q_w + 4 * n  # q, repeated k and v, output; log-sum-exp
+        if qk_norm:
+            attention += (c + a) * (q_w + kv_w) + c * (n + kv_n)
+        per_token = norms + (attention + (2 if gelu else 4) * a * H) / t
     return round((per_token + gathered_kv) * tokens)
 
 
