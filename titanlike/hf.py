@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from titanlike.models import ModelArgs
+from titanlike.models.hf_common import METADATA_FIELDS
 from titanlike.models.spec import check_state_dict_fits
 
 WEIGHTS_NAME = "model.safetensors"
@@ -188,77 +189,8 @@ def expected_shapes(args: ModelArgs) -> dict[str, torch.Size]:
 
 # ------------------------------------------------------------------------------------------------ config.json
 # Fields of a Llama config.json that do not change what the weights compute (metadata, generation and inference
-# options, PretrainedConfig generics); everything else is either honoured or refused.
-IGNORED_FIELDS = frozenset(
-    {
-        "architectures",
-        "model_type",
-        "transformers_version",
-        "torch_dtype",
-        "dtype",
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-        "use_cache",
-        "initializer_range",
-        "pretraining_tp",
-        "_name_or_path",
-        "name_or_path",
-        "output_attentions",
-        "output_hidden_states",
-        "return_dict",
-        "torchscript",
-        "use_return_dict",
-        "is_decoder",
-        "is_encoder_decoder",
-        "add_cross_attention",
-        "tie_encoder_decoder",
-        "chunk_size_feed_forward",
-        "id2label",
-        "label2id",
-        "problem_type",
-        "finetuning_task",
-        "tokenizer_class",
-        "prefix",
-        "sep_token_id",
-        "decoder_start_token_id",
-        "task_specific_params",
-        "max_length",
-        "min_length",
-        "do_sample",
-        "early_stopping",
-        "num_beams",
-        "num_beam_groups",
-        "diversity_penalty",
-        "temperature",
-        "top_k",
-        "top_p",
-        "typical_p",
-        "repetition_penalty",
-        "length_penalty",
-        "no_repeat_ngram_size",
-        "encoder_no_repeat_ngram_size",
-        "bad_words_ids",
-        "num_return_sequences",
-        "output_scores",
-        "return_dict_in_generate",
-        "forced_bos_token_id",
-        "forced_eos_token_id",
-        "remove_invalid_values",
-        "exponential_decay_length_penalty",
-        "suppress_tokens",
-        "begin_suppress_tokens",
-        "cross_attention_hidden_size",
-        "pruned_heads",
-        "tf_legacy_loss",
-        "use_bfloat16",
-        "_attn_implementation",
-        "_attn_implementation_autoset",
-        "attn_implementation",
-        "_commit_hash",
-        "layer_types",
-    }
-)
+# options, PretrainedConfig generics, shared by every adapter); everything else is either honoured or refused.
+IGNORED_FIELDS = METADATA_FIELDS
 # Fields whose value must be the one this model implements: field -> (accepted values, what titanlike has).
 _FIXED_FIELDS = {
     "hidden_act": (("silu", "swish"), "SwiGLU with silu"),
