@@ -108,6 +108,20 @@ def dry_run(cfg: JobConfig, layout: Layout, args, rank: int = 0, probe_activatio
         return result
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """DTensor caches sharding propagation and redistribution plans by mesh *value* (shape, ranks, names), and the
+    cached results hold the mesh objects, whose process groups are this fake group's: a later dry run in the same
+    process for another rank (a mesh equal by value, its groups registered under other names) would reuse them and
+    fail with "Could not resolve the process group" (measured, torch 2.13). Clear them with the group."""
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's copy
+    if native is not None:
+        native()
 
 
 def _probe_block(cfg: JobConfig, layout: Layout, args, dims, block) -> int:
