@@ -1,8 +1,49 @@
 """What every model's Hugging Face adapter shares, importable from the model folders: the config.json fields of
 ``transformers``' ``PretrainedConfig`` that do not change what the weights compute (metadata, generation and
-inference options, generics). An adapter honours its model's fields, ignores these, and refuses the rest."""
+inference options, generics; an adapter honours its model's fields, ignores these, and refuses the rest), and the
+renaming of parameters between our FQNs and Hugging Face's by two tables."""
 
-__all__ = ["METADATA_FIELDS"]
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+__all__ = ["METADATA_FIELDS", "Names"]
+
+
+class Names:
+    """Our FQN <-> a Hugging Face name: ``top`` maps whole names (``norm.weight`` -> ``model.norm.weight``),
+    ``per_layer`` the part after ``layers.N.`` (a mapping, or names that are the same on both sides), which Hugging
+    Face puts after ``hf_layers`` + ``N.`` (``"model.layers."``, GPT-2's ``"transformer.h."``). ``model`` names it in
+    errors."""
+
+    def __init__(
+        self, model: str, top: Mapping[str, str], per_layer: Mapping[str, str] | Iterable[str], hf_layers: str
+    ):
+        self.model, self.hf_layers = model, hf_layers
+        self.top = dict(top)
+        self.per_layer = dict(per_layer) if isinstance(per_layer, Mapping) else {n: n for n in per_layer}
+        self._top_back = {v: k for k, v in self.top.items()}
+        self._layer_back = {v: k for k, v in self.per_layer.items()}
+        self._ours = re.compile(r"layers\.(\d+)\.(.+)")
+        self._theirs = re.compile(re.escape(hf_layers) + r"(\d+)\.(.+)")
+
+    def hf_name(self, fqn: str) -> str:
+        if fqn in self.top:
+            return self.top[fqn]
+        m = self._ours.fullmatch(fqn)
+        if m and m.group(2) in self.per_layer:
+            return f"{self.hf_layers}{m.group(1)}.{self.per_layer[m.group(2)]}"
+        raise ValueError(f"no Hugging Face {self.model} name for parameter '{fqn}'")
+
+    def our_name(self, name: str) -> str:
+        if name in self._top_back:
+            return self._top_back[name]
+        m = self._theirs.fullmatch(name)
+        if m and m.group(2) in self._layer_back:
+            return f"layers.{m.group(1)}.{self._layer_back[m.group(2)]}"
+        raise ValueError(f"'{name}' is not a Hugging Face {self.model} parameter this model has")
+
 
 METADATA_FIELDS = frozenset(
     {

@@ -25,6 +25,7 @@ import re
 import torch
 
 from titanlike.models.gpt2.model import GPT2Args
+from titanlike.models.hf_common import Names
 
 _TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _TOP = {
@@ -34,9 +35,6 @@ _TOP = {
     "norm.bias": "transformer.ln_f.bias",
     "output.weight": "lm_head.weight",
 }
-_TOP_BACK = {v: k for k, v in _TOP.items()}
-_OURS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-_HF_LAYER = re.compile(r"transformer\.h\.(\d+)\.(.+)")
 _LAYER_SUFFIXES = (
     "ln_1.weight",
     "ln_1.bias",
@@ -54,22 +52,8 @@ _LAYER_SUFFIXES = (
 _HF_IGNORED = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)")
 
 
-def hf_name(fqn: str) -> str:
-    if fqn in _TOP:
-        return _TOP[fqn]
-    m = _OURS_LAYER.fullmatch(fqn)
-    if m and m.group(2) in _LAYER_SUFFIXES:
-        return f"transformer.h.{m.group(1)}.{m.group(2)}"
-    raise ValueError(f"no Hugging Face GPT-2 name for parameter '{fqn}'")
-
-
-def our_name(name: str) -> str:
-    if name in _TOP_BACK:
-        return _TOP_BACK[name]
-    m = _HF_LAYER.fullmatch(name)
-    if m and m.group(2) in _LAYER_SUFFIXES:
-        return f"layers.{m.group(1)}.{m.group(2)}"
-    raise ValueError(f"'{name}' is not a Hugging Face GPT-2 parameter this model has")
+_NAMES = Names("GPT-2", _TOP, _LAYER_SUFFIXES, "transformer.h.")
+hf_name, our_name = _NAMES.hf_name, _NAMES.our_name
 
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: GPT2Args) -> dict[str, torch.Tensor]:
