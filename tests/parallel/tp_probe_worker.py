@@ -134,7 +134,7 @@ def probe_comms() -> dict:
         block = model.layers["0"]
         h = model.tok_embeddings(inputs).detach().requires_grad_()
         with BytesCommDebugMode() as fwd:
-            y = block(h, model.rope_cos, model.rope_sin)
+            y = block(h, **model.block_kwargs(model.positions(h)))  # the RoPE rows, as the model hands them
         with BytesCommDebugMode() as bwd:
             y.to_local().sum().backward()
         out[f"block sp={sp}"] = {"forward": fwd.summary(), "backward": bwd.summary()}

@@ -1,4 +1,5 @@
-"""Building blocks the decoders share, in plain ``torch.nn``: RMSNorm, rotary position tables, SwiGLU.
+"""Building blocks the decoders share, in plain ``torch.nn``: RMSNorm, rotary position tables, SwiGLU, the pre-norm
+residual block.
 
 Norms and RoPE compute in at least float32 (float64 stays float64, so numerics can be compared exactly).
 """
@@ -6,12 +7,24 @@ Norms and RoPE compute in at least float32 (float64 stays float64, so numerics c
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["FeedForward", "RMSNorm", "RopeTables", "apply_rope", "compute_dtype", "rope_inv_freq", "rope_tables"]
+from titanlike.models.decoder import DecoderBlock
+
+__all__ = [
+    "FeedForward",
+    "PreNormBlock",
+    "RMSNorm",
+    "RopeTables",
+    "apply_rope",
+    "compute_dtype",
+    "rope_inv_freq",
+    "rope_tables",
+]
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -111,3 +124,22 @@ class RopeTables:
         dtype = self.rope_cos.dtype if self.rope_cos.dtype == torch.float64 else torch.float32
         self.rope_cos = cos.to(device=device, dtype=dtype)
         self.rope_sin = sin.to(device=device, dtype=dtype)
+
+
+class PreNormBlock(DecoderBlock):
+    """``h = x + attention(attention_norm(x), **kwargs)``, then ``h + feed_forward(ffn_norm(h))``: RMSNorms and a
+    SwiGLU around the model's own attention (``attention_cls(args)``, called with the block's keyword arguments, e.g.
+    the RoPE rows): the block of Llama and Qwen3. Subclasses set ``attention_cls`` and ``param_init``."""
+
+    attention_cls: ClassVar[type[nn.Module]]
+
+    def __init__(self, layer_id: int, args):
+        super().__init__(layer_id, args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = self.attention_cls(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), **kwargs)
+        return h + self.feed_forward(self.ffn_norm(h))

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from titanlike.init import Init, normal, ones, plan_from_patterns, trunc_normal
-from titanlike.models.decoder import AttentionCore, Decoder, DecoderBlock
-from titanlike.models.layers import FeedForward, RMSNorm, RopeTables, apply_rope
+from titanlike.models.decoder import AttentionCore, Decoder
+from titanlike.models.layers import PreNormBlock, RMSNorm, RopeTables, apply_rope
 
 
 @dataclass
@@ -212,19 +212,9 @@ def param_init(args: ModelArgs) -> Callable[[str], Init]:
     )
 
 
-class TransformerBlock(DecoderBlock):
+class TransformerBlock(PreNormBlock):
     param_init = staticmethod(param_init)
-
-    def __init__(self, layer_id: int, args: ModelArgs):
-        super().__init__(layer_id, args)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
-
-    def forward(self, x: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos=cos, sin=sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+    attention_cls = Attention
 
 
 class Transformer(RopeTables, Decoder):
