@@ -37,6 +37,8 @@ TIED = ["--model.tie_embeddings", "true", "--model.n_layers", "4", "--training.l
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 ZBV = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
 GPT2 = ["--model.name", "gpt2"]  # tied embeddings, fused c_attn (chunk-sharded under TP)
+QWEN3 = ["--model.name", "qwen3"]  # tied embeddings, per-head q/k norms (replicated, gradients summed over tp)
+SP = ["--parallelism.enable_sequence_parallel"]
 SEED = ["--checkpoint.create_seed_checkpoint", "--checkpoint.checksum"]
 ONE_STEP = ["--training.steps", "1"]
 
@@ -75,6 +77,10 @@ CASES = [
     ("gpt2_tp2_fsdp2", 4, GPT2 + TP2, None),
     ("gpt2_single", 1, GPT2, None),
     ("gpt2_single_from_gpt2_tp2_fsdp2", 1, GPT2, "gpt2_tp2_fsdp2"),
+    # Qwen3 through the real trainer: saved under tp2+SP x fsdp2, resumed in one process.
+    ("qwen3_tp2_sp_fsdp2", 4, QWEN3 + TP2 + SP, None),
+    ("qwen3_single", 1, QWEN3, None),
+    ("qwen3_single_from_qwen3_tp2_sp_fsdp2", 1, QWEN3, "qwen3_tp2_sp_fsdp2"),
     # Seed checkpoints written by the real layout (each rank its shards: one process, tp2 x fsdp2, pp2 x tp2), then
     # loaded (before any step, each rank records the full weights it holds) into one process and into pp2 x fsdp2.
     ("seed_single", 1, SEED, None),

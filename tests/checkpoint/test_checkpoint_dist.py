@@ -30,6 +30,8 @@ RESHARDS = [
     ("tied_zbv_pp2_from_tied_fsdp2", "tied_zbv_pp2", "tied_fsdp2"),  # tied embeddings: fsdp2 -> ZBV pp2
     # GPT-2, fused c_attn chunk-sharded under tp2 x fsdp2 -> one process
     ("gpt2_single_from_gpt2_tp2_fsdp2", "gpt2_single", "gpt2_tp2_fsdp2"),
+    # Qwen3 (q/k norms over each rank's heads) under tp2+SP x fsdp2 -> one process
+    ("qwen3_single_from_qwen3_tp2_sp_fsdp2", "qwen3_single", "qwen3_tp2_sp_fsdp2"),
     ("single_from_cp2", "single", "cp2"),  # context parallel 2 -> one process
     ("cp2_from_fsdp2", "cp2", "fsdp2"),  # cp 1 (fsdp2) -> cp 2
 ]

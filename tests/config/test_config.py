@@ -90,7 +90,10 @@ def test_value_forms():
             ["--float8.recipe", "current", "--float8.backend", "te"],
             "float8.backend=te needs Transformer Engine kernels",
         ),
-        (["--model.name", "gtp2"], "model.name: unknown model 'gtp2'; registered: gpt2, llama3 (did you mean 'gpt2'?)"),
+        (
+            ["--model.name", "gtp2"],
+            "model.name: unknown model 'gtp2'; registered: gpt2, llama3, qwen3 (did you mean 'gpt2'?)",
+        ),
         (["--model.name", "gpt2", "--model.rope_theta", "5e5"], "model.rope_theta: gpt2 has no such setting"),
         (["--model.name", "gpt2", "--model.n_kv_heads", "2"], "model.n_kv_heads: gpt2 has no such setting"),
         (

@@ -81,7 +81,7 @@ def test_distributions():
         Init("uniform")
 
 
-@pytest.mark.parametrize("name", ["llama3", "gpt2"])
+@pytest.mark.parametrize("name", ["llama3", "gpt2", "qwen3"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_model_init_plans_cover_every_parameter_and_tie_by_key(name, tied):
     import dataclasses

@@ -22,17 +22,18 @@ import torch.distributed as dist  # noqa: E402
 from dist_utils import spawn  # noqa: E402
 
 from titanlike.config import JobConfig  # noqa: E402
-from titanlike.models.llama import FLAVORS, Transformer  # noqa: E402
+from titanlike.models.llama import Transformer  # noqa: E402
 
 STEPS = 4
-# name -> (dp_shard, tp, sequence parallel, recipe, float8 all-gather + precompute)
+# name -> (dp_shard, tp, sequence parallel, recipe, float8 all-gather + precompute, model)
 LAYOUTS = {
-    "fsdp2_tensorwise": (2, 1, False, "tensorwise", False),
-    "fsdp2_tensorwise_f8allgather": (2, 1, False, "tensorwise", True),
-    "tp2_tensorwise": (1, 2, False, "tensorwise", False),
-    "tp2_sp_tensorwise": (1, 2, True, "tensorwise", False),
-    "fsdp2_rowwise": (2, 1, False, "rowwise", False),
-    "tp2_rowwise": (1, 2, False, "rowwise", False),
+    "fsdp2_tensorwise": (2, 1, False, "tensorwise", False, "llama3"),
+    "fsdp2_tensorwise_f8allgather": (2, 1, False, "tensorwise", True, "llama3"),
+    "tp2_tensorwise": (1, 2, False, "tensorwise", False, "llama3"),
+    "tp2_sp_tensorwise": (1, 2, True, "tensorwise", False, "llama3"),
+    "fsdp2_rowwise": (2, 1, False, "rowwise", False, "llama3"),
+    "tp2_rowwise": (1, 2, False, "rowwise", False, "llama3"),
+    "qwen3_tp2_tensorwise": (1, 2, False, "tensorwise", False, "qwen3"),
 }
 
 
@@ -46,10 +47,14 @@ def _cfg(recipe: str, f8ag: bool, sp: bool) -> JobConfig:
     return cfg
 
 
-def _model() -> Transformer:
+def _model(name: str = "llama3") -> Transformer:
+    """The seeded tiny Llama, or Qwen3 (q/k norms between the float8 projections; q 128 wide, dim 64)."""
+    from titanlike.models import get_spec
+
     torch.manual_seed(0)
-    args = FLAVORS["tiny"].replace(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
-    model = Transformer(args)
+    spec = get_spec(name)
+    args = spec.flavors["tiny"].replace(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    model = spec.build(args)
     model.init_weights()
     return model
 
@@ -112,14 +117,17 @@ def worker(rank: int, world_size: int, ckpt_dir: str) -> None:
     batches = _batches()
     out: dict = {"reference": {}, "layouts": {}}
     one = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)
-    for recipe in ("tensorwise", "rowwise"):
-        for micro in (1, 2):  # the whole global batch at once, or in the two halves the dp ranks see
-            cfg = _cfg(recipe, False, False)
-            model = parallelize_model(_model(), one, cfg)
-            out["reference"][f"{recipe}_micro{micro}"] = _train(model, build_loss_fn(cfg, one), batches, 0, 1, micro)
-            out.setdefault("converted", sorted(model._float8_converted))
+    for name, recipe, micro in [
+        *(("llama3", r, m) for r in ("tensorwise", "rowwise") for m in (1, 2)),  # whole batch, or the dp halves
+        ("qwen3", "tensorwise", 1),
+    ]:
+        cfg = _cfg(recipe, False, False)
+        model = parallelize_model(_model(name), one, cfg)
+        key = f"{'' if name == 'llama3' else name + '_'}{recipe}_micro{micro}"
+        out["reference"][key] = _train(model, build_loss_fn(cfg, one), batches, 0, 1, micro)
+        out.setdefault("converted", {}).setdefault(name, sorted(model._float8_converted))
     built: dict = {}  # mesh shape -> ParallelDims with its meshes (one set of process groups per shape)
-    for name, (dp, tp, sp, recipe, f8ag) in LAYOUTS.items():
+    for name, (dp, tp, sp, recipe, f8ag, model_name) in LAYOUTS.items():
         if rank == 0:
             print(f"layout {name}", file=sys.stderr, flush=True)
         dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, world_size=world_size)
@@ -128,7 +136,7 @@ def worker(rank: int, world_size: int, ckpt_dir: str) -> None:
             built[dims.shape] = dims
         dims = built[dims.shape]
         cfg = _cfg(recipe, f8ag, sp)
-        model = parallelize_model(_model(), dims, cfg)
+        model = parallelize_model(_model(model_name), dims, cfg)
         wq = model.layers["0"].attention.wq
         seen = []  # what reaches wq after the TP input hook: float8 styles hand it a float8 (DTensor) tensor
         wq.register_forward_pre_hook(
@@ -142,7 +150,8 @@ def worker(rank: int, world_size: int, ckpt_dir: str) -> None:
         info["wq_input"] = seen[0]
         if f8ag:  # DCP round trip: the float8 (all-gather) model's checkpoint loads into a plain FSDP model
             info["checkpoint_max_diff"] = _checkpoint_into_plain(model, dims, ckpt_dir)
-        out["layouts"][name] = {"recipe": recipe, "dp": dp, "losses": losses, **info}
+        ref = f"{'' if model_name == 'llama3' else model_name + '_'}{recipe}_micro{dp}"
+        out["layouts"][name] = {"recipe": recipe, "dp": dp, "reference": ref, "losses": losses, **info}
         dist.barrier()
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)

@@ -172,6 +172,28 @@ def test_conversion_keeps_names_shapes_values_and_numerics():
     assert block.attention.wq.seen_recipes == [None]  # no FP8 recipe: no autocast
 
 
+def test_qwen3_converts_through_its_spec_with_its_per_head_norms():
+    """The spec declares the swappable norm (ModelSpec.te_norm), not the converter: Qwen3's blocks get TE Linears and
+    RMSNorms, its per-head q / k norms included, names and numerics unchanged; GPT-2 declares none and is refused."""
+    from titanlike.models import get_spec
+
+    spec = get_spec("qwen3")
+    torch.manual_seed(0)
+    ref = spec.build(spec.flavors["tiny"].replace(vocab_size=64)).double()
+    ref.init_weights()
+    model = convert_to_te(copy.deepcopy(ref), te=_standin())
+    attn = model.layers["0"].attention
+    assert isinstance(attn.q_norm, StandInRMSNorm) and isinstance(attn.k_norm, StandInRMSNorm)
+    assert len(model._te_converted) == 2 * 11 + 1 and list(dict(model.named_parameters())) == list(
+        dict(ref.named_parameters())
+    )
+    tokens = torch.randint(0, 64, (2, 9))
+    assert torch.equal(_loss_grads(model, tokens)[0], _loss_grads(ref, tokens)[0])
+    gpt2 = get_spec("gpt2")
+    with pytest.raises(ValueError, match="declares no Transformer Engine swap"):
+        convert_to_te(gpt2.build_meta(gpt2.flavors["tiny"].replace(vocab_size=64)), te=_standin())
+
+
 def test_state_dict_maps_both_ways():
     plain = _model()
     te_model = convert_to_te(_model(), te=_standin())

@@ -80,6 +80,10 @@ MODELS = {
     # positions, tied embeddings).
     "gpt2": ("--model.name", "gpt2"),
     "gpt2_untied": ("--model.name", "gpt2", "--model.tie_embeddings", "false"),
+    # Qwen3 (tiny: dim 64, 2 layers, 4 heads of 32 (q 128 wide, not dim), 2 kv heads, per-head q/k RMSNorm, SwiGLU
+    # 96, rotate-half RoPE, tied embeddings as the small sizes).
+    "qwen3": ("--model.name", "qwen3"),
+    "qwen3_untied": ("--model.name", "qwen3", "--model.tie_embeddings", "false"),
 }
 
 
@@ -185,6 +189,17 @@ LAYOUTS = [
     Layout("MUT cp2 chunks in wrong order", 2, _cp(2, *_dp(1, 1, 8)), mutation="cp_chunks_wrong_order"),
     Layout("MUT cp2 RoPE local positions", 2, _cp(2, *_dp(1, 1, 8)), mutation="cp_rope_local"),
     Layout("MUT cp2 loss tokens per cp rank", 2, _cp(2, *_dp(1, 1, 8)), mutation="cp_tokens_per_rank"),
+    Layout("qwen3 tp2", 2, _tp(2, *_dp(1, 1, 8)), model="qwen3"),
+    Layout("qwen3 tp2_sp", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="qwen3"),
+    Layout("qwen3 fsdp2", 2, _dp(1, 2, 4), model="qwen3"),
+    Layout("qwen3 cp2", 2, _cp(2, *_dp(1, 1, 8)), model="qwen3"),
+    Layout(
+        "MUT qwen3 tp2_sp q/k norms ReplicateParallel",
+        2,
+        _tp(2, *SP, *_dp(1, 1, 8)),
+        model="qwen3",
+        mutation="qk_norm_replicated",
+    ),
     # GPT-2 under cp through the shared seams: attention (fused c_attn) and its learned positions
     Layout("gpt2 cp2", 2, _cp(2, *_dp(1, 1, 8)), model="gpt2"),
     Layout("MUT gpt2 cp2 positions local", 2, _cp(2, *_dp(1, 1, 8)), model="gpt2", mutation="cp_rope_local"),
@@ -205,6 +220,9 @@ LAYOUTS = [
     Layout("cp2_tp2_sp", 4, _cp(2, *_tp(2, *SP, *_dp(1, 1, 8)))),
     Layout("cp2_fsdp2", 4, _cp(2, *_dp(1, 2, 4))),
     Layout("gpt2 cp2_tp2_sp", 4, _cp(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="gpt2"),
+    Layout("qwen3 hsdp2x2", 4, _dp(2, 2, 2), model="qwen3_untied"),
+    Layout("qwen3 tp2_sp_fsdp2", 4, _tp(2, *SP, *_dp(1, 2, 4)), model="qwen3"),
+    Layout("qwen3 cp2_tp2_sp", 4, _cp(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="qwen3"),
     # 8 ranks
     Layout("tp2_hsdp2x2", 8, _tp(2, *_dp(2, 2, 2))),
     Layout("tp2_sp_fsdp4", 8, _tp(2, *SP, *_dp(1, 4, 2))),
@@ -290,6 +308,17 @@ def _sp_norm_plain():
     # apply_tp now refuses a plan that leaves parameters plain next to DTensors (this one, up front); the mutation
     # switches that check off to show the gate itself catches the wrong gradients too.
     with patched(tpm, "_norm_style", plain_norm), patched(tpm, "_check_all_or_nothing", lambda model: None):
+        yield
+
+
+@contextlib.contextmanager
+def _qk_norm_replicated():
+    """Qwen3's per-head q/k norms get ReplicateParallel (the style for a norm on the replicated stream): each rank's
+    local heads are taken as a replica, so each rank's weight gradient covers only its heads and is never summed
+    over tp; the forward stays exact (issue 26's trap for norms over heads)."""
+    import titanlike.parallel.tensor_parallel as tpm
+
+    with patched(tpm, "_head_norm_style", lambda entry: tpm.ReplicateParallel()):
         yield
 
 
@@ -455,6 +484,7 @@ MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "tp_no_backward_reduce": _tp_no_backward_reduce,
     "ce_no_max_all_reduce": _ce_no_max_all_reduce,
     "sp_norm_plain": _sp_norm_plain,
+    "qk_norm_replicated": _qk_norm_replicated,
     "loss_mean_per_rank": _loss_mean_per_rank,
     "fsdp_average": _fsdp_average,
 }

@@ -35,6 +35,8 @@ gate.MODELS.update(
         "six": ("--model.n_layers", "6"),
         # GPT-2 (tied embeddings across the first and last stage; fused c_attn; learned positions on the first stage).
         "gpt2_deep": ("--model.name", "gpt2", "--model.n_layers", "8"),
+        # Qwen3 (per-head q/k norms, q wider than dim, tied embeddings across the first and last stage).
+        "qwen3_deep": ("--model.name", "qwen3", "--model.n_layers", "8"),
         # tests/parallel/nanogpt.py: a user's module, not a registered model (gate.CUSTOM_MODELS); the config only
         # carries the run settings (4 blocks, as NanoGPT has, for the split checks).
         "nanogpt": ("--model.n_layers", "4"),
@@ -134,6 +136,7 @@ LAYOUTS = [
     _layout("MUT pp2 V tied grads not summed", 2, _pp(2, "ZBVZeroBubble", 8, 2), "deep_tied", "pp_tied_not_summed"),
     *[_layout(f"gpt2 pp2 {s} tied", 2, _pp(2, s, 8, 2), model="gpt2_deep") for s in SCHEDULES],
     _layout("MUT gpt2 pp2 tied grads not summed", 2, _pp(2, "1F1B", 8, 2), "gpt2_deep", "pp_tied_not_summed"),
+    *[_layout(f"qwen3 pp2 {s} tied", 2, _pp(2, s, 8, 2), model="qwen3_deep") for s in SCHEDULES],
     Layout("nanogpt pp2 1F1B user split tied", 2, _pp(2, "1F1B", 8, 2), model="nanogpt", kind="user_pp"),
     Layout(
         "nanogpt pp2 ZBVZeroBubble user split tied V", 2, _pp(2, "ZBVZeroBubble", 8, 2), model="nanogpt", kind="user_pp"
@@ -186,6 +189,13 @@ LAYOUTS = [
     ),
     _layout("gpt2 pp2 tp2_sp 1F1B tied", 4, _tp2(*SP, *_pp(2, "1F1B", 8, 2)), model="gpt2_deep"),
     _layout("gpt2 pp2 fsdp2 ZBVZeroBubble tied", 4, _pp(2, "ZBVZeroBubble", 4), model="gpt2_deep"),
+    _layout("qwen3 pp2 tp2_sp 1F1B tied", 4, _tp2(*SP, *_pp(2, "1F1B", 8, 2)), model="qwen3_deep"),
+    _layout(
+        "qwen3 cp2 pp2 1F1B tied",
+        4,
+        ("--parallelism.context_parallel_degree", "2", *_pp(2, "1F1B", 8, 2)),
+        model="qwen3_deep",
+    ),
     Layout(
         "nanogpt pp2 tp2 1F1B user split and plan fused c_attn",
         4,
@@ -207,6 +217,12 @@ LAYOUTS = [
         "gpt2 pp2 fsdp2 tp2_sp Interleaved1F1B tied", 8, _tp2(*SP, *_pp(2, "Interleaved1F1B", 4, 2)), model="gpt2_deep"
     ),
     _layout("pp2 fsdp2 tp2_sp ZBVZeroBubble tied", 8, _tp2(*SP, *_pp(2, "ZBVZeroBubble", 4, 2)), model="deep_tied"),
+    _layout(
+        "qwen3 pp2 fsdp2 tp2_sp Interleaved1F1B tied",
+        8,
+        _tp2(*SP, *_pp(2, "Interleaved1F1B", 4, 2)),
+        model="qwen3_deep",
+    ),
 ]
 
 

@@ -19,6 +19,7 @@ EXPECTED_BREAK = {
     "tp_no_backward_reduce": ("grads", False),
     "ce_no_max_all_reduce": ("loss_step1", True),
     "sp_norm_plain": ("grads", False),
+    "qk_norm_replicated": ("grads", False),
     "loss_mean_per_rank": ("loss_step1", True),
     "fsdp_average": ("grad_norm", False),
     "fused_plain_colwise": ("loss_step1", True),
@@ -125,6 +126,11 @@ def test_matrix_covers_the_required_layouts():
         "cp2_tp2_fsdp2",
         "gpt2 cp2",
         "gpt2 cp2_tp2_sp",
+        "qwen3 tp2",
+        "qwen3 tp2_sp",
+        "qwen3 fsdp2",
+        "qwen3 hsdp2x2",
+        "qwen3 cp2",
     ]
     assert all(n in by_name for n in required)
     assert {layout.mutation for layout in gate.LAYOUTS if layout.mutation} == set(EXPECTED_BREAK)

@@ -187,3 +187,49 @@ def test_gpt2_block_activations_equal_the_probe(extra):
     assert re.search(r"activation probe: block layers\.0 .* held after its forward; equal", proc.stdout), proc.stdout[
         -2000:
     ]
+
+
+@pytest.mark.parametrize(
+    "extra,mode",
+    [
+        (["--parallelism.enable_sequence_parallel"], "none"),
+        (["--parallelism.enable_sequence_parallel", "--activation_checkpoint.mode", "selective"], "op"),
+        (["--parallelism.context_parallel_degree", "2", "--activation_checkpoint.mode", "full"], "full"),
+    ],
+    ids=["tp2_sp", "tp2_sp_op_ac", "cp2_full_ac"],
+)
+def test_qwen3_shards_and_block_activations_equal_the_dry_run(extra, mode):
+    """Qwen3 0.6B (q 2048 = 16 heads x 128 wide for dim 1024, per-head q/k norms, tied embeddings): every
+    parameter's TP and FSDP dims read off its sharding entries give the dry run's shard shapes (rank 0: the
+    embedding's stage; rank 15: the head's, with its own copy of the tied weight), and the activation model
+    (attention widths from n_heads x head_dim, the q/k norms' float32 copies) equals the FakeTensorMode probe."""
+    cfg = parse_config(
+        [
+            "--model.name",
+            "qwen3",
+            "--model.flavor",
+            "0.6B",
+            "--training.seq_len",
+            "256",
+            "--training.dtype",
+            "bfloat16",
+            "--training.local_batch_size",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            *extra,
+        ]
+    )
+    args = model_args_from_config(cfg)
+    layout = Layout.from_config(cfg, 16, args, gpus_per_node=8)
+    for rank in (0, 15) if mode == "none" else (0,):  # the first stage with the embedding, the last with the head
+        d = dry_run(cfg, layout, args, rank=rank)
+        analytic = {(s, p.name): p.local_shape for s, ps in rank_param_shards(layout, args, rank).items() for p in ps}
+        assert {(r.stage, r.name): r.local_shape for r in d.params} == analytic
+        tokens = layout.microbatch_size * layout.local_seq_len
+        assert layout.checkpointed(d.probe_layer) == mode
+        assert d.block_activation_bytes == block_activation_bytes(layout, args, tokens, mode)
+    q_norm = next(r for r in d.params if r.name.endswith("attention.q_norm.weight"))
+    assert q_norm.shape == (128,) and "Replicate()" in q_norm.placements  # replicated over tp, sharded over dp
