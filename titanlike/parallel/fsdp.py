@@ -31,6 +31,7 @@ from titanlike.layout import RESHARD_CHOICES
 from titanlike.layout import reshard_after_forward as reshard_policy
 from titanlike.models import block_container_of, spec_for
 from titanlike.parallel.fused import fsdp_placement, prepare_fused_for_fsdp
+from titanlike.parallel.ties import tie_groups
 
 __all__ = ["apply_fsdp", "RESHARD_CHOICES"]
 
@@ -46,17 +47,14 @@ def _role_groups(model: nn.Module, spec) -> tuple[list[nn.Module], list[nn.Modul
     own a parameter shared between the two (a tied embedding / head stays with the root: ONE group owns it)."""
     if spec is None:
         return [], []
-    inputs = [m for m in (getattr(model, n, None) for n in spec.input_modules) if m is not None]
-    outputs = [m for m in (getattr(model, n, None) for n in spec.output_modules) if m is not None]
-    ids_in = {id(p) for m in inputs for p in m.parameters()}
-    shared = {id(p) for m in outputs for p in m.parameters()} & ids_in
-
-    def keep(m):
-        return not any(id(p) in shared for p in m.parameters())
-
-    if shared:  # the tied pair and everything grouped with it go to the root
-        return [m for m in inputs if keep(m)], []
-    return inputs, outputs
+    present = [n for n in (*spec.input_modules, *spec.output_modules) if getattr(model, n, None) is not None]
+    # the owners of every parameter tied across the input and output modules (by identity: titanlike.parallel.ties)
+    owners = [{name.split(".")[0] for name in names} & set(present) for names in tie_groups(model)]
+    tied = set().union(*(o for o in owners if o & set(spec.input_modules) and o & set(spec.output_modules)))
+    inputs = [getattr(model, n) for n in spec.input_modules if n in present and n not in tied]
+    if tied:  # the tied pair and everything grouped with it (the head's group) go to the root
+        return inputs, []
+    return inputs, [getattr(model, n) for n in spec.output_modules if n in present]
 
 
 def apply_fsdp(
