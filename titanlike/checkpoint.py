@@ -304,9 +304,10 @@ def verify_checksums(path: str | os.PathLike, rank: int = 0, world_size: int = 1
 class ModelPartsView(nn.Module):
     """One module whose parameters are those of several model parts under their plain-model FQNs.
 
-    Under pipeline parallelism a rank holds several stages (the spec's partial-stage ``build``), each with FQNs of
-    the full model; their top-level children are disjoint except the block container (a ``ModuleDict`` or a pruned
-    ``ModuleList``), whose entries are merged. The view only
+    Under pipeline parallelism a rank holds several stages (``titanlike.parallel.pipeline.build_stage``), each with
+    FQNs of the full model; their top-level children with state are disjoint except the block container (a
+    ``ModuleDict`` or a pruned ``ModuleList``), whose entries are merged (stateless children, which every stage
+    keeps, are left out). The view only
     references the parts' modules (FSDP's state-dict hooks live on those), so ``get/set_model_state_dict`` and
     ``get/set_optimizer_state_dict`` on it see exactly the plain model's names.
     """
@@ -321,6 +322,8 @@ class ModelPartsView(nn.Module):
     @staticmethod
     def _merge(into: nn.Module, part: nn.Module) -> None:
         for name, child in part.named_children():
+            if next(child.parameters(), None) is None and next(child.buffers(), None) is None:
+                continue  # no state (a stateless child every stage keeps, e.g. the decoder's position seam)
             have = into._modules.get(name)
             if have is None:
                 # a block container (a stage keeps its entries' keys, so FQNs): merged entry by entry
