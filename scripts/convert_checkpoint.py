@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titanlike.checkpoint import export_hf, write_seed_checkpoint  # noqa: E402
-from titanlike.config import ConfigError  # noqa: E402
+from titanlike.errors import ConfigError  # noqa: E402
 from titanlike.hf import load_hf  # noqa: E402
 
 

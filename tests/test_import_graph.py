@@ -3,10 +3,11 @@
 Units are the top-level packages / modules of ``titanlike`` (``parallel``, ``layout``, ``config``, ...). The graph
 between them must be acyclic, and the lower layers may import only what lies below them:
 
+    errors  -> nothing of ours (ConfigError: every unit may raise it)
     init    -> nothing of ours            loss     -> nothing of ours
-    models  -> init (parameter distributions)
-    layout  -> models only                kernels  -> models, layout (model transforms: TE, float8)
-    parallel -> layout, models, loss, kernels
+    models  -> init (parameter distributions), errors
+    layout  -> models, errors             kernels  -> models, layout, errors (model transforms: TE, float8)
+    parallel -> layout, models, loss, kernels, init, errors
     training -> everything below (it is the top, with the planner and the scripts)
 """
 
@@ -18,12 +19,13 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "titanlike"
 
 ALLOWED = {
+    "errors": set(),
     "init": set(),
-    "models": {"init"},
+    "models": {"init", "errors"},
     "loss": set(),
-    "layout": {"models"},
-    "parallel": {"layout", "models", "loss", "kernels", "init"},
-    "kernels": {"models", "layout"},
+    "layout": {"models", "errors"},
+    "parallel": {"layout", "models", "loss", "kernels", "init", "errors"},
+    "kernels": {"models", "layout", "errors"},
 }
 
 

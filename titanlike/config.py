@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from titanlike.layout import SCHEDULES, ConfigError, layout_violations
+from titanlike.errors import ConfigError
+from titanlike.layout import SCHEDULES, layout_violations
 from titanlike.layout.rules import MODEL_OVERRIDES
 from titanlike.models import UnknownModelError, get_spec, pad_vocab, registered, spec_for
 

@@ -23,7 +23,6 @@ from titanlike.layout.degrees import (
     rank_groups,
     rank_of,
 )
-from titanlike.layout.errors import ConfigError
 from titanlike.layout.float8 import TE_FLOAT8_RECIPES, TORCHAO_FLOAT8_RECIPES, float8_backend, float8_violations
 from titanlike.layout.policy import (
     FSDP_GROUPS,
@@ -52,7 +51,6 @@ __all__ = [
     "float8_backend",
     "float8_violations",
     "BatchSplit",
-    "ConfigError",
     "Degrees",
     "FLATTENED",
     "FSDP_GROUPS",

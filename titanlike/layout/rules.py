@@ -8,8 +8,8 @@ exit code 2 and one line.
 
 from __future__ import annotations
 
+from titanlike.errors import ConfigError
 from titanlike.layout.degrees import degree_problems
-from titanlike.layout.errors import ConfigError
 from titanlike.layout.float8 import float8_violations
 from titanlike.layout.policy import batch_split, parse_ac_option
 from titanlike.layout.schedules import SCHEDULES, schedule_facts

@@ -45,9 +45,9 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
 
+from titanlike.errors import ConfigError
 from titanlike.layout import (
     SCHEDULES,
-    ConfigError,
     precision_policy,
     schedule_class,
     schedule_facts,
