@@ -23,7 +23,13 @@ from titanlike.layout.degrees import (
     rank_groups,
     rank_of,
 )
-from titanlike.layout.float8 import TE_FLOAT8_RECIPES, TORCHAO_FLOAT8_RECIPES, float8_backend, float8_violations
+from titanlike.layout.float8 import (
+    FLOAT8_RECIPES,
+    TE_FLOAT8_RECIPES,
+    TORCHAO_FLOAT8_RECIPES,
+    float8_backend,
+    float8_violations,
+)
 from titanlike.layout.policy import (
     FSDP_GROUPS,
     RESHARD_CHOICES,
@@ -46,6 +52,7 @@ from titanlike.layout.stages import (
 )
 
 __all__ = [
+    "FLOAT8_RECIPES",
     "TE_FLOAT8_RECIPES",
     "TORCHAO_FLOAT8_RECIPES",
     "float8_backend",

@@ -8,6 +8,8 @@ exit code 2 and one line.
 
 from __future__ import annotations
 
+import dataclasses
+
 from titanlike.errors import ConfigError
 from titanlike.layout.degrees import degree_problems
 from titanlike.layout.float8 import float8_violations
@@ -16,24 +18,32 @@ from titanlike.layout.schedules import SCHEDULES, schedule_facts
 from titanlike.layout.stages import parse_module_names, pipeline_stage_count
 from titanlike.models.spec import get_spec
 
-__all__ = ["MODEL_OVERRIDES", "RULES", "layout_violations", "rule_violations"]
+__all__ = ["OVERRIDE", "RULES", "layout_violations", "model_keys_read", "model_overrides", "rule_violations"]
 
-# The model.<key> shape overrides of the config (each model's spec lists the ones it reads: ModelSpec.config_keys).
-MODEL_OVERRIDES = (
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_hidden_dim",
-    "max_seq_len",
-    "rope_theta",
-    "norm_eps",
-    "rope_scaling",
-    "rope_scaling_factor",
-    "rope_low_freq_factor",
-    "rope_high_freq_factor",
-    "rope_original_max_seq_len",
-)
+# The metadata mark of a [model] field that overrides the flavor's value (titanlike.config.Model declares them; its
+# default means "the flavor's"). A model reads the overrides named like a field of its args dataclass.
+OVERRIDE = "flavor_override"
+
+
+def _override_fields(model_section) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(model_section) if f.metadata.get(OVERRIDE)]
+
+
+def model_keys_read(spec, model_section) -> tuple[str, ...]:
+    """The ``model.<key>`` overrides the model of ``spec`` reads: the schema's overrides (fields of the config's
+    [model] section marked :data:`OVERRIDE`) that name a field of the model's args dataclass, in schema order."""
+    args_fields = {f.name for f in dataclasses.fields(spec.args_cls)}
+    return tuple(f.name for f in _override_fields(model_section) if f.name in args_fields)
+
+
+def model_overrides(model_section) -> dict[str, object]:
+    """The ``model.<key>`` overrides set (not at their default, the flavor's), key -> value, in schema order."""
+    return {
+        f.name: getattr(model_section, f.name)
+        for f in _override_fields(model_section)
+        if getattr(model_section, f.name) != f.default
+    }
+
 
 # rule name -> what it guards (the messages themselves name the keys and the fix)
 RULES = {
@@ -93,12 +103,13 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
         out.append((rule, message))
 
     spec = get_spec(cfg.model.name)
-    unread = [k for k in MODEL_OVERRIDES if getattr(cfg.model, k) and k not in spec.config_keys]
+    reads = model_keys_read(spec, cfg.model)
+    unread = [k for k in model_overrides(cfg.model) if k not in reads]
     if unread:
         add(
             "model_keys",
             f"model.{unread[0]}: {spec.name} has no such setting (it reads "
-            f"{', '.join('model.' + k for k in spec.config_keys)}); remove "
+            f"{', '.join('model.' + k for k in reads)}); remove "
             f"{', '.join('model.' + k for k in unread)}",
         )
     # Model shape.

@@ -48,8 +48,6 @@ class ModelSpec:
     tp_plan: Callable[..., dict] | None = None
     # Extra shape rules of this model (one line with the fix per violation), on top of the shared ones.
     shape_violations: Callable[[object], list[str]] = lambda args: []
-    # The config overrides (model.<key>) this model reads; the others must stay unset.
-    config_keys: tuple[str, ...] = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len")
     # Hugging Face adapter: a module with to_hf, from_hf, hf_config, model_args_from_hf_config,
     # check_same_architecture (see titanlike/hf.py for the Llama one).
     hf_adapter: str = ""

@@ -46,7 +46,6 @@ SPEC = register(
         param_init=param_init,
         norm_kind="layer",
         mlp_kind="gelu",
-        config_keys=("dim", "n_layers", "n_heads", "ffn_hidden_dim", "max_seq_len", "norm_eps"),
         hf_adapter="titanlike.models.gpt2.hf",
         hf_model_type="gpt2",
         shard_dims=_shard_dims,
