@@ -6,8 +6,9 @@ torch for the pipeline schedule classes). It owns
 * the degree arithmetic and the rank grid (:mod:`~titanlike.layout.degrees`);
 * every cross-field validation rule (:mod:`~titanlike.layout.rules`; ``config.py`` keeps the schema, parsing and
   per-key ranges);
-* the pipeline schedule facts, derived from torch's schedule classes (:mod:`~titanlike.layout.schedules`), and
-  the stage split (:mod:`~titanlike.layout.stages`);
+* the pipeline schedule facts, derived from torch's schedule classes (:mod:`~titanlike.layout.schedules`), the
+  schedule simulator over torch's action lists (:mod:`~titanlike.layout.timeline`; the planner prices bubbles and
+  activations with it) and the stage split (:mod:`~titanlike.layout.stages`);
 * the precision policy, the FSDP reshard policy, the activation-checkpointing option grammar and the batch /
   accumulation arithmetic (:mod:`~titanlike.layout.policy`).
 
@@ -50,6 +51,7 @@ from titanlike.layout.stages import (
     split_module_names,
     stage_module_names,
 )
+from titanlike.layout.timeline import Block, Timeline, bubble_formula, canonical_schedule_name, schedule_timeline
 
 __all__ = [
     "FLOAT8_RECIPES",
@@ -58,6 +60,11 @@ __all__ = [
     "float8_backend",
     "float8_violations",
     "BatchSplit",
+    "Block",
+    "Timeline",
+    "bubble_formula",
+    "canonical_schedule_name",
+    "schedule_timeline",
     "Degrees",
     "FLATTENED",
     "FSDP_GROUPS",

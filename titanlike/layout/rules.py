@@ -82,7 +82,8 @@ RULES = {
     "pp_even_split": "the layers split evenly into the stages",
     "pp_stage_has_block": "the first and last stages keep a transformer block",
     "pp_microbatch_size": "microbatch size divides local_batch_size",
-    "pp_microbatches": "at least pp microbatches (more for DualPipeV; rounds of pp for interleaved)",
+    "pp_microbatches": "at least pp microbatches unless breadth-first, one per stage where torch needs it, whole "
+    "rounds of pp where torch runs rounds (ScheduleFacts)",
     "zb_reshard": "split-backward schedules with fsdp_reshard_after_forward != always",
     "zb_op_ac": "split-backward schedules without op-level selective AC",
     "zb_compile": "split-backward schedules without compiled blocks",
@@ -346,19 +347,21 @@ def _pipeline_violations(cfg, args, pp: int) -> list[tuple[str, str]]:
         )
     else:
         m = t.local_batch_size // mbs
-        if sched != "GPipe" and m < pp:
+        # A schedule that alternates forwards and backwards warms up with pp microbatches in flight: proven with
+        # at least pp (torch accepts fewer for some); breadth-first ones run any number (the pipeline gate has m=1).
+        if not facts.breadth_first and m < pp:
             add(
                 "pp_microbatches",
                 f"pipeline: {m} microbatches (local_batch_size / pipeline_parallel_microbatch_size) are fewer "
                 f"than pp {pp} stages for {sched}; raise local_batch_size to at least {pp * mbs}",
             )
-        elif sched == "DualPipeV" and m < n_stages:
+        elif facts.microbatch_per_stage and m < n_stages:
             add(
                 "pp_microbatches",
-                f"pipeline: DualPipeV needs at least as many microbatches as stages ({n_stages}), got {m}; "
+                f"pipeline: {sched} needs at least as many microbatches as stages ({n_stages}), got {m}; "
                 f"raise local_batch_size to at least {n_stages * mbs}",
             )
-        elif sched in ("Interleaved1F1B", "InterleavedZeroBubble") and m % max(1, m // pp):
+        elif facts.microbatch_rounds and m % max(1, m // pp):
             add(
                 "pp_microbatches",
                 f"pipeline: {sched} runs the {m} microbatches in rounds of pp={pp} and needs m divisible by "
