@@ -48,10 +48,9 @@ class ModelSpec:
     tp_plan: Callable[..., dict] | None = None
     # Extra shape rules of this model (one line with the fix per violation), on top of the shared ones.
     shape_violations: Callable[[object], list[str]] = lambda args: []
-    # Hugging Face adapter: a module with to_hf, from_hf, hf_config, model_args_from_hf_config,
-    # check_same_architecture (see titanlike/hf.py for the Llama one).
+    # Hugging Face adapter: the module (titanlike/models/<name>/hf.py) implementing titanlike.hf.HFAdapter; its
+    # MODEL_TYPE is the config.json model_type import picks it by.
     hf_adapter: str = ""
-    hf_model_type: str = ""
     # Planner: shard_dims(fqn, tp_enabled, fsdp_enabled) -> (tensor-parallel dim or None, FSDP dim) of a parameter,
     # as this model's plan and apply_fsdp shard it (None: the Llama rules of titanlike.planner.memory).
     shard_dims: Callable[[str, bool, bool], tuple[int | None, int]] | None = None
@@ -128,23 +127,3 @@ def spec_for(obj) -> ModelSpec | None:
         if isinstance(obj, (spec.model_cls, spec.args_cls)):
             return spec
     return None
-
-
-def check_state_dict_fits(out: dict, args, hf_name, hint=None) -> None:
-    """Refuse a converted Hugging Face state dict whose names or shapes are not exactly those of the model of
-    ``args`` (one ValueError naming the first missing / extra parameter or wrong shape, in Hugging Face names).
-    ``hint(fqn, got, want)`` may add a sentence to a shape mismatch."""
-    expected = {k: v.shape for k, v in spec_for(args).build_meta(args).state_dict().items()}
-    missing = [k for k in expected if k not in out]
-    extra = [k for k in out if k not in expected]
-    if missing or extra:
-        what = f"lacks {hf_name(missing[0])}" if missing else f"has {hf_name(extra[0])}, which this model has not"
-        raise ValueError(f"the Hugging Face weights do not fit the model ({args.n_layers} layers): the file {what}")
-    for k, shape in expected.items():
-        got = tuple(out[k].shape)
-        if got != tuple(shape):
-            extra_hint = hint(k, got, tuple(shape)) if hint else ""
-            raise ValueError(
-                f"the Hugging Face weights do not fit the model: {hf_name(k)} has shape {got}, the "
-                f"model needs {tuple(shape)}{extra_hint}"
-            )

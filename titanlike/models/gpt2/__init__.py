@@ -47,7 +47,6 @@ SPEC = register(
         norm_kind="layer",
         mlp_kind="gelu",
         hf_adapter="titanlike.models.gpt2.hf",
-        hf_model_type="gpt2",
         shard_dims=_shard_dims,
     )
 )

@@ -67,7 +67,6 @@ SPEC = register(
         tied=(("tok_embeddings.weight", "output.weight"),),
         param_init=param_init,
         shape_violations=_shape_violations,
-        hf_adapter="titanlike.hf",
-        hf_model_type="llama",
+        hf_adapter="titanlike.models.llama.hf",
     )
 )
