@@ -273,6 +273,11 @@ def _context_parallel_violations(cfg, cp: int, tp: int) -> list[tuple[str, str]]
     return out
 
 
+def _schedules(having) -> str:
+    """The schedules whose facts satisfy ``having``, for a message ("GPipe / 1F1B")."""
+    return " / ".join(n for n in SCHEDULES if having(schedule_facts(n)))
+
+
 def _pipeline_violations(cfg, args, pp: int) -> list[tuple[str, str]]:
     p, t = cfg.parallelism, cfg.training
     out: list[tuple[str, str]] = []
@@ -294,7 +299,7 @@ def _pipeline_violations(cfg, args, pp: int) -> list[tuple[str, str]]:
         add(
             "pp_single_stage",
             f"parallelism.pipeline_parallel_schedule {sched} runs one stage per rank but the split gives "
-            f"{v}; use Interleaved1F1B / LoopedBFS / InterleavedZeroBubble or fewer stages",
+            f"{v}; use {_schedules(lambda f: not f.single_stage and not f.v_placement)} or fewer stages",
         )
     if facts.v_placement and v != 2:
         add(
@@ -305,7 +310,7 @@ def _pipeline_violations(cfg, args, pp: int) -> list[tuple[str, str]]:
         add(
             "pp_multi_stage",
             f"parallelism.pipeline_parallel_schedule {sched} needs at least 2 stages per rank; use "
-            f"GPipe / 1F1B or set pipeline_parallel_stages_per_rank >= 2",
+            f"{_schedules(lambda f: f.single_stage)} or set pipeline_parallel_stages_per_rank >= 2",
         )
     eff = args.n_layers + p.pipeline_parallel_first_stage_less_layers + p.pipeline_parallel_last_stage_less_layers
     lps = p.pipeline_parallel_layers_per_stage
@@ -388,6 +393,6 @@ def _pipeline_violations(cfg, args, pp: int) -> list[tuple[str, str]]:
             add(
                 "zb_compile",
                 f"compile.enable: compiled blocks allow one backward per forward, {sched} runs two; turn "
-                f"compile off or use 1F1B / Interleaved1F1B",
+                f"compile off or use {_schedules(lambda f: not f.split_backward)}",
             )
     return out
