@@ -47,7 +47,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from titanlike.config import JobConfig  # noqa: E402
-from titanlike.layout import TE_FLOAT8_RECIPES, TORCHAO_FLOAT8_RECIPES, float8_violations  # noqa: E402
+from titanlike.layout import FLOAT8_RECIPES, float8_violations  # noqa: E402
 from titanlike.models import get_spec, registered  # noqa: E402
 from titanlike.training.mfu import device_peak_flops, mfu, peak_key  # noqa: E402
 
@@ -271,7 +271,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--float8",
         default="",
-        choices=("",) + TORCHAO_FLOAT8_RECIPES + TE_FLOAT8_RECIPES,
+        choices=("",) + FLOAT8_RECIPES,
         help="float8 recipe of the titanlike row (torchao: tensorwise | rowwise | rowwise_with_gw_hp)",
     )
     ap.add_argument(

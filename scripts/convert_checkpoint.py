@@ -11,8 +11,8 @@
     python train.py ... --checkpoint.initial_load_path outputs/finetune/checkpoint/step-0
 
 The q/k projections are permuted between our interleaved-pair RoPE layout and Hugging Face's rotate-half layout
-(see titanlike/hf.py), so either side computes the same logits. Runs in one process, needs no process group, and
-never writes over an existing path. Bad input: one line on stderr, exit code 2.
+(see titanlike/models/llama/hf.py), so either side computes the same logits. Runs in one process, needs no process
+group, and never writes over an existing path. Bad input: one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titanlike.checkpoint import export_hf, write_seed_checkpoint  # noqa: E402
-from titanlike.config import ConfigError  # noqa: E402
+from titanlike.errors import ConfigError  # noqa: E402
 from titanlike.hf import load_hf  # noqa: E402
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titanlike.config import ConfigError, model_args_from_config, parse_config  # noqa: E402
+from titanlike.config import model_args_from_config, parse_config  # noqa: E402
+from titanlike.errors import ConfigError  # noqa: E402
 from titanlike.planner import hardware_for, make_plan  # noqa: E402
 from titanlike.planner.cost import messages  # noqa: E402
 from titanlike.planner.plan import fmt_bytes, fmt_seconds  # noqa: E402

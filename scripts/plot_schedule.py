@@ -13,13 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
-from titanlike.parallel.schedule_viz import (
-    SCHEDULES,
-    canonical_schedule_name,
-    render_png,
-    render_text,
-    schedule_timeline,
-)
+from titanlike.layout import SCHEDULES, canonical_schedule_name, schedule_facts, schedule_timeline  # noqa: E402
+from titanlike.planner.schedule_plot import render_png, render_text  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedule", required=True, help="one of: " + ", ".join(SCHEDULES))
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     p.add_argument("--microbatches", type=int, required=True)
-    p.add_argument("--stages-per-rank", type=int, default=None, help="default: 2 for ZBVZeroBubble/DualPipeV, else 1")
+    p.add_argument("--stages-per-rank", type=int, default=None, help="default: 1 for single-stage schedules, else 2")
     p.add_argument("--f-time", type=float, default=1.0, help="forward time of one stage")
     p.add_argument("--b-time", type=float, default=2.0, help="full backward time of one stage")
     p.add_argument(
@@ -44,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"unknown schedule {args.schedule!r}; valid: {', '.join(SCHEDULES)}", file=sys.stderr)
         return 2
-    v = args.stages_per_rank or (2 if name in ("ZBVZeroBubble", "DualPipeV") else 1)
+    v = args.stages_per_rank or schedule_facts(name).default_stages_per_rank
     tl = schedule_timeline(
         name, args.pp, args.microbatches, v, f_time=args.f_time, b_time=args.b_time, w_time=args.w_time
     )

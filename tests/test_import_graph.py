@@ -3,11 +3,13 @@
 Units are the top-level packages / modules of ``titanlike`` (``parallel``, ``layout``, ``config``, ...). The graph
 between them must be acyclic, and the lower layers may import only what lies below them:
 
+    errors  -> nothing of ours (ConfigError: every unit may raise it)
     init    -> nothing of ours            loss     -> nothing of ours
     sharding -> nothing of ours (the sharding vocabulary: plain data the models declare their TP layout in)
-    models  -> init, sharding
-    layout  -> models, sharding           kernels  -> models, layout, sharding (model transforms: TE, float8)
-    parallel -> layout, models, loss, kernels, init, sharding
+    models  -> init, sharding, errors
+    layout  -> models, sharding, errors   kernels  -> models, layout, sharding, errors (model transforms: TE, float8)
+    hf      -> models (the adapters live in the model folders; models import nothing of hf)
+    parallel -> layout, models, loss, kernels, init, sharding, errors
     training -> everything below (it is the top, with the planner and the scripts)
 
 Inside a unit the modules import each other without cycles too: the module graph of the whole package (every
@@ -24,13 +26,15 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "titanlike"
 
 ALLOWED = {
+    "errors": set(),
     "init": set(),
     "sharding": set(),
-    "models": {"init", "sharding"},
+    "models": {"init", "sharding", "errors"},
     "loss": set(),
-    "layout": {"models", "sharding"},
-    "parallel": {"layout", "models", "loss", "kernels", "init", "sharding"},
-    "kernels": {"models", "layout", "sharding"},
+    "layout": {"models", "sharding", "errors"},
+    "parallel": {"layout", "models", "loss", "kernels", "init", "sharding", "errors"},
+    "kernels": {"models", "layout", "sharding", "errors"},
+    "hf": {"models"},
 }
 
 

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from titanlike.layout import SCHEDULES, ConfigError, layout_violations
-from titanlike.layout.rules import MODEL_OVERRIDES
+from titanlike.errors import ConfigError
+from titanlike.layout import FLOAT8_RECIPES, SCHEDULES, layout_violations
+from titanlike.layout.rules import OVERRIDE, model_keys_read, model_overrides
 from titanlike.models import DEFAULT_MODEL, UnknownModelError, get_spec, pad_vocab, registered, spec_for
 
 if sys.version_info >= (3, 11):
@@ -44,30 +45,38 @@ class Job:
     print_config: bool = False  # print the full configuration (after the file and the command line) at the start
 
 
+def _override(default):
+    """A ``model.<key>`` that overrides the flavor's value; ``default`` keeps the flavor's. A model reads the
+    overrides named like a field of its args dataclass; one it does not read is refused (layout rule
+    ``model_keys``)."""
+    return field(default=default, metadata={OVERRIDE: True})
+
+
 @dataclass
 class Model:
     name: str = DEFAULT_MODEL  # the model: a registered spec (llama3, gpt2; titanlike.models.registered())
     flavor: str = "debugmodel"  # a size of the family (debugmodel, tiny, gpt2_small, 1B, 8B, 70B, 405B)
     tokenizer: str = "test"  # "gpt2", "cl100k", "test" (2k ranks) or a path to a .tiktoken rank file
     vocab_multiple: int = 64  # pad the vocabulary to a multiple of this (keeps vocab % tp == 0 and matmuls aligned)
-    tie_embeddings: bool | None = None  # None: the flavor's choice
     kernels: Literal["torch", "te"] = "torch"  # "torch" or "te" (Transformer Engine, CUDA only)
-    # Optional overrides of the flavor's shape (0 / None = keep the flavor's value).
-    dim: int = 0  # model width (0: the flavor's)
-    n_layers: int = 0  # transformer blocks (0: the flavor's)
-    n_heads: int = 0  # attention heads (0: the flavor's)
-    n_kv_heads: int = 0  # key/value heads for GQA (0: the flavor's)
-    ffn_hidden_dim: int = 0  # SwiGLU hidden size (0: the flavor's rule)
-    max_seq_len: int = 0  # longest sequence the RoPE tables cover (0: the flavor's)
-    rope_theta: float = 0.0  # RoPE base (0: the flavor's)
-    norm_eps: float = 0.0  # RMSNorm epsilon (0: the flavor's)
+    # Optional overrides of the flavor's values (0 / "" / None = keep the flavor's), each read by the models whose
+    # args dataclass has a field of that name.
+    tie_embeddings: bool | None = _override(None)  # None: the flavor's choice
+    dim: int = _override(0)  # model width (0: the flavor's)
+    n_layers: int = _override(0)  # transformer blocks (0: the flavor's)
+    n_heads: int = _override(0)  # attention heads (0: the flavor's)
+    n_kv_heads: int = _override(0)  # key/value heads for GQA (0: the flavor's)
+    ffn_hidden_dim: int = _override(0)  # SwiGLU hidden size (0: the flavor's rule)
+    max_seq_len: int = _override(0)  # longest sequence the RoPE tables cover (0: the flavor's)
+    rope_theta: float = _override(0.0)  # RoPE base (0: the flavor's)
+    norm_eps: float = _override(0.0)  # RMSNorm epsilon (0: the flavor's)
     # RoPE scaling: "" (the flavor's), "none", or "llama3" (Llama 3.1+ long context) with its four parameters
     # (0: Llama 3.1's 8, 1, 4, 8192).
-    rope_scaling: Literal["", "none", "llama3"] = ""  # RoPE frequency scaling: none or llama3 ('': the flavor's)
-    rope_scaling_factor: float = 0.0  # llama3 scaling: the context extension factor (0: the flavor's)
-    rope_low_freq_factor: float = 0.0  # llama3 scaling: low-frequency factor (0: the flavor's)
-    rope_high_freq_factor: float = 0.0  # llama3 scaling: high-frequency factor (0: the flavor's)
-    rope_original_max_seq_len: int = 0  # llama3 scaling: the pre-training context length (0: the flavor's)
+    rope_scaling: Literal["", "none", "llama3"] = _override("")  # RoPE frequency scaling: none or llama3
+    rope_scaling_factor: float = _override(0.0)  # llama3 scaling: the context extension factor (0: the flavor's)
+    rope_low_freq_factor: float = _override(0.0)  # llama3 scaling: low-frequency factor (0: the flavor's)
+    rope_high_freq_factor: float = _override(0.0)  # llama3 scaling: high-frequency factor (0: the flavor's)
+    rope_original_max_seq_len: int = _override(0)  # llama3 scaling: the pre-training context length (0: the flavor's)
 
 
 @dataclass
@@ -193,8 +202,8 @@ class Compile:
 
 @dataclass
 class Float8:
-    # "" (off); torchao: tensorwise, rowwise, rowwise_with_gw_hp; te (model.kernels=te): delayed, current, block, mxfp8
-    recipe: Literal["", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "current", "block", "mxfp8"] = ""
+    # "" (off), a torchao recipe or a Transformer Engine one (model.kernels=te): titanlike.layout.FLOAT8_RECIPES
+    recipe: Literal[("",) + FLOAT8_RECIPES] = ""
     backend: Literal["auto", "torchao", "te"] = "auto"  # auto (te when model.kernels=te, else torchao) | torchao | te
     emulate: bool = False  # torchao's emulation (float8 casts, float32 GEMMs): CPU and tests, no sm_89 needed
     filter_fqns: list[str] = field(default_factory=lambda: ["output"])  # Linear FQNs containing these stay hp
@@ -753,9 +762,8 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int | None = None):
         )
     m = cfg.model
     # Overrides the model does not read are left out here and refused by the layout rule "model_keys".
-    overrides = {k: getattr(m, k) for k in MODEL_OVERRIDES if getattr(m, k) and k in spec.config_keys}
-    if m.tie_embeddings is not None:
-        overrides["tie_embeddings"] = m.tie_embeddings
+    reads = model_keys_read(spec, m)
+    overrides = {k: v for k, v in model_overrides(m).items() if k in reads}
     hf_args = hf_architecture_of(cfg)
     if hf_args is not None:
         return _hf_model_args(cfg, hf_args, overrides, vocab_size)

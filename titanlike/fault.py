@@ -21,7 +21,7 @@ import time
 
 import torch.distributed as dist
 
-from titanlike.config import ConfigError
+from titanlike.errors import ConfigError
 
 # Words of the errors a collective raises when a peer is gone (gloo, nccl, the store, DCP's gathered failures).
 _COMM_WORDS = (

@@ -16,8 +16,9 @@ from safetensors import safe_open
 from titanlike.checkpoint import read_meta, read_model_state_dict, write_seed_checkpoint
 from titanlike.config import load_config
 from titanlike.data import asset_path
-from titanlike.hf import from_hf, hf_config, load_hf, permute_from_hf, permute_to_hf, to_hf
+from titanlike.hf import from_hf, hf_config, load_hf, to_hf
 from titanlike.models import FLAVORS, ModelArgs, Transformer
+from titanlike.models.llama.hf import permute_from_hf, permute_to_hf
 from titanlike.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -282,3 +283,49 @@ def test_trainer_exports_hf_and_another_run_starts_from_the_safetensors(tmp_path
     tokens = torch.randint(0, args.vocab_size, (2, 8))
     with torch.no_grad():
         assert torch.equal(other.model_parts[0](tokens), trainer.model_parts[0](tokens))
+
+
+# ------------------------------------------------------------------------------------------ the adapter protocol
+def test_every_model_adapter_implements_the_protocol_and_hf_names_no_model():
+    from titanlike import hf
+    from titanlike.models import get_spec, registered
+
+    adapters = {name: hf.adapter_for(get_spec(name).args_cls()) for name in registered()}
+    assert all(isinstance(ad, hf.HFAdapter) for ad in adapters.values())
+    assert {name: ad.MODEL_TYPE for name, ad in adapters.items()} == {
+        "gpt2": "gpt2",
+        "llama3": "llama",
+        "qwen3": "qwen3",
+    }
+    # titanlike/hf/ is model-independent: no registered model's name, model_type or class appears in it.
+    words = {w.lower() for ad in adapters.values() for w in (ad.MODEL_TYPE, ad.ARCHITECTURE)} | set(adapters)
+    for path in (REPO / "titanlike" / "hf").glob("*.py"):
+        text = path.read_text().lower()
+        assert not [w for w in words if w in text], path
+    # model_type picks the adapter; none or an unknown one is one line listing those titanlike imports.
+    for config, message in (({}, "no model_type"), ({"model_type": "mistral"}, "model_type = 'mistral'")):
+        with pytest.raises(hf.HFConfigError, match=message + r" \(titanlike imports 'gpt2', 'llama', 'qwen3'\)"):
+            hf.model_args_from_hf_config(config)
+
+
+def test_an_adapter_lacking_a_member_is_refused_in_one_line(monkeypatch):
+    import dataclasses
+    import sys
+    import types
+
+    from titanlike import hf
+    from titanlike.models import get_spec
+    from titanlike.models import spec as spec_module
+
+    half = types.ModuleType("half_adapter")  # a model's hf.py with two of the protocol's members
+    half.MODEL_TYPE, half.to_hf = "gpt2", lambda sd, args: sd
+    monkeypatch.setitem(sys.modules, "half_adapter", half)
+    gpt2 = get_spec("gpt2")
+    monkeypatch.setitem(spec_module._REGISTRY, "gpt2", dataclasses.replace(gpt2, hf_adapter="half_adapter"))
+    message = (
+        "model 'gpt2': its Hugging Face adapter half_adapter lacks ARCHITECTURE, from_hf, hf_name, shape_hint, "
+        "hf_config, model_args_from_hf_config, check_same_architecture, describe (see docs/adding_a_model.md)"
+    )
+    with pytest.raises(TypeError) as e:
+        hf.to_hf({}, gpt2.args_cls())
+    assert str(e.value) == message

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -112,6 +113,40 @@ def test_errors_are_one_line_naming_the_fix(argv, message):
         load_config(argv)
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_model_keys_are_derived_from_the_schema_and_the_args_dataclass():
+    """A model reads the [model] overrides named like a field of its args dataclass (no list to keep in step): a
+    model registered the way a user writes one gets its keys, and every override some model reads."""
+    import dataclasses
+
+    from titanlike.layout.rules import model_keys_read, model_overrides
+    from titanlike.models import get_spec, registered
+
+    section = JobConfig().model
+    assert model_keys_read(get_spec("gpt2"), section) == (
+        "tie_embeddings",
+        "dim",
+        "n_layers",
+        "n_heads",
+        "ffn_hidden_dim",
+        "max_seq_len",
+        "norm_eps",
+    )
+
+    @dataclasses.dataclass
+    class TinyArgs:
+        dim: int = 8
+        rope_theta: float = 1.0
+
+    tiny = SimpleNamespace(args_cls=TinyArgs)
+    assert model_keys_read(tiny, section) == ("dim", "rope_theta")
+    read = {k for name in registered() for k in model_keys_read(get_spec(name), section)}
+    overrides = {f.name for f in dataclasses.fields(section) if f.metadata}
+    assert read == overrides and len(overrides) == 14  # no [model] override that no model reads
+    assert model_overrides(section) == {}
+    cfg = load_config(["--model.dim", "128", "--model.tie_embeddings", "false", "--model.rope_scaling", "none"])
+    assert model_overrides(cfg.model) == {"tie_embeddings": False, "dim": 128, "rope_scaling": "none"}
 
 
 def test_toml_errors(tmp_path):

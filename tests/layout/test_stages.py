@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from titanlike.config import JobConfig
+from titanlike.errors import ConfigError
 from titanlike.layout import (
-    ConfigError,
     layout_violations,
     parse_module_names,
     pipeline_stage_count,

@@ -5,9 +5,9 @@ the logits of transformers' own Qwen3ForCausalLM. (Layouts: the float64 gates; H
 import pytest
 import torch
 
+from titanlike.hf import from_hf, hf_config, model_args_from_hf_config, to_hf
 from titanlike.models import get_spec
 from titanlike.models.qwen3 import FLAVORS, Qwen3
-from titanlike.models.qwen3.hf import from_hf, hf_config, model_args_from_hf_config, to_hf
 from titanlike.parallel.pipeline import build_stage
 
 SPEC = get_spec("qwen3")

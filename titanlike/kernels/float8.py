@@ -43,6 +43,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from titanlike.layout.float8 import TORCHAO_FLOAT8_RECIPES
 from titanlike.sharding import matches
 
 __all__ = [
@@ -60,7 +61,7 @@ __all__ = [
     "precompute_float8_scales",
 ]
 
-TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+TORCHAO_RECIPES = TORCHAO_FLOAT8_RECIPES  # the names are the layout layer's (config choices, rules, here)
 FLOAT8_ALIGN = 16  # both GEMM dims multiples of 16 (torch._scaled_mm)
 MIN_CAPABILITY = (8, 9)  # Ada / Hopper: float8 tensor cores
 

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titanlike.layout.float8 import TE_FLOAT8_RECIPES
 from titanlike.models import block_container_of, spec_for
 
 __all__ = [
@@ -66,13 +67,20 @@ __all__ = [
 
 EXTRA_STATE = "_extra_state"
 
-# recipe name -> (TE recipe class name, minimum compute capability, what it is)
-FP8_RECIPES: dict[str, tuple[str, tuple[int, int], str]] = {
-    "delayed": ("DelayedScaling", (8, 9), "per-tensor delayed scaling"),
-    "current": ("Float8CurrentScaling", (8, 9), "per-tensor current scaling"),
-    "block": ("Float8BlockScaling", (9, 0), "1x128 / 128x128 block scaling"),
-    "mxfp8": ("MXFP8BlockScaling", (10, 0), "MXFP8 (1x32 blocks, Blackwell)"),
-}
+# recipe name (titanlike.layout.TE_FLOAT8_RECIPES, in its order) -> (TE recipe class name, minimum compute capability,
+# what it is)
+FP8_RECIPES: dict[str, tuple[str, tuple[int, int], str]] = dict(
+    zip(
+        TE_FLOAT8_RECIPES,
+        (
+            ("DelayedScaling", (8, 9), "per-tensor delayed scaling"),  # delayed
+            ("Float8CurrentScaling", (8, 9), "per-tensor current scaling"),  # current
+            ("Float8BlockScaling", (9, 0), "1x128 / 128x128 block scaling"),  # block
+            ("MXFP8BlockScaling", (10, 0), "MXFP8 (1x32 blocks, Blackwell)"),  # mxfp8
+        ),
+        strict=True,
+    )
+)
 # FP8 GEMMs need both matrix dims to be multiples of this (MXFP8: 32-element blocks).
 _FP8_ALIGN = {"mxfp8": 32}
 

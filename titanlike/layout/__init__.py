@@ -6,8 +6,9 @@ torch for the pipeline schedule classes). It owns
 * the degree arithmetic and the rank grid (:mod:`~titanlike.layout.degrees`);
 * every cross-field validation rule (:mod:`~titanlike.layout.rules`; ``config.py`` keeps the schema, parsing and
   per-key ranges);
-* the pipeline schedule facts, derived from torch's schedule classes (:mod:`~titanlike.layout.schedules`), and
-  the stage split (:mod:`~titanlike.layout.stages`);
+* the pipeline schedule facts, derived from torch's schedule classes (:mod:`~titanlike.layout.schedules`), the
+  schedule simulator over torch's action lists (:mod:`~titanlike.layout.timeline`; the planner prices bubbles and
+  activations with it) and the stage split (:mod:`~titanlike.layout.stages`);
 * the precision policy, the FSDP reshard policy, the activation-checkpointing option grammar and the batch /
   accumulation arithmetic (:mod:`~titanlike.layout.policy`).
 
@@ -23,8 +24,13 @@ from titanlike.layout.degrees import (
     rank_groups,
     rank_of,
 )
-from titanlike.layout.errors import ConfigError
-from titanlike.layout.float8 import TE_FLOAT8_RECIPES, TORCHAO_FLOAT8_RECIPES, float8_backend, float8_violations
+from titanlike.layout.float8 import (
+    FLOAT8_RECIPES,
+    TE_FLOAT8_RECIPES,
+    TORCHAO_FLOAT8_RECIPES,
+    float8_backend,
+    float8_violations,
+)
 from titanlike.layout.policy import (
     FSDP_GROUPS,
     RESHARD_CHOICES,
@@ -52,14 +58,20 @@ from titanlike.layout.stages import (
     split_module_names,
     stage_module_names,
 )
+from titanlike.layout.timeline import Block, Timeline, bubble_formula, canonical_schedule_name, schedule_timeline
 
 __all__ = [
+    "FLOAT8_RECIPES",
     "TE_FLOAT8_RECIPES",
     "TORCHAO_FLOAT8_RECIPES",
     "float8_backend",
     "float8_violations",
     "BatchSplit",
-    "ConfigError",
+    "Block",
+    "Timeline",
+    "bubble_formula",
+    "canonical_schedule_name",
+    "schedule_timeline",
     "Degrees",
     "FLATTENED",
     "FSDP_GROUPS",

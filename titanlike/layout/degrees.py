@@ -25,7 +25,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from titanlike.layout.errors import ConfigError
+from titanlike.errors import ConfigError
 
 __all__ = ["FLATTENED", "MESH_DIMS", "Degrees", "degree_problems", "describe_layout", "rank_groups", "rank_of"]
 

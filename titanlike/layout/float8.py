@@ -4,10 +4,12 @@ checked by the trainer before any process group starts)."""
 
 from __future__ import annotations
 
-__all__ = ["TE_FLOAT8_RECIPES", "TORCHAO_FLOAT8_RECIPES", "float8_backend", "float8_violations"]
+__all__ = ["FLOAT8_RECIPES", "TE_FLOAT8_RECIPES", "TORCHAO_FLOAT8_RECIPES", "float8_backend", "float8_violations"]
 
-TORCHAO_FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-TE_FLOAT8_RECIPES = ("delayed", "current", "block", "mxfp8")
+# The float8.recipe names, written once: the config's choices, these rules and the kernels read them from here.
+TORCHAO_FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearConfig names
+TE_FLOAT8_RECIPES = ("delayed", "current", "block", "mxfp8")  # Transformer Engine recipes (model.kernels=te)
+FLOAT8_RECIPES = TORCHAO_FLOAT8_RECIPES + TE_FLOAT8_RECIPES
 
 
 def float8_backend(cfg) -> str:

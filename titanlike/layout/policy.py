@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from titanlike.layout.errors import ConfigError
+from titanlike.errors import ConfigError
 
 __all__ = [
     "BatchSplit",

@@ -8,8 +8,10 @@ exit code 2 and one line.
 
 from __future__ import annotations
 
+import dataclasses
+
+from titanlike.errors import ConfigError
 from titanlike.layout.degrees import degree_problems
-from titanlike.layout.errors import ConfigError
 from titanlike.layout.float8 import float8_violations
 from titanlike.layout.policy import batch_split, parse_ac_option
 from titanlike.layout.schedules import SCHEDULES, schedule_facts
@@ -17,24 +19,32 @@ from titanlike.layout.stages import parse_module_names, pipeline_stage_count
 from titanlike.models import get_spec
 from titanlike.sharding import float8_patterns
 
-__all__ = ["MODEL_OVERRIDES", "RULES", "layout_violations", "rule_violations"]
+__all__ = ["OVERRIDE", "RULES", "layout_violations", "model_keys_read", "model_overrides", "rule_violations"]
 
-# The model.<key> shape overrides of the config (each model's spec lists the ones it reads: ModelSpec.config_keys).
-MODEL_OVERRIDES = (
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_hidden_dim",
-    "max_seq_len",
-    "rope_theta",
-    "norm_eps",
-    "rope_scaling",
-    "rope_scaling_factor",
-    "rope_low_freq_factor",
-    "rope_high_freq_factor",
-    "rope_original_max_seq_len",
-)
+# The metadata mark of a [model] field that overrides the flavor's value (titanlike.config.Model declares them; its
+# default means "the flavor's"). A model reads the overrides named like a field of its args dataclass.
+OVERRIDE = "flavor_override"
+
+
+def _override_fields(model_section) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(model_section) if f.metadata.get(OVERRIDE)]
+
+
+def model_keys_read(spec, model_section) -> tuple[str, ...]:
+    """The ``model.<key>`` overrides the model of ``spec`` reads: the schema's overrides (fields of the config's
+    [model] section marked :data:`OVERRIDE`) that name a field of the model's args dataclass, in schema order."""
+    args_fields = {f.name for f in dataclasses.fields(spec.args_cls)}
+    return tuple(f.name for f in _override_fields(model_section) if f.name in args_fields)
+
+
+def model_overrides(model_section) -> dict[str, object]:
+    """The ``model.<key>`` overrides set (not at their default, the flavor's), key -> value, in schema order."""
+    return {
+        f.name: getattr(model_section, f.name)
+        for f in _override_fields(model_section)
+        if getattr(model_section, f.name) != f.default
+    }
+
 
 # rule name -> what it guards (the messages themselves name the keys and the fix)
 RULES = {
@@ -74,7 +84,8 @@ RULES = {
     "pp_even_split": "the layers split evenly into the stages",
     "pp_stage_has_block": "the first and last stages keep a transformer block",
     "pp_microbatch_size": "microbatch size divides local_batch_size",
-    "pp_microbatches": "at least pp microbatches (more for DualPipeV; rounds of pp for interleaved)",
+    "pp_microbatches": "at least pp microbatches unless breadth-first, one per stage where torch needs it, whole "
+    "rounds of pp where torch runs rounds (ScheduleFacts)",
     "zb_reshard": "split-backward schedules with fsdp_reshard_after_forward != always",
     "zb_op_ac": "split-backward schedules without op-level selective AC",
     "zb_compile": "split-backward schedules without compiled blocks",
@@ -95,12 +106,13 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
         out.append((rule, message))
 
     spec = get_spec(cfg.model.name)
-    unread = [k for k in MODEL_OVERRIDES if getattr(cfg.model, k) and k not in spec.config_keys]
+    reads = model_keys_read(spec, cfg.model)
+    unread = [k for k in model_overrides(cfg.model) if k not in reads]
     if unread:
         add(
             "model_keys",
             f"model.{unread[0]}: {spec.name} has no such setting (it reads "
-            f"{', '.join('model.' + k for k in spec.config_keys)}); remove "
+            f"{', '.join('model.' + k for k in reads)}); remove "
             f"{', '.join('model.' + k for k in unread)}",
         )
     # Model shape.
@@ -264,6 +276,11 @@ def _context_parallel_violations(cfg, cp: int, tp: int) -> list[tuple[str, str]]
     return out
 
 
+def _schedules(having) -> str:
+    """The schedules whose facts satisfy ``having``, for a message ("GPipe / 1F1B")."""
+    return " / ".join(n for n in SCHEDULES if having(schedule_facts(n)))
+
+
 def _pipeline_violations(cfg, args, pp: int) -> list[tuple[str, str]]:
     p, t = cfg.parallelism, cfg.training
     out: list[tuple[str, str]] = []
@@ -285,7 +302,7 @@ def _pipeline_violations(cfg, args, pp: int) -> list[tuple[str, str]]:
         add(
             "pp_single_stage",
             f"parallelism.pipeline_parallel_schedule {sched} runs one stage per rank but the split gives "
-            f"{v}; use Interleaved1F1B / LoopedBFS / InterleavedZeroBubble or fewer stages",
+            f"{v}; use {_schedules(lambda f: not f.single_stage and not f.v_placement)} or fewer stages",
         )
     if facts.v_placement and v != 2:
         add(
@@ -296,7 +313,7 @@ def _pipeline_violations(cfg, args, pp: int) -> list[tuple[str, str]]:
         add(
             "pp_multi_stage",
             f"parallelism.pipeline_parallel_schedule {sched} needs at least 2 stages per rank; use "
-            f"GPipe / 1F1B or set pipeline_parallel_stages_per_rank >= 2",
+            f"{_schedules(lambda f: f.single_stage)} or set pipeline_parallel_stages_per_rank >= 2",
         )
     eff = args.n_layers + p.pipeline_parallel_first_stage_less_layers + p.pipeline_parallel_last_stage_less_layers
     lps = p.pipeline_parallel_layers_per_stage
@@ -338,19 +355,21 @@ def _pipeline_violations(cfg, args, pp: int) -> list[tuple[str, str]]:
         )
     else:
         m = t.local_batch_size // mbs
-        if sched != "GPipe" and m < pp:
+        # A schedule that alternates forwards and backwards warms up with pp microbatches in flight: proven with
+        # at least pp (torch accepts fewer for some); breadth-first ones run any number (the pipeline gate has m=1).
+        if not facts.breadth_first and m < pp:
             add(
                 "pp_microbatches",
                 f"pipeline: {m} microbatches (local_batch_size / pipeline_parallel_microbatch_size) are fewer "
                 f"than pp {pp} stages for {sched}; raise local_batch_size to at least {pp * mbs}",
             )
-        elif sched == "DualPipeV" and m < n_stages:
+        elif facts.microbatch_per_stage and m < n_stages:
             add(
                 "pp_microbatches",
-                f"pipeline: DualPipeV needs at least as many microbatches as stages ({n_stages}), got {m}; "
+                f"pipeline: {sched} needs at least as many microbatches as stages ({n_stages}), got {m}; "
                 f"raise local_batch_size to at least {n_stages * mbs}",
             )
-        elif sched in ("Interleaved1F1B", "InterleavedZeroBubble") and m % max(1, m // pp):
+        elif facts.microbatch_rounds and m % max(1, m // pp):
             add(
                 "pp_microbatches",
                 f"pipeline: {sched} runs the {m} microbatches in rounds of pp={pp} and needs m divisible by "
@@ -377,6 +396,6 @@ def _pipeline_violations(cfg, args, pp: int) -> list[tuple[str, str]]:
             add(
                 "zb_compile",
                 f"compile.enable: compiled blocks allow one backward per forward, {sched} runs two; turn "
-                f"compile off or use 1F1B / Interleaved1F1B",
+                f"compile off or use {_schedules(lambda f: not f.split_backward)}",
             )
     return out

@@ -9,11 +9,17 @@
 * ``split_backward``: its action list has separate weight-gradient actions (``W``), i.e. each backward runs as
   an input-gradient pass and a later weight-gradient pass over the same graph (the zero-bubble schedules).
   Such schedules are incompatible with FSDP resharding after forward, op-level selective AC and compiled blocks
-  (docs/facts.md, "The zero-bubble resharding trap").
+  (docs/facts.md, "The zero-bubble resharding trap");
+* ``breadth_first``: every rank runs all its forwards before any backward (GPipe, LoopedBFS): no warm-up to fill,
+  so any number of microbatches runs; the others alternate forwards and backwards in steady state;
+* ``microbatch_per_stage``: torch refuses fewer microbatches than stages (1F1B, DualPipeV);
+* ``microbatch_rounds``: torch runs the microbatches in rounds of pp and needs their number divisible by the
+  number of rounds, ``max(1, m // pp)`` (Interleaved1F1B, InterleavedZeroBubble).
 
-The multi-stage facts come from building the schedule on stand-in stages (plain objects with the attributes its
-constructor reads) for pp = 2, two stages per rank, 4 microbatches: torch computes its action lists without a
-process group.
+The facts come from building the schedule on stand-in stages (plain objects with the attributes its constructor
+reads) for pp = 2 (one stage per rank for the single-stage schedules, two for the others): torch computes its
+action lists without a process group, and its constructor refuses the microbatch counts it cannot run (probed
+with one microbatch fewer than the stages, and with ``2 pp + 1``, which is not a whole number of rounds).
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ class ScheduleFacts:
     single_stage: bool
     v_placement: bool
     split_backward: bool
+    breadth_first: bool
+    microbatch_per_stage: bool
+    microbatch_rounds: bool
 
     @property
     def default_stages_per_rank(self) -> int:
@@ -85,24 +94,56 @@ def schedule_class(name: str) -> type:
     return _torch.get_schedule_class(name)
 
 
+def _build(cls, local: list[int], n_stages: int, pp: int, m: int):
+    """Torch's schedule on stand-in stages ``local`` of ``n_stages`` over ``pp`` ranks, or None where its
+    constructor refuses them (a placement it does not run, or ``m`` microbatches it cannot)."""
+    try:
+        if issubclass(cls, _torch.PipelineScheduleSingle):
+            return cls(StandInStage(local[0], n_stages, pp), n_microbatches=m)
+        return cls([StandInStage(s, n_stages, pp) for s in local], n_microbatches=m)
+    except (ValueError, RuntimeError, AssertionError):
+        return None
+
+
+_COMPUTE = (_torch.FORWARD, _torch.FULL_BACKWARD, _torch.BACKWARD_INPUT, _torch.BACKWARD_WEIGHT)
+
+
+def _forwards_first(actions) -> bool:
+    """No forward after a backward in one rank's action list (overlapped actions count by their parts)."""
+    kinds = [
+        p.computation_type
+        for a in actions
+        if a is not None
+        for p in (a.sub_actions if a.sub_actions is not None else (a,))
+        if p.computation_type in _COMPUTE
+    ]
+    return all(k == _torch.FORWARD for k in kinds[: kinds.count(_torch.FORWARD)])
+
+
 @functools.cache
 def schedule_facts(name: str) -> ScheduleFacts:
     cls = schedule_class(name)
-    if issubclass(cls, _torch.PipelineScheduleSingle):
-        return ScheduleFacts(name, single_stage=True, v_placement=False, split_backward=False)
-    pp, n_stages = 2, 4
-    sched = None
-    for local in ([0, 2], [0, 3]):  # loop placement first, then V placement (V schedules refuse the other)
-        try:
-            sched = cls([StandInStage(s, n_stages, pp) for s in local], n_microbatches=4)
+    single = issubclass(cls, _torch.PipelineScheduleSingle)
+    pp = 2
+    n_stages = pp if single else 2 * pp
+    sched, local = None, []
+    for local in ([0],) if single else ([0, 2], [0, 3]):  # loop placement first, then V (V schedules refuse loops)
+        sched = _build(cls, local, n_stages, pp, m=2 * n_stages)
+        if sched is not None:
             break
-        except (ValueError, RuntimeError, AssertionError):
-            continue
-    if sched is None:  # pragma: no cover - a torch version whose schedule cannot be built on stand-ins
+    if sched is None or not sched.pipeline_order:  # pragma: no cover - a torch whose schedule has no action lists
         raise RuntimeError(f"cannot derive the facts of pipeline schedule {name} from torch")
-    v = sched.stage_index_to_group_rank.get(n_stages - 1) == 0
-    kinds = {a.computation_type for acts in sched.pipeline_order.values() for a in acts if a is not None}
-    return ScheduleFacts(name, single_stage=False, v_placement=v, split_backward=_torch.BACKWARD_WEIGHT in kinds)
+    order = sched.pipeline_order
+    kinds = {a.computation_type for acts in order.values() for a in acts if a is not None}
+    return ScheduleFacts(
+        name,
+        single_stage=single,
+        v_placement=not single and sched.stage_index_to_group_rank.get(n_stages - 1) == 0,
+        split_backward=_torch.BACKWARD_WEIGHT in kinds,
+        breadth_first=all(_forwards_first(acts) for acts in order.values()),
+        microbatch_per_stage=_build(cls, local, n_stages, pp, m=n_stages - 1) is None,
+        microbatch_rounds=_build(cls, local, n_stages, pp, m=2 * pp + 1) is None,
+    )
 
 
 def stage_ids_for_rank(pp_rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:

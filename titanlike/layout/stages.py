@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from titanlike.layout.errors import ConfigError
+from titanlike.errors import ConfigError
 from titanlike.layout.schedules import schedule_facts
 from titanlike.models import DEFAULT_MODEL, ModelSpec, get_spec
 

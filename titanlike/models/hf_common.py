@@ -1,14 +1,13 @@
-"""What every model's Hugging Face adapter shares, importable from the model folders: the config.json fields of
-``transformers``' ``PretrainedConfig`` that do not change what the weights compute (metadata, generation and
-inference options, generics; an adapter honours its model's fields, ignores these, and refuses the rest), and the
-renaming of parameters between our FQNs and Hugging Face's by two tables."""
+"""What every model's Hugging Face adapter may share, importable from the model folders (which may not import
+``titanlike.hf``): the renaming of parameters between our FQNs and Hugging Face's by two tables. (The config.json
+fields that change no weights are ``titanlike.hf.GENERIC_FIELDS``, set aside before an adapter reads the file.)"""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
 
-__all__ = ["METADATA_FIELDS", "Names"]
+__all__ = ["Names"]
 
 
 class Names:
@@ -43,75 +42,3 @@ class Names:
         if m and m.group(2) in self._layer_back:
             return f"layers.{m.group(1)}.{self._layer_back[m.group(2)]}"
         raise ValueError(f"'{name}' is not a Hugging Face {self.model} parameter this model has")
-
-
-METADATA_FIELDS = frozenset(
-    {
-        "architectures",
-        "model_type",
-        "transformers_version",
-        "torch_dtype",
-        "dtype",
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-        "use_cache",
-        "initializer_range",
-        "pretraining_tp",
-        "_name_or_path",
-        "name_or_path",
-        "output_attentions",
-        "output_hidden_states",
-        "return_dict",
-        "torchscript",
-        "use_return_dict",
-        "is_decoder",
-        "is_encoder_decoder",
-        "add_cross_attention",
-        "tie_encoder_decoder",
-        "chunk_size_feed_forward",
-        "id2label",
-        "label2id",
-        "problem_type",
-        "finetuning_task",
-        "tokenizer_class",
-        "prefix",
-        "sep_token_id",
-        "decoder_start_token_id",
-        "task_specific_params",
-        "max_length",
-        "min_length",
-        "do_sample",
-        "early_stopping",
-        "num_beams",
-        "num_beam_groups",
-        "diversity_penalty",
-        "temperature",
-        "top_k",
-        "top_p",
-        "typical_p",
-        "repetition_penalty",
-        "length_penalty",
-        "no_repeat_ngram_size",
-        "encoder_no_repeat_ngram_size",
-        "bad_words_ids",
-        "num_return_sequences",
-        "output_scores",
-        "return_dict_in_generate",
-        "forced_bos_token_id",
-        "forced_eos_token_id",
-        "remove_invalid_values",
-        "exponential_decay_length_penalty",
-        "suppress_tokens",
-        "begin_suppress_tokens",
-        "cross_attention_hidden_size",
-        "pruned_heads",
-        "tf_legacy_loss",
-        "use_bfloat16",
-        "_attn_implementation",
-        "_attn_implementation_autoset",
-        "attn_implementation",
-        "_commit_hash",
-        "layer_types",
-    }
-)

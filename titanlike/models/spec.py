@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["ModelSpec", "UnknownModelError", "check_state_dict_fits", "lookup", "register"]
+__all__ = ["ModelSpec", "UnknownModelError", "lookup", "register"]
 
 
 class UnknownModelError(ValueError):
@@ -48,12 +48,9 @@ class ModelSpec:
     block_container: str | None = None
     # Extra shape rules of this model (one line with the fix per violation), on top of the shared ones.
     shape_violations: Callable[[object], list[str]] = lambda args: []
-    # The config overrides (model.<key>) this model reads; the others must stay unset.
-    config_keys: tuple[str, ...] = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len")
-    # Hugging Face adapter: a module with to_hf, from_hf, hf_config, model_args_from_hf_config,
-    # check_same_architecture (see titanlike/hf.py for the Llama one).
+    # Hugging Face adapter: the module (titanlike/models/<name>/hf.py) implementing titanlike.hf.HFAdapter; its
+    # MODEL_TYPE is the config.json model_type import picks it by.
     hf_adapter: str = ""
-    hf_model_type: str = ""
     # param_init(args) -> (full-model FQN -> titanlike.init.Init): every parameter's distribution (None: the model
     # class's param_init). The sharded, layout-independent init (titanlike.parallel.materialize) fills each rank's
     # shards from it; a tied copy names its owner (Init.key). The model class also has init_buffers(device).
@@ -120,23 +117,3 @@ def lookup(obj) -> ModelSpec | None:
             if cls is spec.model_cls or cls is spec.args_cls:
                 return spec
     return None
-
-
-def check_state_dict_fits(out: dict, args, hf_name, hint=None) -> None:
-    """Refuse a converted Hugging Face state dict whose names or shapes are not exactly those of the model of
-    ``args`` (one ValueError naming the first missing / extra parameter or wrong shape, in Hugging Face names).
-    ``hint(fqn, got, want)`` may add a sentence to a shape mismatch."""
-    expected = {k: v.shape for k, v in lookup(args).build_meta(args).state_dict().items()}
-    missing = [k for k in expected if k not in out]
-    extra = [k for k in out if k not in expected]
-    if missing or extra:
-        what = f"lacks {hf_name(missing[0])}" if missing else f"has {hf_name(extra[0])}, which this model has not"
-        raise ValueError(f"the Hugging Face weights do not fit the model ({args.n_layers} layers): the file {what}")
-    for k, shape in expected.items():
-        got = tuple(out[k].shape)
-        if got != tuple(shape):
-            extra_hint = hint(k, got, tuple(shape)) if hint else ""
-            raise ValueError(
-                f"the Hugging Face weights do not fit the model: {hf_name(k)} has shape {got}, the "
-                f"model needs {tuple(shape)}{extra_hint}"
-            )

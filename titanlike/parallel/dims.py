@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from titanlike.layout import FLATTENED, MESH_DIMS, ConfigError, Degrees
+from titanlike.errors import ConfigError
+from titanlike.layout import FLATTENED, MESH_DIMS, Degrees
 
 __all__ = ["ParallelDims"]
 

@@ -44,6 +44,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
 
+from titanlike.layout.timeline import schedule_timeline
 from titanlike.planner.hardware import Hardware
 from titanlike.planner.layout import Layout
 from titanlike.planner.memory import fsdp_units, rank_param_shards
@@ -240,8 +241,6 @@ def bubble(schedule: str, pp: int, m: int, v: int) -> float:
     GPipe / 1F1B / interleaved 1F1B and less for the zero-bubble schedules."""
     if pp == 1:
         return 0.0
-    from titanlike.parallel.schedule_viz import schedule_timeline
-
     return schedule_timeline(schedule, pp, m, v).bubble_ratio
 
 

@@ -12,10 +12,10 @@ from functools import cached_property
 
 import numpy as np
 
+from titanlike.errors import ConfigError
 from titanlike.layout import (
     FLATTENED,
     MESH_DIMS,
-    ConfigError,
     Degrees,
     ac_block_mode,
     batch_split,

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from titanlike.layout.timeline import schedule_timeline
 from titanlike.planner.layout import Layout
 from titanlike.sharding import HeadNorm, param_dims
 
@@ -245,12 +246,10 @@ def head_activation_bytes(layout: Layout, args, tokens: int) -> tuple[int, int]:
 def inflight_microbatches(schedule: str, pp: int, m: int, v: int) -> tuple[tuple[int, ...], ...]:
     """Peak number of (stage, microbatch) activations alive at once on each pp rank, per stage it holds.
 
-    Simulated with titanlike.parallel.schedule_viz (the orders torch's schedules run); an activation lives from
+    Simulated with titanlike.layout.timeline (the orders torch's schedules run); an activation lives from
     the end of its forward to the end of its last backward action (B, or W for zero-bubble schedules). Returned
     per rank as a tuple over that rank's stages (in stage order) of the counts at the rank's peak moment.
     """
-    from titanlike.parallel.schedule_viz import schedule_timeline
-
     tl = schedule_timeline(schedule, pp, m, v)
     out = []
     for blocks in tl.ranks:

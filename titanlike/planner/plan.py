@@ -7,7 +7,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from titanlike.config import JobConfig, validate
-from titanlike.layout import FLATTENED, MESH_DIMS, ConfigError, layout_violations
+from titanlike.errors import ConfigError
+from titanlike.layout import FLATTENED, MESH_DIMS, layout_violations
 from titanlike.planner.cost import StepCost, messages, step_cost
 from titanlike.planner.dryrun import DryRun, dry_run
 from titanlike.planner.hardware import GiB, Hardware

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from titanlike import fault
 from titanlike.config import JobConfig, config_help, hf_architecture_of, load_config, model_args_from_config
-from titanlike.layout import ConfigError, batch_split, float8_backend, layout_violations, master_dtype
+from titanlike.errors import ConfigError
+from titanlike.layout import batch_split, float8_backend, layout_violations, master_dtype
 from titanlike.loss import IGNORE_INDEX
 from titanlike.models import get_spec
 from titanlike.parallel import ParallelDims, build_parallel_model, describe_layout

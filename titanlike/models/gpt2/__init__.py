@@ -17,8 +17,6 @@ SPEC = register(
         context_parallel=True,
         norm_kind="layer",
         mlp_kind="gelu",
-        config_keys=("dim", "n_layers", "n_heads", "ffn_hidden_dim", "max_seq_len", "norm_eps"),
         hf_adapter="titanlike.models.gpt2.hf",
-        hf_model_type="gpt2",
     )
 )

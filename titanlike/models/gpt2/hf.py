@@ -1,4 +1,5 @@
-"""Hugging Face ``GPT2LMHeadModel`` interop for titanlike's GPT-2: names, Conv1D transposes, config.json.
+"""GPT-2's Hugging Face adapter (:class:`titanlike.hf.HFAdapter`): ``GPT2LMHeadModel`` names, Conv1D transposes,
+config.json.
 
 Names (N = block index)::
 
@@ -27,6 +28,8 @@ import torch
 from titanlike.models.gpt2.model import GPT2Args
 from titanlike.models.hf_common import Names
 
+MODEL_TYPE = "gpt2"
+ARCHITECTURE = "GPT2LMHeadModel"
 _TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _TOP = {
     "tok_embeddings.weight": "transformer.wte.weight",
@@ -57,6 +60,7 @@ hf_name, our_name = _NAMES.hf_name, _NAMES.our_name
 
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: GPT2Args) -> dict[str, torch.Tensor]:
+    """Our full (plain-tensor) state dict -> Hugging Face names, Conv1D weights transposed; new contiguous tensors."""
     out = {}
     for fqn, t in state_dict.items():
         if fqn == "output.weight" and args.tie_embeddings:
@@ -68,8 +72,8 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: GPT2Args) -> dict[str, torc
 
 
 def from_hf(hf_state_dict: dict[str, torch.Tensor], args: GPT2Args) -> dict[str, torch.Tensor]:
-    from titanlike.models.spec import check_state_dict_fits
-
+    """A Hugging Face GPT-2 state dict -> our FQNs (Conv1D weights transposed back); the causal-mask buffers and,
+    with tied embeddings, ``lm_head.weight`` are dropped (``output.weight`` is the embedding)."""
     out = {}
     for name, t in hf_state_dict.items():
         if _HF_IGNORED.fullmatch(name) or (name == "lm_head.weight" and args.tie_embeddings):
@@ -78,19 +82,21 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: GPT2Args) -> dict[str,
         out[fqn] = t.t() if fqn.endswith(_TRANSPOSED) and t.ndim == 2 else t
     if args.tie_embeddings and "tok_embeddings.weight" in out:
         out.setdefault("output.weight", out["tok_embeddings.weight"])
-    check_state_dict_fits(out, args, hf_name, hint=lambda k, got, want: " (transposed for Conv1D)")
     return out
 
 
-def hf_config(
-    args: GPT2Args, dtype: torch.dtype = torch.float32, bos_id: int | None = None, eos_id: int | None = None
-) -> dict:
-    """A ``GPT2LMHeadModel`` config.json for ``args`` (dropout 0: the same function as our model)."""
+def shape_hint(fqn: str, got: tuple, want: tuple) -> str:
+    return " (transposed for Conv1D)"
+
+
+def hf_config(args: GPT2Args, dtype: torch.dtype, bos_id: int | None, eos_id: int | None, layout: int) -> dict:
+    """A ``GPT2LMHeadModel`` config.json for ``args`` (dropout 0: the same function as our model). Both
+    transformers layouts read this one (``torch_dtype``; GPT-2 has no RoPE fields), so ``layout`` changes nothing."""
     ids = {k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id)) if v is not None}
     return {
         **ids,
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
         "vocab_size": args.vocab_size,
         "n_positions": args.max_seq_len,
         "n_embd": args.dim,
@@ -112,36 +118,54 @@ def hf_config(
     }
 
 
+# Fields whose value must be the one this model implements: field -> its value (the default when absent).
+_FIXED_FIELDS = {
+    "activation_function": "gelu_new",
+    "scale_attn_by_inverse_layer_idx": False,
+    "scale_attn_weights": True,
+}
+
+
 def model_args_from_hf_config(config: dict) -> GPT2Args:
-    if config.get("model_type") != "gpt2":
-        raise ValueError(f"config.json: model_type '{config.get('model_type')}' is not 'gpt2'")
-    try:
-        dim = int(config["n_embd"])
-        inner = int(config.get("n_inner") or 4 * dim)
-        args = GPT2Args(
-            dim=dim,
-            n_layers=int(config["n_layer"]),
-            n_heads=int(config["n_head"]),
-            vocab_size=int(config["vocab_size"]),
-            ffn_hidden_dim=None if inner == 4 * dim else inner,
-            norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
-            max_seq_len=int(config.get("n_positions", 1024)),
-            tie_embeddings=bool(config.get("tie_word_embeddings", True)),
-        )
-    except KeyError as e:
-        raise ValueError(f"config.json lacks {e.args[0]}") from None
-    unsupported = {
-        "activation_function": "gelu_new",
-        "scale_attn_by_inverse_layer_idx": False,
-        "scale_attn_weights": True,
-    }
-    for key, ours in unsupported.items():
-        if config.get(key, ours) != ours:
-            raise ValueError(f"config.json: {key} = {config[key]!r} is not supported (this model has {ours!r})")
+    """GPT2Args of a Hugging Face GPT-2 config.json's fields (the metadata set aside by ``titanlike.hf``); ValueError
+    naming every field it cannot honour, in one line."""
+    problems = [
+        f"{key} = {config[key]!r} (titanlike's GPT-2 has {ours!r})"
+        for key, ours in _FIXED_FIELDS.items()
+        if config.get(key, ours) != ours
+    ]
+    missing = [k for k in ("n_embd", "n_layer", "n_head", "vocab_size") if k not in config]
+    if missing:
+        problems.append(f"lacks {', '.join(missing)}")
+    args = None
+    if not missing:
+        try:
+            dim = int(config["n_embd"])
+            inner = int(config.get("n_inner") or 4 * dim)
+            args = GPT2Args(
+                dim=dim,
+                n_layers=int(config["n_layer"]),
+                n_heads=int(config["n_head"]),
+                vocab_size=int(config["vocab_size"]),
+                ffn_hidden_dim=None if inner == 4 * dim else inner,
+                norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
+                max_seq_len=int(config.get("n_positions", 1024)),
+                tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+            )
+        except (TypeError, ValueError) as e:
+            problems.append(f"a value is not a number ({e})")
+    if problems:
+        raise ValueError("; ".join(problems))
     return args
 
 
+def describe(args: GPT2Args) -> str:
+    """The architecture fields import takes from config.json, as one line."""
+    return ", ".join(f"{k} {v}" for k, v in vars(args).items())
+
+
 def check_same_architecture(args: GPT2Args, ours: GPT2Args, source: str) -> None:
+    """Raise ValueError when weights made for ``args`` would not mean the same in a model of ``ours``."""
     for field in (
         "dim",
         "n_layers",

@@ -56,22 +56,6 @@ SPEC = register(
         context_parallel=True,
         te_norm=RMSNorm,
         shape_violations=_shape_violations,
-        config_keys=(
-            "dim",
-            "n_layers",
-            "n_heads",
-            "n_kv_heads",
-            "ffn_hidden_dim",
-            "max_seq_len",
-            "rope_theta",
-            "norm_eps",
-            "rope_scaling",
-            "rope_scaling_factor",
-            "rope_low_freq_factor",
-            "rope_high_freq_factor",
-            "rope_original_max_seq_len",
-        ),
-        hf_adapter="titanlike.hf",
-        hf_model_type="llama",
+        hf_adapter="titanlike.models.llama.hf",
     )
 )

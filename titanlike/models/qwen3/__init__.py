@@ -22,17 +22,6 @@ SPEC = register(
         context_parallel=True,
         te_norm=RMSNorm,
         shape_violations=_shape_violations,
-        config_keys=(
-            "dim",
-            "n_layers",
-            "n_heads",
-            "n_kv_heads",
-            "ffn_hidden_dim",
-            "max_seq_len",
-            "rope_theta",
-            "norm_eps",
-        ),
         hf_adapter="titanlike.models.qwen3.hf",
-        hf_model_type="qwen3",
     )
 )

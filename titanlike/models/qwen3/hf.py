@@ -1,5 +1,5 @@
-"""Hugging Face ``Qwen3ForCausalLM`` interop for titanlike's Qwen3: names and config.json (no tensor transform:
-the model keeps Hugging Face's rotate-half RoPE layout, so q and k convert as they are).
+"""Qwen3's Hugging Face adapter (:class:`titanlike.hf.HFAdapter`) for ``Qwen3ForCausalLM``: names and config.json
+(no tensor transform: the model keeps Hugging Face's rotate-half RoPE layout, so q and k convert as they are).
 
 Names (N = block index)::
 
@@ -12,17 +12,20 @@ Names (N = block index)::
     norm.weight                                model.norm.weight
     output.weight                              lm_head.weight (left out when the embeddings are tied)
 
-config.json: every field is honoured, is metadata that does not change what the weights compute, or is refused
-(all at once, with its value): sliding-window attention, attention biases, another activation or RoPE type.
+config.json: every field is honoured, is metadata that does not change what the weights compute (set aside by
+``titanlike.hf`` before the adapter reads the file), or is refused (all at once, with its value): sliding-window
+attention, attention biases, another activation or RoPE type.
 """
 
 from __future__ import annotations
 
 import torch
 
-from titanlike.models.hf_common import METADATA_FIELDS, Names
+from titanlike.models.hf_common import Names
 from titanlike.models.qwen3.model import Qwen3Args
-from titanlike.models.spec import check_state_dict_fits
+
+MODEL_TYPE = "qwen3"
+ARCHITECTURE = "Qwen3ForCausalLM"
 
 _LAYER = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -65,7 +68,6 @@ _HONOURED = frozenset(
         "attention_dropout",
         "use_sliding_window",
         "sliding_window",
-        "layer_types",
         "max_window_layers",  # read only with use_sliding_window, refused below
     }
 )
@@ -81,7 +83,8 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: Qwen3Args) -> dict[str, tor
 
 
 def from_hf(hf_state_dict: dict[str, torch.Tensor], args: Qwen3Args) -> dict[str, torch.Tensor]:
-    """A Hugging Face Qwen3 state dict -> our FQNs; the names and shapes must be exactly a model's of ``args``."""
+    """A Hugging Face Qwen3 state dict -> our FQNs (with tied embeddings ``lm_head.weight`` is dropped and
+    ``output.weight`` is the embedding); whether it is exactly the model's state dict is the caller's check."""
     out = {}
     for name, t in hf_state_dict.items():
         if name == "lm_head.weight" and args.tie_embeddings:
@@ -89,17 +92,19 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: Qwen3Args) -> dict[str
         out[our_name(name)] = t
     if args.tie_embeddings and "tok_embeddings.weight" in out:
         out.setdefault("output.weight", out["tok_embeddings.weight"])
-    check_state_dict_fits(out, args, hf_name)
     return out
 
 
-def hf_config(
-    args: Qwen3Args, dtype: torch.dtype = torch.float32, bos_id: int | None = None, eos_id: int | None = None
-) -> dict:
-    """A ``Qwen3ForCausalLM`` config.json for ``args`` (transformers 5's layout)."""
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
+def shape_hint(fqn: str, got: tuple, want: tuple) -> str:
+    return ""
+
+
+def hf_config(args: Qwen3Args, dtype: torch.dtype, bos_id: int | None, eos_id: int | None, layout: int) -> dict:
+    """A ``Qwen3ForCausalLM`` config.json for ``args`` in the layout of transformers ``layout`` (4 or 5): 5 has
+    ``rope_parameters`` and ``dtype``, 4 a top-level ``rope_theta`` and ``torch_dtype``."""
+    config = {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
         "hidden_size": args.dim,
         "intermediate_size": args.hidden_dim,
         "num_hidden_layers": args.n_layers,
@@ -110,19 +115,23 @@ def hf_config(
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,
         "tie_word_embeddings": args.tie_embeddings,
-        "rope_parameters": {"rope_theta": args.rope_theta, "rope_type": "default"},
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
         "use_sliding_window": False,
         "sliding_window": None,
-        "layer_types": ["full_attention"] * args.n_layers,
         "initializer_range": 0.02,
         "use_cache": True,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
-        "dtype": str(dtype).removeprefix("torch."),
     }
+    if layout >= 5:
+        config["rope_parameters"] = {"rope_theta": args.rope_theta, "rope_type": "default"}
+        config["dtype"] = str(dtype).removeprefix("torch.")
+    else:
+        config["rope_theta"] = args.rope_theta
+        config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    return config
 
 
 def _rope_theta(config: dict, problems: list[str]) -> float:
@@ -141,10 +150,9 @@ def _rope_theta(config: dict, problems: list[str]) -> float:
 
 
 def model_args_from_hf_config(config: dict) -> Qwen3Args:
-    """Qwen3Args of a Hugging Face Qwen3 config.json; ValueError naming every field titanlike cannot honour."""
+    """Qwen3Args of a Hugging Face Qwen3 config.json's fields (the metadata set aside by ``titanlike.hf``);
+    ValueError naming every field titanlike cannot honour, in one line."""
     problems: list[str] = []
-    if config.get("model_type") != "qwen3":
-        problems.append(f"model_type = {config.get('model_type')!r} (titanlike's Qwen3 imports 'qwen3')")
     for key, accepted in (("hidden_act", ("silu", "swish")), ("attention_bias", (False,))):
         if key in config and config[key] not in accepted:
             problems.append(f"{key} = {config[key]!r} (titanlike's Qwen3 has {accepted[0]!r})")
@@ -152,12 +160,7 @@ def model_args_from_hf_config(config: dict) -> Qwen3Args:
         problems.append(f"attention_dropout = {config['attention_dropout']!r} (titanlike has no attention dropout)")
     if config.get("use_sliding_window"):
         problems.append("use_sliding_window = True (titanlike's Qwen3 attends over the whole sequence)")
-    layer_types = config.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
-        problems.append(f"layer_types = {layer_types!r} (titanlike's Qwen3 has full attention in every layer)")
-    if config.get("quantization_config") is not None:
-        problems.append("quantization_config (quantized weights are not supported)")
-    for key in sorted(set(config) - _HONOURED - METADATA_FIELDS - {"quantization_config"}):
+    for key in sorted(set(config) - _HONOURED):
         problems.append(f"{key} = {config[key]!r} (a field titanlike's Qwen3 does not know)")
     missing = [
         k
@@ -187,7 +190,7 @@ def model_args_from_hf_config(config: dict) -> Qwen3Args:
         except (TypeError, ValueError) as e:
             problems.append(f"a value is not a number ({e})")
     if problems:
-        raise ValueError("titanlike cannot honour " + "; ".join(problems))
+        raise ValueError("; ".join(problems))
     return args
 
 
@@ -203,6 +206,11 @@ ARCH_FIELDS = (
     "rope_theta",
     "norm_eps",
 )
+
+
+def describe(args: Qwen3Args) -> str:
+    """The architecture fields import takes from config.json, as one line."""
+    return ", ".join(f"{f} {getattr(args, f)}" for f in (*ARCH_FIELDS, "max_seq_len"))
 
 
 def check_same_architecture(args: Qwen3Args, ours: Qwen3Args, source: str) -> None:

@@ -1,3 +1,5 @@
+"""The schedule simulator (titanlike.layout.timeline) against torch's schedules, its renderers and the script."""
+
 import importlib.util
 from collections import Counter
 from pathlib import Path
@@ -6,13 +8,11 @@ from types import SimpleNamespace
 import pytest
 from PIL import Image
 
-from titanlike.parallel.schedule_viz import (
-    SCHEDULES,
-    bubble_formula,
-    render_png,
-    render_text,
-    schedule_timeline,
-)
+from titanlike.config import parse_config
+from titanlike.layout import SCHEDULES, bubble_formula, schedule_facts, schedule_timeline
+from titanlike.layout.rules import rule_violations
+from titanlike.models import get_spec
+from titanlike.planner.schedule_plot import render_png, render_text
 
 V_STYLE = ("ZBVZeroBubble", "DualPipeV")
 CASES = [(name, 2 if name in V_STYLE or "Interleaved" in name or name == "LoopedBFS" else 1) for name in SCHEDULES]
@@ -202,3 +202,54 @@ def test_counts_per_rank_are_balanced():
     tl = schedule_timeline("Interleaved1F1B", 4, 8, 2)
     for blocks in tl.ranks:
         assert Counter(b.kind for b in blocks) == {"F": 16, "B": 16}
+
+
+def test_schedule_facts_are_read_off_torch():
+    """The facts the rules and the simulator use instead of schedule names, as torch 2.13's classes give them; each
+    agrees with the simulated action orders."""
+    facts = {name: schedule_facts(name) for name in SCHEDULES}
+
+    def having(attr):
+        return {name for name, f in facts.items() if getattr(f, attr)}
+
+    assert having("single_stage") == {"GPipe", "1F1B"}
+    assert having("v_placement") == {"ZBVZeroBubble", "DualPipeV"}
+    assert having("split_backward") == {"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
+    assert having("breadth_first") == {"GPipe", "LoopedBFS"}
+    assert having("microbatch_per_stage") == {"1F1B", "DualPipeV"}
+    assert having("microbatch_rounds") == {"Interleaved1F1B", "InterleavedZeroBubble"}
+    for name, v in CASES:
+        tl = schedule_timeline(name, 2, 4, v)
+        for blocks in tl.ranks:
+            kinds = "".join(b.kind for b in blocks)
+            assert (kinds.rstrip("BIW") == "F" * kinds.count("F")) == facts[name].breadth_first, (name, kinds)
+
+
+@pytest.mark.parametrize(
+    "schedule, local_batch, refused",
+    [
+        ("GPipe", 1, None),  # breadth-first: any number of microbatches
+        ("LoopedBFS", 1, None),
+        ("1F1B", 1, "are fewer than pp 2 stages for 1F1B"),
+        ("ZBVZeroBubble", 1, "are fewer than pp 2 stages for ZBVZeroBubble"),
+        ("DualPipeV", 2, "DualPipeV needs at least as many microbatches as stages (4), got 2"),
+        ("DualPipeV", 4, None),
+        ("Interleaved1F1B", 5, "Interleaved1F1B runs the 5 microbatches in rounds of pp=2"),
+        ("InterleavedZeroBubble", 6, None),
+    ],
+)
+def test_microbatch_rules_follow_the_facts(schedule, local_batch, refused):
+    cfg = parse_config(
+        [
+            "--parallelism.pipeline_parallel_degree=2",
+            f"--parallelism.pipeline_parallel_schedule={schedule}",
+            f"--training.local_batch_size={local_batch}",
+            "--model.n_layers=8",
+        ]
+    )
+    args = get_spec("llama3").flavors["debugmodel"].replace(n_layers=8)
+    got = [m for rule, m in rule_violations(cfg, 2, args) if rule == "pp_microbatches"]
+    if refused is None:
+        assert got == []
+    else:
+        assert len(got) == 1 and refused in got[0], got
