@@ -214,7 +214,7 @@ def _run_cases(rank: int, store, out: Path) -> None:
             if "_from_seed" in name:
                 _record_loaded_weights(trainer, out / f"{name}.rank{rank}.pt")
             losses = trainer.train()
-            resumed_at = trainer.checkpointer.plan.get("step")
+            resumed_at = trainer.checkpointer.plan.step
             trainer.close()
             if rank == 0:
                 (out / f"{name}.json").write_text(json.dumps({"losses": losses, "resumed_at": resumed_at, **tied}))

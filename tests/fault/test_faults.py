@@ -18,11 +18,11 @@ from fault_model import use_dropout_model
 
 from titanlike.checkpoint import (
     CheckpointSaveError,
-    _dcp,
     committed_checkpoints,
     read_dcp_metadata,
     read_model_state_dict,
 )
+from titanlike.checkpoint.files import quiet_dcp
 from titanlike.config import load_config
 from titanlike.data import asset_path
 from titanlike.training.trainer import NonFiniteError, Trainer, main
@@ -70,7 +70,7 @@ def run(dump: Path, *extra: str) -> tuple[Trainer, list[float]]:
 
 def saved_rng(step_dir: Path) -> torch.Tensor:
     state = {"rng.rank0.cpu": torch.empty_like(torch.get_rng_state())}
-    _dcp(dcp.load, state, checkpoint_id=str(step_dir), no_dist=True)
+    quiet_dcp(dcp.load, state, checkpoint_id=str(step_dir), no_dist=True)
     return state["rng.rank0.cpu"]
 
 
@@ -163,7 +163,7 @@ def test_a_step_folder_without_its_commit_marker_is_set_aside(straight, tmp_path
     assert losses == straight[2][2:]
     assert_same_run(straight[1], b)
     names = sorted(p.name for p in folder.iterdir())
-    assert names[:3] == ["step-2", "step-4", "step-4.incomplete-" + b.checkpointer.plan["run_id"]]
+    assert names[:3] == ["step-2", "step-4", "step-4.incomplete-" + b.checkpointer.plan.run_id]
     assert names[3:] == ["step-6", "step-8.tmp-cafe"]
 
 

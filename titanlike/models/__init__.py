@@ -5,9 +5,10 @@ tensor-parallel plans live in ``titanlike.parallel``: ``tensor_parallel.model_tp
 """
 
 from titanlike.models.llama import FLAVORS, ModelArgs, Transformer, TransformerBlock, pad_vocab
-from titanlike.models.spec import ModelSpec, UnknownModelError, get_spec, register, registered, spec_for
+from titanlike.models.spec import DEFAULT_MODEL, ModelSpec, UnknownModelError, get_spec, register, registered, spec_for
 
 __all__ = [
+    "DEFAULT_MODEL",
     "FLAVORS",
     "ModelArgs",
     "ModelSpec",

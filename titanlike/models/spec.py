@@ -22,7 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ModelSpec", "register", "get_spec", "spec_for", "registered", "UnknownModelError"]
+__all__ = ["DEFAULT_MODEL", "ModelSpec", "register", "get_spec", "spec_for", "registered", "UnknownModelError"]
+
+# The model a name-less reference means: checkpoints written before there were several models record none.
+DEFAULT_MODEL = "llama3"
 
 
 class UnknownModelError(ValueError):

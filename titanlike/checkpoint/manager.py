@@ -1,22 +1,4 @@
-"""Checkpoints that survive anything: DCP save/load, atomic commits, resume under any layout, seed checkpoints.
-
-Layout on disk (``checkpoint.folder``, relative to ``job.dump_folder``)::
-
-    step-200/                  a committed checkpoint: DCP files (.metadata, __<rank>_0.distcp) + checkpoint.json
-                               (+ checksums.json with checkpoint.checksum)
-    step-300.tmp-1a2b3c4d/     a save in progress, or one killed mid-write: ignored, removed at the next start
-    step-400.incomplete-…/     a step folder without .metadata found at the start, set aside (never resumed)
-    final/                     checkpoint.export_safetensors: model.safetensors + config.json (Hugging Face Llama)
-
-What a checkpoint holds (one DCP state dict, keyed by the plain model's FQNs):
-
-* ``model.<fqn>``: every parameter, from all model parts (pipeline stages) of all ranks. DTensor shards (FSDP, TP)
-  are saved as shards of the full tensor, so a checkpoint loads under any other layout, or in one process;
-* ``optimizer.state.<fqn>.exp_avg`` ... : AdamW, flattened by FQN (``flatten_optimizer_state_dict``) so it reshards
-  the same way;
-* ``train.*``: step, tokens seen, non-finite step count, the data position (a *global* sample index, valid for any
-  data-parallel degree) and the LR scheduler;
-* ``rng.rank<r>.*``: each rank's torch RNG state, restored only when the world size is unchanged.
+"""The trainer's checkpoints: :class:`CheckpointManager` saves and restores the whole state of a run.
 
 **Atomic commit.** Every rank writes into ``step-N.tmp-<run id>/``. DCP's coordinator writes ``.metadata`` only after
 gathering every rank's write results (so after all data files exist); then rank 0 adds ``checkpoint.json`` and renames
@@ -30,29 +12,24 @@ which names the ranks that stopped answering; a failed write removes its tempora
 **Resume.** With ``checkpoint.enable``, the newest committed ``step-N`` (or ``checkpoint.load_step``) is loaded; a
 seed checkpoint (model only) starts at step 0. Without one, ``checkpoint.initial_load_path`` (a seed / step folder,
 or a Hugging Face ``.safetensors``) gives the initial weights. Every problem with the input is found before anything
-is loaded or written, by rank 0, and raised on every rank as one :class:`ConfigError` line.
+is loaded or written, by rank 0, and raised on every rank as one :class:`ConfigError` line; what rank 0 decided is
+one :class:`ResumePlan`, the same on every rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import os
-import re
 import shutil
 import time
 import uuid
-import warnings
-import zlib
-from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -60,458 +37,67 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from titanlike import fault, restricted_unpickle
-from titanlike.config import ConfigError, JobConfig
-from titanlike.models import ModelArgs
-
-META_NAME = "checkpoint.json"
-FORMAT = "titanlike-dcp-1"
-STEP_DIR = re.compile(r"step-(\d+)")
-_LEFTOVER_DIR = re.compile(r"(step-\d+|final)\.(tmp|new|trash)-[\w.-]+")  # killed saves, deletions in progress
-# What a save of ours writes into such a folder: a leftover holding anything else is not removed.
-_OUR_FILES = re.compile(
-    r"\.metadata(\.tmp)?|__\d+_\d+\.distcp|__\d+_crc32\.json|checkpoint\.json|checksums\.json"
-    r"|model\.safetensors|config\.json|\.write-test-\w+"
+from titanlike.checkpoint.checksums import ChecksummingWriter, merge_checksums, read_checksums, verify_checksums
+from titanlike.checkpoint.export import export_hf
+from titanlike.checkpoint.files import (
+    LEFTOVER_DIR,
+    STEP_DIR,
+    check_writable,
+    checkpoint_folder,
+    committed_checkpoints,
+    fsync_dir,
+    only_ours,
+    quiet_dcp,
+    read_dcp_metadata,
+    remove_dir,
+    write_json,
 )
-CHECKSUMS_NAME = "checksums.json"
-_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-_SINGLE_PROCESS_NOTE = r"torch\.distributed is (disabled, )?unavailable or uninitialized"
-# DCP notes on every single-process save/load that it "assumes the intent": it is ours. Filtered for the process
-# (an async save warns from its own thread, outside any catch_warnings) and again around each call (pytest resets).
-warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTE)
+from titanlike.checkpoint.meta import META_NAME, checkpoint_meta, read_meta, tokenizer_meta
+from titanlike.checkpoint.parts import (
+    OPTIM_OPTIONS,
+    check_model_fits,
+    flatten,
+    holds_copy_state,
+    local_tensors,
+    merged_model,
+    owner_key,
+    tied_pairs,
+)
+from titanlike.config import ConfigError, JobConfig
+
+Action = Literal["fresh", "seed", "resume", "initial_dcp", "initial_hf"]
 
 
-def _dcp(fn, *args, **kwargs):
-    """Call a DCP function without its warnings that a single-process run "assumes the intent" (it is ours) and
-    that async saves are experimental."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTE)
-        warnings.filterwarnings("ignore", message=r".*experimental")
-        return fn(*args, **kwargs)
+@dataclasses.dataclass(frozen=True)
+class ResumePlan:
+    """What a run loads at its start, decided by rank 0 (:meth:`CheckpointManager._make_plan`) and given to every
+    rank as it is.
 
-
-# ---------------------------------------------------------------------------------------------------- the folder
-def checkpoint_folder(cfg: JobConfig) -> Path:
-    folder = Path(cfg.checkpoint.folder)
-    return folder if folder.is_absolute() else Path(cfg.job.dump_folder) / folder
-
-
-def committed_checkpoints(folder: str | os.PathLike) -> dict[int, Path]:
-    """step -> folder of every committed checkpoint in ``folder`` (``step-N`` holding DCP metadata), by step."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return {}
-    found = {}
-    for p in folder.iterdir():
-        m = STEP_DIR.fullmatch(p.name)
-        if m and (p / ".metadata").is_file():
-            found[int(m.group(1))] = p
-    return dict(sorted(found.items()))
-
-
-def read_meta(path: str | os.PathLike) -> dict:
-    """The checkpoint.json of a checkpoint folder ({} when there is none, e.g. a checkpoint written by hand)."""
-    p = Path(path) / META_NAME
-    if not p.is_file():
-        return {}
-    try:
-        meta = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"checkpoint '{path}': {META_NAME} is corrupted ({e})") from None
-    if not isinstance(meta, dict):
-        raise ConfigError(f"checkpoint '{path}': {META_NAME} is corrupted (not a JSON object)")
-    return meta
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    with open(path, "w") as f:
-        f.write(json.dumps(data, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _remove_dir(path: Path, run_id: str) -> None:
-    """Rename aside (atomic: the folder stops looking committed at once), then delete."""
-    trash = path.with_name(f"{path.name}.trash-{run_id}")
-    os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def _only_ours(folder: Path) -> bool:
-    """True when ``folder`` holds only files that a checkpoint save or export writes (safe to delete)."""
-    return all(f.is_file() and _OUR_FILES.fullmatch(f.name) for f in folder.iterdir())
-
-
-def check_writable(folder: Path) -> None:
-    """Create ``folder`` if needed and prove a file can be written in it; ConfigError otherwise."""
-    if folder.exists() and not folder.is_dir():
-        raise ConfigError(
-            f"checkpoint.folder: '{folder}' is a file, not a folder; choose another checkpoint.folder "
-            f"or job.dump_folder"
-        )
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{uuid.uuid4().hex[:8]}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(
-            f"checkpoint.folder: cannot write checkpoints to '{folder}' ({e.strerror or e}); "
-            f"choose a writable checkpoint.folder or job.dump_folder"
-        ) from None
-
-
-# ---------------------------------------------------------------------------------------------------- validation
-def read_dcp_metadata(path: str | os.PathLike):
-    """The DCP metadata of a checkpoint folder, after checking every data file it names is there in full.
-
-    A truncated or missing file, or an unreadable ``.metadata``, is a ConfigError naming the checkpoint.
-    """
-    path = Path(path)
-    if not (path / ".metadata").is_file():
-        what = "does not exist" if not path.exists() else "is not a checkpoint folder (it has no .metadata)"
-        raise ConfigError(f"checkpoint '{path}' {what}")
-    try:
-        metadata = restricted_unpickle.read_metadata(path)  # executes nothing from the file (restricted_unpickle.py)
-    except restricted_unpickle.UnsafeCheckpointError as e:
-        raise ConfigError(f"checkpoint '{path}' is refused: its .metadata {e}") from None
-    except Exception as e:  # noqa: BLE001 - pickle raises anything on a corrupted file
-        raise ConfigError(
-            f"checkpoint '{path}' is corrupted: its .metadata cannot be read ({type(e).__name__}: {e})"
-        ) from None
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        f = path / name
-        have = f.stat().st_size if f.is_file() else None
-        if have is None or have < size:
-            what = "is missing" if have is None else f"is truncated ({have} of {size} bytes)"
-            raise ConfigError(f"checkpoint '{path}' is corrupted: {name} {what}")
-    return metadata
-
-
-def check_model_fits(metadata, expected: dict[str, torch.Size], path: str | os.PathLike) -> None:
-    """ConfigError unless the checkpoint's ``model.*`` entries are exactly the model's FQNs with its shapes."""
-    saved = {k[len("model.") :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
-    if not saved:
-        raise ConfigError(f"checkpoint '{path}' holds no model weights; is it a titanlike checkpoint?")
-    for fqn, shape in expected.items():
-        if fqn not in saved:
-            raise ConfigError(f"checkpoint '{path}' is for a different model: it has no '{fqn}'")
-        have = tuple(getattr(saved[fqn], "size", ()))
-        if have != tuple(shape):
-            raise ConfigError(
-                f"checkpoint '{path}' is for a different model: '{fqn}' has shape {have} there, {tuple(shape)} here"
-            )
-    extra = sorted(set(saved) - set(expected))
-    if extra:
-        raise ConfigError(
-            f"checkpoint '{path}' is for a different model: it has '{extra[0]}', which this model has not"
-        )
-
-
-# ---------------------------------------------------------------------------------------------------- checksums
-_CHUNK = 16 << 20
-
-
-def file_crc32(path: Path) -> str:
-    """CRC-32 of a file's bytes (zlib's, read in 16 MiB chunks), as 8 hex digits."""
-    crc = 0
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(_CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
-    return f"{crc:08x}"
-
-
-class ChecksummingWriter(FileSystemWriter):
-    """DCP's file writer that, once this rank's data files are written (and fsynced), records their CRC-32 in a
-    small ``__<rank>_crc32.json`` beside them. The ranks hash in parallel (and, for an async save, in the
-    background thread), before DCP's coordinator writes ``.metadata``; at the commit rank 0 merges the records into
-    ``checksums.json``."""
-
-    def write_data(self, plan, planner):
-        future = super().write_data(plan, planner)
-        results = future.wait()
-        files = sorted({r.storage_data.relative_path for r in results})
-        sums = {
-            name: {"crc32": file_crc32(Path(self.path) / name), "size": (Path(self.path) / name).stat().st_size}
-            for name in files
-        }
-        _write_json(Path(self.path) / f"{plan.storage_data.prefix}crc32.json", sums)
-        return future
-
-
-def _merge_checksums(folder: Path) -> None:
-    """Rank 0, at the commit: every rank's records plus .metadata and checkpoint.json -> checksums.json."""
-    sums = {}
-    for part in sorted(folder.glob("__*_crc32.json")):
-        sums.update(json.loads(part.read_text()))
-    for name in (".metadata", META_NAME):
-        sums[name] = {"crc32": file_crc32(folder / name), "size": (folder / name).stat().st_size}
-    _write_json(folder / CHECKSUMS_NAME, {"algorithm": "crc32", "files": dict(sorted(sums.items()))})
-    for part in folder.glob("__*_crc32.json"):
-        part.unlink()
-
-
-def read_checksums(path: str | os.PathLike) -> dict | str | None:
-    """The ``{file: {"crc32", "size"}}`` recorded in a checkpoint's ``checksums.json``; None when there is none, a
-    text saying why when it cannot be read."""
-    record = Path(path) / CHECKSUMS_NAME
-    if not record.is_file():
-        return None
-    try:
-        files = json.loads(record.read_text())["files"]
-        if not all(isinstance(v, dict) and {"crc32", "size"} <= v.keys() for v in files.values()):
-            raise TypeError("an entry lacks crc32 or size")
-        return files
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-        return f"its {CHECKSUMS_NAME} cannot be read ({type(e).__name__}: {e})"
-
-
-def verify_checksums(path: str | os.PathLike, rank: int = 0, world_size: int = 1) -> str | None:
-    """Compare the files of a checkpoint with its ``checksums.json`` (this rank's share: every ``world_size``-th
-    file from ``rank``); the first mismatch as text (None: all equal, or no checksums were recorded)."""
-    path = Path(path)
-    files = read_checksums(path)
-    if files is None or isinstance(files, str):
-        return files
-    for name, want in sorted(files.items())[rank::world_size]:
-        f = path / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size != want["size"]:
-            return f"{name} has {f.stat().st_size} bytes, {want['size']} were written"
-        have = file_crc32(f)
-        if have != want["crc32"]:
-            return f"{name} does not match its checksum (crc32 {have}, {want['crc32']} was written)"
-    return None
-
-
-# ---------------------------------------------------------------------------------------------------- model parts
-class ModelPartsView(nn.Module):
-    """One module whose parameters are those of several model parts under their plain-model FQNs.
-
-    Under pipeline parallelism a rank holds several stages (the spec's partial-stage ``build``), each with FQNs of
-    the full model; their top-level children are disjoint except the block container (a ``ModuleDict`` or a pruned
-    ``ModuleList``), whose entries are merged. The view only
-    references the parts' modules (FSDP's state-dict hooks live on those), so ``get/set_model_state_dict`` and
-    ``get/set_optimizer_state_dict`` on it see exactly the plain model's names.
+    * ``action``: ``fresh`` (nothing to load), ``seed`` (write a seed checkpoint and exit), ``resume`` (a committed
+      checkpoint of ``checkpoint.folder``), ``initial_dcp`` / ``initial_hf`` (``checkpoint.initial_load_path``: model
+      weights only, from a checkpoint folder or a Hugging Face file);
+    * ``path``: the folder or file loaded; ``step``: the step of a resumed checkpoint;
+    * ``full``: the checkpoint holds the optimizer and train state too (not only weights, as a seed does);
+    * ``owner_state_for_copies``: the copies of tied parameters take the optimizer state saved under their owner
+      (a checkpoint written without pipelining has one state for the one parameter);
+    * ``rng_world_size``: the world size that wrote the RNG states (restored only when it is this run's);
+    * ``corrupt``: ``(path, why)`` of newer checkpoints that failed their checks and are set aside
+      (``checkpoint.on_corrupt = "previous"``);
+    * ``run_id``: names this run's temporary folders.
     """
 
-    def __init__(self, parts: Sequence[nn.Module]):
-        super().__init__()
-        for part in parts:
-            if next(part.parameters(recurse=False), None) is not None:
-                raise ValueError("model parts with parameters of their own (not in a child module) cannot be merged")
-            self._merge(self, part)
-
-    @staticmethod
-    def _merge(into: nn.Module, part: nn.Module) -> None:
-        for name, child in part.named_children():
-            have = into._modules.get(name)
-            if have is None:
-                # a block container (a stage keeps its entries' keys, so FQNs): merged entry by entry
-                into.add_module(
-                    name,
-                    nn.ModuleDict(dict(child.named_children()))
-                    if isinstance(child, (nn.ModuleDict, nn.ModuleList))
-                    else child,
-                )
-            elif isinstance(have, nn.ModuleDict) and isinstance(child, (nn.ModuleDict, nn.ModuleList)):
-                for key, sub in child.named_children():
-                    if key in have:
-                        raise ValueError(f"model parts both hold '{name}.{key}'")
-                    have[key] = sub
-            elif have is not child:
-                raise ValueError(f"model parts both hold '{name}'")
+    run_id: str
+    action: Action = "fresh"
+    path: str = ""
+    step: int | None = None
+    full: bool = False
+    owner_state_for_copies: bool = False
+    rng_world_size: int | None = None
+    corrupt: tuple[tuple[str, str], ...] = ()
 
 
-def merged_model(parts: Sequence[nn.Module]) -> nn.Module:
-    return parts[0] if len(parts) == 1 else ModelPartsView(parts)
-
-
-def _local_tensors(state: dict) -> list[torch.Tensor]:
-    out = []
-    for v in state.values():
-        if isinstance(v, dict):
-            out += _local_tensors(v)
-        elif isinstance(v, torch.Tensor) and v.is_floating_point():
-            out.append(v.to_local() if isinstance(v, DTensor) else v)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------- any module
-def _parts_state(model: nn.Module, optimizer) -> dict:
-    state = {"model": get_model_state_dict(model)}
-    if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
-    return state
-
-
-def save_parts(
-    path: str | os.PathLike, model_parts: Sequence[nn.Module], optimizer=None, *, process_group=None
-) -> None:
-    """Save the model (and AdamW state) of this rank's ``model_parts`` to the DCP folder ``path``, keyed by the plain
-    model's FQNs: ``model.<fqn>``, ``optimizer.state.<fqn>.exp_avg``, ... . Collective over ``process_group``
-    (default: the world). Any layout writes the single-device tensors (FSDP / TP shards, fused projections in their
-    q|k|v order), so the folder loads under any other layout, or in one process (:func:`read_model_state_dict`).
-    For any ``nn.Module``; the trainer's :class:`CheckpointManager` adds atomic commits, data / RNG state, resume."""
-    from titanlike.parallel.fused import contiguous_for_dcp_tree
-
-    state = contiguous_for_dcp_tree(_parts_state(merged_model(list(model_parts)), optimizer))
-    kwargs = {"process_group": process_group} if dist.is_initialized() else {"no_dist": True}
-    _dcp(dcp.save, state, checkpoint_id=str(path), **kwargs)
-
-
-def load_parts(
-    path: str | os.PathLike, model_parts: Sequence[nn.Module], optimizer=None, *, process_group=None
-) -> None:
-    """Load a :func:`save_parts` folder (written under any layout) into this rank's ``model_parts`` (and the
-    optimizer's state), in place. Executes nothing from the files (``restricted_unpickle``)."""
-    from titanlike.parallel.fused import contiguous_for_dcp, restore_layout
-
-    model = merged_model(list(model_parts))
-    originals = _flatten(_parts_state(model, optimizer))
-    flat = contiguous_for_dcp(originals)
-    kwargs = {"process_group": process_group} if dist.is_initialized() else {"no_dist": True}
-    _dcp(restricted_unpickle.load, flat, checkpoint_id=str(path), **kwargs)
-    flat = restore_layout(flat, originals)
-    set_model_state_dict(model, {k[len("model.") :]: v for k, v in flat.items() if k.startswith("model.")})
-    if optimizer is not None:
-        set_optimizer_state_dict(
-            model,
-            optimizer,
-            {k[len("optimizer.") :]: v for k, v in flat.items() if k.startswith("optimizer.")},
-            options=_OPTIM_OPTIONS,
-        )
-
-
-# ---------------------------------------------------------------------------------------------------- single process
-def read_model_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The full (unsharded) model weights of a checkpoint folder written under any layout, read in this process."""
-    metadata = read_dcp_metadata(path)
-    sd = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if key.startswith("model.") and hasattr(md, "size"):
-            sd[key[len("model.") :]] = torch.empty(md.size, dtype=md.properties.dtype)
-    if not sd:
-        raise ConfigError(f"checkpoint '{path}' holds no model weights; is it a titanlike checkpoint?")
-    _dcp(restricted_unpickle.load, {"model": sd}, checkpoint_id=str(path), no_dist=True)
-    return sd
-
-
-def write_seed_checkpoint(
-    state_dict: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | os.PathLike, source: str = "", **extra
-) -> Path:
-    """Write model weights (plain tensors, our FQNs) as a DCP seed checkpoint in ``out_dir``, atomically, in this
-    process. ``out_dir`` must not exist. Any layout can start from it (``checkpoint.initial_load_path``)."""
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        raise FileExistsError(f"'{out_dir}' already exists; not overwriting it")
-    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
-    _dcp(dcp.save, {"model": state_dict}, checkpoint_id=str(tmp), no_dist=True)
-    _write_json(tmp / META_NAME, _meta(0, "seed", args, world_size=1, source=source, **extra))
-    os.rename(tmp, out_dir)
-    return out_dir
-
-
-def _meta(step: int, kind: str, args: ModelArgs, world_size: int, **extra) -> dict:
-    from titanlike.models import spec_for
-
-    return {
-        "format": FORMAT,
-        "step": step,
-        "kind": kind,
-        "model": spec_for(args).name,
-        "model_args": dataclasses.asdict(args),
-        "world_size": world_size,
-        "torch": torch.__version__,
-        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        **extra,
-    }
-
-
-def model_args_of(path: str | os.PathLike) -> ModelArgs:
-    """The ModelArgs recorded in a checkpoint's checkpoint.json."""
-    meta = read_meta(path)
-    if "model_args" not in meta:
-        raise ConfigError(
-            f"checkpoint '{path}' has no {META_NAME} with the model's shape; is it a titanlike checkpoint?"
-        )
-    from titanlike.models import UnknownModelError, get_spec
-
-    try:
-        spec = get_spec(meta.get("model", "llama3"))  # checkpoints written before model specs are Llama ones
-    except UnknownModelError as e:
-        raise ConfigError(f"checkpoint '{path}': {e}") from None
-    return spec.args_cls(**meta["model_args"])
-
-
-def tokenizer_meta(tokenizer) -> dict:
-    """What checkpoint.json records of the tokenizer (Hugging Face export writes bos/eos ids from it)."""
-    return {"tokenizer": tokenizer.name, "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id}
-
-
-def export_hf(
-    step_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    max_shard_size: int | str | None = None,
-    dtype: torch.dtype | None = None,
-    tokenizer=None,
-) -> Path:
-    """Write a checkpoint's weights as a Hugging Face Llama folder (model.safetensors or shards above
-    ``max_shard_size`` + config.json), cast to ``dtype`` if given. bos/eos ids come from ``tokenizer`` or, by
-    default, the tokenizer recorded in the checkpoint."""
-    from titanlike.hf import DEFAULT_MAX_SHARD_SIZE, save_hf
-
-    meta = tokenizer_meta(tokenizer) if tokenizer is not None else read_meta(step_dir)
-    return save_hf(
-        read_model_state_dict(step_dir),
-        model_args_of(step_dir),
-        out_dir,
-        max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE,
-        dtype=dtype,
-        bos_id=meta.get("bos_id"),
-        eos_id=meta.get("eos_id"),
-    )
-
-
-def _tied_alias(key: str) -> str | None:
-    """The optimizer-state key of the input embedding for one of the (tied) output head, else None.
-
-    A tied model saved without pipelining has one parameter under two names, and the flattened optimizer state
-    lists it once, as ``tok_embeddings.weight``; a last pipeline stage holds its own copy as ``output.weight``.
-    """
-    for prefix in ("optimizer.state.output.weight.", "optimizer.param_groups.output.weight."):
-        if key.startswith(prefix):
-            return key.replace(".output.weight.", ".tok_embeddings.weight.", 1)
-    return None
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------- the manager
 class CheckpointSaveError(fault.ReportedError):
     """A save could not be written; its partial folder is removed and the previous checkpoint is intact."""
 
@@ -558,7 +144,7 @@ class CheckpointManager:
         lr_scheduler,
         dataloader,
         train_state,
-        model_args: ModelArgs,
+        model_args,
         tokenizer,
         device: torch.device,
         rank: int = 0,
@@ -593,7 +179,7 @@ class CheckpointManager:
         self.pending: tuple | None = None  # async save in flight: (future, step, tmp folder, start, meta)
         self.last_step: int | None = None  # newest step committed or loaded by this run
         self._corrupt: dict[str, str] = {}  # path -> why, of checkpoints whose checksums did not match (_verify)
-        self.plan = self._agree(self._make_plan)
+        self.plan: ResumePlan = self._agree(self._make_plan)
         self._verify()
         self._tidy()
 
@@ -610,33 +196,34 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------------------ input checks
     def _agree(self, fn):
         """Run ``fn`` on rank 0 and give its result, or its error, to every rank (none is left waiting)."""
-        result = None
+        outcome = None  # ("ok", result) / ("error", the input's problem) / ("failure", anything else)
         if self.rank == 0:
             try:
-                result = fn()
+                outcome = ("ok", fn())
             except ConfigError as e:
-                result = {"error": str(e)}
+                outcome = ("error", str(e))
             except Exception as e:  # noqa: BLE001 - not the input's fault: re-raised below as what it is
-                result = {"failure": f"checkpoint setup failed on rank 0: {type(e).__name__}: {e}"}
+                outcome = ("failure", f"checkpoint setup failed on rank 0: {type(e).__name__}: {e}")
         if self.distributed:
-            box = [result]
+            box = [outcome]
             with self._op("the checkpoint setup (rank 0 checks the checkpoint folder)"):
                 dist.broadcast_object_list(box, src=0, group=self.pg)
-            result = box[0]
-        if "error" in result:
-            raise ConfigError(result["error"])
-        if "failure" in result:
-            raise RuntimeError(result["failure"])
-        return result
+            outcome = box[0]
+        kind, value = outcome
+        if kind == "error":
+            raise ConfigError(value)
+        if kind == "failure":
+            raise RuntimeError(value)
+        return value
 
     def _expected_model(self) -> dict[str, torch.Size]:
         from titanlike.hf import expected_shapes
 
         return expected_shapes(self.model_args)
 
-    def _make_plan(self) -> dict:
+    def _make_plan(self) -> ResumePlan:
         c, folder = self.cfg, self.folder
-        plan = {"run_id": uuid.uuid4().hex[:8], "action": "fresh"}
+        plan = ResumePlan(run_id=uuid.uuid4().hex[:8])
         if c.create_seed_checkpoint:
             ignored = [
                 k
@@ -662,7 +249,7 @@ class CheckpointManager:
                     f"empty checkpoint.folder"
                 )
             check_writable(folder)
-            return {**plan, "action": "seed"}
+            return dataclasses.replace(plan, action="seed")
         if c.export_safetensors and not c.enable:
             raise ConfigError(
                 "checkpoint.export_safetensors exports the final checkpoint: set checkpoint.enable = true as well"
@@ -711,23 +298,23 @@ class CheckpointManager:
                     )
                 check_model_fits(metadata, expected, path)
                 keys = metadata.state_dict_metadata
-                return {
-                    **plan,
-                    "action": "resume",
-                    "path": str(path),
-                    "step": step,
-                    "corrupt": [(str(p), why) for p, why in corrupt],
-                    "full": any(k.startswith("optimizer.") for k in keys),
-                    "tied_alias": not any(k.startswith("optimizer.state.output.weight.") for k in keys),
-                    "rng_world_size": read_meta(path).get("world_size"),
-                }
+                return dataclasses.replace(
+                    plan,
+                    action="resume",
+                    path=str(path),
+                    step=step,
+                    corrupt=tuple((str(p), why) for p, why in corrupt),
+                    full=any(k.startswith("optimizer.") for k in keys),
+                    owner_state_for_copies=not holds_copy_state(keys, tied_pairs(self.model_args)),
+                    rng_world_size=read_meta(path).get("world_size"),
+                )
             if corrupt:
                 raise ConfigError(
                     f"no intact checkpoint in '{folder}' to resume from (checkpoint.on_corrupt = "
                     f'"previous"): {corrupt[-1][1]}; repair one or move them away to start over'
                 )
         if c.initial_load_path:
-            plan = {**plan, **self._plan_initial(Path(c.initial_load_path), expected)}
+            plan = self._plan_initial(plan, Path(c.initial_load_path), expected)
         return plan
 
     def _check_intact(self, path: Path):
@@ -748,12 +335,12 @@ class CheckpointManager:
         (on_corrupt = "stop", or a load_step) or sends rank 0 back to plan the newest intact checkpoint
         ("previous"). Nothing on disk is changed here; set-asides happen in _tidy once a checkpoint passed."""
         c = self.cfg
-        while c.checksum and self.plan["action"] == "resume":
-            path, world = self.plan["path"], self.world_size if self.distributed else 1
+        while c.checksum and self.plan.action == "resume":
+            path, world = self.plan.path, self.world_size if self.distributed else 1
             problem = verify_checksums(path, self.rank, world)
             if self.distributed:
                 problems = [None] * world
-                with self._op(f"the checksum verification of step {self.plan['step']}"):
+                with self._op(f"the checksum verification of step {self.plan.step}"):
                     dist.all_gather_object(problems, problem, group=self.pg)
                 problem = next((p for p in problems if p is not None), None)
             if problem is None:
@@ -767,16 +354,16 @@ class CheckpointManager:
                     f'(or set checkpoint.on_corrupt = "previous"), or repair it'
                 )
             self._corrupt[path] = msg
-            self.plan = self._agree(self._make_plan)
+            self.plan: ResumePlan = self._agree(self._make_plan)
 
     def _tidy(self) -> None:
         """Rank 0, once the input is known good: set aside corrupted checkpoints that are skipped and ``step-N``
         folders without their commit marker (.metadata; never "newest", and their step is saved again without a
         conflict), and delete the temporary folders of dead runs when they hold only files a save writes."""
-        if self.rank != 0 or not (self.cfg.enable or self.plan["action"] == "seed"):
+        if self.rank != 0 or not (self.cfg.enable or self.plan.action == "seed"):
             return
-        folder, run_id = self.folder, self.plan["run_id"]
-        for path, why in self.plan.get("corrupt", []):
+        folder, run_id = self.folder, self.plan.run_id
+        for path, why in self.plan.corrupt:
             path = Path(path)
             aside = path.with_name(f"{path.name}.corrupt-{run_id}")
             os.rename(path, aside)
@@ -792,8 +379,8 @@ class CheckpointManager:
                     f"checkpoint: {p} has no .metadata (its save was never committed): set aside as {aside.name}",
                     flush=True,
                 )
-            elif _LEFTOVER_DIR.fullmatch(p.name):
-                if _only_ours(p):
+            elif LEFTOVER_DIR.fullmatch(p.name):
+                if only_ours(p):
                     shutil.rmtree(p, ignore_errors=True)
                     removed.append(p.name)
                 else:
@@ -809,14 +396,14 @@ class CheckpointManager:
                 flush=True,
             )
 
-    def _plan_initial(self, path: Path, expected: dict[str, torch.Size]) -> dict:
+    def _plan_initial(self, plan: ResumePlan, path: Path, expected: dict[str, torch.Size]) -> ResumePlan:
         from titanlike import hf
 
         if not path.exists():
             raise ConfigError(f"checkpoint.initial_load_path: '{path}' does not exist")
         if path.is_dir() and (path / ".metadata").is_file():
             check_model_fits(read_dcp_metadata(path), expected, path)
-            return {"action": "initial_dcp", "path": str(path)}
+            return dataclasses.replace(plan, action="initial_dcp", path=str(path))
         try:
             files, folder = hf.resolve_weights(path)
             shapes = hf.safetensors_shapes(files)
@@ -831,8 +418,7 @@ class CheckpointManager:
                 f"checkpoint.initial_load_path: {e}; give a checkpoint step folder or a Hugging "
                 f"Face folder / .safetensors of this model"
             ) from None
-        weights = path
-        return {"action": "initial_hf", "path": str(weights)}
+        return dataclasses.replace(plan, action="initial_hf", path=str(path))
 
     # ------------------------------------------------------------------------------------------ state
     def _train_state(self) -> dict:
@@ -861,7 +447,7 @@ class CheckpointManager:
         return {
             "model": contiguous_for_dcp_tree(get_model_state_dict(self.model)),
             "optimizer": contiguous_for_dcp_tree(
-                get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIM_OPTIONS)
+                get_optimizer_state_dict(self.model, self.optimizer, options=OPTIM_OPTIONS)
             ),
             "train": self._train_state(),
             "rng": self._rng_state(),
@@ -877,13 +463,13 @@ class CheckpointManager:
         Collective: every rank writes its own shards (DCP, under the run's real layout, nothing gathered), then rank
         0 commits the folder like any save (checkpoint.json, checksums, one atomic rename) and every rank returns
         once ``step-0`` exists. Any other layout (or one process) starts from it by resharding on load."""
-        if self.plan["action"] != "seed":
+        if self.plan.action != "seed":
             return False
         from titanlike.parallel.fused import contiguous_for_dcp_tree
 
         t0 = time.perf_counter()
         what = "the seed checkpoint save"
-        tmp = self.folder / f"step-0.tmp-{self.plan['run_id']}"
+        tmp = self.folder / f"step-0.tmp-{self.plan.run_id}"
         with self._op(what):
             if self.distributed:
                 self._barrier(what)
@@ -893,7 +479,7 @@ class CheckpointManager:
             if self.cfg.checksum:
                 kwargs["storage_writer"] = ChecksummingWriter(str(tmp))
             try:
-                _dcp(dcp.save, state, **kwargs)
+                quiet_dcp(dcp.save, state, **kwargs)
             except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP raises its gathered failures
                 if fault.is_comm_failure(e):
                     raise
@@ -902,7 +488,7 @@ class CheckpointManager:
             0,
             tmp,
             t0,
-            _meta(
+            checkpoint_meta(
                 0,
                 "seed",
                 self.model_args,
@@ -927,55 +513,57 @@ class CheckpointManager:
     def load(self) -> int | None:
         """Restore what the plan says (resume / initial weights / nothing); return the step resumed from."""
         plan, t0 = self.plan, time.perf_counter()
-        action = plan["action"]
-        if action == "resume":
-            with self._op(f"the checkpoint load of step {plan['step']}"):
+        if plan.action == "resume":
+            with self._op(f"the checkpoint load of step {plan.step}"):
                 self._load_dcp(
-                    plan["path"],
-                    full=plan["full"],
-                    tied_alias=plan["tied_alias"],
-                    rng=plan["rng_world_size"] == self.world_size,
+                    plan.path,
+                    full=plan.full,
+                    owner_state_for_copies=plan.owner_state_for_copies,
+                    rng=plan.rng_world_size == self.world_size,
                 )
             what = (
-                f"resumed from {plan['path']} (step {self.train_state.state_dict()['step']})"
-                if plan["full"]
-                else f"loaded the seed weights {plan['path']}"
+                f"resumed from {plan.path} (step {self.train_state.state_dict()['step']})"
+                if plan.full
+                else f"loaded the seed weights {plan.path}"
             )
-            self.last_step = plan["step"]
-        elif action == "initial_dcp":
+            self.last_step = plan.step
+        elif plan.action == "initial_dcp":
             with self._op("the load of the initial weights"):
-                self._load_dcp(plan["path"], full=False, tied_alias=False, rng=False)
-            what = f"loaded the initial weights {plan['path']}"
-        elif action == "initial_hf":
-            self._load_hf(plan["path"])
-            what = f"loaded the initial weights {plan['path']} (Hugging Face)"
+                self._load_dcp(plan.path, full=False, owner_state_for_copies=False, rng=False)
+            what = f"loaded the initial weights {plan.path}"
+        elif plan.action == "initial_hf":
+            self._load_hf(plan.path)
+            what = f"loaded the initial weights {plan.path} (Hugging Face)"
         else:
             return None
         if self.rank == 0:
             print(f"checkpoint: {what} in {time.perf_counter() - t0:.2f}s", flush=True)
         return self.train_state.state_dict()["step"]
 
-    def _load_dcp(self, path: str, *, full: bool, tied_alias: bool, rng: bool) -> None:
+    def _load_dcp(self, path: str, *, full: bool, owner_state_for_copies: bool, rng: bool) -> None:
         state: dict = {"model": get_model_state_dict(self.model)}
         if full:
-            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIM_OPTIONS)
+            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer, options=OPTIM_OPTIONS)
             state["train"] = self._train_state()
             if rng:
                 state["rng"] = self._rng_state()
-        flat = _flatten(state)
-        # Tied embeddings: optimizer entries of a pipeline stage's own output.weight copy come from the embedding's.
-        aliased = {}
-        if full and tied_alias and self.model_args.tie_embeddings:
-            aliased = {_tied_alias(k): flat.pop(k) for k in list(flat) if _tied_alias(k)}
+        flat = flatten(state)
+        # Tied parameters: optimizer entries of a pipeline stage's own copy (output.weight) come from the owner's.
+        aliased, copy_of = {}, {}
+        if full and owner_state_for_copies:
+            pairs = tied_pairs(self.model_args)
+            for k in [k for k in flat if owner_key(k, pairs)]:
+                copy_of[owner_key(k, pairs)] = k
+                aliased[owner_key(k, pairs)] = flat.pop(k)
         from titanlike.parallel.fused import contiguous_for_dcp, restore_layout
 
         originals = {**flat, **aliased}
         flat, aliased = contiguous_for_dcp(flat), contiguous_for_dcp(aliased)
         try:
-            _dcp(restricted_unpickle.load, flat, checkpoint_id=path, **self._dcp_kwargs())
-            if tied_alias and self.model_args.tie_embeddings and full:
+            quiet_dcp(restricted_unpickle.load, flat, checkpoint_id=path, **self._dcp_kwargs())
+            if full and owner_state_for_copies and tied_pairs(self.model_args):
                 # the same count of calls on every rank
-                _dcp(restricted_unpickle.load, aliased, checkpoint_id=path, **self._dcp_kwargs())
+                quiet_dcp(restricted_unpickle.load, aliased, checkpoint_id=path, **self._dcp_kwargs())
         except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's failure into
             # one CheckpointException (a BaseException), raised on every rank; its last line is the root cause
             if fault.is_comm_failure(e):  # a rank stopped answering: not the checkpoint's fault (reported by _op)
@@ -987,13 +575,13 @@ class CheckpointManager:
             ) from None
         flat, aliased = restore_layout(flat, originals), restore_layout(aliased, originals)
         for k, v in aliased.items():
-            flat[k.replace(".tok_embeddings.weight.", ".output.weight.", 1)] = v
+            flat[copy_of[k]] = v
         model_sd = {k[len("model.") :]: v for k, v in flat.items() if k.startswith("model.")}
         set_model_state_dict(self.model, model_sd)
         if not full:
             return
         optim_sd = {k[len("optimizer.") :]: v for k, v in flat.items() if k.startswith("optimizer.")}
-        set_optimizer_state_dict(self.model, self.optimizer, optim_sd, options=_OPTIM_OPTIONS)
+        set_optimizer_state_dict(self.model, self.optimizer, optim_sd, options=OPTIM_OPTIONS)
         from titanlike.data import set_loader_position
 
         self.train_state.load_state_dict({k: flat[f"train.{k}"] for k in ("step", "tokens_seen", "nonfinite_steps")})
@@ -1038,7 +626,7 @@ class CheckpointManager:
                     "model": {k: v.to(dtype) for k, v in get_model_state_dict(self.model).items()},
                     "optimizer": {},
                 }
-                meta = _meta(
+                meta = checkpoint_meta(
                     step,
                     "model_only",
                     self.model_args,
@@ -1052,7 +640,7 @@ class CheckpointManager:
                 state = self._state()
                 self._check_finite(state, step)
                 train = state["train"]
-                meta = _meta(
+                meta = checkpoint_meta(
                     step,
                     "full",
                     self.model_args,
@@ -1063,16 +651,16 @@ class CheckpointManager:
                     nonfinite_steps=train["nonfinite_steps"],
                     **tokenizer_meta(self.tokenizer),
                 )
-            tmp = self.folder / f"step-{step}.tmp-{self.plan['run_id']}"
+            tmp = self.folder / f"step-{step}.tmp-{self.plan.run_id}"
             kwargs = {**self._dcp_kwargs(), "checkpoint_id": str(tmp)}
             if self.cfg.checksum:
                 kwargs["storage_writer"] = ChecksummingWriter(str(tmp))
             try:
                 if self.cfg.async_mode == "async":
-                    future = _dcp(dcp.async_save, state, **kwargs)
+                    future = quiet_dcp(dcp.async_save, state, **kwargs)
                     future = getattr(future, "upload_completion", future)  # AsyncSaveResponse on some stagers
                 else:
-                    _dcp(dcp.save, state, **kwargs)
+                    quiet_dcp(dcp.save, state, **kwargs)
             except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP raises its gathered failures
                 if fault.is_comm_failure(e):
                     raise
@@ -1110,7 +698,7 @@ class CheckpointManager:
             ) from None
 
     def _check_finite(self, state: dict, step: int) -> None:
-        local = [t for t in _local_tensors({"m": state["model"], "o": state["optimizer"]}) if t.numel()]
+        local = [t for t in local_tensors({"m": state["model"], "o": state["optimizer"]}) if t.numel()]
         # A sum is non-finite when an element is (10x faster than isfinite on every element); a finite tensor whose
         # sum overflows is told apart by the exact check, run only on the suspects.
         sums = torch.stack([t.sum().float() for t in local]).cpu() if local else torch.zeros(0)
@@ -1152,18 +740,18 @@ class CheckpointManager:
         if self.rank != 0:
             return
         try:
-            _write_json(tmp / META_NAME, meta)
+            write_json(tmp / META_NAME, meta)
             if self.cfg.checksum:
-                _merge_checksums(tmp)
+                merge_checksums(tmp)
         except OSError as e:
             self._save_failed(step, tmp, e)
         final = self.folder / f"step-{step}"
         if final.exists():  # not there at the start (_tidy): another job writes into this folder
-            aside = final.with_name(f"{final.name}.replaced-{self.plan['run_id']}")
+            aside = final.with_name(f"{final.name}.replaced-{self.plan.run_id}")
             os.rename(final, aside)
             print(f"checkpoint: {final} appeared while this run was training; set aside as {aside.name}", flush=True)
         os.rename(tmp, final)
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
         size = sum(f.stat().st_size for f in final.iterdir()) / 2**20
         print(
             f"checkpoint: saved step {step} to {final} ({size:.1f} MiB) in {time.perf_counter() - t0:.2f}s", flush=True
@@ -1172,13 +760,13 @@ class CheckpointManager:
 
     def _purge(self) -> None:
         """Delete checkpoints beyond keep_latest_k (oldest first) and leftovers of killed saves."""
-        run_id = self.plan["run_id"]
+        run_id = self.plan.run_id
         found = committed_checkpoints(self.folder)
         if self.cfg.keep_latest_k > 0:
             for step in list(found)[: -self.cfg.keep_latest_k]:
-                _remove_dir(found[step], run_id)
+                remove_dir(found[step], run_id)
         for p in self.folder.iterdir():
-            if p.is_dir() and _LEFTOVER_DIR.fullmatch(p.name) and _only_ours(p):
+            if p.is_dir() and LEFTOVER_DIR.fullmatch(p.name) and only_ours(p):
                 shutil.rmtree(p, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------ end
@@ -1187,14 +775,14 @@ class CheckpointManager:
         self._wait()
         if self.cfg.export_safetensors and self.rank == 0 and self.last_step is not None:
             t0 = time.perf_counter()
-            out, run_id = self.folder / "final", self.plan["run_id"]
+            out, run_id = self.folder / "final", self.plan.run_id
             new = export_hf(
                 self.folder / f"step-{self.last_step}",
                 out.with_name(f"final.new-{run_id}"),
                 dtype=getattr(torch, self.cfg.export_dtype),
             )
             if out.exists():  # a previous run's export of an older step: replace it
-                _remove_dir(out, run_id)
+                remove_dir(out, run_id)
             os.rename(new, out)
             print(
                 f"checkpoint: exported step {self.last_step} as Hugging Face Llama to {out} in "
