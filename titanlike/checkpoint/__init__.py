@@ -15,7 +15,8 @@ The modules, each one job:
 * :mod:`~titanlike.checkpoint.files`: the folder on disk (step folders, the commit marker, atomic writes and
   removals, leftovers of killed saves, the size check of DCP's data files);
 * :mod:`~titanlike.checkpoint.meta`: ``checkpoint.json`` (what a checkpoint says about itself);
-* :mod:`~titanlike.checkpoint.checksums`: the checksums written at the commit and verified before a resume;
+* :mod:`~titanlike.checkpoint.checksums`: a CRC32C of every entry, computed while it is written and verified while
+  it is read;
 * :mod:`~titanlike.checkpoint.parts`: any module's state under the plain model's names (``save_parts`` /
   ``load_parts``, the view over pipeline stages, the one-process reader, the model and tie checks);
 * :mod:`~titanlike.checkpoint.export`: weights held by one process as a seed checkpoint or a Hugging Face folder;
@@ -26,8 +27,13 @@ The modules, each one job:
 from titanlike.checkpoint.checksums import (
     CHECKSUMS_NAME,
     ChecksummingWriter,
-    file_crc32,
+    Checksums,
+    CorruptCheckpointError,
+    VerifyingReader,
+    file_digest,
+    load_verified,
     read_checksums,
+    tensor_digest,
     verify_checksums,
 )
 from titanlike.checkpoint.export import export_hf, write_seed_checkpoint
@@ -37,7 +43,7 @@ from titanlike.checkpoint.files import (
     committed_checkpoints,
     read_dcp_metadata,
 )
-from titanlike.checkpoint.manager import CheckpointManager, CheckpointSaveError, ResumePlan
+from titanlike.checkpoint.manager import CheckpointManager, CheckpointSaveError, NonFiniteStateError, ResumePlan
 from titanlike.checkpoint.meta import FORMAT, META_NAME, model_args_of, read_meta, tokenizer_meta
 from titanlike.checkpoint.parts import (
     ModelPartsView,
@@ -55,15 +61,20 @@ __all__ = [
     "META_NAME",
     "CheckpointManager",
     "CheckpointSaveError",
+    "Checksums",
     "ChecksummingWriter",
+    "CorruptCheckpointError",
     "ModelPartsView",
+    "NonFiniteStateError",
     "ResumePlan",
+    "VerifyingReader",
     "check_model_fits",
     "check_writable",
     "checkpoint_folder",
     "committed_checkpoints",
     "export_hf",
-    "file_crc32",
+    "file_digest",
+    "load_verified",
     "load_parts",
     "merged_model",
     "model_args_of",
@@ -72,6 +83,7 @@ __all__ = [
     "read_meta",
     "read_model_state_dict",
     "save_parts",
+    "tensor_digest",
     "tied_pairs",
     "tokenizer_meta",
     "verify_checksums",

@@ -28,7 +28,7 @@ STEP_DIR = re.compile(r"step-(\d+)")
 LEFTOVER_DIR = re.compile(r"(step-\d+|final)\.(tmp|new|trash)-[\w.-]+")  # killed saves, deletions in progress
 # What a save of ours writes into such a folder: a leftover holding anything else is not removed.
 _OUR_FILES = re.compile(
-    r"\.metadata(\.tmp)?|__\d+_\d+\.distcp|__\d+_crc32\.json|checkpoint\.json|checksums\.json"
+    r"\.metadata(\.tmp)?|__\d+_\d+\.distcp|__\d+_(crc32|checksums)\.json|checkpoint\.json|checksums\.json"
     r"|model\.safetensors|config\.json|\.write-test-\w+"
 )
 _SINGLE_PROCESS_NOTE = r"torch\.distributed is (disabled, )?unavailable or uninitialized"

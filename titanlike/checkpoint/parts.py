@@ -18,9 +18,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
-from titanlike import restricted_unpickle
+from titanlike import fault
+from titanlike.checkpoint.checksums import CorruptCheckpointError, check_files, load_verified, read_checksums
 from titanlike.checkpoint.files import quiet_dcp, read_dcp_metadata
 from titanlike.config import ConfigError
 
@@ -69,17 +69,6 @@ def merged_model(parts: Sequence[nn.Module]) -> nn.Module:
     return parts[0] if len(parts) == 1 else ModelPartsView(parts)
 
 
-def local_tensors(state: dict) -> list[torch.Tensor]:
-    """The floating-point tensors of a nested state dict, DTensors as this rank's local shards."""
-    out = []
-    for v in state.values():
-        if isinstance(v, dict):
-            out += local_tensors(v)
-        elif isinstance(v, torch.Tensor) and v.is_floating_point():
-            out.append(v.to_local() if isinstance(v, DTensor) else v)
-    return out
-
-
 def flatten(d: dict, prefix: str = "") -> dict:
     """A nested dict as one level of dotted keys (``{"model": {"w": t}}`` -> ``{"model.w": t}``)."""
     out = {}
@@ -125,7 +114,7 @@ def load_parts(
     originals = flatten(_parts_state(model, optimizer))
     flat = contiguous_for_dcp(originals)
     kwargs = {"process_group": process_group} if dist.is_initialized() else {"no_dist": True}
-    quiet_dcp(restricted_unpickle.load, flat, checkpoint_id=str(path), **kwargs)
+    quiet_dcp(load_verified, flat, path, verified_records(path), **kwargs)
     flat = restore_layout(flat, originals)
     set_model_state_dict(model, {k[len("model.") :]: v for k, v in flat.items() if k.startswith("model.")})
     if optimizer is not None:
@@ -147,8 +136,24 @@ def read_model_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             sd[key[len("model.") :]] = torch.empty(md.size, dtype=md.properties.dtype)
     if not sd:
         raise ConfigError(f"checkpoint '{path}' holds no model weights; is it a titanlike checkpoint?")
-    quiet_dcp(restricted_unpickle.load, {"model": sd}, checkpoint_id=str(path), no_dist=True)
+    try:
+        quiet_dcp(load_verified, {"model": sd}, path, verified_records(path), no_dist=True)
+    except dcp.CheckpointException as e:
+        corrupt = fault.failure_of(e, CorruptCheckpointError)
+        if corrupt is None:
+            raise
+        raise ConfigError(f"checkpoint '{path}' is corrupted: {corrupt}") from None
     return sd
+
+
+def verified_records(path: str | os.PathLike) -> dict | None:
+    """The per-entry checksums a one-process read of ``path`` compares (None: none recorded), after checking the
+    files' sizes and whole-file checksums; ConfigError when they do not match."""
+    sums = read_checksums(path)
+    problem = sums if isinstance(sums, str) else check_files(path, sums) if sums is not None else None
+    if problem:
+        raise ConfigError(f"checkpoint '{path}' is corrupted: {problem}")
+    return None if sums is None else sums.records or None
 
 
 # ---------------------------------------------------------------------------------------------------- checks
