@@ -207,3 +207,35 @@ def poke_tensor_value(step_dir: Path, fqn: str, value: float, index: int = 0) ->
     raw[at : at + size] = new
     f.write_bytes(bytes(raw))
     return info.relative_path
+
+
+def before_step(step: int, action: Callable[[], None], patch=setattr) -> None:
+    """Run ``action`` just before the trainer's training step ``step`` (a signal that arrives while that step trains).
+    ``patch``: how to replace the trainer's ``train_step`` (pytest's ``monkeypatch.setattr`` to undo it after the
+    test; plain ``setattr`` in a worker)."""
+    import titanlike.training.trainer as trainer_module
+
+    train_step, calls = trainer_module.train_step, []
+
+    def planted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == step:
+            action()
+        return train_step(*args, **kwargs)
+
+    patch(trainer_module, "train_step", planted)
+
+
+def during_the_save_of(step: int, action: Callable[[], None], patch=setattr) -> None:
+    """Run ``action`` inside the checkpoint save of ``step``, once this rank's data files are written."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def planted(self, plan, planner):
+        out = write_data(self, plan, planner)
+        if Path(str(self.path)).name.startswith(f"step-{step}."):
+            action()
+        return out
+
+    patch(FileSystemWriter, "write_data", planted)

@@ -27,7 +27,7 @@ import time
 import traceback
 from pathlib import Path
 
-from dist_utils import poke_tensor_value, unused_port
+from dist_utils import before_step, poke_tensor_value, unused_port
 
 PROCS = 4
 SAVE_STEP = 3
@@ -133,22 +133,6 @@ def train_args(out: Path, name: str, extra: list[str]) -> list[str]:
     ]
 
 
-def _signal_during_step(step: int) -> None:
-    """This rank gets SIGTERM while training step ``step`` (the next Trainer's; undone after that step)."""
-    import titanlike.training.trainer as trainer_module
-
-    train_step, calls = trainer_module.train_step, []
-
-    def signalled(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == step:
-            trainer_module.train_step = train_step
-            os.kill(os.getpid(), signal.SIGTERM)
-        return train_step(*args, **kwargs)
-
-    trainer_module.train_step = signalled
-
-
 def _barrier(store, key: str) -> None:
     store.add(key, 1)
     while int(store.add(key, 0)) < PROCS:
@@ -239,12 +223,16 @@ def _run_cases(rank: int, store, out: Path) -> None:
                 _record_tied_states_on_load(trainer, tied)
             if "_from_seed" in name:
                 _record_loaded_weights(trainer, out / f"{name}.rank{rank}.pt")
+            import titanlike.training.trainer as trainer_module
+
+            train_step = trainer_module.train_step
             if name in SIGNALS and rank in SIGNALS[name][1]:
-                _signal_during_step(SIGNALS[name][0])
+                before_step(SIGNALS[name][0], lambda: os.kill(os.getpid(), signal.SIGTERM))
             try:
                 losses, preempted = trainer.train(), None
             except Preempted as e:
                 losses, preempted = e.losses, e.step
+            trainer_module.train_step = train_step
             resumed_at = trainer.checkpointer.plan.step
             trainer.close()
             if rank == 0:

@@ -20,21 +20,10 @@ import sys
 import time
 from pathlib import Path
 
+from dist_utils import before_step, during_the_save_of
 from fault_model import use_dropout_model
 
 import titanlike.training.trainer as trainer_module
-
-
-def _before_step(step: int, action) -> None:
-    train_step, calls = trainer_module.train_step, []
-
-    def planted(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == step:
-            action()
-        return train_step(*args, **kwargs)
-
-    trainer_module.train_step = planted
 
 
 def main() -> int:
@@ -49,24 +38,14 @@ def main() -> int:
             while not go.exists():
                 time.sleep(0.05)
 
-        _before_step(step, pause)
+        before_step(step, pause)
     elif kind == "second_signal":
-        from torch.distributed.checkpoint.filesystem import FileSystemWriter
-
         import titanlike.training.exit_signals as exit_signals
 
         exit_signals.DUPLICATE_WINDOW_S = 0.0
         step = int(params[0])
-        _before_step(step, lambda: os.kill(os.getpid(), signal.SIGTERM))
-        write_data = FileSystemWriter.write_data
-
-        def signalled_write_data(self, plan, planner):
-            out = write_data(self, plan, planner)
-            if Path(str(self.path)).name.startswith(f"step-{step}."):
-                os.kill(os.getpid(), signal.SIGTERM)
-            return out
-
-        FileSystemWriter.write_data = signalled_write_data
+        before_step(step, lambda: os.kill(os.getpid(), signal.SIGTERM))
+        during_the_save_of(step, lambda: os.kill(os.getpid(), signal.SIGTERM))
     use_dropout_model()
     return trainer_module.main(argv)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_utils import kill_at_pause_points, poke_tensor_value
+from dist_utils import before_step, during_the_save_of, kill_at_pause_points, poke_tensor_value
 from fault_model import use_dropout_model
 
 from titanlike.checkpoint import (
@@ -347,36 +347,6 @@ def test_the_new_keys_are_validated(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------------------- exit signals
-def _before_step(monkeypatch, step: int, action) -> None:
-    """Run ``action`` just before training step ``step`` (a signal that arrives while the step is trained)."""
-    import titanlike.training.trainer as trainer_module
-
-    train_step, calls = trainer_module.train_step, []
-
-    def planted(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == step:
-            action()
-        return train_step(*args, **kwargs)
-
-    monkeypatch.setattr(trainer_module, "train_step", planted)
-
-
-def _during_the_save_of(monkeypatch, step: int, action) -> None:
-    """Run ``action`` inside the save of ``step``, once this rank's data files are written."""
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-
-    write_data = FileSystemWriter.write_data
-
-    def planted(self, plan, planner):
-        out = write_data(self, plan, planner)
-        if Path(str(self.path)).name.startswith(f"step-{step}."):
-            action()
-        return out
-
-    monkeypatch.setattr(FileSystemWriter, "write_data", planted)
-
-
 @pytest.mark.parametrize("sig,mode", [("SIGTERM", "disabled"), ("SIGUSR1", "async")])
 def test_an_exit_signal_saves_the_step_and_the_same_command_resumes_it(straight, tmp_path, monkeypatch, sig, mode):
     """The signal arrives while step 3 trains (saves are every 2 steps): the step is finished and saved
@@ -386,8 +356,8 @@ def test_an_exit_signal_saves_the_step_and_the_same_command_resumes_it(straight,
     from titanlike.training.exit_signals import EXIT_PREEMPTED, Preempted
 
     signum = getattr(signal, sig)
-    _before_step(monkeypatch, 3, lambda: os.kill(os.getpid(), signum))
-    _during_the_save_of(monkeypatch, 3, lambda: os.kill(os.getpid(), signum))
+    before_step(3, lambda: os.kill(os.getpid(), signum), monkeypatch.setattr)
+    during_the_save_of(3, lambda: os.kill(os.getpid(), signum), monkeypatch.setattr)
     args = ("--checkpoint.async_mode", mode)
     if mode == "disabled":
         with pytest.raises(Preempted) as info:

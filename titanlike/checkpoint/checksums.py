@@ -21,6 +21,7 @@ import io
 import json
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import crc32c
@@ -80,22 +81,45 @@ def record_key(relative_path: str, offset: int) -> str:
     return f"{relative_path}@{offset}"
 
 
+class _Hasher:
+    """Tensor digests computed on a thread of their own while DCP goes on writing or reading the next entries
+    (``crc32c`` releases the GIL): on a machine with a spare core the hashing hides behind the I/O. ``results()``
+    waits for all of them."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titanlike-crc32c")
+        self._futures: dict = {}
+        self.done: dict = {}
+
+    def submit(self, key, tensor: torch.Tensor) -> None:
+        self._futures[key] = self._pool.submit(tensor_digest, tensor)
+
+    def results(self) -> dict:
+        try:
+            self.done.update({k: f.result() for k, f in self._futures.items()})
+        finally:
+            self._pool.shutdown(wait=True)
+        return self.done
+
+
 # ---------------------------------------------------------------------------------------------------- writing
 class _HashingPlanner:
-    """DCP's save planner, with the CRC32C of every piece of data it hands to the writer recorded on the way."""
+    """DCP's save planner, with the CRC32C of every piece of data it hands to the writer recorded on the way (byte
+    entries at once, tensors on the hashing thread; a tensor is not changed while its save runs: training waits for a
+    synchronous save, and an async save writes a staged copy)."""
 
-    def __init__(self, planner, digests: dict):
-        self._planner, self._digests = planner, digests
+    def __init__(self, planner, hasher: _Hasher):
+        self._planner, self._hasher = planner, hasher
 
     def resolve_data(self, write_item):
         data = self._planner.resolve_data(write_item)
         if isinstance(data, io.BytesIO):
             with data.getbuffer() as view:
-                self._digests[write_item.index] = crc32c_hex(view)
+                self._hasher.done[write_item.index] = crc32c_hex(view)
             return data
         if data.device.type != "cpu":  # hash the copy DCP writes (it would copy to the CPU next)
             data = data.detach().cpu()
-        self._digests[write_item.index] = tensor_digest(data)
+        self._hasher.submit(write_item.index, data)
         return data
 
     def __getattr__(self, name):
@@ -108,8 +132,9 @@ class ChecksummingWriter(FileSystemWriter):
     async save in the background thread. At the commit rank 0 merges the records (:func:`merge_checksums`)."""
 
     def write_data(self, plan, planner):
-        digests: dict = {}
-        future = super().write_data(plan, _HashingPlanner(planner, digests))
+        hasher = _Hasher()
+        future = super().write_data(plan, _HashingPlanner(planner, hasher))
+        digests = hasher.results()
         results = future.wait()
         records = {
             record_key(r.storage_data.relative_path, r.storage_data.offset): {
@@ -123,7 +148,8 @@ class ChecksummingWriter(FileSystemWriter):
             name: {"size": (Path(self.path) / name).stat().st_size}
             for name in sorted({r.storage_data.relative_path for r in results})
         }
-        write_json(Path(self.path) / f"{plan.storage_data.prefix}checksums.json", {"files": files, "records": records})
+        part = {"files": files, "records": records}
+        write_json(Path(self.path) / f"{plan.storage_data.prefix}checksums.json", part, compact=True)
         return future
 
 
@@ -146,6 +172,7 @@ def merge_checksums(folder: Path) -> None:
             "files": dict(sorted(files.items())),
             "records": dict(sorted(records.items())),
         },
+        compact=True,
     )
     for part in parts:
         part.unlink()
@@ -233,7 +260,23 @@ class VerifyingReader(restricted_unpickle.SafeFileSystemReader):
         return None if rec is None else rec[ALGORITHM]
 
     def read_data(self, plan, planner):
-        # DCP's FileSystemReader.read_data (torch 2.13), with the checks added where each entry is in memory
+        # DCP's FileSystemReader.read_data (torch 2.13), with the checks added where each entry is in memory: byte
+        # entries before they are parsed, tensors on the hashing thread while the next entries are read, all of them
+        # before this returns (before DCP hands the state back)
+        hasher, expected = _Hasher(), {}
+        try:
+            self._read_entries(plan, planner, hasher, expected)
+        finally:
+            digests = hasher.results()
+        for where, want in sorted(expected.items()):
+            if digests[where] != want:
+                raise _mismatch(*where, digests[where], want)
+        restricted_unpickle.raise_refused(planner)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_entries(self, plan, planner, hasher: _Hasher, expected: dict) -> None:
         per_file: dict[str, list] = {}
         for read_item in plan.items:
             per_file.setdefault(self.storage_data[read_item.storage_index].relative_path, []).append(read_item)
@@ -266,10 +309,9 @@ class VerifyingReader(restricted_unpickle.SafeFileSystemReader):
                     except Exception as e:  # noqa: BLE001 - whatever a damaged archive raises
                         why = f"{type(e).__name__}: {restricted_unpickle.load_error_detail(e)}"
                         raise _unparseable(*where, why, "the file is damaged") from None
-                    if want is not None:
-                        have = tensor_digest(tensor)
-                        if have != want:
-                            raise _mismatch(*where, have, want)
+                    if want is not None and where not in expected:
+                        expected[where] = want
+                        hasher.submit(where, tensor)
                     tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
                     target = planner.resolve_tensor(req).detach()
                     if target.size() != tensor.size():
@@ -278,10 +320,6 @@ class VerifyingReader(restricted_unpickle.SafeFileSystemReader):
                         )
                     target.copy_(tensor)
                     planner.commit_tensor(req, target)
-        restricted_unpickle.raise_refused(planner)
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
 
 
 def load_verified(state_dict: dict, path: str | os.PathLike, records: dict | None, **dcp_kwargs) -> None:

@@ -72,9 +72,11 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict, compact: bool = False) -> None:
+    """Write ``data`` as JSON and fsync it (indented for people, or ``compact`` for records only tools read)."""
+    text = json.dumps(data, separators=(",", ":")) if compact else json.dumps(data, indent=2)
     with open(path, "w") as f:
-        f.write(json.dumps(data, indent=2) + "\n")
+        f.write(text + "\n")
         f.flush()
         os.fsync(f.fileno())
 

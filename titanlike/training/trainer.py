@@ -576,7 +576,7 @@ class Trainer:
     def _end_of_step(self, res, exit_signals) -> int:
         """The end of a step, on every rank alike: one all-reduce (MAX) of two numbers. (1) Whether an update whose
         loss and gradient norm were finite left a parameter non-finite (AdamW still can, e.g. 0/0 with optimizer.eps
-        = 0 on rows that got no gradient): one fused L1 norm over the local tensors (non-finite when an element is),
+        = 0 on rows that got no gradient): one fused norm over the local tensors (non-finite when an element is),
         the names gathered only when it trips; a non-finite update cannot be undone without a copy of the state,
         so the run stops before saving it. (2) The number of an exit signal some rank received (0: none), so that
         every rank stops after the same step. Returns (2)."""
