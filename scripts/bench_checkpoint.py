@@ -5,10 +5,11 @@
 
 For each flavor: build the Trainer (checkpointing on, keep_latest_k 1), then time ``save`` (sync, model + AdamW +
 train state) with and without ``checkpoint.checksum`` (alternating, so that both see the same machine load; the
-ratio is printed), ``save`` with ``async_mode=async`` (the time training is blocked, and until the commit), a resume
-(``load`` in a fresh Trainer), the checksum verification a resume runs first, and the Hugging Face export. Loads
-read files the save has just written, so they come from the page cache: a cold read from disk adds size / disk
-bandwidth.
+cost is printed), ``save`` with ``async_mode=async`` (the time training is blocked, and until the commit), a resume
+(``load`` in a fresh Trainer) with and without ``checkpoint.checksum`` (alternating too: the checksums are verified
+while the entries are read), the finite check a resume runs on the loaded state, a full scan with
+``verify_checksums`` (the tool, not part of a resume), and the Hugging Face export. Loads read files the save has
+just written, so they come from the page cache: a cold read from disk adds size / disk bandwidth.
 
 Validation (titanlike/restricted_unpickle.py): a resume reads ``.metadata`` twice on a rank (the up-front check and
 DCP's own read), each time with the restricted unpickler and the field checks; that is the validation, printed as a
@@ -123,26 +124,75 @@ def bench_validation(step_dir: Path, repeat: int) -> dict:
     }
 
 
+class _ChecksumClock:
+    """What checkpoint.checksum adds, measured exactly instead of as the noisy difference of two whole saves: the CPU
+    seconds spent in titanlike.checkpoint.checksums (hashing, records, checksums.json, the file checks; per thread,
+    the hashing thread included), and the wall seconds the saving or loading thread itself spends there (its own
+    hashing and waiting for the hashing thread at the end): what the save or the resume is held up by."""
+
+    NAMES = ("tensor_digest", "crc32c_hex", "file_digest", "merge_checksums", "read_checksums", "check_files")
+
+    def __init__(self):
+        import threading
+
+        from titanlike.checkpoint import checksums
+
+        self.cpu, self.exposed, self._depth = 0.0, 0.0, threading.local()
+        for name in self.NAMES:
+            setattr(checksums, name, self._wrap(getattr(checksums, name)))
+        checksums.write_json = self._wrap(checksums.write_json)
+        checksums._Hasher.results = self._wrap(checksums._Hasher.results)
+        self._main = threading.main_thread()
+
+    def _wrap(self, fn):
+        import threading
+
+        def timed(*args, **kwargs):
+            depth = getattr(self._depth, "n", 0)
+            self._depth.n = depth + 1
+            c0, t0 = time.thread_time(), time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth.n = depth
+                if not depth:
+                    self.cpu += time.thread_time() - c0
+                    if threading.current_thread() is self._main:
+                        self.exposed += time.perf_counter() - t0
+
+        return timed
+
+    def measure(self, fn) -> tuple[float, float]:
+        cpu, exposed = self.cpu, self.exposed
+        fn()
+        return self.cpu - cpu, self.exposed - exposed
+
+
+def _timed(fn) -> tuple[float, float]:
+    t0, c0 = time.perf_counter(), time.process_time()
+    _quiet(fn)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
 def bench(out: Path, flavor: str, tokenizer: str, repeat: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     trainer = _quiet(_trainer, out, flavor, tokenizer, "disabled")
     ckpt = trainer.checkpointer
-    sync, plain = [], []
+    saves = {True: [], False: []}  # checksum -> [(wall, cpu)]
+    hashing_save = []
     for i in range(repeat):
-        for checksum, times in ((False, plain), (True, sync)):
+        for checksum in (False, True):  # alternating: both see the same machine load
             ckpt.cfg.checksum = checksum
             trainer.step = 2 * i + 1 + checksum
-            t0 = time.perf_counter()
-            _quiet(ckpt.save, trainer.step)
-            times.append(time.perf_counter() - t0)
+            work = CLOCK.measure(lambda: saves[checksum].append(_timed(lambda: ckpt.save(trainer.step))))
+            if checksum:
+                hashing_save.append(work)
     ckpt.cfg.checksum = True
     step_dir = out / "checkpoint" / f"step-{2 * repeat}"  # the newest, saved with checksums
     size = sum(f.stat().st_size for f in step_dir.iterdir())
-    verify = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        assert verify_checksums(step_dir) is None
-        verify.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    assert verify_checksums(step_dir) is None
+    scan = time.perf_counter() - t0
 
     blocked, total = [], []
     ckpt.cfg.async_mode = "async"
@@ -153,37 +203,86 @@ def bench(out: Path, flavor: str, tokenizer: str, repeat: int) -> dict:
         blocked.append(time.perf_counter() - t0)
         _quiet(ckpt._wait)
         total.append(time.perf_counter() - t0)
+    trainer.close()
 
-    loads, loads_cpu = [], []
+    loads = {True: [], False: []}  # checksum -> [(wall, cpu)] of a resume (verified while read, or not)
+    hashing_load = []
     for _ in range(repeat):
-        fresh = _quiet(_trainer, out, flavor, tokenizer, "disabled")
-        t0, c0 = time.perf_counter(), time.process_time()
-        _quiet(fresh.checkpointer.load)
-        loads.append(time.perf_counter() - t0)
-        loads_cpu.append(time.process_time() - c0)
-        assert fresh.step == 3 * repeat
+        for checksum in (False, True):
+            fresh = _quiet(_trainer, out, flavor, tokenizer, "disabled")
+            fresh.checkpointer.cfg.checksum = checksum
+            work = CLOCK.measure(lambda: loads[checksum].append(_timed(fresh.checkpointer.load)))
+            if checksum:
+                hashing_load.append(work)
+            assert fresh.step == 3 * repeat
+            fresh.close()
+    # the finite check a resume runs on the loaded model and optimizer (one fused norm per tensor), alone
+    named = sorted(
+        (k, v)
+        for part in ("model", "optimizer")
+        for k, v in _flat_state(fresh, part).items()
+        if isinstance(v, torch.Tensor)
+    )
+    (finite_cpu,) = _median_cpu_s([lambda: fresh.checkpointer._first_non_finite(named, "the bench")], repeat)
 
     validation = bench_validation(out / "checkpoint" / f"step-{3 * repeat}", repeat)
     t0 = time.perf_counter()
     export_hf(out / "checkpoint" / f"step-{3 * repeat}", out / "hf")
     export = time.perf_counter() - t0
+
+    def med(runs, i):
+        return statistics.median(r[i] for r in runs)
+
     return {
         "flavor": flavor,
         "params": trainer.num_params,
         "size_mib": size / 2**20,
-        "save_s": statistics.median(sync),
-        "save_plain_s": statistics.median(plain),
-        "verify_s": statistics.median(verify),
+        "save_s": med(saves[True], 0),
+        "save_plain_s": med(saves[False], 0),
+        "save_cpu_s": med(saves[True], 1),
+        "save_plain_cpu_s": med(saves[False], 1),
+        "load_s": med(loads[True], 0),
+        "load_plain_s": med(loads[False], 0),
+        "load_cpu_s": med(loads[True], 1),
+        "load_plain_cpu_s": med(loads[False], 1),
+        "finite_cpu_s": finite_cpu,
+        "hashing_save_s": statistics.median(h[0] for h in hashing_save),
+        "hashing_load_s": statistics.median(h[0] for h in hashing_load),
+        "exposed_save_s": statistics.median(h[1] for h in hashing_save),
+        "exposed_load_s": statistics.median(h[1] for h in hashing_load),
+        "scan_s": scan,
         "async_blocked_s": statistics.median(blocked),
         "async_total_s": statistics.median(total),
-        "load_s": statistics.median(loads),
         "export_hf_s": export,
-        "load_cpu_s": statistics.median(loads_cpu),
         **validation,
     }
 
 
+def _flat_state(trainer: Trainer, part: str) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from titanlike.checkpoint.parts import OPTIM_OPTIONS, flatten
+
+    model = trainer.checkpointer.model
+    if part == "model":
+        return flatten({"model": get_model_state_dict(model)})
+    return flatten({"optimizer": get_optimizer_state_dict(model, trainer.optimizer, options=OPTIM_OPTIONS)})
+
+
+def _crc32c_gb_s() -> float:
+    from titanlike.checkpoint.checksums import crc32c_hex
+
+    buf = torch.randint(0, 256, (256 << 20,), dtype=torch.uint8).numpy()
+    best = min(_median_cpu_s([lambda: crc32c_hex(buf)], 1)[0] for _ in range(3))
+    return len(buf) / best / 1e9
+
+
+CLOCK: _ChecksumClock
+
+
 def main() -> int:
+    global CLOCK
+    CLOCK = _ChecksumClock()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="scratch folder (deleted and rewritten)")
     parser.add_argument("--flavor", action="append", help="model flavors (default: debugmodel and gpt2_small)")
@@ -191,23 +290,43 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions (the median is reported)")
     args = parser.parse_args()
     flavors = args.flavor or ["debugmodel", "gpt2_small"]  # gpt2_small's shape with the 2k vocabulary: 115M
-    print(f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
     print(
-        "| model | parameters | checkpoint | save (sync) | save, no checksum | checksum cost | "
-        "async: training blocked | async: until committed | load (resume) | verify checksums | HF export |"
+        f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}, "
+        f"crc32c {_crc32c_gb_s():.1f} GB/s (one core, CPU time)"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    results = []
-    for flavor in flavors:
-        r = bench(Path(args.out) / flavor, flavor, args.tokenizer, args.repeat)
+    results = [bench(Path(args.out) / flavor, flavor, args.tokenizer, args.repeat) for flavor in flavors]
+    print(
+        "\nCheckpoint checksums (checkpoint.checksum, CRC32C of every entry: computed while written, verified while "
+        "read), side by side, medians; wall-clock and this process's CPU time (other work on a shared machine "
+        "inflates the first, not the second):\n"
+        "| model | parameters | checkpoint | save | save, no checksums | difference (wall / CPU) | checksum CPU "
+        "work | save held up / save | resume | resume, no checksums | difference (wall / CPU) | checksum CPU work | "
+        "resume held up / resume | finite check (CPU) / resume (CPU) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
         print(
-            f"| {flavor} | {r['params'] / 1e6:.1f}M | {r['size_mib']:.0f} MiB | {r['save_s']:.2f} s | "
-            f"{r['save_plain_s']:.2f} s | {r['save_s'] / r['save_plain_s']:.3f}x | "
-            f"{r['async_blocked_s']:.2f} s | {r['async_total_s']:.2f} s | {r['load_s']:.2f} s | "
-            f"{r['verify_s']:.2f} s | {r['export_hf_s']:.2f} s |",
+            f"| {r['flavor']} | {r['params'] / 1e6:.1f}M | {r['size_mib']:.0f} MiB | {r['save_s']:.2f} s | "
+            f"{r['save_plain_s']:.2f} s | {r['save_s'] / r['save_plain_s'] - 1:+.1%} / "
+            f"{r['save_cpu_s'] / r['save_plain_cpu_s'] - 1:+.1%} | {r['hashing_save_s'] * 1e3:.0f} ms | "
+            f"{r['exposed_save_s'] * 1e3:.0f} ms / {r['exposed_save_s'] / r['save_s']:.2%} | {r['load_s']:.2f} s | "
+            f"{r['load_plain_s']:.2f} s | {r['load_s'] / r['load_plain_s'] - 1:+.1%} / "
+            f"{r['load_cpu_s'] / r['load_plain_cpu_s'] - 1:+.1%} | {r['hashing_load_s'] * 1e3:.0f} ms | "
+            f"{r['exposed_load_s'] * 1e3:.0f} ms / {r['exposed_load_s'] / r['load_s']:.2%} | "
+            f"{r['finite_cpu_s'] * 1e3:.1f} ms / {r['finite_cpu_s'] / r['load_cpu_s']:.2%} |",
             flush=True,
         )
-        results.append(r)
+    print(
+        "\n| model | async: training blocked | async: until committed | full checksum scan (verify_checksums) | "
+        "HF export |"
+    )
+    print("| --- | --- | --- | --- | --- |")
+    for r in results:
+        print(
+            f"| {r['flavor']} | {r['async_blocked_s']:.2f} s | {r['async_total_s']:.2f} s | {r['scan_s']:.2f} s | "
+            f"{r['export_hf_s']:.2f} s |",
+            flush=True,
+        )
     print(
         "\nCPU time of this process (other processes on the machine do not inflate it):\n"
         "| model | .metadata | byte entries | resume | metadata validation x 2 (stock pickle.load) | byte "

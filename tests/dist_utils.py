@@ -181,3 +181,61 @@ def kill_at_pause_points(
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == -signal.SIGKILL, out
     return {pause: dump for pause, (dump, _) in runs.items()}
+
+
+def poke_tensor_value(step_dir: Path, fqn: str, value: float, index: int = 0) -> str:
+    """Set one element of a checkpoint's stored tensor ``fqn`` (a DCP key: ``model.norm.weight``) to ``value`` in
+    place, inside the tensor's data in its data file (the file stays valid and keeps its size), as a flipped memory
+    cell or a bad disk would. Returns the data file's name."""
+    import io
+
+    import torch
+
+    from titanlike.restricted_unpickle import read_metadata
+
+    md = read_metadata(step_dir)
+    info = next(v for k, v in md.storage_data.items() if k.fqn == fqn)
+    f = Path(step_dir) / info.relative_path
+    raw = bytearray(f.read_bytes())
+    record = bytes(raw[info.offset : info.offset + info.length])
+    stored = torch.load(io.BytesIO(record), weights_only=True).contiguous()
+    data = record.find(stored.reshape(-1).view(torch.uint8).numpy().tobytes())
+    assert data >= 0, f"the data of {fqn} is not stored verbatim in its record"
+    size = stored.element_size()
+    new = torch.tensor([value], dtype=stored.dtype).view(torch.uint8).numpy().tobytes()
+    at = info.offset + data + index * size
+    raw[at : at + size] = new
+    f.write_bytes(bytes(raw))
+    return info.relative_path
+
+
+def before_step(step: int, action: Callable[[], None], patch=setattr) -> None:
+    """Run ``action`` just before the trainer's training step ``step`` (a signal that arrives while that step trains).
+    ``patch``: how to replace the trainer's ``train_step`` (pytest's ``monkeypatch.setattr`` to undo it after the
+    test; plain ``setattr`` in a worker)."""
+    import titanlike.training.trainer as trainer_module
+
+    train_step, calls = trainer_module.train_step, []
+
+    def planted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == step:
+            action()
+        return train_step(*args, **kwargs)
+
+    patch(trainer_module, "train_step", planted)
+
+
+def during_the_save_of(step: int, action: Callable[[], None], patch=setattr) -> None:
+    """Run ``action`` inside the checkpoint save of ``step``, once this rank's data files are written."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def planted(self, plan, planner):
+        out = write_data(self, plan, planner)
+        if Path(str(self.path)).name.startswith(f"step-{step}."):
+            action()
+        return out
+
+    patch(FileSystemWriter, "write_data", planted)

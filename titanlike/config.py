@@ -18,6 +18,7 @@ import inspect
 import json
 import os
 import re
+import signal
 import sys
 import types
 import typing
@@ -43,6 +44,8 @@ class Job:
     dump_folder: str = "./outputs"  # where checkpoints, metrics, traces and exports go
     description: str = "default job"  # printed at the start of the run
     print_config: bool = False  # print the full configuration (after the file and the command line) at the start
+    # a run folder's lock (job.dump_folder, checkpoint.folder) without a heartbeat for this long is taken over
+    stale_lock_seconds: int = 600
 
 
 def _override(default):
@@ -151,12 +154,14 @@ class Checkpoint:
     # architecture) or .safetensors file, to start from
     create_seed_checkpoint: bool = False  # write the initial weights as step-0 (each rank its shards, any layout), exit
     export_safetensors: bool = False  # write <folder>/final/model.safetensors + config.json at the end
-    checksum: bool = False  # a CRC-32 per file, written at the commit and verified before a resume
+    checksum: bool = True  # a CRC32C of every entry, computed while it is written and verified while it is read
     # stop | previous: a corrupted newest checkpoint stops the run or is set aside
     on_corrupt: Literal["stop", "previous"] = "stop"
     last_save_model_only: bool = False  # the checkpoint of the last step holds the model weights only
     # dtype of a model-only last save and of export_safetensors
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # on one of these signals (any rank) the run finishes its step, saves it and exits with code 75 ([] to die)
+    exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
 
 
 @dataclass
@@ -291,6 +296,7 @@ MINIMUM = {
     "validation.steps": -1,
     "data.num_workers": 0,
     "comm.timeout_seconds": 1,
+    "job.stale_lock_seconds": 1,
     "comm.init_timeout_seconds": 1,
     "profiling.profile_freq": 1,
     "profiling.profile_warmup": 0,
@@ -693,6 +699,10 @@ def _read_toml(path: str, problems: list[str]) -> list[tuple[str, object]]:
     return out
 
 
+# Signal names checkpoint.exit_signals may hold: every one this platform defines but the two no process can catch.
+CATCHABLE_SIGNALS = sorted(s.name for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP))
+
+
 def value_problems(cfg: JobConfig) -> list[str]:
     """Every per-key choice and range violation, one line each."""
     out = []
@@ -715,6 +725,15 @@ def value_problems(cfg: JobConfig) -> list[str]:
                 )
         elif value is not None and value < lo:
             out.append(f"{dotted}: {value} is below the minimum {lo}")
+    bad = [
+        f"{name!r} cannot be caught by any process"
+        if name in ("SIGKILL", "SIGSTOP")
+        else f"{name!r} is not a signal{_suggest(name, CATCHABLE_SIGNALS)}"
+        for name in cfg.checkpoint.exit_signals
+        if name not in CATCHABLE_SIGNALS
+    ]
+    if bad:
+        out.append(f"checkpoint.exit_signals: {'; '.join(bad)}; give names such as SIGTERM;SIGUSR1 (or '' for none)")
     for dotted, hi in MAXIMUM.items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)

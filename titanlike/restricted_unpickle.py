@@ -45,6 +45,10 @@ class UnsafeCheckpointError(ValueError):
     """A checkpoint file holds something other than data (it would have run code if unpickled without limits)."""
 
 
+class UnparseableEntryError(ValueError):
+    """A byte entry is not a pickle at all (damaged bytes): corruption of its file, not unsafe content."""
+
+
 # (module, name) -> the object; what DCP's pickler writes for the metadata of every layout (see the module docstring).
 METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     **{
@@ -237,20 +241,38 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
     def read_data(self, plan, planner):
         future = super().read_data(plan, planner)
-        refused = getattr(planner, "refused", None)
-        if refused:
-            what = "; ".join(f"{k!r} would import {v}" for k, v in sorted(refused.items()))
-            raise UnsafeCheckpointError(f"entries that are not plain data: {what} (refused unexecuted)")
+        raise_refused(planner)
         return future
 
 
+def raise_refused(planner) -> None:
+    """After a read: UnsafeCheckpointError naming every byte entry ``planner`` (a SafeLoadPlanner) refused."""
+    refused = getattr(planner, "refused", None)
+    if refused:
+        what = "; ".join(f"{k!r} would import {v}" for k, v in sorted(refused.items()))
+        raise UnsafeCheckpointError(f"entries that are not plain data: {what} (refused unexecuted)")
+
+
 _GLOBAL = re.compile(r"GLOBAL (\S+)")
+_WEIGHTS_ONLY_DETAIL = re.compile(r"WeightsUnpickler error:\s*(.+?)\s*(?:Check the documentation|$)", re.S)
+
+
+def load_error_detail(exc: BaseException) -> str:
+    """The telling part of what ``torch.load`` raised: the weights-only unpickler's own reason (``Unsupported
+    operand 197``) rather than its advice, else the last line."""
+    text = str(exc).strip()
+    found = _WEIGHTS_ONLY_DETAIL.search(text)
+    if found:
+        return " ".join(found.group(1).split())
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, reading byte entries with ``torch.load(weights_only=True)``: plain Python data
     (the counters, the data position, the scheduler, the optimizer's hyperparameters) and tensors load unchanged,
-    anything else is recorded in ``refused`` (and the read fails) without being imported or called."""
+    anything that parses but needs a global is recorded in ``refused`` (and the read fails) without being imported
+    or called; bytes that do not parse at all raise :class:`UnparseableEntryError` (damage, not a threat)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -262,8 +284,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
             found = _GLOBAL.search(str(e))
-            self.refused[fqn] = found.group(1) if found else str(e).strip().splitlines()[-1]
+            if found is None:
+                raise UnparseableEntryError(f"UnpicklingError: {load_error_detail(e)}") from None
+            self.refused[fqn] = found.group(1)
             return
+        except Exception as e:  # noqa: BLE001 - whatever a damaged archive raises (zip, EOF, legacy format)
+            raise UnparseableEntryError(f"{type(e).__name__}: {load_error_detail(e)}") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:

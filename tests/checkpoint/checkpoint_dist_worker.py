@@ -27,7 +27,7 @@ import time
 import traceback
 from pathlib import Path
 
-from dist_utils import unused_port
+from dist_utils import before_step, poke_tensor_value, unused_port
 
 PROCS = 4
 SAVE_STEP = 3
@@ -60,8 +60,8 @@ CASES = [
     ("single", 1, [], None),
     ("single_from_fsdp2", 1, [], "fsdp2"),
     ("tp2", 2, TP2, None),
-    ("tp2_from_fsdp2", 2, TP2 + ["--checkpoint.checksum"], "fsdp2"),  # the 2 ranks share the verification
-    # step-6 is there too, with a bit flipped in rank 0's data file (verified by rank 1): set aside, step-3 resumes
+    ("tp2_from_fsdp2", 2, TP2 + ["--checkpoint.checksum"], "fsdp2"),  # each rank verifies the entries it reads
+    # step-6 is there too, with one weight changed in rank 0's data file: set aside, step-3 resumes
     ("tp2_from_corrupt_fsdp2", 2, TP2 + ["--checkpoint.checksum", "--checkpoint.on_corrupt", "previous"], "fsdp2"),
     # context parallel, through the real trainer: cp 2 trains like one process; saved at cp 2 it resumes at cp 1
     # (one process), and a cp 1 checkpoint (fsdp 2) resumes at cp 2
@@ -91,7 +91,15 @@ CASES = [
     ("seed_tied_zbv_pp2", 2, TIED + ZBV + SEED, None),
     ("single_from_seed_tp2_fsdp2", 1, ONE_STEP + from_seed("seed_tp2_fsdp2"), None),
     ("pp2_fsdp2_from_seed_pp2_tp2", 4, PP2 + ONE_STEP + from_seed("seed_pp2_tp2"), None),
+    # Exit signals (SIGNALS): the step is saved and the job stops; "_again" runs the same command into the same
+    # folders, which resumes at that step.
+    ("sig_tp2_fsdp2", 4, TP2, None),
+    ("sig_tp2_fsdp2_again", 4, TP2, None),
+    ("sig_pp2_fsdp2", 4, PP2, None),
+    ("sig_pp2_fsdp2_again", 4, PP2, None),
 ]
+# case -> (the step during which the signal arrives, the ranks that get it)
+SIGNALS = {"sig_tp2_fsdp2": (2, (3,)), "sig_pp2_fsdp2": (4, (0, 1, 2, 3))}
 
 
 def train_args(out: Path, name: str, extra: list[str]) -> list[str]:
@@ -126,7 +134,7 @@ def train_args(out: Path, name: str, extra: list[str]) -> list[str]:
         "--checkpoint.interval",
         str(SAVE_STEP),
         "--job.dump_folder",
-        str(out / name),
+        str(out / name.removesuffix("_again")),
         *(a.format(out=out) for a in extra),
     ]
 
@@ -188,6 +196,7 @@ def _run_cases(rank: int, store, out: Path) -> None:
     import torch
 
     from titanlike.config import load_config
+    from titanlike.training.exit_signals import Preempted
     from titanlike.training.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -198,9 +207,10 @@ def _run_cases(rank: int, store, out: Path) -> None:
                 shutil.copytree(src, out / name / "checkpoint" / src.name)
                 if "corrupt" in name:
                     newest = shutil.copytree(src.with_name("step-6"), out / name / "checkpoint" / "step-6")
-                    raw = bytearray((newest / "__0_0.distcp").read_bytes())
-                    raw[len(raw) // 2] ^= 0x01
-                    (newest / "__0_0.distcp").write_bytes(bytes(raw))
+                    # one weight on rank 0's data file changed (rank 1 of the tp2 resume reads that shard too)
+                    assert poke_tensor_value(newest, "model.layers.1.feed_forward.w2.weight", 1000.0, 5) == (
+                        "__0_0.distcp"
+                    )
             store.set(f"port/{i}", str(unused_port()))
         _barrier(store, f"start/{i}")
         if rank < n:
@@ -219,11 +229,21 @@ def _run_cases(rank: int, store, out: Path) -> None:
                 _record_tied_states_on_load(trainer, tied)
             if "_from_seed" in name:
                 _record_loaded_weights(trainer, out / f"{name}.rank{rank}.pt")
-            losses = trainer.train()
-            resumed_at = trainer.checkpointer.plan.get("step")
+            import titanlike.training.trainer as trainer_module
+
+            train_step = trainer_module.train_step
+            if name in SIGNALS and rank in SIGNALS[name][1]:
+                before_step(SIGNALS[name][0], lambda: os.kill(os.getpid(), signal.SIGTERM))
+            try:
+                losses, preempted = trainer.train(), None
+            except Preempted as e:
+                losses, preempted = e.losses, e.step
+            trainer_module.train_step = train_step
+            resumed_at = trainer.checkpointer.plan.step
             trainer.close()
             if rank == 0:
-                (out / f"{name}.json").write_text(json.dumps({"losses": losses, "resumed_at": resumed_at, **tied}))
+                record = {"losses": losses, "resumed_at": resumed_at, "preempted": preempted, **tied}
+                (out / f"{name}.json").write_text(json.dumps(record))
         _barrier(store, f"end/{i}")
 
 

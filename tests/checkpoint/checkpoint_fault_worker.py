@@ -4,7 +4,8 @@
 
 For every MODE, side by side, a job of two forked ranks runs ``titanlike.training.trainer.main`` exactly as under
 torchrun (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in the environment, so the trainer creates the process
-group with ``comm.timeout_seconds``), with ``--job.dump_folder OUT_DIR/MODE``. Rank 1 is faulty:
+group with ``comm.timeout_seconds``), with ``--job.dump_folder OUT_DIR/MODE``. Rank 1 is faulty (``none``: no
+fault, a reference job):
 
 * ``hang_at_save``: it stops answering (sleeps) when it should join the checkpoint save of step 2;
 * ``hang_in_step``: it sleeps before training step 3, so rank 0 waits in the step's first collective;
@@ -47,6 +48,8 @@ def _stop(mode: str, dump: Path) -> None:
 
 
 def _make_faulty(mode: str, dump: Path) -> None:
+    if mode == "none":  # an uninterrupted job (a reference)
+        return
     if mode == "hang_at_save":
         save = CheckpointManager.save
 

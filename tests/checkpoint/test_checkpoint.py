@@ -11,7 +11,7 @@ import pytest
 import torch
 from dist_utils import kill_at_pause_points
 
-from titanlike.checkpoint import committed_checkpoints, read_meta, read_model_state_dict
+from titanlike.checkpoint import NonFiniteStateError, committed_checkpoints, read_meta, read_model_state_dict
 from titanlike.config import load_config
 from titanlike.data import asset_path
 from titanlike.training.trainer import Trainer
@@ -207,8 +207,13 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
     assert list(committed_checkpoints(tmp_path / "checkpoint")) == [1]
     with torch.no_grad():
         weight[0, 0] = float("nan")
-    with pytest.raises(RuntimeError, match="step 2: the model or optimizer state holds non-finite values"):
+    with pytest.raises(
+        NonFiniteStateError,
+        match=r"not saving step 2: the state holds non-finite values: 'model.layers.1.feed_forward.w2.weight' "
+        r"\(rank 0\); the previous checkpoint, if any, stays the newest",
+    ):
         trainer.checkpointer.save(2)
+    trainer.close()  # lets go of the run lock
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-1"]
 
 
@@ -246,7 +251,8 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint(straight, killed, p
 
 def test_kill_9_during_a_seed_write_commits_nothing_and_a_rerun_cleans_up(tmp_path_factory):
     """A seed-checkpoint run SIGKILLed after DCP's .metadata but before the commit leaves no step-0 (only its
-    temporary folder); run again into the same folder, it removes the leftover and commits step-0."""
+    temporary folder, and its run lock); run again into the same folder, it takes the lock of the dead process over,
+    removes the leftover and commits step-0."""
     dump = kill_at_pause_points(
         tmp_path_factory,
         KILL_WORKER,
@@ -255,8 +261,8 @@ def test_kill_9_during_a_seed_write_commits_nothing_and_a_rerun_cleans_up(tmp_pa
         lambda d: base_args(d, 4, "--checkpoint.create_seed_checkpoint"),
     )["finish"]
     folder = dump / "checkpoint"
-    leftovers = [p.name for p in folder.iterdir()]
-    assert committed_checkpoints(folder) == {} and len(leftovers) == 1 and leftovers[0].startswith("step-0.tmp-")
-    assert (folder / leftovers[0] / ".metadata").exists()
+    leftovers = sorted(p.name for p in folder.iterdir())
+    assert committed_checkpoints(folder) == {} and len(leftovers) == 2 and leftovers[0] == ".titanlike.lock"
+    assert leftovers[1].startswith("step-0.tmp-") and (folder / leftovers[1] / ".metadata").exists()
     run(dump, 4, "--checkpoint.create_seed_checkpoint")
     assert sorted(p.name for p in folder.iterdir()) == ["step-0"] and read_meta(folder / "step-0")["kind"] == "seed"

@@ -125,7 +125,8 @@ def test_corrupted_metadata_and_checkpoint_json(dump, capsys):
 
 
 def test_corrupted_entry_found_while_loading(dump, capsys):
-    """Damage that only shows when the bytes are read (the pickled LR scheduler state) is still one line, exit 2."""
+    """Damage that only shows when the bytes are read (the pickled LR scheduler state zeroed) is one line, exit 2,
+    reported as corruption of its file: the entry that cannot be parsed, or the checksum it fails."""
     from torch.distributed.checkpoint import FileSystemReader
 
     step4 = dump / "checkpoint" / "step-4"
@@ -135,14 +136,19 @@ def test_corrupted_entry_found_while_loading(dump, capsys):
     raw[info.offset : info.offset + info.length] = b"\x00" * info.length
     (step4 / info.relative_path).write_bytes(bytes(raw))
     fails_with(
-        capsys, dump, args(dump, "--checkpoint.enable", "--checkpoint.checksum", "false"), "step-4' could not be loaded"
+        capsys,
+        dump,
+        args(dump, "--checkpoint.enable", "--checkpoint.checksum", "false"),
+        f"step-4' is corrupted: {info.relative_path} cannot be parsed at the entry 'train.lr_scheduler.base_lrs' "
+        f"(bytes {info.offset}-{info.offset + info.length}: UnpicklingError: ",
     )
-    # With checksums (the saved fixture wrote them) the damage is found before anything is read, naming the file.
+    # With checksums (the default) the entry's checksum names the damage before its bytes are parsed.
     fails_with(
         capsys,
         dump,
-        args(dump, "--checkpoint.enable", "--checkpoint.checksum"),
-        f"step-4' is corrupted: {info.relative_path} does not match its checksum",
+        args(dump, "--checkpoint.enable"),
+        f"step-4' is corrupted: {info.relative_path} does not match its checksum at the entry "
+        f"'train.lr_scheduler.base_lrs'",
     )
 
 

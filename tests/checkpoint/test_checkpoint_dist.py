@@ -91,14 +91,17 @@ def test_resume_under_another_layout_continues_the_loss_curve(cases, resumed, re
 
 
 def test_a_corrupted_newest_checkpoint_is_set_aside_under_two_ranks(cases):
-    """The flipped bit in step-6's rank-0 file was found by rank 1's share of the verification; with on_corrupt =
+    """The weight changed in step-6's rank-0 file was found while it was read (its CRC32C); with on_corrupt =
     "previous" both ranks went on from step-3 (the loss curve is checked above) and step-6 was saved anew."""
     out, _ = cases
     folder = out / "tp2_from_corrupt_fsdp2" / "checkpoint"
     aside = [p.name for p in folder.iterdir() if p.name.startswith("step-6.corrupt-")]
     assert len(aside) == 1 and list(committed_checkpoints(folder)) == [3, 6]
     log = (out / "log_rank0.txt").read_text()
-    assert "step-6' is corrupted: __0_0.distcp does not match its checksum" in log
+    assert (
+        "step-6' is corrupted: __0_0.distcp does not match its checksum at the entry "
+        "'model.layers.1.feed_forward.w2.weight'" in log
+    ), log[-3000:]
     assert (folder / "step-6" / "checksums.json").is_file()
 
 
@@ -200,6 +203,20 @@ def test_a_seed_checkpoint_loads_into_another_layout(cases, case, ranks, referen
             seen.add(k)
     assert seen == set(ref)
     assert results[case]["losses"][0] == results[reference]["losses"][0]
+
+
+@pytest.mark.parametrize("case,reference", [("sig_tp2_fsdp2", "tp2_fsdp2"), ("sig_pp2_fsdp2", "pp2_fsdp2")])
+def test_an_exit_signal_on_one_or_every_rank_saves_that_step_and_the_same_command_resumes_it(cases, case, reference):
+    """SIGTERM while a step trains, on one rank of tp2 x fsdp2 (rank 3) and on every rank of pp2 x fsdp2 (1F1B):
+    every rank finishes that step, the job saves it (between the interval saves) and stops; the same command then
+    resumes at that step, nothing recomputed, and every loss equals the uninterrupted run's bitwise (float64)."""
+    out, results = cases
+    first, again, ref = results[case], results[f"{case}_again"], results[reference]
+    step = {"sig_tp2_fsdp2": 2, "sig_pp2_fsdp2": 4}[case]
+    assert first["preempted"] == step and first["losses"] == ref["losses"][:step]
+    assert again["resumed_at"] == step and again["preempted"] is None and again["losses"] == ref["losses"][step:]
+    expected = sorted({step, SAVE_STEP, 6})
+    assert list(committed_checkpoints(out / case / "checkpoint")) == expected
 
 
 FAULTS = ["hang_at_save", "hang_in_step", "exit_in_step", "sigstop_in_save"]

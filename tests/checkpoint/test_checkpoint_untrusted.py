@@ -1,6 +1,7 @@
 """A checkpoint from elsewhere never runs code: crafted ``.metadata`` and byte entries are refused, unexecuted.
 
-Each attack is a pickle whose ``__reduce__`` calls ``os.system("touch <marker>")``; the tests assert the refusal
+Each attack is a pickle whose ``__reduce__`` calls ``os.system("touch <marker>")``, with checksums.json forged to
+match (checksums find damage, they authenticate nothing); the tests assert the refusal
 names the global, ``python train.py ... --checkpoint.enable`` prints one line and exits 2, and the marker file is
 never created. Ordinary checkpoints still load (every other checkpoint test goes through the same reader).
 """
@@ -8,6 +9,7 @@ never created. Ordinary checkpoints still load (every other checkpoint test goes
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import shutil
@@ -88,12 +90,29 @@ def _metadata(step: Path):
         return pickle.load(f)  # our own file, written just now: trusted
 
 
+def _forge_checksums(step: Path, entry: tuple[str, int, bytes] | None = None) -> None:
+    """Rewrite checksums.json to match the crafted files, as an attacker can (checksums find damage, they do not
+    authenticate): the sizes, the CRC32C of .metadata, and that of a crafted entry ``(file, offset, bytes)``."""
+    from titanlike.checkpoint.checksums import crc32c_hex, file_digest, record_key
+
+    record = json.loads((step / "checksums.json").read_text())
+    for name, info in record["files"].items():
+        info["size"] = (step / name).stat().st_size
+        if "crc32c" in info:
+            info["crc32c"] = file_digest(step / name)
+    if entry is not None:
+        name, offset, blob = entry
+        record["records"][record_key(name, offset)] = {"fqn": "forged", "length": len(blob), "crc32c": crc32c_hex(blob)}
+    (step / "checksums.json").write_text(json.dumps(record))
+
+
 def craft_metadata(step: Path, marker: Path) -> None:
     """The real metadata with a payload deep inside it (and a second, different one)."""
     md = _metadata(step)
     md.planner_data = {"train.step": ("train", "step"), "x": Touch(marker)}
     md.version = type("Eval", (), {"__reduce__": lambda self: (eval, (f"open('{marker}', 'w')",))})()
     (step / ".metadata").write_bytes(pickle.dumps(md))
+    _forge_checksums(step)
 
 
 def craft_byte_entry(step: Path, marker: Path, fqn: str = "train.step") -> None:
@@ -108,6 +127,7 @@ def craft_byte_entry(step: Path, marker: Path, fqn: str = "train.step") -> None:
     with open(data, "ab") as f:
         f.write(blob.getvalue())
     (step / ".metadata").write_bytes(pickle.dumps(md))
+    _forge_checksums(step, (info.relative_path, info.offset, blob.getvalue()))
 
 
 def test_crafted_metadata_and_byte_entry_refused_through_train_py(saved, tmp_path):

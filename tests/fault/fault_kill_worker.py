@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fault_model import use_dropout_model
 
-import titanlike.checkpoint as ckpt
+import titanlike.checkpoint.manager as ckpt  # where the manager looks its helpers up
 from titanlike.config import load_config
 from titanlike.training.trainer import Trainer
 
@@ -33,23 +33,23 @@ def main() -> None:
     pause, ready, argv = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     use_dropout_model()
     if pause == "before_rename":
-        merge = ckpt._merge_checksums
+        merge = ckpt.merge_checksums
 
         def merge_then_freeze(folder):
             merge(folder)
             if folder.name.startswith("step-4."):
                 freeze(ready)
 
-        ckpt._merge_checksums = merge_then_freeze
+        ckpt.merge_checksums = merge_then_freeze
     elif pause == "after_rename":
-        fsync_dir = ckpt._fsync_dir
+        fsync_dir = ckpt.fsync_dir
 
         def freeze_after_rename(folder):
             if (folder / "step-4").is_dir():
                 freeze(ready)
             fsync_dir(folder)
 
-        ckpt._fsync_dir = freeze_after_rename
+        ckpt.fsync_dir = freeze_after_rename
     elif pause == "mid_purge":
         rmtree = shutil.rmtree
 

@@ -6,10 +6,12 @@ device). Every configuration error is raised before a process group exists.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,18 +152,43 @@ class Trainer:
         if cfg.training.deterministic:
             set_deterministic()
         self.distributed = self.world_size > 1
-        if self.distributed:
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            # init_timeout_seconds bounds the start: the rendezvous and the creation of every group (ranks may reach
-            # it seconds or minutes apart) and the collectives of the build; once built, every collective on every
-            # group is bounded by timeout_seconds (bound_process_groups below).
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.comm.init_timeout_seconds))
-        self.rank = dist.get_rank() if self.distributed else 0
-        self._build()
-        if self.distributed:
-            fault.bound_process_groups(self.timeout)  # the default, mesh, pipeline and checkpoint groups
+        self.run_lock = self._lock_run_folders()
+        try:
+            if self.distributed:
+                backend = "nccl" if self.device.type == "cuda" else "gloo"
+                if self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)
+                # init_timeout_seconds bounds the start: the rendezvous and the creation of every group (ranks may
+                # reach it seconds or minutes apart) and the collectives of the build; once built, every collective
+                # on every group is bounded by timeout_seconds (bound_process_groups below).
+                fault.init_process_group(backend, datetime.timedelta(seconds=cfg.comm.init_timeout_seconds))
+            self.rank = dist.get_rank() if self.distributed else 0
+            self._build()
+            if self.distributed:
+                fault.bound_process_groups(self.timeout)  # the default, mesh, pipeline and checkpoint groups
+        except BaseException:
+            self.release_lock()
+            raise
+
+    def _lock_run_folders(self):
+        """Rank 0 locks job.dump_folder (and checkpoint.folder when it writes checkpoints) before anything is
+        written: a second job into them is refused in one line (titanlike/training/run_lock.py)."""
+        if int(os.environ.get("RANK", "0")) != 0:
+            return None
+        from titanlike.checkpoint import checkpoint_folder
+        from titanlike.training.run_lock import RunLock
+
+        c = self.cfg.checkpoint
+        folders = [Path(self.cfg.job.dump_folder)]
+        if c.enable or c.create_seed_checkpoint:
+            folders.append(checkpoint_folder(self.cfg))
+        lock = RunLock(folders, self.cfg.job.stale_lock_seconds).acquire()
+        weakref.finalize(self, lock.release)  # a Trainer dropped without close() lets go of its folders too
+        return lock
+
+    def release_lock(self) -> None:
+        if getattr(self, "run_lock", None) is not None:
+            self.run_lock.release()
 
     # ------------------------------------------------------------------ build
     def _build(self) -> None:
@@ -387,6 +414,14 @@ class Trainer:
         ]
 
     def train(self) -> list[float]:
+        """Train to ``training.steps``; return the losses of this run's steps. On an exit signal
+        (``checkpoint.exit_signals``) the step is saved and :class:`Preempted` raised (``main`` exits with 75)."""
+        try:
+            return self._train()
+        finally:
+            self.release_lock()  # the run writes nothing after this
+
+    def _train(self) -> list[float]:
         cfg = self.cfg
         if self.checkpointer is not None:
             if self.checkpointer.maybe_create_seed_checkpoint():
@@ -411,7 +446,12 @@ class Trainer:
         data_iter = iter(self.dataloader)
         losses: list[float] = []
         last_logged = self.step
-        with maybe_profile(cfg, self.rank, cfg.job.dump_folder, global_step=self.step) as profiler:
+        exit_signals = self._install_exit_signals()
+        with (
+            exit_signals,
+            contextlib.closing(logger),
+            maybe_profile(cfg, self.rank, cfg.job.dump_folder, global_step=self.step) as profiler,
+        ):
             while self.step < cfg.training.steps:
                 self.step += 1
                 with self._op(f"training step {self.step}"):
@@ -430,8 +470,7 @@ class Trainer:
                         has_last_stage=self.has_last_stage,
                         forward_ctx=self.forward_context,
                     )
-                    if not res.skipped:
-                        self._check_update_finite(res)
+                    signum = self._end_of_step(res, exit_signals)
                     if self.float8_precompute:
                         from titanlike.kernels.float8 import precompute_float8_scales
 
@@ -490,10 +529,38 @@ class Trainer:
                 if self.checkpointer is not None:
                     self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps)
                 profiler.step()
+                if signum:
+                    self._stop_on_exit_signal(signum, exit_signals, losses)
         if self.checkpointer is not None:
             self.checkpointer.finish()
-        logger.close()
         return losses
+
+    def _install_exit_signals(self):
+        """checkpoint.exit_signals, when there is a checkpoint to save them into (checkpoint.enable)."""
+        from titanlike.training.exit_signals import ExitSignals
+
+        names = self.cfg.checkpoint.exit_signals if self.cfg.checkpoint.enable else []
+        lock = self.run_lock
+        return ExitSignals(names, on_exit=lock.release_now if lock is not None else None)
+
+    def _stop_on_exit_signal(self, signum: int, exit_signals, losses: list[float]) -> None:
+        """Every rank has finished this step: save it synchronously (committed on every rank before any leaves) and
+        raise Preempted. A further signal during the save exits at once (exit_signals.py)."""
+        from titanlike.training.exit_signals import EXIT_PREEMPTED, Preempted, signal_name
+
+        name = signal_name(signum)
+        if self.rank == 0:
+            print(f"checkpoint: {name} received: saving step {self.step} before exiting", flush=True)
+        exit_signals.saving = True
+        with self._op(f"the checkpoint save of step {self.step} on {name}"):
+            self.checkpointer.save_now(self.step)
+        raise Preempted(
+            f"checkpoint: stopped on {name} after saving step {self.step}; exit code {EXIT_PREEMPTED}: the same "
+            f"command resumes at step {self.step} (nothing is recomputed)",
+            step=self.step,
+            signal_name=name,
+            losses=losses,
+        )
 
     def _op(self, what: str):
         """A phase whose failed collectives are reported naming the ranks that stopped answering (fault.py)."""
@@ -506,44 +573,41 @@ class Trainer:
         )
 
     @torch.no_grad()
-    def _check_update_finite(self, res) -> None:
-        """After an update whose loss and gradient norm were finite, check the parameters are still finite, on every
-        rank at this step (AdamW can still make them non-finite, e.g. 0/0 with optimizer.eps = 0 on rows that got
-        no gradient). Cheap: one L1 norm per local tensor (a non-finite element makes it non-finite) and one
-        all-reduce of a flag; only when it trips are the tensors checked element-wise to name the first one.
-        A non-finite update cannot be undone without a copy of the state, so the run stops before saving it."""
+    def _end_of_step(self, res, exit_signals) -> int:
+        """The end of a step, on every rank alike: one all-reduce (MAX) of two numbers. (1) Whether an update whose
+        loss and gradient norm were finite left a parameter non-finite (AdamW still can, e.g. 0/0 with optimizer.eps
+        = 0 on rows that got no gradient): one fused norm over the local tensors (non-finite when an element is),
+        the names gathered only when it trips; a non-finite update cannot be undone without a copy of the state,
+        so the run stops before saving it. (2) The number of an exit signal some rank received (0: none), so that
+        every rank stops after the same step. Returns (2)."""
         from torch.distributed.tensor import DTensor
 
-        named = [
-            (n, p.to_local() if isinstance(p, DTensor) else p)
-            for part in self.model_parts
-            for n, p in part.named_parameters()
-        ]
-        named = [(n, t) for n, t in named if t.numel()]
-        ok = torch.ones(1, device=self.device)
-        if named:
-            norms = torch.stack(torch._foreach_norm([t.detach() for _, t in named], 1))
-            ok = torch.isfinite(norms).all().to(ok.dtype).reshape(1)
+        named = []
+        if not res.skipped:
+            named = [
+                (n, p.to_local() if isinstance(p, DTensor) else p)
+                for part in self.model_parts
+                for n, p in part.named_parameters()
+            ]
+        bad = fault.first_non_finite(named)
+        flags = torch.tensor([0 if bad is None else 1, exit_signals.received], device=self.device)
         if self.distributed:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if ok.item():
-            return
-        # A finite tensor whose L1 norm overflows is told apart by the exact check.
-        bad = next((n for n, t in named if not torch.isfinite(t).all()), None)
-        names = [bad]
-        if self.distributed:
-            names = [None] * self.world_size
-            dist.all_gather_object(names, bad)
-        found = [(r, n) for r, n in enumerate(names) if n is not None]
-        if not found:
-            return
-        rank, name = found[0]
-        where = f" on rank {rank}" if self.distributed else ""
-        raise NonFiniteError(
-            f"stopping at step {self.step}: the optimizer update made parameter '{name}' non-finite{where} although "
-            f"the loss ({res.loss:.4g}) and the gradient norm ({res.grad_norm:.4g}) were finite; it is not saved "
-            f"(resume from the last checkpoint; check optimizer.eps = {self.cfg.optimizer.eps:g} and optimizer.lr)"
-        )
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        nonfinite, signum = (int(v) for v in flags.tolist())
+        if nonfinite:
+            names = [bad]
+            if self.distributed:
+                names = [None] * self.world_size
+                dist.all_gather_object(names, bad)
+            rank, name = next((r, n) for r, n in enumerate(names) if n is not None)
+            where = f" on rank {rank}" if self.distributed else ""
+            raise NonFiniteError(
+                f"stopping at step {self.step}: the optimizer update made parameter '{name}' non-finite{where} "
+                f"although the loss ({res.loss:.4g}) and the gradient norm ({res.grad_norm:.4g}) were finite; it is "
+                f"not saved (resume from the last checkpoint; check optimizer.eps = {self.cfg.optimizer.eps:g} and "
+                f"optimizer.lr)"
+            )
+        return signum
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -579,6 +643,7 @@ class Trainer:
         return float(total[0] / total[1].clamp(min=1))
 
     def close(self) -> None:
+        self.release_lock()
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -616,8 +681,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         _print_error(e)
         return 2
+    from titanlike.training.exit_signals import EXIT_PREEMPTED, Preempted
+
+    code = 0
     try:
         trainer.train()
+    except Preempted as e:  # an exit signal: the step is saved, the same command resumes it
+        if trainer.rank == 0:
+            print(e, flush=True)
+        code = EXIT_PREEMPTED
     except ConfigError as e:  # input found bad once training started (e.g. a corrupted checkpoint file)
         _print_error(e)
         return 2
@@ -634,5 +706,5 @@ def main(argv: list[str] | None = None) -> int:
         # Avoid a rare SIGABRT at interpreter exit after gloo shutdown (docs/facts.md, "Gloo exit abort"): leave now.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    return 0
+        os._exit(code)
+    return code
