@@ -257,10 +257,13 @@ def pad_groups(x: Tensor, counts: Tensor, align: int) -> tuple[Tensor, Tensor, T
 
 
 def _loop_swiglu(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
-    """One SwiGLU per expert on its rows (every expert, empty groups too, so every weight gets a gradient)."""
+    """One SwiGLU per expert on its rows (every expert, empty groups too, so every weight gets a gradient). The
+    weights are ``unbind``-ed once: indexing ``w[e]`` per expert makes each expert's backward write a full-size zero
+    gradient (E times the weight's memory traffic: 110 vs 35 ms forward + backward for 16 experts, 2048 rows, dim
+    128, hidden 256, float32, one CPU thread)."""
     outs = []
-    for e, rows in enumerate(torch.split(x, counts.tolist())):
-        outs.append((F.silu(rows @ w1[e].T) * (rows @ w3[e].T)) @ w2[e].T)
+    for rows, a, b, c in zip(torch.split(x, counts.tolist()), w1.unbind(0), w2.unbind(0), w3.unbind(0)):
+        outs.append((F.silu(rows @ a.T) * (rows @ c.T)) @ b.T)
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
 
