@@ -108,3 +108,14 @@ def test_apply_ep_refuses_what_it_cannot_do_in_one_line(results):
     assert "'layers.1.moe.experts'" in ref["indivisible"]  # every offending module in the one message
     assert "has no GroupedExperts module" in ref["no experts"]
     assert "already sharded" in ref["twice"]
+
+
+def test_regroup_order_lists_each_local_experts_rows_together():
+    import torch
+
+    from titanlike.parallel.expert_parallel import regroup_order
+
+    # rows arrive as (rank 0: expert 0 x2, expert 1 x1), (rank 1: expert 0 x1, expert 1 x3)
+    order = regroup_order(torch.tensor([[2, 1], [1, 3]]))
+    assert order.tolist() == [0, 1, 3, 2, 4, 5, 6]
+    assert regroup_order(torch.tensor([[0, 2], [0, 0]]), total=2).tolist() == [0, 1]  # empty blocks

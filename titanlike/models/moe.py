@@ -89,7 +89,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from titanlike.init import Init, init_parameters, trunc_normal
-from titanlike.models.llama.model import FeedForward
+from titanlike.models.llama.model import FeedForward, _compute_dtype
 
 __all__ = [
     "EXPERTS_IMPLS",
@@ -189,10 +189,6 @@ class MoEArgs:
         """Parameters one token uses: router, ``top_k`` routed experts, the shared experts."""
         d = self.dim
         return d * self.num_experts + 3 * d * self.hidden_dim * self.top_k + 3 * d * self.shared_width
-
-
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)
 
 
 class Router(nn.Module):

@@ -74,16 +74,17 @@ __all__ = [
 ]
 
 
-def regroup_order(counts: Tensor) -> Tensor:
+def regroup_order(counts: Tensor, total: int | None = None) -> Tensor:
     """Row order that turns blocks laid out by (source rank p, local expert l) into (l, p) order.
 
-    ``counts`` (ep, local experts): rows per block, blocks contiguous in row-major (p, l) order. Returns the
-    indices ``i`` such that ``x[i]`` lists every local expert's rows contiguously (from rank 0's first)."""
+    ``counts`` (ep, local experts): rows per block, blocks contiguous in row-major (p, l) order; ``total``: their sum
+    if the caller knows it on the host (no device synchronisation then). Returns the indices ``i`` such that ``x[i]``
+    lists every local expert's rows contiguously (from rank 0's first)."""
     ep, local = counts.shape
     counts = counts.to(torch.int64)
     starts = (counts.reshape(-1).cumsum(0) - counts.reshape(-1)).view(ep, local)
     sizes_t, starts_t = counts.t().reshape(-1), starts.t().reshape(-1)
-    total = int(counts.sum())
+    total = int(counts.sum()) if total is None else total
     block = torch.repeat_interleave(torch.arange(ep * local, device=counts.device), sizes_t, output_size=total)
     within = torch.arange(total, device=counts.device) - (sizes_t.cumsum(0) - sizes_t)[block]
     return starts_t[block] + within
@@ -127,7 +128,7 @@ class ExpertParallel(ParallelStyle):
                 f"{recv[me]} (split sizes not from this forward's counts)"
             )
         x = funcol.all_to_all_single_autograd(x, recv, send, mesh)
-        order = regroup_order(received)
+        order = regroup_order(received, sum(recv))
         self._pending.append((send, recv, order))
         return x.index_select(0, order), received.sum(dim=0)
 
