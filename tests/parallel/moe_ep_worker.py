@@ -26,23 +26,23 @@ Also written: ``comms`` (CommDebugMode counts and bytes of one MoE layer's forwa
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
 import math
 import sys
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from gate import main as gate_main
+from gate import patched
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
+from tp_probe_worker import BytesCommDebugMode
 
 import titanlike.parallel.expert_parallel as epm
 from titanlike.init import init_parameters, normal, plan_from_patterns, trunc_normal
@@ -156,16 +156,6 @@ CASES = [
 
 
 # ------------------------------------------------------------------------------------------------ mutations
-@contextlib.contextmanager
-def patched(owner, name, value):
-    old = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, old)
-
-
 def _stale_splits():
     """The counts exchange runs once per module and is reused (as if the routing never changed)."""
     original = ExpertParallel._exchange_counts
@@ -369,28 +359,6 @@ def _loss() -> ScaledLoss:
 
 
 # ------------------------------------------------------------------------------------------------ probes
-class AllToAllRecorder(CommDebugMode):
-    """CommDebugMode that also records the input bytes of every collective."""
-
-    def __init__(self):
-        super().__init__()
-        self.records: list[tuple[str, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if func._overloadpacket in self.comm_registry:
-            first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
-            self.records.append((func._overloadpacket.__name__, first.numel() * first.element_size()))
-        return out
-
-    def summary(self) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-        for name, nbytes in self.records:
-            out[name][0] += 1
-            out[name][1] += nbytes
-        return dict(out)
-
-
 def probe_comms(rank: int, world: int) -> dict:
     """One MoE layer under ep (no FSDP): the collectives of its forward and of its backward, and the split sizes."""
     case = Case("probe", world, world, DEEPSEEK.replace(aux_loss_coeff=0.0))
@@ -409,9 +377,9 @@ def probe_comms(rank: int, world: int) -> dict:
         return received
 
     with patched(ExpertParallel, "_exchange_counts", recording):
-        with AllToAllRecorder() as fwd:
+        with BytesCommDebugMode() as fwd:
             y = layer(x)
-    with AllToAllRecorder() as bwd:
+    with BytesCommDebugMode() as bwd:
         y.sum().backward()
     send, recv = seen[0]
     return {
@@ -469,16 +437,5 @@ def worker(rank: int, world: int, out: str, only: list[str] | None) -> None:
         Path(out).write_text(json.dumps({"world": world, "tol": TOL, "cases": results, "probes": probes}, indent=1))
 
 
-def main(argv=None) -> int:
-    from dist_utils import spawn
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world-size", type=int, required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--only", default="")
-    a = ap.parse_args(argv)
-    return spawn(worker, a.world_size, a.out, [s for s in a.only.split(",") if s] or None, timeout_s=60.0)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(gate_main(entry=worker))
