@@ -32,7 +32,7 @@ import logging
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -118,7 +118,6 @@ class Case:
     split: str = "batch"  # batch | sequence
     bias_init: tuple[float, ...] | None = None  # a skewed starting bias (all tokens to some ranks' experts)
     mutation: str | None = None
-    extra: dict = field(default_factory=dict)
 
 
 DEEPSEEK = MoEArgs(  # sigmoid + bias balancing + shared expert + group-limited routing, renormalised and scaled

@@ -12,7 +12,9 @@ expert id, ``counts[e]`` rows for expert ``e``):
 
 1. *counts exchange*: one ``all_to_all_single`` of ``counts`` (E integers, equal splits): rank ``r`` receives, from
    every ep rank ``p``, how many of ``p``'s rows go to each of its local experts (a ``(ep, E/ep)`` matrix), and both
-   split lists follow (the rows sent to each rank, received from each rank): one host synchronisation;
+   split lists follow (the rows sent to each rank, received from each rank): one host synchronisation. The one pair
+   a rank can check alone, its rows to itself, must agree with the exchange, else the dispatch refuses (gloo
+   enforces the same pair; NCCL would move misaddressed rows);
 2. *dispatch*: ``all_to_all_single`` (autograd) of the rows with those uneven splits (any split may be 0), then a
    local regrouping from (source rank, local expert) order to (local expert, source rank) order, so each local
    expert's rows are contiguous for the grouped / looped matmul;
