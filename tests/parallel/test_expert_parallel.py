@@ -119,3 +119,12 @@ def test_regroup_order_lists_each_local_experts_rows_together():
     order = regroup_order(torch.tensor([[2, 1], [1, 3]]))
     assert order.tolist() == [0, 1, 3, 2, 4, 5, 6]
     assert regroup_order(torch.tensor([[0, 2], [0, 0]]), total=2).tolist() == [0, 1]  # empty blocks
+
+
+def test_apply_expert_fsdp_refuses_a_model_without_experts():
+    from torch import nn
+
+    from titanlike.parallel.expert_parallel import apply_expert_fsdp
+
+    with pytest.raises(ValueError, match="apply_expert_fsdp: Linear has no GroupedExperts module"):
+        apply_expert_fsdp(nn.Linear(2, 2), mesh=None)
