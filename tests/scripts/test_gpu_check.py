@@ -27,7 +27,16 @@ def test_gpu_check_dry_run_writes_every_row(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["exit_codes"] == {
         k: "0"
-        for k in ("bf16_b4", "bf16_b8", "float8_tw_b4", "float8_rw_b4", "fsdp_on_b4", "train_1b", "bf16_b8_ac_op")
+        for k in (
+            "bf16_b4",
+            "bf16_b8",
+            "float8_tw_b4",
+            "float8_rw_b4",
+            "fsdp_on_b4",
+            "train_1b",
+            "bf16_b8_ac_op",
+            "moe_bench",
+        )
     }, proc.stdout
     rows = {r["row"]: r for r in summary["rows"]}
     assert set(rows) == {"bf16_b4", "bf16_b8", "float8_tw_b4", "float8_rw_b4", "fsdp_on_b4", "bf16_b8_ac_op"}
@@ -38,6 +47,7 @@ def test_gpu_check_dry_run_writes_every_row(tmp_path):
         assert r["tokens_per_s"] > 0 and r["ratio_to_plain"] > 0 and r["loss"] > 0, r
     assert [r["step"] for r in summary["train_1b"]] == [1, 2, 3]
     assert summary["env"]["torchao"] == "0.18.0"
+    assert set(summary["moe"]["rows"]) == {"grouped", "loop"} and summary["moe"]["ratio_grouped_over_loop"] > 0
 
 
 def test_gpu_check_bad_argument_is_one_line(tmp_path):
