@@ -159,7 +159,9 @@ def build_corpus(
     if val_paths:
         problems += [f"validation.path: {p}" for p in check_sources(val_paths, tokenizer, text_field, encoding, errors)]
     if problems:
-        raise ValueError(f"{len(problems)} bad input{'s' if len(problems) > 1 else ''}: " + "; ".join(problems))
+        raise ValueError(
+            f"data.path: {len(problems)} bad input{'s' if len(problems) > 1 else ''}: " + "; ".join(problems)
+        )
 
     mixture = bool(weights)
     groups = [[p] for p in paths] if mixture else [paths]

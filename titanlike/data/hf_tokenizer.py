@@ -116,6 +116,11 @@ class HFTokenizer:
             )
         )
 
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` itself (special-token strings in text encoded as plain text)."""
+        return self._tk
+
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         return self._wrap(self._tk.encode(text, add_special_tokens=False).ids, bos, eos)
 
