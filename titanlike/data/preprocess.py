@@ -402,9 +402,9 @@ def count_shards(output: str | os.PathLike) -> tuple[int, int]:
 # Throughput, side by side with the tokenizer's own batch encoder
 
 
-def _plain_loop(conn, inputs, tokenizer_spec, text_field, encoding, errors, threads) -> None:
-    """In a fresh process: every document in memory first (untimed), then the tokenizer's own batch encoder over
-    batches of BATCH_CHARS characters on ``threads`` threads (timed). Sends (tokens, seconds)."""
+def _plain_loop(inputs, tokenizer_spec, text_field, encoding, errors, threads) -> tuple[int, float]:
+    """Every document in memory first (untimed), then the tokenizer's own batch encoder over batches of BATCH_CHARS
+    characters on ``threads`` threads (timed): (tokens, seconds)."""
     from titanlike.data.tokenizer import build_tokenizer
 
     tok = build_tokenizer(tokenizer_spec)
@@ -425,28 +425,28 @@ def _plain_loop(conn, inputs, tokenizer_spec, text_field, encoding, errors, thre
             n += sum(len(e.ids) for e in backend.encode_batch_fast(b, add_special_tokens=False))
         else:  # tiktoken
             n += sum(len(x) for x in tok.encoding.encode_ordinary_batch(b, num_threads=threads))
-    conn.send((n + len(docs), time.perf_counter() - t0))  # + one eos per document, as the shards hold
+    return n + len(docs), time.perf_counter() - t0  # + one eos per document, as the shards hold
 
 
 def plain_loop(inputs, tokenizer_spec: str, threads: int, text_field="text", encoding="utf-8", errors="strict"):
-    """(tokens, seconds) of the plain loop, run in a spawned process with ``threads`` encoder threads."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    env = {"RAYON_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "true"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # a spawned child reads its environment at start
-    try:
-        p = ctx.Process(target=_plain_loop, args=(child, inputs, tokenizer_spec, text_field, encoding, errors, threads))
-        p.start()
-        result = parent.recv()
-        p.join()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return result
+    """(tokens, seconds) of the plain loop, in a fresh interpreter (a thread pool of its own: ``threads`` threads)."""
+    import subprocess
+
+    args = json.dumps([list(map(str, inputs)), tokenizer_spec, text_field, encoding, errors, threads])
+    code = "import json, sys; from titanlike.data.preprocess import _plain_loop; "
+    code += "print(json.dumps(_plain_loop(*json.loads(sys.argv[1]))))"
+    root = str(Path(__file__).resolve().parents[2])
+    env = {
+        **os.environ,
+        "RAYON_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "true",
+        "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
+    }
+    proc = subprocess.run([sys.executable, "-c", code, args], env=env, capture_output=True, text=True, check=False)
+    if proc.returncode:
+        raise RuntimeError(f"the plain loop failed: {proc.stderr[-2000:]}")
+    n, seconds = json.loads(proc.stdout.strip().splitlines()[-1])
+    return n, seconds
 
 
 def benchmark(

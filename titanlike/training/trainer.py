@@ -581,7 +581,8 @@ class Trainer:
                 if b > a:
                     print(
                         f"data: {'source ' + repr(source.name) if self.corpus.is_mixture else 'the corpus'} ran out "
-                        f"({source.n_windows:,} windows read): epoch {b + 1} starts in step {self.step}",
+                        f"in step {self.step} (all its {source.n_windows:,} windows read): epoch {b + 1} follows, "
+                        f"in a new order",
                         flush=True,
                     )
         return now
