@@ -2,17 +2,19 @@
 
     python scripts/bench_data.py shards --sets 1000:4e6 200:2e7 --dir /tmp/shards_bench
     python scripts/bench_data.py preprocess --tokenizer gpt2 --workers 2 --mib 64 --repeat 5 --dir /tmp/pre_bench
+    python scripts/bench_data.py preprocess --tokenizer hf:cl100k ...   # the tokenizers library, 100k vocabulary
 
 ``shards`` writes, for each set, synthetic shards (random ids of the ``test`` tokenizer, uint16, with version-2
 sidecars) into ``--dir``; then for a tenth, a quarter and all of them starts two fresh processes side by side,
 data-parallel ranks 0 and 1 of 2, each building the run's data exactly as the trainer does (``build_corpus``: every
-shard checked and indexed; ``build_dataloader``) and reading ``--batches`` global batches of 8 x 2048 tokens. Each
-reports its start-up time (checks + index) and its peak resident memory above the same process right after its
-imports; one more run shows the old path (``load_token_stream``: the shards concatenated in memory) on a tenth of
-the first set. The shards are deleted at the end. ``preprocess`` writes ``--mib`` MiB of JSON lines (gzip, 16 files,
-documents cut from the shipped corpus) and runs ``titanlike.data.preprocess.benchmark``: the whole preprocessing run
-against a plain loop over the tokenizer's own batch encoder, same text, same number of threads, alternated
-``--repeat`` times.
+shard checked and indexed; ``build_dataloader``) and reading ``--batches`` batches of 8 x 2048 tokens. Each reports
+its start-up time (checks + index), the growth of its resident memory (above the same process right after its
+imports) after the start-up and after the batches, and its peak resident memory; one more run shows the old path
+(``load_token_stream``: the shards concatenated in memory) on a tenth of the first set. The shards are deleted at the
+end. ``preprocess`` writes ``--mib`` MiB of JSON lines (gzip, 16 files, documents cut from the shipped corpus) and
+runs ``titanlike.data.preprocess.benchmark``: the whole preprocessing run against a plain loop over the tokenizer's
+own batch encoder, same text, same number of threads, alternated ``--repeat`` times. ``--tokenizer hf:cl100k`` is the
+shipped cl100k rank file converted to a tokenizer.json by transformers' ``TikTokenConverter``.
 """
 
 from __future__ import annotations
@@ -43,25 +45,29 @@ def _rank(args) -> None:
 
     tok = build_tokenizer("test")
     files = sorted(Path(args.dir).glob("*.bin"))[: args.n_shards]
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = _rss_now()
     t0 = time.perf_counter()
     if args.old:
-        tokens = load_token_stream(files, tok)
-        windows = tokens
+        windows = load_token_stream(files, tok)
     else:
-        corpus = build_corpus([str(f) for f in files], tok, seq_len=2048, val_fraction=0.0)
-        windows = corpus.windows(seed=0)
+        windows = build_corpus([str(f) for f in files], tok, seq_len=2048, val_fraction=0.0).windows(seed=0)
     loader = build_dataloader(
         windows, seq_len=2048, global_batch_size=16, local_batch_size=8, dp_rank=args.rank, dp_degree=2, seed=0
     )
     startup = time.perf_counter() - t0
+    after_startup = _rss_now()
     it = iter(loader)
     t1 = time.perf_counter()
     for _ in range(args.batches):
         next(it)
     per_batch = (time.perf_counter() - t1) / args.batches
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    result = {"startup_s": startup, "peak_above_imports": peak - base, "rss_now": _rss_now()}
+    result = {
+        "startup_s": startup,
+        "rss_imports": base,
+        "rss_startup": after_startup - base,
+        "rss_batches": _rss_now() - base,
+        "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
     print(json.dumps({**result, "batch_ms": 1e3 * per_batch}))
 
 
@@ -110,28 +116,58 @@ def shards(args) -> None:
                 n_old = max(1, n_shards // 10)
                 old = (n_old, n_old * per, _run_ranks(folder, n_old, args.batches, old=True))
             shutil.rmtree(folder)
-        print("| shards | tokens | on disk | start-up per rank (s) | peak RSS above imports per rank | ms per batch |")
-        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+        print(
+            "| shards | tokens | on disk | start-up (s) | RSS growth: start-up | + batches | peak RSS of the process "
+            "| ms per batch |"
+        )
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+
+        def mib(x):
+            return f"{x / 2**20:,.1f}"
+
         for n, total, ranks in rows:
-            print(
-                f"| {n:,} | {total / 1e9:.2f}B | {2 * total / 2**30:.1f} GiB | "
-                + " / ".join(f"{r['startup_s']:.2f}" for r in ranks)
-                + " | "
-                + " / ".join(f"{r['peak_above_imports'] / 2**20:.1f} MiB" for r in ranks)
-                + " | "
-                + " / ".join(f"{r['batch_ms']:.2f}" for r in ranks)
-                + " |"
-            )
+            cells = [
+                f"{n:,}",
+                f"{total / 1e9:.2f}B",
+                f"{2 * total / 2**30:.1f} GiB",
+                " / ".join(f"{r['startup_s']:.2f}" for r in ranks),
+                " / ".join(mib(r["rss_startup"]) + " MiB" for r in ranks),
+                " / ".join(mib(r["rss_batches"]) + " MiB" for r in ranks),
+                " / ".join(mib(r["peak"]) + " MiB" for r in ranks),
+                " / ".join(f"{r['batch_ms']:.2f}" for r in ranks),
+            ]
+            print("| " + " | ".join(cells) + " |")
         n, total, ranks = old
         print(
             f"old path (load_token_stream: the shards concatenated in memory), {n} shards, {total / 1e9:.2f}B tokens: "
             "start-up "
             + " / ".join(f"{r['startup_s']:.2f}" for r in ranks)
-            + " s, peak RSS above imports "
-            + " / ".join(f"{r['peak_above_imports'] / 2**20:,.0f} MiB" for r in ranks)
+            + " s, RSS growth "
+            + " / ".join(mib(r["rss_batches"]) + " MiB" for r in ranks)
+            + ", peak RSS "
+            + " / ".join(mib(r["peak"]) + " MiB" for r in ranks)
         )
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _hf_cl100k(folder: Path) -> str:
+    """A Hugging Face tokenizer.json of the shipped cl100k rank file (transformers' TikTokenConverter: the same ids
+    as tiktoken's), to time the tokenizers library on a real 100k vocabulary."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from titanlike.data import asset_path
+    from titanlike.data.tokenizer import CL100K_PATTERN
+
+    rank_file = str(asset_path("tokenizers", "cl100k_base.tiktoken"))
+    converter = TikTokenConverter(vocab_file=rank_file, pattern=CL100K_PATTERN, additional_special_tokens=[EOT])
+    folder.mkdir(parents=True, exist_ok=True)
+    converter.converted().save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOT}))
+    return str(folder)
+
+
+EOT = "<|endoftext|>"
 
 
 def preprocess(args) -> None:
@@ -158,7 +194,8 @@ def preprocess(args) -> None:
                     doc = "\n\n".join(rng.sample(paras, rng.randint(2, 12)))
                     f.write(json.dumps({"text": doc}) + "\n")
                     size += len(doc)
-        r = benchmark([str(root / "web-*.jsonl.gz")], args.tokenizer, args.workers, args.repeat, scratch=str(root))
+        spec = _hf_cl100k(root / "cl100k_hf") if args.tokenizer == "hf:cl100k" else args.tokenizer
+        r = benchmark([str(root / "web-*.jsonl.gz")], spec, args.workers, args.repeat, scratch=str(root))
         print(
             f"preprocess {args.tokenizer}: {r['tokens']:,} tokens ({args.mib} MiB of text in 16 .jsonl.gz files), "
             f"{args.workers} worker(s) vs the plain loop on {args.workers} thread(s), {args.repeat} alternated runs"
@@ -178,7 +215,7 @@ def main() -> None:
     s.add_argument("--batches", type=int, default=200)
     s.add_argument("--dir", default="/tmp/titanlike_shards_bench")
     p = sub.add_parser("preprocess")
-    p.add_argument("--tokenizer", default="gpt2")
+    p.add_argument("--tokenizer", default="gpt2", help="any tokenizer, or hf:cl100k")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--mib", type=int, default=64)
     p.add_argument("--repeat", type=int, default=5)

@@ -142,6 +142,8 @@ def test_sharded_output_on_workers_equals_one_stream_and_resumes(inputs, tmp_pat
     # and one killed before the marker of its last shard was written.
     parts = sorted(out.glob("shard-00002-*.bin"))
     assert len(parts) >= 3
+    doc, offset = json.loads(parts[0].with_name(parts[0].name + ".json").read_text())["source"]["end"]
+    assert offset > 0  # the first shard ends inside a document: the resume continues inside it
     for p in parts[1:]:
         p.unlink()
         p.with_name(p.name + ".json").unlink()

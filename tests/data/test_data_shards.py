@@ -107,3 +107,23 @@ def test_text_pieces_are_not_concatenated(tmp_path, tok, monkeypatch):
     ts = open_tokens(tmp_path, tok)
     assert len(ts.pieces) == 3 and ts.n_shards == 0
     assert np.array_equal(ts.read(), load_token_stream(tmp_path, tok))
+
+
+def test_beyond_a_million_windows_the_order_takes_no_memory(monkeypatch):
+    """Above ARRAY_ORDER_MAX_WINDOWS a source's order is the index shuffle (a keyed Feistel permutation computed per
+    sample): still a permutation per epoch, a pure function of (seed, stream, epoch, index), no array kept."""
+    import titanlike.data.datasets as ds
+    from titanlike.data.shuffle import index_shuffle
+
+    for n in (1, 2, 3, 97, 4096, 5000):
+        assert sorted(index_shuffle(np.arange(n), n, [3, 1]).tolist()) == list(range(n))
+    monkeypatch.setattr(ds, "ARRAY_ORDER_MAX_WINDOWS", 50)
+    tokens = np.arange(4 * 97 + 1, dtype=np.uint16)
+    w = PackedWindows(tokens, 4, seed=3)
+    order = w.window_indices(range(3 * 97))
+    epochs = [order[e * 97 : (e + 1) * 97] for e in range(3)]
+    assert all(sorted(e.tolist()) == list(range(97)) for e in epochs) and not np.array_equal(epochs[0], epochs[1])
+    assert not np.array_equal(epochs[0], np.arange(97)) and w._perms == {}
+    assert np.array_equal(PackedWindows(tokens, 4, seed=3).window_indices(range(250, 10, -1)), order[250:10:-1])
+    other = PackedWindows(tokens, 4, seed=3, stream=1).window_indices(range(97))
+    assert not np.array_equal(other, epochs[0]) and np.array_equal(w.permutation(1), epochs[1])

@@ -31,8 +31,12 @@ from titanlike.data.shards import (
     token_dtype,
     write_token_file,
 )
+from titanlike.data.shuffle import index_shuffle
 
 _BATCH_CHARS = 32 << 20  # tokenize documents in batches of about this many characters
+# Up to this many windows a source's order per epoch is numpy's permutation array (8 bytes per window); beyond it the
+# index shuffle, computed per sample in O(1) memory (shuffle.py), so that memory does not grow with the corpus.
+ARRAY_ORDER_MAX_WINDOWS = 1 << 20
 
 __all__ = [
     "PackedWindows",
@@ -81,6 +85,15 @@ def _runs(files: list[Path]) -> Iterator[tuple[bool, list[Path]]]:
         yield is_bin, list(run)
 
 
+def _pieces(paths, tokenizer, text_field: str, encoding: str, errors: str, shard) -> Iterator:
+    """The stream of `paths` in order: ``shard(path, tokenizer)`` for each .bin, token chunks of the text between."""
+    for is_bin, run in _runs(expand_paths(paths)):
+        if is_bin:
+            yield from (shard(f, tokenizer) for f in run)
+        else:
+            yield from _text_chunks(run, tokenizer, text_field, encoding, errors)
+
+
 def iter_token_chunks(
     paths: str | os.PathLike | Sequence[str | os.PathLike],
     tokenizer,
@@ -95,12 +108,7 @@ def iter_token_chunks(
     Each non-empty document contributes its tokens followed by ``tokenizer.eos_id``; empty
     documents contribute nothing.
     """
-    for is_bin, run in _runs(expand_paths(paths)):
-        if is_bin:
-            for f in run:
-                yield open_token_file(f, tokenizer)
-        else:
-            yield from _text_chunks(run, tokenizer, text_field, encoding, errors)
+    return _pieces(paths, tokenizer, text_field, encoding, errors, open_token_file)
 
 
 def open_tokens(
@@ -112,13 +120,9 @@ def open_tokens(
 ) -> TokenShards:
     """The token stream of `paths` (files, folders, globs) as a `TokenShards`: .bin shards indexed (checked against
     `tokenizer`, never read), text tokenized into in-memory pieces, nothing concatenated."""
-    pieces: list = []
-    for is_bin, run in _runs(expand_paths(paths)):
-        if is_bin:
-            pieces += [index_token_file(f, tokenizer) for f in run]
-        else:
-            pieces += list(_text_chunks(run, tokenizer, text_field, encoding, errors))
-    tokens = TokenShards(pieces, tokenizer.vocab_size)
+    tokens = TokenShards(
+        list(_pieces(paths, tokenizer, text_field, encoding, errors, index_token_file)), tokenizer.vocab_size
+    )
     if not len(tokens):
         raise ValueError(f"data path {paths} holds no text; point it at non-empty documents")
     return tokens
@@ -161,8 +165,9 @@ class PackedWindows(torch.utils.data.Dataset):
 
     ``windows[i]`` is window i in storage order. The training order is global: `window_index(g)`
     maps a global sample index g (0, 1, 2, ... forever) to a window, epoch by epoch, through a
-    permutation seeded by (seed, epoch) when `shuffle` is set. It never depends on how many ranks
-    or workers read the samples.
+    permutation seeded by (seed, epoch) (a source of a mixture: (seed, stream, epoch)) when `shuffle` is set:
+    numpy's permutation array up to ARRAY_ORDER_MAX_WINDOWS windows, the O(1)-memory index shuffle beyond. It never
+    depends on how many ranks or workers read the samples.
     """
 
     def __init__(
@@ -196,16 +201,27 @@ class PackedWindows(torch.utils.data.Dataset):
         inputs, labels = self.batch_windows(np.array([i]))
         return inputs[0], labels[0]
 
+    def _key(self, epoch: int) -> list[int]:
+        return [self.seed, epoch] if self.stream < 0 else [self.seed, self.stream, epoch]
+
     def permutation(self, epoch: int) -> np.ndarray:
-        """The window order of `epoch` (identity when not shuffling)."""
+        """The window order of `epoch` (identity when not shuffling), as a whole array."""
         if not self.shuffle:
             return np.arange(self.n_windows)
+        if self.n_windows > ARRAY_ORDER_MAX_WINDOWS:
+            return index_shuffle(np.arange(self.n_windows), self.n_windows, self._key(epoch))
         if epoch not in self._perms:
             if len(self._perms) >= 2:  # a batch rarely spans more than two epochs; keep the cache small
                 self._perms.pop(next(iter(self._perms)))
-            key = [self.seed, epoch] if self.stream < 0 else [self.seed, self.stream, epoch]
-            self._perms[epoch] = np.random.default_rng(key).permutation(self.n_windows)
+            self._perms[epoch] = np.random.default_rng(self._key(epoch)).permutation(self.n_windows)
         return self._perms[epoch]
+
+    def _order(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The windows at ``positions`` of `epoch`'s order: numpy's permutation array up to ARRAY_ORDER_MAX_WINDOWS
+        windows, beyond it the index shuffle (O(1) memory, shuffle.py)."""
+        if self.n_windows > ARRAY_ORDER_MAX_WINDOWS:
+            return index_shuffle(positions, self.n_windows, self._key(epoch))
+        return self.permutation(epoch)[positions]
 
     def window_indices(self, global_samples: Iterable[int]) -> np.ndarray:
         """The windows read as the given global samples."""
@@ -218,7 +234,7 @@ class PackedWindows(torch.utils.data.Dataset):
         out = np.empty_like(i)
         for e in np.unique(epoch):
             in_e = epoch == e
-            out[in_e] = self.permutation(int(e))[i[in_e]]
+            out[in_e] = self._order(int(e), i[in_e])
         return out
 
     def window_index(self, g: int) -> int:

@@ -18,6 +18,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from titanlike.data.tokenizer_base import SpecialTokens
+
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -61,7 +63,7 @@ def _config_id(value, where: str) -> int | None:
     return value
 
 
-class HFTokenizer:
+class HFTokenizer(SpecialTokens):
     """A ``tokenizers.Tokenizer`` from a tokenizer.json, with the interface of `titanlike.data.Tokenizer`."""
 
     def __init__(self, path: str | Path):
@@ -122,7 +124,7 @@ class HFTokenizer:
         return self._tk
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-        return self._wrap(self._tk.encode(text, add_special_tokens=False).ids, bos, eos)
+        return self.wrap(self._tk.encode(text, add_special_tokens=False).ids, bos, eos)
 
     def encode_batch(
         self, texts: Sequence[str], bos: bool = False, eos: bool = False, num_threads: int | None = None
@@ -130,19 +132,10 @@ class HFTokenizer:
         """`encode` over many documents in the library's thread pool (sized once per process by the
         RAYON_NUM_THREADS environment variable, all cores by default; ``num_threads`` is tiktoken's knob)."""
         batch = self._tk.encode_batch_fast(list(texts), add_special_tokens=False)
-        return [self._wrap(e.ids, bos, eos) for e in batch]
+        return [self.wrap(e.ids, bos, eos) for e in batch]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tk.decode([int(i) for i in ids], skip_special_tokens=False)
-
-    def _wrap(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
-        if bos:
-            if self.bos_id is None:
-                raise ValueError(f"tokenizer {self.name!r} has no bos token; encode with bos=False")
-            ids.insert(0, self.bos_id)
-        if eos:
-            ids.append(self.eos_id)
-        return ids
 
     def __getstate__(self) -> dict:  # the Rust object pickles through its JSON
         state = self.__dict__.copy()

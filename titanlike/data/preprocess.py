@@ -17,6 +17,7 @@ is reported at the end in one line (the finished shards stay, for the rerun).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -155,17 +156,19 @@ def run_unit(
             reported_docs = reported_tokens = 0
             last_report = time.monotonic()
 
-    def emit(ids: np.ndarray, d: int, skip: int) -> None:
+    def emit(flat: np.ndarray, docs: list[int], starts: np.ndarray, pos: int) -> None:
+        """Append a batch's tokens from ``flat[pos]`` on, cutting a shard every ``shard_tokens`` tokens; document
+        ``docs[k]`` starts at ``flat[starts[k]]`` (the position a shard ends at is recorded for a resume)."""
         nonlocal writer, part, written, shards
-        pos = skip
-        while pos < len(ids):
+        while pos < len(flat):
             if writer is None:
                 writer = TokenWriter(out_dir / shard_name(unit.index, part), tokenizer)
-            take = min(len(ids) - pos, shard_tokens - writer.n_tokens)
-            writer.write(ids[pos : pos + take])
+            take = min(len(flat) - pos, shard_tokens - writer.n_tokens)
+            writer.write(flat[pos : pos + take])
             pos += take
             if writer.n_tokens == shard_tokens:
-                end = [d, pos] if pos < len(ids) else [d + 1, 0]
+                k = int(np.searchsorted(starts, pos, side="right")) - 1
+                end = [docs[-1] + 1, 0] if pos == len(flat) else [docs[k], pos - int(starts[k])]
                 written += writer.commit(source={"unit": unit.index, "part": part, "input": unit.path, "end": end})
                 writer, part, shards = None, part + 1, shards + 1
 
@@ -174,9 +177,11 @@ def run_unit(
         if not pending:
             return
         ids = tokenizer.encode_batch([t for _, t in pending], eos=True, num_threads=1)  # one thread per worker
-        for (d, _), doc_ids in zip(pending, ids):
-            emit(np.asarray(doc_ids, dtype=dtype), d, offset0 if d == doc0 else 0)
-            reported_tokens += len(doc_ids)
+        lens = np.fromiter(map(len, ids), np.int64, len(ids))
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype, int(lens.sum()))
+        docs = [d for d, _ in pending]
+        emit(flat, docs, np.cumsum(lens) - lens, offset0 if docs[0] == doc0 else 0)
+        reported_tokens += len(flat)
         reported_docs += len(pending)
         pending.clear()
         chars = 0

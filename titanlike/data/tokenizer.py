@@ -17,6 +17,7 @@ import tiktoken
 import tiktoken.load
 
 from titanlike.data.hf_tokenizer import HFTokenizer, hf_tokenizer_file
+from titanlike.data.tokenizer_base import SpecialTokens
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 
@@ -67,7 +68,7 @@ _NAMED = {
 TOKENIZER_NAMES = tuple(_NAMED)
 
 
-class Tokenizer:
+class Tokenizer(SpecialTokens):
     """A tiktoken `Encoding` plus the few ids a trainer needs.
 
     `encode` never interprets special-token strings found in the text: "<|endoftext|>" inside a
@@ -87,7 +88,7 @@ class Tokenizer:
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         ids = self.encoding.encode_ordinary(text)
-        return self._wrap(ids, bos, eos)
+        return self.wrap(ids, bos, eos)
 
     def encode_batch(
         self, texts: Sequence[str], bos: bool = False, eos: bool = False, num_threads: int | None = None
@@ -95,19 +96,10 @@ class Tokenizer:
         """`encode` over many documents, in parallel threads (tiktoken releases the GIL)."""
         threads = num_threads or min(8, os.cpu_count() or 1)
         batch = self.encoding.encode_ordinary_batch(list(texts), num_threads=threads)
-        return [self._wrap(ids, bos, eos) for ids in batch]
+        return [self.wrap(ids, bos, eos) for ids in batch]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.encoding.decode([int(i) for i in ids])
-
-    def _wrap(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
-        if bos:
-            if self.bos_id is None:
-                raise ValueError(f"tokenizer {self.name!r} has no bos token; encode with bos=False")
-            ids.insert(0, self.bos_id)
-        if eos:
-            ids.append(self.eos_id)
-        return ids
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id}, bos_id={self.bos_id})"
