@@ -97,7 +97,8 @@ def _benchmark(args) -> int:
     print(
         f"preprocess {args.tokenizer}, {r['tokens']:,} tokens, {workers} worker(s) / thread(s), {args.repeat} "
         f"alternated runs: ours {', '.join(f'{x:,.0f}' for x in r['ours'])} tokens/s; plain batch-encoder loop "
-        f"{', '.join(f'{x:,.0f}' for x in r['plain'])} tokens/s; ratio of medians {r['ratio']:.3f}"
+        f"{', '.join(f'{x:,.0f}' for x in r['plain'])} tokens/s; ratio of medians {r['ratio']:.3f} (per CPU "
+        f"second: {r['cpu_ratio']:.3f})"
     )
     return 0
 

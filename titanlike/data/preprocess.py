@@ -407,9 +407,9 @@ def count_shards(output: str | os.PathLike) -> tuple[int, int]:
 # Throughput, side by side with the tokenizer's own batch encoder
 
 
-def _plain_loop(inputs, tokenizer_spec, text_field, encoding, errors, threads) -> tuple[int, float]:
+def _plain_loop(inputs, tokenizer_spec, text_field, encoding, errors, threads) -> tuple[int, float, float]:
     """Every document in memory first (untimed), then the tokenizer's own batch encoder over batches of BATCH_CHARS
-    characters on ``threads`` threads (timed): (tokens, seconds)."""
+    characters on ``threads`` threads (timed): (tokens, wall seconds, CPU seconds)."""
     from titanlike.data.tokenizer import build_tokenizer
 
     tok = build_tokenizer(tokenizer_spec)
@@ -423,18 +423,20 @@ def _plain_loop(inputs, tokenizer_spec, text_field, encoding, errors, threads) -
             batch, chars = [], 0
     batches += [batch] if batch else []
     backend = getattr(tok, "backend", None)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     n = 0
     for b in batches:
         if backend is not None:  # tokenizers: its rayon pool, RAYON_NUM_THREADS threads
             n += sum(len(e.ids) for e in backend.encode_batch_fast(b, add_special_tokens=False))
         else:  # tiktoken
             n += sum(len(x) for x in tok.encoding.encode_ordinary_batch(b, num_threads=threads))
-    return n + len(docs), time.perf_counter() - t0  # + one eos per document, as the shards hold
+    # + one eos per document, as the shards hold; wall seconds, CPU seconds (every thread of the process)
+    return n + len(docs), time.perf_counter() - t0, time.process_time() - c0
 
 
 def plain_loop(inputs, tokenizer_spec: str, threads: int, text_field="text", encoding="utf-8", errors="strict"):
-    """(tokens, seconds) of the plain loop, in a fresh interpreter (a thread pool of its own: ``threads`` threads)."""
+    """(tokens, wall seconds, CPU seconds) of the plain loop, in a fresh interpreter (a thread pool of its own:
+    ``threads`` threads)."""
     import subprocess
 
     args = json.dumps([list(map(str, inputs)), tokenizer_spec, text_field, encoding, errors, threads])
@@ -450,8 +452,16 @@ def plain_loop(inputs, tokenizer_spec: str, threads: int, text_field="text", enc
     proc = subprocess.run([sys.executable, "-c", code, args], env=env, capture_output=True, text=True, check=False)
     if proc.returncode:
         raise RuntimeError(f"the plain loop failed: {proc.stderr[-2000:]}")
-    n, seconds = json.loads(proc.stdout.strip().splitlines()[-1])
-    return n, seconds
+    n, seconds, cpu = json.loads(proc.stdout.strip().splitlines()[-1])
+    return n, seconds, cpu
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of its reaped children (the pool's workers) so far."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def benchmark(
@@ -462,8 +472,9 @@ def benchmark(
     text_field: str = "text",
     scratch: str | os.PathLike | None = None,
 ) -> dict:
-    """Tokens/s of `preprocess` (its whole run: start-up, reading, tokenizing, writing shards) and of the plain
-    loop, alternated ``repeat`` times; the ratio of the medians."""
+    """`preprocess` (its whole run: start-up, reading, tokenizing, writing shards) against the plain loop, alternated
+    ``repeat`` times: tokens per wall second and per CPU second of each (the CPU time of every process and thread
+    involved: the measure that other jobs on the machine disturb least), and the medians' ratios."""
     import shutil
     import statistics
     import tempfile
@@ -471,20 +482,33 @@ def benchmark(
     from titanlike.data.tokenizer import build_tokenizer
 
     tok = build_tokenizer(tokenizer_spec)
-    ours, plain, n_tokens = [], [], None
+    ours, plain, ours_cpu, plain_cpu, n_tokens = [], [], [], [], None
     for _ in range(repeat):
         out = Path(tempfile.mkdtemp(prefix="preprocess-bench-", dir=scratch))
         try:
+            c0 = _cpu_seconds()
             r = preprocess(inputs, out, tok, workers=workers, text_field=text_field, progress=False)
+            cpu = _cpu_seconds() - c0
             if r.problems:
                 raise ValueError("; ".join(r.problems))
             ours.append(r.tokens / r.seconds)
+            ours_cpu.append(r.tokens / cpu)
             n_tokens = r.tokens
         finally:
             shutil.rmtree(out, ignore_errors=True)
-        n, seconds = plain_loop(inputs, tokenizer_spec, workers, text_field)
+        n, seconds, cpu = plain_loop(inputs, tokenizer_spec, workers, text_field)
         if n != n_tokens:
             raise RuntimeError(f"the plain loop counted {n} tokens, the shards hold {n_tokens}")
         plain.append(n / seconds)
-    a, b = statistics.median(ours), statistics.median(plain)
-    return {"tokens": n_tokens, "workers": workers, "ours": ours, "plain": plain, "ratio": a / b}
+        plain_cpu.append(n / cpu)
+    med = statistics.median
+    return {
+        "tokens": n_tokens,
+        "workers": workers,
+        "ours": ours,
+        "plain": plain,
+        "ratio": med(ours) / med(plain),
+        "ours_cpu": ours_cpu,
+        "plain_cpu": plain_cpu,
+        "cpu_ratio": med(ours_cpu) / med(plain_cpu),
+    }
