@@ -56,6 +56,18 @@ def worker_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
 
 
+def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun sets for a rank of a one-node job whose store listens on ``port``."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
 def _rank_main(fn, rank: int, world_size: int, port: int, timeout_s: float, args: tuple) -> None:
     code = 1
     try:
@@ -63,14 +75,7 @@ def _rank_main(fn, rank: int, world_size: int, port: int, timeout_s: float, args
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
+        os.environ.update(torchrun_env(rank, world_size, port))
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -239,3 +244,49 @@ def during_the_save_of(step: int, action: Callable[[], None], patch=setattr) -> 
         return out
 
     patch(FileSystemWriter, "write_data", planted)
+
+
+def _trainer_rank(rank: int, world_size: int, port: int, dump: Path, argv: list[str]) -> None:
+    log = open(dump / f"rank{rank}.log", "w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    os.environ.update(torchrun_env(rank, world_size, port))
+    code = 1
+    try:
+        import torch
+
+        from titanlike.training.trainer import main
+
+        torch.set_num_threads(1)
+        code = main([*argv, "--job.dump_folder", str(dump)])
+    except BaseException:  # noqa: BLE001 - the traceback is the report
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_trainer_job(dump: Path, argv: list[str], world_size: int = 2) -> list[int]:
+    """``titanlike.training.trainer.main(argv)`` on ``world_size`` forked ranks, exactly as under torchrun (RANK,
+    WORLD_SIZE, MASTER_ADDR / MASTER_PORT in the environment: the trainer creates the process group itself), with
+    ``--job.dump_folder dump``; rank r's output goes to ``dump/rank<r>.log``. As torchrun does, a rank that fails
+    ends the job (the others are killed). Returns the exit codes. Call it from a worker script that imported the
+    trainer before (one import for every job; never fork pytest itself)."""
+    dump.mkdir(parents=True, exist_ok=True)
+    port = unused_port()
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_trainer_rank, args=(r, world_size, port, dump, argv)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    while any(p.exitcode is None for p in procs):
+        if any(p.exitcode not in (None, 0) for p in procs):
+            time.sleep(1.0)  # let the failing rank write its report
+            for p in procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    for p in procs:
+        p.join()
+    return [p.exitcode for p in procs]

@@ -59,7 +59,8 @@ def _override(default):
 class Model:
     name: str = DEFAULT_MODEL  # the model: a registered spec (llama3, gpt2; titanlike.models.registered())
     flavor: str = "debugmodel"  # a size of the family (debugmodel, tiny, gpt2_small, 1B, 8B, 70B, 405B)
-    tokenizer: str = "test"  # "gpt2", "cl100k", "test" (2k ranks) or a path to a .tiktoken rank file
+    # "gpt2", "cl100k", "test" (2k ranks), a .tiktoken rank file, or a Hugging Face tokenizer folder / tokenizer.json
+    tokenizer: str = "test"
     vocab_multiple: int = 64  # pad the vocabulary to a multiple of this (keeps vocab % tp == 0 and matmuls aligned)
     kernels: Literal["torch", "te"] = "torch"  # "torch" or "te" (Transformer Engine, CUDA only)
     # Optional overrides of the flavor's values (0 / "" / None = keep the flavor's), each read by the models whose
@@ -176,8 +177,11 @@ class Metrics:
 
 @dataclass
 class Data:
-    path: str = ""  # a text file, folder of .txt, .jsonl or pre-tokenized .bin ("" = the shipped corpus)
-    text_field: str = "text"  # the JSON field holding the text in .jsonl files
+    # a file, folder or glob (.txt .jsonl .json.gz .jsonl.zst .parquet .bin ...) or a list; "" = the shipped corpus
+    path: str | list[str] = ""
+    # one weight per data.path entry: a weighted mixture (empty: the entries are one stream, end to end)
+    weights: list[float] = field(default_factory=list)
+    text_field: str = "text"  # the JSON field (.jsonl*) or the string column (.parquet) holding the text
     encoding: str = "utf-8"  # of text and .jsonl files (e.g. latin-1 for a corpus that is not UTF-8)
     # strict (a bad byte is an error) | replace (U+FFFD) | ignore (dropped)
     encoding_errors: Literal["strict", "replace", "ignore"] = "strict"
@@ -189,6 +193,8 @@ class Data:
 @dataclass
 class Validation:
     enable: bool = True  # compute the validation loss
+    # held-out data (file, folder, glob or list; one per data.path entry with weights); "" = each source's tail
+    path: str | list[str] = ""
     freq: int = 100  # steps between validations
     steps: int = 4  # batches of local_batch_size per rank (-1: the whole held-out tail)
 
@@ -396,6 +402,11 @@ def _coerce(key: str, value, tp, from_cli: bool):
     bad = ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) > 1:  # "X | list[X]": a TOML list, or ';'-separated entries on the command line, is the list
+            (listed,) = [a for a in args if typing.get_origin(a) is list]
+            if isinstance(value, list) or (from_cli and isinstance(value, str) and ";" in value):
+                return _coerce(key, value, listed, from_cli)
+            return _coerce(key, value, next(a for a in args if a is not listed), from_cli)
         if value is None or (from_cli and isinstance(value, str) and value.lower() in ("none", "null")):
             return None
         return _coerce(key, value, args[0], from_cli)

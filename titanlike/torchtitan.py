@@ -46,6 +46,21 @@ def _mixed_param(value):
     return {"training.dtype": "bfloat16" if value == "bfloat16" else "float32"}
 
 
+def _hf_tokenizer_folder(value):
+    """None when ``value`` is a folder holding a tokenizer.json, else why it cannot be read as a tokenizer."""
+    from pathlib import Path
+
+    if not isinstance(value, str) or not value:
+        return "set it to a Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json)"
+    if not (Path(value).expanduser() / "tokenizer.json").is_file():
+        where = "no such folder" if not Path(value).expanduser().is_dir() else "the folder holds no tokenizer.json"
+        return (
+            f"{where}; point it at a Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json), or set "
+            f"model.tokenizer (test, gpt2, cl100k, a .tiktoken path or a tokenizer folder)"
+        )
+    return None
+
+
 def _only(*values, why: str):
     return lambda v: None if v in values else why
 
@@ -87,14 +102,17 @@ TORCHTITAN_KEYS: dict[str, Key] = {
     "model.name": S(),
     "model.flavor": S(),
     "model.hf_assets_path": Key(
-        REFUSED,
+        MAPPED,
         "model.tokenizer",
-        "titanlike reads tiktoken rank files, not Hugging Face "
-        "tokenizer folders: set model.tokenizer (test, gpt2, cl100k or a .tiktoken path); "
-        "for Hugging Face weights use checkpoint.initial_load_path <folder>",
+        "the tokenizer is the folder's tokenizer.json (BOS/EOS from its tokenizer_config.json / config.json); "
+        "for its Hugging Face weights use checkpoint.initial_load_path <folder>",
+        convert=lambda v: {"model.tokenizer": v},
+        accept=_hf_tokenizer_folder,
     ),
     "model.tokenizer_path": Key(
-        REFUSED, "model.tokenizer", "use model.tokenizer (test, gpt2, cl100k or a .tiktoken path)"
+        REFUSED,
+        "model.tokenizer",
+        "use model.tokenizer (test, gpt2, cl100k, a .tiktoken path, or a Hugging Face tokenizer folder)",
     ),
     "model.converters": Key(
         MAPPED,
@@ -139,7 +157,9 @@ TORCHTITAN_KEYS: dict[str, Key] = {
             why="titanlike reads local files, never downloads: set data.path (a text file, folder, .jsonl or .bin)",
         ),
     ),
-    "training.dataset_path": Key(MAPPED, "data.path", "data.path (a text file, folder of .txt/.jsonl, .jsonl or .bin)"),
+    "training.dataset_path": Key(
+        MAPPED, "data.path", "data.path (a file, folder or glob of .txt, .jsonl(.gz/.zst), .parquet or .bin)"
+    ),
     "training.local_batch_size": S(),
     "training.global_batch_size": S(),
     "training.seq_len": S(),
@@ -349,12 +369,15 @@ TORCHTITAN_KEYS: dict[str, Key] = {
     "validation.dataset": Key(
         MAPPED,
         None,
-        "titanlike validates on the held-out tail (data.val_fraction) of the training data",
+        "titanlike validates on validation.path, or on the held-out tail (data.val_fraction) of the training data",
         convert=lambda v: {},
         accept=_only("c4_validation", why="titanlike validates on the held-out tail (data.val_fraction) of data.path"),
     ),
     "validation.dataset_path": Key(
-        REFUSED, "data.val_fraction", "titanlike validates on the held-out tail of data.path: set data.val_fraction"
+        REFUSED,
+        "validation.path",
+        "set titanlike's validation.path (a file, folder or glob of held-out data), or data.val_fraction "
+        "(the held-out tail of data.path)",
     ),
     "validation.local_batch_size": Key(
         MAPPED,

@@ -167,7 +167,8 @@ V022 = {
     "debug": dict(seed=None, deterministic=False, deterministic_warn_only=False, moe_force_load_balance=False),
 }
 ALL = {f"{section}.{k}": v for section, keys in V022.items() for k, v in keys.items()}
-# The keys titanlike refuses at torchtitan's default value (its shipped files set them all).
+# The keys titanlike refuses at torchtitan's default value (its shipped files set them all): hf_assets_path names
+# torchtitan's test tokenizer folder, which does not exist here (a folder that holds a tokenizer.json is read).
 REFUSED_AT_DEFAULT = {"model.hf_assets_path"}
 
 
@@ -228,7 +229,11 @@ def test_a_file_with_every_key_at_torchtitans_default(tmp_path):
     assert cfg.checkpoint.last_save_model_only and cfg.checkpoint.keep_latest_k == 10
     notes = "\n".join(cfg.notes)
     for dotted, key in tt.TORCHTITAN_KEYS.items():  # each key read is accounted for: set, noted or refused
-        if dotted in present and key.fate in (tt.INERT, tt.MAPPED) and dotted not in ("checkpoint.async_mode",):
+        if (
+            dotted in present
+            and key.fate in (tt.INERT, tt.MAPPED)
+            and dotted not in REFUSED_AT_DEFAULT | {"checkpoint.async_mode"}
+        ):
             assert dotted in notes, dotted
 
 
@@ -475,3 +480,119 @@ def test_trainer_prints_description_and_config_and_saves_the_last_step_model_onl
     final = trainer.model_parts[0].state_dict()
     loaded = other.model_parts[0].state_dict()
     assert all(torch.equal(v, final[k].to(torch.bfloat16).float()) for k, v in loaded.items())
+
+
+# torchtitan v0.2.2's torchtitan/models/llama3/train_configs/debug_model.toml, as it ships.
+TORCHTITAN_DEBUG_TOML = """
+[job]
+dump_folder = "./outputs"
+description = "Llama 3 debug training"
+print_config = false
+
+[profiling]
+enable_profiling = false
+save_traces_folder = "profile_trace"
+profile_freq = 10
+enable_memory_snapshot = false
+save_memory_snapshot_folder = "memory_snapshot"
+
+[metrics]
+log_freq = 1
+disable_color_printing = false
+enable_tensorboard = false
+save_tb_folder = "tb"
+enable_wandb = false
+
+[model]
+name = "llama3"
+flavor = "debugmodel"
+# test folder with tokenizer.json, for debug purpose only
+hf_assets_path = "./tests/assets/tokenizer"
+# converters = ["float8"]
+
+[optimizer]
+name = "AdamW"
+lr = 8e-4
+eps = 1e-8
+
+[lr_scheduler]
+warmup_steps = 2  # lr scheduler warm up, normally 20% of the train steps
+decay_ratio = 0.8  # lr scheduler decay ratio, 80% of the train steps
+decay_type = "linear"
+min_lr_factor = 0.0
+
+[training]
+local_batch_size = 8
+seq_len = 2048
+max_norm = 1.0  # grad norm clipping
+steps = 10
+dataset = "c4_test"  # supported datasets: c4_test (2K), c4 (177M)
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+fsdp_reshard_after_forward = "default" # default / never / always
+tensor_parallel_degree = 1
+enable_async_tensor_parallel = false
+pipeline_parallel_degree = 1
+pipeline_parallel_schedule = "Interleaved1F1B"
+context_parallel_degree = 1
+
+[checkpoint]
+enable = false
+folder = "checkpoint"
+interval = 10
+last_save_model_only = false
+export_dtype = "float32"
+async_mode = "disabled"  # ["disabled", "async", "async_with_pinned_mem"]
+
+[activation_checkpoint]
+mode = "selective"  # ["none", "selective", "full"]
+selective_ac_option = '2'  # 'int' = ac every positive int layer or 'op', ac based on ops policy
+
+[compile]
+enable=false
+components = ["model", "loss"]
+
+[quantize.linear.float8]
+enable_fsdp_float8_all_gather = false
+precompute_float8_dynamic_scale_for_fsdp = false
+filter_fqns = ["output"]
+
+[validation]
+enable = false
+dataset = "c4_validation"
+freq = 5
+steps = 10
+"""
+
+
+def test_torchtitans_debug_toml_runs_with_its_hf_assets_path_tokenizer_folder(tmp_path, capsys):
+    """The file unchanged but for hf_assets_path pointing at a Hugging Face tokenizer folder; data.path set (a
+    parquet file); on the command line only the run shortened (2 steps of 64 tokens: the debug model has 512
+    positions) and float32 parameters (torchtitan's bf16 mixed precision is slow on a CPU). Without the folder, the
+    one line names what to do."""
+    from data_files import documents, make_hf_tokenizer, write_parquet
+
+    from titanlike.training.trainer import Trainer, main
+
+    folder = make_hf_tokenizer(tmp_path / "tokenizer")
+    data = write_parquet(tmp_path / "c4_test.parquet", documents(60))
+    path = tmp_path / "debug_model.toml"
+    path.write_text(TORCHTITAN_DEBUG_TOML.replace("./tests/assets/tokenizer", str(folder)))
+    short = ["--training.steps", "2", "--training.seq_len", "64", "--training.mixed_precision_param", "float32"]
+    short += ["--job.dump_folder", str(tmp_path / "out")]
+    cfg = load_config(["--job.config_file", str(path), "--data.path", str(data), *short], world_size=1)
+    assert cfg.model.tokenizer == str(folder) and any("model.hf_assets_path" in n for n in cfg.notes)
+    trainer = Trainer(cfg)
+    assert trainer.tokenizer.name == "tokenizer" and (trainer.tokenizer.bos_id, trainer.tokenizer.eos_id) == (0, 1)
+    losses = trainer.train()
+    assert len(losses) == 2 and all(5.0 < x < 7.0 for x in losses)  # ~ln(448) at the start
+    assert "config: model.hf_assets_path = " in capsys.readouterr().out
+    path.write_text(TORCHTITAN_DEBUG_TOML)  # torchtitan's own folder is not here
+    assert main(["--job.config_file", str(path), *short]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "torchtitan's model.hf_assets_path = './tests/assets/tokenizer': no such folder" in err
+        and "\n" not in err.strip()
+    )

@@ -98,12 +98,14 @@ def test_bin_round_trip_is_memory_mapped(tmp_path, tok):
     meta = json.loads(sidecar_path(tmp_path / "x.bin").read_text())
     assert meta | {"n_tokens": n} == {
         "format": "titanlike-tokens",
-        "version": 1,
+        "version": 2,
         "dtype": "uint16",
         "n_tokens": n,
         "tokenizer": "test",
         "vocab_size": 2008,
         "eos_id": 2000,
+        "min_id": int(text_stream.min()),  # version 2: the id range, checked against the vocabulary when indexed
+        "max_id": 2000,
     }
     assert (tmp_path / "x.bin").stat().st_size == 2 * n
     loaded = load_token_stream(tmp_path / "x.bin", tok)

@@ -1,22 +1,31 @@
 """Data files as they come: every problem of every source file, found before anything starts.
 
 ``check_sources`` reads each file once (no tokenizing) and returns one line per bad file — an empty file or folder,
-binary bytes, text that does not decode with ``data.encoding``, a ``.jsonl`` line that is not a JSON object or lacks
-the text field, a ``.bin`` that is truncated, lacks its sidecar or was made with another tokenizer. The trainer
-reports them all in one error (exit code 2) before any process group starts; ``check_length`` then compares the
-token count with ``seq_len``.
+a glob that matches nothing, binary bytes, text that does not decode with ``data.encoding``, a JSON line that is not
+a JSON object or lacks the text field, a gzip / zstandard file that is corrupt or truncated, a parquet file that is
+unreadable, lacks the text column or holds nulls in it, a ``.bin`` that is truncated, lacks its sidecar, was made
+with another tokenizer or holds ids outside the vocabulary (its sidecar's min/max, verified on a sample). The
+trainer reports them all in one error (exit code 2) before any process group starts; ``check_length`` then compares
+the token count with ``seq_len``.
 """
 
 from __future__ import annotations
 
 import codecs
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from titanlike.data.datasets import TEXT_SUFFIXES, open_token_file
-from titanlike.data.tokenizer import Tokenizer
+from titanlike.data.formats import (
+    encoding_fix,
+    expand_entry,
+    file_kind,
+    is_utf8,
+    iter_lines,
+    jsonl_record,
+    parquet_row_groups,
+)
+from titanlike.data.shards import index_token_file
 
 ERRORS_POLICIES = ("strict", "replace", "ignore")
 _SNIFF = 1 << 16  # bytes looked at for NUL bytes (binary files)
@@ -33,15 +42,6 @@ def check_encoding(encoding: str, errors: str) -> str | None:
     return None
 
 
-def _fix(encoding: str) -> str:
-    if encoding.replace("_", "-").lower() in ("utf-8", "utf8"):
-        return (
-            "convert it (iconv -f latin1 -t utf-8), or read it on purpose with data.encoding = 'latin-1' or "
-            "data.encoding_errors = 'replace'"
-        )
-    return "convert it, set the right data.encoding, or data.encoding_errors = 'replace'"
-
-
 def _check_text(path: Path, encoding: str, errors: str) -> str | None:
     data = path.read_bytes()
     if not data.strip():
@@ -53,40 +53,27 @@ def _check_text(path: Path, encoding: str, errors: str) -> str | None:
     ):
         return f"{path} holds NUL bytes: binary data, not text (a .bin must come from scripts/preprocess_data.py)"
     try:
-        data.decode(encoding if encoding.replace("_", "-").lower() not in ("utf-8", "utf8") else "utf-8-sig", errors)
+        data.decode(encoding if not is_utf8(encoding) else "utf-8-sig", errors)
     except UnicodeDecodeError as e:
-        what = "UTF-8" if encoding.replace("_", "-").lower() in ("utf-8", "utf8") else f"{encoding} text"
-        return f"{path} is not {what} (byte {data[e.start]:#04x} at offset {e.start}); {_fix(encoding)}"
+        what = "UTF-8" if is_utf8(encoding) else f"{encoding} text"
+        return f"{path} is not {what} (byte {data[e.start]:#04x} at offset {e.start}); {encoding_fix(encoding)}"
     return None
 
 
-def _check_jsonl(path: Path, text_field: str, encoding: str, errors: str) -> str | None:
+def _check_jsonl(path: Path, compression: str | None, text_field: str, encoding: str, errors: str) -> str | None:
     bad, first, docs = 0, None, 0
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
+    try:
+        for lineno, line in iter_lines(path, compression):
             if not line.strip():
                 continue
-            why = None
-            try:
-                record = json.loads(
-                    line.decode(encoding, errors) if encoding.lower() not in ("utf-8", "utf8") else line
-                )
-            except UnicodeDecodeError as e:
-                why = f"is not {encoding} text (offset {e.start} of the line); {_fix(encoding)}"
-            except ValueError as e:
-                why = f"is not a JSON object ({e.msg})"
-            else:
-                if not isinstance(record, dict):
-                    why = f"is a JSON {type(record).__name__}, not an object"
-                elif text_field not in record:
-                    why = f"has no {text_field!r} field (keys: {', '.join(list(record)[:5])}); set data.text_field"
-                elif not isinstance(record[text_field], str):
-                    why = f"field {text_field!r} is a {type(record[text_field]).__name__}, not a string"
+            _, why = jsonl_record(line, text_field, encoding, errors)
             if why is not None:
                 bad += 1
-                first = first or f"line {lineno} {why}"
+                first = first or f"line {lineno}{why}"
             else:
                 docs += 1
+    except ValueError as e:  # corrupt or truncated compressed data
+        return str(e) + (f" (and {bad} bad line(s) before, the first: {first})" if first else "")
     if first:
         return f"{path}: {bad} bad line(s), the first: {first}"
     if docs == 0:
@@ -94,47 +81,68 @@ def _check_jsonl(path: Path, text_field: str, encoding: str, errors: str) -> str
     return None
 
 
+def _check_parquet(path: Path, text_field: str) -> str | None:
+    rows = nulls = 0
+    first_null = None
+    try:
+        for first, values in parquet_row_groups(path, text_field):
+            for j, v in enumerate(values):
+                if v is None:
+                    nulls += 1
+                    first_null = first + j if first_null is None else first_null
+            rows += len(values)
+    except ValueError as e:
+        return str(e)
+    if nulls:
+        return f"{path}: {nulls} row(s) with a null {text_field!r}, the first row {first_null}; drop or fill them"
+    if rows == 0:
+        return f"{path} is empty (no rows)"
+    return None
+
+
+def _check_bin(path: Path, tokenizer) -> str | None:
+    try:
+        if index_token_file(path, tokenizer).n_tokens == 0:
+            return f"{path} holds no tokens"
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def check_file(path: Path, tokenizer, text_field: str = "text", encoding: str = "utf-8", errors: str = "strict"):
+    """The problem of one data file (a readable file of a known format), or None."""
+    fmt, compression = file_kind(path)
+    try:
+        if fmt == "bin":
+            return _check_bin(path, tokenizer)
+        if fmt == "jsonl":
+            return _check_jsonl(path, compression, text_field, encoding, errors)
+        if fmt == "parquet":
+            return _check_parquet(path, text_field)
+        return _check_text(path, encoding, errors)
+    except OSError as e:
+        return f"{path} cannot be read ({e.strerror or e})"
+
+
 def check_sources(
     paths: str | os.PathLike | Sequence[str | os.PathLike],
-    tokenizer: Tokenizer,
+    tokenizer,
     text_field: str = "text",
     encoding: str = "utf-8",
     errors: str = "strict",
 ) -> list[str]:
-    """One line per bad source file or folder (all of them); [] when every file can be read."""
+    """One line per bad source entry or file (all of them); [] when every file can be read."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     problems: list[str] = []
     files: list[Path] = []
-    for p in (Path(x).expanduser() for x in paths):
-        if p.is_dir():
-            found = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in TEXT_SUFFIXES)
-            if not found:
-                others = sorted(f.name for f in p.iterdir())[:3]
-                problems.append(
-                    f"data folder {p} holds no .txt or .jsonl files"
-                    + (f" (it has {', '.join(others)})" if others else " (it is empty)")
-                )
-            files += found
-        elif p.is_file():
-            files.append(p)
-        else:
-            problems.append(f"data path {p} does not exist")
+    for entry in paths:
+        found, problem = expand_entry(entry)
+        if problem:
+            problems.append(problem)
+        files += found
     for f in files:
-        try:
-            if f.suffix == ".bin":
-                why = None
-                try:
-                    if len(open_token_file(f, tokenizer)) == 0:
-                        why = f"{f} holds no tokens"
-                except ValueError as e:
-                    why = str(e)
-            elif f.suffix == ".jsonl":
-                why = _check_jsonl(f, text_field, encoding, errors)
-            else:
-                why = _check_text(f, encoding, errors)
-        except OSError as e:
-            why = f"{f} cannot be read ({e.strerror or e})"
+        why = check_file(f, tokenizer, text_field, encoding, errors)
         if why:
             problems.append(why)
     return problems

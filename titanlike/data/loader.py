@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlike.data.datasets import PackedWindows
+from titanlike.data.mixture import BlendedWindows
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -86,7 +87,7 @@ class GlobalSampleStream(IterableDataset):
 
     def __init__(
         self,
-        windows: PackedWindows,
+        windows: PackedWindows | BlendedWindows,
         *,
         global_batch_size: int,
         local_batch_size: int,
@@ -180,7 +181,7 @@ def set_loader_position(loader: TokenDataLoader, global_sample: int) -> None:
 
 
 def build_dataloader(
-    tokens: np.ndarray,
+    tokens,
     *,
     seq_len: int,
     global_batch_size: int,
@@ -197,13 +198,21 @@ def build_dataloader(
 ) -> TokenDataLoader:
     """An endless loader of (inputs, labels), each LongTensor[local_batch_size, seq_len], for one rank.
 
+    ``tokens``: a token array or `TokenShards` (cut into `PackedWindows` with ``seed`` / ``shuffle``), or the global
+    sample stream itself (`PackedWindows`, or `BlendedWindows` for a weighted mixture: ``Corpus.windows``).
     Every global_batch_size / (dp_degree * local_batch_size) consecutive batches make one
     optimizer step. `start_sample` (or `set_loader_position`) resumes from a checkpointed position.
     """
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    if isinstance(tokens, (PackedWindows, BlendedWindows)):
+        if tokens.seq_len != seq_len:
+            raise ValueError(f"the sample stream has seq_len {tokens.seq_len}, the loader was asked for {seq_len}")
+        windows = tokens
+    else:
+        windows = PackedWindows(tokens, seq_len, seed=seed, shuffle=shuffle)
     stream = GlobalSampleStream(
-        PackedWindows(tokens, seq_len, seed=seed, shuffle=shuffle),
+        windows,
         global_batch_size=global_batch_size,
         local_batch_size=local_batch_size,
         dp_rank=dp_rank,
@@ -251,7 +260,7 @@ class _ValidationBatches(torch.utils.data.Dataset):
 
 
 def build_validation_loader(
-    tokens: np.ndarray,
+    tokens,
     *,
     seq_len: int,
     batch_size: int,

@@ -1,8 +1,9 @@
-"""Byte-level BPE tokenizers built offline from local tiktoken rank files.
+"""Tokenizers, offline: byte-level BPE from local tiktoken rank files, or a Hugging Face tokenizer.json.
 
 `tiktoken.get_encoding(...)` downloads its rank files; here every encoding is built from a file
 shipped in titanlike/assets/tokenizers (or any user-supplied ``.tiktoken`` file), so nothing ever
-touches the network.
+touches the network. A folder holding a ``tokenizer.json`` (or that file) is a Hugging Face tokenizer, read by
+``titanlike.data.hf_tokenizer`` with the same interface.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from pathlib import Path
 
 import tiktoken
 import tiktoken.load
+
+from titanlike.data.hf_tokenizer import HFTokenizer, hf_tokenizer_file
+from titanlike.data.tokenizer_base import SpecialTokens
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 
@@ -64,7 +68,7 @@ _NAMED = {
 TOKENIZER_NAMES = tuple(_NAMED)
 
 
-class Tokenizer:
+class Tokenizer(SpecialTokens):
     """A tiktoken `Encoding` plus the few ids a trainer needs.
 
     `encode` never interprets special-token strings found in the text: "<|endoftext|>" inside a
@@ -80,10 +84,11 @@ class Tokenizer:
         self.eos_id: int = self.special_tokens[eos_token]
         self.bos_id: int | None = self.special_tokens[bos_token] if bos_token is not None else None
         self.vocab_size: int = encoding.n_vocab  # every id in [0, vocab_size) is a rank or a special
+        self.fingerprint: str | None = None  # tiktoken tokenizers are told apart by name (HFTokenizer: by content)
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         ids = self.encoding.encode_ordinary(text)
-        return self._wrap(ids, bos, eos)
+        return self.wrap(ids, bos, eos)
 
     def encode_batch(
         self, texts: Sequence[str], bos: bool = False, eos: bool = False, num_threads: int | None = None
@@ -91,26 +96,18 @@ class Tokenizer:
         """`encode` over many documents, in parallel threads (tiktoken releases the GIL)."""
         threads = num_threads or min(8, os.cpu_count() or 1)
         batch = self.encoding.encode_ordinary_batch(list(texts), num_threads=threads)
-        return [self._wrap(ids, bos, eos) for ids in batch]
+        return [self.wrap(ids, bos, eos) for ids in batch]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.encoding.decode([int(i) for i in ids])
-
-    def _wrap(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
-        if bos:
-            if self.bos_id is None:
-                raise ValueError(f"tokenizer {self.name!r} has no bos token; encode with bos=False")
-            ids.insert(0, self.bos_id)
-        if eos:
-            ids.append(self.eos_id)
-        return ids
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id}, bos_id={self.bos_id})"
 
 
-def build_tokenizer(name_or_path: str, pattern: str | None = None) -> Tokenizer:
-    """Build "gpt2", "cl100k", "test" (2,000 ranks, for fast tests) or a tokenizer from a .tiktoken file.
+def build_tokenizer(name_or_path: str, pattern: str | None = None):
+    """Build "gpt2", "cl100k", "test" (2,000 ranks, for fast tests), a tokenizer from a .tiktoken file, or a Hugging
+    Face tokenizer from a folder holding tokenizer.json (or that file): an `HFTokenizer`.
 
     A rank file given by path uses the Llama-3 pattern unless `pattern` says otherwise, and gets
     the special tokens <|end_of_text|> (= eos, the first id after the ranks), <|begin_of_text|>
@@ -122,10 +119,20 @@ def build_tokenizer(name_or_path: str, pattern: str | None = None) -> Tokenizer:
         filename, _, specials, eos, bos = _NAMED[name_or_path]
         return _build(name_or_path, asset_path("tokenizers", filename), pattern, specials, eos, bos)
     path = Path(name_or_path).expanduser()
+    if hf_tokenizer_file(path) is not None:
+        if pattern is not None:
+            raise ValueError(f"{name_or_path} is a Hugging Face tokenizer: its pattern is in tokenizer.json")
+        return HFTokenizer(path)
+    if path.is_dir():
+        raise ValueError(
+            f"tokenizer folder {name_or_path!r} holds no tokenizer.json; a Hugging Face tokenizer folder has "
+            f"tokenizer.json (and tokenizer_config.json)"
+        )
     if not path.is_file():
         raise ValueError(
             f"tokenizer {name_or_path!r} is neither a known name ({', '.join(TOKENIZER_NAMES)}) "
-            f"nor an existing .tiktoken rank file; use one of those names or fix the path"
+            f"nor an existing .tiktoken rank file or Hugging Face tokenizer folder (tokenizer.json); use one of "
+            f"those names or fix the path"
         )
     return _build(path.stem, path, pattern or LLAMA3_PATTERN, None, END_OF_TEXT, BEGIN_OF_TEXT)
 

@@ -100,6 +100,28 @@ def _continue_or_rotate(path: Path, start_step: int) -> None:
         )
 
 
+def _short(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def data_metrics(seen: dict[str, tuple[int, float]]) -> dict[str, float]:
+    """Per-source values for metrics.jsonl / tensorboard: ``data.<source>.tokens`` (trained on so far) and
+    ``data.<source>.epochs`` (read so far, fractional), from ``Corpus.seen``."""
+    out: dict[str, float] = {}
+    for name, (tokens, epochs) in seen.items():
+        out[f"data.{name}.tokens"] = tokens
+        out[f"data.{name}.epochs"] = epochs
+    return out
+
+
+def format_data(seen: dict[str, tuple[int, float]]) -> str:
+    """The console summary of a mixture: tokens and epochs of each source."""
+    return "data  " + "  ".join(f"{name} {_short(tok)} tok {ep:.2f} ep" for name, (tok, ep) in seen.items())
+
+
 class MetricsLogger:
     """Writes on rank 0 only; other ranks get a logger that does nothing."""
 

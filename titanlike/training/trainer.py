@@ -28,6 +28,8 @@ from titanlike.parallel import ParallelDims, build_parallel_model, describe_layo
 from titanlike.training.metrics import (
     MetricsLogger,
     Throughput,
+    data_metrics,
+    format_data,
     format_eta,
     peak_host_bytes,
     peak_memory_gib,
@@ -137,13 +139,6 @@ class Trainer:
             except Float8UnavailableError as e:
                 raise ConfigError(str(e)) from None
         self._check_host_memory()
-        data_path = cfg.data.path or None
-        if data_path is not None and not Path(data_path).exists():
-            raise ConfigError(
-                f"data.path: '{data_path}' does not exist; give a text file, a folder of .txt, "
-                f"a .jsonl or a .bin from scripts/preprocess_data.py (or leave it empty for the "
-                f"shipped corpus)"
-            )
         dump = Path(cfg.job.dump_folder)
         if dump.exists() and not dump.is_dir():
             raise ConfigError(f"job.dump_folder: '{dump}' is a file, not a folder; choose another job.dump_folder")
@@ -254,15 +249,16 @@ class Trainer:
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
 
-        # Data: the global sample order depends only on the seed; this rank reads its data-parallel slice.
+        # Data: the global sample order depends only on the seed (and, for a mixture, the weights); this rank reads
+        # its data-parallel slice.
         from titanlike.data import build_dataloader
 
-        train_tokens, val_tokens = self.train_tokens, self.val_tokens_all
+        corpus = self.corpus
         t = cfg.training
         split = batch_split(t.global_batch_size, t.local_batch_size, dp_degree)
         self.global_batch, self.accum_steps = split.global_batch, split.accum_steps
         self.dataloader = build_dataloader(
-            train_tokens,
+            corpus.windows(t.seed, cfg.data.shuffle),
             seq_len=t.seq_len,
             global_batch_size=self.global_batch,
             local_batch_size=t.local_batch_size,
@@ -274,23 +270,16 @@ class Trainer:
             cp_rank=self.cp_rank,
             cp_degree=self.cp_degree,
         )
-        val_windows = max(len(val_tokens) - 1, 0) // t.seq_len
-        self.val_tokens = (
-            val_tokens if cfg.validation.enable and val_windows >= t.local_batch_size * dp_degree else None
-        )
-        if cfg.validation.enable and self.val_tokens is None and self.rank == 0:
-            print(
-                f"validation: skipped, the held-out tail (data.val_fraction {cfg.data.val_fraction}) has "
-                f"{len(val_tokens):,} tokens = {val_windows} windows of {t.seq_len + 1}, fewer than one batch of "
-                f"{t.local_batch_size} on each of {dp_degree} data-parallel ranks; raise data.val_fraction, lower "
-                f"training.local_batch_size, or set validation.enable = false",
-                flush=True,
-            )
+        self.val_sources = self._validation_sources(dp_degree)
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         if self.rank == 0:
+            n_train = sum(len(s.train) for s in corpus.sources)
+            n_val = sum(len(v) for _, v in corpus.validation)
+            if corpus.is_mixture:
+                print(f"data: mixture of {len(corpus.sources)} sources: {corpus.describe()}", flush=True)
             print(
                 f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params / 1e6:.2f}M parameters, "
-                f"vocab {args.vocab_size}; data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens "
+                f"vocab {args.vocab_size}; data: {n_train:,} train / {n_val:,} val tokens "
                 f"(loaded in {self.data_seconds:.1f}s); global batch {self.global_batch} x {t.seq_len} "
                 f"tokens, {self.accum_steps} accumulation step(s); {self.world_size} process(es) on "
                 f"{self.device.type}, {cfg.training.dtype}",
@@ -337,31 +326,59 @@ class Trainer:
             )
 
     def _load_data(self) -> None:
-        """Check every data file (all of them, each rank on its own: no process group yet), then tokenize; every
-        problem is one ConfigError line naming all the bad files."""
-        from titanlike.data import check_length, check_sources, load_token_stream, split_stream
+        """Check every data file of every source (all of them, each rank on its own: no process group yet), then
+        tokenize text and index .bin shards (titanlike.data.build_corpus); every problem is one ConfigError line."""
+        from titanlike.data import build_corpus
         from titanlike.data.check import check_encoding
 
         d, t = self.cfg.data, self.cfg.training
         why = check_encoding(d.encoding, d.encoding_errors)
         if why:
             raise ConfigError(why)
-        sources = d.path or default_corpus()
-        bad = check_sources(sources, self.tokenizer, d.text_field, d.encoding, d.encoding_errors)
-        if bad:
-            raise ConfigError(f"data.path: {len(bad)} bad input{'s' if len(bad) > 1 else ''}: " + "; ".join(bad))
         t0 = time.perf_counter()
         try:
-            tokens = load_token_stream(
-                sources, self.tokenizer, text_field=d.text_field, encoding=d.encoding, errors=d.encoding_errors
+            self.corpus = build_corpus(
+                d.path,
+                self.tokenizer,
+                seq_len=t.seq_len,
+                weights=d.weights,
+                validation_path=self.cfg.validation.path,
+                val_fraction=d.val_fraction,
+                text_field=d.text_field,
+                encoding=d.encoding,
+                errors=d.encoding_errors,
+                default=default_corpus(),
             )
         except ValueError as e:
-            raise ConfigError(f"data.path: {e}") from None
-        self.train_tokens, self.val_tokens_all = split_stream(tokens, d.val_fraction)
-        why = check_length(len(self.train_tokens), t.seq_len, f"data.path '{d.path}'" if d.path else "the corpus")
-        if why:
-            raise ConfigError(why)
+            raise ConfigError(str(e)) from None
         self.data_seconds = time.perf_counter() - t0
+
+    def _validation_sources(self, dp_degree: int) -> list:
+        """The validation streams with at least one batch on every data-parallel rank; rank 0 says why any other
+        is skipped."""
+        cfg, t = self.cfg, self.cfg.training
+        if not cfg.validation.enable:
+            return []
+        need, usable = t.local_batch_size * dp_degree, []
+        streams = self.corpus.validation or [("", self.corpus.sources[0].train[:0])]
+        for name, tokens in streams:
+            windows = max(len(tokens) - 1, 0) // t.seq_len
+            if windows >= need:
+                usable.append((name, tokens))
+            elif self.rank == 0:
+                what = (
+                    f"validation.path{f' ({name})' if name else ''}"
+                    if cfg.validation.path
+                    else f"the held-out tail{f' of {name}' if name else ''} (data.val_fraction {cfg.data.val_fraction})"
+                )
+                fix = "give more held-out data" if cfg.validation.path else "raise data.val_fraction"
+                print(
+                    f"validation: skipped, {what} has {len(tokens):,} tokens = {windows} windows of {t.seq_len + 1}, "
+                    f"fewer than one batch of {t.local_batch_size} on each of {dp_degree} data-parallel ranks; "
+                    f"{fix}, lower training.local_batch_size, or set validation.enable = false",
+                    flush=True,
+                )
+        return usable
 
     def _print_start(self) -> None:
         """Rank 0: the job's description, the notes on torchtitan keys read, the full config if asked, the
@@ -443,6 +460,9 @@ class Trainer:
         peak = device_peak_flops(self.device, key, cfg.metrics.peak_tflops)
         flops_per_token = self.spec.flops_per_token(self.model_args, cfg.training.seq_len)
         throughput = Throughput(self.device)
+        from titanlike.data import loader_position
+
+        epochs = self.corpus.epochs(loader_position(self.dataloader))
         data_iter = iter(self.dataloader)
         losses: list[float] = []
         last_logged = self.step
@@ -479,6 +499,8 @@ class Trainer:
                 throughput.add(res.tokens)
                 self.tokens_seen += res.tokens
                 losses.append(res.loss)
+                position = loader_position(self.dataloader)
+                epochs = self._log_epochs(epochs, position)
                 if res.skipped:
                     self.nonfinite_steps += 1
                     limit = cfg.training.max_nonfinite_steps
@@ -506,6 +528,9 @@ class Trainer:
                         + (f"  mfu {100 * util:5.1f}%" if util is not None else "")
                         + f"  mem {mem:6.2f}GiB  eta {format_eta(eta)}"
                     )
+                    seen = self.corpus.seen(position)
+                    if self.corpus.is_mixture:
+                        line += "\n" + format_data(seen)
                     logger.log(
                         self.step,
                         {
@@ -517,15 +542,18 @@ class Trainer:
                             "mfu": util,
                             "memory_gib": mem,
                             "skipped": res.skipped,
+                            **data_metrics(seen),
                         },
                         console=line,
                     )
-                if self.val_tokens is not None and (
-                    self.step % cfg.validation.freq == 0 or self.step == cfg.training.steps
-                ):
+                if self.val_sources and (self.step % cfg.validation.freq == 0 or self.step == cfg.training.steps):
                     with self._op(f"the validation at step {self.step}"):
-                        val = self.validate()
-                    logger.log(self.step, {"val_loss": val}, console=f"step {self.step:5d}  val_loss {val:8.4f}")
+                        vals = self.validate()
+                    logger.log(
+                        self.step,
+                        vals,
+                        console=f"step {self.step:5d}  " + "  ".join(f"{k} {v:8.4f}" for k, v in vals.items()),
+                    )
                 if self.checkpointer is not None:
                     self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps)
                 profiler.step()
@@ -609,38 +637,60 @@ class Trainer:
             )
         return signum
 
+    def _log_epochs(self, before: list[int], position: int) -> list[int]:
+        """Rank 0 says when a source ran out and started its next epoch (a new order of its windows)."""
+        now = self.corpus.epochs(position)
+        if self.rank == 0:
+            for source, a, b in zip(self.corpus.sources, before, now):
+                if b > a:
+                    print(
+                        f"data: {'source ' + repr(source.name) if self.corpus.is_mixture else 'the corpus'} ran out "
+                        f"in step {self.step} (all its {source.n_windows:,} windows read): epoch {b + 1} follows, "
+                        f"in a new order",
+                        flush=True,
+                    )
+        return now
+
     @torch.no_grad()
-    def validate(self) -> float:
-        """Mean token loss over the held-out tail, identical on every rank."""
+    def validate(self) -> dict[str, float]:
+        """Mean token loss over every validation stream (``val_loss``) and, with several, over each
+        (``val_loss.<source>``); identical on every rank."""
         from titanlike.data import build_validation_loader
 
         cfg = self.cfg
-        loader = build_validation_loader(
-            self.val_tokens,
-            seq_len=cfg.training.seq_len,
-            batch_size=cfg.training.local_batch_size,
-            dp_rank=self.dp_rank,
-            dp_degree=self.dp_degree,
-            max_batches=cfg.validation.steps if cfg.validation.steps > 0 else None,
-            cp_rank=self.cp_rank,
-            cp_degree=self.cp_degree,
-        )
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(len(self.val_sources), 2, dtype=torch.float64, device=self.device)
         for m in self.model_parts:
             m.eval()
-        for inputs, labels in loader:
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
-            if self.pp is not None:
-                loss_sum = self.pp.eval_loss(inputs, labels)
-            else:  # eval mode, then FSDP's shards handed back (training continues exactly)
-                loss_sum = eval_loss_sum(self.model_parts[0], self.loss.loss_fn, inputs, labels, self.forward_context)
-            total[0] += loss_sum.detach().to(torch.float64)
-            total[1] += (labels != IGNORE_INDEX).sum()
+        for k, (_, tokens) in enumerate(self.val_sources):
+            loader = build_validation_loader(
+                tokens,
+                seq_len=cfg.training.seq_len,
+                batch_size=cfg.training.local_batch_size,
+                dp_rank=self.dp_rank,
+                dp_degree=self.dp_degree,
+                max_batches=cfg.validation.steps if cfg.validation.steps > 0 else None,
+                cp_rank=self.cp_rank,
+                cp_degree=self.cp_degree,
+            )
+            for inputs, labels in loader:
+                inputs, labels = inputs.to(self.device), labels.to(self.device)
+                if self.pp is not None:
+                    loss_sum = self.pp.eval_loss(inputs, labels)
+                else:  # eval mode, then FSDP's shards handed back (training continues exactly)
+                    loss_sum = eval_loss_sum(
+                        self.model_parts[0], self.loss.loss_fn, inputs, labels, self.forward_context
+                    )
+                totals[k, 0] += loss_sum.detach().to(torch.float64)
+                totals[k, 1] += (labels != IGNORE_INDEX).sum()
         for m in self.model_parts:
             m.train()
         if self.dp_group is not None:
-            dist.all_reduce(total, group=self.dp_group)
-        return float(total[0] / total[1].clamp(min=1))
+            dist.all_reduce(totals, group=self.dp_group)
+        out = {"val_loss": float(totals[:, 0].sum() / totals[:, 1].sum().clamp(min=1))}
+        if len(self.val_sources) > 1:
+            for (name, _), (loss, n) in zip(self.val_sources, totals.tolist()):
+                out[f"val_loss.{name}"] = loss / max(n, 1)
+        return out
 
     def close(self) -> None:
         self.release_lock()
