@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -80,7 +81,34 @@ MODELS = {
     # positions, tied embeddings).
     "gpt2": ("--model.name", "gpt2"),
     "gpt2_untied": ("--model.name", "gpt2", "--model.tie_embeddings", "false"),
+    # Muon on the block matrices (AdamW for the rest), Newton-Schulz in float64 (any rounding difference shows);
+    # muon_bf16: torch's bfloat16 Newton-Schulz; muon_one_bucket: every matrix its own all-to-all pair, plain
+    # momentum; muon_gpt2: fused c_attn orthogonalized per chunk, Moonshot's lr adjustment.
+    "muon": ("--optimizer.name", "Muon", "--optimizer.ns_dtype", "float64"),
+    "muon_bf16": ("--optimizer.name", "Muon"),
+    "muon_one_bucket": (
+        "--optimizer.name",
+        "Muon",
+        "--optimizer.ns_dtype",
+        "float64",
+        "--optimizer.muon_bucket_mb",
+        "0",
+        "--optimizer.nesterov",
+        "false",
+    ),
+    "muon_gpt2": (
+        "--model.name",
+        "gpt2",
+        "--optimizer.name",
+        "Muon",
+        "--optimizer.ns_dtype",
+        "float64",
+        "--optimizer.adjust_lr_fn",
+        "match_rms_adamw",
+    ),
 }
+# Matrices Muon orthogonalizes per model (tiny, 2 blocks): Llama 7 per block; GPT-2 c_attn's q, k, v + 3.
+MUON_MATRICES = {"muon": 14, "muon_bf16": 14, "muon_one_bucket": 14, "muon_gpt2": 12}
 
 
 @dataclass(frozen=True)
@@ -188,6 +216,26 @@ LAYOUTS = [
     # GPT-2 under cp through the shared seams: attention (fused c_attn) and its learned positions
     Layout("gpt2 cp2", 2, _cp(2, *_dp(1, 1, 8)), model="gpt2"),
     Layout("MUT gpt2 cp2 positions local", 2, _cp(2, *_dp(1, 1, 8)), model="gpt2", mutation="cp_rope_local"),
+    # Muon: every matrix orthogonalized whole, once, by its owner rank
+    Layout("muon fsdp2", 2, _dp(1, 2, 4), model="muon"),
+    Layout("muon tp2_sp", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="muon"),
+    Layout("muon cp2", 2, _cp(2, *_dp(1, 1, 8)), model="muon"),
+    Layout("muon gpt2 tp2_sp", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="muon_gpt2"),
+    Layout("MUT muon fsdp2 Newton-Schulz on the local shard", 2, _dp(1, 2, 4), model="muon", mutation="muon_local_ns"),
+    Layout(
+        "MUT muon gpt2 tp2 c_attn orthogonalized as one matrix",
+        2,
+        _tp(2, *_dp(1, 1, 8)),
+        model="muon_gpt2",
+        mutation="muon_fused_one_matrix",
+    ),
+    Layout(
+        "MUT muon tp2 owner's result not scattered",
+        2,
+        _tp(2, *_dp(1, 1, 8)),
+        model="muon",
+        mutation="muon_not_scattered",
+    ),
     # 4 ranks
     Layout("tp4_gqa", 4, _tp(4, *_dp(1, 1, 8)), model="gqa8"),
     Layout("fsdp4", 4, _dp(1, 4, 2)),
@@ -205,6 +253,9 @@ LAYOUTS = [
     Layout("cp2_tp2_sp", 4, _cp(2, *_tp(2, *SP, *_dp(1, 1, 8)))),
     Layout("cp2_fsdp2", 4, _cp(2, *_dp(1, 2, 4))),
     Layout("gpt2 cp2_tp2_sp", 4, _cp(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="gpt2"),
+    Layout("muon tp2_sp_fsdp2 one matrix per bucket", 4, _tp(2, *SP, *_dp(1, 2, 4)), model="muon_one_bucket"),
+    Layout("muon hsdp2x2 bf16", 4, _dp(2, 2, 2), model="muon_bf16"),
+    Layout("muon gpt2 tp2_fsdp2", 4, _tp(2, *_dp(1, 2, 4)), model="muon_gpt2"),
     # 8 ranks
     Layout("tp2_hsdp2x2", 8, _tp(2, *_dp(2, 2, 2))),
     Layout("tp2_sp_fsdp4", 8, _tp(2, *SP, *_dp(1, 4, 2))),
@@ -442,7 +493,54 @@ def _init_strided_as_shard():
         yield
 
 
+@contextlib.contextmanager
+def _muon_local_ns():
+    """Muon orthogonalizes each rank's own shard of a matrix (no gather): Newton-Schulz of a block is not the
+    block of Newton-Schulz, so the update is wrong although every rank did "the same" as one device."""
+    import titanlike.parallel.muon as muon
+
+    def local(gr, bucket, updates, opt):
+        out = []
+        for k in bucket.items:
+            m = gr.matrices[k]
+            block = muon._narrow(updates[m.param], [(s, e - s) for s, e in m.mine.block])
+            out.append((m, opt._ns(block.reshape(m.mine.shape[-2:]), m).reshape(m.mine.shape)))
+        return out
+
+    with patched(muon, "_orthogonalize_bucket", local):
+        yield
+
+
+@contextlib.contextmanager
+def _muon_fused_one_matrix():
+    """GPT-2's fused q|k|v orthogonalized as one (3 dim x dim) matrix instead of three: what an optimizer that
+    treats every 2-D parameter as a matrix does."""
+    from titanlike.sharding import FusedColwise, whole_matrix
+
+    with patched(FusedColwise, "matrices", lambda self, leaf, shape: whole_matrix(shape) if leaf == "weight" else None):
+        yield
+
+
+@contextlib.contextmanager
+def _muon_not_scattered():
+    """The owner applies its orthogonalized matrix to its own shard only; the other ranks' shards get no update
+    (only the weight decay)."""
+    import titanlike.parallel.muon as muon
+
+    original = muon._orthogonalize_bucket
+
+    def owner_only(gr, bucket, updates, opt):
+        out = original(gr, bucket, updates, opt)
+        return [(m, b if o == gr.rank else torch.zeros_like(b)) for (m, b), o in zip(out, bucket.owners)]
+
+    with patched(muon, "_orthogonalize_bucket", owner_only):
+        yield
+
+
 MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "muon_local_ns": _muon_local_ns,
+    "muon_fused_one_matrix": _muon_fused_one_matrix,
+    "muon_not_scattered": _muon_not_scattered,
     "to_empty_drops_grad_hooks": _to_empty_drops_grad_hooks,
     "init_ignores_shards": _init_ignores_shards,
     "init_strided_as_shard": _init_strided_as_shard,
@@ -732,9 +830,13 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
     aliases = torch.tensor([int(built.aliases_checked)])
     dist.all_reduce(aliases, op=dist.ReduceOp.MIN)
     checks = {"coverage": unique <= union <= every, "tied_still_tied": bool(aliases.item())}
+    muon_stats: list = [None] * ctx.world_size  # what each rank's Muon did in the last step (planner: the same)
+    stats = getattr(built.optimizer, "stats", None)
+    dist.all_gather_object(muon_stats, None if stats is None else dataclasses.asdict(stats))
     return {
         "mutation": layout.mutation,
         "model": layout.model,
+        "muon_stats": muon_stats if stats is not None else None,
         **diffs,
         **checks,
         "ok": diffs["init"] == 0.0

@@ -27,6 +27,10 @@ EXPECTED_BREAK = {
     "cp_chunks_wrong_order": ("loss_step1", True),
     "cp_rope_local": ("loss_step1", True),
     "cp_tokens_per_rank": ("loss_step1", True),
+    # Muon: the optimizer acts after step 1's forward and backward, so the weights break first
+    "muon_local_ns": ("weights", False),
+    "muon_fused_one_matrix": ("weights", False),
+    "muon_not_scattered": ("weights", False),
 }
 BROKEN = 1e-6  # a mutation must move something by at least this much (the gate's tolerance is 1e-10)
 
@@ -125,9 +129,31 @@ def test_matrix_covers_the_required_layouts():
         "cp2_tp2_fsdp2",
         "gpt2 cp2",
         "gpt2 cp2_tp2_sp",
+        "muon fsdp2",
+        "muon tp2_sp",
+        "muon cp2",
+        "muon gpt2 tp2_sp",
+        "muon tp2_sp_fsdp2 one matrix per bucket",
+        "muon gpt2 tp2_fsdp2",
     ]
     assert all(n in by_name for n in required)
     assert {layout.mutation for layout in gate.LAYOUTS if layout.mutation} == set(EXPECTED_BREAK)
+
+
+def test_muon_orthogonalizes_every_matrix_once_dividing_the_work(gate_results):
+    """Under every Muon layout each matrix (GPT-2's q, k and v each) was orthogonalized by exactly one rank per step,
+    the owners spread over the ranks (at most ceil(matrices / world) each), and each rank exchanged blocks in two
+    all-to-alls per bucket of matrices."""
+    world, results = gate_results
+    muon = {n: r for n, r in results["layouts"].items() if r["model"] in gate.MUON_MATRICES and not r["mutation"]}
+    assert muon or world == 8
+    for name, r in muon.items():
+        counts = [s["matrices"] for s in r["muon_stats"]]
+        total = gate.MUON_MATRICES[r["model"]]
+        assert sum(counts) == total and max(counts) <= -(-total // world), (name, counts)
+        buckets = total if r["model"] == "muon_one_bucket" else 1
+        assert all(s["collectives"] == 2 * buckets for s in r["muon_stats"]), (name, r["muon_stats"])
+        assert all(s["sent"] > 0 and s["received"] > 0 for s in r["muon_stats"]), name
 
 
 def test_grouped_query_fused_qkv_under_tp2_fsdp2(gate_results):
