@@ -335,8 +335,14 @@ class ModelPartsView(nn.Module):
                     if key in have:
                         raise ValueError(f"model parts both hold '{name}.{key}'")
                     have[key] = sub
-            elif have is not child:
+            elif have is not child and not (_stateless(have) and _stateless(child)):
                 raise ValueError(f"model parts both hold '{name}'")
+
+
+def _stateless(module: nn.Module) -> bool:
+    """No parameters or buffers anywhere inside (a seam every pipeline stage keeps, e.g. the decoder's positions):
+    nothing of it is in a state dict, so several stages' copies need no merging."""
+    return next(module.parameters(), None) is None and next(module.buffers(), None) is None
 
 
 def merged_model(parts: Sequence[nn.Module]) -> nn.Module:
@@ -572,6 +578,7 @@ class CheckpointManager:
         self.train_state, self.model_args, self.tokenizer, self.device = train_state, model_args, tokenizer, device
         self.rank, self.world_size, self.dp_degree = rank, world_size, dp_degree
         self.distributed = world_size > 1
+        self.optimizer_name = cfg.optimizer.name  # recorded by full saves; a resume needs the same optimizer's state
         # What a seed checkpoint records of how its weights were made (checkpoint.json): the initialisation seed, the
         # dtype of the weights and the layout that wrote it (any layout loads it).
         from titanlike.layout import Degrees, master_dtype
@@ -711,6 +718,14 @@ class CheckpointManager:
                     )
                 check_model_fits(metadata, expected, path)
                 keys = metadata.state_dict_metadata
+                saved_by = read_meta(path).get("optimizer", "AdamW")  # checkpoints from before Muon: AdamW
+                if saved_by != self.optimizer_name and any(k.startswith("optimizer.") for k in keys):
+                    raise ConfigError(
+                        f"checkpoint '{path}' holds {saved_by}'s optimizer state and this run's optimizer.name is "
+                        f"{self.optimizer_name!r}; resume with optimizer.name = {saved_by!r}, or start "
+                        f"{self.optimizer_name} from its weights: checkpoint.initial_load_path = '{path}' with "
+                        f"another checkpoint.folder"
+                    )
                 return {
                     **plan,
                     "action": "resume",
@@ -1058,6 +1073,7 @@ class CheckpointManager:
                     self.model_args,
                     world_size=self.world_size,
                     dp_degree=self.dp_degree,
+                    optimizer=self.optimizer_name,
                     tokens_seen=train["tokens_seen"],
                     data_position=train["data_position"],
                     nonfinite_steps=train["nonfinite_steps"],

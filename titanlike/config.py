@@ -642,7 +642,7 @@ def _apply_pairs(cfg: JobConfig, pairs, from_cli: bool, reading, problems: list[
     known = _all_keys()
     for dotted, value in pairs:
         try:
-            entry = tt.TORCHTITAN_KEYS.get(dotted)
+            entry = tt.lookup(dotted)
             if dotted in known and (entry is None or entry.fate == tt.SHARED):
                 _set(cfg, dotted, value, from_cli=from_cli)
                 explicit.add(dotted)

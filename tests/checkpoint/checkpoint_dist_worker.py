@@ -39,6 +39,10 @@ ZBV = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_pa
 GPT2 = ["--model.name", "gpt2"]  # tied embeddings, fused c_attn (chunk-sharded under TP)
 SEED = ["--checkpoint.create_seed_checkpoint", "--checkpoint.checksum"]
 ONE_STEP = ["--training.steps", "1"]
+MUON = [
+    "--optimizer.name",
+    "Muon",
+]  # torch's defaults (bfloat16 Newton-Schulz): momentum buffers sharded like the weights
 
 
 def from_seed(case: str) -> list[str]:
@@ -85,6 +89,10 @@ CASES = [
     ("seed_tied_zbv_pp2", 2, TIED + ZBV + SEED, None),
     ("single_from_seed_tp2_fsdp2", 1, ONE_STEP + from_seed("seed_tp2_fsdp2"), None),
     ("pp2_fsdp2_from_seed_pp2_tp2", 4, PP2 + ONE_STEP + from_seed("seed_pp2_tp2"), None),
+    # Muon: tp2 x fsdp2 trains like one process; its checkpoint (momentum buffers) resumes in one process.
+    ("muon_tp2_fsdp2", 4, MUON + TP2, None),
+    ("muon_single", 1, MUON, None),
+    ("muon_single_from_muon_tp2_fsdp2", 1, MUON, "muon_tp2_fsdp2"),
 ]
 
 
