@@ -82,11 +82,11 @@ MODELS = {
     "gpt2": ("--model.name", "gpt2"),
     "gpt2_untied": ("--model.name", "gpt2", "--model.tie_embeddings", "false"),
     # Muon on the block matrices (AdamW for the rest), Newton-Schulz in float64 (any rounding difference shows);
-    # muon_bf16: torch's bfloat16 Newton-Schulz; muon_one_bucket: every matrix its own all-to-all pair, plain
-    # momentum; muon_gpt2: fused c_attn orthogonalized per chunk, Moonshot's lr adjustment.
+    # muon_bf16: torch's bfloat16 Newton-Schulz; muon_small_buckets: buckets of one matrix per rank (several
+    # all-to-all pairs), plain momentum; muon_gpt2: fused c_attn orthogonalized per chunk, Moonshot's lr adjustment.
     "muon": ("--optimizer.name", "Muon", "--optimizer.ns_dtype", "float64"),
     "muon_bf16": ("--optimizer.name", "Muon"),
-    "muon_one_bucket": (
+    "muon_small_buckets": (
         "--optimizer.name",
         "Muon",
         "--optimizer.ns_dtype",
@@ -108,7 +108,7 @@ MODELS = {
     ),
 }
 # Matrices Muon orthogonalizes per model (tiny, 2 blocks): Llama 7 per block; GPT-2 c_attn's q, k, v + 3.
-MUON_MATRICES = {"muon": 14, "muon_bf16": 14, "muon_one_bucket": 14, "muon_gpt2": 12}
+MUON_MATRICES = {"muon": 14, "muon_bf16": 14, "muon_small_buckets": 14, "muon_gpt2": 12}
 
 
 @dataclass(frozen=True)
@@ -253,7 +253,7 @@ LAYOUTS = [
     Layout("cp2_tp2_sp", 4, _cp(2, *_tp(2, *SP, *_dp(1, 1, 8)))),
     Layout("cp2_fsdp2", 4, _cp(2, *_dp(1, 2, 4))),
     Layout("gpt2 cp2_tp2_sp", 4, _cp(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="gpt2"),
-    Layout("muon tp2_sp_fsdp2 one matrix per bucket", 4, _tp(2, *SP, *_dp(1, 2, 4)), model="muon_one_bucket"),
+    Layout("muon tp2_sp_fsdp2 small buckets", 4, _tp(2, *SP, *_dp(1, 2, 4)), model="muon_small_buckets"),
     Layout("muon hsdp2x2 bf16", 4, _dp(2, 2, 2), model="muon_bf16"),
     Layout("muon gpt2 tp2_fsdp2", 4, _tp(2, *_dp(1, 2, 4)), model="muon_gpt2"),
     # 8 ranks
@@ -847,6 +847,32 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
         "max_norm": cfg.training.max_norm,
         "seconds": round(time.perf_counter() - t0, 2),
     }
+
+
+_MUON_COUNTS = ("matrices", "ns_flops", "collectives", "sent", "received")
+
+
+def planner_muon_mismatches(results: dict, layouts: list[Layout], world_size: int) -> list[str]:
+    """Where the planner's prediction of a rank's Muon step (titanlike.planner.muon) differs from what the real
+    optimizer counted in this launch (one line each); also the number of Muon layouts compared."""
+    from titanlike.planner.layout import Layout as PlannedLayout
+    from titanlike.planner.muon import muon_rank
+
+    by_name = {layout.name: layout for layout in layouts}
+    out, compared = [], 0
+    for name, r in results["layouts"].items():
+        if r.get("muon_stats") is None or r["mutation"]:
+            continue
+        cfg = config(by_name[name], world_size)
+        args = model_args_from_config(cfg, vocab_size=VOCAB)
+        planned = PlannedLayout.from_config(cfg, world_size, args, gpus_per_node=world_size)
+        for rank, real in enumerate(r["muon_stats"]):
+            p = muon_rank(planned, args, rank)
+            predicted = tuple(getattr(p, k) for k in _MUON_COUNTS)
+            if predicted != tuple(real[k] for k in _MUON_COUNTS):
+                out.append(f"{name} rank {rank}: planned {predicted}, counted {tuple(real[k] for k in _MUON_COUNTS)}")
+        compared += 1
+    return out + [f"compared {compared}"]
 
 
 def gate_main(rank: int, world_size: int, out: str, only: list[str] | None = None) -> None:

@@ -6,9 +6,11 @@ the planner prices them.
   *owner*: the ranks of the matrix's mesh (its data-parallel x tensor-parallel ranks; a pipeline stage's own) take
   the matrices of the optimizer's order in turn, round-robin (:func:`plan_buckets`), so the Newton-Schulz work is
   divided by the mesh size, not repeated on every rank.
-* **Buckets.** Consecutive matrices of one mesh, up to ``bucket_bytes`` of full matrices (in the Newton-Schulz
-  dtype), share one all-to-all that gathers every owner's matrices and one that scatters the results back: two
-  collectives per bucket. An owner holds at most its matrices of one bucket at a time.
+* **Buckets.** Consecutive matrices of one mesh share one all-to-all that gathers every owner's matrices and one
+  that scatters the results back: two collectives per bucket. A bucket holds at least one matrix per rank (so every
+  owner works at once: a bucket of fewer matrices than ranks would leave ranks idle while the owners compute, one
+  bucket after the other) and is extended until it holds ``bucket_bytes`` of full matrices (in the Newton-Schulz
+  dtype). An owner holds its matrices of one bucket at a time: about ``max(1 matrix, bucket_bytes / ranks)``.
 * **Cost.** Newton-Schulz on an ``m x n`` matrix (``a = min(m, n)``, ``b = max(m, n)``) costs, per iteration, the
   Gram matrix ``X X^T`` (``2 a^2 b``), its quadratic ``A A`` (``2 a^3``) and the update ``B X`` (``2 a^2 b``):
   :func:`ns_flops`.
@@ -64,13 +66,13 @@ class Bucket:
 
 def plan_buckets(sizes: Sequence[int], group_size: int, bucket_bytes: float) -> list[Bucket]:
     """The buckets of a mesh's matrices (``sizes``: each one's full bytes, in the optimizer's order): consecutive
-    matrices until a bucket holds ``bucket_bytes`` (at least one matrix each), the ``k``-th matrix owned by rank
+    matrices until a bucket holds ``group_size`` of them and ``bucket_bytes``, the ``k``-th matrix owned by rank
     ``k mod group_size`` of the group."""
     buckets, current, filled = [], [], 0
     for k, size in enumerate(sizes):
         current.append(k)
         filled += size
-        if filled >= bucket_bytes:
+        if len(current) >= group_size and filled >= bucket_bytes:
             buckets.append(current)
             current, filled = [], 0
     if current:
