@@ -18,8 +18,11 @@
 #   float8_rw_b4     titanlike + torchao float8 rowwise, batch 4         (ratio against plain b4)
 #   fsdp_on_b4       titanlike under the FSDP2 wrapper on one rank, b4   (ratio against plain b4)
 #   train_1b         python train.py --job.config_file configs/llama3_1b.toml, 30 steps (b4 x 2048, compile)
-# Writes $OUT/<row>.json (benchmark.py --json), $OUT/<row>.log, $OUT/train_1b/metrics.jsonl, $OUT/env.json and
-# $OUT/summary.json (every row's tokens/s, MFU, memory and ratio to plain, and each step's exit code).
+#   muon_step        scripts/muon_bench.py: the 1B model's optimizer step, Muon (bf16 Newton-Schulz) vs AdamW, one GPU
+#                    (dry mode: 2 gloo ranks, tiny, with the naive every-rank Muon beside it)
+# Writes $OUT/<row>.json (benchmark.py --json), $OUT/<row>.log, $OUT/train_1b/metrics.jsonl, $OUT/muon_step/muon.json,
+# $OUT/env.json and $OUT/summary.json (every row's tokens/s, MFU, memory and ratio to plain, Muon's step seconds
+# against AdamW's, and each step's exit code).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -71,6 +74,7 @@ if [ "$DEVICE" = cuda ]; then
   COMMON=(--flavor 1B --seq-len 2048 --steps 15 --warmup 4 --compile --loss-chunk 2048 --device cuda)
   F8=()
   B4=4; B8=8; T_FIRST=150; T_ROW=100; T_TRAIN=170
+  MUON=(--world 1 --device cuda --flavor 1B --dim 0 --layers 0 --ns-dtype bfloat16 --steps 5); T_MUON=90
   TRAIN=(--job.config_file configs/llama3_1b.toml --training.steps 30 --training.local_batch_size 4
          --training.global_batch_size 4 --training.seq_len 2048 --compile.enable true --metrics.log_freq 10
          --validation.enable false --checkpoint.enable false --metrics.enable_tensorboard false)
@@ -78,6 +82,7 @@ else
   COMMON=(--flavor tiny --seq-len 32 --steps 2 --warmup 1 --loss-chunk 16 --device cpu)
   F8=(--float8-emulate)
   B4=2; B8=4; T_FIRST=300; T_ROW=300; T_TRAIN=300  # generous: a shared 2-core CI machine
+  MUON=(--world 2 --device cpu --flavor tiny --dim 0 --layers 0 --steps 1); T_MUON=300
   TRAIN=(--job.config_file configs/debug_model.toml --training.steps 3 --training.seq_len 32 --training.device cpu
          --training.local_batch_size 2 --metrics.log_freq 1 --validation.enable false
          --metrics.enable_tensorboard false)
@@ -102,6 +107,8 @@ bench float8_rw_b4 "$T_ROW" --batch "$B4" --only titanlike --float8 rowwise "${F
 bench fsdp_on_b4 "$T_ROW" --batch "$B4" --only titanlike --fsdp on
 run train_1b "$T_TRAIN" python train.py "${TRAIN[@]}" --job.dump_folder "$OUT/train_1b"
 bench bf16_b8_ac_op "$T_ROW" --batch "$B8" --only titanlike --ac op
+mkdir -p "$OUT/muon_step"
+run muon_step "$T_MUON" python scripts/muon_bench.py "${MUON[@]}" --json "$OUT/muon_step/muon.json"
 
 rcs=""; for k in "${!RC[@]}"; do rcs="$rcs$k=${RC[$k]} "; done
 python - "$OUT" "$rcs" <<'EOF'
@@ -132,8 +139,11 @@ train = []
 m = out / "train_1b" / "metrics.jsonl"
 if m.exists():
     train = [json.loads(line) for line in m.read_text().splitlines() if line.strip()]
+muon = out / "muon_step" / "muon.json"
+muon = json.loads(muon.read_text()) if muon.exists() else None
 summary = {"env": json.loads((out / "env.json").read_text()), "exit_codes": rcs, "rows": rows,
-           "plain_tokens_per_s_by_batch": plain, "train_1b": [r for r in train if "loss" in r]}
+           "plain_tokens_per_s_by_batch": plain, "train_1b": [r for r in train if "loss" in r],
+           "muon_step": muon}
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
 print(f"{'row':<16} {'batch':>5} {'tokens/s':>10} {'MFU':>6} {'mem GiB':>8} {'x plain':>8}")
 for r in rows:
@@ -144,6 +154,9 @@ print("plain tokens/s by batch:", {k: round(v) for k, v in plain.items()})
 if summary["train_1b"]:
     last = summary["train_1b"][-1]
     print(f"train_1b: step {last['step']} loss {last['loss']:.4f} tokens/s {last.get('tokens_per_s', 0):,.0f}")
+if muon:
+    secs = {k: round(v["seconds"], 4) for k, v in muon["rows"].items()}
+    print(f"muon_step: optimizer step seconds {secs}; muon / adamw {secs['muon'] / secs['adamw']:.2f}")
 print("exit codes:", rcs)
 EOF
 echo "== gpu_check done in $((SECONDS - START))s; results in $OUT"

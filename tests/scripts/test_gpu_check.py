@@ -27,7 +27,16 @@ def test_gpu_check_dry_run_writes_every_row(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["exit_codes"] == {
         k: "0"
-        for k in ("bf16_b4", "bf16_b8", "float8_tw_b4", "float8_rw_b4", "fsdp_on_b4", "train_1b", "bf16_b8_ac_op")
+        for k in (
+            "bf16_b4",
+            "bf16_b8",
+            "float8_tw_b4",
+            "float8_rw_b4",
+            "fsdp_on_b4",
+            "train_1b",
+            "bf16_b8_ac_op",
+            "muon_step",
+        )
     }, proc.stdout
     rows = {r["row"]: r for r in summary["rows"]}
     assert set(rows) == {"bf16_b4", "bf16_b8", "float8_tw_b4", "float8_rw_b4", "fsdp_on_b4", "bf16_b8_ac_op"}
@@ -38,6 +47,11 @@ def test_gpu_check_dry_run_writes_every_row(tmp_path):
         assert r["tokens_per_s"] > 0 and r["ratio_to_plain"] > 0 and r["loss"] > 0, r
     assert [r["step"] for r in summary["train_1b"]] == [1, 2, 3]
     assert summary["env"]["torchao"] == "0.18.0"
+    # the Muon row: 2 gloo ranks in the dry mode, every matrix orthogonalized once (7 of 14 each), naive: all on each
+    muon = summary["muon_step"]["rows"]
+    assert set(muon) == {"adamw", "muon", "naive_muon"} and all(r["seconds"] > 0 for r in muon.values())
+    assert [c["matrices"] for c in muon["muon"]["ranks"]] == [7, 7]
+    assert [c["matrices"] for c in muon["naive_muon"]["ranks"]] == [14, 14]
 
 
 def test_gpu_check_bad_argument_is_one_line(tmp_path):

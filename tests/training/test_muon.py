@@ -353,3 +353,19 @@ def test_a_checkpoint_resumes_only_with_the_optimizer_that_wrote_it(tmp_path):
     losses = trainer.train()
     trainer.close()
     assert len(losses) == 2 and read_meta(tmp_path / "muon" / "step-2")["optimizer"] == "Muon"
+
+
+def test_the_momentum_buffer_is_never_the_newton_schulz_input():
+    """torch.optim.Muon with bfloat16 parameters and plain momentum normalizes its momentum buffer in place (its
+    Newton-Schulz starts from ``buf.bfloat16()``, which is the buffer itself: docs/facts.md); ours works on a copy,
+    so the buffer stays the momentum."""
+    g = torch.Generator().manual_seed(0)
+    w = nn.Parameter(torch.randn(8, 4, generator=g).bfloat16())
+    w.grad = torch.randn(8, 4, generator=g).bfloat16()
+    theirs = nn.Parameter(w.detach().clone())
+    theirs.grad = w.grad.clone()
+    opt = Muon([w], lr=0.01, momentum=0.9, nesterov=False)
+    opt.step()
+    torch.optim.Muon([theirs], lr=0.01, momentum=0.9, nesterov=False).step()
+    assert torch.equal(opt.state[w]["momentum_buffer"], torch.zeros_like(w.grad).lerp_(w.grad, 0.1))
+    assert torch.equal(w, theirs)  # the first update is the same; torch's buffer is not its momentum any more
