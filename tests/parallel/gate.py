@@ -792,6 +792,7 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
         for part in built.model_parts:
             for name, p in part.named_parameters():
                 diffs["init"] = max(diffs["init"], _max_abs(_full(p), start[name]))
+        muon_comms = _count_optimizer_comms(built.optimizer)  # Muon: what its last step sent (CommDebugMode)
         for step in range(1, STEPS + 1):
             ref = records[step - 1]
             res = train_step(
@@ -832,7 +833,8 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
     checks = {"coverage": unique <= union <= every, "tied_still_tied": bool(aliases.item())}
     muon_stats: list = [None] * ctx.world_size  # what each rank's Muon did in the last step (planner: the same)
     stats = getattr(built.optimizer, "stats", None)
-    dist.all_gather_object(muon_stats, None if stats is None else dataclasses.asdict(stats))
+    mine = None if stats is None else {**dataclasses.asdict(stats), "comms": muon_comms}
+    dist.all_gather_object(muon_stats, mine)
     return {
         "mutation": layout.mutation,
         "model": layout.model,
@@ -873,6 +875,27 @@ def planner_muon_mismatches(results: dict, layouts: list[Layout], world_size: in
                 out.append(f"{name} rank {rank}: planned {predicted}, counted {tuple(real[k] for k in _MUON_COUNTS)}")
         compared += 1
     return out + [f"compared {compared}"]
+
+
+def _count_optimizer_comms(optimizer) -> dict[str, int]:
+    """For Muon (an optimizer with ``stats``): every collective of each ``step`` call, counted by CommDebugMode
+    (the dict is refilled at each step, so after training it holds the last step's)."""
+    counts: dict[str, int] = {}
+    if getattr(optimizer, "stats", None) is None:
+        return counts
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    original = optimizer.step
+
+    def counted(*args, **kwargs):
+        with CommDebugMode() as mode:
+            out = original(*args, **kwargs)
+        counts.clear()
+        counts.update({str(k): v for k, v in mode.get_comm_counts().items()})
+        return out
+
+    optimizer.step = counted
+    return counts
 
 
 def gate_main(rank: int, world_size: int, out: str, only: list[str] | None = None) -> None:

@@ -143,7 +143,8 @@ def test_matrix_covers_the_required_layouts():
 def test_muon_orthogonalizes_every_matrix_once_dividing_the_work(gate_results):
     """Under every Muon layout each matrix (GPT-2's q, k and v each) was orthogonalized by exactly one rank per step,
     the owners spread over the ranks (at most ceil(matrices / world) each), and each rank exchanged blocks in two
-    all-to-alls per bucket of matrices (one bucket, or buckets of one matrix per rank)."""
+    all-to-alls per bucket of matrices (one bucket, or buckets of one matrix per rank) and nothing else (pinned with
+    CommDebugMode)."""
     world, results = gate_results
     muon = {n: r for n, r in results["layouts"].items() if r["model"] in gate.MUON_MATRICES and not r["mutation"]}
     assert muon or world == 8
@@ -153,6 +154,8 @@ def test_muon_orthogonalizes_every_matrix_once_dividing_the_work(gate_results):
         assert sum(counts) == total and max(counts) <= -(-total // world), (name, counts)
         buckets = -(-total // world) if r["model"] == "muon_small_buckets" else 1
         assert all(s["collectives"] == 2 * buckets for s in r["muon_stats"]), (name, r["muon_stats"])
+        # CommDebugMode saw exactly those all-to-alls in the optimizer step, and no other collective
+        assert all(s["comms"] == {"c10d.alltoall_base_": 2 * buckets} for s in r["muon_stats"]), name
         assert all(s["sent"] > 0 and s["received"] > 0 for s in r["muon_stats"]), name
 
 

@@ -80,6 +80,7 @@ def test_muon_stages_orthogonalize_each_matrix_once(gate_results):
         if r["model"] == "muon_deep":
             counts = [s["matrices"] for s in r["muon_stats"]]
             assert sum(counts) == gate.MUON_MATRICES["muon_deep"] and max(counts) <= 7, (name, counts)
+            assert all(s["comms"] == {"c10d.alltoall_base_": 2} for s in r["muon_stats"]), name  # CommDebugMode
     assert world != 8 or any(r["model"] == "muon_deep" for r in results["layouts"].values())
     problems = gate.planner_muon_mismatches(results, pipeline_gate.LAYOUTS, world)  # the planner's prediction
     assert problems[:-1] == [], problems

@@ -157,15 +157,10 @@ def _piece(idx: list[Tensor], box: Box) -> _Piece:
         # box are one contiguous block of the local tensor.
         s, e = int(torch.searchsorted(v, lo)), int(torch.searchsorted(v, hi))
         block.append((s, e))
-        g = (v[s:e] - lo).tolist()
-        dim_runs, k = [], 0
-        while k < len(g):
-            j = k
-            while j + 1 < len(g) and g[j + 1] == g[j] + 1:
-                j += 1
-            dim_runs.append((k, g[k], j - k + 1))
-            k = j + 1
-        runs.append(tuple(dim_runs))
+        g = v[s:e] - lo
+        starts = [0, *(torch.nonzero(g.diff() != 1).flatten() + 1).tolist()] if len(g) else []
+        ends = [*starts[1:], len(g)]
+        runs.append(tuple((a, int(g[a]), b - a) for a, b in zip(starts, ends)))
     return _Piece(tuple(block), tuple(runs))
 
 
@@ -197,10 +192,10 @@ class _Matrix:
     box: Box
     rows: int
     cols: int
-    mine: _Piece  # this rank's block
-    pieces: list[_Piece] | None  # every group rank's block (None: a local parameter)
-    replica_of: list[int] | None  # group rank -> the index of its replica set (equal shards)
-    group_index: int = -1  # its param group (an index: load_state_dict replaces the group dicts)
+    group_index: int  # its param group (an index: load_state_dict replaces the group dicts)
+    mine: _Piece | None = None  # this rank's block
+    pieces: list[_Piece] | None = None  # every group rank's block, on the owner only
+    replica_of: list[int] | None = None  # group rank -> the index of its replica set (ranks with equal shards)
 
     def sources(self, owner: int) -> list[int]:
         """The group ranks whose blocks make up the matrix for ``owner``: its own replica set."""
@@ -257,33 +252,40 @@ def _flattened_groups(params: Sequence[Tensor]) -> dict[tuple, object]:
     return {_mesh_key(m): (flat[n] if n in flat else m).get_group() for n, m in meshes.items()}
 
 
-def _layout_matrices(param: Tensor, boxes: Matrices, groups: dict[tuple, object]) -> tuple[object, list[_Matrix]]:
-    """(process group or None, the parameter's matrices with every rank's block)."""
-    if not isinstance(param, DTensor):
-        idx = [torch.arange(n) for n in param.shape]
-        return None, [_Matrix(param, box, *_matrix_shape(param, box), _piece(idx, box), None, None) for box in boxes]
-    mesh = param.device_mesh
-    group = groups[_mesh_key(mesh)]
-    ranks = dist.get_process_group_ranks(group)
-    grid = mesh.mesh
-    coords = [tuple(int(c) for c in (grid == r).nonzero()[0].tolist()) for r in ranks]
-    me = dist.get_group_rank(group, dist.get_rank())
-    placements = param.placements
-    replicated = [i for i, pl in enumerate(placements) if isinstance(pl, Replicate)]
-    replica_ids = {}
-    replica_of = [replica_ids.setdefault(tuple(c[i] for i in replicated), len(replica_ids)) for c in coords]
-    indices = [_local_indices(param.shape, tuple(grid.shape), placements, c) for c in coords]
-    local = tuple(param.to_local().shape)
-    if tuple(len(v) for v in indices[me]) != local:
-        raise RuntimeError(
-            f"Muon: the local shard {local} of a {tuple(param.shape)} parameter with placements {placements} is not "
-            f"DTensor's split of it {tuple(len(v) for v in indices[me])}; this layout cannot be orthogonalized"
-        )
+class _ParamLayout:
+    """Where a DTensor parameter's shards live in its group: every group rank's mesh coordinate, its replica set,
+    and (on demand) its global indices per dim."""
+
+    def __init__(self, param: DTensor, group):
+        mesh, self.param = param.device_mesh, param
+        grid = mesh.mesh
+        position = {r: i for i, r in enumerate(grid.flatten().tolist())}
+        self.shape = tuple(grid.shape)
+        self.coords = [_unravel(position[r], self.shape) for r in dist.get_process_group_ranks(group)]
+        self.me = dist.get_group_rank(group, dist.get_rank())
+        replicated = [i for i, pl in enumerate(param.placements) if isinstance(pl, Replicate)]
+        ids: dict[tuple, int] = {}
+        self.replica_of = [ids.setdefault(tuple(c[i] for i in replicated), len(ids)) for c in self.coords]
+        self._indices: dict[int, list[Tensor]] = {}
+        local, mine = tuple(param.to_local().shape), tuple(len(v) for v in self.indices(self.me))
+        if mine != local:
+            raise RuntimeError(
+                f"Muon: the local shard {local} of a {tuple(param.shape)} parameter with placements "
+                f"{param.placements} is not DTensor's split of it {mine}; this layout cannot be orthogonalized"
+            )
+
+    def indices(self, rank: int) -> list[Tensor]:
+        if rank not in self._indices:
+            self._indices[rank] = _local_indices(self.param.shape, self.shape, self.param.placements, self.coords[rank])
+        return self._indices[rank]
+
+
+def _unravel(i: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     out = []
-    for box in boxes:
-        pieces = [_piece(v, box) for v in indices]
-        out.append(_Matrix(param, box, *_matrix_shape(param, box), pieces[me], pieces, replica_of))
-    return group, out
+    for n in reversed(shape):
+        out.append(i % n)
+        i //= n
+    return tuple(reversed(out))
 
 
 def _matrix_shape(param: Tensor, box: Box) -> tuple[int, int]:
@@ -394,24 +396,34 @@ class Muon(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------ the plan
     def _build_plan(self) -> list[_Group]:
-        """Every matrix of every Muon group, grouped by mesh, with its owners and buckets (built on the first
-        step, then kept: the layout does not change)."""
+        """Every matrix of every Muon group, grouped by mesh, with its owners and buckets, this rank's block of each
+        and, for the matrices it owns, every rank's (built on the first step, then kept: the layout does not
+        change)."""
         groups: dict[object, _Group] = {}
         for i, g in enumerate(self.param_groups):
             if g["algorithm"] != "muon":
                 continue
             for p in g["params"]:
-                group, mats = _layout_matrices(p, self._matrices[p], self._groups_by_mesh)
+                group = self._groups_by_mesh[_mesh_key(p.device_mesh)] if isinstance(p, DTensor) else None
                 if group not in groups:
                     size = 1 if group is None else dist.get_world_size(group)
-                    rank = 0 if group is None else dist.get_rank(group)
-                    groups[group] = _Group(group, size, rank)
-                for m in mats:
-                    m.group_index = i
-                groups[group].matrices.extend(mats)
+                    groups[group] = _Group(group, size, 0 if group is None else dist.get_rank(group))
+                groups[group].matrices += [_Matrix(p, box, *_matrix_shape(p, box), i) for box in self._matrices[p]]
         itemsize = torch.empty((), dtype=self.ns_dtype).element_size()
         for gr in groups.values():
             gr.buckets = plan_buckets([m.rows * m.cols * itemsize for m in gr.matrices], gr.size, self.bucket_bytes)
+            owner = {k: o for b in gr.buckets for k, o in zip(b.items, b.owners)}
+            layouts: dict[int, _ParamLayout] = {}
+            for k, m in enumerate(gr.matrices):
+                if gr.group is None:
+                    m.mine = _piece([torch.arange(n) for n in m.param.shape], m.box)
+                    continue
+                lay = layouts.get(id(m.param))
+                if lay is None:
+                    lay = layouts[id(m.param)] = _ParamLayout(m.param, gr.group)
+                m.mine, m.replica_of = _piece(lay.indices(lay.me), m.box), lay.replica_of
+                if owner[k] == gr.rank:
+                    m.pieces = [_piece(lay.indices(r), m.box) for r in range(gr.size)]
         return list(groups.values())
 
     # ------------------------------------------------------------------------------------------ the step
