@@ -42,7 +42,7 @@ def test_llama_8b_on_64_ranks_divides_the_matrices_and_counts_the_bytes():
     muon = make_plan(parse_config([*LLAMA_8B, "--optimizer.name", "Muon"]), 64, H100, args, run_dry=False)
     item = {it.name: it for it in muon.memory[0]}["optimizer"]
     assert item.bytes < {it.name: it for it in adamw.memory[0]}["optimizer"].bytes
-    assert "Muon momentum_buffer (224 matrices)" in item.note
+    assert "Muon momentum_buffer (224 matrix parameters)" in item.note
     assert muon.cost.optimizer > 0 and muon.cost.step_time > adamw.cost.step_time
     text = render_plan(muon)
     assert "optimizer: Muon orthogonalizes 4 matrices on this rank (of its group of 64)" in text

@@ -355,7 +355,7 @@ def _optimizer_item(layout: Layout, args, shards, n_local: int, n_tensors: int) 
     return MemoryItem(
         "optimizer",
         n_muon * pb + 2 * (n_local - n_muon) * pb + 4 * (n_tensors - len(muon)),
-        f"Muon momentum_buffer ({len(muon)} matrices) + AdamW exp_avg + exp_avg_sq (+ step scalars)",
+        f"Muon momentum_buffer ({len(muon)} matrix parameters) + AdamW exp_avg + exp_avg_sq (+ step scalars)",
     )
 
 
