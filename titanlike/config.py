@@ -100,14 +100,28 @@ class Training:
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW"] = "AdamW"  # the optimizer
-    lr: float = 8e-4  # peak learning rate
+    # AdamW, or Muon: the blocks' matrices orthogonalized (docs/muon.md), AdamW for the rest
+    name: Literal["AdamW", "Muon"] = "AdamW"
+    lr: float = 8e-4  # peak learning rate (Muon: of the matrices; adamw_lr for the rest)
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.95  # AdamW second-moment decay
     eps: float = 1e-8  # AdamW denominator epsilon
-    weight_decay: float = 0.1  # decoupled weight decay
+    weight_decay: float = 0.1  # decoupled weight decay (Muon: of the matrices; adamw_weight_decay for the rest)
     # auto (fused on CUDA, foreach otherwise) | fused | foreach | for-loop
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
+    # Muon (optimizer.name = "Muon"), with torch.optim.Muon's names and defaults:
+    momentum: float = 0.95  # Muon momentum
+    nesterov: bool = True  # Muon: Nesterov momentum
+    ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.775, 2.0315])  # Newton-Schulz (a, b, c)
+    ns_steps: int = 5  # Muon: Newton-Schulz iterations
+    muon_eps: float = 1e-7  # torch Muon's eps (the floor of the update's norm); optimizer.eps is AdamW's
+    # Muon learning rate per matrix shape: original = sqrt(max(1, rows/cols)); match_rms_adamw = 0.2 sqrt(max(rows,
+    # cols)) (AdamW's lr and weight decay carry over)
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] = "original"
+    ns_dtype: Literal["bfloat16", "float32", "float64"] = "bfloat16"  # Muon: Newton-Schulz precision (torch's bf16)
+    adamw_lr: float | None = None  # Muon: peak lr of the AdamW parameters (None: optimizer.lr)
+    adamw_weight_decay: float | None = None  # Muon: weight decay of the AdamW parameters (None: weight_decay)
+    muon_bucket_mb: float = 128.0  # Muon: megabytes of full matrices per gather / scatter all-to-all pair
 
 
 @dataclass
@@ -271,6 +285,12 @@ MINIMUM = {
     "optimizer.lr": 0.0,
     "optimizer.eps": 0.0,
     "optimizer.weight_decay": 0.0,
+    "optimizer.momentum": 0.0,
+    "optimizer.ns_steps": 1,
+    "optimizer.muon_eps": 0.0,
+    "optimizer.adamw_lr": 0.0,
+    "optimizer.adamw_weight_decay": 0.0,
+    "optimizer.muon_bucket_mb": 0.0,
     "lr_scheduler.warmup_steps": 0,
     "lr_scheduler.decay_ratio": 0.0,
     "lr_scheduler.min_lr_factor": 0.0,
@@ -314,6 +334,8 @@ MAXIMUM = {
     "data.val_fraction": 0.5,
     "optimizer.beta1": 1.0,
     "optimizer.beta2": 1.0,
+    "optimizer.momentum": 1.0,
+    "optimizer.ns_steps": 99,
 }
 
 
@@ -646,7 +668,7 @@ def _apply_pairs(cfg: JobConfig, pairs, from_cli: bool, reading, problems: list[
     known = _all_keys()
     for dotted, value in pairs:
         try:
-            entry = tt.TORCHTITAN_KEYS.get(dotted)
+            entry = tt.lookup(dotted)
             if dotted in known and (entry is None or entry.fate == tt.SHARED):
                 _set(cfg, dotted, value, from_cli=from_cli)
                 explicit.add(dotted)

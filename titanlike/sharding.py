@@ -22,7 +22,10 @@ else is derived from the same entries, so no plan is written twice:
   under sequence parallelism, else ``Replicate()``;
 * every parameter's tensor-parallel dim and FSDP dim for the planner (:func:`param_dims`);
 * which ``nn.Linear`` s may train in float8 (:func:`float8_patterns`), and hence whether a model can train in float8
-  at all (``titanlike.layout.rules``).
+  at all (``titanlike.layout.rules``);
+* which parameters Muon orthogonalizes, and as which matrices (:meth:`Entry.matrices`: a fused projection's chunks
+  one by one, a stacked expert weight expert by expert), for ``optimizer.name = "Muon"``
+  (``titanlike.parallel.muon``); every other parameter trains with AdamW.
 
 Extension points (docs/adding_a_model.md): an expert-parallel entry (experts' weights split over an ``ep`` mesh
 axis) is one more :class:`Entry` subclass here, one case in the translator and its :meth:`Entry.tp_dim`; entries
@@ -44,6 +47,7 @@ __all__ = [
     "FusedColwise",
     "Head",
     "HeadNorm",
+    "Matrices",
     "Norm",
     "PositionTable",
     "Region",
@@ -53,8 +57,38 @@ __all__ = [
     "entry_for",
     "float8_patterns",
     "matches",
+    "muon_patterns",
     "param_dims",
+    "stacked_matrices",
+    "whole_matrix",
 ]
+
+# The matrices an orthogonalizing optimizer (Muon) sees in one parameter: one box of index ranges
+# ``((start, stop) per dim)`` each; a box's leading dims (all but the last two) span one index (a stacked expert),
+# its last two are the matrix's rows and columns.
+Box = tuple[tuple[int, int], ...]
+Matrices = tuple[Box, ...]
+
+
+def whole_matrix(shape: tuple[int, ...]) -> Matrices:
+    """A 2-D parameter as one matrix."""
+    return (tuple((0, n) for n in shape),)
+
+
+def row_chunks(shape: tuple[int, ...], sizes: list[int]) -> Matrices:
+    """A 2-D parameter whose rows are consecutive chunks of ``sizes`` (a fused q|k|v, gate|up): one matrix each."""
+    out, start = [], 0
+    for n in sizes:
+        out.append(((start, start + n), (0, shape[1])))
+        start += n
+    return tuple(out)
+
+
+def stacked_matrices(shape: tuple[int, ...]) -> Matrices:
+    """A stacked weight ``(n, rows, cols)`` (mixture-of-experts: one ``rows x cols`` matrix per expert): each
+    matrix on its own."""
+    n, rows, cols = shape
+    return tuple(((e, e + 1), (0, rows), (0, cols)) for e in range(n))
 
 
 @dataclass(frozen=True)
@@ -74,28 +108,48 @@ class Entry:
         """The dim FSDP shards the (tp-local) parameter on."""
         return 0
 
+    def matrices(self, leaf: str, shape: tuple[int, ...]) -> Matrices | None:
+        """The matrices Muon orthogonalizes in this module's parameter ``leaf`` of (full) ``shape``, one by one; None:
+        the parameter trains with AdamW (embeddings, head, norms, biases, and the matrices of an entry with
+        ``muon=False``)."""
+        return None
+
+
+def _weight_matrix(entry, leaf: str, shape: tuple[int, ...]) -> Matrices | None:
+    """A Linear entry's weight as one matrix, unless the model keeps it on AdamW (``muon=False``)."""
+    return whole_matrix(shape) if entry.muon and leaf == "weight" and len(shape) == 2 else None
+
 
 @dataclass(frozen=True)
 class Colwise(Entry):
     """An ``nn.Linear`` whose output features split over tp (weight and bias dim 0): from the replicated input each
-    rank computes its own heads / hidden units, a local output (torch's ``ColwiseParallel``)."""
+    rank computes its own heads / hidden units, a local output (torch's ``ColwiseParallel``). ``muon``: its weight
+    is one of the matrices Muon orthogonalizes (False: AdamW)."""
 
     float8: bool = field(default=True, kw_only=True)
+    muon: bool = field(default=True, kw_only=True)
 
     def tp_dim(self, leaf, ndim, *, tp, fsdp):
         return 0
+
+    def matrices(self, leaf, shape):
+        return _weight_matrix(self, leaf, shape)
 
 
 @dataclass(frozen=True)
 class Rowwise(Entry):
     """An ``nn.Linear`` whose input features split over tp (weight dim 1): the ranks' partial outputs are summed into
     the residual stream's layout (Megatron's g: an all-reduce, a reduce-scatter under SP); the bias is replicated
-    and added once, after the sum (torch's ``RowwiseParallel`` to ``seq``)."""
+    and added once, after the sum (torch's ``RowwiseParallel`` to ``seq``). ``muon``: as for :class:`Colwise`."""
 
     float8: bool = field(default=True, kw_only=True)
+    muon: bool = field(default=True, kw_only=True)
 
     def tp_dim(self, leaf, ndim, *, tp, fsdp):
         return 1 if leaf == "weight" else None
+
+    def matrices(self, leaf, shape):
+        return _weight_matrix(self, leaf, shape)
 
 
 @dataclass(frozen=True)
@@ -107,10 +161,14 @@ class FusedColwise(Entry):
 
     Equal chunks: the weight ``_StridedShard`` on dim 0 (FSDP then shards dim 1), the bias too, or replicated over
     tp once FSDP shards it. Unequal chunks: weight and bias replicated over tp (each rank cuts its rows in the
-    forward; two extra gradient all-reduces per step: docs/parallelism.md)."""
+    forward; two extra gradient all-reduces per step: docs/parallelism.md).
+
+    Muon orthogonalizes each chunk of the weight as its own matrix (q, k and v; gate and up), exactly as it would
+    separate Linears: the fused layout is a kernel choice, not a different model (``muon=False``: AdamW)."""
 
     chunks: int | tuple[int, ...] = 3
     head_dim: int | None = None
+    muon: bool = field(default=True, kw_only=True)
 
     @property
     def equal(self) -> bool:
@@ -132,6 +190,12 @@ class FusedColwise(Entry):
 
     def fsdp_dim(self, leaf, ndim, *, tp):
         return 1 if self.equal and tp > 1 and ndim >= 2 else 0
+
+    def matrices(self, leaf, shape):
+        if _weight_matrix(self, leaf, shape) is None:
+            return None
+        sizes = self.sizes(shape[0])
+        return row_chunks(shape, [shape[0] // sizes] * sizes if isinstance(sizes, int) else sizes)
 
 
 @dataclass(frozen=True)
@@ -214,6 +278,11 @@ def param_dims(sharding: Mapping[str, Entry], fqn: str, ndim: int, *, tp: int, f
 def float8_patterns(sharding: Mapping[str, Entry]) -> tuple[str, ...]:
     """The module patterns whose ``nn.Linear`` s may train in float8 (entries with ``float8=True``)."""
     return tuple(p for p, e in sharding.items() if e.float8)
+
+
+def muon_patterns(sharding: Mapping[str, Entry]) -> tuple[str, ...]:
+    """The module patterns whose entries give Muon matrices (Linear entries with ``muon=True``)."""
+    return tuple(p for p, e in sharding.items() if getattr(e, "muon", False))
 
 
 def check_sharding(sharding: Mapping[str, Entry], module_fqns: Iterable[str]) -> list[str]:

@@ -32,6 +32,7 @@ class Key:
     ok: tuple = ()  # inert: the values that change nothing
     convert: Callable | None = None  # mapped: torchtitan value -> {titanlike key: value} (default {target: value})
     accept: Callable | None = None  # mapped: value -> None if accepted, else why not (refused with the note)
+    source: str = "torchtitan"  # whose option it is (torchtitan, or Megatron for MUON_KEYS' Megatron names)
 
 
 def _list_of_parts(value):
@@ -405,6 +406,134 @@ TORCHTITAN_KEYS: dict[str, Key] = {
     "debug.moe_force_load_balance": Key(INERT, ok=(False,), note=NO_MOE),
 }
 
+# Muon options of torchtitan's Muon integrations (not in v0.2.2: the Dion-based experiment's [optimizer] keys and
+# the later Muon commit's mu / adjust_lr / muon_fallback_algorithm) and of Megatron-Core's OptimizerConfig (its
+# --muon-* flags, as optimizer.muon_* keys): mapped to torch.optim.Muon's names where the meaning is the same,
+# accepted where they change nothing, refused with the equivalent otherwise. A file holding only these is not
+# read as a torchtitan file.
+_ONE_ADAMW = "titanlike trains every parameter that is not a matrix with AdamW, at one lr (optimizer.adamw_lr)"
+_PER_CHUNK = "titanlike orthogonalizes a fused q|k|v per chunk, as separate matrices (docs/muon.md)"
+_MEGATRON = "Megatron"
+
+
+def _adjust_lr(value):
+    return {"optimizer.adjust_lr_fn": "match_rms_adamw"}
+
+
+def _scale_mode(value):
+    return {"optimizer.adjust_lr_fn": "original"}
+
+
+def _matmul_prec(value):
+    return {"optimizer.ns_dtype": "bfloat16" if value == "medium" else "float32"}
+
+
+MUON_KEYS: dict[str, Key] = {
+    "optimizer.mu": Key(
+        MAPPED,
+        "optimizer.momentum",
+        "torch.optim.Muon's momentum (torchtitan's Muon defaults to nesterov = false, titanlike to torch's true: "
+        "set optimizer.nesterov)",
+    ),
+    "optimizer.adjust_lr": Key(
+        MAPPED,
+        "optimizer.adjust_lr_fn",
+        "rms_norm is 0.2 sqrt(max(rows, cols)), torch's match_rms_adamw",
+        convert=_adjust_lr,
+        accept=_only(
+            "rms_norm",
+            why="titanlike adjusts the lr as torch.optim.Muon does: optimizer.adjust_lr_fn = 'original' "
+            "(sqrt(max(1, rows / cols)); spectral_norm's sqrt(rows / cols) equals it for rows >= cols) or "
+            "'match_rms_adamw' (rms_norm's 0.2 sqrt(max(rows, cols))); set optimizer.adjust_lr_fn instead",
+        ),
+    ),
+    "optimizer.muon_fallback_algorithm": Key(INERT, ok=("adamw",), note=_ONE_ADAMW),
+    "optimizer.algorithm": Key(INERT, ok=("muon",), note="optimizer.name = 'Muon' selects Muon (no Dion)"),
+    "optimizer.flatten": Key(
+        INERT, ok=(False,), note="Muon orthogonalizes 2-D matrices (stacked experts one by one), never a flattened one"
+    ),
+    "optimizer.use_triton": Key(INERT, ok=(False,), note="Newton-Schulz runs in torch ops (optimizer.ns_dtype)"),
+    "optimizer.muon_split": Key(INERT, ok=(False,), note="no per-head Newton-Schulz (titanlike has no MLA)"),
+    "optimizer.scalar_optimizer": Key(INERT, ok=("adamw",), note=_ONE_ADAMW),
+    "optimizer.embedding_optimizer": Key(INERT, ok=("adamw",), note=_ONE_ADAMW),
+    "optimizer.head_optimizer": Key(INERT, ok=("adamw",), note=_ONE_ADAMW),
+    "optimizer.expert_optimizer": Key(INERT, ok=(None,), note=NO_MOE),
+    "optimizer.routing_optimizer": Key(INERT, ok=(None,), note=NO_MOE),
+    "optimizer.head_lr_scaling": Key(INERT, ok=(False,), note=_ONE_ADAMW),
+    "optimizer.scalar_lr_factor": Key(INERT, ok=(1.0,), note=_ONE_ADAMW),
+    "optimizer.embedding_lr_factor": Key(INERT, ok=(1.0,), note=_ONE_ADAMW),
+    "optimizer.head_lr_factor": Key(INERT, ok=(1.0,), note=_ONE_ADAMW),
+    "optimizer.expert_lr_factor": Key(INERT, ok=(1.0,), note=NO_MOE),
+    "optimizer.routing_lr_factor": Key(INERT, ok=(1.0,), note=NO_MOE),
+    "optimizer.state_dtype": Key(
+        INERT, ok=("float32",), note="Muon's momentum buffers are kept in the parameters' dtype"
+    ),
+    # Megatron-Core (megatron.core.optimizer.OptimizerConfig)
+    "optimizer.muon_momentum": Key(MAPPED, "optimizer.momentum", "torch.optim.Muon's momentum", source=_MEGATRON),
+    "optimizer.muon_use_nesterov": Key(
+        MAPPED, "optimizer.nesterov", "Nesterov momentum (Megatron's default false, torch's true)", source=_MEGATRON
+    ),
+    "optimizer.muon_nesterov": Key(
+        MAPPED, "optimizer.nesterov", "Nesterov momentum (Megatron's default false, torch's true)", source=_MEGATRON
+    ),
+    "optimizer.muon_num_ns_steps": Key(MAPPED, "optimizer.ns_steps", "Newton-Schulz iterations", source=_MEGATRON),
+    "optimizer.muon_scale_mode": Key(
+        MAPPED,
+        "optimizer.adjust_lr_fn",
+        "shape_scaling is sqrt(max(1, rows / cols)), torch's original",
+        convert=_scale_mode,
+        accept=_only(
+            "shape_scaling",
+            why="titanlike adjusts the lr as torch.optim.Muon does; Megatron's spectral with "
+            "muon_extra_scale_factor 0.2 is optimizer.adjust_lr_fn = 'match_rms_adamw' (unit_rms_norm has no "
+            "equivalent): set optimizer.adjust_lr_fn and drop muon_scale_mode / muon_extra_scale_factor",
+        ),
+        source=_MEGATRON,
+    ),
+    "optimizer.muon_extra_scale_factor": Key(
+        INERT,
+        ok=(1.0,),
+        note="the spectral scale with factor 0.2 is optimizer.adjust_lr_fn = 'match_rms_adamw'; any other factor "
+        "is a change of optimizer.lr",
+        source=_MEGATRON,
+    ),
+    "optimizer.muon_fp32_matmul_prec": Key(
+        MAPPED,
+        "optimizer.ns_dtype",
+        "medium runs Newton-Schulz in bfloat16, highest in float32",
+        convert=_matmul_prec,
+        accept=_only(
+            "medium",
+            "highest",
+            why="TF32 matmuls are not a titanlike precision: optimizer.ns_dtype = 'float32' (highest) or "
+            "'bfloat16' (medium)",
+        ),
+        source=_MEGATRON,
+    ),
+    "optimizer.muon_coefficient_type": Key(
+        INERT,
+        ok=("quintic",),
+        note="Newton-Schulz takes one (a, b, c) for every iteration: optimizer.ns_coefficients (torch's quintic "
+        "by default)",
+        source=_MEGATRON,
+    ),
+    "optimizer.muon_split_qkv": Key(INERT, ok=(True,), note=_PER_CHUNK, source=_MEGATRON),
+    "optimizer.muon_tp_mode": Key(
+        INERT,
+        ok=("duplicated", "distributed"),
+        note="titanlike orthogonalizes every matrix whole, once, on one owner rank (duplicated's and distributed's "
+        "result; blockwise, Newton-Schulz of each tensor-parallel shard, is a different update)",
+        source=_MEGATRON,
+    ),
+    "optimizer.muon_scalar_optimizer": Key(INERT, ok=("adam",), note=_ONE_ADAMW, source=_MEGATRON),
+}
+
+
+def lookup(dotted: str) -> Key | None:
+    """The fate of a foreign key: torchtitan v0.2.2's, or a torchtitan / Megatron Muon option."""
+    return TORCHTITAN_KEYS.get(dotted) or MUON_KEYS.get(dotted)
+
+
 # Defaults of shared keys where titanlike's own default differs from torchtitan's: applied to a torchtitan file that
 # leaves the key out (titanlike's own default is kept for titanlike's configs and the command line; see
 # docs/torchtitan.md for why each differs).
@@ -463,22 +592,22 @@ class Reading:
 
 def read_key(dotted: str, value, reading: Reading) -> None:
     """Apply torchtitan key ``dotted`` (not a titanlike key): settings, a note, or a problem."""
-    key = TORCHTITAN_KEYS[dotted]
+    key = lookup(dotted)
     reading.torchtitan_only.append(dotted)
     if key.fate == REFUSED:
         if value in (None, "", []):  # unset: nothing to honour
             reading.notes.append(f"{dotted} = {value!r} accepted, unset ({key.note})")
         else:
-            reading.problems.append(f"torchtitan's {dotted} = {value!r}: {key.note}")
+            reading.problems.append(f"{key.source}'s {dotted} = {value!r}: {key.note}")
     elif key.fate == INERT:
         if key.ok is None or value in key.ok:
             reading.notes.append(f"{dotted} = {value!r} accepted, changes nothing here ({key.note})")
         else:
-            reading.problems.append(f"torchtitan's {dotted} = {value!r} does not apply: {key.note}")
+            reading.problems.append(f"{key.source}'s {dotted} = {value!r} does not apply: {key.note}")
     elif key.fate == MAPPED:
         why = key.accept(value) if key.accept else None
         if why:
-            reading.problems.append(f"torchtitan's {dotted} = {value!r}: {why}")
+            reading.problems.append(f"{key.source}'s {dotted} = {value!r}: {why}")
             return
         sets = key.convert(value) if key.convert else {key.target: value}
         reading.settings += list(sets.items())

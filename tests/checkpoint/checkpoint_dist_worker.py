@@ -41,6 +41,10 @@ QWEN3 = ["--model.name", "qwen3"]  # tied embeddings, per-head q/k norms (replic
 SP = ["--parallelism.enable_sequence_parallel"]
 SEED = ["--checkpoint.create_seed_checkpoint", "--checkpoint.checksum"]
 ONE_STEP = ["--training.steps", "1"]
+MUON = [
+    "--optimizer.name",
+    "Muon",
+]  # torch's defaults (bfloat16 Newton-Schulz): momentum buffers sharded like the weights
 
 
 def from_seed(case: str) -> list[str]:
@@ -97,6 +101,10 @@ CASES = [
     ("sig_tp2_fsdp2_again", 4, TP2, None),
     ("sig_pp2_fsdp2", 4, PP2, None),
     ("sig_pp2_fsdp2_again", 4, PP2, None),
+    # Muon: tp2 x fsdp2 trains like one process; its checkpoint (momentum buffers) resumes in one process.
+    ("muon_tp2_fsdp2", 4, MUON + TP2, None),
+    ("muon_single", 1, MUON, None),
+    ("muon_single_from_muon_tp2_fsdp2", 1, MUON, "muon_tp2_fsdp2"),
 ]
 # case -> (the step during which the signal arrives, the ranks that get it)
 SIGNALS = {"sig_tp2_fsdp2": (2, (3,)), "sig_pp2_fsdp2": (4, (0, 1, 2, 3))}

@@ -34,6 +34,7 @@ RESHARDS = [
     ("qwen3_single_from_qwen3_tp2_sp_fsdp2", "qwen3_single", "qwen3_tp2_sp_fsdp2"),
     ("single_from_cp2", "single", "cp2"),  # context parallel 2 -> one process
     ("cp2_from_fsdp2", "cp2", "fsdp2"),  # cp 1 (fsdp2) -> cp 2
+    ("muon_single_from_muon_tp2_fsdp2", "muon_single", "muon_tp2_fsdp2"),  # Muon: tp2 x fsdp2 -> one process
 ]
 
 
@@ -88,6 +89,22 @@ def test_resume_under_another_layout_continues_the_loss_curve(cases, resumed, re
     b = read_model_state_dict(out / reference / "checkpoint" / "step-6")
     assert a.keys() == b.keys()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= TOL
+
+
+def test_muon_under_tp2_fsdp2_trains_like_one_process_and_checkpoints_its_momentum(cases):
+    """optimizer.name = Muon (torch's bfloat16 Newton-Schulz) under tp2 x fsdp2 on 4 ranks: every loss of the 6
+    steps equals one process's (float64); the checkpoint holds one momentum buffer per matrix (no AdamW moments for
+    them), AdamW's moments for the rest, and records the optimizer."""
+    from titanlike.checkpoint import read_dcp_metadata
+
+    out, results = cases
+    assert _max_diff(results["muon_tp2_fsdp2"]["losses"], results["muon_single"]["losses"]) <= TOL
+    step = out / "muon_tp2_fsdp2" / "checkpoint" / f"step-{SAVE_STEP}"
+    keys = read_dcp_metadata(step).state_dict_metadata
+    assert "optimizer.state.layers.0.attention.wq.weight.momentum_buffer" in keys
+    assert "optimizer.state.layers.0.attention.wq.weight.exp_avg" not in keys
+    assert "optimizer.state.tok_embeddings.weight.exp_avg" in keys
+    assert read_meta(step)["optimizer"] == "Muon"
 
 
 def test_a_corrupted_newest_checkpoint_is_set_aside_under_two_ranks(cases):

@@ -82,6 +82,7 @@ CASES = {
         ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "+2"],
     ),
     "float8": (1, ["--float8.recipe", "delayed"]),  # a TE recipe with the torchao backend
+    "muon": (1, ["--optimizer.momentum", "0.9"]),  # a Muon-only key under AdamW
     "pp_stages_divide": (
         4,
         ["--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_layers_per_stage", "1"],

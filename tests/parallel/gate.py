@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -84,7 +85,34 @@ MODELS = {
     # 96, rotate-half RoPE, tied embeddings as the small sizes).
     "qwen3": ("--model.name", "qwen3"),
     "qwen3_untied": ("--model.name", "qwen3", "--model.tie_embeddings", "false"),
+    # Muon on the block matrices (AdamW for the rest), Newton-Schulz in float64 (any rounding difference shows);
+    # muon_bf16: torch's bfloat16 Newton-Schulz; muon_small_buckets: buckets of one matrix per rank (several
+    # all-to-all pairs), plain momentum; muon_gpt2: fused c_attn orthogonalized per chunk, Moonshot's lr adjustment.
+    "muon": ("--optimizer.name", "Muon", "--optimizer.ns_dtype", "float64"),
+    "muon_bf16": ("--optimizer.name", "Muon"),
+    "muon_small_buckets": (
+        "--optimizer.name",
+        "Muon",
+        "--optimizer.ns_dtype",
+        "float64",
+        "--optimizer.muon_bucket_mb",
+        "0",
+        "--optimizer.nesterov",
+        "false",
+    ),
+    "muon_gpt2": (
+        "--model.name",
+        "gpt2",
+        "--optimizer.name",
+        "Muon",
+        "--optimizer.ns_dtype",
+        "float64",
+        "--optimizer.adjust_lr_fn",
+        "match_rms_adamw",
+    ),
 }
+# Matrices Muon orthogonalizes per model (tiny, 2 blocks): Llama 7 per block; GPT-2 c_attn's q, k, v + 3.
+MUON_MATRICES = {"muon": 14, "muon_bf16": 14, "muon_small_buckets": 14, "muon_gpt2": 12}
 
 
 @dataclass(frozen=True)
@@ -203,6 +231,26 @@ LAYOUTS = [
     # GPT-2 under cp through the shared seams: attention (fused c_attn) and its learned positions
     Layout("gpt2 cp2", 2, _cp(2, *_dp(1, 1, 8)), model="gpt2"),
     Layout("MUT gpt2 cp2 positions local", 2, _cp(2, *_dp(1, 1, 8)), model="gpt2", mutation="cp_rope_local"),
+    # Muon: every matrix orthogonalized whole, once, by its owner rank
+    Layout("muon fsdp2", 2, _dp(1, 2, 4), model="muon"),
+    Layout("muon tp2_sp", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="muon"),
+    Layout("muon cp2", 2, _cp(2, *_dp(1, 1, 8)), model="muon"),
+    Layout("muon gpt2 tp2_sp", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="muon_gpt2"),
+    Layout("MUT muon fsdp2 Newton-Schulz on the local shard", 2, _dp(1, 2, 4), model="muon", mutation="muon_local_ns"),
+    Layout(
+        "MUT muon gpt2 tp2 c_attn orthogonalized as one matrix",
+        2,
+        _tp(2, *_dp(1, 1, 8)),
+        model="muon_gpt2",
+        mutation="muon_fused_one_matrix",
+    ),
+    Layout(
+        "MUT muon tp2 owner's result not scattered",
+        2,
+        _tp(2, *_dp(1, 1, 8)),
+        model="muon",
+        mutation="muon_not_scattered",
+    ),
     # 4 ranks
     Layout("tp4_gqa", 4, _tp(4, *_dp(1, 1, 8)), model="gqa8"),
     Layout("fsdp4", 4, _dp(1, 4, 2)),
@@ -223,6 +271,9 @@ LAYOUTS = [
     Layout("qwen3 hsdp2x2", 4, _dp(2, 2, 2), model="qwen3_untied"),
     Layout("qwen3 tp2_sp_fsdp2", 4, _tp(2, *SP, *_dp(1, 2, 4)), model="qwen3"),
     Layout("qwen3 cp2_tp2_sp", 4, _cp(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="qwen3"),
+    Layout("muon tp2_sp_fsdp2 small buckets", 4, _tp(2, *SP, *_dp(1, 2, 4)), model="muon_small_buckets"),
+    Layout("muon hsdp2x2 bf16", 4, _dp(2, 2, 2), model="muon_bf16"),
+    Layout("muon gpt2 tp2_fsdp2", 4, _tp(2, *_dp(1, 2, 4)), model="muon_gpt2"),
     # 8 ranks
     Layout("tp2_hsdp2x2", 8, _tp(2, *_dp(2, 2, 2))),
     Layout("tp2_sp_fsdp4", 8, _tp(2, *SP, *_dp(1, 4, 2))),
@@ -471,7 +522,54 @@ def _init_strided_as_shard():
         yield
 
 
+@contextlib.contextmanager
+def _muon_local_ns():
+    """Muon orthogonalizes each rank's own shard of a matrix (no gather): Newton-Schulz of a block is not the
+    block of Newton-Schulz, so the update is wrong although every rank did "the same" as one device."""
+    import titanlike.parallel.muon as muon
+
+    def local(gr, bucket, updates, opt):
+        out = []
+        for k in bucket.items:
+            m = gr.matrices[k]
+            block = muon._narrow(updates[m.param], [(s, e - s) for s, e in m.mine.block])
+            out.append((m, opt._ns(block.reshape(m.mine.shape[-2:]), m).reshape(m.mine.shape)))
+        return out
+
+    with patched(muon, "_orthogonalize_bucket", local):
+        yield
+
+
+@contextlib.contextmanager
+def _muon_fused_one_matrix():
+    """GPT-2's fused q|k|v orthogonalized as one (3 dim x dim) matrix instead of three: what an optimizer that
+    treats every 2-D parameter as a matrix does."""
+    from titanlike.sharding import FusedColwise, whole_matrix
+
+    with patched(FusedColwise, "matrices", lambda self, leaf, shape: whole_matrix(shape) if leaf == "weight" else None):
+        yield
+
+
+@contextlib.contextmanager
+def _muon_not_scattered():
+    """The owner applies its orthogonalized matrix to its own shard only; the other ranks' shards get no update
+    (only the weight decay)."""
+    import titanlike.parallel.muon as muon
+
+    original = muon._orthogonalize_bucket
+
+    def owner_only(gr, bucket, updates, opt):
+        out = original(gr, bucket, updates, opt)
+        return [(m, b if o == gr.rank else torch.zeros_like(b)) for (m, b), o in zip(out, bucket.owners)]
+
+    with patched(muon, "_orthogonalize_bucket", owner_only):
+        yield
+
+
 MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "muon_local_ns": _muon_local_ns,
+    "muon_fused_one_matrix": _muon_fused_one_matrix,
+    "muon_not_scattered": _muon_not_scattered,
     "to_empty_drops_grad_hooks": _to_empty_drops_grad_hooks,
     "init_ignores_shards": _init_ignores_shards,
     "init_strided_as_shard": _init_strided_as_shard,
@@ -724,6 +822,7 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
         for part in built.model_parts:
             for name, p in part.named_parameters():
                 diffs["init"] = max(diffs["init"], _max_abs(_full(p), start[name]))
+        muon_comms = _count_optimizer_comms(built.optimizer)  # Muon: what its last step sent (CommDebugMode)
         for step in range(1, STEPS + 1):
             ref = records[step - 1]
             res = train_step(
@@ -762,9 +861,14 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
     aliases = torch.tensor([int(built.aliases_checked)])
     dist.all_reduce(aliases, op=dist.ReduceOp.MIN)
     checks = {"coverage": unique <= union <= every, "tied_still_tied": bool(aliases.item())}
+    muon_stats: list = [None] * ctx.world_size  # what each rank's Muon did in the last step (planner: the same)
+    stats = getattr(built.optimizer, "stats", None)
+    mine = None if stats is None else {**dataclasses.asdict(stats), "comms": muon_comms}
+    dist.all_gather_object(muon_stats, mine)
     return {
         "mutation": layout.mutation,
         "model": layout.model,
+        "muon_stats": muon_stats if stats is not None else None,
         **diffs,
         **checks,
         "ok": diffs["init"] == 0.0
@@ -775,6 +879,53 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
         "max_norm": cfg.training.max_norm,
         "seconds": round(time.perf_counter() - t0, 2),
     }
+
+
+_MUON_COUNTS = ("matrices", "ns_flops", "collectives", "sent", "received")
+
+
+def planner_muon_mismatches(results: dict, layouts: list[Layout], world_size: int) -> list[str]:
+    """Where the planner's prediction of a rank's Muon step (titanlike.planner.muon) differs from what the real
+    optimizer counted in this launch (one line each); also the number of Muon layouts compared."""
+    from titanlike.planner.layout import Layout as PlannedLayout
+    from titanlike.planner.muon import muon_rank
+
+    by_name = {layout.name: layout for layout in layouts}
+    out, compared = [], 0
+    for name, r in results["layouts"].items():
+        if r.get("muon_stats") is None or r["mutation"]:
+            continue
+        cfg = config(by_name[name], world_size)
+        args = model_args_from_config(cfg, vocab_size=VOCAB)
+        planned = PlannedLayout.from_config(cfg, world_size, args, gpus_per_node=world_size)
+        for rank, real in enumerate(r["muon_stats"]):
+            p = muon_rank(planned, args, rank)
+            predicted = tuple(getattr(p, k) for k in _MUON_COUNTS)
+            if predicted != tuple(real[k] for k in _MUON_COUNTS):
+                out.append(f"{name} rank {rank}: planned {predicted}, counted {tuple(real[k] for k in _MUON_COUNTS)}")
+        compared += 1
+    return out + [f"compared {compared}"]
+
+
+def _count_optimizer_comms(optimizer) -> dict[str, int]:
+    """For Muon (an optimizer with ``stats``): every collective of each ``step`` call, counted by CommDebugMode
+    (the dict is refilled at each step, so after training it holds the last step's)."""
+    counts: dict[str, int] = {}
+    if getattr(optimizer, "stats", None) is None:
+        return counts
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    original = optimizer.step
+
+    def counted(*args, **kwargs):
+        with CommDebugMode() as mode:
+            out = original(*args, **kwargs)
+        counts.clear()
+        counts.update({str(k): v for k, v in mode.get_comm_counts().items()})
+        return out
+
+    optimizer.step = counted
+    return counts
 
 
 def gate_main(rank: int, world_size: int, out: str, only: list[str] | None = None) -> None:

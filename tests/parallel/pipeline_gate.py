@@ -40,8 +40,11 @@ gate.MODELS.update(
         # tests/parallel/nanogpt.py: a user's module, not a registered model (gate.CUSTOM_MODELS); the config only
         # carries the run settings (4 blocks, as NanoGPT has, for the split checks).
         "nanogpt": ("--model.n_layers", "4"),
+        # Muon (Newton-Schulz in float64): every stage orthogonalizes its own blocks' matrices over its dp x tp ranks
+        "muon_deep": ("--model.n_layers", "8", *gate.MODELS["muon"]),
     }
 )
+gate.MUON_MATRICES["muon_deep"] = 7 * 8
 
 
 def _nanogpt():
@@ -225,6 +228,7 @@ LAYOUTS = [
         _tp2(*SP, *_pp(2, "Interleaved1F1B", 4, 2)),
         model="qwen3_deep",
     ),
+    _layout("muon pp2 fsdp2 tp2_sp 1F1B", 8, _tp2(*SP, *_pp(2, "1F1B", 4, 2)), model="muon_deep"),
 ]
 
 

@@ -28,6 +28,10 @@ EXPECTED_BREAK = {
     "cp_chunks_wrong_order": ("loss_step1", True),
     "cp_rope_local": ("loss_step1", True),
     "cp_tokens_per_rank": ("loss_step1", True),
+    # Muon: the optimizer acts after step 1's forward and backward, so the weights break first
+    "muon_local_ns": ("weights", False),
+    "muon_fused_one_matrix": ("weights", False),
+    "muon_not_scattered": ("weights", False),
 }
 BROKEN = 1e-6  # a mutation must move something by at least this much (the gate's tolerance is 1e-10)
 
@@ -131,9 +135,42 @@ def test_matrix_covers_the_required_layouts():
         "qwen3 fsdp2",
         "qwen3 hsdp2x2",
         "qwen3 cp2",
+        "muon fsdp2",
+        "muon tp2_sp",
+        "muon cp2",
+        "muon gpt2 tp2_sp",
+        "muon tp2_sp_fsdp2 small buckets",
+        "muon gpt2 tp2_fsdp2",
     ]
     assert all(n in by_name for n in required)
     assert {layout.mutation for layout in gate.LAYOUTS if layout.mutation} == set(EXPECTED_BREAK)
+
+
+def test_muon_orthogonalizes_every_matrix_once_dividing_the_work(gate_results):
+    """Under every Muon layout each matrix (GPT-2's q, k and v each) was orthogonalized by exactly one rank per step,
+    the owners spread over the ranks (at most ceil(matrices / world) each), and each rank exchanged blocks in two
+    all-to-alls per bucket of matrices (one bucket, or buckets of one matrix per rank) and nothing else (pinned with
+    CommDebugMode)."""
+    world, results = gate_results
+    muon = {n: r for n, r in results["layouts"].items() if r["model"] in gate.MUON_MATRICES and not r["mutation"]}
+    assert muon or world == 8
+    for name, r in muon.items():
+        counts = [s["matrices"] for s in r["muon_stats"]]
+        total = gate.MUON_MATRICES[r["model"]]
+        assert sum(counts) == total and max(counts) <= -(-total // world), (name, counts)
+        buckets = -(-total // world) if r["model"] == "muon_small_buckets" else 1
+        assert all(s["collectives"] == 2 * buckets for s in r["muon_stats"]), (name, r["muon_stats"])
+        # CommDebugMode saw exactly those all-to-alls in the optimizer step, and no other collective
+        assert all(s["comms"] == {"c10d.alltoall_base_": 2 * buckets} for s in r["muon_stats"]), name
+        assert all(s["sent"] > 0 and s["received"] > 0 for s in r["muon_stats"]), name
+
+
+def test_the_planner_predicts_every_ranks_muon_step(gate_results):
+    """titanlike.planner.muon's matrices, Newton-Schulz FLOPs, all-to-alls and elements sent / received per rank
+    equal the real optimizer's counts under every Muon layout of the launch."""
+    world, results = gate_results
+    problems = gate.planner_muon_mismatches(results, gate.LAYOUTS, world)
+    assert problems[:-1] == [] and (problems[-1] != "compared 0" or world == 8), problems
 
 
 def test_grouped_query_fused_qkv_under_tp2_fsdp2(gate_results):

@@ -5,6 +5,7 @@ the validation loss), and every planted pipeline mutation caught where it should
 import json
 from pathlib import Path
 
+import gate
 import pipeline_gate
 import pytest
 from dist_utils import run_script
@@ -69,6 +70,20 @@ def test_planted_pipeline_mutations_are_caught(gate_results):
         assert not r["ok"], f"{name}: the gate passed a planted bug"
         assert r[metric] > BROKEN, f"{name}: expected {metric} to break, got {r[metric]:.1e}"
         assert r["loss_step1"] <= TOL, f"{name}: the first forward should still be exact"
+
+
+def test_muon_stages_orthogonalize_each_matrix_once(gate_results):
+    """pp 2 x fsdp 2 x tp 2: each stage's 4 ranks divide its blocks' matrices; over the 8 ranks every matrix of the
+    model was orthogonalized exactly once per step."""
+    world, results = gate_results
+    for name, r in results["layouts"].items():
+        if r["model"] == "muon_deep":
+            counts = [s["matrices"] for s in r["muon_stats"]]
+            assert sum(counts) == gate.MUON_MATRICES["muon_deep"] and max(counts) <= 7, (name, counts)
+            assert all(s["comms"] == {"c10d.alltoall_base_": 2} for s in r["muon_stats"]), name  # CommDebugMode
+    assert world != 8 or any(r["model"] == "muon_deep" for r in results["layouts"].values())
+    problems = gate.planner_muon_mismatches(results, pipeline_gate.LAYOUTS, world)  # the planner's prediction
+    assert problems[:-1] == [], problems
 
 
 def test_every_mutation_and_schedule_is_exercised():

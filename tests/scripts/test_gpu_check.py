@@ -36,6 +36,7 @@ def test_gpu_check_dry_run_writes_every_row(tmp_path):
             "train_1b",
             "bf16_b8_ac_op",
             "moe_bench",
+            "muon_step",
         )
     }, proc.stdout
     rows = {r["row"]: r for r in summary["rows"]}
@@ -48,6 +49,11 @@ def test_gpu_check_dry_run_writes_every_row(tmp_path):
     assert [r["step"] for r in summary["train_1b"]] == [1, 2, 3]
     assert summary["env"]["torchao"] == "0.18.0"
     assert set(summary["moe"]["rows"]) == {"grouped", "loop"} and summary["moe"]["ratio_grouped_over_loop"] > 0
+    # the Muon row: 2 gloo ranks in the dry mode, every matrix orthogonalized once (7 of 14 each), naive: all on each
+    muon = summary["muon_step"]["rows"]
+    assert set(muon) == {"adamw", "muon", "naive_muon"} and all(r["seconds"] > 0 for r in muon.values())
+    assert [c["matrices"] for c in muon["muon"]["ranks"]] == [7, 7]
+    assert [c["matrices"] for c in muon["naive_muon"]["ranks"]] == [14, 14]
 
 
 def test_gpu_check_bad_argument_is_one_line(tmp_path):

@@ -167,6 +167,7 @@ class CheckpointManager:
         self.train_state, self.model_args, self.tokenizer, self.device = train_state, model_args, tokenizer, device
         self.rank, self.world_size, self.dp_degree = rank, world_size, dp_degree
         self.distributed = world_size > 1
+        self.optimizer_name = cfg.optimizer.name  # recorded by full saves; a resume needs the same optimizer's state
         self._tied_pairs = tied_pairs(model_args)  # (owner, copy) FQNs of the model's tied parameters
         # What a seed checkpoint records of how its weights were made (checkpoint.json): the initialisation seed, the
         # dtype of the weights and the layout that wrote it (any layout loads it).
@@ -302,6 +303,14 @@ class CheckpointManager:
                     )
                 check_model_fits(metadata, expected, path)
                 keys = metadata.state_dict_metadata
+                saved_by = read_meta(path).get("optimizer", "AdamW")  # checkpoints from before Muon: AdamW
+                if saved_by != self.optimizer_name and any(k.startswith("optimizer.") for k in keys):
+                    raise ConfigError(
+                        f"checkpoint '{path}' holds {saved_by}'s optimizer state and this run's optimizer.name is "
+                        f"{self.optimizer_name!r}; resume with optimizer.name = {saved_by!r}, or start "
+                        f"{self.optimizer_name} from its weights: checkpoint.initial_load_path = '{path}' with "
+                        f"another checkpoint.folder"
+                    )
                 return dataclasses.replace(
                     plan,
                     action="resume",
@@ -734,6 +743,7 @@ class CheckpointManager:
                     self.model_args,
                     world_size=self.world_size,
                     dp_degree=self.dp_degree,
+                    optimizer=self.optimizer_name,
                     tokens_seen=train["tokens_seen"],
                     data_position=train["data_position"],
                     nonfinite_steps=train["nonfinite_steps"],

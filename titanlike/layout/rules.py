@@ -13,11 +13,12 @@ import dataclasses
 from titanlike.errors import ConfigError
 from titanlike.layout.degrees import degree_problems
 from titanlike.layout.float8 import float8_violations
+from titanlike.layout.muon import muon_violations
 from titanlike.layout.policy import batch_split, parse_ac_option
 from titanlike.layout.schedules import SCHEDULES, schedule_facts
 from titanlike.layout.stages import parse_module_names, pipeline_stage_count
 from titanlike.models import get_spec
-from titanlike.sharding import float8_patterns
+from titanlike.sharding import float8_patterns, muon_patterns
 
 __all__ = ["OVERRIDE", "RULES", "layout_violations", "model_keys_read", "model_overrides", "rule_violations"]
 
@@ -75,6 +76,8 @@ RULES = {
     "pp_names_need_pp": "pipeline_parallel_module_names needs pp > 1",
     "ac_option": "selective_ac_option 'op' or a positive integer",
     "float8": "the [float8] options agree (recipe vs backend vs model.kernels, not float64, all-gather options)",
+    "muon": "the Muon options agree (Muon-only [optimizer] keys need optimizer.name = Muon, 3 Newton-Schulz "
+    "coefficients, a model whose sharding entries mark matrices for Muon)",
     "pp_stages_divide": "the stages divide over the pp ranks",
     "pp_single_stage": "GPipe / 1F1B run one stage per rank",
     "pp_v_two_stages": "V-placement schedules run exactly two stages per rank",
@@ -224,6 +227,7 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
             f"{spec.name}",
         )
     out += [("float8", m) for m in float8_violations(cfg)]
+    out += [("muon", m) for m in muon_violations(cfg, muon_patterns(spec.sharding), spec.name)]
     return out
 
 

@@ -48,6 +48,7 @@ from titanlike.layout.timeline import schedule_timeline
 from titanlike.planner.hardware import Hardware
 from titanlike.planner.layout import Layout
 from titanlike.planner.memory import fsdp_units, rank_param_shards
+from titanlike.planner.muon import muon_rank
 
 __all__ = ["Message", "StepCost", "bubble", "messages", "step_cost", "wire_factor"]
 
@@ -69,7 +70,7 @@ class Message:
 
 
 def wire_factor(op: str, group: int) -> float:
-    if op == "send":
+    if op in ("send", "all_to_all"):  # an all-to-all's size is what this rank sends
         return 1.0
     ring = (group - 1) / group
     return 2 * ring if op == "all_reduce" else ring
@@ -229,6 +230,19 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
                     what.replace("params", "grad shards"),
                     rs,
                 )
+    # -------------------------------------------------------------------------------------- Muon
+    muon = muon_rank(lo, args, rank)
+    if muon is not None and muon.collectives:
+        # the bytes this rank sends, over its all-to-alls (gathers to the owners, scatters from them), on average
+        add(
+            "muon",
+            "all_to_all",
+            "step",
+            muon.sent * lo.ns_bytes / muon.collectives,
+            muon.group,
+            f"Muon: matrix blocks to their owners and back ({muon.collectives // 2} buckets)",
+            muon.collectives,
+        )
     return [
         Message(dim, op, phase, count, nbytes, group, what)
         for (dim, op, phase, nbytes, group, what), count in out.items()
@@ -265,6 +279,8 @@ class StepCost:
     mfu: float
     tokens_per_s: float
     world_size: int
+    optimizer_flops: float = 0.0  # Muon's Newton-Schulz FLOPs on this rank
+    optimizer: float = 0.0  # seconds of Muon's step on this rank (Newton-Schulz + its all-to-alls): exposed
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -321,8 +337,13 @@ def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
     dp_after = sum(after[d] for d in dp)  # reductions after the last backward: nothing left to hide them under
     dp_overlap = sum(dims[d].seconds for d in dp) - dp_after
     dp_exposed = dp_after + max(0.0, dp_overlap - compute)
-    step = (compute + tp_s + cp_s) * (1 + bub) + pp_s + dp_exposed
-    for d, exposed in (("tp", tp_s * (1 + bub)), ("cp", cp_s * (1 + bub)), ("pp", pp_s)):
+    # Muon's step runs after the backward and before the next forward: nothing hides it (the slowest rank's)
+    muon = [muon_rank(lo, args, r) for r in {rank, *(p * lo.world_size // lo.pp for p in range(lo.pp))}]
+    ns = max((m.ns_flops for m in muon if m is not None), default=0)
+    muon_s = dims["muon"].seconds if "muon" in dims else 0.0
+    optimizer = ns / (hw.peak_flops * hw.compute_efficiency) + muon_s
+    step = (compute + tp_s + cp_s) * (1 + bub) + pp_s + dp_exposed + optimizer
+    for d, exposed in (("tp", tp_s * (1 + bub)), ("cp", cp_s * (1 + bub)), ("pp", pp_s), ("muon", muon_s)):
         if d in dims:
             dims[d] = _replace(dims[d], exposed)
     for d in dp:  # split the exposed time in proportion
@@ -339,6 +360,8 @@ def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
         mfu=mfu,
         tokens_per_s=tokens / step,
         world_size=lo.world_size,
+        optimizer_flops=ns,
+        optimizer=optimizer,
     )
 
 

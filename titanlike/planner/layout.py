@@ -55,6 +55,10 @@ class Layout:
     ac_mode: str  # none | full | selective
     ac_option: str  # selective: "op" or every N-th block
     loss_chunk_size: int
+    optimizer: str = "AdamW"  # optimizer.name: AdamW | Muon
+    ns_dtype: str = "bfloat16"  # Muon's Newton-Schulz precision
+    ns_steps: int = 5  # Muon's Newton-Schulz iterations
+    muon_bucket_mb: float = 128.0  # Muon's full-matrix megabytes per pair of all-to-alls
 
     @classmethod
     def from_config(cls, cfg, world_size: int, args, gpus_per_node: int) -> Layout:
@@ -93,6 +97,10 @@ class Layout:
             ac_mode=cfg.activation_checkpoint.mode,
             ac_option=cfg.activation_checkpoint.selective_ac_option,
             loss_chunk_size=p.loss_chunk_size,
+            optimizer=cfg.optimizer.name,
+            ns_dtype=cfg.optimizer.ns_dtype,
+            ns_steps=cfg.optimizer.ns_steps,
+            muon_bucket_mb=cfg.optimizer.muon_bucket_mb,
         )
 
     # ----------------------------------------------------------------------------------------- degrees
@@ -164,6 +172,11 @@ class Layout:
         return self.param_bytes
 
     @property
+    def ns_bytes(self) -> int:
+        """Bytes per element of Muon's gathered and orthogonalized matrices (its Newton-Schulz dtype)."""
+        return _BYTES[self.ns_dtype]
+
+    @property
     def compute_bytes(self) -> int:
         """Norms, RoPE and the loss compute in at least float32."""
         return 8 if self.dtype == "float64" else 4
@@ -199,10 +212,13 @@ class Layout:
     @cached_property
     def groups(self) -> dict[str, GroupMap]:
         """tp, cp, dp_shard, dp_replicate, dp and pp groups against node boundaries."""
-        return {
+        groups = {
             name: group_map(self.dims, name, self.gpus_per_node)
             for name in ("tp", "cp", "dp_shard", "dp_shard_cp", "dp_replicate", "dp", "pp")
         }
+        # Muon's all-to-alls: every rank of a pipeline stage (its matrices' flattened mesh)
+        groups["muon"] = group_map(self.dims, "muon", self.gpus_per_node, members=MESH_DIMS[1:])
+        return groups
 
 
 @dataclass(frozen=True)
@@ -230,10 +246,10 @@ class GroupMap:
         return "network" if len(self.spanning) == self.n_groups else f"network ({len(self.spanning)}/{self.n_groups})"
 
 
-def group_map(dims: Degrees, name: str, gpus_per_node: int) -> GroupMap:
-    """Where the groups of mesh dim ``name`` ("tp", "dp", ...) sit: the same groups as
+def group_map(dims: Degrees, name: str, gpus_per_node: int, members: tuple[str, ...] | None = None) -> GroupMap:
+    """Where the groups of mesh dim ``name`` ("tp", "dp", ...; or of the dims ``members``) sit: the same groups as
     ``titanlike.layout.rank_groups``, computed with numpy so that 16k-rank grids take milliseconds."""
-    members = FLATTENED.get(name, (name,))
+    members = members or FLATTENED.get(name, (name,))
     axes = [MESH_DIMS.index(m) for m in members]
     grid = np.arange(dims.world_size).reshape(dims.shape)
     rest = [a for a in range(len(MESH_DIMS)) if a not in axes]

@@ -6,7 +6,8 @@ entries (``titanlike.sharding.param_dims``, the same entries the tensor-parallel
 shards the tp-local tensor over ``dp_shard`` (dim 0; dim 1 for a chunk-sharded fused projection). Both split like
 ``torch.chunk``: ``ceil(n / k)`` per rank, the last ranks smaller or empty. FSDP's collectives move the padded size
 (every rank ``ceil(n / k)`` rows). AdamW holds ``exp_avg`` and ``exp_avg_sq`` per parameter shard plus a float32
-``step`` scalar.
+``step`` scalar; Muon one ``momentum_buffer`` per matrix shard (its step's transient working set:
+``titanlike.planner.muon``).
 
 Activations are what autograd keeps between a block's forward and its backward, per token, with ``h`` the model
 dim, ``H`` the SwiGLU width, ``n`` the heads, ``a`` the activation bytes (2 in bf16), ``c`` the norms' compute
@@ -31,7 +32,7 @@ from functools import lru_cache
 
 from titanlike.layout.timeline import schedule_timeline
 from titanlike.planner.layout import Layout
-from titanlike.sharding import HeadNorm, param_dims
+from titanlike.sharding import HeadNorm, entry_for, param_dims
 
 __all__ = [
     "STATE_ITEMS",
@@ -306,7 +307,7 @@ def rank_state_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
     items = [
         MemoryItem("parameters", n_local * pb, f"{n_local / 1e6:,.1f}M elements, fp{8 * pb} master copy, {sharded}"),
         MemoryItem("gradients", n_local * pb, f"fp{8 * pb}, same shards"),
-        MemoryItem("optimizer", 2 * n_local * pb + 4 * n_tensors, "AdamW exp_avg + exp_avg_sq (+ step scalars)"),
+        _optimizer_item(layout, args, shards, n_local, n_tensors),
     ]
     # Gathered parameters / unsharded gradients.
     stage_units = {s: fsdp_units(layout, args, ps, layout.stages[s]) for s, ps in shards.items()}
@@ -339,6 +340,28 @@ def rank_state_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
     elif layout.precision == "autocast":
         items.append(MemoryItem("autocast weights", n_local * 2, "bf16 copies of every weight during fwd+bwd"))
     return items
+
+
+def _optimizer_item(layout: Layout, args, shards, n_local: int, n_tensors: int) -> MemoryItem:
+    """AdamW's two moments (+ a float32 step) per parameter; under Muon one momentum buffer per matrix parameter
+    (the sharding entries' matrices) and AdamW's state for the rest."""
+    pb = layout.param_bytes
+    if layout.optimizer != "Muon":
+        return MemoryItem("optimizer", 2 * n_local * pb + 4 * n_tensors, "AdamW exp_avg + exp_avg_sq (+ step scalars)")
+    sharding = _spec(args).sharding
+    muon = [p for ps in shards.values() for p in ps if _is_matrix(sharding, p)]
+    n_muon = sum(p.numel for p in muon)
+    return MemoryItem(
+        "optimizer",
+        n_muon * pb + 2 * (n_local - n_muon) * pb + 4 * (n_tensors - len(muon)),
+        f"Muon momentum_buffer ({len(muon)} matrix parameters) + AdamW exp_avg + exp_avg_sq (+ step scalars)",
+    )
+
+
+def _is_matrix(sharding, p: ParamShard) -> bool:
+    owner, _, leaf = p.name.rpartition(".")
+    entry = entry_for(sharding, owner)
+    return entry is not None and entry.matrices(leaf, p.shape) is not None
 
 
 def rank_activation_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:

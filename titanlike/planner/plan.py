@@ -14,6 +14,7 @@ from titanlike.planner.dryrun import DryRun, dry_run
 from titanlike.planner.hardware import GiB, Hardware
 from titanlike.planner.layout import Layout
 from titanlike.planner.memory import MemoryItem, block_activation_bytes, rank_memory, rank_param_shards
+from titanlike.planner.muon import muon_rank
 
 __all__ = ["Plan", "make_plan", "render_plan", "fmt_bytes", "fmt_seconds"]
 
@@ -271,7 +272,20 @@ def _price(plan: Plan) -> list[str]:
             f"microbatch; synchronous inside attention, so fully exposed"
         )
     cp = " + cp" if lo.cp > 1 else ""
-    out.append(f"  step = (compute + tp{cp}) x (1 + bubble) + pp + dp exposed ({hidden}) = {fmt_seconds(c.step_time)}")
+    muon = muon_rank(lo, plan.args, plan.rank)
+    opt = ""
+    if muon is not None:
+        opt = " + optimizer"
+        out.append(
+            f"  optimizer: Muon orthogonalizes {muon.matrices} matrices on this rank (of its group of "
+            f"{muon.group}), {_flops(muon.ns_flops)} of Newton-Schulz; sends {fmt_bytes(muon.sent * lo.ns_bytes)}, "
+            f"receives {fmt_bytes(muon.received * lo.ns_bytes)} in {muon.collectives} all-to-alls; holds "
+            f"{fmt_bytes(muon.largest_owned * lo.ns_bytes)} of owned full matrices per bucket; after the backward, "
+            f"exposed (slowest rank): {fmt_seconds(c.optimizer)}"
+        )
+    out.append(
+        f"  step = (compute + tp{cp}) x (1 + bubble) + pp + dp exposed ({hidden}){opt} = {fmt_seconds(c.step_time)}"
+    )
     out.append(
         f"  MFU {c.mfu:.1%}; {c.tokens_per_s:,.0f} tokens/s ({c.tokens_per_s_per_gpu:,.0f} per GPU); "
         f"model FLOPs {_flops(c.model_flops)} per step"
@@ -279,7 +293,7 @@ def _price(plan: Plan) -> list[str]:
     return out
 
 
-_DIM_ORDER = ("tp", "cp", "pp", "dp_shard", "dp_shard_cp", "dp_replicate")
+_DIM_ORDER = ("tp", "cp", "pp", "dp_shard", "dp_shard_cp", "dp_replicate", "muon")
 
 
 def _memory(plan: Plan) -> list[str]:

@@ -1,8 +1,10 @@
-"""AdamW over every model part, and the learning-rate schedule (torchtitan's warmup -> stable -> decay)."""
+"""The optimizer over every model part (AdamW, or Muon with AdamW for the rest), and the learning-rate schedule
+(torchtitan's warmup -> stable -> decay)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -10,22 +12,61 @@ from torch import nn
 from titanlike.config import JobConfig
 
 
-def build_optimizer(model_parts: list[nn.Module], cfg: JobConfig) -> torch.optim.Optimizer:
-    """One AdamW over the parameters of all model parts (pipeline stages held by this rank).
+def build_optimizer(
+    model_parts: list[nn.Module], cfg: JobConfig, *, matrices: Mapping | None = None
+) -> torch.optim.Optimizer:
+    """The optimizer over the parameters of all model parts (pipeline stages held by this rank).
 
-    Norm weights and other 1-D parameters get no weight decay. ``optimizer.implementation=auto`` uses the fused
-    kernel on CUDA and the foreach one elsewhere.
+    ``optimizer.name = "AdamW"``: one AdamW; norm weights and other 1-D parameters get no weight decay.
+    ``optimizer.implementation=auto`` uses the fused kernel on CUDA and the foreach one elsewhere.
+
+    ``"Muon"``: ``titanlike.parallel.muon.Muon`` on the matrices the model's sharding entries declare (or
+    ``matrices``: ``{parameter: its matrices}``, for a module that is not a registered model), AdamW (as above,
+    with ``optimizer.adamw_lr`` / ``adamw_weight_decay``) on every other parameter. Collective under a parallel
+    layout (every rank builds it).
     """
     o = cfg.optimizer
-    params = [p for m in model_parts for p in m.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    params = list({id(p): p for m in model_parts for p in m.parameters() if p.requires_grad}.values())
     impl = o.implementation
     if impl == "auto":
         impl = "fused" if params and params[0].device.type == "cuda" else "foreach"
     kwargs = {"fused": impl == "fused", "foreach": impl == "foreach"} if impl != "for-loop" else {"foreach": False}
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **kwargs)
+    if o.name == "AdamW":
+        return torch.optim.AdamW(
+            _adamw_groups(params, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **kwargs
+        )
+    from titanlike.parallel.muon import Muon, muon_matrices
+
+    if matrices is None:
+        matrices = muon_matrices(model_parts)
+    adamw_wd = o.weight_decay if o.adamw_weight_decay is None else o.adamw_weight_decay
+    return Muon(
+        [p for p in params if p in matrices],
+        matrices=matrices,
+        adamw_params=_adamw_groups([p for p in params if p not in matrices], adamw_wd),
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        momentum=o.momentum,
+        nesterov=o.nesterov,
+        ns_coefficients=tuple(o.ns_coefficients),
+        eps=o.muon_eps,
+        ns_steps=o.ns_steps,
+        adjust_lr_fn=o.adjust_lr_fn,
+        ns_dtype=getattr(torch, o.ns_dtype),
+        bucket_mb=o.muon_bucket_mb,
+        adamw_lr=o.lr if o.adamw_lr is None else o.adamw_lr,
+        adamw_weight_decay=adamw_wd,
+        adamw_kwargs={"betas": (o.beta1, o.beta2), "eps": o.eps, **kwargs},
+    )
+
+
+def _adamw_groups(params: list, weight_decay: float) -> list[dict]:
+    """AdamW's two groups: weight decay for the matrices (embeddings, head), none for 1-D parameters."""
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
 
 
 def lr_factor(step: int, cfg: JobConfig) -> float:

@@ -285,6 +285,8 @@ class Trainer:
                 f"{self.device.type}, {cfg.training.dtype}",
                 flush=True,
             )
+            if hasattr(self.optimizer, "describe"):  # Muon: what it orthogonalizes (rank 0's parameters)
+                print(f"optimizer: {self.optimizer.describe()}", flush=True)
 
         self.train_state = TrainState()
         self.checkpointer = None
