@@ -63,6 +63,9 @@ class Model:
     tokenizer: str = "test"
     vocab_multiple: int = 64  # pad the vocabulary to a multiple of this (keeps vocab % tp == 0 and matmuls aligned)
     kernels: Literal["torch", "te"] = "torch"  # "torch" or "te" (Transformer Engine, CUDA only)
+    # causal | block_causal (packed documents, delimited by the tokenizer's EOS, never attend to each other)
+    attn_mask_type: Literal["causal", "block_causal"] = "causal"
+    reset_position_ids: bool = False  # positions restart at 0 at every document start (needs block_causal)
     # Optional overrides of the flavor's values (0 / "" / None = keep the flavor's), each read by the models whose
     # args dataclass has a field of that name.
     tie_embeddings: bool | None = _override(None)  # None: the flavor's choice

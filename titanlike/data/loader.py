@@ -32,7 +32,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from titanlike.data.datasets import PackedWindows
 from titanlike.data.mixture import BlendedWindows
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]  # (inputs, labels) or, with document masking, (inputs, labels, document_starts)
 
 
 def _check_layout(global_batch_size: int, local_batch_size: int, dp_rank: int, dp_degree: int) -> None:
@@ -50,16 +50,24 @@ def _check_layout(global_batch_size: int, local_batch_size: int, dp_rank: int, d
 
 
 class _CPSlice:
-    """(inputs, labels) -> this cp rank's two load-balanced chunks of each (identity at cp 1); picklable."""
+    """(inputs, labels) -> this cp rank's two load-balanced chunks of each (identity at cp 1); picklable.
 
-    def __init__(self, cp_rank: int = 0, cp_degree: int = 1, seq_len: int | None = None):
+    With ``eos_id`` (document masking, ``model.attn_mask_type = "block_causal"``) the batch gains a third tensor, the
+    document start of every token (``titanlike.models.masking.document_starts``), derived here, from the whole
+    window, before the cut, and cut like the inputs: the one place document boundaries are read."""
+
+    def __init__(self, cp_rank: int = 0, cp_degree: int = 1, seq_len: int | None = None, eos_id: int | None = None):
         if cp_degree < 1 or not 0 <= cp_rank < cp_degree:
             raise ValueError(f"cp_rank must be in [0, cp_degree), got {cp_rank} of {cp_degree}")
         if seq_len is not None and cp_degree > 1 and seq_len % (2 * cp_degree):
             raise ValueError(f"seq_len {seq_len} is not divisible by 2 x cp_degree = {2 * cp_degree}")
-        self.cp_rank, self.cp_degree = cp_rank, cp_degree
+        self.cp_rank, self.cp_degree, self.eos_id = cp_rank, cp_degree, eos_id
 
     def __call__(self, batch: Batch) -> Batch:
+        if self.eos_id is not None:
+            from titanlike.models.masking import document_starts
+
+            batch = (*batch, document_starts(batch[0], self.eos_id))
         if self.cp_degree == 1:
             return batch
         from titanlike.parallel.context_parallel import cp_shard
@@ -96,10 +104,11 @@ class GlobalSampleStream(IterableDataset):
         start_sample: int = 0,
         cp_rank: int = 0,
         cp_degree: int = 1,
+        eos_id: int | None = None,
     ):
         _check_layout(global_batch_size, local_batch_size, dp_rank, dp_degree)
         self.cp_rank, self.cp_degree = cp_rank, cp_degree
-        self._cp = _CPSlice(cp_rank, cp_degree, windows.seq_len)
+        self._cp = _CPSlice(cp_rank, cp_degree, windows.seq_len, eos_id)
         self.windows = windows
         self.global_batch_size = global_batch_size
         self.local_batch_size = local_batch_size
@@ -195,8 +204,10 @@ def build_dataloader(
     pin_memory: bool = False,
     cp_rank: int = 0,
     cp_degree: int = 1,
+    eos_id: int | None = None,
 ) -> TokenDataLoader:
-    """An endless loader of (inputs, labels), each LongTensor[local_batch_size, seq_len], for one rank.
+    """An endless loader of (inputs, labels), each LongTensor[local_batch_size, seq_len], for one rank; with
+    ``eos_id`` (document masking) of (inputs, labels, document_starts).
 
     ``tokens``: a token array or `TokenShards` (cut into `PackedWindows` with ``seed`` / ``shuffle``), or the global
     sample stream itself (`PackedWindows`, or `BlendedWindows` for a weighted mixture: ``Corpus.windows``).
@@ -220,6 +231,7 @@ def build_dataloader(
         start_sample=start_sample,
         cp_rank=cp_rank,
         cp_degree=cp_degree,
+        eos_id=eos_id,
     )
     with warnings.catch_warnings():  # torchdata <= 0.11 calls torch.set_vital, deprecated in recent torch
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
@@ -269,8 +281,10 @@ def build_validation_loader(
     max_batches: int | None = None,
     cp_rank: int = 0,
     cp_degree: int = 1,
+    eos_id: int | None = None,
 ) -> DataLoader:
-    """A finite, deterministic loader of (inputs, labels) batches over `tokens`, in storage order.
+    """A finite, deterministic loader of (inputs, labels) batches over `tokens`, in storage order (with ``eos_id``:
+    (inputs, labels, document_starts), as :func:`build_dataloader`).
 
     Batch k of rank r is windows [(k*D + r)*B, (k*D + r + 1)*B): ranks read disjoint windows, every
     rank gets the same number of batches (so collectives over them match up), the trailing windows
@@ -291,7 +305,7 @@ def build_validation_loader(
     if max_batches is not None:
         n_batches = min(n_batches, max_batches)
     windows = PackedWindows(tokens, seq_len, shuffle=False)
-    cp = _CPSlice(cp_rank, cp_degree, seq_len)
+    cp = _CPSlice(cp_rank, cp_degree, seq_len, eos_id)
     return DataLoader(
         _ValidationBatches(windows, batch_size, dp_rank, dp_degree, n_batches, cp),
         batch_size=None,

@@ -58,6 +58,7 @@ RULES = {
     "degrees": "the degrees multiply to the world size (dp_shard -1 infers)",
     "cp_seq_len": "seq_len divisible by 2 x cp (two load-balanced chunks per cp rank)",
     "cp_sp_seq_len": "a cp rank's tokens divisible by tp under sequence parallelism",
+    "mask_reset": "model.reset_position_ids needs model.attn_mask_type = block_causal",
     "cp_kernels": "context parallelism with model.kernels=torch",
     "cp_float8": "context parallelism without float8",
     "cp_schedule": "context parallelism without split-backward pipeline schedules",
@@ -117,6 +118,12 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
             f"model.{unread[0]}: {spec.name} has no such setting (it reads "
             f"{', '.join('model.' + k for k in reads)}); remove "
             f"{', '.join('model.' + k for k in unread)}",
+        )
+    if cfg.model.reset_position_ids and cfg.model.attn_mask_type != "block_causal":
+        add(
+            "mask_reset",
+            "model.reset_position_ids: positions restart at document starts, which only the block-causal mask "
+            "knows; set model.attn_mask_type = 'block_causal' or drop it",
         )
     # Model shape.
     if args.dim % args.n_heads:

@@ -17,9 +17,12 @@ receive besides the hidden states). What the base gives, and the rest of the pac
 * ``init_weights`` / ``init_buffers`` over the model's ``param_init`` (``titanlike.init``: each element a pure
   function of (seed, FQN, index), the same values under every layout).
 
-Per-batch attention context (document ids, positions that restart per document) would travel as keyword arguments
-of ``forward`` into :meth:`Decoder.block_kwargs`, the blocks and the attention seam (torch's pipeline stages hand
-every stage the step's keyword arguments, split by microbatch): no further seam is needed.
+**Document masking** (``titanlike.models.masking``): ``forward(x, document_starts=...)`` (each token's document start
+in the window, carried with the batch) makes the mask block-causal: the forward builds one
+:class:`~titanlike.models.masking.DocumentMask` and hands it to every block as the ``mask`` keyword argument, which
+the model's attention passes to its seam (``core(q, k, v, mask)``); with ``reset_position_ids`` the positions
+restart at every document start. Torch's pipeline stages hand every stage the step's keyword arguments, split by
+microbatch, so the starts travel with each microbatch: no further seam is needed.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titanlike.init import Init, init_parameters
+from titanlike.models.masking import DocumentMask
 
 __all__ = ["AttentionCore", "Decoder", "DecoderBlock", "Positions"]
 
@@ -41,14 +45,19 @@ class AttentionCore(nn.Module):
     (batch, seq, kv_heads, head_dim), kv heads shared by groups of query heads (``repeat_interleave``: query head
     ``i`` uses kv head ``i // (heads / kv_heads)``); returns (batch, seq, heads, head_dim). No parameters. Every
     model calls its attention through one of these, so context parallelism replaces it from outside
-    (``ContextParallelAttention``) without touching the projections."""
+    (``ContextParallelAttention``) without touching the projections. ``mask``: None (causal: SDPA's causal fast
+    path) or the forward's :class:`~titanlike.models.masking.DocumentMask` (block-causal)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None = None):
         n_rep = q.shape[2] // k.shape[2]
         if n_rep > 1:  # grouped-query attention: each kv head serves n_rep query heads
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = mask.attend(q, k, v)
         return out.transpose(1, 2)
 
 
@@ -95,6 +104,9 @@ class Decoder(nn.Module):
     output_modules: ClassVar[tuple[str, ...]] = ("norm", "output")
     block_container: ClassVar[str] = "layers"
     param_init: ClassVar[Callable[[object], Callable[[str], Init]]]
+    # RoPE / learned positions restart at 0 at every document start (needs ``document_starts``); set from
+    # ``model.reset_position_ids`` by the builder (an instance attribute: pipeline stages, copies, keep it).
+    reset_position_ids: bool = False
 
     def __init__(self, args):
         super().__init__()
@@ -120,7 +132,8 @@ class Decoder(nn.Module):
 
     def block_kwargs(self, positions: torch.Tensor) -> dict:
         """What every block receives besides the hidden states (keyword arguments), e.g. the RoPE rows of
-        ``positions``."""
+        ``positions`` ((seq,), or (batch, seq) when positions restart per document). Under document masking the
+        forward adds ``mask``, which the block's attention passes to its seam."""
         return {}
 
     # ---------------------------------------------------------------------------------------- the shared forward
@@ -134,10 +147,24 @@ class Decoder(nn.Module):
             )
         return all(present)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_starts: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (or a stage's hidden states) -> logits (or hidden states). ``document_starts`` (batch, seq of
+        the local tokens): the block-causal mask (``titanlike.models.masking``); None: causal."""
         positions = self.positions(x)
+        mask = None
+        if document_starts is not None:
+            mask = DocumentMask(document_starts, positions)
+            if self.reset_position_ids:
+                positions = positions - document_starts  # (batch, seq): restart at every document start
+        elif self.reset_position_ids:
+            raise ValueError(
+                f"{type(self).__name__}: reset_position_ids needs the batch's document_starts "
+                f"(model.attn_mask_type = 'block_causal')"
+            )
         h = self.embed(x, positions) if self._has_inputs() else x
         kwargs = self.block_kwargs(positions)
+        if mask is not None:
+            kwargs["mask"] = mask
         for block in self.layers.values():
             h = block(h, **kwargs)
         if self.norm is not None:

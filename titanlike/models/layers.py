@@ -23,6 +23,7 @@ __all__ = [
     "apply_rope",
     "compute_dtype",
     "rope_inv_freq",
+    "rope_rows",
     "rope_tables",
 ]
 
@@ -80,10 +81,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     dtype = compute_dtype(x)
     xp = x.to(dtype).unflatten(-1, (-1, 2))
     x0, x1 = xp[..., 0], xp[..., 1]
-    c = cos[: x.shape[1]].to(dtype)[None, :, None, :]
-    s = sin[: x.shape[1]].to(dtype)[None, :, None, :]
+    c, s = rope_rows(cos, x, dtype), rope_rows(sin, x, dtype)
     out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
     return out.type_as(x)
+
+
+def rope_rows(table: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows of ``table`` for x (batch, seq, heads, head_dim), broadcastable to it: ``table`` (seq, n) is shared by
+    the batch, (batch, seq, n) per sample (positions that restart at every document start)."""
+    if table.dim() == 3:
+        return table[:, : x.shape[1]].to(dtype)[:, :, None, :]
+    return table[: x.shape[1]].to(dtype)[None, :, None, :]
 
 
 class FeedForward(nn.Module):
@@ -113,7 +121,7 @@ class RopeTables:
         self.register_buffer("rope_sin", sin.float(), persistent=False)
 
     def block_kwargs(self, positions: torch.Tensor) -> dict:
-        return {"cos": self.rope_cos.index_select(0, positions), "sin": self.rope_sin.index_select(0, positions)}
+        return {"cos": self.rope_cos[positions], "sin": self.rope_sin[positions]}  # (seq, n) or (batch, seq, n)
 
     @torch.no_grad()
     def init_buffers(self, device: torch.device | None = None) -> None:

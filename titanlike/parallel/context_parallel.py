@@ -25,6 +25,10 @@ Around it: the data loader hands each cp rank its two chunks of the same samples
 and the labels alike); the loss counts tokens over ``dp x cp`` (the ``dp_cp`` mesh); FSDP shards parameters and
 sums gradients over ``dp_shard x cp`` (``dp_shard_cp``), which is where the weight gradients of the different
 chunks meet. See docs/context_parallel.md.
+
+Document masking (``block_causal``): the forward's ``DocumentMask`` holds the global positions of the local tokens
+and their documents' starts (cut like the inputs by the data loader), so the mask of each query chunk against the
+gathered keys is a function of local data: no extra collective (``DocumentMask.attend`` with the chunk's rows).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
 from titanlike.models.decoder import AttentionCore, Positions
+from titanlike.models.masking import DocumentMask
 
 __all__ = [
     "ContextParallelAttention",
@@ -146,7 +151,7 @@ class ContextParallelAttention(nn.Module):
     def extra_repr(self) -> str:
         return f"cp={self.cp}, rank={self.rank}, chunks={chunk_ids(self.cp, self.rank)}"
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask | None = None) -> Tensor:
         cp, c = self.cp, q.shape[1] // 2
         k_all = reorder_gathered(all_gather_sequence(k, self.cp_mesh), cp)
         v_all = reorder_gathered(all_gather_sequence(v, self.cp_mesh), cp)
@@ -158,7 +163,11 @@ class ContextParallelAttention(nn.Module):
         outs = []
         for half, j in enumerate(chunk_ids(cp, self.rank)):
             qj = q[:, half * c : (half + 1) * c].transpose(1, 2)
-            outs.append(chunk_attention(qj, kt[:, :, : (j + 1) * c], vt[:, :, : (j + 1) * c]).transpose(1, 2))
+            kj, vj = kt[:, :, : (j + 1) * c], vt[:, :, : (j + 1) * c]
+            if mask is None:
+                outs.append(chunk_attention(qj, kj, vj).transpose(1, 2))
+            else:  # block-causal: the chunk's rows of the mask (global positions, local document starts)
+                outs.append(mask.attend(qj, kj, vj, rows=(half * c, (half + 1) * c)).transpose(1, 2))
         return torch.cat(outs, dim=1)
 
 

@@ -27,9 +27,19 @@ from torch import nn
 from titanlike.loss import IGNORE_INDEX, ScaledLoss
 
 
-def count_tokens(micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], dp_group=None) -> torch.Tensor:
+def model_kwargs(micro_batch: Sequence[torch.Tensor]) -> dict:
+    """The model's keyword arguments carried by a micro-batch: ``(inputs, labels)`` none, ``(inputs, labels,
+    document_starts)`` (document masking, ``titanlike.models.masking``) the block-causal mask's starts."""
+    if len(micro_batch) == 2:
+        return {}
+    if len(micro_batch) == 3:
+        return {"document_starts": micro_batch[2]}
+    raise ValueError(f"a micro-batch is (inputs, labels) or (inputs, labels, document_starts), got {len(micro_batch)}")
+
+
+def count_tokens(micro_batches: Sequence[Sequence[torch.Tensor]], dp_group=None) -> torch.Tensor:
     """Non-ignored label tokens of this step's global batch (summed over the data-parallel ranks)."""
-    n = sum((labels != IGNORE_INDEX).sum() for _, labels in micro_batches)
+    n = sum((mb[1] != IGNORE_INDEX).sum() for mb in micro_batches)
     n = torch.as_tensor(n, dtype=torch.float64, device=micro_batches[0][1].device)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(n, group=dp_group)
@@ -46,7 +56,7 @@ class StepResult:
 
 def forward_backward(
     model_parts: list[nn.Module],
-    micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: Sequence[Sequence[torch.Tensor]],
     loss: ScaledLoss,
     *,
     dp_group=None,
@@ -59,22 +69,25 @@ def forward_backward(
 
     Without pipelining, ``model_parts`` is one module mapping token ids to logits. With pipelining,
     ``pp_schedule.step`` splits each micro-batch into the schedule's microbatches; only the last stage sees
-    labels and losses. ``forward_ctx`` (e.g. bf16 autocast) wraps the forward and loss, not the backward.
+    labels and losses. A micro-batch ``(inputs, labels, document_starts)`` runs the block-causal mask
+    (:func:`model_kwargs`). ``forward_ctx`` (e.g. bf16 autocast) wraps the forward and loss, not the backward.
     """
     tokens = count_tokens(micro_batches, dp_group)
     loss.denominator = tokens
     device = micro_batches[0][0].device
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for inputs, labels in micro_batches:
+    for mb in micro_batches:
+        inputs, labels, kwargs = mb[0], mb[1], model_kwargs(mb)
         if pp_schedule is None:
             with forward_ctx():
-                out = loss(model_parts[0](inputs), labels)
+                out = loss(model_parts[0](inputs, **kwargs), labels)
             out.backward()
             total += out.detach().to(torch.float64)
         else:
             losses: list[torch.Tensor] = []
             targets = labels if has_last_stage else None
-            pp_schedule.step(inputs, target=targets, losses=losses)
+            # keyword tensors are split by microbatch like the inputs: each microbatch keeps its document starts
+            pp_schedule.step(inputs, target=targets, losses=losses, **kwargs)
             if has_last_stage:
                 total += sum(l.detach().to(torch.float64) for l in losses)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
@@ -87,7 +100,7 @@ def forward_backward(
 def train_step(
     model_parts: list[nn.Module],
     optimizer: torch.optim.Optimizer,
-    micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: Sequence[Sequence[torch.Tensor]],
     loss: ScaledLoss,
     *,
     max_norm: float,
@@ -149,12 +162,15 @@ def eval_loss_sum(
     inputs: torch.Tensor,
     labels: torch.Tensor,
     forward_ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    document_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``loss_fn(model(inputs), labels)`` in eval mode, as float64, leaving the model ready to train again."""
+    """``loss_fn(model(inputs), labels)`` in eval mode, as float64, leaving the model ready to train again
+    (``document_starts``: the block-causal mask, as in training)."""
+    kwargs = {} if document_starts is None else {"document_starts": document_starts}
     model.eval()
     try:
         with forward_ctx():
-            loss = loss_fn(model(inputs), labels)
+            loss = loss_fn(model(inputs, **kwargs), labels)
     finally:
         model.train()
         reshard_fsdp(model)

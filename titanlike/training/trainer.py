@@ -52,6 +52,20 @@ def resolve_device(cfg: JobConfig) -> torch.device:
     return torch.device("cpu")
 
 
+def attention_note(cfg: JobConfig, device: torch.device, eos_id: int) -> str:
+    """The start-up line's mask and backend."""
+    if cfg.model.attn_mask_type == "causal":
+        return "causal mask (SDPA's causal kernel)"
+    from titanlike.models.masking import attention_backend
+
+    backend = {"flex": "FlexAttention with a block mask", "sdpa": "SDPA with an exact boolean mask"}
+    reset = ", positions restart per document" if cfg.model.reset_position_ids else ""
+    return (
+        f"block_causal mask (documents end at EOS id {eos_id}), {backend[attention_backend(device)]} on "
+        f"{device.type}{reset}"
+    )
+
+
 def default_corpus() -> list[str]:
     from titanlike.data import shipped_corpus
 
@@ -228,6 +242,9 @@ class Trainer:
                 model = self.spec.build(args)
         finally:
             torch.set_default_dtype(prev)
+        model.reset_position_ids = cfg.model.reset_position_ids  # read by the decoder's forward (every stage)
+        # Document masking: the loaders derive each token's document start from the tokenizer's EOS.
+        self.mask_eos_id = self.tokenizer.eos_id if cfg.model.attn_mask_type == "block_causal" else None
         if cfg.model.kernels != "torch":
             from titanlike.kernels import convert_kernels
 
@@ -269,6 +286,7 @@ class Trainer:
             num_workers=cfg.data.num_workers,
             cp_rank=self.cp_rank,
             cp_degree=self.cp_degree,
+            eos_id=self.mask_eos_id,
         )
         self.val_sources = self._validation_sources(dp_degree)
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
@@ -285,6 +303,7 @@ class Trainer:
                 f"{self.device.type}, {cfg.training.dtype}",
                 flush=True,
             )
+            print(f"attention: {attention_note(cfg, self.device, self.tokenizer.eos_id)}", flush=True)
             if hasattr(self.optimizer, "describe"):  # Muon: what it orthogonalizes (rank 0's parameters)
                 print(f"optimizer: {self.optimizer.describe()}", flush=True)
 
@@ -426,10 +445,11 @@ class Trainer:
         return bool(committed_checkpoints(checkpoint_folder(self.cfg)))
 
     # ------------------------------------------------------------------ loop
-    def _next_micro_batches(self, it) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _next_micro_batches(self, it) -> list[tuple[torch.Tensor, ...]]:
+        """(inputs, labels) or, with document masking, (inputs, labels, document_starts) per micro-batch."""
         return [
-            (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
-            for x, y in (next(it) for _ in range(self.accum_steps))
+            tuple(t.to(self.device, non_blocking=True) for t in batch)
+            for batch in (next(it) for _ in range(self.accum_steps))
         ]
 
     def train(self) -> list[float]:
@@ -673,14 +693,16 @@ class Trainer:
                 max_batches=cfg.validation.steps if cfg.validation.steps > 0 else None,
                 cp_rank=self.cp_rank,
                 cp_degree=self.cp_degree,
+                eos_id=self.mask_eos_id,
             )
-            for inputs, labels in loader:
-                inputs, labels = inputs.to(self.device), labels.to(self.device)
+            for batch in loader:  # the same mask as training (document starts with each batch)
+                inputs, labels, *starts = (t.to(self.device) for t in batch)
+                starts = starts[0] if starts else None
                 if self.pp is not None:
-                    loss_sum = self.pp.eval_loss(inputs, labels)
+                    loss_sum = self.pp.eval_loss(inputs, labels, starts)
                 else:  # eval mode, then FSDP's shards handed back (training continues exactly)
                     loss_sum = eval_loss_sum(
-                        self.model_parts[0], self.loss.loss_fn, inputs, labels, self.forward_context
+                        self.model_parts[0], self.loss.loss_fn, inputs, labels, self.forward_context, starts
                     )
                 totals[k, 0] += loss_sum.detach().to(torch.float64)
                 totals[k, 1] += (labels != IGNORE_INDEX).sum()

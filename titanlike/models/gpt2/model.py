@@ -92,11 +92,11 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(args.dim, args.dim, bias=True)
         self.core = AttentionCore()  # the shared attention seam (context parallelism swaps it)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q, k, v = self.c_attn(x).chunk(3, dim=-1)  # this rank's heads of each chunk under tensor parallelism
         q, k, v = (t.reshape(bsz, seqlen, -1, self.head_dim) for t in (q, k, v))
-        return self.c_proj(self.core(q, k, v).reshape(bsz, seqlen, -1))
+        return self.c_proj(self.core(q, k, v, mask).reshape(bsz, seqlen, -1))
 
 
 class MLP(nn.Module):
@@ -140,8 +140,8 @@ class Block(DecoderBlock):
         self.ln_2 = nn.LayerNorm(args.dim, eps=args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
+        h = x + self.attn(self.ln_1(x), mask)
         return h + self.mlp(self.ln_2(h))
 
 

@@ -172,14 +172,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.sdpa = AttentionCore()
 
-    def forward(self, x: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # -1: the number of heads this module holds (all of them, or the local ones under tensor parallelism).
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.sdpa(q, k, v)
+        out = self.sdpa(q, k, v, mask)
         return self.wo(out.reshape(bsz, seqlen, -1))
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from titanlike.init import Init, normal, ones, plan_from_patterns
 from titanlike.models.decoder import AttentionCore, Decoder
-from titanlike.models.layers import PreNormBlock, RMSNorm, RopeTables, compute_dtype
+from titanlike.models.layers import PreNormBlock, RMSNorm, RopeTables, compute_dtype, rope_rows
 
 
 @dataclass
@@ -82,8 +82,7 @@ def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     position angle (Hugging Face's "rotate half" layout); ``cos`` / ``sin``: (seq, head_dim // 2) rows."""
     dtype = compute_dtype(x)
     x1, x2 = x.to(dtype).chunk(2, dim=-1)
-    c = cos[: x.shape[1]].to(dtype)[None, :, None, :]
-    s = sin[: x.shape[1]].to(dtype)[None, :, None, :]
+    c, s = rope_rows(cos, x, dtype), rope_rows(sin, x, dtype)
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).type_as(x)
 
 
@@ -115,14 +114,14 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, args.norm_eps)
         self.sdpa = AttentionCore()
 
-    def forward(self, x: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # -1: the heads this module holds (all, or this rank's under tensor parallelism)
         q = self.q_norm(self.wq(x).view(bsz, seqlen, -1, self.head_dim))
         k = self.k_norm(self.wk(x).view(bsz, seqlen, -1, self.head_dim))
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope_half(q, cos, sin), apply_rope_half(k, cos, sin)
-        return self.wo(self.sdpa(q, k, v).reshape(bsz, seqlen, -1))
+        return self.wo(self.sdpa(q, k, v, mask).reshape(bsz, seqlen, -1))
 
 
 class Qwen3Block(PreNormBlock):

@@ -74,7 +74,9 @@ class PipelineParallel:
         return dist.get_process_group_ranks(self.pp_group)[pp_rank]
 
     @torch.no_grad()
-    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def eval_loss(
+        self, inputs: torch.Tensor, labels: torch.Tensor, document_starts: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Sum of the cross entropy over ``labels``, the same float64 scalar on every pp rank. Forward only.
 
         Torch's ``schedule.eval`` replays the training action list and fails for the V schedules, so this runs
@@ -88,7 +90,10 @@ class PipelineParallel:
         modules = dict(zip(self.stage_ids, self.model_parts))
         last = self.num_stages - 1
         carry = None  # the previous stage's output when this rank holds both stages
-        for x, y in zip(inputs.split(self.microbatch_size), labels.split(self.microbatch_size)):
+        n = self.microbatch_size
+        starts = [None] * len(inputs.split(n)) if document_starts is None else document_starts.split(n)
+        for x, y, st in zip(inputs.split(n), labels.split(n), starts):
+            kwargs = {} if st is None else {"document_starts": st}  # the block-causal mask, as in training
             for s in self.stage_ids:
                 if s == 0:
                     h = x
@@ -99,7 +104,7 @@ class PipelineParallel:
                     dist.recv_object_list(meta, src=self.stage_rank(s - 1), group=self.pp_group, device=device)
                     h = torch.empty(meta[0][0], dtype=meta[0][1], device=device)
                     dist.recv(h, src=self.stage_rank(s - 1), group=self.pp_group)
-                out = modules[s](h)
+                out = modules[s](h, **kwargs)
                 if s == last:
                     loss = self.loss.loss_fn(out, y)
                     total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).to(torch.float64)
