@@ -110,6 +110,18 @@ MODELS = {
         "--optimizer.adjust_lr_fn",
         "match_rms_adamw",
     ),
+    # Document masking (block_causal): packed documents (EOS planted, global_batch(documents=True)), positions
+    # restarting at every document start, or not.
+    "block": ("--model.attn_mask_type", "block_causal"),
+    "block_reset": ("--model.attn_mask_type", "block_causal", "--model.reset_position_ids", "true"),
+    "gpt2_block_reset": (
+        "--model.name",
+        "gpt2",
+        "--model.attn_mask_type",
+        "block_causal",
+        "--model.reset_position_ids",
+        "true",
+    ),
 }
 # Matrices Muon orthogonalizes per model (tiny, 2 blocks): Llama 7 per block; GPT-2 c_attn's q, k, v + 3.
 MUON_MATRICES = {"muon": 14, "muon_bf16": 14, "muon_small_buckets": 14, "muon_gpt2": 12}
@@ -251,6 +263,15 @@ LAYOUTS = [
         model="muon",
         mutation="muon_not_scattered",
     ),
+    # Document masking: block_causal under every SPMD layout kind (the pipeline schedules: pipeline_gate.py)
+    Layout("block tp2_sp", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="block_reset"),
+    Layout("block fsdp2", 2, _dp(1, 2, 4), model="block_reset"),
+    Layout("block cp2", 2, _cp(2, *_dp(1, 1, 8)), model="block_reset"),
+    Layout("block cp2 no reset ac_full", 2, _cp(2, "--activation_checkpoint.mode", "full", *_dp(1, 1, 8)), model="block"),
+    Layout("gpt2 block cp2", 2, _cp(2, *_dp(1, 1, 8)), model="gpt2_block_reset"),
+    Layout("MUT block cp2 rank 1 ignores documents", 2, _cp(2, *_dp(1, 1, 8)), model="block", mutation="mask_cp_rank"),
+    # (GPT-2: learned positions; under RoPE the reset changes nothing but rounding, attention being relative)
+    Layout("MUT gpt2 block fsdp2 positions not reset", 2, _dp(1, 2, 4), model="gpt2_block_reset", mutation="mask_no_reset"),
     # 4 ranks
     Layout("tp4_gqa", 4, _tp(4, *_dp(1, 1, 8)), model="gqa8"),
     Layout("fsdp4", 4, _dp(1, 4, 2)),
@@ -271,6 +292,7 @@ LAYOUTS = [
     Layout("qwen3 hsdp2x2", 4, _dp(2, 2, 2), model="qwen3_untied"),
     Layout("qwen3 tp2_sp_fsdp2", 4, _tp(2, *SP, *_dp(1, 2, 4)), model="qwen3"),
     Layout("qwen3 cp2_tp2_sp", 4, _cp(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="qwen3"),
+    Layout("block cp2_tp2_sp", 4, _cp(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="block_reset"),
     Layout("muon tp2_sp_fsdp2 small buckets", 4, _tp(2, *SP, *_dp(1, 2, 4)), model="muon_small_buckets"),
     Layout("muon hsdp2x2 bf16", 4, _dp(2, 2, 2), model="muon_bf16"),
     Layout("muon gpt2 tp2_fsdp2", 4, _tp(2, *_dp(1, 2, 4)), model="muon_gpt2"),
@@ -566,7 +588,37 @@ def _muon_not_scattered():
         yield
 
 
+@contextlib.contextmanager
+def _mask_cp_rank():
+    """Context parallelism: cp rank 1's attention ignores the document starts (plain causal over the gathered keys);
+    rank 0 masks right."""
+    import titanlike.parallel.context_parallel as cpm
+
+    original = cpm.ContextParallelAttention.forward
+
+    def forward(self, q, k, v, mask=None):
+        return original(self, q, k, v, None if self.rank == 1 else mask)
+
+    with patched(cpm.ContextParallelAttention, "forward", forward):
+        yield
+
+
+_RESET = {"apply": True}  # build_model sets model.reset_position_ids from the config unless a mutation says not
+
+
+@contextlib.contextmanager
+def _mask_no_reset():
+    """model.reset_position_ids asked for, the parallel model built without it: positions run on across documents."""
+    _RESET["apply"] = False
+    try:
+        yield
+    finally:
+        _RESET["apply"] = True
+
+
 MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "mask_cp_rank": _mask_cp_rank,
+    "mask_no_reset": _mask_no_reset,
     "muon_local_ns": _muon_local_ns,
     "muon_fused_one_matrix": _muon_fused_one_matrix,
     "muon_not_scattered": _muon_not_scattered,
@@ -589,15 +641,44 @@ MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
 
 
 # ---------------------------------------------------------------------------------------------- data, reference
-def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+EOS = 1  # the end-of-text token of the masked models' batches
+
+
+def global_batch(step: int, documents: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Step ``step``'s global batch: different tokens every step, and an uneven number of ignored labels per
-    row, so every data-parallel rank holds a different number of tokens."""
+    row, so every data-parallel rank holds a different number of tokens. ``documents``: packed documents, EOS at
+    different places in every row and step (documents crossing the cp chunks; a row may start inside one)."""
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    if documents:
+        tokens[tokens == EOS] = EOS + 1
+        for row in range(GLOBAL_BATCH):
+            first = (5 * row + step) % 9
+            tokens[row, [first, first + 1 + (row + step) % 6]] = EOS
     inputs, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
     for row in range(GLOBAL_BATCH):
         labels[row, : (3 * row + step) % 11] = IGNORE_INDEX
     return inputs, labels
+
+
+def step_batch(cfg: JobConfig, step: int) -> tuple[torch.Tensor, ...]:
+    """Step ``step``'s global batch for ``cfg``: (inputs, labels), or with document masking (inputs, labels,
+    document_starts) as the data loaders carry them."""
+    if cfg.model.attn_mask_type != "block_causal":
+        return global_batch(step)
+    from titanlike.models.masking import document_starts
+
+    inputs, labels = global_batch(step, documents=True)
+    return inputs, labels, document_starts(inputs, EOS)
+
+
+def cut_batch(batch: tuple[torch.Tensor, ...], cut: Callable[[torch.Tensor], torch.Tensor], n: int) -> list[tuple]:
+    """This rank's ``n`` micro-batches of a global batch: ``cut`` (rows, cp chunks) of every tensor, chunked."""
+    return list(zip(*(cut(t).chunk(n) for t in batch)))
+
+
+def _starts(mb: tuple) -> torch.Tensor | None:
+    return mb[2] if len(mb) > 2 else None
 
 
 def config(layout: Layout, world_size: int) -> JobConfig:
@@ -614,6 +695,7 @@ def build_model(cfg: JobConfig, device: str = "cpu") -> nn.Module:
         model = get_spec(cfg.model.name).build(args).to(torch.float64)
     if device != "meta":
         model.init_weights(seed=INIT_SEED)
+    model.reset_position_ids = cfg.model.reset_position_ids and _RESET["apply"]
     return model
 
 
@@ -664,7 +746,7 @@ class Context:
                 res = train_step(
                     [ref],
                     opt,
-                    [global_batch(step)],
+                    [step_batch(cfg, step)],
                     ScaledLoss(_plain_loss(cfg)),
                     max_norm=cfg.training.max_norm,
                     clip_fn=plain_clip_grad_norm_,
@@ -687,9 +769,10 @@ class Context:
         if key not in self.references:
             model = build_model(cfg)
             model.load_state_dict(self.references[layout.model][0].weights)
-            inputs, labels = global_batch(STEPS + 1)
+            inputs, labels, *starts = step_batch(cfg, STEPS + 1)
+            kwargs = {"document_starts": starts[0]} if starts else {}
             with torch.no_grad():
-                self.references[key] = _plain_loss(cfg)(model(inputs), labels).item()
+                self.references[key] = _plain_loss(cfg)(model(inputs, **kwargs), labels).item()
         return self.references[key]
 
 
@@ -706,7 +789,8 @@ class Built:
     optimizer: torch.optim.Optimizer
     loss: ScaledLoss
     clip_fn: Callable
-    micro_batches: Callable[[torch.Tensor, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]
+    # the global batch (inputs, labels[, document_starts]) -> this rank's micro-batches of the same tensors
+    micro_batches: Callable[..., list[tuple[torch.Tensor, ...]]]
     step_kwargs: dict = field(default_factory=dict)
     aliases_checked: bool = True  # tied weights are still one parameter in the parallel model
     # (inputs, labels) of the global batch -> this layout's validation loss sum over it, identical on every rank
@@ -742,19 +826,20 @@ def build_spmd(layout: Layout, cfg: JobConfig, ctx: Context, initial: nn.Module)
 
     cp_slice = cp_slicer(dims)
 
-    def micro_batches(inputs, labels):
+    def micro_batches(*batch):
         rows = GLOBAL_BATCH // dp
         mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
-        return list(zip(cp_slice(inputs[mine]).chunk(n_micro), cp_slice(labels[mine]).chunk(n_micro)))
+        return cut_batch(batch, lambda t: cp_slice(t[mine]), n_micro)
 
     loss_fn = built.loss.loss_fn
     group = loss_group_for_gate(dims)
 
-    def eval_sum(inputs, labels):
+    def eval_sum(*batch):
         from titanlike.training.step import eval_loss_sum
 
         total = sum(
-            eval_loss_sum(model, loss_fn, x, y, built.forward_context) for x, y in micro_batches(inputs, labels)
+            eval_loss_sum(model, loss_fn, mb[0], mb[1], built.forward_context, _starts(mb))
+            for mb in micro_batches(*batch)
         )
         if group is not None:
             dist.all_reduce(total, group=group)
@@ -828,7 +913,7 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
             res = train_step(
                 built.model_parts,
                 built.optimizer,
-                built.micro_batches(*global_batch(step)),
+                built.micro_batches(*step_batch(cfg, step)),
                 built.loss,
                 max_norm=cfg.training.max_norm,
                 clip_fn=built.clip_fn,
@@ -848,7 +933,7 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
                     diffs["grads"] = max(diffs["grads"], g)
                     diffs["weights"] = max(diffs["weights"], _max_abs(_full(p), ref.weights[name]))
             if step == 1 and built.eval_sum is not None:
-                diffs["eval"] = abs(built.eval_sum(*global_batch(STEPS + 1)) - ctx.reference_eval(layout, cfg))
+                diffs["eval"] = abs(built.eval_sum(*step_batch(cfg, STEPS + 1)) - ctx.reference_eval(layout, cfg))
     # Reduce over ranks: NaN counts as infinitely wrong.
     values = torch.tensor([v if v == v else math.inf for v in diffs.values()], dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)

@@ -18,12 +18,13 @@ import json
 import math
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import gate  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from gate import GLOBAL_BATCH, STEPS, TOL, Built, Layout, global_batch, patched  # noqa: E402
+from gate import GLOBAL_BATCH, STEPS, TOL, Built, Layout, patched  # noqa: E402
 from torch import nn  # noqa: E402
 
 from titanlike.training.optim import build_optimizer  # noqa: E402
@@ -42,6 +43,8 @@ gate.MODELS.update(
         "nanogpt": ("--model.n_layers", "4"),
         # Muon (Newton-Schulz in float64): every stage orthogonalizes its own blocks' matrices over its dp x tp ranks
         "muon_deep": ("--model.n_layers", "8", *gate.MODELS["muon"]),
+        # document masking (block_causal, positions reset per document): the starts travel with each microbatch
+        "block_deep": ("--model.n_layers", "8", *gate.MODELS["block_reset"]),
     }
 )
 gate.MUON_MATRICES["muon_deep"] = 7 * 8
@@ -230,6 +233,21 @@ LAYOUTS = [
     ),
     _layout("muon pp2 fsdp2 tp2_sp 1F1B", 8, _tp2(*SP, *_pp(2, "1F1B", 4, 2)), model="muon_deep"),
 ]
+# Document masking under the pipeline schedules (the per-microbatch document starts: schedule.step's keyword
+# tensors, split by microbatch like the inputs), incl. the zero-bubble / V ones.
+LAYOUTS += [
+    _layout(f"block pp2 {s}", 2, _pp(2, s, 8, 2), model="block_deep")
+    for s in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
+]
+LAYOUTS += [
+    _layout(
+        "MUT block pp2 ZBVZeroBubble microbatch given another's starts",
+        2,
+        _pp(2, "ZBVZeroBubble", 8, 2),
+        model="block_deep",
+        mutation="pp_starts_other_microbatch",
+    ),
+]
 
 
 # ---------------------------------------------------------------------------------------------- mutations
@@ -294,8 +312,25 @@ def _fsdp_reshard_after_forward():
         yield
 
 
+@contextlib.contextmanager
+def _starts_other_microbatch():
+    """The schedule's keyword tensors (the document starts) split by microbatch, then handed to the wrong
+    microbatch (rotated by one): each microbatch runs with another's documents."""
+    import torch.distributed.pipelining.schedules as schedules
+
+    original = schedules.split_args_kwargs_into_chunks
+
+    def rotated(*args, **kwargs):
+        args_split, kwargs_split = original(*args, **kwargs)
+        return args_split, kwargs_split[1:] + kwargs_split[:1]
+
+    with patched(schedules, "split_args_kwargs_into_chunks", rotated):
+        yield
+
+
 gate.MUTATIONS.update(
     {
+        "pp_starts_other_microbatch": _starts_other_microbatch,
         "pp_tied_not_summed": _tied_not_summed,
         "pp_loss_over_microbatches": _loss_over_microbatches,
         "pp_norm_not_reduced": _norm_not_reduced,
@@ -317,17 +352,19 @@ def _dp_slice(dims, t: torch.Tensor) -> torch.Tensor:
     return gate.cp_slicer(dims)(t[r * rows : (r + 1) * rows])
 
 
-def _eval_diff(pp, dims, reference: nn.Module) -> float:
+def _eval_diff(pp, dims, reference: nn.Module, cfg) -> float:
     """|sum CE of the pipeline over the global eval batch - one device's|, this rank's view."""
     from titanlike.loss import cross_entropy_loss
 
-    inputs, labels = global_batch(STEPS + 1)
-    total = pp.eval_loss(_dp_slice(dims, inputs), _dp_slice(dims, labels))
+    inputs, labels, *starts = gate.step_batch(cfg, STEPS + 1)
+    mine = [_dp_slice(dims, t) for t in starts]
+    total = pp.eval_loss(_dp_slice(dims, inputs), _dp_slice(dims, labels), *mine)
     group = gate.loss_group_for_gate(dims)
     if group is not None:
         dist.all_reduce(total, group=group)
+    kwargs = {"document_starts": starts[0]} if starts else {}
     with torch.no_grad():
-        expected = cross_entropy_loss(reference(inputs), labels, reduction="sum")
+        expected = cross_entropy_loss(reference(inputs, **kwargs), labels, reduction="sum")
     return abs(total.item() - expected.item())
 
 
@@ -344,12 +381,12 @@ def build_pp(layout: Layout, cfg, ctx, initial) -> Built:
             gate.build_model(cfg, device="meta"), cfg, dims, torch.device("cpu"), init_seed=gate.INIT_SEED
         )
     pp = built.pp
-    EVAL[layout.name] = [_eval_diff(pp, dims, initial)]
+    EVAL[layout.name] = [_eval_diff(pp, dims, initial, cfg)]
     _BUILT.update(pp=pp, dims=dims)
     n_micro = cfg.training.global_batch_size // (cfg.training.local_batch_size * dims.dp)
 
-    def micro_batches(inputs, labels):
-        return list(zip(_dp_slice(dims, inputs).chunk(n_micro), _dp_slice(dims, labels).chunk(n_micro)))
+    def micro_batches(*batch):
+        return gate.cut_batch(batch, partial(_dp_slice, dims), n_micro)
 
     return Built(
         model_parts=built.model_parts,
@@ -399,8 +436,8 @@ def build_user_pp(layout: Layout, cfg, ctx, initial) -> Built:
     )
     n_acc = cfg.training.global_batch_size // (cfg.training.local_batch_size * dims.dp)
 
-    def micro_batches(inputs, labels):
-        return list(zip(_dp_slice(dims, inputs).chunk(n_acc), _dp_slice(dims, labels).chunk(n_acc)))
+    def micro_batches(*batch):
+        return gate.cut_batch(batch, partial(_dp_slice, dims), n_acc)
 
     return Built(
         model_parts=pp.model_parts,
@@ -430,7 +467,7 @@ def run(layout: Layout, ctx) -> dict:
     _, records = ctx.reference(layout, cfg)
     final = gate.CUSTOM_MODELS[layout.model]() if layout.model in gate.CUSTOM_MODELS else gate.build_model(cfg)
     final.load_state_dict(records[-1].weights)
-    EVAL[layout.name].append(_eval_diff(_BUILT["pp"], _BUILT["dims"], final))
+    EVAL[layout.name].append(_eval_diff(_BUILT["pp"], _BUILT["dims"], final, cfg))
     diffs = torch.tensor([v if v == v else math.inf for v in EVAL[layout.name]], dtype=torch.float64)
     dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
     result["eval"] = max(diffs.tolist())
