@@ -77,8 +77,9 @@ class DocumentMask:
     """The block-causal mask of one (micro)batch forward: ``starts`` (batch, s) the document start of each local
     token, ``positions`` (s,) the window positions of the local tokens (global ones under context parallelism).
     Built by the decoder's forward and handed to every block (``mask`` keyword); each attention seam calls
-    :meth:`attend`. What a backend builds from it (a boolean mask, a ``BlockMask``) is cached here, so it is built
-    once per forward (and reused by the recomputation of activation checkpointing)."""
+    :meth:`attend`. What a backend builds from it (a boolean mask, a ``BlockMask``) is built here, at construction,
+    outside the compiled blocks, once per forward, and reused by every layer and by the recomputation of activation
+    checkpointing."""
 
     starts: Tensor
     positions: Tensor
@@ -93,20 +94,35 @@ class DocumentMask:
             )
         if not self.backend:
             self.backend = attention_backend(self.starts.device)
+        if self.starts.device.type != "meta":  # (a pipeline stage's shape inference runs on meta: built lazily)
+            self._build()
+
+    def _build(self) -> None:
+        """Build the mask of every contiguous run of positions against the keys before it, here, outside the
+        (possibly compiled) blocks: the whole local sequence on one device, each of the two chunks under context
+        parallelism (``rows``, ``n`` keys as ``attend`` is called)."""
+        pos = self.positions.tolist()
+        cuts = [i for i in range(1, len(pos)) if pos[i] != pos[i - 1] + 1]
+        for lo, hi in zip([0, *cuts], [*cuts, len(pos)]):
+            self._mask_for(lo, hi, pos[hi - 1] + 1, self.starts.shape[0], self.starts.device)
+
+    def _mask_for(self, lo: int, hi: int, n: int, batch: int, device):
+        key = (self.backend, lo, hi, n, batch)
+        if key not in self._cache:
+            if self.backend == "flex":
+                self._cache[key] = self._block_mask(lo, hi, n, batch, device)
+            else:
+                self._cache[key] = self.dense(lo, hi, n)
+        return self._cache[key]
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, rows: tuple[int, int] | None = None) -> Tensor:
         """Block-causal attention of ``q`` (batch, heads, c, d), the local tokens ``rows`` (``[lo, hi)``, default
         all), over ``k, v`` (batch, heads, n, d), the keys at window positions ``0 .. n-1``."""
         lo, hi = rows if rows is not None else (0, self.positions.shape[0])
-        n = k.shape[2]
-        key = (self.backend, lo, hi, n, q.shape[0])
+        mask = self._mask_for(lo, hi, k.shape[2], q.shape[0], q.device)
         if self.backend == "flex":
-            if key not in self._cache:
-                self._cache[key] = self._block_mask(lo, hi, n, q.shape[0], q.device)
-            return _flex(q, k, v, self._cache[key])
-        if key not in self._cache:
-            self._cache[key] = self.dense(lo, hi, n)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self._cache[key])
+            return _flex(q, k, v, mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def dense(self, lo: int, hi: int, n: int) -> Tensor:
         """(batch, 1, hi - lo, n) bool: query row ``i`` sees key ``j`` iff ``start[i] <= j <= position[i]``."""
