@@ -22,9 +22,12 @@
 #                    per-expert loop, side by side ($OUT/moe_bench/moe_bench.json; "moe" in summary.json)
 #   muon_step        scripts/muon_bench.py: the 1B model's optimizer step, Muon (bf16 Newton-Schulz) vs AdamW, one GPU
 #                    (dry mode: 2 gloo ranks, tiny, with the naive every-rank Muon beside it)
+#   mask_bench       scripts/mask_bench.py: attention fwd+bwd, block_causal (FlexAttention block mask, compiled) vs
+#                    causal on the same batch, and the shipped corpus's skipped share ($OUT/mask_bench/mask.json; "mask")
 # Writes $OUT/<row>.json (benchmark.py --json), $OUT/<row>.log, $OUT/train_1b/metrics.jsonl, $OUT/moe_bench/moe_bench.json,
-# $OUT/muon_step/muon.json, $OUT/env.json and $OUT/summary.json (every row's tokens/s, MFU, memory and ratio to plain,
-# the MoE ratio, Muon's step seconds against AdamW's, and each step's exit code).
+# $OUT/muon_step/muon.json, $OUT/mask_bench/mask.json, $OUT/env.json and $OUT/summary.json (every row's tokens/s, MFU,
+# memory and ratio to plain, the MoE ratio, Muon's step seconds against AdamW's, the mask ratio, and each step's exit
+# code).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -78,6 +81,7 @@ if [ "$DEVICE" = cuda ]; then
   B4=4; B8=8; T_FIRST=150; T_ROW=100; T_TRAIN=170
   MOE=(--device cuda)
   MUON=(--world 1 --device cuda --flavor 1B --dim 0 --layers 0 --ns-dtype bfloat16 --steps 5); T_MUON=90
+  MASK=(--device cuda)
   TRAIN=(--job.config_file configs/llama3_1b.toml --training.steps 30 --training.local_batch_size 4
          --training.global_batch_size 4 --training.seq_len 2048 --compile.enable true --metrics.log_freq 10
          --validation.enable false --checkpoint.enable false --metrics.enable_tensorboard false)
@@ -87,6 +91,7 @@ else
   B4=2; B8=4; T_FIRST=300; T_ROW=300; T_TRAIN=300  # generous: a shared 2-core CI machine
   MOE=(--device cpu --tokens 64 --dim 16 --hidden 32 --experts 4 --steps 1 --warmup 0)
   MUON=(--world 2 --device cpu --flavor tiny --dim 0 --layers 0 --steps 1); T_MUON=300
+  MASK=(--device cpu --seq-len 256 --batch 1 --heads 2 --head-dim 16 --doc-len 64 --steps 1 --warmup 0)
   TRAIN=(--job.config_file configs/debug_model.toml --training.steps 3 --training.seq_len 32 --training.device cpu
          --training.local_batch_size 2 --metrics.log_freq 1 --validation.enable false
          --metrics.enable_tensorboard false)
@@ -114,6 +119,7 @@ bench bf16_b8_ac_op "$T_ROW" --batch "$B8" --only titanlike --ac op
 run moe_bench "$T_ROW" python scripts/moe_bench.py "${MOE[@]}" --json "$OUT/moe_bench/moe_bench.json"
 mkdir -p "$OUT/muon_step"
 run muon_step "$T_MUON" python scripts/muon_bench.py "${MUON[@]}" --json "$OUT/muon_step/muon.json"
+run mask_bench "$T_ROW" python scripts/mask_bench.py "${MASK[@]}" --json "$OUT/mask_bench/mask.json"
 
 rcs=""; for k in "${!RC[@]}"; do rcs="$rcs$k=${RC[$k]} "; done
 python - "$OUT" "$rcs" <<'EOF'
@@ -147,9 +153,11 @@ if m.exists():
 moe = out / "moe_bench" / "moe_bench.json"
 muon = out / "muon_step" / "muon.json"
 muon = json.loads(muon.read_text()) if muon.exists() else None
+mask = out / "mask_bench" / "mask.json"
+mask = json.loads(mask.read_text()) if mask.exists() else None
 summary = {"env": json.loads((out / "env.json").read_text()), "exit_codes": rcs, "rows": rows,
            "plain_tokens_per_s_by_batch": plain, "train_1b": [r for r in train if "loss" in r],
-           "moe": json.loads(moe.read_text()) if moe.exists() else None, "muon_step": muon}
+           "moe": json.loads(moe.read_text()) if moe.exists() else None, "muon_step": muon, "mask": mask}
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
 print(f"{'row':<16} {'batch':>5} {'tokens/s':>10} {'MFU':>6} {'mem GiB':>8} {'x plain':>8}")
 for r in rows:
@@ -166,6 +174,9 @@ if summary["moe"]:
 if muon:
     secs = {k: round(v["seconds"], 4) for k, v in muon["rows"].items()}
     print(f"muon_step: optimizer step seconds {secs}; muon / adamw {secs['muon'] / secs['adamw']:.2f}")
+if mask:
+    print(f"mask_bench: block_causal / causal {mask['ratio_block_causal_over_causal']:.3f} ({mask['backend']}),",
+          f"corpus FLOPs skipped {mask['corpus']['flops_skipped']:.4%}" if mask["corpus"] else "")
 print("exit codes:", rcs)
 EOF
 echo "== gpu_check done in $((SECONDS - START))s; results in $OUT"

@@ -47,6 +47,7 @@ CASES = {
             "12",
         ],
     ),
+    "mask_reset": (1, ["--model.reset_position_ids", "true"]),
     "cp_kernels": (2, [*CP2, "--model.kernels", "te"]),
     "cp_float8": (2, [*CP2, "--float8.recipe", "tensorwise"]),
     "cp_schedule": (4, [*CP2, *ZB]),

@@ -19,7 +19,16 @@ TOL = 1e-12
 
 def _model(name: str, reset: bool):
     cfg = load_config(
-        ["--model.name", name, "--model.flavor", "tiny", "--model.max_seq_len", str(SEQ), "--training.seq_len", str(SEQ)]
+        [
+            "--model.name",
+            name,
+            "--model.flavor",
+            "tiny",
+            "--model.max_seq_len",
+            str(SEQ),
+            "--training.seq_len",
+            str(SEQ),
+        ]
     )
     model = get_spec(name).build(model_args_from_config(cfg, vocab_size=VOCAB)).to(torch.float64)
     model.init_weights(seed=0)
@@ -147,3 +156,21 @@ def test_compiled_blocks_with_selective_ac_match_eager():
     assert abs(loss.item() - ref_loss.item()) <= TOL
     assert max((a - b).abs().max().item() for a, b in zip(grads, ref_grads)) <= TOL
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["stats"])
+
+
+def test_document_stats_count_the_kept_pairs_and_tiles():
+    """The data pipeline's report against a brute-force count over the same windows (the block-causal mask itself)."""
+    from titanlike.data.documents import document_stats
+
+    g = torch.Generator().manual_seed(7)
+    stream = torch.randint(1, VOCAB, (2000,), generator=g)
+    stream[torch.randperm(2000, generator=g)[:60]] = EOS
+    S, B = 32, 8
+    st = document_stats(stream.numpy(), EOS, S, block=B)
+    windows = stream[: (len(stream) - 1) // S * S].view(-1, S)
+    dense = DocumentMask(document_starts(windows, EOS), torch.arange(S)).dense(0, S, S)[:, 0]
+    assert st.windows == len(windows) and st.documents == 61
+    assert abs(st.pair_fraction - dense.sum().item() / (len(windows) * S * (S + 1) / 2)) < 1e-12
+    tiles = dense.view(len(windows), S // B, B, S // B, B).any(dim=(2, 4)).sum().item()
+    assert abs(st.block_fraction - tiles / (len(windows) * (S // B) * (S // B + 1) / 2)) < 1e-12
+    assert document_stats(torch.ones(100).numpy(), EOS, S).pair_fraction == 1.0  # one document: causal

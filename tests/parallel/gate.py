@@ -267,11 +267,16 @@ LAYOUTS = [
     Layout("block tp2_sp", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="block_reset"),
     Layout("block fsdp2", 2, _dp(1, 2, 4), model="block_reset"),
     Layout("block cp2", 2, _cp(2, *_dp(1, 1, 8)), model="block_reset"),
-    Layout("block cp2 no reset ac_full", 2, _cp(2, "--activation_checkpoint.mode", "full", *_dp(1, 1, 8)), model="block"),
+    Layout(
+        "block cp2 no reset ac_full", 2, _cp(2, "--activation_checkpoint.mode", "full", *_dp(1, 1, 8)), model="block"
+    ),
     Layout("gpt2 block cp2", 2, _cp(2, *_dp(1, 1, 8)), model="gpt2_block_reset"),
+    Layout("gpt2 block tp2_sp", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="gpt2_block_reset"),
     Layout("MUT block cp2 rank 1 ignores documents", 2, _cp(2, *_dp(1, 1, 8)), model="block", mutation="mask_cp_rank"),
     # (GPT-2: learned positions; under RoPE the reset changes nothing but rounding, attention being relative)
-    Layout("MUT gpt2 block fsdp2 positions not reset", 2, _dp(1, 2, 4), model="gpt2_block_reset", mutation="mask_no_reset"),
+    Layout(
+        "MUT gpt2 block fsdp2 positions not reset", 2, _dp(1, 2, 4), model="gpt2_block_reset", mutation="mask_no_reset"
+    ),
     # 4 ranks
     Layout("tp4_gqa", 4, _tp(4, *_dp(1, 1, 8)), model="gqa8"),
     Layout("fsdp4", 4, _dp(1, 4, 2)),

@@ -141,7 +141,7 @@ class Block(DecoderBlock):
         self.mlp = MLP(args)
 
     def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
-        h = x + self.attn(self.ln_1(x), mask)
+        h = x + self.attn(self.ln_1(x), mask=mask)  # a keyword: the TP plan prepares the positional input only
         return h + self.mlp(self.ln_2(h))
 
 
