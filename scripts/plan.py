@@ -49,9 +49,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-us", type=float, default=10.0, help="latency per message, microseconds")
     p.add_argument("--rank", type=int, default=0, help="the rank the price, memory and dry run are shown for")
     p.add_argument("--no-dry-run", action="store_true", help="skip the fake-process-group dry run")
+    p.add_argument(
+        "--attention-fraction",
+        type=float,
+        help="block_causal: the share of the causal attention tiles the mask computes (default: measured on the "
+        "config's corpus, titanlike.data.documents)",
+    )
     p.add_argument("--suggest", action="store_true", help="also rank the legal layouts for this model and world size")
     p.add_argument("--top", type=int, default=12, help="suggested layouts to show (default 12)")
     return p
+
+
+def corpus_attention_fraction(cfg) -> float:
+    """The block-causal mask's share of the causal attention tiles (FlexAttention's 128 x 128) on the config's corpus
+    (data.path, or the shipped one), at training.seq_len, as the data pipeline reports it."""
+    from titanlike.data import build_tokenizer, load_token_stream, shipped_corpus
+    from titanlike.data.documents import document_stats
+
+    tok = build_tokenizer(cfg.model.tokenizer)
+    tokens = load_token_stream(cfg.data.path or shipped_corpus(), tok, cfg.data.text_field, cfg.data.encoding)
+    stats = document_stats(tokens, tok.eos_id, cfg.training.seq_len)
+    print(f"attention: block_causal on the corpus: {stats.describe()}", flush=True)
+    return stats.block_fraction
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= opts.rank < opts.world_size:
         print(f"config error: --rank {opts.rank} is not in [0, {opts.world_size})", file=sys.stderr)
         return 2
-    plan = make_plan(cfg, opts.world_size, hw, args, rank=opts.rank, run_dry=not opts.no_dry_run)
+    fraction = opts.attention_fraction
+    if fraction is None:
+        fraction = corpus_attention_fraction(cfg) if cfg.model.attn_mask_type == "block_causal" else 1.0
+    try:
+        plan = make_plan(
+            cfg, opts.world_size, hw, args, rank=opts.rank, run_dry=not opts.no_dry_run, attention_fraction=fraction
+        )
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     print(render_plan(plan), flush=True)
     if opts.suggest:
         print()

@@ -7,6 +7,7 @@ runs (message counts and bytes, bytes held per rank) in test_planner_gloo.py.
 from __future__ import annotations
 
 import io
+import json
 from contextlib import redirect_stdout
 
 import plan as plan_cli
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from titanlike.config import model_args_from_config, parse_config
+from titanlike.errors import ConfigError
 from titanlike.models import ModelArgs, Transformer
 from titanlike.parallel import ParallelDims, rank_groups
 from titanlike.planner import (
@@ -330,3 +332,26 @@ def test_activation_formula_equals_what_a_real_block_holds(dtype, mode):
     )
     lo, _ = _layout(1, *argv, args=args)
     assert block_activation_bytes(lo, args, 3 * 32, mode) == _measured_activations(args, argv, mode)
+
+
+def test_block_causal_attention_fraction_scales_only_the_attention_flops(tmp_path):
+    """The mask's cost model: the attention term of every block (the part linear in seq_len) times the corpus's
+    kept share, nothing else; refused where it cannot hold; plan.py measures it on the config's corpus."""
+    argv = ("--model.flavor", "8B", "--training.seq_len", "8192", "--training.dtype", "bfloat16")
+    causal = _plan(8, *argv, vocab=128256)
+    cfg = parse_config([*argv, "--model.attn_mask_type", "block_causal"])
+    args = model_args_from_config(cfg, 128256)
+    half = make_plan(cfg, 8, H100, args, run_dry=False, attention_fraction=0.5)
+    attention = (args.flops_per_token(8192) - args.flops_per_token(0)) * causal.layout.tokens_per_step / 8
+    assert causal.cost.rank_flops - half.cost.rank_flops == pytest.approx(attention / 2, rel=1e-9)
+    assert "attention at 0.500 of causal" in render_plan(half)
+    with pytest.raises(ConfigError, match="1 under model.attn_mask_type = causal"):
+        make_plan(parse_config(list(argv)), 8, H100, args, run_dry=False, attention_fraction=0.5)
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": "a few words " * (i % 9 + 1)}) + "\n" for i in range(400)))
+    out = io.StringIO()
+    with redirect_stdout(out):
+        rc = plan_cli.main(
+            ["--world-size", "1", "--no-dry-run", "--model.attn_mask_type", "block_causal", "--data.path", str(docs)]
+        )
+    assert rc == 0 and "block_causal keeps" in out.getvalue() and "of causal)" in out.getvalue()

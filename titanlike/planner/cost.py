@@ -290,9 +290,14 @@ class StepCost:
 def _stage_flops_per_token(layout: Layout, args, names) -> tuple[float, float]:
     """(training FLOPs per token of the stage's blocks and head, forward FLOPs of its recomputed blocks): the model's
     own ``flops_per_token`` (6 per matmul parameter, the head's ``6 V h`` included; attention's ``12 s`` per unit of
-    attention width), split into its ``n_layers`` equal blocks and the head."""
+    attention width), split into its ``n_layers`` equal blocks and the head. Under the block-causal mask a block's
+    attention term (the part linear in the sequence length) is scaled by ``layout.attention_fraction``, the share of
+    the causal attention the corpus's documents keep."""
     head = 6 * args.vocab_size * args.dim
-    per_block = (args.flops_per_token(layout.seq_len) - head) / args.n_layers
+    attention = (args.flops_per_token(layout.seq_len) - args.flops_per_token(0)) / args.n_layers
+    per_block = (args.flops_per_token(layout.seq_len) - head) / args.n_layers - attention * (
+        1 - layout.attention_fraction
+    )
     ids = _layer_ids(names)
     train = per_block * len(ids) + (head if "output" in names else 0)
     recompute = sum(per_block / 3 for i in ids if layout.checkpointed(i) == "full")

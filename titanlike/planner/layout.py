@@ -59,13 +59,22 @@ class Layout:
     ns_dtype: str = "bfloat16"  # Muon's Newton-Schulz precision
     ns_steps: int = 5  # Muon's Newton-Schulz iterations
     muon_bucket_mb: float = 128.0  # Muon's full-matrix megabytes per pair of all-to-alls
+    # The share of the causal mask's attention computed: 1 under model.attn_mask_type = causal; under block_causal
+    # the tiles the corpus's documents keep (titanlike.data.documents.document_stats: block_fraction)
+    attention_fraction: float = 1.0
 
     @classmethod
-    def from_config(cls, cfg, world_size: int, args, gpus_per_node: int) -> Layout:
-        """The layout of ``cfg`` on ``world_size`` ranks; ConfigError if the layout itself is illegal."""
+    def from_config(cls, cfg, world_size: int, args, gpus_per_node: int, attention_fraction: float = 1.0) -> Layout:
+        """The layout of ``cfg`` on ``world_size`` ranks; ConfigError if the layout itself is illegal.
+        ``attention_fraction``: the block-causal mask's share of the causal attention (1 for ``causal``)."""
         problems = layout_violations(cfg, world_size, args)
         if problems:
             raise ConfigError(problems[0])
+        if not 0 < attention_fraction <= 1 or (cfg.model.attn_mask_type == "causal" and attention_fraction != 1):
+            raise ConfigError(
+                f"attention fraction {attention_fraction}: the share of causal attention a mask computes is in (0, 1], "
+                f"and 1 under model.attn_mask_type = causal"
+            )
         p, t = cfg.parallelism, cfg.training
         dims = Degrees.from_config(cfg, world_size)
         pp = dims.pp > 1
@@ -101,6 +110,7 @@ class Layout:
             ns_dtype=cfg.optimizer.ns_dtype,
             ns_steps=cfg.optimizer.ns_steps,
             muon_bucket_mb=cfg.optimizer.muon_bucket_mb,
+            attention_fraction=attention_fraction,
         )
 
     # ----------------------------------------------------------------------------------------- degrees

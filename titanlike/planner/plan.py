@@ -51,9 +51,18 @@ class Plan:
 
 
 def make_plan(
-    cfg: JobConfig, world_size: int, hardware: Hardware, args, *, rank: int = 0, run_dry: bool = True
+    cfg: JobConfig,
+    world_size: int,
+    hardware: Hardware,
+    args,
+    *,
+    rank: int = 0,
+    run_dry: bool = True,
+    attention_fraction: float = 1.0,
 ) -> Plan:
-    """Validate ``cfg`` for ``world_size`` ranks of ``hardware`` and, if it is legal, price, size and dry-run it."""
+    """Validate ``cfg`` for ``world_size`` ranks of ``hardware`` and, if it is legal, price, size and dry-run it.
+    ``attention_fraction``: under ``block_causal`` the share of the causal attention the mask computes on the corpus
+    (``titanlike.data.documents.document_stats``)."""
     violations = layout_violations(cfg, world_size, args)
     try:
         validate(cfg, world_size)  # per-key ranges and choices come first there; keep any the layout rules lack
@@ -65,7 +74,7 @@ def make_plan(
     plan = Plan(cfg, args, hardware, world_size, violations, rank=rank)
     if violations:
         return plan
-    lo = plan.layout = Layout.from_config(cfg, world_size, args, hardware.gpus_per_node)
+    lo = plan.layout = Layout.from_config(cfg, world_size, args, hardware.gpus_per_node, attention_fraction)
     for dim in ("tp", "cp"):
         gm = lo.groups[dim]
         if gm.spanning:
@@ -258,6 +267,11 @@ def _price(plan: Plan) -> list[str]:
         f"  compute: {_flops(c.rank_flops)} on this rank at {hw.compute_efficiency:.0%} x "
         f"{hw.peak_flops / 1e12:.0f} TFLOP/s = {fmt_seconds(c.compute)}"
         + (" (includes recomputation)" if lo.ac_mode != "none" else "")
+        + (
+            f" (block_causal: attention at {lo.attention_fraction:.3f} of causal)"
+            if plan.cfg.model.attn_mask_type == "block_causal"
+            else ""
+        )
     )
     hidden = (
         "reductions deferred past the last backward + what compute cannot hide"
