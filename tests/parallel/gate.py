@@ -263,8 +263,8 @@ LAYOUTS = [
         model="muon",
         mutation="muon_not_scattered",
     ),
-    # Document masking: block_causal under every SPMD layout kind (the pipeline schedules: pipeline_gate.py)
-    Layout("block tp2_sp", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="block_reset"),
+    # Document masking: block_causal under every SPMD layout kind (the pipeline schedules: pipeline_gate.py; Llama
+    # under TP + SP: cp2_tp2_sp at 4 ranks)
     Layout("block fsdp2", 2, _dp(1, 2, 4), model="block_reset"),
     Layout("block cp2", 2, _cp(2, *_dp(1, 1, 8)), model="block_reset"),
     Layout(
