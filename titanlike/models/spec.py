@@ -66,6 +66,10 @@ class ModelSpec:
     # float8: the sharding entries marked float8=True (titanlike.sharding.float8_patterns).
     context_parallel: bool = False
     te_norm: type | None = None
+    # num_experts(args): the routed experts of each MoE block (titanlike.models.moe.MoE; 0: a dense model). The
+    # layout rules check the expert-parallel degree against it, parallelize_model applies expert parallelism where it
+    # is above 0.
+    num_experts: Callable[[object], int] = lambda args: 0
 
     def __post_init__(self):
         for name in ("input_modules", "output_modules", "block_container", "param_init"):
