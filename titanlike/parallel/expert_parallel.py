@@ -226,10 +226,15 @@ def apply_expert_fsdp(
     return model
 
 
-def _all_reduce_loads(loads: Tensor, group) -> Tensor:
+def _all_reduce_sum(values: Tensor, group) -> Tensor:
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(loads, group=group)
-    return loads
+        dist.all_reduce(values, group=group)
+    return values
+
+
+def _all_reduce_loads(loads: Tensor, group) -> Tensor:
+    """The tokens per expert summed over ``group`` (the one place the bias update's loads become global)."""
+    return _all_reduce_sum(loads, group)
 
 
 def sync_expert_biases(model: nn.Module, group=None) -> Tensor:
@@ -280,7 +285,7 @@ class ExpertBalancing:
     def end_step(self, update: bool = True) -> dict:
         parts = [m for m in self.model_parts if moe_modules(m)]
         aux = torch.cat([aux_losses(m) for m in parts])
-        aux = _all_reduce_loads(aux.to(expert_loads(parts[0]).device), self.group)
+        aux = _all_reduce_sum(aux.to(expert_loads(parts[0]).device), self.group)
         if update:
             loads = torch.cat([sync_expert_biases(m, self.group) for m in parts])
         else:
