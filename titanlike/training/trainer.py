@@ -27,9 +27,9 @@ from titanlike.models import get_spec
 from titanlike.parallel import ParallelDims, build_parallel_model, describe_layout
 from titanlike.training.metrics import (
     MetricsLogger,
-    expert_metrics,
     Throughput,
     data_metrics,
+    expert_metrics,
     format_data,
     format_eta,
     peak_host_bytes,

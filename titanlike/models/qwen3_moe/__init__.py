@@ -1,6 +1,5 @@
 """Qwen3-MoE (Qwen3 attention, every layer a mixture of experts; DeepSeek-V3 routing options) and its model spec."""
 
-from titanlike.models.layers import RMSNorm
 from titanlike.models.qwen3_moe.model import FLAVORS, Qwen3Moe, Qwen3MoeArgs, Qwen3MoeBlock, param_init
 from titanlike.models.qwen3_moe.sharding import SHARDING
 from titanlike.models.spec import ModelSpec, register
