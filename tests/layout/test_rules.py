@@ -122,6 +122,7 @@ CASES = {
 
 # further cases of a rule that guards several things
 MORE_CASES = [
+    ("model_shape", (1, [*MOE, "--model.top_k", "9"])),  # the MoE block's own checks (8 experts)
     (
         "model_shape",
         (

@@ -734,10 +734,11 @@ class Context:
         from titanlike.parallel import ParallelDims
 
         dims = ParallelDims.from_config(cfg, self.world_size)
-        if dims.shape not in self._dims:
+        key = (dims.shape, dims.ep)  # the expert degree is not a dim of the 5-D mesh: part of the key
+        if key not in self._dims:
             dims.build_mesh("cpu")
-            self._dims[dims.shape] = dims
-        return self._dims[dims.shape]
+            self._dims[key] = dims
+        return self._dims[key]
 
     def reference(self, layout: Layout, cfg: JobConfig) -> tuple[nn.Module, list[Record]]:
         """The initial model and, per step, what one device computes on the full global batch."""
@@ -922,17 +923,19 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
             for name, p in part.named_parameters():
                 diffs["init"] = max(diffs["init"], _max_abs(_full(p), start[name]))
         muon_comms = _count_optimizer_comms(built.optimizer)  # Muon: what its last step sent (CommDebugMode)
+        expert_comms: dict[str, int] = {}
         for step in range(1, STEPS + 1):
             ref = records[step - 1]
-            res = train_step(
-                built.model_parts,
-                built.optimizer,
-                built.micro_batches(*global_batch(step)),
-                built.loss,
-                max_norm=cfg.training.max_norm,
-                clip_fn=built.clip_fn,
-                **built.step_kwargs,
-            )
+            with _counting_expert_comms(built, expert_comms, step == 1):
+                res = train_step(
+                    built.model_parts,
+                    built.optimizer,
+                    built.micro_batches(*global_batch(step)),
+                    built.loss,
+                    max_norm=cfg.training.max_norm,
+                    clip_fn=built.clip_fn,
+                    **built.step_kwargs,
+                )
             loss_diff = abs(res.loss - ref.loss)
             diffs["loss"] = max(diffs["loss"], loss_diff)
             if step == 1:
@@ -970,6 +973,8 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
         "mutation": layout.mutation,
         "model": layout.model,
         "muon_stats": muon_stats if stats is not None else None,
+        "expert_comms": expert_comms,
+        "expert_mesh": _expert_mesh(built),
         **diffs,
         **checks,
         "ok": diffs["init"] == 0.0
@@ -1006,6 +1011,31 @@ def planner_muon_mismatches(results: dict, layouts: list[Layout], world_size: in
                 out.append(f"{name} rank {rank}: planned {predicted}, counted {tuple(real[k] for k in _MUON_COUNTS)}")
         compared += 1
     return out + [f"compared {compared}"]
+
+
+def _expert_mesh(built: Built) -> list[str] | None:
+    """The mesh dims of the first routed-expert weight (None: no experts, or not a DTensor)."""
+    for part in built.model_parts:
+        for name, p in part.named_parameters():
+            if name.endswith(".experts.w1"):
+                return list(p.device_mesh.mesh_dim_names) if isinstance(p, DTensor) else None
+    return None
+
+
+def _counting_expert_comms(built: Built, counts: dict[str, int], on: bool) -> contextlib.AbstractContextManager:
+    """Step 1 of a model with experts: every collective of the step (CommDebugMode, forward and backward) into
+    ``counts``; a no-op otherwise."""
+    if not on or built.step_kwargs.get("moe") is None:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    @contextlib.contextmanager
+    def counting():
+        with CommDebugMode() as mode:
+            yield
+        counts.update({str(k): v for k, v in mode.get_comm_counts().items()})
+
+    return counting()
 
 
 def _count_optimizer_comms(optimizer) -> dict[str, int]:

@@ -154,6 +154,21 @@ def test_matrix_covers_the_required_layouts():
     assert {layout.mutation for layout in gate.LAYOUTS if layout.mutation} == set(EXPECTED_BREAK)
 
 
+def test_experts_are_split_over_ep_and_each_moe_layer_costs_five_all_to_alls(gate_results):
+    """Under ep the routed experts are 2-D DTensors (dp_shard_mod_ep, ep); a step's collectives (CommDebugMode,
+    forward and backward) hold exactly 3 all-to-alls forward (counts, dispatch, combine) and 2 backward per MoE
+    layer (the tiny model has one), and none without ep."""
+    world, results = gate_results
+    moe = {n: r for n, r in results["layouts"].items() if r["model"] == "moe" and not r["mutation"]}
+    assert moe
+    for name, r in moe.items():
+        a2a = sum(v for k, v in r["expert_comms"].items() if "all_to_all" in k)
+        if "ep2" in name:
+            assert r["expert_mesh"][-2:] == ["dp_shard_mod_ep", "ep"] and a2a == 5, (name, r["expert_comms"])
+        else:
+            assert r["expert_mesh"] is None and a2a == 0, (name, r["expert_comms"])
+
+
 def test_muon_orthogonalizes_every_matrix_once_dividing_the_work(gate_results):
     """Under every Muon layout each matrix (GPT-2's q, k and v each) was orthogonalized by exactly one rank per step,
     the owners spread over the ranks (at most ceil(matrices / world) each), and each rank exchanged blocks in two

@@ -139,6 +139,7 @@ FLAVORS: dict[str, Qwen3MoeArgs] = {
         top_k=2,
         load_balance_coeff=5e-2,
         aux_loss_coeff=1e-2,
+        n_dense_layers=1,  # the first layer dense (the DeepSeek option), the second MoE
         max_seq_len=256,
     ),
     "30B-A3B": Qwen3MoeArgs(
