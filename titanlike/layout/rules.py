@@ -96,6 +96,7 @@ RULES = {
     "ep_model": "expert parallelism on models with experts (ModelSpec.num_experts)",
     "ep_experts": "expert_parallel_degree divides the number of experts",
     "moe_tp": "a model with experts under tp 1 (no tensor-parallel plan of the experts yet)",
+    "export_model": "checkpoint.export_safetensors on models with a Hugging Face adapter (ModelSpec.hf_adapter)",
     "moe_pp": "a model with experts under pp 1 (the expert-bias and aux-loss wiring of pipeline stages is not built)",
 }
 
@@ -232,6 +233,12 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
             f"parallelism.context_parallel_degree {cp}: {spec.name} does not declare context parallelism "
             f"(ModelSpec.context_parallel: attention and positions through the shared seams); set cp 1 for "
             f"{spec.name}",
+        )
+    if cfg.checkpoint.export_safetensors and not spec.hf_adapter:
+        add(
+            "export_model",
+            f"checkpoint.export_safetensors writes a Hugging Face checkpoint, and {spec.name} has no Hugging Face "
+            f"adapter (ModelSpec.hf_adapter); turn it off (the step checkpoints keep the weights)",
         )
     out += [("float8", m) for m in float8_violations(cfg)]
     out += [("muon", m) for m in muon_violations(cfg, muon_patterns(spec.sharding), spec.name)]
