@@ -96,7 +96,8 @@ RULES = {
     "ep_model": "expert parallelism on models with experts (ModelSpec.num_experts)",
     "ep_experts": "expert_parallel_degree divides the number of experts",
     "moe_tp": "a model with experts under tp 1 (no tensor-parallel plan of the experts yet)",
-    "export_model": "checkpoint.export_safetensors on models with a Hugging Face adapter (ModelSpec.hf_adapter)",
+    "export_model": "checkpoint.export_safetensors on models with a Hugging Face adapter that can express them "
+    "(ModelSpec.hf_adapter, hf_export_violations: Qwen3-MoE's expert bias)",
     "moe_pp": "a model with experts under pp 1 (the expert-bias and aux-loss wiring of pipeline stages is not built)",
 }
 
@@ -240,6 +241,8 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
             f"checkpoint.export_safetensors writes a Hugging Face checkpoint, and {spec.name} has no Hugging Face "
             f"adapter (ModelSpec.hf_adapter); turn it off (the step checkpoints keep the weights)",
         )
+    elif cfg.checkpoint.export_safetensors:
+        out += [("export_model", m) for m in spec.hf_export_violations(args)]
     out += [("float8", m) for m in float8_violations(cfg)]
     out += [("muon", m) for m in muon_violations(cfg, muon_patterns(spec.sharding), spec.name)]
     return out

@@ -1,5 +1,6 @@
 """Qwen3-MoE (Qwen3 attention, every layer a mixture of experts; DeepSeek-V3 routing options) and its model spec."""
 
+from titanlike.models.qwen3_moe.hf import export_violations
 from titanlike.models.qwen3_moe.model import FLAVORS, Qwen3Moe, Qwen3MoeArgs, Qwen3MoeBlock, param_init
 from titanlike.models.qwen3_moe.sharding import SHARDING
 from titanlike.models.spec import ModelSpec, register
@@ -32,5 +33,7 @@ SPEC = register(
         context_parallel=True,
         shape_violations=_shape_violations,
         num_experts=_num_experts,
+        hf_adapter="titanlike.models.qwen3_moe.hf",
+        hf_export_violations=export_violations,
     )
 )
