@@ -84,6 +84,8 @@ class Model:
     rope_low_freq_factor: float = _override(0.0)  # llama3 scaling: low-frequency factor (0: the flavor's)
     rope_high_freq_factor: float = _override(0.0)  # llama3 scaling: high-frequency factor (0: the flavor's)
     rope_original_max_seq_len: int = _override(0)  # llama3 scaling: the pre-training context length (0: the flavor's)
+    num_experts: int = _override(0)  # routed experts per MoE block (0: the flavor's; models with experts)
+    top_k: int = _override(0)  # experts per token (0: the flavor's; models with experts)
 
 
 @dataclass
@@ -150,6 +152,8 @@ class Parallelism:
     loss_chunk_size: int = 0  # tokens per chunk of the cross entropy (0: all at once)
     context_parallel_degree: int = 1  # ranks splitting the sequence in attention (not implemented: 1)
     pipeline_parallel_degree: int = 1  # pipeline ranks (outermost)
+    # ranks splitting the routed experts (borrowed from dp_shard x cp; tokens moved by all-to-all; MoE models only)
+    expert_parallel_degree: int = 1
     pipeline_parallel_schedule: Literal[SCHEDULES] = "1F1B"  # a torch.distributed.pipelining schedule
     pipeline_parallel_microbatch_size: int = 1  # sequences per pipeline microbatch
     pipeline_parallel_layers_per_stage: int = 0  # 0: one stage per rank (two for V-shaped schedules)
@@ -309,10 +313,13 @@ MINIMUM = {
     "model.rope_low_freq_factor": 0.0,
     "model.rope_high_freq_factor": 0.0,
     "model.rope_original_max_seq_len": 0,
+    "model.num_experts": 0,
+    "model.top_k": 0,
     "parallelism.data_parallel_replicate_degree": 1,
     "parallelism.tensor_parallel_degree": 1,
     "parallelism.context_parallel_degree": 1,
     "parallelism.pipeline_parallel_degree": 1,
+    "parallelism.expert_parallel_degree": 1,
     "parallelism.pipeline_parallel_microbatch_size": 1,
     "parallelism.pipeline_parallel_layers_per_stage": 0,
     "parallelism.pipeline_parallel_stages_per_rank": 0,

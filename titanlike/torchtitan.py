@@ -67,7 +67,7 @@ def _only(*values, why: str):
 
 
 S = lambda: Key(SHARED)  # noqa: E731 - a key titanlike has, with the same meaning
-NO_MOE = "titanlike has no mixture-of-experts layers"
+NO_MOE = "not in titanlike's mixture-of-experts support (expert_parallel_degree only)"
 
 # Every key of torchtitan v0.2.2's torchtitan/config/job_config.py (nested tables flattened with dots).
 TORCHTITAN_KEYS: dict[str, Key] = {
@@ -219,7 +219,7 @@ TORCHTITAN_KEYS: dict[str, Key] = {
     "parallelism.context_parallel_rotate_method": Key(
         INERT, ok=("allgather",), note="titanlike's context parallelism all-gathers K/V"
     ),
-    "parallelism.expert_parallel_degree": Key(INERT, ok=(1,), note=NO_MOE),
+    "parallelism.expert_parallel_degree": S(),
     "parallelism.expert_tensor_parallel_degree": Key(INERT, ok=(1,), note=NO_MOE),
     "parallelism.expert_parallel_comm_backend": Key(INERT, ok=("standard",), note=NO_MOE),
     # [checkpoint]

@@ -290,12 +290,13 @@ def test_every_model_adapter_implements_the_protocol_and_hf_names_no_model():
     from titanlike import hf
     from titanlike.models import get_spec, registered
 
-    adapters = {name: hf.adapter_for(get_spec(name).args_cls()) for name in registered()}
+    adapters = {name: hf.adapter_for(get_spec(name).args_cls()) for name in registered() if get_spec(name).hf_adapter}
     assert all(isinstance(ad, hf.HFAdapter) for ad in adapters.values())
     assert {name: ad.MODEL_TYPE for name, ad in adapters.items()} == {
         "gpt2": "gpt2",
         "llama3": "llama",
         "qwen3": "qwen3",
+        "qwen3_moe": "qwen3_moe",
     }
     # titanlike/hf/ is model-independent: no registered model's name, model_type or class appears in it.
     words = {w.lower() for ad in adapters.values() for w in (ad.MODEL_TYPE, ad.ARCHITECTURE)} | set(adapters)
@@ -304,7 +305,9 @@ def test_every_model_adapter_implements_the_protocol_and_hf_names_no_model():
         assert not [w for w in words if w in text], path
     # model_type picks the adapter; none or an unknown one is one line listing those titanlike imports.
     for config, message in (({}, "no model_type"), ({"model_type": "mistral"}, "model_type = 'mistral'")):
-        with pytest.raises(hf.HFConfigError, match=message + r" \(titanlike imports 'gpt2', 'llama', 'qwen3'\)"):
+        with pytest.raises(
+            hf.HFConfigError, match=message + r" \(titanlike imports 'gpt2', 'llama', 'qwen3', 'qwen3_moe'\)"
+        ):
             hf.model_args_from_hf_config(config)
 
 

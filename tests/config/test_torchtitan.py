@@ -240,7 +240,7 @@ def test_a_file_with_every_key_at_torchtitans_default(tmp_path):
 def test_inert_keys_at_values_that_would_matter_are_refused_all_at_once(tmp_path):
     bad = {
         "metrics.enable_wandb": True,
-        "parallelism.expert_parallel_degree": 2,
+        "parallelism.expert_tensor_parallel_degree": 2,
         "training.enable_cpu_offload": True,
         "fault_tolerance.enable": True,
         "checkpoint.load_only": True,
@@ -258,6 +258,14 @@ def test_inert_keys_at_values_that_would_matter_are_refused_all_at_once(tmp_path
     for dotted in bad:
         assert dotted in msg, dotted
     assert "model.kernels = 'te'" in msg and "data.path" in msg and "scripts/plan.py" in msg
+
+
+def test_expert_parallel_degree_is_read_as_titanlikes(tmp_path):
+    """torchtitan's MoE axis key is shared: a qwen3_moe job keeps its ep degree; a dense model refuses it."""
+    cfg = load(tmp_path, toml_of({"model.name": "qwen3_moe", "parallelism.expert_parallel_degree": 2}), world_size=2)
+    assert cfg.parallelism.expert_parallel_degree == 2
+    msg = error(tmp_path, toml_of({"model.name": "llama3", "parallelism.expert_parallel_degree": 2}), world_size=2)
+    assert "llama3 has no experts" in msg
 
 
 def test_suggestions_by_meaning_before_spelling(tmp_path):

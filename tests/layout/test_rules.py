@@ -21,6 +21,8 @@ CP2 = ["--parallelism.context_parallel_degree", "2"]
 GPT2 = ["--model.name", "gpt2"]
 # A model registered from outside that does not declare context parallelism (every built-in model does).
 NO_CP = dataclasses.replace(get_spec("llama3"), name="llama3_without_cp", context_parallel=False)
+MOE = ["--model.name", "qwen3_moe"]
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
 ZB = [*PP2, "--model.n_layers", "4", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
 
 # rule -> (world size, the bad options on top of TINY)
@@ -112,10 +114,17 @@ CASES = {
     "zb_reshard": (2, [*ZB, "--parallelism.fsdp_reshard_after_forward", "always"]),
     "zb_op_ac": (2, [*ZB, "--activation_checkpoint.mode", "selective"]),
     "zb_compile": (2, [*ZB, "--compile.enable"]),
+    "ep_degree": (4, [*MOE, "--parallelism.expert_parallel_degree", "3"]),
+    "ep_model": (2, EP2),  # llama3 has no experts
+    "ep_experts": (4, [*MOE, "--parallelism.expert_parallel_degree", "4", "--model.num_experts", "6"]),
+    "moe_tp": (2, [*MOE, "--parallelism.tensor_parallel_degree", "2"]),
+    "moe_pp": (2, [*MOE, *PP2]),
+    "export_model": (1, [*MOE, "--checkpoint.enable", "--checkpoint.export_safetensors"]),
 }
 
 # further cases of a rule that guards several things
 MORE_CASES = [
+    ("model_shape", (1, [*MOE, "--model.top_k", "9"])),  # the MoE block's own checks (8 experts)
     (
         "model_shape",
         (

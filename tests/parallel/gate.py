@@ -85,6 +85,9 @@ MODELS = {
     # 96, rotate-half RoPE, tied embeddings as the small sizes).
     "qwen3": ("--model.name", "qwen3"),
     "qwen3_untied": ("--model.name", "qwen3", "--model.tie_embeddings", "false"),
+    # Qwen3-MoE (tiny: Qwen3's attention, both layers MoE of 8 experts of 32, top-2 renormalised, the expert-bias
+    # update (0.05) and the sequence-wise aux loss (0.01) on): the biases are compared after every step too.
+    "moe": ("--model.name", "qwen3_moe"),
     # Muon on the block matrices (AdamW for the rest), Newton-Schulz in float64 (any rounding difference shows);
     # muon_bf16: torch's bfloat16 Newton-Schulz; muon_small_buckets: buckets of one matrix per rank (several
     # all-to-all pairs), plain momentum; muon_gpt2: fused c_attn orthogonalized per chunk, Moonshot's lr adjustment.
@@ -148,6 +151,10 @@ def _tp(n, *more):
 
 def _cp(n, *more):
     return ("--parallelism.context_parallel_degree", str(n), *more)
+
+
+def _ep(n, *more):
+    return ("--parallelism.expert_parallel_degree", str(n), *more)
 
 
 SP = ("--parallelism.enable_sequence_parallel", "true")
@@ -277,6 +284,14 @@ LAYOUTS = [
     Layout(
         "MUT gpt2 block fsdp2 positions not reset", 2, _dp(1, 2, 4), model="gpt2_block_reset", mutation="mask_no_reset"
     ),
+    # Qwen3-MoE: experts split over ep (borrowed from dp_shard or cp), the trainer's bias update and aux loss
+    Layout("moe fsdp2", 2, _dp(1, 2, 4), model="moe"),
+    Layout("moe ep2", 2, _ep(2, *_dp(1, 2, 4)), model="moe"),
+    Layout("moe cp2_ep2", 2, _ep(2, *_cp(2, *_dp(1, 1, 8))), model="moe"),
+    Layout(
+        "MUT moe ep2 bias update from local loads", 2, _ep(2, *_dp(1, 2, 4)), model="moe", mutation="moe_local_loads"
+    ),
+    Layout("MUT moe ep2 aux loss per rank", 2, _ep(2, *_dp(1, 2, 4)), model="moe", mutation="moe_aux_per_rank"),
     # 4 ranks
     Layout("tp4_gqa", 4, _tp(4, *_dp(1, 1, 8)), model="gqa8"),
     Layout("fsdp4", 4, _dp(1, 4, 2)),
@@ -301,6 +316,15 @@ LAYOUTS = [
     Layout("muon tp2_sp_fsdp2 small buckets", 4, _tp(2, *SP, *_dp(1, 2, 4)), model="muon_small_buckets"),
     Layout("muon hsdp2x2 bf16", 4, _dp(2, 2, 2), model="muon_bf16"),
     Layout("muon gpt2 tp2_fsdp2", 4, _tp(2, *_dp(1, 2, 4)), model="muon_gpt2"),
+    Layout("moe ep2_fsdp4", 4, _ep(2, *_dp(1, 4, 2)), model="moe"),
+    Layout("moe ep2_hsdp2x2", 4, _ep(2, *_dp(2, 2, 2)), model="moe"),
+    Layout(
+        "MUT moe ep2_fsdp4 expert FSDP averaging",
+        4,
+        _ep(2, *_dp(1, 4, 2)),
+        model="moe",
+        mutation="moe_expert_fsdp_average",
+    ),
     # 8 ranks
     Layout("tp2_hsdp2x2", 8, _tp(2, *_dp(2, 2, 2))),
     Layout("tp2_sp_fsdp4", 8, _tp(2, *SP, *_dp(1, 4, 2))),
@@ -621,9 +645,58 @@ def _mask_no_reset():
         _RESET["apply"] = True
 
 
+@contextlib.contextmanager
+def _moe_local_loads():
+    """The expert-bias update from this rank's tokens per expert instead of the global batch's."""
+    import titanlike.parallel.expert_parallel as epm
+
+    with patched(epm, "_all_reduce_loads", lambda loads, group: loads):
+        yield
+
+
+@contextlib.contextmanager
+def _moe_aux_per_rank():
+    """The aux loss's denominator: this rank's sequences instead of the global batch's."""
+    from titanlike.parallel.expert_parallel import ExpertBalancing
+
+    begin = ExpertBalancing.begin_step
+
+    def per_rank(self, micro_batches):
+        dp, self.dp = self.dp, 1
+        try:
+            begin(self, micro_batches)
+        finally:
+            self.dp = dp
+
+    with patched(ExpertBalancing, "begin_step", per_rank):
+        yield
+
+
+@contextlib.contextmanager
+def _moe_expert_fsdp_average():
+    """The experts' FSDP groups average their gradients over the ranks holding the same experts (FSDP's default)
+    instead of summing them."""
+    import titanlike.parallel.build as build
+    from titanlike.parallel.expert_parallel import experts_modules
+
+    parallelize = build.parallelize_model
+
+    def averaging(model, dims, cfg):
+        model = parallelize(model, dims, cfg)
+        for _, m in experts_modules(model):
+            m.set_gradient_divide_factor(float(dims.dp_shard_mod_ep))
+        return model
+
+    with patched(build, "parallelize_model", averaging):
+        yield
+
+
 MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "mask_cp_rank": _mask_cp_rank,
     "mask_no_reset": _mask_no_reset,
+    "moe_local_loads": _moe_local_loads,
+    "moe_aux_per_rank": _moe_aux_per_rank,
+    "moe_expert_fsdp_average": _moe_expert_fsdp_average,
     "muon_local_ns": _muon_local_ns,
     "muon_fused_one_matrix": _muon_fused_one_matrix,
     "muon_not_scattered": _muon_not_scattered,
@@ -714,6 +787,19 @@ class Record:
     grad_norm: float
     grads: dict[str, torch.Tensor]
     weights: dict[str, torch.Tensor]
+    biases: dict[str, torch.Tensor] = field(default_factory=dict)  # the MoE blocks' expert biases (buffers)
+
+
+def expert_biases(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The expert-bias buffers of a model's MoE blocks, by FQN (empty for a dense model)."""
+    return {n: b for n, b in model.named_buffers() if n.endswith(".expert_bias")}
+
+
+def moe_balancing(model: nn.Module):
+    """One device's side of the MoE blocks (the aux denominator, the bias update), None for a dense model."""
+    from titanlike.parallel.expert_parallel import ExpertBalancing, experts_modules
+
+    return ExpertBalancing([model], None, 1) if experts_modules(model) else None
 
 
 def _all_names(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -735,10 +821,11 @@ class Context:
         from titanlike.parallel import ParallelDims
 
         dims = ParallelDims.from_config(cfg, self.world_size)
-        if dims.shape not in self._dims:
+        key = (dims.shape, dims.ep)  # the expert degree is not a dim of the 5-D mesh: part of the key
+        if key not in self._dims:
             dims.build_mesh("cpu")
-            self._dims[dims.shape] = dims
-        return self._dims[dims.shape]
+            self._dims[key] = dims
+        return self._dims[key]
 
     def reference(self, layout: Layout, cfg: JobConfig) -> tuple[nn.Module, list[Record]]:
         """The initial model and, per step, what one device computes on the full global batch."""
@@ -747,6 +834,7 @@ class Context:
             ref = copy.deepcopy(model)
             opt = build_optimizer([ref], cfg)
             records = []
+            moe = moe_balancing(ref)
             for step in range(1, STEPS + 1):
                 res = train_step(
                     [ref],
@@ -755,6 +843,7 @@ class Context:
                     ScaledLoss(_plain_loss(cfg)),
                     max_norm=cfg.training.max_norm,
                     clip_fn=plain_clip_grad_norm_,
+                    moe=moe,
                 )
                 named = _all_names(ref)
                 records.append(
@@ -763,6 +852,7 @@ class Context:
                         res.grad_norm,
                         {n: p.grad.detach().clone() for n, p in named.items()},
                         {n: p.detach().clone() for n, p in named.items()},
+                        {n: b.detach().clone() for n, b in expert_biases(ref).items()},
                     )
                 )
             self.references[layout.model] = records
@@ -773,7 +863,9 @@ class Context:
         key = ("eval", layout.model)
         if key not in self.references:
             model = build_model(cfg)
-            model.load_state_dict(self.references[layout.model][0].weights)
+            first = self.references[layout.model][0]
+            model.load_state_dict({**first.weights, **first.biases})
+            model.eval()  # as the trainer's validation (an MoE block counts loads and its aux loss in training only)
             inputs, labels, *starts = step_batch(cfg, STEPS + 1)
             kwargs = {"document_starts": starts[0]} if starts else {}
             with torch.no_grad():
@@ -857,7 +949,7 @@ def build_spmd(layout: Layout, cfg: JobConfig, ctx: Context, initial: nn.Module)
         loss=built.loss,
         clip_fn=built.clip_fn,
         micro_batches=micro_batches,
-        step_kwargs={"dp_group": group, "forward_ctx": built.forward_context},
+        step_kwargs={"dp_group": group, "forward_ctx": built.forward_context, "moe": built.moe},
         aliases_checked=tied_ok,
     )
 
@@ -902,7 +994,15 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
     cfg = config(layout, ctx.world_size)
     initial, records = ctx.reference(layout, cfg)
     diffs = dict(
-        init=0.0, grad_placements=0.0, loss=0.0, loss_step1=0.0, grad_norm=0.0, grads=0.0, weights=0.0, eval=0.0
+        init=0.0,
+        grad_placements=0.0,
+        loss=0.0,
+        loss_step1=0.0,
+        grad_norm=0.0,
+        grads=0.0,
+        weights=0.0,
+        biases=0.0,
+        eval=0.0,
     )
     compared: set[str] = set()
     mutation = MUTATIONS[layout.mutation]() if layout.mutation else contextlib.nullcontext()
@@ -913,17 +1013,19 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
             for name, p in part.named_parameters():
                 diffs["init"] = max(diffs["init"], _max_abs(_full(p), start[name]))
         muon_comms = _count_optimizer_comms(built.optimizer)  # Muon: what its last step sent (CommDebugMode)
+        expert_comms: dict[str, int] = {}
         for step in range(1, STEPS + 1):
             ref = records[step - 1]
-            res = train_step(
-                built.model_parts,
-                built.optimizer,
-                built.micro_batches(*step_batch(cfg, step)),
-                built.loss,
-                max_norm=cfg.training.max_norm,
-                clip_fn=built.clip_fn,
-                **built.step_kwargs,
-            )
+            with _counting_expert_comms(built, expert_comms, step == 1):
+                res = train_step(
+                    built.model_parts,
+                    built.optimizer,
+                    built.micro_batches(*step_batch(cfg, step)),
+                    built.loss,
+                    max_norm=cfg.training.max_norm,
+                    clip_fn=built.clip_fn,
+                    **built.step_kwargs,
+                )
             loss_diff = abs(res.loss - ref.loss)
             diffs["loss"] = max(diffs["loss"], loss_diff)
             if step == 1:
@@ -937,6 +1039,8 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
                         diffs["grad_placements"] += 1  # a Partial / Replicate gradient left on a sharded parameter
                     diffs["grads"] = max(diffs["grads"], g)
                     diffs["weights"] = max(diffs["weights"], _max_abs(_full(p), ref.weights[name]))
+                for name, b in expert_biases(part).items():
+                    diffs["biases"] = max(diffs["biases"], _max_abs(b, ref.biases[name]))
             if step == 1 and built.eval_sum is not None:
                 diffs["eval"] = abs(built.eval_sum(*step_batch(cfg, STEPS + 1)) - ctx.reference_eval(layout, cfg))
     # Reduce over ranks: NaN counts as infinitely wrong.
@@ -959,11 +1063,13 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
         "mutation": layout.mutation,
         "model": layout.model,
         "muon_stats": muon_stats if stats is not None else None,
+        "expert_comms": expert_comms,
+        "expert_mesh": _expert_mesh(built),
         **diffs,
         **checks,
         "ok": diffs["init"] == 0.0
         and diffs["grad_placements"] == 0
-        and all(diffs[k] <= TOL for k in ("loss", "grad_norm", "grads", "weights", "eval"))
+        and all(diffs[k] <= TOL for k in ("loss", "grad_norm", "grads", "weights", "biases", "eval"))
         and all(checks.values()),
         "ref_grad_norms": [r.grad_norm for r in records],
         "max_norm": cfg.training.max_norm,
@@ -995,6 +1101,31 @@ def planner_muon_mismatches(results: dict, layouts: list[Layout], world_size: in
                 out.append(f"{name} rank {rank}: planned {predicted}, counted {tuple(real[k] for k in _MUON_COUNTS)}")
         compared += 1
     return out + [f"compared {compared}"]
+
+
+def _expert_mesh(built: Built) -> list[str] | None:
+    """The mesh dims of the first routed-expert weight (None: no experts, or not a DTensor)."""
+    for part in built.model_parts:
+        for name, p in part.named_parameters():
+            if name.endswith(".experts.w1"):
+                return list(p.device_mesh.mesh_dim_names) if isinstance(p, DTensor) else None
+    return None
+
+
+def _counting_expert_comms(built: Built, counts: dict[str, int], on: bool) -> contextlib.AbstractContextManager:
+    """Step 1 of a model with experts: every collective of the step (CommDebugMode, forward and backward) into
+    ``counts``; a no-op otherwise."""
+    if not on or built.step_kwargs.get("moe") is None:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    @contextlib.contextmanager
+    def counting():
+        with CommDebugMode() as mode:
+            yield
+        counts.update({str(k): v for k, v in mode.get_comm_counts().items()})
+
+    return counting()
 
 
 def _count_optimizer_comms(optimizer) -> dict[str, int]:
@@ -1034,7 +1165,7 @@ def gate_main(rank: int, world_size: int, out: str, only: list[str] | None = Non
                 f"grad_placements {r['grad_placements']:.0f} "
                 f"loss {r['loss']:.1e} "
                 f"grad_norm {r['grad_norm']:.1e} grads {r['grads']:.1e} weights {r['weights']:.1e} "
-                f"eval {r['eval']:.1e} "
+                f"biases {r['biases']:.1e} eval {r['eval']:.1e} "
                 f"({r['seconds']} s)",
                 flush=True,
             )

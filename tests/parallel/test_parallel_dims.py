@@ -153,3 +153,17 @@ def test_train_py_exits_2_with_one_line_on_a_bad_layout():
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "not divisible by tp 3" in lines[0], proc.stderr
+
+
+def test_expert_parallel_borrows_consecutive_ranks_of_dp_shard_x_cp():
+    from titanlike.layout import expert_groups
+
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=2, tp=1, pp=1, world_size=8, ep=2)
+    assert dims.dp_shard_mod_ep == 2 and dims.ep_enabled
+    # ep innermost of (dp_shard, cp) within each replica: the cp pairs here
+    assert expert_groups(dims) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert "ep groups of 2 (experts sharded; FSDP of the experts over the other 2): [0,1] [2,3]" in describe_layout(
+        dims
+    )
+    with pytest.raises(ConfigError, match="expert_parallel_degree 3 does not divide dp_shard 4 x cp 1 = 4"):
+        ParallelDims(dp_replicate=1, dp_shard=4, cp=1, tp=1, pp=1, world_size=4, ep=3)

@@ -35,6 +35,10 @@ EXPECTED_BREAK = {
     "muon_local_ns": ("weights", False),
     "muon_fused_one_matrix": ("weights", False),
     "muon_not_scattered": ("weights", False),
+    # MoE: the bias update acts after step 1, the aux loss is in the gradient only (the logged loss is the CE)
+    "moe_local_loads": ("biases", False),
+    "moe_aux_per_rank": ("grads", False),
+    "moe_expert_fsdp_average": ("grads", False),
 }
 BROKEN = 1e-6  # a mutation must move something by at least this much (the gate's tolerance is 1e-10)
 
@@ -77,6 +81,7 @@ def test_layouts_train_exactly_like_one_device(gate_results):
                     "grad_norm",
                     "grads",
                     "weights",
+                    "biases",
                     "eval",
                     "coverage",
                     "tied_still_tied",
@@ -144,9 +149,27 @@ def test_matrix_covers_the_required_layouts():
         "muon gpt2 tp2_sp",
         "muon tp2_sp_fsdp2 small buckets",
         "muon gpt2 tp2_fsdp2",
+        "moe ep2",
+        "moe cp2_ep2",
+        "moe ep2_fsdp4",
     ]
     assert all(n in by_name for n in required)
     assert {layout.mutation for layout in gate.LAYOUTS if layout.mutation} == set(EXPECTED_BREAK)
+
+
+def test_experts_are_split_over_ep_and_each_moe_layer_costs_five_all_to_alls(gate_results):
+    """Under ep the routed experts are 2-D DTensors (dp_shard_mod_ep, ep); a step's collectives (CommDebugMode,
+    forward and backward) hold exactly 3 all-to-alls forward (counts, dispatch, combine) and 2 backward per MoE
+    layer (the tiny model has one); without ep the experts are FSDP-sharded like any weight, with no all-to-all."""
+    world, results = gate_results
+    moe = {n: r for n, r in results["layouts"].items() if r["model"] == "moe" and not r["mutation"]}
+    assert moe
+    for name, r in moe.items():
+        a2a = sum(v for k, v in r["expert_comms"].items() if "all_to_all" in k)
+        if "ep2" in name:
+            assert r["expert_mesh"][-2:] == ["dp_shard_mod_ep", "ep"] and a2a == 5, (name, r["expert_comms"])
+        else:
+            assert "ep" not in r["expert_mesh"] and a2a == 0, (name, r["expert_comms"])  # FSDP's dp_shard only
 
 
 def test_muon_orthogonalizes_every_matrix_once_dividing_the_work(gate_results):

@@ -21,6 +21,8 @@ from titanlike.layout.degrees import (
     Degrees,
     degree_problems,
     describe_layout,
+    expert_degree_problem,
+    expert_groups,
     rank_groups,
     rank_of,
 )
@@ -84,6 +86,8 @@ __all__ = [
     "batch_split",
     "degree_problems",
     "describe_layout",
+    "expert_degree_problem",
+    "expert_groups",
     "layout_violations",
     "loss_parallel_enabled",
     "master_dtype",

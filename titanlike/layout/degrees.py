@@ -27,7 +27,17 @@ from dataclasses import dataclass
 
 from titanlike.errors import ConfigError
 
-__all__ = ["FLATTENED", "MESH_DIMS", "Degrees", "degree_problems", "describe_layout", "rank_groups", "rank_of"]
+__all__ = [
+    "FLATTENED",
+    "MESH_DIMS",
+    "Degrees",
+    "degree_problems",
+    "describe_layout",
+    "expert_degree_problem",
+    "expert_groups",
+    "rank_groups",
+    "rank_of",
+]
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FLATTENED = {
@@ -84,6 +94,7 @@ class Degrees:
     tp: int
     pp: int
     world_size: int
+    ep: int = 1  # expert parallelism: borrows ranks from dp_shard x cp (the routed experts split over them)
 
     def __post_init__(self):
         problems, self.dp_shard = degree_problems(
@@ -96,6 +107,9 @@ class Degrees:
         )
         if problems:
             raise ConfigError(problems[0])
+        problem = expert_degree_problem(self.ep, self.dp_shard, self.cp)
+        if problem:
+            raise ConfigError(problem)
 
     @classmethod
     def from_config(cls, cfg, world_size: int):
@@ -108,6 +122,7 @@ class Degrees:
             tp=p.tensor_parallel_degree,
             pp=p.pipeline_parallel_degree,
             world_size=world_size,
+            ep=p.expert_parallel_degree,
         )
 
     @property
@@ -126,6 +141,12 @@ class Degrees:
     tp_enabled = property(lambda self: self.tp > 1)
     pp_enabled = property(lambda self: self.pp > 1)
     cp_enabled = property(lambda self: self.cp > 1)
+    ep_enabled = property(lambda self: self.ep > 1)
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        """The ranks of ``dp_shard x cp`` holding the same experts (the experts' FSDP group): ``dp_shard * cp / ep``."""
+        return self.dp_shard * self.cp // self.ep
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -148,6 +169,24 @@ class Degrees:
 
     def pp_rank_of(self, rank: int) -> int:
         return rank // (self.world_size // self.pp)
+
+
+def expert_degree_problem(ep: int, dp_shard: int, cp: int) -> str | None:
+    """One line when the expert-parallel degree cannot borrow its ranks from ``dp_shard x cp``, else None."""
+    if ep < 1:
+        return f"parallelism.expert_parallel_degree: {ep} must be >= 1"
+    if ep > 1 and (dp_shard * cp) % ep:
+        return (
+            f"parallelism.expert_parallel_degree {ep} does not divide dp_shard {dp_shard} x cp {cp} = {dp_shard * cp} "
+            f"(expert parallelism borrows its ranks from them); choose a divisor of {dp_shard * cp}"
+        )
+    return None
+
+
+def expert_groups(dims: Degrees) -> list[list[int]]:
+    """The expert-parallel groups: each ``dp_shard x cp`` group (ranks in mesh order) cut into consecutive blocks of
+    ``ep`` ranks (ep innermost, as :class:`titanlike.parallel.ParallelDims` unflattens it)."""
+    return sorted(g[i : i + dims.ep] for g in rank_groups(dims, ("dp_shard", "cp")) for i in range(0, len(g), dims.ep))
 
 
 def rank_of(dims: Degrees, coord: dict[str, int]) -> int:
@@ -208,6 +247,11 @@ def describe_layout(dims: Degrees, gpus_per_node: int | None = None) -> str:
         size = math.prod(dict(zip(MESH_DIMS, dims.shape))[n] for n in FLATTENED.get(names, (names,)))
         if size > 1:
             lines.append(f"  {label} groups of {size}: {fmt(rank_groups(dims, names))}")
+    if dims.ep > 1:
+        lines.append(
+            f"  ep groups of {dims.ep} (experts sharded; FSDP of the experts over the other "
+            f"{dims.dp_shard_mod_ep}): {fmt(expert_groups(dims))}"
+        )
     if dims.world_size == 1:
         lines.append("  single rank: no parallelism")
     for group in rank_groups(dims, "tp"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from titanlike.errors import ConfigError
-from titanlike.layout.degrees import degree_problems
+from titanlike.layout.degrees import degree_problems, expert_degree_problem
 from titanlike.layout.float8 import float8_violations
 from titanlike.layout.muon import muon_violations
 from titanlike.layout.policy import batch_split, parse_ac_option
@@ -93,6 +93,13 @@ RULES = {
     "zb_reshard": "split-backward schedules with fsdp_reshard_after_forward != always",
     "zb_op_ac": "split-backward schedules without op-level selective AC",
     "zb_compile": "split-backward schedules without compiled blocks",
+    "ep_degree": "expert_parallel_degree divides dp_shard x cp (the ranks it borrows)",
+    "ep_model": "expert parallelism on models with experts (ModelSpec.num_experts)",
+    "ep_experts": "expert_parallel_degree divides the number of experts",
+    "moe_tp": "a model with experts under tp 1 (no tensor-parallel plan of the experts yet)",
+    "export_model": "checkpoint.export_safetensors on models with a Hugging Face adapter that can express them "
+    "(ModelSpec.hf_adapter, hf_export_violations: Qwen3-MoE's expert bias)",
+    "moe_pp": "a model with experts under pp 1 (the expert-bias and aux-loss wiring of pipeline stages is not built)",
 }
 
 
@@ -155,6 +162,8 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
         world_size=world_size,
     )
     out += [("degrees", m) for m in problems]
+    if not problems:
+        out += _expert_violations(cfg, spec, args, dps, cp, tp, pp)
     if cp > 1:
         out += _context_parallel_violations(cfg, cp, tp)
     dp = p.data_parallel_replicate_degree * dps
@@ -233,8 +242,57 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
             f"(ModelSpec.context_parallel: attention and positions through the shared seams); set cp 1 for "
             f"{spec.name}",
         )
+    if cfg.checkpoint.export_safetensors and not spec.hf_adapter:
+        add(
+            "export_model",
+            f"checkpoint.export_safetensors writes a Hugging Face checkpoint, and {spec.name} has no Hugging Face "
+            f"adapter (ModelSpec.hf_adapter); turn it off (the step checkpoints keep the weights)",
+        )
+    elif cfg.checkpoint.export_safetensors:
+        out += [("export_model", m) for m in spec.hf_export_violations(args)]
     out += [("float8", m) for m in float8_violations(cfg)]
     out += [("muon", m) for m in muon_violations(cfg, muon_patterns(spec.sharding), spec.name)]
+    return out
+
+
+def _expert_violations(cfg, spec, args, dp_shard: int, cp: int, tp: int, pp: int) -> list[tuple[str, str]]:
+    ep, experts = cfg.parallelism.expert_parallel_degree, spec.num_experts(args)
+    out: list[tuple[str, str]] = []
+    problem = expert_degree_problem(ep, dp_shard, cp)
+    if problem:
+        out.append(("ep_degree", problem))
+    if ep > 1 and not experts:
+        out.append(
+            (
+                "ep_model",
+                f"parallelism.expert_parallel_degree {ep}: {spec.name} has no experts (ModelSpec.num_experts); set "
+                f"expert_parallel_degree 1 or use a model with experts (qwen3_moe)",
+            )
+        )
+    elif ep > 1 and experts % ep:
+        out.append(
+            (
+                "ep_experts",
+                f"parallelism.expert_parallel_degree {ep} does not divide the {experts} experts of {spec.name}; "
+                f"choose a divisor of {experts}",
+            )
+        )
+    if experts and tp > 1:
+        out.append(
+            (
+                "moe_tp",
+                f"parallelism.tensor_parallel_degree {tp}: {spec.name} has experts, which have no tensor-parallel "
+                f"plan yet; use tp 1 (split the experts with expert_parallel_degree, the rest with FSDP)",
+            )
+        )
+    if experts and pp > 1:
+        out.append(
+            (
+                "moe_pp",
+                f"parallelism.pipeline_parallel_degree {pp}: pipeline stages of {spec.name} (a model with experts) "
+                f"are not wired for the expert-bias update and aux loss yet; use pp 1",
+            )
+        )
     return out
 
 

@@ -51,6 +51,9 @@ class ModelSpec:
     # Hugging Face adapter: the module (titanlike/models/<name>/hf.py) implementing titanlike.hf.HFAdapter; its
     # MODEL_TYPE is the config.json model_type import picks it by.
     hf_adapter: str = ""
+    # Why a model of these args cannot be exported to Hugging Face (one line each; checked up front when
+    # checkpoint.export_safetensors is on): what the adapter's format cannot express (Qwen3-MoE: an expert bias).
+    hf_export_violations: Callable[[object], list[str]] = lambda args: []
     # param_init(args) -> (full-model FQN -> titanlike.init.Init): every parameter's distribution (None: the model
     # class's param_init). The sharded, layout-independent init (titanlike.parallel.materialize) fills each rank's
     # shards from it; a tied copy names its owner (Init.key). The model class also has init_buffers(device).
@@ -66,6 +69,10 @@ class ModelSpec:
     # float8: the sharding entries marked float8=True (titanlike.sharding.float8_patterns).
     context_parallel: bool = False
     te_norm: type | None = None
+    # num_experts(args): the routed experts of each MoE block (titanlike.models.moe.MoE; 0: a dense model). The
+    # layout rules check the expert-parallel degree against it, parallelize_model applies expert parallelism where it
+    # is above 0.
+    num_experts: Callable[[object], int] = lambda args: 0
 
     def __post_init__(self):
         for name in ("input_modules", "output_modules", "block_container", "param_init"):

@@ -22,8 +22,9 @@ from titanlike.layout import precision_policy
 from titanlike.loss import ScaledLoss
 from titanlike.parallel.clip import clip_grad_norm_, plain_clip_grad_norm_
 from titanlike.parallel.dims import ParallelDims
+from titanlike.parallel.expert_parallel import ExpertBalancing, experts_modules
 from titanlike.parallel.materialize import keeping_grad_hooks, materialize, to_empty_keeping_ties
-from titanlike.parallel.parallelize import build_loss_fn, parallelize_model
+from titanlike.parallel.parallelize import build_loss_fn, loss_group, parallelize_model
 from titanlike.parallel.pipeline import PipelineParallel, apply_pp
 
 __all__ = ["ParallelModel", "build_parallel_model", "to_empty_keeping_ties"]
@@ -38,6 +39,8 @@ class ParallelModel:
     clip_fn: Callable  # clip_fn(parameters, max_norm) -> global grad norm over every rank and stage
     forward_context: Callable[[], contextlib.AbstractContextManager]  # wraps forward + loss (not the backward)
     pp: PipelineParallel | None = None  # the stages and the schedule under pipeline parallelism
+    # a model with MoE blocks: the aux-loss denominator before, the expert-bias update after each step (train_step)
+    moe: ExpertBalancing | None = None
 
     @property
     def pp_schedule(self):
@@ -91,4 +94,7 @@ def build_parallel_model(
     else:
         forward_context = _null_context
     clip_fn = clip_grad_norm_ if dims.built else plain_clip_grad_norm_
-    return ParallelModel(model_parts=[model], loss=loss, clip_fn=clip_fn, forward_context=forward_context)
+    moe = None
+    if experts_modules(model):
+        moe = ExpertBalancing([model], loss_group(dims) if dims.built else None, dims.dp)
+    return ParallelModel(model_parts=[model], loss=loss, clip_fn=clip_fn, forward_context=forward_context, moe=moe)

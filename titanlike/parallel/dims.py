@@ -9,10 +9,14 @@ it, and under cp with HSDP the 2-D ``("dp_replicate", "dp_shard_cp")`` mesh.
 
 ``ParallelDims`` owns them all: the parallelize functions take the ``dims`` and ask it for the mesh they need
 (``dims.get_mesh("tp")``); nothing else holds a mesh beside it, and there is no module-level cache (a caller that
-builds many layouts of one shape in one process group, like the numerics gate, keeps its ``ParallelDims``). A
-further mesh (an expert-parallel ``ep`` axis borrowing ranks from ``dp_shard x cp``, and from ``tp`` under
-sequence parallelism) is one more entry of :meth:`ParallelDims._derived_meshes` and of the names ``get_mesh``
-accepts.
+builds many layouts of one shape in one process group, like the numerics gate, keeps its ``ParallelDims``).
+
+Expert parallelism (``ep > 1``) borrows its ranks from ``dp_shard x cp``: the flattened ``dp_cp`` mesh is unflattened
+into ``(dp_replicate, dp_shard_mod_ep, ep)`` (ep innermost), giving ``"ep"`` (the routed experts ``Shard(0)`` over
+it, tokens by all-to-all) and ``"dp_shard_mod_ep"`` (the ranks holding the same experts: the experts' FSDP group;
+``("dp_replicate", "dp_shard_mod_ep")`` under HSDP). Both are slices of one root, as FSDP2 needs for the 2-D expert
+weights (docs/moe.md). Borrowing from ``tp`` (under sequence parallelism) is not built: the layout rules refuse tp
+with experts.
 """
 
 from __future__ import annotations
@@ -67,6 +71,13 @@ class ParallelDims(Degrees):
             meshes[("dp_replicate", "dp_shard_cp")] = meshes["dp_cp"]._unflatten(
                 0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp")
             )
+        if self.ep > 1:  # (dp_replicate, dp_shard_mod_ep, ep), ep innermost: one root for both expert meshes
+            experts = meshes["dp_cp"]._unflatten(
+                0, (self.dp_replicate, self.dp_shard_mod_ep, self.ep), ("dp_replicate", "dp_shard_mod_ep", "ep")
+            )
+            meshes["ep"] = experts["ep"]
+            meshes["dp_shard_mod_ep"] = experts["dp_shard_mod_ep"]
+            meshes[("dp_replicate", "dp_shard_mod_ep")] = experts[("dp_replicate", "dp_shard_mod_ep")]
         return meshes
 
     @property
@@ -93,9 +104,18 @@ class ParallelDims(Degrees):
             return self._meshes[names[0]]
         if names in self._meshes:  # ("dp_replicate", "dp_shard_cp") under cp: HSDP's mesh
             return self._meshes[names]
+        if len(names) == 1 and names[0] in self._meshes:  # "ep", "dp_shard_mod_ep" (ep > 1)
+            return self._meshes[names[0]]
+        if any(n in ("ep", "dp_shard_mod_ep") for n in names):
+            raise ValueError(f"ParallelDims.get_mesh: {names}: the expert meshes exist only with ep > 1 (ep {self.ep})")
         if any(n not in MESH_DIMS for n in names):
             raise ValueError(f"ParallelDims.get_mesh: {names} must be one of {tuple(FLATTENED)} or dims of {MESH_DIMS}")
         return world[names]
+
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """What the routed experts are FSDP-sharded over under ep: ``dp_shard_mod_ep``, with ``dp_replicate`` (HSDP,
+        2-D) when it is above 1."""
+        return self.get_mesh(("dp_replicate", "dp_shard_mod_ep") if self.dp_replicate_enabled else "dp_shard_mod_ep")
 
     def fsdp_mesh(self) -> DeviceMesh:
         """What FSDP shards over: ``dp_shard x cp``, and ``dp_replicate`` (HSDP, 2-D) when it is above 1."""

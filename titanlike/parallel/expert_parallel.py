@@ -61,7 +61,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from titanlike.models.moe import GroupedExperts, expert_loads, moe_modules, update_expert_biases
+from titanlike.models.moe import (
+    GroupedExperts,
+    aux_losses,
+    expert_loads,
+    moe_modules,
+    reset_moe_stats,
+    set_aux_loss_denominator,
+    update_expert_biases,
+)
 from titanlike.parallel.fsdp import _sum_gradients
 
 __all__ = [
@@ -73,6 +81,7 @@ __all__ = [
     "sync_expert_biases",
     "set_aux_sequence_group",
     "regroup_order",
+    "ExpertBalancing",
 ]
 
 
@@ -217,10 +226,15 @@ def apply_expert_fsdp(
     return model
 
 
-def _all_reduce_loads(loads: Tensor, group) -> Tensor:
+def _all_reduce_sum(values: Tensor, group) -> Tensor:
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(loads, group=group)
-    return loads
+        dist.all_reduce(values, group=group)
+    return values
+
+
+def _all_reduce_loads(loads: Tensor, group) -> Tensor:
+    """The tokens per expert summed over ``group`` (the one place the bias update's loads become global)."""
+    return _all_reduce_sum(loads, group)
 
 
 def sync_expert_biases(model: nn.Module, group=None) -> Tensor:
@@ -245,3 +259,37 @@ def set_aux_sequence_group(model: nn.Module, group) -> None:
     fn: Callable[[Tensor], Tensor] | None = reduce if group is not None and dist.get_world_size(group) > 1 else None
     for m in moe_modules(model):
         m.aux_counts_reduce = fn
+
+
+class ExpertBalancing:
+    """The training loop's side of the MoE blocks, once per optimizer step (``train_step(..., moe=...)``; built by
+    ``build_parallel_model`` for a model with MoE blocks, so the trainer, the gate and the benchmark run the same):
+
+    * :meth:`begin_step`: the sequence-wise aux loss's denominator, the **global** batch's sequences (this rank's
+      micro-batch rows x ``dp``: every data-parallel rank holds as many; context-parallel ranks hold pieces of the
+      same sequences, so cp does not multiply);
+    * :meth:`end_step`: after the optimizer step, the tokens per expert summed over ``group`` (dp x cp: every rank
+      that saw other tokens; one all-reduce for all layers) and every bias updated from those global loads
+      (:func:`sync_expert_biases`; not after a skipped step), the aux-loss contributions summed over ``group`` for
+      the log, then the counters reset. Returns ``{"aux_loss": per-layer sum, "loads": (layers, experts)}``.
+    """
+
+    def __init__(self, model_parts: list[nn.Module], group, dp: int):
+        self.model_parts, self.group, self.dp = model_parts, group, dp
+
+    def begin_step(self, micro_batches) -> None:
+        sequences = sum(int(batch[0].shape[0]) for batch in micro_batches) * self.dp  # (inputs, labels[, starts])
+        for m in self.model_parts:
+            set_aux_loss_denominator(m, sequences)
+
+    def end_step(self, update: bool = True) -> dict:
+        parts = [m for m in self.model_parts if moe_modules(m)]
+        aux = torch.cat([aux_losses(m) for m in parts])
+        aux = _all_reduce_sum(aux.to(expert_loads(parts[0]).device), self.group)
+        if update:
+            loads = torch.cat([sync_expert_biases(m, self.group) for m in parts])
+        else:
+            loads = _all_reduce_loads(torch.cat([expert_loads(m).clone() for m in parts]), self.group)
+        for m in parts:
+            reset_moe_stats(m)
+        return {"aux_loss": aux.cpu(), "loads": loads.cpu()}

@@ -3,11 +3,13 @@
 0. float8 (``float8.backend=torchao``): ``nn.Linear`` -> torchao ``Float8Linear``, same parameter names;
 1. tensor (+ sequence) parallelism (torchao's float8 styles when every projection is tensorwise float8), with
    the head left vocab-sharded for the vocab-parallel loss; then context parallelism (the attention core swapped,
-   rotary tables at global positions);
+   rotary tables at global positions); then expert parallelism (``ep > 1``: the routed experts ``Shard(0)`` over
+   ``ep``, tokens by all-to-all; ``titanlike.parallel.expert_parallel``);
 2. activation checkpointing (hooks of the TP styles on submodules rerun inside the recomputation);
 3. ``torch.compile`` per block (sees DTensors between blocks, and the checkpoint regions);
 4. FSDP / HSDP over ``dp_shard x cp`` (and ``dp_replicate``), outermost so that its all-gathers and
-   reduce-scatters wrap everything else.
+   reduce-scatters wrap everything else; under ep the routed experts first get their own FSDP groups over the
+   ranks holding the same experts (``dp_shard_mod_ep``), gradients summed like every group.
 
 ``cfg`` is a ``titanlike.config.JobConfig`` (read, never imported: the parallel layer sits below the config).
 
@@ -26,11 +28,13 @@ from torch import Tensor, nn
 
 from titanlike.kernels.float8 import convert_to_float8, float8_tensorwise_tp
 from titanlike.layout import float8_backend, loss_parallel_enabled, precision_policy
+from titanlike.layout import reshard_after_forward as reshard_policy
 from titanlike.loss import cross_entropy_loss
 from titanlike.models import spec_for
 from titanlike.parallel.activation_checkpoint import apply_ac
 from titanlike.parallel.compile import apply_compile
 from titanlike.parallel.dims import ParallelDims
+from titanlike.parallel.expert_parallel import apply_ep, apply_expert_fsdp, experts_modules, set_aux_sequence_group
 from titanlike.parallel.fsdp import apply_fsdp
 from titanlike.parallel.loss_parallel import loss_parallel_cross_entropy
 from titanlike.parallel.tensor_parallel import apply_tp
@@ -87,6 +91,10 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
         from titanlike.parallel.context_parallel import apply_cp
 
         apply_cp(model, dims.get_mesh("cp"))
+        if experts_modules(model):  # the aux loss of a sequence split over cp counts the whole sequence's tokens
+            set_aux_sequence_group(model, dims.get_mesh("cp").get_group())
+    if dims.ep_enabled:
+        apply_ep(model, dims.get_mesh("ep"))
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint)
     if cfg.compile.enable:
@@ -94,6 +102,14 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
     if dims.fsdp_wraps:
         dp_mesh = dims.fsdp_mesh()
         mixed = precision_policy(cfg.training.dtype, dims) == "fsdp"
+        if dims.ep_enabled:  # each GroupedExperts its own group, before the blocks' groups take the rest
+            apply_expert_fsdp(
+                model,
+                dims.expert_fsdp_mesh(),
+                param_dtype=torch.bfloat16 if mixed else None,
+                reduce_dtype=torch.float32 if mixed else None,
+                reshard_after_forward=reshard_policy(p.fsdp_reshard_after_forward, "block", dims.pp_enabled),
+            )
         apply_fsdp(
             model,
             dp_mesh,

@@ -131,8 +131,11 @@ def fmt_seconds(s: float) -> str:
 def _header(plan: Plan) -> list[str]:
     cfg, args, hw = plan.cfg, plan.args, plan.hardware
     n_nodes = -(-plan.world_size // hw.gpus_per_node)
+    active = getattr(args, "num_active_params", None)  # a model with experts: what one token uses
+    active_note = f" ({active() / 1e9:.2f}B active per token)" if active is not None else ""
     lines = [
-        f"titanlike layout plan: {cfg.model.name}/{cfg.model.flavor} ({args.num_params() / 1e9:.2f}B parameters, "
+        f"titanlike layout plan: {cfg.model.name}/{cfg.model.flavor} ({args.num_params() / 1e9:.2f}B parameters"
+        f"{active_note}, "
         f"{args.n_layers} layers, dim {args.dim}, {args.n_heads} heads / {args.n_kv_heads} kv, vocab "
         f"{args.vocab_size}) on {plan.world_size:,} x {hw.gpu} ({n_nodes:,} node{'s' * (n_nodes > 1)} of "
         f"{hw.gpus_per_node})"

@@ -193,3 +193,14 @@ class Throughput:
         eta = elapsed / max(steps_done_since, 1) * steps_left
         self.last, self.tokens = now, 0
         return tps, eta
+
+
+def expert_metrics(moe: dict) -> dict[str, float]:
+    """The MoE numbers of a step (``StepResult.moe``) as metrics: the auxiliary loss (summed over the layers; the
+    logged ``loss`` stays the cross entropy), the worst layer's max / mean tokens per expert (1.0: balanced) and,
+    per layer, ``moe_load_max_over_mean/<i>``. Dropless routing: no token is dropped, so there is no drop count."""
+    loads = moe["loads"].to(torch.float64)
+    ratio = loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-12)
+    out = {"moe_aux_loss": float(moe["aux_loss"].sum()), "moe_load_max_over_mean": float(ratio.max())}
+    out.update({f"moe_load_max_over_mean/{i}": float(r) for i, r in enumerate(ratio)})
+    return out

@@ -52,6 +52,7 @@ class StepResult:
     grad_norm: float  # global gradient norm before clipping, identical on every rank
     tokens: int  # non-ignored tokens of the global batch
     skipped: bool  # True when loss or grad norm was not finite and the update was skipped
+    moe: dict | None = None  # a model with MoE blocks: the aux loss per layer and the global expert loads
 
 
 def forward_backward(
@@ -111,8 +112,13 @@ def train_step(
     pp_group=None,
     has_last_stage: bool = True,
     forward_ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    moe=None,
 ) -> StepResult:
     """zero_grad -> forward/backward -> global grad norm (clip) -> finite check -> optimizer step.
+
+    ``moe`` (``titanlike.parallel.expert_parallel.ExpertBalancing``, a model with MoE blocks): its ``begin_step``
+    sets the aux loss's global denominator before the forward, its ``end_step`` updates the expert biases from the
+    global loads after the optimizer step (not after a skipped one).
 
     ``clip_fn(parameters, max_norm) -> total_norm`` must return the norm over every parameter of the model on
     every rank (the parallel layer supplies one that reduces across DTensor meshes and pipeline stages). A
@@ -120,6 +126,8 @@ def train_step(
     """
     for m in model_parts:
         m.zero_grad(set_to_none=True)
+    if moe is not None:
+        moe.begin_step(micro_batches)
     total, tokens = forward_backward(
         model_parts,
         micro_batches,
@@ -141,7 +149,8 @@ def train_step(
         optimizer.step()
     if lr_scheduler is not None:
         lr_scheduler.step()
-    return StepResult(loss=loss_value, grad_norm=norm_value, tokens=int(tokens), skipped=not finite)
+    moe_stats = moe.end_step(update=finite) if moe is not None else None
+    return StepResult(loss=loss_value, grad_norm=norm_value, tokens=int(tokens), skipped=not finite, moe=moe_stats)
 
 
 def reshard_fsdp(module: nn.Module) -> None:

@@ -29,6 +29,7 @@ from titanlike.training.metrics import (
     MetricsLogger,
     Throughput,
     data_metrics,
+    expert_metrics,
     format_data,
     format_eta,
     peak_host_bytes,
@@ -258,6 +259,7 @@ class Trainer:
         self.pp, self.model_parts, self.loss = built.pp, built.model_parts, built.loss
         self.pp_schedule, self.pp_group, self.has_last_stage = built.pp_schedule, built.pp_group, built.has_last_stage
         self.clip_fn, self.forward_context = built.clip_fn, built.forward_context
+        self.moe = built.moe  # a model with MoE blocks: the aux-loss denominator and the expert-bias update
 
         self.optimizer = build_optimizer(self.model_parts, cfg)
         # torchao float8 all-gather: every weight's float8 scale in one all-reduce after each optimizer step.
@@ -295,8 +297,10 @@ class Trainer:
             n_val = sum(len(v) for _, v in corpus.validation)
             if corpus.is_mixture:
                 print(f"data: mixture of {len(corpus.sources)} sources: {corpus.describe()}", flush=True)
+            active = getattr(args, "num_active_params", None)  # a model with experts: what one token uses
+            active_note = f" ({active() / 1e6:.2f}M active per token)" if active is not None else ""
             print(
-                f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params / 1e6:.2f}M parameters, "
+                f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params / 1e6:.2f}M parameters{active_note}, "
                 f"vocab {args.vocab_size}; data: {n_train:,} train / {n_val:,} val tokens "
                 f"(loaded in {self.data_seconds:.1f}s); global batch {self.global_batch} x {t.seq_len} "
                 f"tokens, {self.accum_steps} accumulation step(s); {self.world_size} process(es) on "
@@ -511,6 +515,7 @@ class Trainer:
                         pp_group=self.pp_group,
                         has_last_stage=self.has_last_stage,
                         forward_ctx=self.forward_context,
+                        moe=self.moe,
                     )
                     signum = self._end_of_step(res, exit_signals)
                     if self.float8_precompute:
@@ -553,6 +558,12 @@ class Trainer:
                     seen = self.corpus.seen(position)
                     if self.corpus.is_mixture:
                         line += "\n" + format_data(seen)
+                    moe_metrics = expert_metrics(res.moe) if res.moe is not None else {}
+                    if moe_metrics:
+                        line += (
+                            f"  aux {moe_metrics['moe_aux_loss']:.3e}  load max/mean "
+                            f"{moe_metrics['moe_load_max_over_mean']:.2f}"
+                        )
                     logger.log(
                         self.step,
                         {
@@ -565,6 +576,7 @@ class Trainer:
                             "memory_gib": mem,
                             "skipped": res.skipped,
                             **data_metrics(seen),
+                            **moe_metrics,
                         },
                         console=line,
                     )
