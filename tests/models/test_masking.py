@@ -30,7 +30,10 @@ def _model(name: str, reset: bool):
             str(SEQ),
         ]
     )
-    model = get_spec(name).build(model_args_from_config(cfg, vocab_size=VOCAB)).to(torch.float64)
+    args = model_args_from_config(cfg, vocab_size=VOCAB)
+    if getattr(args, "aux_loss_coeff", 0):  # MoE: the sequence-wise aux loss is over the window (one packed row is
+        args = args.replace(aux_loss_coeff=0.0)  # one sequence), not over documents: off for the per-document check
+    model = get_spec(name).build(args).to(torch.float64)
     model.init_weights(seed=0)
     model.reset_position_ids = reset
     return model
