@@ -118,7 +118,6 @@ CASES = {
     "ep_model": (2, EP2),  # llama3 has no experts
     "ep_experts": (4, [*MOE, "--parallelism.expert_parallel_degree", "4", "--model.num_experts", "6"]),
     "moe_tp": (2, [*MOE, "--parallelism.tensor_parallel_degree", "2"]),
-    "moe_pp": (2, [*MOE, *PP2]),
     "export_model": (1, [*MOE, "--checkpoint.enable", "--checkpoint.export_safetensors"]),
 }
 

@@ -1115,7 +1115,9 @@ def _expert_mesh(built: Built) -> list[str] | None:
 def _counting_expert_comms(built: Built, counts: dict[str, int], on: bool) -> contextlib.AbstractContextManager:
     """Step 1 of a model with experts: every collective of the step (CommDebugMode, forward and backward) into
     ``counts``; a no-op otherwise."""
-    if not on or built.step_kwargs.get("moe") is None:
+    # (not under a pipeline schedule: CommDebugMode's module tracker registers multi-grad hooks, which the stages'
+    # autograd.grad backward refuses)
+    if not on or built.step_kwargs.get("moe") is None or built.step_kwargs.get("pp_schedule") is not None:
         return contextlib.nullcontext()
     from torch.distributed.tensor.debug import CommDebugMode
 

@@ -24,6 +24,8 @@ EXPECTED_BREAK = {
     "pp_tied_norm_twice": "grad_norm",  # the tied weight's gradient counted on both stages
     "pp_fsdp_reshard_after_forward": "grads",  # the trap the configuration refuses: weight grads lost
     "pp_starts_other_microbatch": "loss",  # each microbatch masked with another's documents
+    "moe_local_loads": "biases",  # each stage's bias update from this rank's loads only
+    "pp_moe_inference_counted": "biases",  # torch's shape-inference forward counted as routed tokens
 }
 
 
@@ -95,3 +97,22 @@ def test_every_mutation_and_schedule_is_exercised():
     for degree in (2, 4):
         ran = {l.name.split()[-1] for l in layouts if l.name.startswith(f"pp{degree} ") and not l.mutation}
         assert set(pipeline_gate.SCHEDULES) <= ran, degree
+
+
+def test_moe_stages_split_their_experts_over_ep(gate_results):
+    """Qwen3-MoE stages: under ep every stage's experts are DTensors over the expert mesh (the 8-rank layout: FSDP
+    over the 2 ranks holding the same experts too), without ep over none; the expert biases equal one device's."""
+    world, results = gate_results
+    moe = {n: r for n, r in results["layouts"].items() if r["model"] == "moe_deep" and not r["mutation"]}
+    assert sorted(moe) == sorted(
+        layout.name
+        for layout in pipeline_gate.LAYOUTS
+        if layout.world_size == world and layout.model == "moe_deep" and not layout.mutation
+    )
+    assert moe, world
+    for name, r in moe.items():
+        if "ep2" in name:
+            assert r["expert_mesh"] == ["dp_shard_mod_ep", "ep"], (name, r["expert_mesh"])
+        else:
+            assert r["expert_mesh"] is None, (name, r["expert_mesh"])
+        assert r["biases"] <= TOL, name

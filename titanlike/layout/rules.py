@@ -99,7 +99,6 @@ RULES = {
     "moe_tp": "a model with experts under tp 1 (no tensor-parallel plan of the experts yet)",
     "export_model": "checkpoint.export_safetensors on models with a Hugging Face adapter that can express them "
     "(ModelSpec.hf_adapter, hf_export_violations: Qwen3-MoE's expert bias)",
-    "moe_pp": "a model with experts under pp 1 (the expert-bias and aux-loss wiring of pipeline stages is not built)",
 }
 
 
@@ -163,7 +162,7 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
     )
     out += [("degrees", m) for m in problems]
     if not problems:
-        out += _expert_violations(cfg, spec, args, dps, cp, tp, pp)
+        out += _expert_violations(cfg, spec, args, dps, cp, tp)
     if cp > 1:
         out += _context_parallel_violations(cfg, cp, tp)
     dp = p.data_parallel_replicate_degree * dps
@@ -255,7 +254,7 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
     return out
 
 
-def _expert_violations(cfg, spec, args, dp_shard: int, cp: int, tp: int, pp: int) -> list[tuple[str, str]]:
+def _expert_violations(cfg, spec, args, dp_shard: int, cp: int, tp: int) -> list[tuple[str, str]]:
     ep, experts = cfg.parallelism.expert_parallel_degree, spec.num_experts(args)
     out: list[tuple[str, str]] = []
     problem = expert_degree_problem(ep, dp_shard, cp)
@@ -283,14 +282,6 @@ def _expert_violations(cfg, spec, args, dp_shard: int, cp: int, tp: int, pp: int
                 "moe_tp",
                 f"parallelism.tensor_parallel_degree {tp}: {spec.name} has experts, which have no tensor-parallel "
                 f"plan yet; use tp 1 (split the experts with expert_parallel_degree, the rest with FSDP)",
-            )
-        )
-    if experts and pp > 1:
-        out.append(
-            (
-                "moe_pp",
-                f"parallelism.pipeline_parallel_degree {pp}: pipeline stages of {spec.name} (a model with experts) "
-                f"are not wired for the expert-bias update and aux loss yet; use pp 1",
             )
         )
     return out

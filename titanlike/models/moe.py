@@ -79,6 +79,8 @@ model's ``param_init``); experts are generated per expert, so an expert-parallel
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import re
 from collections.abc import Callable
@@ -105,6 +107,7 @@ __all__ = [
     "reset_moe_stats",
     "set_aux_loss_denominator",
     "aux_losses",
+    "stats_paused",
     "init_moe_buffers",
     "param_init_patterns",
     "grouped_alignment",
@@ -340,6 +343,26 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+_STATS_PAUSED = [0]
+
+
+@contextlib.contextmanager
+def stats_paused():
+    """Forwards that are not training steps leave every block's load counter and aux-loss sum alone (a pipeline
+    stage's metadata inference: torch >= 2.13 runs each stage once on empty tensors at the first step)."""
+    _STATS_PAUSED[0] += 1
+    try:
+        yield
+    finally:
+        _STATS_PAUSED[0] -= 1
+
+
+def _counting(module: nn.Module) -> bool:
+    """Whether this forward's loads and aux loss are recorded: a training forward, not an AC recomputation (in
+    backward), not paused."""
+    return module.training and not _in_backward() and not _STATS_PAUSED[0]
+
+
 class MoE(nn.Module):
     """The MoE feed-forward block (see the module docstring): ``forward(x (batch, seq, dim))``."""
 
@@ -366,7 +389,7 @@ class MoE(nn.Module):
         scores, idx, weights = self.router(flat, self.expert_bias)
         k = idx.shape[1]
         counts = torch.bincount(idx.reshape(-1), minlength=self.args.num_experts)
-        if self.training and not _in_backward():
+        if _counting(self):
             self.last_load = counts.detach()
             self.expert_load += counts
         order = idx.reshape(-1).argsort(stable=True)  # (token, slot) pairs grouped by expert
@@ -376,7 +399,7 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         if self.training and self.args.aux_loss_coeff > 0:
             aux = self.sequence_aux_loss(scores, idx, bsz)
-            if not _in_backward():
+            if _counting(self):
                 self.aux_loss_sum = aux.detach() + (0 if self.aux_loss_sum is None else self.aux_loss_sum)
             out = _AddAuxGradient.apply(out, aux)
         return out

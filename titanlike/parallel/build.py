@@ -20,6 +20,7 @@ from torch import nn
 
 from titanlike.layout import precision_policy
 from titanlike.loss import ScaledLoss
+from titanlike.models.moe import MoE, moe_modules
 from titanlike.parallel.clip import clip_grad_norm_, plain_clip_grad_norm_
 from titanlike.parallel.dims import ParallelDims
 from titanlike.parallel.expert_parallel import ExpertBalancing, experts_modules
@@ -72,13 +73,26 @@ def build_parallel_model(
     (``apply_pp``); each bf16 stage enters autocast itself, because the schedule interleaves forwards and backwards.
     """
     if dims.pp_enabled:
+        blocks = moe_modules(model)  # the whole model's MoE blocks, before the stages are cut from it
+        layers = [n for n, m in model.named_modules() if isinstance(m, MoE)]
         pp = apply_pp(model, dims, cfg, device, init_seed=init_seed)
+        moe = None
+        if blocks:
+            moe = ExpertBalancing(
+                pp.model_parts,
+                loss_group(dims),
+                dims.dp,
+                layers=layers,
+                num_experts=blocks[0].args.num_experts,
+                pp_group=pp.pp_group,
+            )
         return ParallelModel(
             model_parts=pp.model_parts,
             loss=pp.loss,
             clip_fn=pp.finalize_grads_and_clip_,
             forward_context=_null_context,
             pp=pp,
+            moe=moe,
         )
     on_meta = any(p.is_meta for p in model.parameters())
     model = parallelize_model(model, dims, cfg)

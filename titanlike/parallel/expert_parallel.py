@@ -63,6 +63,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from titanlike.models.moe import (
     GroupedExperts,
+    MoE,
     aux_losses,
     expert_loads,
     moe_modules,
@@ -271,11 +272,24 @@ class ExpertBalancing:
     * :meth:`end_step`: after the optimizer step, the tokens per expert summed over ``group`` (dp x cp: every rank
       that saw other tokens; one all-reduce for all layers) and every bias updated from those global loads
       (:func:`sync_expert_biases`; not after a skipped step), the aux-loss contributions summed over ``group`` for
-      the log, then the counters reset. Returns ``{"aux_loss": per-layer sum, "loads": (layers, experts)}``.
+      the log, then the counters reset. Returns ``{"aux_loss": per-layer sum, "loads": (layers, experts)}``, one row
+      per MoE block of the whole model in module order (``layers``: their FQNs; default: those of ``model_parts``).
+
+    Under pipeline parallelism ``model_parts`` are this rank's stages (a stage may hold no MoE block: its ranks
+    update nothing) and ``layers`` the FQNs of every MoE block of the full model; each stage's ranks update their own
+    blocks' biases over their own dp x cp group (the other stages' blocks are other parameters), and the rows for
+    the log are summed over ``pp_group`` (each row is filled by the one pp rank holding that block: one small
+    all-reduce per step), so every rank logs the whole model's loads.
     """
 
-    def __init__(self, model_parts: list[nn.Module], group, dp: int):
-        self.model_parts, self.group, self.dp = model_parts, group, dp
+    def __init__(self, model_parts: list[nn.Module], group, dp: int, *, layers=None, num_experts=0, pp_group=None):
+        self.model_parts, self.group, self.dp, self.pp_group = model_parts, group, dp, pp_group
+        held = [n for m in model_parts for n, mod in m.named_modules() if isinstance(mod, MoE)]
+        self.layers = list(layers) if layers is not None else held
+        self.num_experts = num_experts or next(mod.args.num_experts for m in model_parts for mod in moe_modules(m))
+        missing = sorted(set(held) - set(self.layers))
+        if missing:
+            raise ValueError(f"ExpertBalancing: MoE blocks {missing} are not among the model's layers {self.layers}")
 
     def begin_step(self, micro_batches) -> None:
         sequences = sum(int(batch[0].shape[0]) for batch in micro_batches) * self.dp  # (inputs, labels[, starts])
@@ -284,12 +298,23 @@ class ExpertBalancing:
 
     def end_step(self, update: bool = True) -> dict:
         parts = [m for m in self.model_parts if moe_modules(m)]
-        aux = torch.cat([aux_losses(m) for m in parts])
-        aux = _all_reduce_sum(aux.to(expert_loads(parts[0]).device), self.group)
-        if update:
-            loads = torch.cat([sync_expert_biases(m, self.group) for m in parts])
-        else:
-            loads = _all_reduce_loads(torch.cat([expert_loads(m).clone() for m in parts]), self.group)
-        for m in parts:
-            reset_moe_stats(m)
-        return {"aux_loss": aux.cpu(), "loads": loads.cpu()}
+        rows = [self.layers.index(n) for m in parts for n, mod in m.named_modules() if isinstance(mod, MoE)]
+        if parts:
+            aux = _all_reduce_sum(torch.cat([aux_losses(m) for m in parts]).to(expert_loads(parts[0]).device), self.group)
+            if update:
+                loads = torch.cat([sync_expert_biases(m, self.group) for m in parts])
+            else:
+                loads = _all_reduce_loads(torch.cat([expert_loads(m).clone() for m in parts]), self.group)
+            for m in parts:
+                reset_moe_stats(m)
+        if self.pp_group is None:
+            return {"aux_loss": aux.cpu(), "loads": loads.cpu()}
+        # every stage's rows into one (layers, 1 + experts) table, summed over the pipeline (one row per pp rank)
+        device = next(t for m in self.model_parts for t in (*m.parameters(), *m.buffers())).device
+        table = torch.zeros(len(self.layers), 1 + self.num_experts, dtype=torch.float64, device=device)
+        if parts:
+            table[rows, 0] = aux.to(torch.float64).to(device)
+            table[rows, 1:] = loads.to(torch.float64).to(device)
+        dist.all_reduce(table, group=self.pp_group)
+        table = table.cpu()
+        return {"aux_loss": table[:, 0], "loads": table[:, 1:].round().to(torch.int64)}

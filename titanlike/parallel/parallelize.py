@@ -93,7 +93,9 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
         apply_cp(model, dims.get_mesh("cp"))
         if experts_modules(model):  # the aux loss of a sequence split over cp counts the whole sequence's tokens
             set_aux_sequence_group(model, dims.get_mesh("cp").get_group())
-    if dims.ep_enabled:
+    # (a pipeline stage of dense blocks only holds no experts; a model without any is refused by the rule ep_model)
+    has_experts = dims.ep_enabled and bool(experts_modules(model))
+    if has_experts:
         apply_ep(model, dims.get_mesh("ep"))
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint)
@@ -102,7 +104,7 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
     if dims.fsdp_wraps:
         dp_mesh = dims.fsdp_mesh()
         mixed = precision_policy(cfg.training.dtype, dims) == "fsdp"
-        if dims.ep_enabled:  # each GroupedExperts its own group, before the blocks' groups take the rest
+        if has_experts:  # each GroupedExperts its own group, before the blocks' groups take the rest
             apply_expert_fsdp(
                 model,
                 dims.expert_fsdp_mesh(),

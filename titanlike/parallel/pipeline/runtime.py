@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlike.layout import SCHEDULES, rank_of_stage, schedule_class, schedule_facts, stage_ids_for_rank
 from titanlike.loss import ScaledLoss
+from titanlike.models.moe import stats_paused
 from titanlike.parallel import clip
 from titanlike.parallel.pipeline.build import build_stage, module_owner
 from titanlike.parallel.ties import tie_groups
@@ -45,6 +46,23 @@ __all__ = ["PipelineParallel", "local_copy", "make_pipeline"]
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _Stage(PipelineStage):
+    """A ``PipelineStage`` whose metadata inference leaves the model's training statistics alone: torch runs each
+    stage's forward (and, from 2.13, backward) once at the first step to learn the shapes (2.13: on empty tensors,
+    ``_forward_metadata_inference``; earlier: ``_shape_inference``), which an MoE block would count as routed tokens
+    of the step (wrong expert loads and bias update; caught by the pipeline gate's MoE layouts)."""
+
+
+for _name in ("_forward_metadata_inference", "_shape_inference"):
+    if hasattr(PipelineStage, _name):
+
+        def _paused(self, *args, _method=getattr(PipelineStage, _name), **kwargs):
+            with stats_paused():
+                return _method(self, *args, **kwargs)
+
+        setattr(_Stage, _name, _paused)
 
 
 @dataclass
@@ -83,8 +101,19 @@ class PipelineParallel:
         its own forward pass, independent of the schedule: microbatch by microbatch, stage by stage in global
         order, with blocking send / recv of the hidden states (their local tensors, which the next stage's
         parallel plan accepts like the schedule's). Every rank's sequence of (microbatch, stage) is ordered like
-        the global one and only depends on earlier pairs, so the blocking P2P cannot deadlock.
+        the global one and only depends on earlier pairs, so the blocking P2P cannot deadlock. The stages run in
+        eval mode (an MoE block counts its expert loads and aux loss in training only), then train again.
         """
+        modes = [m.training for m in self.model_parts]
+        for m in self.model_parts:
+            m.eval()
+        try:
+            return self._eval_loss(inputs, labels, document_starts)
+        finally:
+            for m, mode in zip(self.model_parts, modes):
+                m.train(mode)
+
+    def _eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor, document_starts: torch.Tensor | None) -> torch.Tensor:
         device = inputs.device
         total = torch.zeros((), dtype=torch.float64, device=device)
         modules = dict(zip(self.stage_ids, self.model_parts))
@@ -266,7 +295,7 @@ def make_pipeline(
         if not last:
             m.register_forward_hook(local_copy)
         parts.append(m)
-    stages = [PipelineStage(m, s, n_stages, device, group=pp_group) for m, s in zip(parts, stage_ids)]
+    stages = [_Stage(m, s, n_stages, device, group=pp_group) for m, s in zip(parts, stage_ids)]
     loss = ScaledLoss(loss_fn)
     cls = schedule_class(schedule)
     sched = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
