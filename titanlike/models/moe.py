@@ -80,7 +80,6 @@ model's ``param_init``); experts are generated per expert, so an expert-parallel
 from __future__ import annotations
 
 import contextlib
-
 import math
 import re
 from collections.abc import Callable

@@ -55,14 +55,17 @@ class _Stage(PipelineStage):
     of the step (wrong expert loads and bias update; caught by the pipeline gate's MoE layouts)."""
 
 
+def _pausing_stats(method: Callable) -> Callable:
+    def paused(self, *args, **kwargs):
+        with stats_paused():
+            return method(self, *args, **kwargs)
+
+    return paused
+
+
 for _name in ("_forward_metadata_inference", "_shape_inference"):
     if hasattr(PipelineStage, _name):
-
-        def _paused(self, *args, _method=getattr(PipelineStage, _name), **kwargs):
-            with stats_paused():
-                return _method(self, *args, **kwargs)
-
-        setattr(_Stage, _name, _paused)
+        setattr(_Stage, _name, _pausing_stats(getattr(PipelineStage, _name)))
 
 
 @dataclass
@@ -113,7 +116,9 @@ class PipelineParallel:
             for m, mode in zip(self.model_parts, modes):
                 m.train(mode)
 
-    def _eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor, document_starts: torch.Tensor | None) -> torch.Tensor:
+    def _eval_loss(
+        self, inputs: torch.Tensor, labels: torch.Tensor, document_starts: torch.Tensor | None
+    ) -> torch.Tensor:
         device = inputs.device
         total = torch.zeros((), dtype=torch.float64, device=device)
         modules = dict(zip(self.stage_ids, self.model_parts))
