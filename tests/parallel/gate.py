@@ -288,6 +288,12 @@ LAYOUTS = [
     Layout("moe fsdp2", 2, _dp(1, 2, 4), model="moe"),
     Layout("moe ep2", 2, _ep(2, *_dp(1, 2, 4)), model="moe"),
     Layout("moe cp2_ep2", 2, _ep(2, *_cp(2, *_dp(1, 1, 8))), model="moe"),
+    # AC: under op-level selective AC the all-to-alls are saved (5 per MoE layer, as without AC), under full AC the
+    # forward's 3 run again in the recomputation (8)
+    Layout(
+        "moe ep2 ac_selective_op", 2, _ep(2, "--activation_checkpoint.mode", "selective", *_dp(1, 2, 4)), model="moe"
+    ),
+    Layout("moe ep2 ac_full", 2, _ep(2, "--activation_checkpoint.mode", "full", *_dp(1, 2, 4)), model="moe"),
     Layout(
         "MUT moe ep2 bias update from local loads", 2, _ep(2, *_dp(1, 2, 4)), model="moe", mutation="moe_local_loads"
     ),

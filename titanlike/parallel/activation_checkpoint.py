@@ -83,7 +83,25 @@ def _sac_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if func in SAC_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# Profiler ranges carry no tensors, but torch >= 2.13's SAC matches every dispatched op of the recomputation with
+# the forward's, and FSDP's hooks of a group nested inside a checkpointed block (the routed experts' own FSDP group,
+# docs/moe.md) enter and exit ``record_function`` ranges a different number of times in the two ("profiler.
+# _record_function_enter_new.default invocation index 2 encountered during backward but not found in storage").
+# Ignored by SAC like ``aten.detach`` (torch's own SAC_IGNORED_OPS), which leaves every tensor op as it was.
+_PROFILER_OPS = {
+    getattr(getattr(torch.ops.profiler, name), overload)
+    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit")
+    if hasattr(torch.ops.profiler, name)
+    for overload in getattr(torch.ops.profiler, name).overloads()
+}
+
+
 def _selective_op_context_fn():
+    import torch.utils.checkpoint as torch_checkpoint
+
+    ignored = getattr(torch_checkpoint, "SAC_IGNORED_OPS", None)  # (a set of torch's, absent before 2.13)
+    if ignored is not None:
+        ignored.update(_PROFILER_OPS)
     return create_selective_checkpoint_contexts(_sac_policy)
 
 
