@@ -1,7 +1,8 @@
 """``torch.compile`` per transformer block, in place, parameter names unchanged.
 
 Each block of ``model.layers`` is compiled with :meth:`nn.Module.compile` (``fullgraph=True``, except for blocks
-holding Transformer Engine modules, whose custom kernels make dynamo break the graph around them): the module
+holding Transformer Engine modules, whose custom kernels make dynamo break the graph around them, or an MoE block,
+whose routing does): the module
 keeps its identity and its parameter names, unlike ``torch.compile(block)``, which returns an
 ``OptimizedModule`` that prefixes every name with ``_orig_mod.``. All blocks share one code object, and
 dynamo lifts their parameters to graph inputs, so one compilation serves every block of the same shape.
@@ -19,13 +20,16 @@ from __future__ import annotations
 from torch import nn
 
 from titanlike.models import block_container_of
+from titanlike.models.moe import MoE
 
 __all__ = ["apply_compile"]
 
 
 def _fullgraph(block: nn.Module) -> bool:
-    """Whether dynamo can capture ``block`` as one graph: not with Transformer Engine modules inside."""
-    return not any(type(m).__module__.startswith("transformer_engine") for m in block.modules())
+    """Whether dynamo can capture ``block`` as one graph: not with Transformer Engine modules inside, nor with an
+    MoE block (its routing has data-dependent shapes: ``bincount``, the expert-sorted rows, and under expert
+    parallelism the split sizes read on the host; dynamo breaks the graph there and compiles the rest)."""
+    return not any(type(m).__module__.startswith("transformer_engine") or isinstance(m, MoE) for m in block.modules())
 
 
 def apply_compile(model: nn.Module, compile_config) -> nn.Module:
