@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import torch
@@ -58,3 +59,10 @@ def test_qwen3_moe_ep2_trains_like_one_process(tmp_path):
     log0 = (tmp_path / "ep2" / "rank0.log").read_text()
     assert "ep groups of 2" in log0 and "M active per token" in log0
     assert "aux " in log0 and "load max/mean" in log0
+    # the layers x experts load picture of the last log step, one cell per (MoE layer, expert), in the dump folder
+    for run in ("single", "ep2"):
+        svg = ET.parse(tmp_path / run / "expert_load.svg").getroot()
+        cells = [r for r in svg.iter("{http://www.w3.org/2000/svg}rect")]
+        assert len(cells) == 2 * 8, run
+        assert f"at step {STEPS}" in "".join(t.text or "" for t in svg.iter("{http://www.w3.org/2000/svg}text"))
+    assert single[STEPS]["moe_dropped_tokens"] == 0

@@ -203,4 +203,50 @@ def expert_metrics(moe: dict) -> dict[str, float]:
     ratio = loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-12)
     out = {"moe_aux_loss": float(moe["aux_loss"].sum()), "moe_load_max_over_mean": float(ratio.max())}
     out.update({f"moe_load_max_over_mean/{i}": float(r) for i, r in enumerate(ratio)})
+    out["moe_dropped_tokens"] = 0.0  # dropless: every routed token is computed (stated, so dashboards can show it)
     return out
+
+
+EXPERT_LOAD_PICTURE = "expert_load.svg"
+
+
+def write_expert_load_picture(folder: str | Path, loads: torch.Tensor, step: int) -> Path:
+    """``<folder>/expert_load.svg``: the step's tokens per expert, one row per MoE layer, one cell per expert,
+    coloured by load / the layer's mean (white 0, blue 1 = balanced, red >= 2; the number of tokens in each cell's
+    tooltip). Rewritten whole (a temporary file renamed over it) at every log step: a browser shows the latest."""
+    loads = loads.to(torch.float64)
+    layers, experts = loads.shape
+    cell, left, top = 14, 70, 34
+    mean = loads.mean(dim=1, keepdim=True).clamp_min(1e-12)
+    ratio = (loads / mean).tolist()
+
+    def colour(r: float) -> str:
+        if r <= 1.0:  # white -> blue
+            t = r
+            return f"rgb({round(255 * (1 - t))},{round(255 * (1 - 0.6 * t))},255)"
+        t = min(r - 1.0, 1.0)  # blue -> red
+        return f"rgb({round(255 * t)},{round(102 * (1 - t))},{round(255 * (1 - t))})"
+
+    width, height = left + experts * cell + 10, top + layers * cell + 24
+    worst = max(max(row) for row in ratio) if layers else 0.0
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="monospace" '
+        f'font-size="11">',
+        f'<text x="4" y="14">expert load at step {step}: {layers} layers x {experts} experts, worst max/mean '
+        f"{worst:.2f}</text>",
+        f'<text x="4" y="28">white 0, blue = mean, red &gt;= 2 x mean</text>',
+    ]
+    for i, row in enumerate(ratio):
+        y = top + i * cell
+        out.append(f'<text x="4" y="{y + cell - 3}">layer {i}</text>')
+        for e, r in enumerate(row):
+            out.append(
+                f'<rect x="{left + e * cell}" y="{y}" width="{cell - 1}" height="{cell - 1}" fill="{colour(r)}">'
+                f"<title>layer {i} expert {e}: {int(loads[i, e])} tokens ({r:.2f} x mean)</title></rect>"
+            )
+    out.append("</svg>")
+    path = Path(folder) / EXPERT_LOAD_PICTURE
+    tmp = path.with_suffix(".svg.tmp")
+    tmp.write_text("\n".join(out) + "\n")
+    tmp.replace(path)
+    return path

@@ -35,6 +35,7 @@ from titanlike.training.metrics import (
     peak_host_bytes,
     peak_memory_gib,
     use_color,
+    write_expert_load_picture,
 )
 from titanlike.training.optim import build_lr_scheduler, build_optimizer
 from titanlike.training.step import eval_loss_sum, train_step
@@ -564,6 +565,8 @@ class Trainer:
                             f"  aux {moe_metrics['moe_aux_loss']:.3e}  load max/mean "
                             f"{moe_metrics['moe_load_max_over_mean']:.2f}"
                         )
+                        if self.rank == 0:  # the layers x experts picture (every rank holds the global loads)
+                            write_expert_load_picture(cfg.job.dump_folder, res.moe["loads"], self.step)
                     logger.log(
                         self.step,
                         {
