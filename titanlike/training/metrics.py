@@ -234,7 +234,7 @@ def write_expert_load_picture(folder: str | Path, loads: torch.Tensor, step: int
         f'font-size="11">',
         f'<text x="4" y="14">expert load at step {step}: {layers} layers x {experts} experts, worst max/mean '
         f"{worst:.2f}</text>",
-        f'<text x="4" y="28">white 0, blue = mean, red &gt;= 2 x mean</text>',
+        '<text x="4" y="28">white 0, blue = mean, red &gt;= 2 x mean</text>',
     ]
     for i, row in enumerate(ratio):
         y = top + i * cell
