@@ -52,6 +52,7 @@ __all__ = [
     "PositionTable",
     "Region",
     "Rowwise",
+    "TokenLocal",
     "VocabEmbedding",
     "check_sharding",
     "entry_for",
@@ -245,6 +246,16 @@ class Region(Entry):
     first positional input, the residual stream, enters replicated (Megatron's f: identity forward, all-reduce
     backward; an all-gather forward and a reduce-scatter backward under SP). Keyword arguments (per-batch context:
     the RoPE rows) pass untouched. No parameters of its own."""
+
+
+@dataclass(frozen=True)
+class TokenLocal(Entry):
+    """A module that runs on this rank's own tokens and returns them, under sequence parallelism: an MoE block, whose
+    router routes each tp rank's part of the sequence like a data-parallel rank's (the experts split over ``ep``,
+    which borrows the tp ranks). Its input is the local shard of the stream (no all-gather), its output re-enters the
+    stream as that shard; its parameters are not split over tp but data-parallel over it (each tp rank saw other
+    tokens): they are FSDP-sharded over dp x cp x tp with their gradients summed (``titanlike.parallel
+    .parallelize``). Without sequence parallelism (every tp rank holding every token) it has no style."""
 
 
 # ------------------------------------------------------------------------------------------------- lookups

@@ -124,6 +124,8 @@ CASES = {
 # further cases of a rule that guards several things
 MORE_CASES = [
     ("model_shape", (1, [*MOE, "--model.top_k", "9"])),  # the MoE block's own checks (8 experts)
+    # tp with experts needs SP and ep > 1 (ep borrows the tp ranks): SP without ep is refused too
+    ("moe_tp", (2, [*MOE, "--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel"])),
     (
         "model_shape",
         (

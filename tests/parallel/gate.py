@@ -294,6 +294,22 @@ LAYOUTS = [
         "moe ep2 ac_selective_op", 2, _ep(2, "--activation_checkpoint.mode", "selective", *_dp(1, 2, 4)), model="moe"
     ),
     Layout("moe ep2 ac_full", 2, _ep(2, "--activation_checkpoint.mode", "full", *_dp(1, 2, 4)), model="moe"),
+    # tp2 + SP: each tp rank routes its own part of the sequence, ep borrows the tp ranks
+    Layout("moe tp2_sp_ep2", 2, _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="moe"),
+    Layout(
+        "MUT moe tp2_sp_ep2 router not summed over tp",
+        2,
+        _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))),
+        model="moe",
+        mutation="moe_router_not_over_tp",
+    ),
+    Layout(
+        "MUT moe tp2_sp_ep2 aux counts not over tp",
+        2,
+        _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))),
+        model="moe",
+        mutation="moe_aux_counts_not_over_tp",
+    ),
     Layout(
         "MUT moe ep2 bias update from local loads", 2, _ep(2, *_dp(1, 2, 4)), model="moe", mutation="moe_local_loads"
     ),
@@ -324,6 +340,8 @@ LAYOUTS = [
     Layout("muon gpt2 tp2_fsdp2", 4, _tp(2, *_dp(1, 2, 4)), model="muon_gpt2"),
     Layout("moe ep2_fsdp4", 4, _ep(2, *_dp(1, 4, 2)), model="moe"),
     Layout("moe ep2_hsdp2x2", 4, _ep(2, *_dp(2, 2, 2)), model="moe"),
+    Layout("moe tp2_sp_fsdp2_ep2", 4, _ep(2, *_tp(2, *SP, *_dp(1, 2, 4))), model="moe"),
+    Layout("moe tp2_sp_fsdp2_ep4", 4, _ep(4, *_tp(2, *SP, *_dp(1, 2, 4))), model="moe"),
     Layout(
         "MUT moe ep2_fsdp4 expert FSDP averaging",
         4,
@@ -679,6 +697,33 @@ def _moe_aux_per_rank():
 
 
 @contextlib.contextmanager
+def _moe_router_not_over_tp():
+    """ep borrowing tp: the MoE blocks' router and shared experts FSDP-sharded over the data ranks only (as a dense
+    block's weights), their gradients not summed over the tp ranks, which routed other tokens."""
+    from titanlike.parallel.dims import ParallelDims
+
+    with patched(ParallelDims, "moe_token_mesh", lambda self: self.fsdp_mesh()):
+        yield
+
+
+@contextlib.contextmanager
+def _moe_aux_counts_not_over_tp():
+    """ep borrowing tp: the sequence-wise aux loss counts each sequence's tokens over cp only, not over the tp ranks
+    holding its other parts (as without tp)."""
+    import titanlike.parallel.parallelize as parallelize
+    from titanlike.parallel.dims import ParallelDims
+
+    real = ParallelDims.get_mesh
+
+    def cp_only(self, names):
+        return real(self, "cp" if names == "cp_tp" else names)
+
+    with patched(ParallelDims, "get_mesh", cp_only):
+        assert parallelize.set_aux_sequence_group  # parallelize_model asks dims for the aux group's mesh
+        yield
+
+
+@contextlib.contextmanager
 def _moe_expert_fsdp_average():
     """The experts' FSDP groups average their gradients over the ranks holding the same experts (FSDP's default)
     instead of summing them."""
@@ -703,6 +748,8 @@ MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "moe_local_loads": _moe_local_loads,
     "moe_aux_per_rank": _moe_aux_per_rank,
     "moe_expert_fsdp_average": _moe_expert_fsdp_average,
+    "moe_router_not_over_tp": _moe_router_not_over_tp,
+    "moe_aux_counts_not_over_tp": _moe_aux_counts_not_over_tp,
     "muon_local_ns": _muon_local_ns,
     "muon_fused_one_matrix": _muon_fused_one_matrix,
     "muon_not_scattered": _muon_not_scattered,

@@ -167,3 +167,18 @@ def test_expert_parallel_borrows_consecutive_ranks_of_dp_shard_x_cp():
     )
     with pytest.raises(ConfigError, match="expert_parallel_degree 3 does not divide dp_shard 4 x cp 1 = 4"):
         ParallelDims(dp_replicate=1, dp_shard=4, cp=1, tp=1, pp=1, world_size=4, ep=3)
+
+
+def test_expert_parallel_borrows_the_tp_ranks_under_tp():
+    """tp 2 (with sequence parallelism each tp rank holds other tokens): ep borrows from dp_shard x cp x tp, tp
+    innermost, so an ep group of 2 is a tp group and one of 4 spans two dp_shard ranks' tp groups."""
+    from titanlike.layout import expert_groups
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, world_size=4, ep=2)
+    assert dims.ep_tp == 2 and dims.dp_shard_mod_ep == 2
+    assert expert_groups(dims) == [[0, 1], [2, 3]]  # the tp pairs
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, world_size=4, ep=4)
+    assert dims.dp_shard_mod_ep == 1 and expert_groups(dims) == [[0, 1, 2, 3]]
+    assert ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, world_size=4).ep_tp == 1  # no ep: no borrowing
+    with pytest.raises(ConfigError, match="expert_parallel_degree 3 does not divide dp_shard 2 x cp 1 x tp 2 = 4"):
+        ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, world_size=4, ep=3)

@@ -94,7 +94,9 @@ class Degrees:
     tp: int
     pp: int
     world_size: int
-    ep: int = 1  # expert parallelism: borrows ranks from dp_shard x cp (the routed experts split over them)
+    # expert parallelism: borrows ranks from dp_shard x cp, and from tp too when tp > 1 (sequence parallelism splits
+    # the tokens over the tp ranks; the layout rules require it): the routed experts split over them
+    ep: int = 1
 
     def __post_init__(self):
         problems, self.dp_shard = degree_problems(
@@ -107,7 +109,7 @@ class Degrees:
         )
         if problems:
             raise ConfigError(problems[0])
-        problem = expert_degree_problem(self.ep, self.dp_shard, self.cp)
+        problem = expert_degree_problem(self.ep, self.dp_shard, self.cp, self.tp if self.ep > 1 else 1)
         if problem:
             raise ConfigError(problem)
 
@@ -144,9 +146,16 @@ class Degrees:
     ep_enabled = property(lambda self: self.ep > 1)
 
     @property
+    def ep_tp(self) -> int:
+        """The tp ranks expert parallelism borrows: all of them when ep > 1 and tp > 1 (under sequence parallelism
+        each tp rank holds other tokens of the residual stream, which its MoE blocks route on their own), else 1."""
+        return self.tp if self.ep > 1 and self.tp > 1 else 1
+
+    @property
     def dp_shard_mod_ep(self) -> int:
-        """The ranks of ``dp_shard x cp`` holding the same experts (the experts' FSDP group): ``dp_shard * cp / ep``."""
-        return self.dp_shard * self.cp // self.ep
+        """The ranks of ``dp_shard x cp`` (``x tp`` when borrowed: :attr:`ep_tp`) holding the same experts (the
+        experts' FSDP group): ``dp_shard * cp * ep_tp / ep``."""
+        return self.dp_shard * self.cp * self.ep_tp // self.ep
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -171,22 +180,27 @@ class Degrees:
         return rank // (self.world_size // self.pp)
 
 
-def expert_degree_problem(ep: int, dp_shard: int, cp: int) -> str | None:
-    """One line when the expert-parallel degree cannot borrow its ranks from ``dp_shard x cp``, else None."""
+def expert_degree_problem(ep: int, dp_shard: int, cp: int, tp: int = 1) -> str | None:
+    """One line when the expert-parallel degree cannot borrow its ranks from ``dp_shard x cp`` (``x tp``: tp > 1
+    under sequence parallelism), else None."""
     if ep < 1:
         return f"parallelism.expert_parallel_degree: {ep} must be >= 1"
-    if ep > 1 and (dp_shard * cp) % ep:
+    borrowed = dp_shard * cp * tp
+    if ep > 1 and borrowed % ep:
+        what = f"dp_shard {dp_shard} x cp {cp}" + (f" x tp {tp}" if tp > 1 else "")
         return (
-            f"parallelism.expert_parallel_degree {ep} does not divide dp_shard {dp_shard} x cp {cp} = {dp_shard * cp} "
-            f"(expert parallelism borrows its ranks from them); choose a divisor of {dp_shard * cp}"
+            f"parallelism.expert_parallel_degree {ep} does not divide {what} = {borrowed} "
+            f"(expert parallelism borrows its ranks from them); choose a divisor of {borrowed}"
         )
     return None
 
 
 def expert_groups(dims: Degrees) -> list[list[int]]:
-    """The expert-parallel groups: each ``dp_shard x cp`` group (ranks in mesh order) cut into consecutive blocks of
-    ``ep`` ranks (ep innermost, as :class:`titanlike.parallel.ParallelDims` unflattens it)."""
-    return sorted(g[i : i + dims.ep] for g in rank_groups(dims, ("dp_shard", "cp")) for i in range(0, len(g), dims.ep))
+    """The expert-parallel groups: each ``dp_shard x cp`` (``x tp`` when borrowed) group (ranks in mesh order) cut
+    into consecutive blocks of ``ep`` ranks (ep innermost, as :class:`titanlike.parallel.ParallelDims` unflattens
+    it)."""
+    borrowed = ("dp_shard", "cp", "tp") if dims.ep_tp > 1 else ("dp_shard", "cp")
+    return sorted(g[i : i + dims.ep] for g in rank_groups(dims, borrowed) for i in range(0, len(g), dims.ep))
 
 
 def rank_of(dims: Degrees, coord: dict[str, int]) -> int:

@@ -96,7 +96,7 @@ RULES = {
     "ep_degree": "expert_parallel_degree divides dp_shard x cp (the ranks it borrows)",
     "ep_model": "expert parallelism on models with experts (ModelSpec.num_experts)",
     "ep_experts": "expert_parallel_degree divides the number of experts",
-    "moe_tp": "a model with experts under tp 1 (no tensor-parallel plan of the experts yet)",
+    "moe_tp": "a model with experts under tp > 1 only with sequence parallelism and ep > 1 (ep borrows the tp ranks)",
     "export_model": "checkpoint.export_safetensors on models with a Hugging Face adapter that can express them "
     "(ModelSpec.hf_adapter, hf_export_violations: Qwen3-MoE's expert bias)",
 }
@@ -257,7 +257,7 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
 def _expert_violations(cfg, spec, args, dp_shard: int, cp: int, tp: int) -> list[tuple[str, str]]:
     ep, experts = cfg.parallelism.expert_parallel_degree, spec.num_experts(args)
     out: list[tuple[str, str]] = []
-    problem = expert_degree_problem(ep, dp_shard, cp)
+    problem = expert_degree_problem(ep, dp_shard, cp, tp if ep > 1 else 1)
     if problem:
         out.append(("ep_degree", problem))
     if ep > 1 and not experts:
@@ -276,12 +276,13 @@ def _expert_violations(cfg, spec, args, dp_shard: int, cp: int, tp: int) -> list
                 f"choose a divisor of {experts}",
             )
         )
-    if experts and tp > 1:
+    if experts and tp > 1 and (ep == 1 or not cfg.parallelism.enable_sequence_parallel):
         out.append(
             (
                 "moe_tp",
-                f"parallelism.tensor_parallel_degree {tp}: {spec.name} has experts, which have no tensor-parallel "
-                f"plan yet; use tp 1 (split the experts with expert_parallel_degree, the rest with FSDP)",
+                f"parallelism.tensor_parallel_degree {tp}: {spec.name} has experts, which split over ep, not tp: its "
+                f"MoE blocks route each tp rank's own tokens, so set parallelism.enable_sequence_parallel = true and "
+                f"expert_parallel_degree > 1 (it borrows the tp ranks), or use tp 1",
             )
         )
     return out

@@ -25,7 +25,7 @@ from titanlike.parallel.clip import clip_grad_norm_, plain_clip_grad_norm_
 from titanlike.parallel.dims import ParallelDims
 from titanlike.parallel.expert_parallel import ExpertBalancing, experts_modules
 from titanlike.parallel.materialize import keeping_grad_hooks, materialize, to_empty_keeping_ties
-from titanlike.parallel.parallelize import build_loss_fn, loss_group, parallelize_model
+from titanlike.parallel.parallelize import build_loss_fn, parallelize_model
 from titanlike.parallel.pipeline import PipelineParallel, apply_pp
 
 __all__ = ["ParallelModel", "build_parallel_model", "to_empty_keeping_ties"]
@@ -80,7 +80,7 @@ def build_parallel_model(
         if blocks:
             moe = ExpertBalancing(
                 pp.model_parts,
-                loss_group(dims),
+                dims.expert_load_group(),
                 dims.dp,
                 layers=layers,
                 num_experts=blocks[0].args.num_experts,
@@ -110,5 +110,5 @@ def build_parallel_model(
     clip_fn = clip_grad_norm_ if dims.built else plain_clip_grad_norm_
     moe = None
     if experts_modules(model):
-        moe = ExpertBalancing([model], loss_group(dims) if dims.built else None, dims.dp)
+        moe = ExpertBalancing([model], dims.expert_load_group() if dims.built else None, dims.dp)
     return ParallelModel(model_parts=[model], loss=loss, clip_fn=clip_fn, forward_context=forward_context, moe=moe)

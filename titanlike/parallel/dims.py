@@ -15,8 +15,9 @@ Expert parallelism (``ep > 1``) borrows its ranks from ``dp_shard x cp``: the fl
 into ``(dp_replicate, dp_shard_mod_ep, ep)`` (ep innermost), giving ``"ep"`` (the routed experts ``Shard(0)`` over
 it, tokens by all-to-all) and ``"dp_shard_mod_ep"`` (the ranks holding the same experts: the experts' FSDP group;
 ``("dp_replicate", "dp_shard_mod_ep")`` under HSDP). Both are slices of one root, as FSDP2 needs for the 2-D expert
-weights (docs/moe.md). Borrowing from ``tp`` (under sequence parallelism) is not built: the layout rules refuse tp
-with experts.
+weights (docs/moe.md). Under tp with sequence parallelism ep borrows the tp ranks too (each holds other tokens): the
+flattened ``dp_cp_tp`` mesh is unflattened instead, and ``dp_shard_cp_tp`` (the MoE blocks' router and shared
+experts are FSDP-sharded over it) and ``cp_tp`` (the aux loss's sequence group) are built beside it.
 """
 
 from __future__ import annotations
@@ -72,7 +73,16 @@ class ParallelDims(Degrees):
                 0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp")
             )
         if self.ep > 1:  # (dp_replicate, dp_shard_mod_ep, ep), ep innermost: one root for both expert meshes
-            experts = meshes["dp_cp"]._unflatten(
+            tokens = meshes["dp_cp"]
+            if self.ep_tp > 1:  # ep borrows tp: every rank of dp x cp x tp routes tokens of its own
+                tokens = world[("dp_replicate", "dp_shard", "cp", "tp")]._flatten("dp_cp_tp")
+                meshes["dp_cp_tp"] = tokens
+                meshes["cp_tp"] = world[("cp", "tp")]._flatten("cp_tp")
+                n = self.dp_shard * self.cp * self.tp
+                hsdp = tokens._unflatten(0, (self.dp_replicate, n), ("dp_replicate", "dp_shard_cp_tp"))
+                meshes["dp_shard_cp_tp"] = hsdp["dp_shard_cp_tp"]
+                meshes[("dp_replicate", "dp_shard_cp_tp")] = hsdp
+            experts = tokens._unflatten(
                 0, (self.dp_replicate, self.dp_shard_mod_ep, self.ep), ("dp_replicate", "dp_shard_mod_ep", "ep")
             )
             meshes["ep"] = experts["ep"]
@@ -104,9 +114,9 @@ class ParallelDims(Degrees):
             return self._meshes[names[0]]
         if names in self._meshes:  # ("dp_replicate", "dp_shard_cp") under cp: HSDP's mesh
             return self._meshes[names]
-        if len(names) == 1 and names[0] in self._meshes:  # "ep", "dp_shard_mod_ep" (ep > 1)
+        if len(names) == 1 and names[0] in self._meshes:  # "ep", "dp_shard_mod_ep" (ep > 1), "dp_cp_tp", "cp_tp"
             return self._meshes[names[0]]
-        if any(n in ("ep", "dp_shard_mod_ep") for n in names):
+        if any(n in ("ep", "dp_shard_mod_ep", "dp_cp_tp", "cp_tp", "dp_shard_cp_tp") for n in names):
             raise ValueError(f"ParallelDims.get_mesh: {names}: the expert meshes exist only with ep > 1 (ep {self.ep})")
         if any(n not in MESH_DIMS for n in names):
             raise ValueError(f"ParallelDims.get_mesh: {names} must be one of {tuple(FLATTENED)} or dims of {MESH_DIMS}")
@@ -116,6 +126,23 @@ class ParallelDims(Degrees):
         """What the routed experts are FSDP-sharded over under ep: ``dp_shard_mod_ep``, with ``dp_replicate`` (HSDP,
         2-D) when it is above 1."""
         return self.get_mesh(("dp_replicate", "dp_shard_mod_ep") if self.dp_replicate_enabled else "dp_shard_mod_ep")
+
+    def moe_token_mesh(self) -> DeviceMesh:
+        """What an MoE block's other parameters (router, shared experts) are FSDP-sharded over when ep borrows tp
+        (:attr:`ep_tp`): every rank of ``dp_shard x cp x tp`` routes tokens of its own, so their gradients are summed
+        over all of them; with ``dp_replicate`` (HSDP, 2-D) when it is above 1."""
+        if self.ep_tp == 1:
+            raise ValueError("ParallelDims.moe_token_mesh: only when expert parallelism borrows the tp ranks")
+        return self.get_mesh(("dp_replicate", "dp_shard_cp_tp") if self.dp_replicate_enabled else "dp_shard_cp_tp")
+
+    def expert_load_group(self):
+        """The ranks whose MoE blocks routed other tokens of the same layers (the expert loads are summed over
+        them): ``dp x cp``, and ``x tp`` when ep borrows tp; None on one rank per model copy."""
+        if self.ep_tp > 1:
+            return self.get_mesh("dp_cp_tp").get_group()
+        if self.cp_enabled:
+            return self.get_mesh("dp_cp").get_group()
+        return self.get_mesh("dp").get_group() if self.dp_enabled else None
 
     def fsdp_mesh(self) -> DeviceMesh:
         """What FSDP shards over: ``dp_shard x cp``, and ``dp_replicate`` (HSDP, 2-D) when it is above 1."""

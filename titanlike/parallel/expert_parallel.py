@@ -227,6 +227,28 @@ def apply_expert_fsdp(
     return model
 
 
+def apply_moe_token_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """FSDP2 on every MoE block of ``model`` over ``mesh`` (``ParallelDims.moe_token_mesh``: dp_shard x cp x tp),
+    gradients **summed**: when expert parallelism borrows the tp ranks every one of them routes tokens of its own,
+    so the router's and the shared experts' gradients are sums over all of them. Call it after
+    :func:`apply_expert_fsdp` (the experts keep their own groups) and before ``apply_fsdp`` on the blocks."""
+    blocks = moe_modules(model)
+    if not blocks:
+        raise ValueError(f"apply_moe_token_fsdp: {type(model).__name__} has no MoE block")
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for m in blocks:
+        fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        _sum_gradients(m)
+    return model
+
+
 def _all_reduce_sum(values: Tensor, group) -> Tensor:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(values, group=group)

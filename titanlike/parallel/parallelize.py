@@ -34,7 +34,13 @@ from titanlike.models import spec_for
 from titanlike.parallel.activation_checkpoint import apply_ac
 from titanlike.parallel.compile import apply_compile
 from titanlike.parallel.dims import ParallelDims
-from titanlike.parallel.expert_parallel import apply_ep, apply_expert_fsdp, experts_modules, set_aux_sequence_group
+from titanlike.parallel.expert_parallel import (
+    apply_ep,
+    apply_expert_fsdp,
+    apply_moe_token_fsdp,
+    experts_modules,
+    set_aux_sequence_group,
+)
 from titanlike.parallel.fsdp import apply_fsdp
 from titanlike.parallel.loss_parallel import loss_parallel_cross_entropy
 from titanlike.parallel.tensor_parallel import apply_tp
@@ -91,27 +97,33 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
         from titanlike.parallel.context_parallel import apply_cp
 
         apply_cp(model, dims.get_mesh("cp"))
-        if experts_modules(model):  # the aux loss of a sequence split over cp counts the whole sequence's tokens
-            set_aux_sequence_group(model, dims.get_mesh("cp").get_group())
     # (a pipeline stage of dense blocks only holds no experts; a model without any is refused by the rule ep_model)
     has_experts = dims.ep_enabled and bool(experts_modules(model))
+    if experts_modules(model) and (dims.cp_enabled or dims.ep_tp > 1):
+        # the aux loss of a sequence split over cp (and tp, when the MoE blocks route each tp rank's own tokens)
+        # counts the whole sequence's tokens
+        set_aux_sequence_group(model, dims.get_mesh("cp_tp" if dims.ep_tp > 1 else "cp").get_group())
     if has_experts:
         apply_ep(model, dims.get_mesh("ep"))
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint)
     if cfg.compile.enable:
         apply_compile(model, cfg.compile)
+    mixed = precision_policy(cfg.training.dtype, dims) == "fsdp"
+    expert_fsdp = dict(
+        param_dtype=torch.bfloat16 if mixed else None,
+        reduce_dtype=torch.float32 if mixed else None,
+        reshard_after_forward=reshard_policy(p.fsdp_reshard_after_forward, "block", dims.pp_enabled),
+    )
+    if has_experts and dims.ep_tp > 1:
+        # ep borrows tp: the experts' own groups, then each MoE block's router and shared experts FSDP-sharded over
+        # every rank that routes tokens of its own (dp_shard x cp x tp), gradients summed, even without dp
+        apply_expert_fsdp(model, dims.expert_fsdp_mesh(), **expert_fsdp)
+        apply_moe_token_fsdp(model, dims.moe_token_mesh(), **expert_fsdp)
     if dims.fsdp_wraps:
         dp_mesh = dims.fsdp_mesh()
-        mixed = precision_policy(cfg.training.dtype, dims) == "fsdp"
-        if has_experts:  # each GroupedExperts its own group, before the blocks' groups take the rest
-            apply_expert_fsdp(
-                model,
-                dims.expert_fsdp_mesh(),
-                param_dtype=torch.bfloat16 if mixed else None,
-                reduce_dtype=torch.float32 if mixed else None,
-                reshard_after_forward=reshard_policy(p.fsdp_reshard_after_forward, "block", dims.pp_enabled),
-            )
+        if has_experts and dims.ep_tp == 1:  # each GroupedExperts its own group, before the blocks' take the rest
+            apply_expert_fsdp(model, dims.expert_fsdp_mesh(), **expert_fsdp)
         apply_fsdp(
             model,
             dp_mesh,

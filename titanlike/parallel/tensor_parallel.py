@@ -21,6 +21,8 @@ The translation (``seq`` = ``Shard(1)`` under sequence parallelism, else ``Repli
 ``Rowwise``            RowwiseParallel, output ``seq``: the "g" operator, all-reduce forward (SP: reduce-scatter)
 ``Head``               ColwiseParallel from ``seq``: logits stay a DTensor ``Shard(-1)`` for the vocab-parallel
                        loss, or are all-gathered (``loss_parallel=False``)
+``TokenLocal``         SP only: :class:`TokenLocalParallel`: runs on the local shard of the stream, returns it as
+                       ``Shard(1)``; its parameters are left to a data-parallel reduction over tp (an MoE block)
 =====================  ==========================================================================================
 
 One transformer block therefore costs two all-reduces forward and two backward (SP: an all-gather and a
@@ -63,7 +65,7 @@ from titanlike import sharding as sh
 from titanlike.parallel.fused import FusedColwiseParallel
 from titanlike.parallel.ties import retie, tie_groups
 
-__all__ = ["tp_plan", "apply_tp", "ReplicateParallel", "PositionEmbeddingParallel"]
+__all__ = ["tp_plan", "apply_tp", "ReplicateParallel", "PositionEmbeddingParallel", "TokenLocalParallel"]
 
 
 class ReplicateParallel(ParallelStyle):
@@ -123,6 +125,38 @@ class PositionEmbeddingParallel(ReplicateParallel):
 
         module = super()._apply(module, device_mesh)
         module.register_forward_hook(output_fn)
+        return module
+
+
+class TokenLocalParallel(ParallelStyle):
+    """A module that runs on this rank's own tokens of the sequence-parallel stream (``Shard(1)`` over tp): the
+    input DTensor's local shard goes in (no all-gather; its gradient flows back as that shard), the output comes back
+    as the same ``Shard(1)`` DTensor. No communication of its own. Its parameters stay plain tensors for a
+    data-parallel reduction over tp (each tp rank saw other tokens): ``parallelize_model`` FSDP-shards an MoE block's
+    router and shared experts over ``dp_shard x cp x tp`` (``ParallelDims.moe_token_mesh``) and splits its experts
+    over ``ep``, which borrows the tp ranks. Applied alone, without that reduction, the parameters would train on
+    this rank's tokens only."""
+
+    @staticmethod
+    def _prepare_input_fn(mod, inputs, device_mesh):
+        x, *rest = inputs
+        if not isinstance(x, DTensor) or tuple(x.placements) != (Shard(1),):
+            got = f"DTensor{tuple(x.placements)}" if isinstance(x, DTensor) else "a plain tensor"
+            raise ValueError(
+                f"TokenLocalParallel ({type(mod).__name__}): needs the sequence-parallel stream, a DTensor "
+                f"(Shard(1),) over tp, got {got}; enable sequence parallelism"
+            )
+        return (x.to_local(), *rest)
+
+    @staticmethod
+    def _prepare_output_fn(mod, outputs, device_mesh):
+        return DTensor.from_local(outputs, device_mesh, (Shard(1),), run_check=False)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module._titanlike_token_local = True  # its parameters are data-parallel over tp (_check_all_or_nothing)
+        # plain hooks, not distribute_module: that replicates every parameter and buffer left plain
+        module.register_forward_pre_hook(lambda mod, inputs: self._prepare_input_fn(mod, inputs, device_mesh))
+        module.register_forward_hook(lambda mod, inputs, out: self._prepare_output_fn(mod, out, device_mesh))
         return module
 
 
@@ -220,6 +254,13 @@ def tp_plan(
             return _fused_style(entry)
         if isinstance(entry, sh.Rowwise):
             return rowwise(output_layouts=seq, use_local_output=False)
+        if isinstance(entry, sh.TokenLocal):
+            if not sequence_parallel:
+                raise ValueError(
+                    f"tp_plan: '{pattern}' runs on each rank's own tokens (TokenLocal), which needs sequence "
+                    f"parallelism; enable it"
+                )
+            return TokenLocalParallel()
         if isinstance(entry, sh.Head):
             return ColwiseParallel(
                 input_layouts=seq,
@@ -271,7 +312,8 @@ def _check_all_or_nothing(model: nn.Module) -> None:
     """After the plan: either no parameter is a DTensor (nothing to do for tp) or all are. A parameter left a plain
     tensor next to DTensors fails later, far away (``aten.add.Tensor got mixed torch.Tensor and DTensor``, or a
     foreach optimizer refusing the mix), naming no module: refuse it here, naming the modules."""
-    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    local = [n + "." for n, m in model.named_modules() if getattr(m, "_titanlike_token_local", False)]
+    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor) and not n.startswith(tuple(local))]
     if plain and len(plain) != len(list(model.parameters())):
         owners = sorted({n.rpartition(".")[0] or "<root>" for n in plain})
         shown = ", ".join(owners[:6]) + (f" and {len(owners) - 6} more" if len(owners) > 6 else "")

@@ -1,12 +1,15 @@
-"""How Qwen3-MoE splits: Qwen3's entries (attention, norms, a dense layer's SwiGLU, embedding and head) as they are.
-
-The MoE block (``layers.*.moe``: router, stacked experts, shared experts) has no tensor-parallel entry: its experts
-split over the expert-parallel axis instead (``titanlike.parallel.expert_parallel``, a ``Shard(0)`` of the stacked
-weights, applied by ``parallelize_model`` when ``parallelism.expert_parallel_degree > 1``), and tensor parallelism of
-a model with experts is refused by the layout rules (rule ``moe_tp``). Without an entry the router and the experts
-train with AdamW under Muon, and stay high precision under float8.
+"""How Qwen3-MoE splits over tensor parallelism: Qwen3's entries (attention, norms, a dense layer's SwiGLU, embedding
+and head) as they are, and the MoE block (``layers.*.moe``: router, stacked experts, shared experts) as ``TokenLocal``:
+under sequence parallelism each tp rank routes its own part of the sequence, the experts split over the
+expert-parallel axis (which borrows the tp ranks: ``titanlike.parallel.expert_parallel``), the router and shared
+experts data-parallel over tp. Tensor parallelism of this model needs sequence parallelism and ep > 1 (rule
+``moe_tp``). Without a Linear entry the router and the experts train with AdamW under Muon, and stay high precision
+under float8.
 """
 
-from titanlike.models.qwen3.sharding import SHARDING
+from titanlike.models.qwen3.sharding import SHARDING as QWEN3
+from titanlike.sharding import TokenLocal
 
 __all__ = ["SHARDING"]
+
+SHARDING = {**QWEN3, "layers.*.moe": TokenLocal()}
