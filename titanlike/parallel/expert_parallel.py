@@ -216,36 +216,29 @@ def apply_expert_fsdp(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for _, m in found:
         placement = expert_fsdp_placement(m, size)
-        fully_shard(
-            m,
-            mesh=mesh,
-            mp_policy=mp,
-            reshard_after_forward=reshard_after_forward,
-            shard_placement_fn=lambda p, placement=placement: placement,
-        )
-        _sum_gradients(m)
+        _summed_fsdp(m, mesh, mp, reshard_after_forward, lambda p, placement=placement: placement)
     return model
 
 
-def apply_moe_token_fsdp(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    *,
-    param_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = None,
-    reshard_after_forward: bool = True,
-) -> nn.Module:
+def _summed_fsdp(module: nn.Module, mesh: DeviceMesh, mp, reshard_after_forward, placement_fn=None) -> None:
+    fully_shard(
+        module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, shard_placement_fn=placement_fn
+    )
+    _sum_gradients(module)
+
+
+def apply_moe_token_fsdp(model: nn.Module, mesh: DeviceMesh, **fsdp) -> nn.Module:
     """FSDP2 on every MoE block of ``model`` over ``mesh`` (``ParallelDims.moe_token_mesh``: dp_shard x cp x tp),
     gradients **summed**: when expert parallelism borrows the tp ranks every one of them routes tokens of its own,
     so the router's and the shared experts' gradients are sums over all of them. Call it after
-    :func:`apply_expert_fsdp` (the experts keep their own groups) and before ``apply_fsdp`` on the blocks."""
+    :func:`apply_expert_fsdp` (the experts keep their own groups) and before ``apply_fsdp`` on the blocks; ``fsdp``:
+    ``param_dtype``, ``reduce_dtype``, ``reshard_after_forward`` as for :func:`apply_expert_fsdp`."""
     blocks = moe_modules(model)
     if not blocks:
         raise ValueError(f"apply_moe_token_fsdp: {type(model).__name__} has no MoE block")
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp = MixedPrecisionPolicy(param_dtype=fsdp.get("param_dtype"), reduce_dtype=fsdp.get("reduce_dtype"))
     for m in blocks:
-        fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-        _sum_gradients(m)
+        _summed_fsdp(m, mesh, mp, fsdp.get("reshard_after_forward", True))
     return model
 
 
