@@ -80,7 +80,8 @@ class ReplicaCheck:
         if bad:
             name = self.name or type(module).__name__
             raise RuntimeError(
-                f"{self.style} on '{name}' ({type(module).__name__}): its {' and '.join(bad)} differ(s) across the "
+                f"{self.style} on '{name}' ({type(module).__name__}): its {' and '.join(bad)} "
+                f"{'differs' if len(bad) == 1 else 'differ'} across the "
                 f"{device_mesh.size()} ranks of {device_mesh}, so it is not a replica; {self.advice}"
             )
 
