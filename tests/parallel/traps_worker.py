@@ -139,6 +139,10 @@ def qwen3_cases(ex, mesh) -> dict:
     # the same mis-plan trusted: trains, wrong (the gradient of the norm weights covers only each rank's heads)
     model = misplanned("never")
     step(model)
+    for m in model.modules():  # the debug mode on the drifted model: the norm weights now differ too
+        if getattr(m, "_titanlike_replica_check", None) is not None:
+            m._titanlike_replica_check.check = "always"
+    r["misplan_always_error"] = error_of(lambda: model(inputs))
     ref = ex.build()
     (F.cross_entropy(ref(inputs).logits.flatten(0, 1), labels.flatten(), reduction="sum") / labels.numel()).backward()
     grads = dict(ref.named_parameters())
@@ -298,6 +302,10 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--timeout", type=float, default=120.0)
     a = ap.parse_args()
+    import transformers.models.phi3.modeling_phi3  # noqa: F401  (imported once, before the ranks fork)
+    import transformers.models.qwen2.modeling_qwen2  # noqa: F401
+    import transformers.models.qwen3.modeling_qwen3  # noqa: F401
+
     return spawn(rank_main, 2, a.out, timeout_s=a.timeout)
 
 

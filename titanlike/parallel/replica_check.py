@@ -9,9 +9,12 @@ rank the largest and the smallest value of each number. Replicas are bitwise equ
 all-reduce or broadcast that made them), so any difference above 1e-7 relative is not rounding: a refusal, the
 same one-line error on every rank, naming the module and the style it needs. ``check``:
 
-* ``"first"`` (default): the module's first forward only (a mis-plan shows at step 1: issue 26's per-head norms);
-* ``"always"``: every forward (debugging: also catches replicated parameters drifting apart, e.g. a gradient that
-  a rank computed from its own part and nobody summed);
+* ``"first"`` (default): the plain input of the module's first forward (a mis-plan shows at step 1: issue 26's
+  per-head norms); a DTensor input is not taken on trust, so it costs nothing (the trainer's own models pass
+  DTensors), and the parameters are equal at the first step by construction (``distribute_tensor`` broadcasts);
+* ``"always"``: the plain input and the replicated parameters' local tensors at every forward (debugging: also
+  catches replicated parameters drifting apart, e.g. a gradient that a rank computed from its own part and nobody
+  summed);
 * ``"never"``: trusted, no communication.
 
 Inside ``torch.compile`` the check is skipped (a data-dependent collective would break the graph); the eager first
@@ -60,11 +63,11 @@ class ReplicaCheck:
             return
         self.done = True
         named = [] if not isinstance(x, torch.Tensor) else [("input", x)]
-        named += [
-            (f"parameter '{n}'", p.to_local() if isinstance(p, DTensor) else p)
-            for n, p in module.named_parameters(recurse=False)
-            if self.parameters
-        ]
+        if self.parameters and self.check == "always":  # equal at the first step by construction (broadcast)
+            named += [
+                (f"parameter '{n}'", p.to_local() if isinstance(p, DTensor) else p)
+                for n, p in module.named_parameters(recurse=False)
+            ]
         if not named:
             return
         with torch.no_grad():
