@@ -71,6 +71,12 @@ def test_a_positional_prepare_module_input_on_a_keyword_call_names_the_module(re
     assert "hidden_states" in msg
 
 
+def test_a_fused_projection_refuses_a_sequence_shard_taken_for_the_replica(result):
+    msg = one_line(result["fused_input_error"])
+    assert msg.startswith("RuntimeError: FusedColwiseParallel on 'h.0.attn.c_attn' (Linear): its input differs")
+    assert "PrepareModuleInput(input_layouts=Shard(1)" in msg
+
+
 def test_tp_must_divide_the_head_counts(result):
     msg = one_line(result["head_count_error"])
     assert msg.startswith("ValueError: apply_tp: tp 2 does not divide the head counts of Phi3ForCausalLM")
@@ -79,7 +85,7 @@ def test_tp_must_divide_the_head_counts(result):
 
 def test_fsdp_on_the_inner_decoder_is_refused_naming_the_head(result):
     msg = one_line(result["coverage_error"])
-    assert "lm_head.weight" in msg and "apply_fsdp to the root module" in msg
+    assert "parameter(s) lm_head.weight:" in msg and "apply_fsdp to the root module" in msg
     assert result["coverage_unchecked_grad_norm"] > 1e-3  # what it silently gave before (issue: off by 0.35)
     assert result["coverage_root_loss"] <= TOL and result["coverage_root_grad_norm"] <= TOL  # the fix is exact
 

@@ -8,6 +8,7 @@ pipeline model), results in one JSON for tests/parallel/test_traps.py:
   mis-plan with the check off (``check="never"``) training wrong: the check is what catches it; the check's cost
   (CommDebugMode over the first and the second forward);
 * a positional PrepareModuleInput on transformers' keyword-called self_attn: one line naming the module;
+* the fused q|k|v of the README example given a sequence shard as if it were the replicated stream: refused;
 * tp vs head counts (Phi3, 1 kv head, tp2): refused at apply_tp;
 * data-parallel coverage (Qwen2, q/k/v biases, tied embeddings): ``apply_fsdp(model.model)`` refused at the first
   train_step naming lm_head.weight; with the check off it trains wrong (the grad norm); FSDP on the root trains
@@ -177,6 +178,20 @@ def qwen3_cases(ex, mesh) -> dict:
     return r
 
 
+def fused_input_case(mesh) -> dict:
+    """The README example's SP plan without the PrepareModuleInput before attention: the fused c_attn gets this
+    rank's sequence shard as a plain tensor (attention over half the sequence, silently) and refuses it."""
+    import nanogpt_parallel as ex
+
+    from titanlike.parallel import apply_tp
+
+    model = ex.GPT(ex.GPTConfig()).to(torch.float64)
+    plan = {k: v for k, v in ex.tp_plan(model).items() if not k.endswith(".attn")}
+    apply_tp(model, mesh, plan)
+    inputs, _ = ex.batch(0, ex.GPTConfig())
+    return {"fused_input_error": error_of(lambda: model(inputs))}
+
+
 def head_count_case(mesh) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel
     from transformers import Phi3Config, Phi3ForCausalLM
@@ -286,6 +301,7 @@ def rank_main(rank: int, world_size: int, out: str) -> None:
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))["x"]
     r = qwen3_cases(documented_example(), mesh)
+    r |= fused_input_case(mesh)
     r |= head_count_case(mesh)
     r |= coverage_cases(mesh)
     r |= pipeline_shared_case(mesh)

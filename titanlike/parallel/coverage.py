@@ -13,6 +13,7 @@ out and the fix.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import torch.distributed as dist
@@ -50,6 +51,15 @@ def uncovered_parameters(model_parts: Sequence[nn.Module], dp_ranks: Sequence[in
     return out
 
 
+def _by_pattern(names: list[str]) -> list[str]:
+    """Every name, those that differ only in their indices as one pattern with a count (``h.*.fc.weight (x4)``)."""
+    counts: dict[str, int] = {}
+    for name in names:
+        key = re.sub(r"(?<=\.)\d+(?=\.)", "*", name)
+        counts[key] = counts.get(key, 0) + 1
+    return [k if n == 1 else f"{k} (x{n})" for k, n in counts.items()]
+
+
 def check_dp_coverage(model_parts: Sequence[nn.Module], dp_group) -> None:
     """Refuse, in one line naming them all, trainable parameters that no reduction over ``dp_group`` covers (a
     group of one rank, or None: nothing to cover). Checked once per (part, group)."""
@@ -61,7 +71,7 @@ def check_dp_coverage(model_parts: Sequence[nn.Module], dp_group) -> None:
     ranks = dist.get_process_group_ranks(dp_group)
     left = uncovered_parameters(todo, ranks)
     if left:
-        shown = ", ".join(left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
+        shown = ", ".join(_by_pattern(left))
         raise ValueError(
             f"data parallel over {len(ranks)} ranks, but no data-parallel reduction covers the trainable "
             f"parameter(s) {shown}: their gradients would never be summed over the dp ranks; apply_fsdp to the "

@@ -3,15 +3,17 @@ every tp rank (:class:`~titanlike.parallel.tensor_parallel.ReplicateParallel`, `
 :class:`~titanlike.parallel.fused.FusedColwiseParallel`) compares that input and the module's replicated parameters
 across the mesh, by a hash, not the tensors.
 
-The hash of a tensor is five float64 numbers (numel, sum |x|, sum x, sum x^2, sum x * position / numel): one
-elementwise pass over the tensor, then ONE all-reduce (MAX) of ``[h, -h]`` over each mesh dim, which gives every
-rank the largest and the smallest value of each number. Replicas are bitwise equal (the same bytes from the
-all-reduce or broadcast that made them), so any difference above 1e-7 relative is not rounding: a refusal, the
-same one-line error on every rank, naming the module and the style it needs. ``check``:
+The hash of a tensor is five float64 numbers (numel, sum |x|, sum x, sum x^2, the sum over its even
+positions): reductions over the tensor (no float64 copy of it), then ONE all-reduce (MAX) of ``[h, -h]`` over
+each mesh dim, which gives every rank the largest and the smallest value of each number. Replicas are bitwise
+equal (the same bytes from the all-reduce or broadcast that made them), so any difference above 1e-7 relative is
+not rounding: a refusal, the same one-line error on every rank, naming the module and the style it needs.
+``check``:
 
-* ``"first"`` (default): the plain input of the module's first forward (a mis-plan shows at step 1: issue 26's
-  per-head norms); a DTensor input is not taken on trust, so it costs nothing (the trainer's own models pass
-  DTensors), and the parameters are equal at the first step by construction (``distribute_tensor`` broadcasts);
+* ``"first"`` (default): the plain input of the module's first forward, with the module's replicated parameters
+  in the same all-reduce (a mis-plan shows at step 1: issue 26's per-head norms); a DTensor input is not taken on
+  trust, so it costs nothing (the trainer's own models pass DTensors; their parameters are equal at the first
+  step by construction: ``distribute_tensor`` broadcasts);
 * ``"always"``: the plain input and the replicated parameters' local tensors at every forward (debugging: also
   catches replicated parameters drifting apart, e.g. a gradient that a rank computed from its own part and nobody
   summed);
@@ -37,11 +39,18 @@ RTOL = 1e-7
 
 
 def _hash(t: torch.Tensor) -> torch.Tensor:
-    flat = t.detach().reshape(-1).to(torch.float64)
-    n = flat.numel()
-    pos = torch.arange(n, dtype=torch.float64, device=flat.device) / max(n, 1)
+    """numel, sum |x|, sum x, sum x^2 and the sum over the even positions, in float64, with no float64 copy of the
+    tensor (reductions with ``dtype=``; the even positions are a strided view)."""
+    flat = t.detach().reshape(-1)
+    f64 = torch.float64
     return torch.stack(
-        [flat.new_tensor(float(n)), flat.abs().sum(), flat.sum(), (flat * flat).sum(), (flat * pos).sum()]
+        [
+            torch.tensor(float(flat.numel()), dtype=f64, device=flat.device),
+            torch.linalg.vector_norm(flat, 1, dtype=f64),
+            flat.sum(dtype=f64),
+            torch.linalg.vector_norm(flat, 2, dtype=f64) ** 2,
+            flat[::2].sum(dtype=f64),
+        ]
     )
 
 
@@ -63,7 +72,9 @@ class ReplicaCheck:
             return
         self.done = True
         named = [] if not isinstance(x, torch.Tensor) else [("input", x)]
-        if self.parameters and self.check == "always":  # equal at the first step by construction (broadcast)
+        # the parameters ride along with a plain input (the same all-reduce); alone only under "always" (at the
+        # first step they are equal by construction: distribute_tensor broadcasts), so DTensor inputs cost nothing
+        if self.parameters and (named or self.check == "always"):
             named += [
                 (f"parameter '{n}'", p.to_local() if isinstance(p, DTensor) else p)
                 for n, p in module.named_parameters(recurse=False)
