@@ -69,6 +69,7 @@ def test_a_positional_prepare_module_input_on_a_keyword_call_names_the_module(re
     msg = one_line(result["keyword_error"])
     assert "'model.layers.0.self_attn' (Qwen3Attention)" in msg and "input_kwarg_layouts=" in msg
     assert "hidden_states" in msg
+    assert result["keyword_form_grad"] <= TOL  # the documented input_kwarg_layouts= form on the same calls
 
 
 def test_a_fused_projection_refuses_a_sequence_shard_taken_for_the_replica(result):

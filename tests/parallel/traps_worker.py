@@ -131,10 +131,10 @@ def qwen3_cases(ex, mesh) -> dict:
                 plan[key] = ReplicateParallel(check=check)
         return apply_tp(model, mesh, plan)
 
-    def step(model):
+    def step(model):  # one step, not clipped: its gradients compare with one backward of the reference
         optimizer = torch.optim.AdamW(model.parameters(), lr=ex.LR)
         loss = ScaledLoss(ex.sum_cross_entropy)
-        return train_step([model], optimizer, [ex.batch(0)], loss, max_norm=ex.MAX_NORM, clip_fn=clip_grad_norm_)
+        return train_step([model], optimizer, [ex.batch(0)], loss, max_norm=0.0, clip_fn=clip_grad_norm_)
 
     r["misplan_error"] = error_of(lambda: step(misplanned("first")))
     # the same mis-plan trusted: trains, wrong (the gradient of the norm weights covers only each rank's heads)
@@ -175,6 +175,18 @@ def qwen3_cases(ex, mesh) -> dict:
         model(inputs)
 
     r["keyword_error"] = error_of(keyword_plan)
+    # the documented keyword form on the same calls: the layouts of hidden_states by name, trains like one process
+    model = ex.build()
+    plan = ex.tp_plan(model)
+    plan["model.layers.*.self_attn"] = PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": Replicate()},
+        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+        use_local_output=True,
+    )
+    step(apply_tp(model, mesh, plan))
+    r["keyword_form_grad"] = max(
+        (p.grad.full_tensor() - grads[n].grad).abs().max().item() for n, p in model.named_parameters()
+    )
     return r
 
 

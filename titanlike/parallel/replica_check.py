@@ -43,6 +43,8 @@ def _hash(t: torch.Tensor) -> torch.Tensor:
     tensor (reductions with ``dtype=``; the even positions are a strided view)."""
     flat = t.detach().reshape(-1)
     f64 = torch.float64
+    if not flat.is_floating_point():  # position ids, token ids: small
+        flat = flat.to(f64)
     return torch.stack(
         [
             torch.tensor(float(flat.numel()), dtype=f64, device=flat.device),
