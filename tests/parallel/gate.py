@@ -441,10 +441,12 @@ def _sp_norm_plain():
 def _qk_norm_replicated():
     """Qwen3's per-head q/k norms get ReplicateParallel (the style for a norm on the replicated stream): each rank's
     local heads are taken as a replica, so each rank's weight gradient covers only its heads and is never summed
-    over tp; the forward stays exact (issue 26's trap for norms over heads)."""
+    over tp; the forward stays exact (issue 26's trap for norms over heads). ReplicateParallel's replica check
+    refuses this at step 1 (tests/parallel/test_traps.py); the mutation switches it off (``check="never"``) to show
+    the gate itself catches the wrong gradients too."""
     import titanlike.parallel.tensor_parallel as tpm
 
-    with patched(tpm, "_head_norm_style", lambda entry: tpm.ReplicateParallel()):
+    with patched(tpm, "_head_norm_style", lambda entry: tpm.ReplicateParallel(check="never")):
         yield
 
 

@@ -411,7 +411,9 @@ def _fused_plan(fused: bool, qkv_sizes: list[int] | None = None, sp: bool = Fals
 
     seq = Shard(1) if sp else Replicate()
     f = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
-    norm = SequenceParallel() if sp else ReplicateParallel()
+    # check="never": these counts are a step's; the replica check's one all-reduce per norm at the first forward
+    # is priced by tests/parallel/test_traps.py
+    norm = SequenceParallel() if sp else ReplicateParallel(check="never")
     g = RowwiseParallel(output_layouts=seq, use_local_output=not sp)
     plan = {"norm1": norm, "norm2": norm, "attn": f, "ffn": f, "attn.proj": g, "ffn.down": g}
     if fused:

@@ -8,11 +8,13 @@ Public API (see docs/parallelism.md)::
     built = build_parallel_model(model, cfg, dims, device) # all of it (+ PP): parts, loss, clip, context
     loss_fn = build_loss_fn(cfg, dims)                     # vocab-parallel CE under TP
     norm = clip_grad_norm_(model.parameters(), max_norm)   # global norm over every mesh dim
+    loss = ScaledLoss(sum_loss_fn)                         # train_step's loss: sum(loss) / global token count
 
 The rank grid in pure Python (``rank_groups``, ``describe_layout``, ``MESH_DIMS``) comes from ``titanlike.layout``.
 """
 
 from titanlike.layout import MESH_DIMS, describe_layout, rank_groups, rank_of
+from titanlike.loss import ScaledLoss
 from titanlike.parallel.activation_checkpoint import apply_ac
 from titanlike.parallel.build import ParallelModel, build_parallel_model
 from titanlike.parallel.clip import clip_grad_norm_, plain_clip_grad_norm_
@@ -25,16 +27,24 @@ from titanlike.parallel.loss_parallel import loss_parallel_cross_entropy, vocab_
 from titanlike.parallel.materialize import to_empty_keeping_ties
 from titanlike.parallel.parallelize import build_loss_fn, loss_group, loss_parallel_enabled, parallelize_model
 from titanlike.parallel.pipeline import PipelineParallel, apply_pp, pipeline_module
-from titanlike.parallel.tensor_parallel import PositionEmbeddingParallel, ReplicateParallel, apply_tp, tp_plan
+from titanlike.parallel.tensor_parallel import (
+    HeadNormParallel,
+    PositionEmbeddingParallel,
+    ReplicateParallel,
+    apply_tp,
+    tp_plan,
+)
 
 __all__ = [
     "MESH_DIMS",
     "ParallelDims",
     "FusedColwiseParallel",
+    "HeadNormParallel",
     "ParallelModel",
     "PipelineParallel",
     "PositionEmbeddingParallel",
     "ReplicateParallel",
+    "ScaledLoss",
     "apply_ac",
     "apply_compile",
     "apply_cp",

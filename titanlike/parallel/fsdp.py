@@ -57,6 +57,33 @@ def _role_groups(model: nn.Module, spec) -> tuple[list[nn.Module], list[nn.Modul
     return inputs, [getattr(model, n) for n in spec.output_modules if n in present]
 
 
+def _check_ties_in_one_group(model: nn.Module, groups: list[list[nn.Module]]) -> None:
+    """A parameter tied under several names (by identity) must have all its names in one FSDP group: two groups
+    would each manage it, and torch fails at the first forward with a message naming no module. Refused here, in
+    one line naming every split tie."""
+    tied = tie_groups(model)
+    if not tied:
+        return
+    group_of: dict[int, int] = {}
+    for i, modules in enumerate(groups):
+        for m in modules:
+            for sub in m.modules():
+                group_of[id(sub)] = i  # later (inner) groups win: fully_shard of an inner module comes first
+    named = dict(model.named_modules(remove_duplicate=False))
+
+    def where(name: str) -> int:
+        return group_of.get(id(named[name.rpartition(".")[0]]), -1)  # -1: the root group
+
+    split = [names for names in tied if len({where(n) for n in names}) > 1]
+    if split:
+        shown = "; ".join(" = ".join(names) for names in split)
+        raise ValueError(
+            f"apply_fsdp: blocks= splits tied parameter(s) across FSDP groups ({shown}); the modules sharing a "
+            f"parameter must be in one group: leave them out of blocks= (the root group owns the tie) or list a "
+            f"module holding all of them"
+        )
+
+
 def apply_fsdp(
     model: nn.Module,
     dp_mesh: DeviceMesh,
@@ -72,7 +99,8 @@ def apply_fsdp(
     ``blocks`` are the modules that get their own group (default: the children of the model spec's block container,
     ``model.layers``); a registered model's input modules (embeddings) and output modules (norm + head) get one group
     each unless they share the tied weight; the root takes the rest. A model with no spec and no ``.layers`` needs
-    ``blocks`` (``blocks=[]``: one root group on purpose). Chunk-sharded fused projections
+    ``blocks`` (``blocks=[]``: one root group on purpose); ``blocks`` that put the names of a tied parameter in
+    different groups are refused. Chunk-sharded fused projections
     (:class:`~titanlike.parallel.fused.FusedColwiseParallel`) are sharded on dim 1. Works on the meta device.
     """
     if reshard_after_forward not in RESHARD_CHOICES:
@@ -98,9 +126,11 @@ def apply_fsdp(
                 f"each get their own FSDP group), or blocks=[] for one group on purpose"
             )
         blocks = list(container.children())
+    blocks = list(blocks)
+    inputs, outputs = _role_groups(model, spec)
+    _check_ties_in_one_group(model, [[b] for b in blocks] + [inputs, outputs])
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard("block"), **kw)
-    inputs, outputs = _role_groups(model, spec)
     if inputs:
         fully_shard(inputs if len(inputs) > 1 else inputs[0], reshard_after_forward=reshard("embedding"), **kw)
     if outputs:

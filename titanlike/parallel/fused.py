@@ -64,6 +64,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from titanlike.parallel.replica_check import ReplicaCheck
+
 __all__ = [
     "FusedColwiseParallel",
     "contiguous_for_dcp",
@@ -75,6 +77,12 @@ __all__ = [
 ]
 
 
+FUSED_ADVICE = (
+    "its input must be the replicated stream: a sequence shard needs PrepareModuleInput(input_layouts=Shard(1), "
+    "desired_input_layouts=Replicate()) on the module around it, or a DTensor input"
+)
+
+
 class FusedColwiseParallel(ParallelStyle):
     """Column-wise parallel ``nn.Linear`` whose output features are a concatenation of chunks, each sharded over tp.
 
@@ -83,13 +91,24 @@ class FusedColwiseParallel(ParallelStyle):
     communication. Unequal sizes (grouped-query q|k|v): parameters replicated over tp, each rank cutting its rows
     in the forward; costs one all-reduce of the weight's and one of the bias's gradient over tp per step, and the
     weight is not divided by tp (module docstring). Every chunk must divide by tp. The input is taken as replicated
-    (a DTensor is redistributed to ``Replicate`` first); ``use_local_output=True`` returns this rank's local
+    (a DTensor is redistributed to ``Replicate`` first; a plain tensor is checked to be the same on every tp rank,
+    ``check`` as in :class:`~titanlike.parallel.tensor_parallel.ReplicateParallel`); ``use_local_output=True``
+    returns this rank's local
     ``[chunk_0 | chunk_1 | ...]`` slices, concatenated. ``head_dim`` (optional): also require whole heads per rank
     (each chunk's head count divisible by tp), so a rank never gets part of a kv head.
     """
 
-    def __init__(self, chunks: int | Sequence[int], *, use_local_output: bool = True, head_dim: int | None = None):
+    def __init__(
+        self,
+        chunks: int | Sequence[int],
+        *,
+        use_local_output: bool = True,
+        head_dim: int | None = None,
+        check: str = "first",
+    ):
         super().__init__()
+        self.check = check
+        ReplicaCheck(check, type(self).__name__, FUSED_ADVICE, parameters=False)  # validates check
         if isinstance(chunks, int):
             if chunks < 1:
                 raise ValueError(f"FusedColwiseParallel: chunks must be >= 1, got {chunks}")
@@ -143,9 +162,12 @@ class FusedColwiseParallel(ParallelStyle):
             dt = distribute_tensor(p.data if not isinstance(p, DTensor) else p, device_mesh, [self._placement()])
             module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
         n_chunks, use_local_output = self.n_chunks, self.use_local_output
+        replica_check = ReplicaCheck(self.check, type(self).__name__, FUSED_ADVICE, parameters=False)
+        module._titanlike_replica_check = replica_check
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            if not isinstance(x, DTensor):  # a replica: its gradient is all-reduced when leaving the DTensor
+            if not isinstance(x, DTensor):
+                replica_check(module, x, device_mesh)  # a replica: its gradient is all-reduced when leaving the DTensor
                 x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
             elif tuple(x.placements) != (Replicate(),):
                 x = x.redistribute(device_mesh, [Replicate()])

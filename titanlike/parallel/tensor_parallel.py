@@ -63,28 +63,51 @@ from torch.distributed.tensor.parallel import (
 
 from titanlike import sharding as sh
 from titanlike.parallel.fused import FusedColwiseParallel
+from titanlike.parallel.replica_check import ReplicaCheck, name_checks
 from titanlike.parallel.ties import retie, tie_groups
 
-__all__ = ["tp_plan", "apply_tp", "ReplicateParallel", "PositionEmbeddingParallel", "TokenLocalParallel"]
+__all__ = [
+    "tp_plan",
+    "apply_tp",
+    "HeadNormParallel",
+    "ReplicateParallel",
+    "PositionEmbeddingParallel",
+    "TokenLocalParallel",
+]
+
+
+NORM_ADVICE = (
+    "a norm over each rank's own heads (per-head q/k norms) needs HeadNormParallel(heads_dim=<the heads dim of its "
+    "input>), a norm on a sequence shard SequenceParallel(); ReplicateParallel only suits a module whose input is "
+    "the same tensor on every tp rank"
+)
 
 
 class ReplicateParallel(ParallelStyle):
-    """Run a module (typically a norm) on a replicated input, with its parameters as ``Replicate`` DTensors.
+    """Run a module (typically a norm on the replicated stream) on a replicated input, with its parameters as
+    ``Replicate`` DTensors.
 
     Input: a DTensor is redistributed to ``Replicate`` if it is not already; a plain tensor is taken as the
-    (identical) replica. Output: the local tensor (``use_local_output=True``, the default), so that the next
+    identical replica, and that is **checked** (``check``, :mod:`titanlike.parallel.replica_check`): on the first
+    forward (``"first"``, the default) or every forward (``"always"``) a hash of the plain input and of the
+    parameters' local tensors is compared across the mesh (one small all-reduce), and a difference is a one-line
+    error naming the module and the style it needs (a norm over each rank's own heads: :class:`HeadNormParallel`);
+    ``"never"`` trusts it. Output: the local tensor (``use_local_output=True``, the default), so that the next
     module's style places the f operator (identity forward, all-reduce backward); or the DTensor.
     Every replica computes the same parameter gradients: no communication of its own.
     """
 
-    def __init__(self, *, use_local_output: bool = True):
+    def __init__(self, *, use_local_output: bool = True, check: str = "first"):
         super().__init__()
         self.use_local_output = use_local_output
+        ReplicaCheck(check, type(self).__name__, NORM_ADVICE)  # validates check
+        self.check = check
 
     @staticmethod
-    def _prepare_input_fn(mod, inputs, device_mesh):
+    def _prepare_input_fn(replica_check, mod, inputs, device_mesh):
         x, *rest = inputs
         replicate = (Replicate(),) * device_mesh.ndim
+        replica_check(mod, None if isinstance(x, DTensor) else x, device_mesh)
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, device_mesh, replicate, run_check=False)
         elif tuple(x.placements) != replicate:
@@ -96,12 +119,34 @@ class ReplicateParallel(ParallelStyle):
         return outputs.to_local() if use_local_output else outputs
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        replica_check = ReplicaCheck(self.check, type(self).__name__, NORM_ADVICE)
+        module._titanlike_replica_check = replica_check
         return distribute_module(
-            module, device_mesh, None, self._prepare_input_fn, partial(self._prepare_output_fn, self.use_local_output)
+            module,
+            device_mesh,
+            None,
+            partial(self._prepare_input_fn, replica_check),
+            partial(self._prepare_output_fn, self.use_local_output),
         )
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(use_local_output={self.use_local_output})"
+        return f"{type(self).__name__}(use_local_output={self.use_local_output}, check={self.check!r})"
+
+
+class HeadNormParallel(SequenceParallel):
+    """A norm over each rank's own heads (Qwen3's per-head ``q_norm`` / ``k_norm``, run on ``q_proj(x).view(B, T,
+    -1, head_dim)`` after a ``ColwiseParallel`` q_proj): its local input is this rank's shard of the heads dim
+    ``heads_dim`` (2 for ``(batch, seq, heads, head_dim)``), its weight replicated; autograd gives the weight a
+    ``Partial`` gradient (each rank saw its own heads), summed over tp by :func:`apply_tp`'s gradient hook. What the
+    ``HeadNorm`` sharding entry translates to; never :class:`ReplicateParallel` (each rank sees other heads).
+    Output: the local tensor (``use_local_output=True``), for the attention that follows."""
+
+    def __init__(self, heads_dim: int = 2, *, use_local_output: bool = True):
+        super().__init__(sequence_dim=heads_dim, use_local_output=use_local_output)
+        self.heads_dim = heads_dim
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(heads_dim={self.heads_dim}, use_local_output={self.use_local_output})"
 
 
 class PositionEmbeddingParallel(ReplicateParallel):
@@ -110,8 +155,8 @@ class PositionEmbeddingParallel(ReplicateParallel):
     ``Shard(1)`` output is local. ``use_local_output=True``: that layout's local tensor (for a plan whose residual
     stream is plain local tensors, like torchtitan's): the ``(seq / tp, dim)`` rows of this rank under SP."""
 
-    def __init__(self, sequence_parallel: bool, *, use_local_output: bool = False):
-        super().__init__(use_local_output=False)
+    def __init__(self, sequence_parallel: bool, *, use_local_output: bool = False, check: str = "first"):
+        super().__init__(use_local_output=False, check=check)
         self.sequence_parallel = sequence_parallel
         self.local_output = use_local_output
 
@@ -168,10 +213,8 @@ def _norm_style(sequence_parallel: bool) -> ParallelStyle:
 
 
 def _head_norm_style(entry: sh.HeadNorm) -> ParallelStyle:
-    """A norm over this rank's own heads: its local input is this rank's shard of the heads dim, its weight
-    replicated; autograd gives the weight a ``Partial`` gradient (each rank's heads), summed over tp by the
-    gradient hook of :func:`apply_tp`."""
-    return SequenceParallel(sequence_dim=entry.heads_dim, use_local_output=True)
+    """A norm over this rank's own heads: :class:`HeadNormParallel` on the entry's heads dim."""
+    return HeadNormParallel(entry.heads_dim)
 
 
 class _FusedInProportion(ParallelStyle):
@@ -319,8 +362,81 @@ def _check_all_or_nothing(model: nn.Module) -> None:
         shown = ", ".join(owners[:6]) + (f" and {len(owners) - 6} more" if len(owners) > 6 else "")
         raise ValueError(
             f"apply_tp: the plan leaves the parameters of {shown} plain tensors next to DTensors; give "
-            f"those modules a style (ReplicateParallel() for modules that run replicated, e.g. norms)"
+            f"those modules a style (norms: ReplicateParallel() on the replicated stream, SequenceParallel() on a "
+            f"sequence shard, HeadNormParallel(heads_dim=...) over each rank's own heads)"
         )
+
+
+HEAD_COUNT_ATTRS = ("num_heads", "num_key_value_heads", "num_attention_heads", "n_heads", "n_kv_heads", "n_head")
+
+
+def _head_counts(model: nn.Module):
+    """(where, count) of every head count ``model``'s modules expose: their own integer attributes
+    (:data:`HEAD_COUNT_ATTRS`), and a ``transformers`` ``config`` (``num_attention_heads`` / ``num_key_value_heads``),
+    named after the outermost module holding it."""
+    configs: set[int] = set()
+    for name, module in model.named_modules():
+        where = name or type(model).__name__
+        for attr in HEAD_COUNT_ATTRS:
+            v = vars(module).get(attr)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                yield f"{where}.{attr}", v
+        config = vars(module).get("config")
+        if config is not None and id(config) not in configs:
+            configs.add(id(config))
+            for attr in ("num_attention_heads", "num_key_value_heads"):
+                v = getattr(config, attr, None)
+                if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                    yield f"{where}.config.{attr}", v
+
+
+def _check_head_counts(model: nn.Module, tp: int) -> None:
+    """tp must divide every head count a module exposes (each rank holds whole heads); one line naming them."""
+    bad = [f"{where} = {v}" for where, v in _head_counts(model) if v % tp]
+    if bad:
+        shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+        raise ValueError(
+            f"apply_tp: tp {tp} does not divide the head counts of {type(model).__name__} ({shown}); each tp rank "
+            f"must hold whole heads: choose a tp that divides the query and key/value head counts"
+        )
+
+
+def _named_targets(model: nn.Module, plan) -> list[tuple[str, ParallelStyle]]:
+    """(module name, style) of every module a plan applies to."""
+    if not isinstance(plan, Mapping):
+        return [("", plan)]
+    return [
+        (name, style)
+        for pattern, style in plan.items()
+        for name, _ in model.named_modules()
+        if sh.matches(pattern, name)
+    ]
+
+
+def _positional_layouts_match(name: str, n: int, module: nn.Module, args, kwargs) -> None:
+    if len(args) != n:
+        given = ", ".join(kwargs) or "none"
+        raise ValueError(
+            f"PrepareModuleInput on '{name or '<root>'}' ({type(module).__name__}) has {n} positional "
+            f"input_layouts, but the module is called with {len(args)} positional argument(s) (keyword "
+            f"arguments: {given}); give keyword arguments their layouts by name: "
+            f"PrepareModuleInput(input_kwarg_layouts={{'<name>': ...}}, "
+            f"desired_input_kwarg_layouts={{'<name>': Replicate()}})"
+        )
+
+
+def _refuse_keyword_calls(model: nn.Module, plan) -> None:
+    """A ``PrepareModuleInput`` with positional ``input_layouts`` on a module called with keyword arguments
+    (``transformers`` calls ``self_attn(hidden_states=...)``) fails in torch with "module inputs and input_layouts
+    should have same length!", naming no module: a pre-hook run before torch's names the module and the fix."""
+    for name, style in _named_targets(model, plan):
+        layouts = getattr(style, "input_layouts", None) if isinstance(style, PrepareModuleInput) else None
+        if layouts is None:
+            continue
+
+        hook = partial(_positional_layouts_match, name, len(layouts))
+        module = model.get_submodule(name)
+        module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
 
 
 def apply_tp(
@@ -339,6 +455,11 @@ def apply_tp(
     without embedding or head). A user plan (``{pattern: style}`` or one style for the whole
     module) is applied as given; a key matching no module is an error. Works on the meta device. Tied
     parameters stay tied, and gradients keep their parameter's placements.
+
+    Refused in one line: a tp that does not divide a head count some module exposes (``num_heads``,
+    ``num_key_value_heads``, ``n_heads``, ``n_kv_heads``, a ``transformers`` ``config``); at the first forward, a
+    positional ``PrepareModuleInput`` on a module called with keyword arguments (use ``input_kwarg_layouts=``), and
+    a :class:`ReplicateParallel` input or parameter that is not the same on every tp rank.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tp needs a 1-D tensor-parallel mesh, got {tp_mesh.ndim}-D {tp_mesh}; pass mesh['tp']")
@@ -360,8 +481,11 @@ def apply_tp(
                 f"tensor-parallel plan keys {missing} match no submodule of {type(model).__name__}; "
                 f"use module paths like those of model.named_modules() ('*' matches one atom)"
             )
+    _check_head_counts(model, tp_mesh.size())
     tied = tie_groups(model)
     parallelize_module(model, tp_mesh, plan)
+    _refuse_keyword_calls(model, plan)
+    name_checks(model)
     retie(model, tied, check=_same_layout)
     _check_all_or_nothing(model)
     _reduce_partial_grads(model)

@@ -13,16 +13,22 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-__all__ = ["retie", "tie_groups"]
+__all__ = ["parameter_names", "retie", "tie_groups"]
 
 
-def tie_groups(module: nn.Module) -> list[list[str]]:
-    """The names of each parameter ``module`` reaches under more than one name (in ``named_parameters`` order;
-    the first name is the one ``named_parameters()`` keeps)."""
+def parameter_names(module: nn.Module) -> list[list[str]]:
+    """The names of each parameter of ``module``, one list per parameter (by identity, in ``named_parameters``
+    order; the first name is the one ``named_parameters()`` keeps)."""
     by_id: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
+    return list(by_id.values())
+
+
+def tie_groups(module: nn.Module) -> list[list[str]]:
+    """The names of each parameter ``module`` reaches under more than one name (:func:`parameter_names` of more
+    than one name)."""
+    return [names for names in parameter_names(module) if len(names) > 1]
 
 
 def retie(

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titanlike.loss import IGNORE_INDEX, ScaledLoss
+from titanlike.parallel.coverage import check_dp_coverage
 
 
 def model_kwargs(micro_batch: Sequence[torch.Tensor]) -> dict:
@@ -116,6 +117,10 @@ def train_step(
 ) -> StepResult:
     """zero_grad -> forward/backward -> global grad norm (clip) -> finite check -> optimizer step.
 
+    ``loss`` must be a :class:`~titanlike.loss.ScaledLoss` (a plain function would silently ignore the global token
+    count: refused). With ``dp_group`` of more than one rank every trainable parameter must be covered by a
+    data-parallel reduction (``titanlike.parallel.coverage``: refused on the first step, naming them).
+
     ``moe`` (``titanlike.parallel.expert_parallel.ExpertBalancing``, a model with MoE blocks): its ``begin_step``
     sets the aux loss's global denominator before the forward, its ``end_step`` updates the expert biases from the
     global loads after the optimizer step (not after a skipped one).
@@ -124,6 +129,14 @@ def train_step(
     every rank (the parallel layer supplies one that reduces across DTensor meshes and pipeline stages). A
     non-finite loss or norm, identical on every rank by construction, skips the update on every rank.
     """
+    if not isinstance(loss, ScaledLoss):
+        raise TypeError(
+            f"train_step: loss must be a ScaledLoss (it divides the summed loss by the global token count, which "
+            f"train_step sets as loss.denominator every step), got {type(loss).__name__}; pass "
+            f"ScaledLoss(loss_fn) with loss_fn(output, labels) returning the SUM over tokens (from titanlike.parallel "
+            f"import ScaledLoss), or the .loss of build_parallel_model / pipeline_module"
+        )
+    check_dp_coverage(model_parts, dp_group)
     for m in model_parts:
         m.zero_grad(set_to_none=True)
     if moe is not None:

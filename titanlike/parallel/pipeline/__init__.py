@@ -11,7 +11,7 @@ See docs/pipeline.md.
 """
 
 from titanlike.parallel.pipeline.api import apply_pp, pipeline_module
-from titanlike.parallel.pipeline.build import build_stage, check_split
+from titanlike.parallel.pipeline.build import build_stage, check_split, dry_run
 from titanlike.parallel.pipeline.runtime import PipelineParallel
 
-__all__ = ["PipelineParallel", "apply_pp", "build_stage", "check_split", "pipeline_module"]
+__all__ = ["PipelineParallel", "apply_pp", "build_stage", "check_split", "dry_run", "pipeline_module"]

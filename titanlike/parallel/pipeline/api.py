@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_mo
 from titanlike.layout import precision_policy, stage_module_names
 from titanlike.parallel.materialize import materialize
 from titanlike.parallel.parallelize import build_loss_fn, parallelize_model
-from titanlike.parallel.pipeline.build import check_split
+from titanlike.parallel.pipeline.build import check_split, dry_run
 from titanlike.parallel.pipeline.runtime import PipelineParallel, make_pipeline
 
 __all__ = ["apply_pp", "pipeline_module"]
@@ -94,6 +94,8 @@ def pipeline_module(
     schedule: str = "1F1B",
     device: torch.device | str = "cpu",
     parallelize_stage: Callable[[nn.Module, bool, bool], nn.Module] | None = None,
+    shared: Sequence[str] = (),
+    example_input: torch.Tensor | None = None,
 ) -> PipelineParallel:
     """Pipeline-parallelize any module: stages from a user's split (module FQNs per stage), this rank's stages
     built and run by the ``schedule`` (any of :data:`~titanlike.layout.SCHEDULES`; loop placement, V placement for
@@ -104,12 +106,21 @@ def pipeline_module(
     and returns it (optional). Parameters shared by identity across stages (tied embeddings) keep one copy per
     stage; :meth:`PipelineParallel.finalize_grads` sums their gradients between exactly the ranks holding a copy
     (call it through ``finalize_grads_and_clip_`` as the clip function). Returns a :class:`PipelineParallel`.
+
+    ``shared``: module FQNs every stage holds (a rotary table the blocks of every stage call, a position table):
+    each stage gets its own copy; one holding parameters is treated like a tie (the copies' gradients summed over
+    the stages, the parameter counted once in the norm, the copies stay equal). Before anything is built, a
+    meta-device dry run of the stages in order (``example_input``: the first stage's input, default ``(1, 4)``
+    token ids; ``titanlike.parallel.pipeline.build.dry_run``) refuses a forward that calls a child which is ``None``
+    on its stage, naming the child and the fix (skip it, or list it in ``shared``).
     """
-    check_split(model, module_fqns_per_stage)
+    check_split(model, module_fqns_per_stage, shared)
+    stages = [[*fqns, *shared] for fqns in module_fqns_per_stage]
+    dry_run(model, stages, example_input)
     return make_pipeline(
         model,
         pp_mesh,
-        module_fqns_per_stage,
+        stages,
         loss_fn=loss_fn,
         n_microbatches=n_microbatches,
         schedule=schedule,

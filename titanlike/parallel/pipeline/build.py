@@ -16,13 +16,16 @@ filled by ``titanlike.parallel.materialize``; a materialised model gives a stage
 from __future__ import annotations
 
 import copy
+import linecache
+import re
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 from titanlike.parallel.ties import tie_groups
 
-__all__ = ["build_stage", "check_split", "module_owner"]
+__all__ = ["build_stage", "check_split", "dry_run", "module_owner"]
 
 
 def module_owner(fqns: Sequence[str], name: str) -> str | None:
@@ -37,12 +40,13 @@ def _stateless(module: nn.Module) -> bool:
     return next(module.parameters(), None) is None and next(module.buffers(), None) is None
 
 
-def check_split(model: nn.Module, module_fqns_per_stage: Sequence[Sequence[str]]) -> None:
-    """Every listed FQN is a module of ``model``, listed once; every parameter lies in exactly one listed module
-    (under one of its names: tied parameters may be listed on several stages). Raises ValueError naming them all."""
+def check_split(model: nn.Module, module_fqns_per_stage: Sequence[Sequence[str]], shared: Sequence[str] = ()) -> None:
+    """Every listed FQN (``shared``: the modules every stage holds) is a module of ``model``, listed once; every
+    parameter lies in exactly one listed module (under one of its names: tied parameters may be listed on several
+    stages). Raises ValueError naming them all."""
     problems = []
     modules = dict(model.named_modules())
-    flat = [f for stage in module_fqns_per_stage for f in stage]
+    flat = [f for stage in module_fqns_per_stage for f in stage] + list(shared)
     if len(module_fqns_per_stage) < 2 or any(not stage for stage in module_fqns_per_stage):
         problems.append("give at least 2 stages, none of them empty")
     unknown = [f for f in flat if f not in modules or f == ""]
@@ -65,19 +69,26 @@ def check_split(model: nn.Module, module_fqns_per_stage: Sequence[Sequence[str]]
     if problems:
         raise ValueError(
             f"pipeline split of {type(model).__name__}: " + "; ".join(problems) + "; list module FQNs "
-            "(model.named_modules()) per stage so that every parameter is in exactly one"
+            "(model.named_modules()) per stage so that every parameter is in exactly one (shared=[...]: the modules "
+            "every stage calls)"
         )
 
 
-def build_stage(model: nn.Module, fqns: Sequence[str]) -> nn.Module:
+def build_stage(model: nn.Module, fqns: Sequence[str], *, meta: bool = False) -> nn.Module:
     """A copy of ``model`` holding only the modules ``fqns`` (and its stateless children); see the module docstring.
 
     Only what the stage keeps is copied (one ``deepcopy`` whose memo maps every dropped module to None), not the
-    whole model per stage: a stage of a large model costs its own share of the memory."""
+    whole model per stage: a stage of a large model costs its own share of the memory. ``meta=True``: the copy's
+    parameters and buffers are on the meta device (nothing is copied; ties kept), for :func:`dry_run`."""
     keep = set(fqns)
     modules = dict(model.named_modules(remove_duplicate=False))
     kept = {id(m) for fqn in keep for m in modules[fqn].modules()}
     memo: dict = {}
+    if meta:
+        for p in model.parameters():
+            memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for b in model.buffers():
+            memo[id(b)] = torch.empty_like(b, device="meta")
     dropped: list[tuple[str, str]] = []  # (owner FQN, child name)
 
     def drop(module: nn.Module, prefix: str) -> None:
@@ -101,3 +112,62 @@ def build_stage(model: nn.Module, fqns: Sequence[str]) -> nn.Module:
         else:
             setattr(owner, name, None)
     return stage
+
+
+def _none_child(exc: BaseException, stage: nn.Module) -> tuple[str, str, str] | None:
+    """(the FQN of the ``None`` child, the owner's FQN, the source line) that a forward failed on, from the frames of
+    ``exc``: the innermost frame whose ``self`` is a module of ``stage`` holding a ``None`` child named in its
+    line."""
+    if not isinstance(exc, (TypeError, AttributeError)) or "NoneType" not in str(exc):
+        return None
+    names = {id(m): n for n, m in stage.named_modules(remove_duplicate=False)}
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    for frame, lineno in reversed(frames):
+        owner = frame.f_locals.get("self")
+        if not isinstance(owner, nn.Module) or id(owner) not in names:
+            continue
+        line = linecache.getline(frame.f_code.co_filename, lineno).strip()
+        nones = [n for n, c in owner._modules.items() if c is None]
+        named = [n for n in nones if re.search(rf"\b{re.escape(n)}\b", line)] or nones
+        if named:
+            prefix = names[id(owner)]
+            return (f"{prefix}.{named[0]}" if prefix else named[0]), prefix, line
+    return None
+
+
+def dry_run(
+    model: nn.Module, module_fqns_per_stage: Sequence[Sequence[str]], example_input: torch.Tensor | None = None
+) -> None:
+    """Run every stage's forward on the meta device, each on the previous stage's output (the first on
+    ``example_input``, default ``(1, 4)`` token ids), so that a forward calling a child that is ``None`` on its stage
+    is a one-line error here, on every rank alike, naming the child and the fix, instead of ``'NoneType' object is
+    not callable`` on one rank in the first step while the others wait for the timeout. A forward that cannot run on
+    meta (a data-dependent branch) ends the dry run there, unjudged: only the ``None`` calls are refused."""
+    x = torch.zeros(1, 4, dtype=torch.long) if example_input is None else example_input
+    x = x.to("meta")
+    where = {f: s for s, fqns in enumerate(module_fqns_per_stage) for f in fqns}
+    for s, fqns in enumerate(module_fqns_per_stage):
+        stage = build_stage(model, fqns, meta=True)
+        try:
+            with torch.no_grad():
+                x = stage(x)
+        except Exception as exc:  # noqa: BLE001 - only the None calls are judged
+            found = _none_child(exc, stage)
+            if found is None:
+                return
+            child, _, line = found
+            on = f"on stage {where[child]}" if child in where else "listed on no stage"
+            leaf = child.rpartition(".")[2]
+            raise ValueError(
+                f"pipeline_module: stage {s}'s forward calls '{child}' ({line!r}), which is {on}, so it is None on "
+                f"stage {s}; skip None children in the forward (if self.{leaf} is not None: ...), or, if every stage "
+                f"needs it (rotary or position tables), pass shared=['{child}']"
+            ) from None
+        if isinstance(x, (tuple, list)):
+            x = x[0]
+        if not isinstance(x, torch.Tensor):
+            return

@@ -39,7 +39,7 @@ from titanlike.loss import ScaledLoss
 from titanlike.models.moe import stats_paused
 from titanlike.parallel import clip
 from titanlike.parallel.pipeline.build import build_stage, module_owner
-from titanlike.parallel.ties import tie_groups
+from titanlike.parallel.ties import parameter_names
 
 __all__ = ["PipelineParallel", "local_copy", "make_pipeline"]
 
@@ -199,10 +199,11 @@ def local_copy(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
 def _shared_parameters(
     model: nn.Module, module_fqns_per_stage: Sequence[Sequence[str]]
 ) -> list[tuple[list[str], list[int]]]:
-    """Parameters of the full ``model`` reachable under several names (by identity, whatever the names) whose names
-    lie on more than one stage: (their names, the stages holding one of them)."""
+    """Parameters of the full ``model`` (by identity, under any of their names) that lie on more than one stage: a
+    tie whose names are on different stages, or a module listed on several stages (``pipeline_module``'s
+    ``shared``): (their names, the stages holding one of them)."""
     shared = []
-    for names in tie_groups(model):
+    for names in parameter_names(model):
         holders = sorted({s for s, fqns in enumerate(module_fqns_per_stage) for n in names if module_owner(fqns, n)})
         if len(holders) > 1:
             shared.append((names, holders))

@@ -1,0 +1,110 @@
+"""The ``Replicate`` assumption checked, not trusted: a style that takes a plain tensor for an identical replica on
+every tp rank (:class:`~titanlike.parallel.tensor_parallel.ReplicateParallel`, ``PositionEmbeddingParallel``,
+:class:`~titanlike.parallel.fused.FusedColwiseParallel`) compares that input and the module's replicated parameters
+across the mesh, by a hash, not the tensors.
+
+The hash of a tensor is five float64 numbers (numel, sum |x|, sum x, sum x^2, the sum over its even
+positions): reductions over the tensor (no float64 copy of it), then ONE all-reduce (MAX) of ``[h, -h]`` over
+each mesh dim, which gives every rank the largest and the smallest value of each number. Replicas are bitwise
+equal (the same bytes from the all-reduce or broadcast that made them), so any difference above 1e-7 relative is
+not rounding: a refusal, the same one-line error on every rank, naming the module and the style it needs.
+``check``:
+
+* ``"first"`` (default): the plain input of the module's first forward, with the module's replicated parameters
+  in the same all-reduce (a mis-plan shows at step 1: issue 26's per-head norms); a DTensor input is not taken on
+  trust, so it costs nothing (the trainer's own models pass DTensors; their parameters are equal at the first
+  step by construction: ``distribute_tensor`` broadcasts);
+* ``"always"``: the plain input and the replicated parameters' local tensors at every forward (debugging: also
+  catches replicated parameters drifting apart, e.g. a gradient that a rank computed from its own part and nobody
+  summed);
+* ``"never"``: trusted, no communication.
+
+Inside ``torch.compile`` the check is skipped (a data-dependent collective would break the graph); the eager first
+step of a compiled model runs it before tracing only when the module runs eagerly. Cost: measured in
+docs/parallelizing_your_own_module.md ("What the replica check costs").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+__all__ = ["CHECKS", "ReplicaCheck", "name_checks"]
+
+CHECKS = ("first", "always", "never")
+RTOL = 1e-7
+
+
+def _hash(t: torch.Tensor) -> torch.Tensor:
+    """numel, sum |x|, sum x, sum x^2 and the sum over the even positions, in float64, with no float64 copy of the
+    tensor (reductions with ``dtype=``; the even positions are a strided view)."""
+    flat = t.detach().reshape(-1)
+    f64 = torch.float64
+    if not flat.is_floating_point():  # position ids, token ids: small
+        flat = flat.to(f64)
+    return torch.stack(
+        [
+            torch.tensor(float(flat.numel()), dtype=f64, device=flat.device),
+            torch.linalg.vector_norm(flat, 1, dtype=f64),
+            flat.sum(dtype=f64),
+            torch.linalg.vector_norm(flat, 2, dtype=f64) ** 2,
+            flat[::2].sum(dtype=f64),
+        ]
+    )
+
+
+class ReplicaCheck:
+    """The state of one module's check: its mode, its name (set by ``apply_tp``; the class name until then), what
+    the refusal advises, and whether it has run."""
+
+    def __init__(self, check: str, style: str, advice: str, *, parameters: bool = True):
+        if check not in CHECKS:
+            raise ValueError(f"{style}: check must be one of {CHECKS}, got {check!r}")
+        self.check, self.style, self.advice, self.parameters = check, style, advice, parameters
+        self.name: str | None = None
+        self.done = False
+
+    def __call__(self, module: nn.Module, x, device_mesh: DeviceMesh) -> None:
+        """Compare the plain input ``x`` (None: a DTensor input, nothing to take on trust) and ``module``'s
+        replicated parameters across ``device_mesh``; raise on a difference."""
+        if self.check == "never" or (self.check == "first" and self.done) or torch.compiler.is_compiling():
+            return
+        self.done = True
+        named = [] if not isinstance(x, torch.Tensor) else [("input", x)]
+        # the parameters ride along with a plain input (the same all-reduce); alone only under "always" (at the
+        # first step they are equal by construction: distribute_tensor broadcasts), so DTensor inputs cost nothing
+        if self.parameters and (named or self.check == "always"):
+            named += [
+                (f"parameter '{n}'", p.to_local() if isinstance(p, DTensor) else p)
+                for n, p in module.named_parameters(recurse=False)
+            ]
+        if not named:
+            return
+        with torch.no_grad():
+            h = torch.stack([_hash(t) for _, t in named])
+            both = torch.cat([h, -h])
+            for dim in range(device_mesh.ndim):
+                group = device_mesh.get_group(dim)
+                if dist.get_world_size(group) > 1:
+                    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+            hi, lo = both[: len(named)], -both[len(named) :]
+            differs = ((hi - lo).abs() > RTOL * (hi.abs() + lo.abs())).any(dim=1).tolist()
+        bad = [what for (what, _), d in zip(named, differs) if d]
+        if bad:
+            name = self.name or type(module).__name__
+            raise RuntimeError(
+                f"{self.style} on '{name}' ({type(module).__name__}): its {' and '.join(bad)} "
+                f"{'differs' if len(bad) == 1 else 'differ'} across the "
+                f"{device_mesh.size()} ranks of {device_mesh}, so it is not a replica; {self.advice}"
+            )
+
+
+def name_checks(model: nn.Module) -> None:
+    """Give every module's replica check its module path (``apply_tp`` calls this after the plan)."""
+    for name, module in model.named_modules():
+        check = getattr(module, "_titanlike_replica_check", None)
+        if check is not None:
+            check.name = name or "<root>"
