@@ -86,6 +86,9 @@ class Model:
     rope_original_max_seq_len: int = _override(0)  # llama3 scaling: the pre-training context length (0: the flavor's)
     num_experts: int = _override(0)  # routed experts per MoE block (0: the flavor's; models with experts)
     top_k: int = _override(0)  # experts per token (0: the flavor's; models with experts)
+    # model.name = "hf": a folder holding a transformers config.json (weights optional): that model, built by
+    # transformers (docs/transformers.md)
+    hf_config: str = _override("")
 
 
 @dataclass
@@ -817,6 +820,8 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int | None = None):
     except UnknownModelError as e:
         raise ConfigError(f"{e}{_suggest(cfg.model.name, registered())}") from None
     flavors = spec.flavors
+    if spec.args_from_overrides is not None:  # no flavors: the args come from the model.<key>s it reads
+        return _args_from_overrides(cfg, spec, vocab_size)
     if cfg.model.flavor not in flavors:
         raise ConfigError(
             f"model.flavor: unknown flavor '{cfg.model.flavor}'{_suggest(cfg.model.flavor, flavors)}"
@@ -840,6 +845,27 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int | None = None):
     vocab = vocab_size if vocab_size is not None else args.vocab_size
     if vocab and vocab > 0:
         args = args.replace(vocab_size=pad_vocab(vocab, m.vocab_multiple))
+    return args
+
+
+def _args_from_overrides(cfg: JobConfig, spec, vocab_size: int | None):
+    """The args of a model without flavors (``ModelSpec.args_from_overrides``), its vocabulary exact: a tokenizer
+    with more ids than the model is refused."""
+    reads = model_keys_read(spec, cfg.model)
+    try:
+        args = spec.args_from_overrides({k: getattr(cfg.model, k) for k in reads})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.checkpoint.initial_load_path and hf_architecture_of(cfg) is not None:
+        raise ConfigError(
+            f"checkpoint.initial_load_path '{cfg.checkpoint.initial_load_path}' is a Hugging Face folder; with "
+            f"model.name = {spec.name} put it in model.hf_config instead"
+        )
+    if vocab_size is not None and vocab_size > args.vocab_size:
+        raise ConfigError(
+            f"model.tokenizer '{cfg.model.tokenizer}' has {vocab_size} ids but the model of model.hf_config has "
+            f"only {args.vocab_size}; use its tokenizer or a config.json with a larger vocab_size"
+        )
     return args
 
 

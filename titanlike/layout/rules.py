@@ -66,6 +66,8 @@ RULES = {
     "position seams)",
     "te_model": "Transformer Engine kernels on models that declare a TE-swappable norm (ModelSpec.te_norm)",
     "float8_model": "float8 training on models whose sharding marks float8-eligible Linears (float8=True entries)",
+    "tp_plan": "tensor parallelism on a model whose sharding, derived from its args, exists (ModelSpec.sharding_fn: "
+    "a transformers model's base_model_tp_plan translated exactly)",
     "tp_heads": "tp divides n_heads",
     "tp_kv_heads": "tp divides n_kv_heads",
     "tp_ffn": "tp divides the ffn hidden size",
@@ -229,7 +231,13 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
             f"model.kernels=te swaps Transformer Engine modules only into models that declare them "
             f"(ModelSpec.te_norm), and {spec.name} declares none; use model.kernels=torch for {spec.name}",
         )
-    if cfg.float8.recipe and not float8_patterns(spec.sharding):
+    try:
+        entries = spec.sharding_of(args)
+    except ValueError as e:  # a model whose sharding is derived from its args and cannot be (ModelSpec.sharding_fn)
+        entries = {}
+        if tp > 1:
+            add("tp_plan", f"parallelism.tensor_parallel_degree {tp}: {spec.name}: {e}")
+    if cfg.float8.recipe and not float8_patterns(entries):
         add(
             "float8_model",
             f"float8.recipe={cfg.float8.recipe}: {spec.name} marks no Linear float8-eligible (its sharding "
@@ -251,7 +259,7 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
     elif cfg.checkpoint.export_safetensors:
         out += [("export_model", m) for m in spec.hf_export_violations(args)]
     out += [("float8", m) for m in float8_violations(cfg)]
-    out += [("muon", m) for m in muon_violations(cfg, muon_patterns(spec.sharding), spec.name)]
+    out += [("muon", m) for m in muon_violations(cfg, muon_patterns(entries), spec.name)]
     return out
 
 

@@ -208,6 +208,10 @@ def tp_plan(
         if isinstance(entry, sh.Region):
             inner = any(p.startswith(pattern + ".") for p in f8_patterns)
             prepare = PrepareFloat8ModuleInput if inner else PrepareModuleInput
+            if entry.keyword:
+                return prepare(
+                    input_kwarg_layouts={entry.keyword: seq}, desired_input_kwarg_layouts={entry.keyword: Replicate()}
+                )
             return prepare(
                 input_layouts=(seq,),
                 desired_input_layouts=(Replicate(),),
@@ -309,7 +313,7 @@ def apply_tp(
                 f"apply_tp: {type(model).__name__} is not a registered model, so there is no default "
                 f"plan; pass plan={{module-path pattern: ParallelStyle}} for it"
             )
-        plan = tp_plan(spec.sharding, sequence_parallel, loss_parallel, float8=float8)
+        plan = tp_plan(spec.sharding_of(getattr(model, "args", None)), sequence_parallel, loss_parallel, float8=float8)
         plan = {k: v for k, v in plan.items() if _matches(model, k)}
     elif isinstance(plan, dict):
         missing = [k for k in plan if not _matches(model, k)]
