@@ -286,7 +286,8 @@ def _local_head_counts(attn: nn.Module, heads: int, kv_heads: int, head_dim: int
     get the head counts its output holds (``out.shape[-1] = (heads + 2 kv_heads) head_dim / r``)."""
 
     def hook(module, inputs, out):
-        r = (heads + 2 * kv_heads) * head_dim // out.shape[-1]
+        local = out.to_local() if hasattr(out, "to_local") else out  # a style's output hook may run after this one
+        r = (heads + 2 * kv_heads) * head_dim // local.shape[-1]
         attn.config.num_attention_heads = heads // r
         attn.num_key_value_heads = kv_heads // r
 
