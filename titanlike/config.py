@@ -848,6 +848,15 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int | None = None):
     return args
 
 
+def _reads_its_own_config(cfg: JobConfig) -> bool:
+    """model.name is a model without flavors whose args come from its own model.<key>s (model.hf_config): a Hugging
+    Face checkpoint.initial_load_path holds only its weights (checked against its config at load)."""
+    try:
+        return get_spec(cfg.model.name).args_from_overrides is not None
+    except UnknownModelError:
+        return False
+
+
 def _args_from_overrides(cfg: JobConfig, spec, vocab_size: int | None):
     """The args of a model without flavors (``ModelSpec.args_from_overrides``), its vocabulary exact: a tokenizer
     with more ids than the model is refused."""
@@ -856,11 +865,6 @@ def _args_from_overrides(cfg: JobConfig, spec, vocab_size: int | None):
         args = spec.args_from_overrides({k: getattr(cfg.model, k) for k in reads})
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if cfg.checkpoint.initial_load_path and hf_architecture_of(cfg) is not None:
-        raise ConfigError(
-            f"checkpoint.initial_load_path '{cfg.checkpoint.initial_load_path}' is a Hugging Face folder; with "
-            f"model.name = {spec.name} put it in model.hf_config instead"
-        )
     if vocab_size is not None and vocab_size > args.vocab_size:
         raise ConfigError(
             f"model.tokenizer '{cfg.model.tokenizer}' has {vocab_size} ids but the model of model.hf_config has "
@@ -872,7 +876,7 @@ def _args_from_overrides(cfg: JobConfig, spec, vocab_size: int | None):
 def hf_architecture_of(cfg: JobConfig):
     """ModelArgs from the config.json of a Hugging Face ``checkpoint.initial_load_path``, else None."""
     path = cfg.checkpoint.initial_load_path
-    if not path:
+    if not path or _reads_its_own_config(cfg):
         return None
     from titanlike.hf import hf_architecture
 

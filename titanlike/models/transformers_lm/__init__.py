@@ -24,5 +24,6 @@ SPEC = register(
         args_from_overrides=lambda overrides: args_from_folder(overrides.get("hf_config", "")),
         param_init=param_init,
         shape_violations=_shape_violations,
+        hf_adapter="titanlike.models.transformers_lm.hf",
     )
 )
