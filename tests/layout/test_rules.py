@@ -24,6 +24,7 @@ GPT2 = ["--model.name", "gpt2"]
 NO_CP = dataclasses.replace(get_spec("llama3"), name="llama3_without_cp", context_parallel=False)
 MOE = ["--model.name", "qwen3_moe"]
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
+HF_MODEL = hf_folder("hf_qwen2_tied", vocab_size=2048)
 NO_PLAN = hf_folder("hf_qwen2_tied", vocab_size=2048, base_model_tp_plan={})
 ZB = [*PP2, "--model.n_layers", "4", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
 
@@ -59,6 +60,7 @@ CASES = {
     "te_model": (1, [*GPT2, "--model.kernels", "te"]),
     "float8_model": (1, [*GPT2, "--float8.recipe", "tensorwise"]),
     # a transformers model whose config declares no tensor-parallel plan (model.name = "hf")
+    "mask_model": (1, ["--model.name", "hf", "--model.hf_config", HF_MODEL, "--model.attn_mask_type", "block_causal"]),
     "tp_plan": (2, ["--model.name", "hf", "--model.hf_config", NO_PLAN, "--parallelism.tensor_parallel_degree", "2"]),
     "tp_heads": (8, ["--parallelism.tensor_parallel_degree", "8"]),
     "tp_kv_heads": (4, ["--parallelism.tensor_parallel_degree", "4"]),

@@ -899,7 +899,7 @@ class CheckpointManager:
                 remove_dir(out, run_id)
             os.rename(new, out)
             print(
-                f"checkpoint: exported step {self.last_step} as Hugging Face Llama to {out} in "
+                f"checkpoint: exported step {self.last_step} in the Hugging Face format to {out} in "
                 f"{time.perf_counter() - t0:.2f}s",
                 flush=True,
             )

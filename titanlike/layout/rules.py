@@ -59,6 +59,8 @@ RULES = {
     "cp_seq_len": "seq_len divisible by 2 x cp (two load-balanced chunks per cp rank)",
     "cp_sp_seq_len": "a cp rank's tokens divisible by tp under sequence parallelism",
     "mask_reset": "model.reset_position_ids needs model.attn_mask_type = block_causal",
+    "mask_model": "model.attn_mask_type = block_causal on models that declare it (ModelSpec.block_causal: the mask "
+    "through the attention seam)",
     "cp_kernels": "context parallelism with model.kernels=torch",
     "cp_float8": "context parallelism without float8",
     "cp_schedule": "context parallelism without split-backward pipeline schedules",
@@ -127,6 +129,12 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
             f"model.{unread[0]}: {spec.name} has no such setting (it reads "
             f"{', '.join('model.' + k for k in reads)}); remove "
             f"{', '.join('model.' + k for k in unread)}",
+        )
+    if cfg.model.attn_mask_type == "block_causal" and not spec.block_causal:
+        add(
+            "mask_model",
+            f"model.attn_mask_type = 'block_causal': {spec.name} does not pass the document mask to its attention "
+            f"(ModelSpec.block_causal); use model.attn_mask_type = 'causal' for {spec.name}",
         )
     if cfg.model.reset_position_ids and cfg.model.attn_mask_type != "block_causal":
         add(

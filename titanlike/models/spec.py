@@ -68,6 +68,9 @@ class ModelSpec:
     # instances Transformer Engine may replace by te.RMSNorm (with the blocks' nn.Linear by te.Linear; None: no TE).
     # float8: the sharding entries marked float8=True (titanlike.sharding.float8_patterns).
     context_parallel: bool = False
+    # block_causal: the blocks take the forward's DocumentMask and pass it to the attention seam
+    # (model.attn_mask_type = "block_causal"; docs/masking.md).
+    block_causal: bool = True
     te_norm: type | None = None
     # num_experts(args): the routed experts of each MoE block (titanlike.models.moe.MoE; 0: a dense model). The
     # layout rules check the expert-parallel degree against it, parallelize_model applies expert parallelism where it

@@ -23,6 +23,10 @@ SPEC = register(
         sharding_fn=sharding_for,
         args_from_overrides=lambda overrides: args_from_folder(overrides.get("hf_config", "")),
         param_init=param_init,
+        # transformers' attention, not the shared seam: no context parallelism, no document mask (refused by the
+        # layout rules cp_model and mask_model in one line)
+        context_parallel=False,
+        block_causal=False,
         shape_violations=_shape_violations,
         hf_adapter="titanlike.models.transformers_lm.hf",
     )
