@@ -15,7 +15,8 @@ The translation (``seq`` = ``Shard(1)`` under sequence parallelism, else ``Repli
 ``HeadNorm``           SequenceParallel over the heads dim: runs on this rank's heads, weight replicated, its
                        gradient a ``Partial`` sum over tp (never ReplicateParallel: each rank sees other heads)
 ``Region``             PrepareModuleInput ``seq`` -> Replicate of the first input (keyword arguments untouched):
-                       the "f" operator, identity forward / all-reduce backward (SP: all-gather / reduce-scatter)
+                       the "f" operator, identity forward / all-reduce backward (SP: all-gather / reduce-scatter);
+                       ``Region(keyword=k)``: of keyword argument ``k`` instead, positional inputs untouched
 ``Colwise``            ColwiseParallel: output-feature shards, local heads / hidden units
 ``FusedColwise``       :class:`~titanlike.parallel.fused.FusedColwiseParallel`: each rank its slice of every chunk
 ``Rowwise``            RowwiseParallel, output ``seq``: the "g" operator, all-reduce forward (SP: reduce-scatter)
