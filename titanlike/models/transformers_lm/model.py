@@ -252,9 +252,21 @@ def check_forward(config: dict) -> str | None:
     return None
 
 
+_CHECKED: dict[str, str] = {}  # config.json text -> its problems ("" : none), checked once per process
+
+
 def args_from_folder(folder: str) -> HFArgs:
     """The args of ``folder`` (``model.hf_config``), every problem named in one ValueError line."""
     config = read_folder(folder)
+    key = json.dumps(config, sort_keys=True, default=str)
+    if key not in _CHECKED:
+        _CHECKED[key] = "; ".join(_problems(folder, config))
+    if _CHECKED[key]:
+        raise ValueError(f"model.hf_config '{folder}' ({config.get('model_type')}): " + _CHECKED[key])
+    return HFArgs(hf_config=str(folder), config=config)
+
+
+def _problems(folder: str, config: dict) -> list[str]:
     problems = config_problems(config)
     args = HFArgs(hf_config=str(folder), config=config)
     if not problems:
@@ -266,9 +278,7 @@ def args_from_folder(folder: str) -> HFArgs:
         problem = check_forward(config)
         if problem:
             problems.append(problem)
-    if problems:
-        raise ValueError(f"model.hf_config '{folder}' ({config.get('model_type')}): " + "; ".join(problems))
-    return args
+    return problems
 
 
 # ------------------------------------------------------------------------------------------------- the model
@@ -334,17 +344,29 @@ class HFCausalLM(nn.Module):
         """Token ids (or a stage's hidden states) -> logits (or hidden states)."""
         if document_starts is not None:
             raise ValueError("model 'hf': block_causal masking is not wired (model.attn_mask_type = 'causal')")
-        position_ids = torch.arange(x.shape[1], device=x.device)[None]
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
-        cos_sin = self.rotary(h, position_ids)
+        kwargs = self.block_kwargs(self.positions(x), like=h)
         for layer in self.layers.values():
-            out = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=cos_sin)
+            out = layer(h, **kwargs)
             h = out[0] if isinstance(out, tuple) else out
         if self.norm is not None:
             h = self.norm(h)
         if self.lm_head is not None:
             h = self.lm_head(h)
         return h
+
+    def positions(self, x: torch.Tensor) -> torch.Tensor:
+        """The positions ``0 .. seq - 1`` of the tokens (or hidden states) ``x`` (batch, seq, ...)."""
+        return torch.arange(x.shape[1], device=x.device)
+
+    def block_kwargs(self, positions: torch.Tensor, like: torch.Tensor | None = None) -> dict:
+        """What transformers' base model passes every decoder layer: the rotary ``(cos, sin)`` of ``positions`` in
+        the dtype of ``like`` (the hidden states; default the parameters'), ``position_ids`` and
+        ``attention_mask=None`` (causal: SDPA's ``is_causal``)."""
+        if like is None:
+            like = torch.empty(0, dtype=next(self.parameters()).dtype, device=positions.device)
+        position_ids = positions[None]
+        return dict(attention_mask=None, position_ids=position_ids, position_embeddings=self.rotary(like, position_ids))
 
     @torch.no_grad()
     def init_buffers(self, device: torch.device | None = None) -> None:
