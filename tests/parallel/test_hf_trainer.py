@@ -7,15 +7,12 @@ torchrun); the per-gradient and per-weight equality of the same models is the ga
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from data_files import documents
-from dist_utils import worker_env
+from dist_utils import run_script
 from hf_models import hf_folder
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("hf_trainer_worker.py")
 TOL = 1e-10
 
@@ -29,14 +26,7 @@ def test_hf_model_trains_alike_under_tp2_sp_and_pp2(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(documents(60, seed=3)))
     folder = hf_folder("hf_phi3", vocab_size=2048)  # the test tokenizer's 2k ids
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path), folder, "--data.path", str(corpus)],
-        cwd=REPO,
-        env=worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = run_script(WORKER, str(tmp_path), folder, "--data.path", str(corpus), timeout=900)
     logs = "".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob("*/rank*.log")))
     assert proc.returncode == 0, proc.stderr[-3000:] + logs
     single = _rows(tmp_path / "single")
