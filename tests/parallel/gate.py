@@ -1230,8 +1230,25 @@ def gate_main(rank: int, world_size: int, out: str, only: list[str] | None = Non
         )
 
 
-def main(argv: list[str] | None = None, entry=None) -> int:
-    """Command line of a gate worker; ``entry`` (default: this gate's ``gate_main``) runs on every rank."""
+def warm_hf_models(layouts: list[Layout], world_size: int, only: list[str] | None) -> None:
+    """Before the ranks fork: import transformers and build what every rank would build alike for the transformers
+    models of this launch (their config check, meta model, translated plan, init plan: cached per process), once."""
+    keys = {
+        lo.model
+        for lo in layouts
+        if lo.world_size == world_size and lo.model in HF_MODELS and (not only or lo.name in only)
+    }
+    if keys:
+        from titanlike.models.transformers_lm import param_init, sharding_for
+
+        for key in sorted(keys):
+            args = model_args_from_config(config(Layout(key, 1, model=key), 1), vocab_size=VOCAB)
+            sharding_for(args), param_init(args)
+
+
+def main(argv: list[str] | None = None, entry=None, layouts: list[Layout] | None = None) -> int:
+    """Command line of a gate worker; ``entry`` (default: this gate's ``gate_main``) runs on every rank over
+    ``layouts`` (default: this gate's ``LAYOUTS``)."""
     from dist_utils import spawn
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -1241,6 +1258,7 @@ def main(argv: list[str] | None = None, entry=None) -> int:
     ap.add_argument("--timeout", type=float, default=60.0, help="gloo timeout in seconds")
     a = ap.parse_args(argv)
     only = [s for s in a.only.split(",") if s] or None
+    warm_hf_models(LAYOUTS if layouts is None else layouts, a.world_size, only)
     return spawn(entry or gate_main, a.world_size, a.out, only, timeout_s=a.timeout)
 
 

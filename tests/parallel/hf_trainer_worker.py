@@ -19,6 +19,7 @@ import transformers  # noqa: E402, F401 - imported once, before the forks
 from dist_utils import run_trainer_job  # noqa: E402
 
 import titanlike.training.trainer  # noqa: E402, F401
+from titanlike.models.transformers_lm import args_from_folder, param_init, sharding_for  # noqa: E402
 
 ARGV = [
     "--model.name",
@@ -45,6 +46,8 @@ JOBS = {
 
 def main() -> int:
     out, folder, extra = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    args = args_from_folder(folder)  # checked, built on meta and translated once, before the forks (cached)
+    sharding_for(args), param_init(args)
     for name, (world, more) in JOBS.items():
         codes = run_trainer_job(out / name, [*ARGV, "--model.hf_config", folder, *extra, *more], world_size=world)
         if any(codes):

@@ -501,7 +501,7 @@ def gate_main(rank: int, world_size: int, out: str, only: list[str] | None) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
-    return gate.main(argv, entry=gate_main)
+    return gate.main(argv, entry=gate_main, layouts=LAYOUTS)
 
 
 if __name__ == "__main__":
