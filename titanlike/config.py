@@ -86,6 +86,9 @@ class Model:
     rope_original_max_seq_len: int = _override(0)  # llama3 scaling: the pre-training context length (0: the flavor's)
     num_experts: int = _override(0)  # routed experts per MoE block (0: the flavor's; models with experts)
     top_k: int = _override(0)  # experts per token (0: the flavor's; models with experts)
+    # model.name = "hf": a folder holding a transformers config.json (weights optional): that model, built by
+    # transformers (docs/transformers.md)
+    hf_config: str = _override("")
 
 
 @dataclass
@@ -817,6 +820,8 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int | None = None):
     except UnknownModelError as e:
         raise ConfigError(f"{e}{_suggest(cfg.model.name, registered())}") from None
     flavors = spec.flavors
+    if spec.args_from_overrides is not None:  # no flavors: the args come from the model.<key>s it reads
+        return _args_from_overrides(cfg, spec, vocab_size)
     if cfg.model.flavor not in flavors:
         raise ConfigError(
             f"model.flavor: unknown flavor '{cfg.model.flavor}'{_suggest(cfg.model.flavor, flavors)}"
@@ -843,10 +848,35 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int | None = None):
     return args
 
 
+def _reads_its_own_config(cfg: JobConfig) -> bool:
+    """model.name is a model without flavors whose args come from its own model.<key>s (model.hf_config): a Hugging
+    Face checkpoint.initial_load_path holds only its weights (checked against its config at load)."""
+    try:
+        return get_spec(cfg.model.name).args_from_overrides is not None
+    except UnknownModelError:
+        return False
+
+
+def _args_from_overrides(cfg: JobConfig, spec, vocab_size: int | None):
+    """The args of a model without flavors (``ModelSpec.args_from_overrides``), its vocabulary exact: a tokenizer
+    with more ids than the model is refused."""
+    reads = model_keys_read(spec, cfg.model)
+    try:
+        args = spec.args_from_overrides({k: getattr(cfg.model, k) for k in reads})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if vocab_size is not None and vocab_size > args.vocab_size:
+        raise ConfigError(
+            f"model.tokenizer '{cfg.model.tokenizer}' has {vocab_size} ids but the model of model.hf_config has "
+            f"only {args.vocab_size}; use its tokenizer or a config.json with a larger vocab_size"
+        )
+    return args
+
+
 def hf_architecture_of(cfg: JobConfig):
     """ModelArgs from the config.json of a Hugging Face ``checkpoint.initial_load_path``, else None."""
     path = cfg.checkpoint.initial_load_path
-    if not path:
+    if not path or _reads_its_own_config(cfg):
         return None
     from titanlike.hf import hf_architecture
 

@@ -245,7 +245,11 @@ class Region(Entry):
     """A module whose body runs tensor-parallel (attention, the MLP), between Colwise and Rowwise projections: its
     first positional input, the residual stream, enters replicated (Megatron's f: identity forward, all-reduce
     backward; an all-gather forward and a reduce-scatter backward under SP). Keyword arguments (per-batch context:
-    the RoPE rows) pass untouched. No parameters of its own."""
+    the RoPE rows) pass untouched. No parameters of its own. ``keyword``: the stream enters as this keyword argument
+    instead (transformers' decoder layers call ``self_attn(hidden_states=...)``); the positional inputs then pass
+    untouched."""
+
+    keyword: str | None = None
 
 
 @dataclass(frozen=True)

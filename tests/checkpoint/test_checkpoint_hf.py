@@ -292,6 +292,9 @@ def test_every_model_adapter_implements_the_protocol_and_hf_names_no_model():
 
     adapters = {name: hf.adapter_for(get_spec(name).args_cls()) for name in registered() if get_spec(name).hf_adapter}
     assert all(isinstance(ad, hf.HFAdapter) for ad in adapters.values())
+    # the transformers model (model.name = "hf") reads any model_type, for its own weights only: never picked by one
+    assert [n for n, ad in adapters.items() if getattr(ad, "ANY_MODEL_TYPE", False)] == ["hf"]
+    adapters.pop("hf")
     assert {name: ad.MODEL_TYPE for name, ad in adapters.items()} == {
         "gpt2": "gpt2",
         "llama3": "llama",

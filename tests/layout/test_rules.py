@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch.distributed as dist
+from hf_models import hf_folder
 
 from titanlike.config import model_args_from_config, parse_config
 from titanlike.layout import RULES
@@ -23,6 +24,8 @@ GPT2 = ["--model.name", "gpt2"]
 NO_CP = dataclasses.replace(get_spec("llama3"), name="llama3_without_cp", context_parallel=False)
 MOE = ["--model.name", "qwen3_moe"]
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
+HF_MODEL = hf_folder("hf_qwen2_tied", vocab_size=2048)
+NO_PLAN = hf_folder("hf_qwen2_tied", vocab_size=2048, base_model_tp_plan={})
 ZB = [*PP2, "--model.n_layers", "4", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
 
 # rule -> (world size, the bad options on top of TINY)
@@ -56,6 +59,9 @@ CASES = {
     "cp_model": (2, ["--model.name", NO_CP.name, *CP2]),
     "te_model": (1, [*GPT2, "--model.kernels", "te"]),
     "float8_model": (1, [*GPT2, "--float8.recipe", "tensorwise"]),
+    # a transformers model whose config declares no tensor-parallel plan (model.name = "hf")
+    "mask_model": (1, ["--model.name", "hf", "--model.hf_config", HF_MODEL, "--model.attn_mask_type", "block_causal"]),
+    "tp_plan": (2, ["--model.name", "hf", "--model.hf_config", NO_PLAN, "--parallelism.tensor_parallel_degree", "2"]),
     "tp_heads": (8, ["--parallelism.tensor_parallel_degree", "8"]),
     "tp_kv_heads": (4, ["--parallelism.tensor_parallel_degree", "4"]),
     "tp_ffn": (2, ["--parallelism.tensor_parallel_degree", "2", "--model.ffn_hidden_dim", "91"]),

@@ -20,14 +20,28 @@ from titanlike.sharding import (
 )
 
 
+def _tiny_args(spec):
+    """The tiny args of a registered model: its "tiny" flavor, or (a model without flavors: the transformers one) a
+    small config of its kind."""
+    if spec.flavors:
+        return spec.flavors["tiny"].replace(vocab_size=64)
+    from hf_models import hf_folder
+
+    from titanlike.models.transformers_lm import args_from_folder
+
+    return args_from_folder(hf_folder("hf_phi3"))
+
+
 @pytest.mark.parametrize("name", registered())
 def test_every_pattern_matches_modules_and_no_module_two_patterns(name):
     spec = get_spec(name)
-    model = spec.build_meta(spec.flavors["tiny"].replace(vocab_size=64))
-    assert check_sharding(spec.sharding, [n for n, _ in model.named_modules()]) == []
+    args = _tiny_args(spec)
+    model = spec.build_meta(args)
+    sharding = spec.sharding_of(args)
+    assert check_sharding(sharding, [n for n, _ in model.named_modules()]) == []
     # every parameter's dims are those of a dim it has
     for fqn, p in model.named_parameters():
-        d, fd = param_dims(spec.sharding, fqn, p.ndim, tp=2, fsdp=True)
+        d, fd = param_dims(sharding, fqn, p.ndim, tp=2, fsdp=True)
         assert (d is None or d < p.ndim) and fd < p.ndim, fqn
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from hf_models import HF_CONFIGS, hf_folder  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 
@@ -52,13 +53,10 @@ GLOBAL_BATCH = 8
 SEQ = 16
 VOCAB = 128
 # Shared by every layout and the reference: float64, AdamW, clipping with a small max_norm (it acts every step).
-BASE_ARGS = (
-    "--model.flavor",
-    "tiny",
-    "--model.dim",
-    "64",
-    "--model.max_seq_len",
-    str(SEQ),
+# The model shape (MODEL_ARGS) for the titanlike models; the transformers models (HF_MODELS) take theirs from
+# their config.json.
+MODEL_ARGS = ("--model.flavor", "tiny", "--model.dim", "64", "--model.max_seq_len", str(SEQ))
+TRAIN_ARGS = (
     "--training.seq_len",
     str(SEQ),
     "--training.dtype",
@@ -72,6 +70,13 @@ BASE_ARGS = (
     "--optimizer.weight_decay",
     "0.1",
 )
+BASE_ARGS = (*MODEL_ARGS, *TRAIN_ARGS)
+
+# transformers models (model.name = "hf", tests/parallel/hf_models.py): small float64 configs written by the gate
+# (no downloads), the library's own modules under every layout. Phi-3: fused q|k|v (grouped: unequal chunks) and
+# gate|up, its attention slicing with the config's head counts; Qwen3: per-head q/k norms; Qwen2: q/k/v biases and
+# tied embeddings. Their RMSNorms compute in float32 inside the float64 model (transformers' code).
+HF_MODELS = {key: ("--model.name", "hf", "--model.hf_config", hf_folder(key)) for key in HF_CONFIGS}
 # Model shapes: tiny = dim 64, 2 layers, 4 heads, 2 kv heads (GQA), SwiGLU 176, vocab 128.
 MODELS = {
     "gqa": (),
@@ -125,6 +130,7 @@ MODELS = {
         "--model.reset_position_ids",
         "true",
     ),
+    **HF_MODELS,
 }
 # Matrices Muon orthogonalizes per model (tiny, 2 blocks): Llama 7 per block; GPT-2 c_attn's q, k, v + 3.
 MUON_MATRICES = {"muon": 14, "muon_bf16": 14, "muon_small_buckets": 14, "muon_gpt2": 12}
@@ -314,6 +320,41 @@ LAYOUTS = [
         "MUT moe ep2 bias update from local loads", 2, _ep(2, *_dp(1, 2, 4)), model="moe", mutation="moe_local_loads"
     ),
     Layout("MUT moe ep2 aux loss per rank", 2, _ep(2, *_dp(1, 2, 4)), model="moe", mutation="moe_aux_per_rank"),
+    # transformers models (model.name = "hf"): the plan translated from each config's base_model_tp_plan
+    *[
+        Layout(f"{m} {name}", 2, args, model=m)
+        for m in HF_CONFIGS
+        if m != "hf_phi3_mha"
+        for name, args in (("tp2_sp", _tp(2, *SP, *_dp(1, 1, 8))), ("fsdp2", _dp(1, 2, 4)))
+    ],
+    Layout("hf_phi3_mha tp2_sp", 2, _tp(2, *SP, *_dp(1, 1, 8)), model="hf_phi3_mha"),
+    Layout(
+        "hf_qwen2_tied tp2_ac_full",
+        2,
+        _tp(2, "--activation_checkpoint.mode", "full", *_dp(1, 1, 8)),
+        model="hf_qwen2_tied",
+    ),
+    Layout(
+        "MUT hf_phi3_mha tp2 qkv_proj plain ColwiseParallel",
+        2,
+        _tp(2, *_dp(1, 1, 8)),
+        model="hf_phi3_mha",
+        mutation="fused_plain_colwise",
+    ),
+    Layout(
+        "MUT hf_qwen3 tp2_sp q/k norms ReplicateParallel",
+        2,
+        _tp(2, *SP, *_dp(1, 1, 8)),
+        model="hf_qwen3",
+        mutation="qk_norm_replicated",
+    ),
+    Layout(
+        "MUT hf_qwen2_tied tp2_sp no f backward reduce-scatter",
+        2,
+        _tp(2, *SP, *_dp(1, 1, 8)),
+        model="hf_qwen2_tied",
+        mutation="tp_no_backward_reduce",
+    ),
     # 4 ranks
     Layout("tp4_gqa", 4, _tp(4, *_dp(1, 1, 8)), model="gqa8"),
     Layout("fsdp4", 4, _dp(1, 4, 2)),
@@ -349,6 +390,7 @@ LAYOUTS = [
         model="moe",
         mutation="moe_expert_fsdp_average",
     ),
+    *[Layout(f"{m} tp2_fsdp2", 4, _tp(2, *_dp(1, 2, 4)), model=m) for m in HF_CONFIGS if m != "hf_phi3_mha"],
     # 8 ranks
     Layout("tp2_hsdp2x2", 8, _tp(2, *_dp(2, 2, 2))),
     Layout("tp2_sp_fsdp4", 8, _tp(2, *SP, *_dp(1, 4, 2))),
@@ -815,7 +857,8 @@ def _starts(mb: tuple) -> torch.Tensor | None:
 
 
 def config(layout: Layout, world_size: int) -> JobConfig:
-    return load_config([*BASE_ARGS, *MODELS[layout.model], *layout.args], world_size=world_size)
+    base = TRAIN_ARGS if layout.model in HF_MODELS else BASE_ARGS
+    return load_config([*base, *MODELS[layout.model], *layout.args], world_size=world_size)
 
 
 INIT_SEED = 0  # the training.seed of every gate model
@@ -1244,8 +1287,25 @@ def gate_main(rank: int, world_size: int, out: str, only: list[str] | None = Non
         )
 
 
-def main(argv: list[str] | None = None, entry=None) -> int:
-    """Command line of a gate worker; ``entry`` (default: this gate's ``gate_main``) runs on every rank."""
+def warm_hf_models(layouts: list[Layout], world_size: int, only: list[str] | None) -> None:
+    """Before the ranks fork: import transformers and build what every rank would build alike for the transformers
+    models of this launch (their config check, meta model, translated plan, init plan: cached per process), once."""
+    keys = {
+        lo.model
+        for lo in layouts
+        if lo.world_size == world_size and lo.model in HF_MODELS and (not only or lo.name in only)
+    }
+    if keys:
+        from titanlike.models.transformers_lm import param_init, sharding_for
+
+        for key in sorted(keys):
+            args = model_args_from_config(config(Layout(key, 1, model=key), 1), vocab_size=VOCAB)
+            sharding_for(args), param_init(args)
+
+
+def main(argv: list[str] | None = None, entry=None, layouts: list[Layout] | None = None) -> int:
+    """Command line of a gate worker; ``entry`` (default: this gate's ``gate_main``) runs on every rank over
+    ``layouts`` (default: this gate's ``LAYOUTS``)."""
     from dist_utils import spawn
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -1255,6 +1315,7 @@ def main(argv: list[str] | None = None, entry=None) -> int:
     ap.add_argument("--timeout", type=float, default=60.0, help="gloo timeout in seconds")
     a = ap.parse_args(argv)
     only = [s for s in a.only.split(",") if s] or None
+    warm_hf_models(LAYOUTS if layouts is None else layouts, a.world_size, only)
     return spawn(entry or gate_main, a.world_size, a.out, only, timeout_s=a.timeout)
 
 

@@ -148,6 +148,11 @@ LAYOUTS = [
     *[_layout(f"gpt2 pp2 {s} tied", 2, _pp(2, s, 8, 2), model="gpt2_deep") for s in SCHEDULES],
     _layout("MUT gpt2 pp2 tied grads not summed", 2, _pp(2, "1F1B", 8, 2), "gpt2_deep", "pp_tied_not_summed"),
     *[_layout(f"qwen3 pp2 {s} tied", 2, _pp(2, s, 8, 2), model="qwen3_deep") for s in SCHEDULES],
+    # transformers models (model.name = "hf", 2 layers): the stages cut by the spec's roles, no user wrapper
+    *[_layout(f"{m} pp2 1F1B", 2, _pp(2, "1F1B", 8, 2), model=m) for m in ("hf_phi3", "hf_qwen3", "hf_qwen2_tied")],
+    _layout(
+        "MUT hf_qwen2_tied pp2 tied grads not summed", 2, _pp(2, "1F1B", 8, 2), "hf_qwen2_tied", "pp_tied_not_summed"
+    ),
     Layout("nanogpt pp2 1F1B user split tied", 2, _pp(2, "1F1B", 8, 2), model="nanogpt", kind="user_pp"),
     Layout(
         "nanogpt pp2 ZBVZeroBubble user split tied V", 2, _pp(2, "ZBVZeroBubble", 8, 2), model="nanogpt", kind="user_pp"
@@ -542,7 +547,7 @@ def gate_main(rank: int, world_size: int, out: str, only: list[str] | None) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
-    return gate.main(argv, entry=gate_main)
+    return gate.main(argv, entry=gate_main, layouts=LAYOUTS)
 
 
 if __name__ == "__main__":

@@ -442,7 +442,9 @@ class CheckpointManager:
             config = hf.read_hf_config(folder)
             if config is not None:
                 hf.check_same_architecture(
-                    hf.model_args_from_hf_config(config, str(folder / hf.CONFIG_NAME)), self.model_args, f"'{path}'"
+                    hf.model_args_from_hf_config(config, str(folder / hf.CONFIG_NAME), like=self.model_args),
+                    self.model_args,
+                    f"'{path}'",
                 )
             hf.from_hf({k: torch.empty(s, device="meta") for k, s in shapes.items()}, self.model_args)
         except (FileNotFoundError, ValueError) as e:
@@ -897,7 +899,7 @@ class CheckpointManager:
                 remove_dir(out, run_id)
             os.rename(new, out)
             print(
-                f"checkpoint: exported step {self.last_step} as Hugging Face Llama to {out} in "
+                f"checkpoint: exported step {self.last_step} in the Hugging Face format to {out} in "
                 f"{time.perf_counter() - t0:.2f}s",
                 flush=True,
             )

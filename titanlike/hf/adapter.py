@@ -186,6 +186,8 @@ def _adapters() -> dict[str, HFAdapter]:
         spec = get_spec(name)
         if spec.hf_adapter:
             ad = _checked(spec)
+            if getattr(ad, "ANY_MODEL_TYPE", False):  # reads any config.json, only for its own model's weights
+                continue
             if ad.MODEL_TYPE in out:
                 raise ValueError(f"two registered models read Hugging Face model_type '{ad.MODEL_TYPE}'")
             out[ad.MODEL_TYPE] = ad

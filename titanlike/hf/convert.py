@@ -85,11 +85,21 @@ def hf_config(
     return adapter_for(args).hf_config(args, dtype, bos_id, eos_id, 5 if layout >= 5 else 4)
 
 
-def model_args_from_hf_config(config: dict, source: str = "config.json"):
+def model_args_from_hf_config(config: dict, source: str = "config.json", like=None):
     """The model args of a Hugging Face config.json (either layout), of the registered model its ``model_type``
-    names. Raises :class:`HFConfigError` with one line naming every field titanlike cannot honour, with its value."""
+    names. Raises :class:`HFConfigError` with one line naming every field titanlike cannot honour, with its value.
+
+    ``like``: the args of the model the weights are for; when its adapter reads any config.json itself
+    (``ANY_MODEL_TYPE``: a transformers model trained directly, ``model.name = "hf"``), that adapter reads the
+    whole file."""
     if not isinstance(config, dict):
         raise HFConfigError(f"{source} is not a JSON object")
+    own = adapter_for(like) if like is not None else None
+    if own is not None and getattr(own, "ANY_MODEL_TYPE", False):
+        try:
+            return own.model_args_from_hf_config(dict(config))
+        except ValueError as e:
+            raise HFConfigError(f"{source}: titanlike cannot honour {e}") from None
     ad, problem = adapter_for_config(config)
     problems = [problem] if problem else []
     arch = config.get("architectures")
@@ -183,7 +193,7 @@ def load_hf(
     args)."""
     files, folder = resolve_weights(path)
     config = read_hf_config(folder)
-    file_args = model_args_from_hf_config(config, str(folder / CONFIG_NAME)) if config is not None else None
+    file_args = model_args_from_hf_config(config, str(folder / CONFIG_NAME), like=args) if config is not None else None
     if file_args is not None and args is not None:
         check_same_architecture(file_args, args, f"'{path}'")
     use = args if args is not None else file_args

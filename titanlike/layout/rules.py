@@ -59,6 +59,8 @@ RULES = {
     "cp_seq_len": "seq_len divisible by 2 x cp (two load-balanced chunks per cp rank)",
     "cp_sp_seq_len": "a cp rank's tokens divisible by tp under sequence parallelism",
     "mask_reset": "model.reset_position_ids needs model.attn_mask_type = block_causal",
+    "mask_model": "model.attn_mask_type = block_causal on models that declare it (ModelSpec.block_causal: the mask "
+    "through the attention seam)",
     "cp_kernels": "context parallelism with model.kernels=torch",
     "cp_float8": "context parallelism without float8",
     "cp_schedule": "context parallelism without split-backward pipeline schedules",
@@ -66,6 +68,8 @@ RULES = {
     "position seams)",
     "te_model": "Transformer Engine kernels on models that declare a TE-swappable norm (ModelSpec.te_norm)",
     "float8_model": "float8 training on models whose sharding marks float8-eligible Linears (float8=True entries)",
+    "tp_plan": "tensor parallelism on a model whose sharding, derived from its args, exists (ModelSpec.sharding_fn: "
+    "a transformers model's base_model_tp_plan translated exactly)",
     "tp_heads": "tp divides n_heads",
     "tp_kv_heads": "tp divides n_kv_heads",
     "tp_ffn": "tp divides the ffn hidden size",
@@ -124,6 +128,12 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
             f"model.{unread[0]}: {spec.name} has no such setting (it reads "
             f"{', '.join('model.' + k for k in reads)}); remove "
             f"{', '.join('model.' + k for k in unread)}",
+        )
+    if cfg.model.attn_mask_type == "block_causal" and not spec.block_causal:
+        add(
+            "mask_model",
+            f"model.attn_mask_type = 'block_causal': {spec.name} does not pass the document mask to its attention "
+            f"(ModelSpec.block_causal); use model.attn_mask_type = 'causal' for {spec.name}",
         )
     if cfg.model.reset_position_ids and cfg.model.attn_mask_type != "block_causal":
         add(
@@ -228,7 +238,13 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
             f"model.kernels=te swaps Transformer Engine modules only into models that declare them "
             f"(ModelSpec.te_norm), and {spec.name} declares none; use model.kernels=torch for {spec.name}",
         )
-    if cfg.float8.recipe and not float8_patterns(spec.sharding):
+    try:
+        entries = spec.sharding_of(args)
+    except ValueError as e:  # a model whose sharding is derived from its args and cannot be (ModelSpec.sharding_fn)
+        entries = {}
+        if tp > 1:
+            add("tp_plan", f"parallelism.tensor_parallel_degree {tp}: {spec.name}: {e}")
+    if cfg.float8.recipe and not float8_patterns(entries):
         add(
             "float8_model",
             f"float8.recipe={cfg.float8.recipe}: {spec.name} marks no Linear float8-eligible (its sharding "
@@ -250,7 +266,7 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
     elif cfg.checkpoint.export_safetensors:
         out += [("export_model", m) for m in spec.hf_export_violations(args)]
     out += [("float8", m) for m in float8_violations(cfg)]
-    out += [("muon", m) for m in muon_violations(cfg, muon_patterns(spec.sharding), spec.name)]
+    out += [("muon", m) for m in muon_violations(cfg, muon_patterns(entries), spec.name)]
     return out
 
 

@@ -68,11 +68,20 @@ class ModelSpec:
     # instances Transformer Engine may replace by te.RMSNorm (with the blocks' nn.Linear by te.Linear; None: no TE).
     # float8: the sharding entries marked float8=True (titanlike.sharding.float8_patterns).
     context_parallel: bool = False
+    # block_causal: the blocks take the forward's DocumentMask and pass it to the attention seam
+    # (model.attn_mask_type = "block_causal"; docs/masking.md).
+    block_causal: bool = True
     te_norm: type | None = None
     # num_experts(args): the routed experts of each MoE block (titanlike.models.moe.MoE; 0: a dense model). The
     # layout rules check the expert-parallel degree against it, parallelize_model applies expert parallelism where it
     # is above 0.
     num_experts: Callable[[object], int] = lambda args: 0
+    # A model whose sharding depends on its args (a transformers model: translated from its config's plan):
+    # sharding_fn(args) -> the entries; read through sharding_of(args). ValueError (one line): no exact plan.
+    sharding_fn: Callable[[object], Mapping[str, object]] | None = None
+    # A model without flavors (a transformers model: its config.json): args_from_overrides({model.<key>: value} of
+    # the keys it reads) -> its args; ValueError (one line naming every problem) for bad input.
+    args_from_overrides: Callable[[dict], object] | None = None
 
     def __post_init__(self):
         for name in ("input_modules", "output_modules", "block_container", "param_init"):
@@ -93,6 +102,10 @@ class ModelSpec:
     def build_meta(self, args) -> nn.Module:
         with torch.device("meta"):
             return self.build(args)
+
+    def sharding_of(self, args) -> Mapping[str, object]:
+        """The sharding entries of the model of ``args`` (``sharding``, or ``sharding_fn(args)``)."""
+        return self.sharding if self.sharding_fn is None or args is None else self.sharding_fn(args)
 
     def flops_per_token(self, args, seq_len: int) -> int:
         return args.flops_per_token(seq_len)

@@ -97,7 +97,7 @@ def muon_matrices(model_parts: Sequence[nn.Module], sharding: Mapping | None = N
                     f"Muon: {type(part).__name__} is not a registered model, so no sharding entries say which of its "
                     f"parameters are matrices; pass sharding= (titanlike.sharding entries) or matrices= to Muon"
                 )
-            decl = spec.sharding
+            decl = spec.sharding_of(getattr(part, "args", None))
         for module_fqn, module in part.named_modules():
             entry = entry_for(decl, module_fqn)
             if entry is None:

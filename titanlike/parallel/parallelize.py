@@ -69,7 +69,9 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
     p = cfg.parallelism
     f8 = cfg.float8
     spec = spec_for(model)
-    float8_modules = float8_patterns(spec.sharding) if spec is not None else None  # None: every Linear
+    float8_modules = None  # None: every Linear (a module that is not a registered model)
+    if spec is not None and (f8.recipe or dims.tp_enabled):
+        float8_modules = float8_patterns(spec.sharding_of(getattr(model, "args", None)))
     if f8.recipe and float8_backend(cfg) == "torchao" and not hasattr(model, "_float8_converted"):
         convert_to_float8(
             model,

@@ -15,7 +15,8 @@ The translation (``seq`` = ``Shard(1)`` under sequence parallelism, else ``Repli
 ``HeadNorm``           SequenceParallel over the heads dim: runs on this rank's heads, weight replicated, its
                        gradient a ``Partial`` sum over tp (never ReplicateParallel: each rank sees other heads)
 ``Region``             PrepareModuleInput ``seq`` -> Replicate of the first input (keyword arguments untouched):
-                       the "f" operator, identity forward / all-reduce backward (SP: all-gather / reduce-scatter)
+                       the "f" operator, identity forward / all-reduce backward (SP: all-gather / reduce-scatter);
+                       ``Region(keyword=k)``: of keyword argument ``k`` instead, positional inputs untouched
 ``Colwise``            ColwiseParallel: output-feature shards, local heads / hidden units
 ``FusedColwise``       :class:`~titanlike.parallel.fused.FusedColwiseParallel`: each rank its slice of every chunk
 ``Rowwise``            RowwiseParallel, output ``seq``: the "g" operator, all-reduce forward (SP: reduce-scatter)
@@ -285,6 +286,10 @@ def tp_plan(
         if isinstance(entry, sh.Region):
             inner = any(p.startswith(pattern + ".") for p in f8_patterns)
             prepare = PrepareFloat8ModuleInput if inner else PrepareModuleInput
+            if entry.keyword:
+                return prepare(
+                    input_kwarg_layouts={entry.keyword: seq}, desired_input_kwarg_layouts={entry.keyword: Replicate()}
+                )
             return prepare(
                 input_layouts=(seq,),
                 desired_input_layouts=(Replicate(),),
@@ -472,7 +477,7 @@ def apply_tp(
                 f"apply_tp: {type(model).__name__} is not a registered model, so there is no default "
                 f"plan; pass plan={{module-path pattern: ParallelStyle}} for it"
             )
-        plan = tp_plan(spec.sharding, sequence_parallel, loss_parallel, float8=float8)
+        plan = tp_plan(spec.sharding_of(getattr(model, "args", None)), sequence_parallel, loss_parallel, float8=float8)
         plan = {k: v for k, v in plan.items() if _matches(model, k)}
     elif isinstance(plan, dict):
         missing = [k for k in plan if not _matches(model, k)]

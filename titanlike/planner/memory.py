@@ -126,7 +126,7 @@ def rank_param_shards(layout: Layout, args, rank: int = 0) -> dict[int, list[Par
     out = {}
     for s in layout.stage_ids(c["pp"]):
         shards = []
-        sharding = _spec(args).sharding
+        sharding = _spec(args).sharding_of(args)
         for name, shape in param_shapes(args, layout.stages[s]).items():
             tp_shape = list(shape)
             d, fd = param_dims(sharding, name, len(shape), tp=layout.tp, fsdp=layout.fsdp)
@@ -194,7 +194,7 @@ def block_activation_bytes(layout: Layout, args, tokens: int, mode: str = "none"
     spec = _spec(args)
     gelu = spec.mlp_kind == "gelu"
     layer_norm = spec.norm_kind == "layer"
-    qk_norm = any(isinstance(e, HeadNorm) for e in spec.sharding.values())
+    qk_norm = any(isinstance(e, HeadNorm) for e in spec.sharding_of(args).values())
     # Context parallel (``tokens`` are the local ones): the attention kernel keeps K and V of the whole sequence,
     # repeated to all heads as its inputs (no AC: (cp - 1) more tokens' worth than the local K / V counted below);
     # selective op AC saves the all-gather outputs instead (kv heads) and recomputes the rest.
@@ -348,7 +348,7 @@ def _optimizer_item(layout: Layout, args, shards, n_local: int, n_tensors: int) 
     pb = layout.param_bytes
     if layout.optimizer != "Muon":
         return MemoryItem("optimizer", 2 * n_local * pb + 4 * n_tensors, "AdamW exp_avg + exp_avg_sq (+ step scalars)")
-    sharding = _spec(args).sharding
+    sharding = _spec(args).sharding_of(args)
     muon = [p for ps in shards.values() for p in ps if _is_matrix(sharding, p)]
     n_muon = sum(p.numel for p in muon)
     return MemoryItem(

@@ -93,7 +93,7 @@ def _stage_matrices(lo: Layout, args, names: tuple[str, ...]) -> list:
     if key not in _STAGES:
         if len(_STAGES) > 16:
             _STAGES.clear()
-        sharding, out = spec_for(args).sharding, []
+        sharding, out = spec_for(args).sharding_of(args), []
         for name, shape in param_shapes(args, names).items():
             owner, _, leaf = name.rpartition(".")
             entry = entry_for(sharding, owner)

@@ -137,6 +137,10 @@ class Trainer:
                 f"(overrides flavor {cfg.model.flavor}): {describe_args(self.model_args)}"
             )
         self.spec = get_spec(cfg.model.name)
+        if self.spec.args_from_overrides is not None and self.spec.hf_adapter:  # model.name = "hf": its config.json
+            from titanlike.hf import describe_args
+
+            self.architecture_note = f"model: transformers {describe_args(self.model_args)}"
         problems = layout_violations(cfg, self.world_size, self.model_args)
         if problems:
             raise ConfigError(problems[0])
@@ -301,7 +305,8 @@ class Trainer:
             active = getattr(args, "num_active_params", None)  # a model with experts: what one token uses
             active_note = f" ({active() / 1e6:.2f}M active per token)" if active is not None else ""
             print(
-                f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params / 1e6:.2f}M parameters{active_note}, "
+                f"model {cfg.model.name}{'/' + cfg.model.flavor if self.spec.flavors else ''}: "
+                f"{self.num_params / 1e6:.2f}M parameters{active_note}, "
                 f"vocab {args.vocab_size}; data: {n_train:,} train / {n_val:,} val tokens "
                 f"(loaded in {self.data_seconds:.1f}s); global batch {self.global_batch} x {t.seq_len} "
                 f"tokens, {self.accum_steps} accumulation step(s); {self.world_size} process(es) on "

@@ -1,0 +1,119 @@
+"""model.name = "hf": a transformers decoder-only model trained directly (titanlike/models/transformers_lm), against
+the real library: the wrapper's forward is the library's, export is the model's own ``save_pretrained`` layout
+(``from_pretrained`` loads it with equal logits), import reads it back, the plan translation, and every bad input
+refused in one line before anything starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hf_models import HF_CONFIGS, hf_folder
+
+from titanlike.config import load_config, model_args_from_config
+from titanlike.errors import ConfigError
+from titanlike.hf import load_hf, save_hf
+from titanlike.models import get_spec
+from titanlike.models.transformers_lm import args_from_folder, sharding_for
+from titanlike.parallel.ties import tie_groups
+from titanlike.sharding import FusedColwise, HeadNorm, Region
+
+transformers = pytest.importorskip("transformers")  # the optional extra: CI installs .[hf]
+FAMILIES = [k for k in HF_CONFIGS if k != "hf_phi3_mha"]
+
+
+def _model(key: str):
+    args = args_from_folder(hf_folder(key))
+    torch.manual_seed(0)
+    model = get_spec("hf").build(args).to(torch.float64)
+    model.init_weights(seed=3)
+    return args, model
+
+
+@pytest.mark.parametrize("key", FAMILIES)
+def test_export_loads_in_transformers_with_equal_logits_and_imports_back(key, tmp_path):
+    args, model = _model(key)
+    state = model.state_dict()
+    out = save_hf(state, args, tmp_path / "export")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64)
+    tokens = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (hf(input_ids=tokens).logits - model(tokens)).abs().max().item()
+    print(key, "logits max |diff|", diff)
+    assert diff <= 1e-13
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [type(hf).__name__] and config["dtype"] == "float64"
+    loaded, file_args = load_hf(out, args)
+    assert set(loaded) == set(state) and all(torch.equal(loaded[k], state[k]) for k in state)
+    assert file_args.config["model_type"] == HF_CONFIGS[key]["model_type"]
+
+
+def test_roles_ties_and_init():
+    args, model = _model("hf_qwen2_tied")
+    assert [n for n, _ in model.named_children()] == ["embed_tokens", "layers", "norm", "lm_head"]
+    assert list(model.layers) == ["0", "1"]
+    assert model.lm_head.weight is model.embed_tokens.weight  # one Parameter, found by identity
+    assert tie_groups(model) == [["embed_tokens.weight", "lm_head.weight"]]
+    norms = [p for n, p in model.named_parameters() if "layernorm" in n]
+    biases = [p for n, p in model.named_parameters() if n.endswith(".bias")]
+    assert norms and all(torch.equal(p, torch.ones_like(p)) for p in norms)
+    assert biases and all(torch.equal(p, torch.zeros_like(p)) for p in biases)
+    std = model.layers["0"].mlp.up_proj.weight.std().item()
+    assert abs(std - 0.02) < 0.004  # initializer_range
+
+
+def test_plan_translation():
+    phi3 = sharding_for(args_from_folder(hf_folder("hf_phi3")))
+    assert phi3["layers.*.self_attn.qkv_proj"] == FusedColwise((4, 2, 2), head_dim=16, float8=False)
+    assert phi3["layers.*.mlp.gate_up_proj"] == FusedColwise(2)
+    assert phi3["layers.*.self_attn"] == Region(keyword="hidden_states")  # transformers calls attention by keyword
+    assert phi3["layers.*.mlp"] == Region()
+    qwen3 = sharding_for(args_from_folder(hf_folder("hf_qwen3")))
+    assert qwen3["layers.*.self_attn.q_norm"] == HeadNorm() == qwen3["layers.*.self_attn.k_norm"]
+    bad = args_from_folder(hf_folder("hf_qwen2_tied", base_model_tp_plan={"layers.*.mlp.up_proj": "local_colwise"}))
+    with pytest.raises(ValueError, match="'layers.\\*.mlp.up_proj': 'local_colwise' has no exact titanlike style"):
+        sharding_for(bad)
+
+
+def _cfg(folder: str, *more: str):
+    cfg = load_config(["--model.name", "hf", "--model.hf_config", folder, "--training.seq_len", "16", *more])
+    return model_args_from_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        (dict(attention_dropout=0.1), "attention_dropout = 0.1 (dropout differs per layout; set it to 0)"),
+        # Cohere multiplies the logits by logit_scale in CohereForCausalLM.forward, outside the modules
+        (
+            dict(model_type="cohere", architectures=["CohereForCausalLM"], logit_scale=0.0625),
+            "its forward does more than embed_tokens",
+        ),
+        # Gemma 2 has no SDPA attention in transformers (the message is the library's, cut to one line)
+        (
+            dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], layer_types=["full_attention"] * 2),
+            "transformers cannot build it (ValueError: Gemma2ForCausalLM does not support an attention",
+        ),
+        (dict(is_encoder_decoder=True), "is_encoder_decoder = true"),
+        (dict(model_type="t5", architectures=["T5ForConditionalGeneration"]), "transformers cannot build it"),
+    ],
+)
+def test_models_the_wrapper_cannot_train_exactly_are_refused_in_one_line(changes, message):
+    with pytest.raises(ConfigError) as e:
+        _cfg(hf_folder("hf_qwen2_tied", **changes))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_folders_are_refused_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        _cfg(str(tmp_path / "nothing"))
+    with pytest.raises(ConfigError, match="has no config.json"):
+        _cfg(str(tmp_path))
+    with pytest.raises(ConfigError, match="give the folder holding the model's config.json"):
+        model_args_from_config(load_config(["--model.name", "hf"]))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="is not JSON"):
+        _cfg(str(tmp_path))
+    with pytest.raises(ConfigError, match="model.hf_config: llama3 has no such setting"):
+        load_config(["--model.hf_config", str(tmp_path)])
