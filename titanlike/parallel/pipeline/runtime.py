@@ -39,6 +39,7 @@ from titanlike.loss import ScaledLoss
 from titanlike.models.moe import stats_paused
 from titanlike.parallel import clip
 from titanlike.parallel.pipeline.build import build_stage, module_owner
+from titanlike.parallel.replica_check import checks_paused
 from titanlike.parallel.ties import parameter_names
 
 __all__ = ["PipelineParallel", "local_copy", "make_pipeline"]
@@ -52,12 +53,14 @@ class _Stage(PipelineStage):
     """A ``PipelineStage`` whose metadata inference leaves the model's training statistics alone: torch runs each
     stage's forward (and, from 2.13, backward) once at the first step to learn the shapes (2.13: on empty tensors,
     ``_forward_metadata_inference``; earlier: ``_shape_inference``), which an MoE block would count as routed tokens
-    of the step (wrong expert loads and bias update; caught by the pipeline gate's MoE layouts)."""
+    of the step (wrong expert loads and bias update; caught by the pipeline gate's MoE layouts), and which the
+    replica check would compare across tp ranks (``torch.empty`` rows differ: a false refusal, seen on nanoGPT's
+    second stage under tp2)."""
 
 
 def _pausing_stats(method: Callable) -> Callable:
     def paused(self, *args, **kwargs):
-        with stats_paused():
+        with stats_paused(), checks_paused():
             return method(self, *args, **kwargs)
 
     return paused
