@@ -279,3 +279,19 @@ def test_moe_resume_is_bitwise_exact_with_the_expert_biases(tmp_path):
     b, losses_b = run(tmp_path / "b", 4, *moe)
     assert losses_b == losses_a[2:]
     assert_same_state(a, b)
+
+
+def test_transformers_model_resume_is_bitwise_exact(tmp_path):
+    """model.name = "hf" (Qwen2 from a config.json folder: q/k/v biases, tied embeddings): the DCP checkpoint of the
+    library's own modules resumes bitwise (losses, weights, optimizer), the tie still one parameter."""
+    from hf_models import hf_folder
+
+    hf = ("--model.name", "hf", "--model.hf_config", hf_folder("hf_qwen2_tied", vocab_size=2048))
+    ckpt = ("--checkpoint.enable", "--checkpoint.interval", "2")
+    a, losses_a = run(tmp_path / "a", 4, *hf, *ckpt)
+    shutil.copytree(tmp_path / "a" / "checkpoint" / "step-2", tmp_path / "b" / "checkpoint" / "step-2")
+    b, losses_b = run(tmp_path / "b", 4, *hf, *ckpt)
+    assert losses_b == losses_a[2:]
+    assert_same_state(a, b)
+    model = b.model_parts[0]
+    assert model.lm_head.weight is model.embed_tokens.weight
