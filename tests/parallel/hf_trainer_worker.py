@@ -4,12 +4,15 @@ tp2 + SP and under pp2, the trainer exactly as under torchrun, for tests/paralle
     python tests/parallel/hf_trainer_worker.py OUT_DIR HF_CONFIG_FOLDER [train.py options ...]
 
 Jobs (each into OUT_DIR/NAME, forked from this process, which imported the trainer once): ``single`` (one
-process), ``tp2_sp`` and ``pp2`` (2 ranks each). The losses are in ``NAME/metrics.jsonl``.
+process), ``tp2_sp`` (2 ranks, saving its DCP checkpoint at step 2) and ``pp2`` (2 ranks), then ``resharded``: one
+process resuming the tp2 + SP checkpoint of step 2 (DCP resharding of the library's modules). The losses are in
+``NAME/metrics.jsonl``.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -37,10 +40,15 @@ ARGV = [
     "--validation.enable",
     "false",
 ]
+CKPT = ["--checkpoint.enable", "--checkpoint.interval", "2"]
 JOBS = {
     "single": (1, []),
-    "tp2_sp": (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "true"]),
+    "tp2_sp": (
+        2,
+        ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "true", *CKPT],
+    ),
     "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]),
+    "resharded": (1, CKPT),  # resumes tp2_sp's step-2 checkpoint in one process
 }
 
 
@@ -49,6 +57,9 @@ def main() -> int:
     args = args_from_folder(folder)  # checked, built on meta and translated once, before the forks (cached)
     sharding_for(args), param_init(args)
     for name, (world, more) in JOBS.items():
+        if name == "resharded":
+            step2 = Path("checkpoint") / "step-2"
+            shutil.copytree(out / "tp2_sp" / step2, out / name / step2)
         codes = run_trainer_job(out / name, [*ARGV, "--model.hf_config", folder, *extra, *more], world_size=world)
         if any(codes):
             print(f"job {name}: exit codes {codes}", file=sys.stderr)
