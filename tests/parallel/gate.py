@@ -391,6 +391,7 @@ LAYOUTS = [
         mutation="moe_expert_fsdp_average",
     ),
     *[Layout(f"{m} tp2_fsdp2", 4, _tp(2, *_dp(1, 2, 4)), model=m) for m in HF_CONFIGS if m != "hf_phi3_mha"],
+    Layout("hf_qwen2_tied hsdp2x2", 4, _dp(2, 2, 2), model="hf_qwen2_tied"),  # HSDP, the tie across the groups
     # 8 ranks
     Layout("tp2_hsdp2x2", 8, _tp(2, *_dp(2, 2, 2))),
     Layout("tp2_sp_fsdp4", 8, _tp(2, *SP, *_dp(1, 4, 2))),
