@@ -10,14 +10,13 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers  # the [hf] extra (transformers 5), installed by CI: a missing one fails, never skips
 
 from titanlike.config import load_config
 from titanlike.data import asset_path, set_loader_position
 from titanlike.hf import hf_architecture, load_hf, save_hf
 from titanlike.models.qwen3 import Qwen3, Qwen3Args
 from titanlike.training.trainer import Trainer
-
-transformers = pytest.importorskip("transformers", minversion="5", reason="the [hf] extra: pip install -e '.[hf]'")
 
 TOL = 1e-5  # float32 logits: transformers computes RoPE angles in float32, titanlike in float64
 BASE = dict(

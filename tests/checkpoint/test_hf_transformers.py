@@ -15,14 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers  # the [hf] extra (transformers 5), installed by CI: a missing one fails, never skips
 
 from titanlike.config import ConfigError, load_config
 from titanlike.data import asset_path, set_loader_position
 from titanlike.hf import HFConfigError, hf_architecture, load_hf, model_args_from_hf_config, save_hf
 from titanlike.models import ModelArgs, Transformer
 from titanlike.training.trainer import Trainer
-
-transformers = pytest.importorskip("transformers", minversion="5", reason="the [hf] extra: pip install -e '.[hf]'")
 
 TOL = 1e-5  # float32 logits: transformers computes RoPE angles in float32, titanlike in float64
 LLAMA3 = {

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+import transformers  # the [hf] extra, installed by CI: a missing one fails, never skips
 from hf_models import HF_CONFIGS, hf_folder
 
 from titanlike.config import load_config, model_args_from_config
@@ -19,7 +20,6 @@ from titanlike.models.transformers_lm import args_from_folder, sharding_for
 from titanlike.parallel.ties import tie_groups
 from titanlike.sharding import FusedColwise, HeadNorm, Region
 
-transformers = pytest.importorskip("transformers")  # the optional extra: CI installs .[hf]
 FAMILIES = [k for k in HF_CONFIGS if k != "hf_phi3_mha"]
 
 
