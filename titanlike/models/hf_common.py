@@ -1,13 +1,15 @@
 """What every model's Hugging Face adapter may share, importable from the model folders (which may not import
 ``titanlike.hf``): the renaming of parameters between our FQNs and Hugging Face's by two tables. (The config.json
-fields that change no weights are ``titanlike.hf.GENERIC_FIELDS``, set aside before an adapter reads the file.)"""
+fields that change no weights are ``titanlike.hf.GENERIC_FIELDS``, set aside before an adapter reads the file.) And
+the adapter protocol's ``describe`` / ``check_same_architecture`` for a model whose architecture is a list of args
+fields."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
 
-__all__ = ["Names"]
+__all__ = ["Names", "check_same_fields", "describe_fields"]
 
 
 class Names:
@@ -42,3 +44,18 @@ class Names:
         if m and m.group(2) in self._layer_back:
             return f"layers.{m.group(1)}.{self._layer_back[m.group(2)]}"
         raise ValueError(f"'{name}' is not a Hugging Face {self.model} parameter this model has")
+
+
+def describe_fields(args, fields: Iterable[str]) -> str:
+    """The architecture fields import takes from config.json, as one line (``describe`` of the adapter protocol)."""
+    return ", ".join(f"{f} {getattr(args, f)}" for f in fields)
+
+
+def check_same_fields(args, ours, source: str, fields: Iterable[str]) -> None:
+    """ValueError when weights made for ``args`` would not mean the same in a model of ``ours``: every field of
+    ``fields`` that differs, in one line (``check_same_architecture`` of the adapter protocol)."""
+    diff = [
+        f"{f} {getattr(args, f)} there, {getattr(ours, f)} here" for f in fields if getattr(args, f) != getattr(ours, f)
+    ]
+    if diff:
+        raise ValueError(f"{source} is for a different model: {'; '.join(diff)}")

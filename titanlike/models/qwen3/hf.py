@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from titanlike.models.hf_common import Names
+from titanlike.models.hf_common import Names, check_same_fields, describe_fields
 from titanlike.models.qwen3.model import Qwen3Args
 
 MODEL_TYPE = "qwen3"
@@ -210,15 +210,9 @@ ARCH_FIELDS = (
 
 def describe(args: Qwen3Args) -> str:
     """The architecture fields import takes from config.json, as one line."""
-    return ", ".join(f"{f} {getattr(args, f)}" for f in (*ARCH_FIELDS, "max_seq_len"))
+    return describe_fields(args, (*ARCH_FIELDS, "max_seq_len"))
 
 
 def check_same_architecture(args: Qwen3Args, ours: Qwen3Args, source: str) -> None:
     """ValueError when weights made for ``args`` would not mean the same in a model of ``ours``."""
-    diff = [
-        f"{f} {getattr(args, f)} there, {getattr(ours, f)} here"
-        for f in ARCH_FIELDS
-        if getattr(args, f) != getattr(ours, f)
-    ]
-    if diff:
-        raise ValueError(f"{source} is for a different model: {'; '.join(diff)}")
+    check_same_fields(args, ours, source, ARCH_FIELDS)

@@ -27,6 +27,7 @@ import re
 
 import torch
 
+from titanlike.models.hf_common import check_same_fields, describe_fields
 from titanlike.models.qwen3 import hf as qwen3_hf
 from titanlike.models.qwen3_moe.model import Qwen3MoeArgs
 
@@ -205,15 +206,9 @@ def model_args_from_hf_config(config: dict) -> Qwen3MoeArgs:
 
 def describe(args: Qwen3MoeArgs) -> str:
     """The architecture fields import takes from config.json, as one line."""
-    return ", ".join(f"{f} {getattr(args, f)}" for f in (*ARCH_FIELDS, "max_seq_len"))
+    return describe_fields(args, (*ARCH_FIELDS, "max_seq_len"))
 
 
 def check_same_architecture(args: Qwen3MoeArgs, ours: Qwen3MoeArgs, source: str) -> None:
     """ValueError when weights made for ``args`` would not mean the same in a model of ``ours``."""
-    diff = [
-        f"{f} {getattr(args, f)} there, {getattr(ours, f)} here"
-        for f in ARCH_FIELDS
-        if getattr(args, f) != getattr(ours, f)
-    ]
-    if diff:
-        raise ValueError(f"{source} is for a different model: {'; '.join(diff)}")
+    check_same_fields(args, ours, source, ARCH_FIELDS)
