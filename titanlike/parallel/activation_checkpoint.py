@@ -96,12 +96,16 @@ _PROFILER_OPS = {
 }
 
 
-def _selective_op_context_fn():
+def _ignore_profiler_ops() -> None:
+    """Once, when op-level AC is applied (not at every checkpointed forward)."""
     import torch.utils.checkpoint as torch_checkpoint
 
     ignored = getattr(torch_checkpoint, "SAC_IGNORED_OPS", None)  # (a set of torch's, absent before 2.13)
     if ignored is not None:
         ignored.update(_PROFILER_OPS)
+
+
+def _selective_op_context_fn():
     return create_selective_checkpoint_contexts(_sac_policy)
 
 
@@ -136,6 +140,8 @@ def checkpoint_block(block: nn.Module, selective_op: bool = False) -> nn.Module:
         raise ValueError(f"{type(block).__name__} already has activation checkpointing applied")
     if hasattr(block, "_compiled_call_impl") and block._compiled_call_impl is not None:
         raise ValueError("apply activation checkpointing before torch.compile, not after")
+    if selective_op:
+        _ignore_profiler_ops()
     block.__class__ = _checkpointed_class(type(block), selective_op)
     return block
 

@@ -58,7 +58,7 @@ class _Stage(PipelineStage):
     second stage under tp2)."""
 
 
-def _pausing_stats(method: Callable) -> Callable:
+def _not_a_training_forward(method: Callable) -> Callable:
     def paused(self, *args, **kwargs):
         with stats_paused(), checks_paused():
             return method(self, *args, **kwargs)
@@ -68,7 +68,7 @@ def _pausing_stats(method: Callable) -> Callable:
 
 for _name in ("_forward_metadata_inference", "_shape_inference"):
     if hasattr(PipelineStage, _name):
-        setattr(_Stage, _name, _pausing_stats(getattr(PipelineStage, _name)))
+        setattr(_Stage, _name, _not_a_training_forward(getattr(PipelineStage, _name)))
 
 
 @dataclass
