@@ -107,6 +107,7 @@ __all__ = [
     "set_aux_loss_denominator",
     "aux_losses",
     "stats_paused",
+    "balanced_routing",
     "init_moe_buffers",
     "param_init_patterns",
     "grouped_alignment",
@@ -210,7 +211,7 @@ class Router(nn.Module):
             choice = scores if expert_bias is None else scores + expert_bias.to(scores.dtype)
             if a.num_groups > 1:
                 choice = _limit_to_top_groups(choice, a.num_groups, a.topk_groups)
-            idx = choice.topk(a.top_k, dim=-1).indices
+            idx = choice.topk(a.top_k, dim=-1).indices if not _BALANCED[0] else _round_robin(x.shape[0], a, x.device)
         weights = scores.gather(-1, idx)
         if a.route_norm:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -254,13 +255,14 @@ def pad_groups(x: Tensor, counts: Tensor, align: int) -> tuple[Tensor, Tensor, T
     return padded, rows, ends.to(torch.int32)
 
 
-def _loop_swiglu(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
+def _loop_swiglu(x: Tensor, counts: Tensor | list[int], w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
     """One SwiGLU per expert on its rows (every expert, empty groups too, so every weight gets a gradient). The
     weights are ``unbind``-ed once: indexing ``w[e]`` per expert makes each expert's backward write a full-size zero
     gradient (E times the weight's memory traffic: 110 vs 35 ms forward + backward for 16 experts, 2048 rows, dim
     128, hidden 256, float32, one CPU thread)."""
     outs = []
-    for rows, a, b, c in zip(torch.split(x, counts.tolist()), w1.unbind(0), w2.unbind(0), w3.unbind(0)):
+    sizes = counts if isinstance(counts, list) else counts.tolist()
+    for rows, a, b, c in zip(torch.split(x, sizes), w1.unbind(0), w2.unbind(0), w3.unbind(0)):
         outs.append((F.silu(rows @ a.T) * (rows @ c.T)) @ b.T)
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
@@ -319,6 +321,8 @@ class GroupedExperts(nn.Module):
             )
         if self.resolved_impl(x) == "grouped":
             return _grouped_swiglu(x, counts, w1, w2, w3)
+        if _BALANCED[0]:  # every local expert the same rows, known from the shapes (no host read of the counts)
+            return _loop_swiglu(x, [x.shape[0] // w1.shape[0]] * w1.shape[0], w1, w2, w3)
         return _loop_swiglu(x, counts, w1, w2, w3)
 
 
@@ -356,6 +360,32 @@ def stats_paused():
         _STATS_PAUSED[0] -= 1
 
 
+_BALANCED = [0]
+
+
+@contextlib.contextmanager
+def balanced_routing():
+    """Route every token round-robin instead of by its scores: the ``top_k`` slots of token ``i`` pick experts
+    ``(i k + j) mod E``, so every expert gets the same number of rows (``tokens x top_k`` must divide by ``E``),
+    known from the shapes alone. The routing weights still come from the scores (the router keeps its gradient).
+    For shape-only runs (the planner's activation probe under ``FakeTensorMode``, where the data-dependent
+    ``bincount`` and per-expert row counts cannot be read) and for runs that need a known, perfectly even load (the
+    planner's all-to-all bytes against a real expert-parallel step)."""
+    _BALANCED[0] += 1
+    try:
+        yield
+    finally:
+        _BALANCED[0] -= 1
+
+
+def _round_robin(n: int, a: MoEArgs, device) -> Tensor:
+    if (n * a.top_k) % a.num_experts:
+        raise ValueError(
+            f"balanced_routing: {n} tokens x top_k {a.top_k} do not divide over {a.num_experts} experts evenly"
+        )
+    return (torch.arange(n * a.top_k, device=device) % a.num_experts).view(n, a.top_k)
+
+
 def _counting(module: nn.Module) -> bool:
     """Whether this forward's loads and aux loss are recorded: a training forward, not an AC recomputation (in
     backward), not paused."""
@@ -387,7 +417,10 @@ class MoE(nn.Module):
         flat = x.reshape(-1, dim)
         scores, idx, weights = self.router(flat, self.expert_bias)
         k = idx.shape[1]
-        counts = torch.bincount(idx.reshape(-1), minlength=self.args.num_experts)
+        if _BALANCED[0]:  # round-robin routing: every expert the same rows (no data-dependent bincount)
+            counts = idx.new_full((self.args.num_experts,), idx.numel() // self.args.num_experts)
+        else:
+            counts = torch.bincount(idx.reshape(-1), minlength=self.args.num_experts)
         if _counting(self):
             self.last_load = counts.detach()
             self.expert_load += counts
