@@ -478,7 +478,10 @@ def apply_tp(
                 f"plan; pass plan={{module-path pattern: ParallelStyle}} for it"
             )
         plan = tp_plan(spec.sharding_of(getattr(model, "args", None)), sequence_parallel, loss_parallel, float8=float8)
-        plan = {k: v for k, v in plan.items() if _matches(model, k)}
+        # each key for the modules it matches (an MoE model's dense feed-forward is not in every block: torch warns
+        # on a pattern some blocks lack), in the plan's order
+        names = [name for name, _ in model.named_modules()]
+        plan = {name: style for k, style in plan.items() for name in names if sh.matches(k, name)}
     elif isinstance(plan, dict):
         missing = [k for k in plan if not _matches(model, k)]
         if missing:
