@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="block_causal: the share of the causal attention tiles the mask computes (default: measured on the "
         "config's corpus, titanlike.data.documents)",
     )
+    p.add_argument(
+        "--expert-imbalance",
+        type=float,
+        default=1.0,
+        help="mixture of experts: the busiest expert-parallel rank's tokens over the mean (default 1: balanced); "
+        "scales its all-to-all bytes and expert FLOPs",
+    )
     p.add_argument("--suggest", action="store_true", help="also rank the legal layouts for this model and world size")
     p.add_argument("--top", type=int, default=12, help="suggested layouts to show (default 12)")
     return p
@@ -116,7 +123,14 @@ def main(argv: list[str] | None = None) -> int:
         fraction = corpus_attention_fraction(cfg) if cfg.model.attn_mask_type == "block_causal" else 1.0
     try:
         plan = make_plan(
-            cfg, opts.world_size, hw, args, rank=opts.rank, run_dry=not opts.no_dry_run, attention_fraction=fraction
+            cfg,
+            opts.world_size,
+            hw,
+            args,
+            rank=opts.rank,
+            run_dry=not opts.no_dry_run,
+            attention_fraction=fraction,
+            expert_imbalance=opts.expert_imbalance,
         )
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

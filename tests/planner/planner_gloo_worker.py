@@ -105,7 +105,28 @@ CASES = {
         "--activation_checkpoint.mode",
         "full",
     ],
+    # Qwen3-MoE (layer 0 dense, layer 1 MoE: 8 experts, top-2, the bias and the sequence-wise aux loss on), routed
+    # round-robin (titanlike.models.moe.balanced_routing: the planner's balanced load), experts over ep
+    "moe_ep2_fsdp4_bf16": ["--parallelism.expert_parallel_degree", "2", "--training.dtype", "bfloat16"],
+    "moe_tp2_sp_ep4_fsdp2_fullac": [
+        "--parallelism.expert_parallel_degree",
+        "4",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.enable_sequence_parallel",
+        "--activation_checkpoint.mode",
+        "full",
+    ],
+    "pp2_moe_ep2_1f1b": [  # stage 0: the dense layer and an MoE one, stage 1: two MoE layers
+        "--parallelism.expert_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--model.n_layers",
+        "4",
+    ],
 }
+MOE = ["--model.name", "qwen3_moe"]
 MODEL = [
     "--model.flavor",
     "tiny",
@@ -132,7 +153,7 @@ VOCAB = 250  # with vocab_multiple 2: 250 rows, uneven FSDP chunks under tp 2 x 
 def case_config(name: str):
     from titanlike.config import model_args_from_config, parse_config
 
-    cfg = parse_config(MODEL + ["--model.vocab_multiple", "2"] + CASES[name])
+    cfg = parse_config((MOE if "moe" in name else []) + MODEL + ["--model.vocab_multiple", "2"] + CASES[name])
     return cfg, model_args_from_config(cfg, VOCAB)
 
 
@@ -153,6 +174,7 @@ def _recorder():
         torch.ops._c10d_functional.all_gather_into_tensor,
         torch.ops._c10d_functional.reduce_scatter_tensor,
         torch.ops._c10d_functional.all_reduce,
+        torch.ops._c10d_functional.all_to_all_single,
         torch.ops.c10d._allgather_base_,
         torch.ops.c10d._reduce_scatter_base_,
         torch.ops.c10d.allreduce_,
@@ -193,6 +215,11 @@ def _describe(func, args, phase: str, c10d) -> tuple[str, int, tuple[int, ...], 
     if name == "all_reduce":  # (input, op, group_name)
         pg = c10d._resolve_process_group(args[2])
         return "all_reduce", _nbytes(args[0]), tuple(c10d.get_process_group_ranks(pg)), phase
+    if name == "all_to_all_single":  # (input, output_split_sizes, input_split_sizes, group_name): bytes sent away
+        pg = c10d._resolve_process_group(args[3])
+        ranks, rows = tuple(c10d.get_process_group_ranks(pg)), args[0].shape[0]
+        kept = args[2][pg.rank()] if args[2] else rows // len(ranks)
+        return "all_to_all", _nbytes(args[0]) * (rows - kept) // max(rows, 1), ranks, phase
 
     def ranks(script_pg):  # c10d ops carry the process group as a TorchScript object
         return tuple(c10d.get_process_group_ranks(c10d.ProcessGroup.unbox(script_pg)))
@@ -224,9 +251,11 @@ def _local_bytes(t) -> int:
 
 def run_case(rank: int, name: str) -> dict:
     import torch
+    import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from titanlike.models import Transformer
+    from titanlike.models import spec_for
+    from titanlike.models.moe import balanced_routing, set_aux_loss_denominator
     from titanlike.parallel import ParallelDims, build_loss_fn, parallelize_model, rank_groups
     from titanlike.planner.cost import messages
     from titanlike.planner.layout import Layout
@@ -242,9 +271,14 @@ def run_case(rank: int, name: str) -> dict:
         for g in rank_groups(dims, dim):
             if rank in g and len(g) > 1:
                 dim_of.setdefault(tuple(g), []).append(dim)
+    for dim in ("dp_shard_mod_ep", "dp_shard_cp_tp") if dims.ep > 1 else ():  # the experts' and MoE blocks' FSDP
+        if dim != "dp_shard_cp_tp" or dims.ep_tp > 1:
+            g = tuple(dist.get_process_group_ranks(dims.get_mesh(dim).get_group()))
+            if len(g) > 1:
+                dim_of.setdefault(g, []).append(dim)
 
     torch.manual_seed(0)
-    model = Transformer(args)
+    model = spec_for(args).build(args)
     model.init_weights()
     pp = None
     if dims.pp > 1:
@@ -256,6 +290,8 @@ def run_case(rank: int, name: str) -> dict:
         parts = [parallelize_model(model, dims, cfg)]
         loss_fn = build_loss_fn(cfg, dims)
     optimizer = build_optimizer(parts, cfg)
+    for part in parts:  # an MoE model's sequence-wise aux loss: the global batch's sequences
+        set_aux_loss_denominator(part, cfg.training.local_batch_size * dims.dp)
     g = torch.Generator().manual_seed(rank // (dims.tp * dims.cp) % dims.dp)
     if dims.cp > 1:  # every cp rank draws its dp rank's batch and keeps its two chunks of each row
         from titanlike.parallel.context_parallel import cp_shard
@@ -272,14 +308,20 @@ def run_case(rank: int, name: str) -> dict:
         recorder = _recorder()
         if pp is None:  # CommDebugMode's own count must agree with the recorder's
             cdm = CommDebugMode()
-            with cdm, recorder:
+            with cdm, recorder, balanced_routing():
                 fn()
             comm_debug += cdm.get_total_counts()
             recorded += sum(op != "send" for op, *_ in recorder.records)
         else:
-            with recorder:
+            with recorder, balanced_routing():
                 fn()
         for op, nbytes, ranks, is_phase, functional in recorder.records:
+            if op == "all_to_all":  # expert parallelism's dispatch, combine and counts
+                measured[f"ep all_to_all {phase or is_phase}"][0] += 1
+                measured[f"ep all_to_all {phase or is_phase}"][1] += nbytes
+                continue
+            if len(ranks) == 1:  # a group of one (the experts' FSDP when ep takes every token rank)
+                continue
             dims_here = dim_of[ranks]
             dim = dims_here[0] if len(dims_here) == 1 else ("cp" if functional else dims_here[-1])
             key = _key(dim, op, phase or is_phase, pp is not None)

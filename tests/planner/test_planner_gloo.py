@@ -5,7 +5,12 @@ hold in parameters, gradients and AdamW states equal the planner's numbers, on e
 Layouts (tests/planner_gloo_worker.py): TP+SP x FSDP in bf16; TP x FSDP in fp32 with full AC and a chunked
 vocab-parallel loss; HSDP 2 x 2 with gradient accumulation; TP+SP with every-2nd-block AC; TP+SP with op-level
 AC and FSDP resharding always; PP 2 x FSDP 2 with 1F1B and tied embeddings; PP 2 x TP+SP 2 interleaved with
-gradient accumulation; CP 2 x FSDP (over dp_shard x cp); CP 2 x TP+SP 2 with full AC (K/V all-gathers recomputed).
+gradient accumulation; CP 2 x FSDP (over dp_shard x cp); CP 2 x TP+SP 2 with full AC (K/V all-gathers recomputed);
+Qwen3-MoE (a dense and an MoE layer, the sequence-wise aux loss on, routed round-robin: the planner's balanced load)
+under ep 2 x FSDP 4 in bf16 (experts' own FSDP over dp_shard_mod_ep) and under TP+SP 2 x ep 4 x FSDP 2 with full AC
+(ep borrowing tp: no collectives around the MoE block, its router over dp_shard_cp_tp, the aux loss's counts over tp,
+per-head norm gradients over tp, the all-to-alls recomputed); Qwen3-MoE under PP 2 x ep 2 with 1F1B (a dense and an
+MoE layer on the first stage, two MoE layers on the second).
 The vocabulary (250 rows) splits unevenly under tp 2 x dp_shard 2, so the padded FSDP
 shards are exercised too.
 """
@@ -31,7 +36,7 @@ def test_planner_matches_gloo_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     cases = json.loads(out.read_text())["cases"]
-    assert len(cases) == 9
+    assert len(cases) == 12
     for name, ranks in cases.items():
         assert sorted(ranks) == ["0", "1", "2", "3"], name
         for rank, r in ranks.items():
@@ -58,8 +63,26 @@ def test_planner_matches_gloo_runs(tmp_path):
         "cp reduce_scatter backward",
         "cp all_gather backward",
         "dp_shard_cp reduce_scatter backward",
+        "ep all_to_all forward",
+        "ep all_to_all backward",
+        "dp_shard_mod_ep all_gather forward",
+        "dp_shard_mod_ep reduce_scatter backward",
+        "dp_shard_cp_tp all_gather forward",
+        "dp_shard_cp_tp reduce_scatter backward",
     ):
         assert key in keys, key
+    # MoE (one MoE layer, one pass): the counts, the dispatch and the combine forward, the two transposes backward;
+    # full AC reruns the forward's three in the backward
+    for name, fwd, bwd in (("moe_ep2_fsdp4_bf16", 3, 2), ("moe_tp2_sp_ep4_fsdp2_fullac", 3, 5)):
+        for rank, r in cases[name].items():
+            m = r["measured"]
+            assert (m["ep all_to_all forward"][0], m["ep all_to_all backward"][0]) == (fwd, bwd), (name, rank, m)
+    # under pp 2 (2 microbatches): stage 0 holds one MoE layer, stage 1 two; CommDebugMode cannot follow a pipeline
+    # schedule, the recorder does
+    for rank, r in cases["pp2_moe_ep2_1f1b"].items():
+        layers = 1 if rank in ("0", "1") else 2
+        m = r["measured"]
+        assert (m["ep all_to_all forward"][0], m["ep all_to_all backward"][0]) == (6 * layers, 4 * layers), (rank, m)
     # CP: per block and pass, one all-gather of K and one of V forward, one reduce-scatter of each gradient backward
     # (2 blocks); full AC repeats the two all-gathers in the backward. Bytes: the planner's, checked above.
     for rank, r in cases["cp2_fsdp2"].items():

@@ -46,7 +46,7 @@ def test_llama_8b_on_64_ranks_divides_the_matrices_and_counts_the_bytes():
     assert muon.cost.optimizer > 0 and muon.cost.step_time > adamw.cost.step_time
     text = render_plan(muon)
     assert "optimizer: Muon orthogonalizes 4 matrices on this rank (of its group of 64)" in text
-    assert "muon         all_to_all" in text
+    assert "muon            all_to_all" in text
 
 
 def test_a_local_stage_orthogonalizes_its_own_matrices_without_messages():

@@ -45,10 +45,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from titanlike.layout.timeline import schedule_timeline
+from titanlike.models import spec_for as get_spec_for
 from titanlike.planner.hardware import Hardware
 from titanlike.planner.layout import Layout
-from titanlike.planner.memory import fsdp_units, rank_param_shards
+from titanlike.planner.memory import fsdp_units, moe_layers, rank_param_shards, unit_group, unit_reshards
 from titanlike.planner.muon import muon_rank
+from titanlike.sharding import HeadNorm, entry_for
 
 __all__ = ["Message", "StepCost", "bubble", "messages", "step_cost", "wire_factor"]
 
@@ -76,6 +78,15 @@ def wire_factor(op: str, group: int) -> float:
     return 2 * ring if op == "all_reduce" else ring
 
 
+_PER_BLOCK = ("block", "experts", "moe")  # one FSDP group per block
+# FSDP's groups: overlapped with the compute (the experts' over dp_shard_mod_ep, an MoE block's over dp_shard_cp_tp)
+_DP_DIMS = ("dp_shard", "dp_shard_cp", "dp_shard_mod_ep", "dp_shard_cp_tp", "dp_replicate")
+
+
+def _is_head_norm(sharding, name: str) -> bool:
+    return isinstance(entry_for(sharding, name.rpartition(".")[0]), HeadNorm)
+
+
 def _layer_ids(names) -> list[int]:
     return [int(n.split(".")[1]) for n in names if n.startswith("layers.")]
 
@@ -91,6 +102,8 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
     pp_rank = lo.pp_rank_of(rank)
     stage_ids = lo.stage_ids(pp_rank)
     passes = lo.accum_steps * lo.n_microbatches  # microbatch forwards per stage per step
+    sharding = get_spec_for(args).sharding_of(args)
+    gb = lo.act_bytes if lo.fsdp else lo.param_bytes  # a replicated weight's gradient (bf16 under FSDP's mp)
 
     def add(dim, op, phase, nbytes, group, what, count):
         if group > 1 and count:
@@ -99,17 +112,32 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
     for sid in stage_ids:
         names = lo.stages[sid]
         ids = _layer_ids(names)
+        moe = moe_layers(args, names)
+        head_norms = [p for p in rank_param_shards(lo, args, rank)[sid] if _is_head_norm(sharding, p.name)]
         # ---------------------------------------------------------------------------------- tensor parallel
         if t > 1:
             # Blocks under full AC rerun their forward in the backward up to the last op whose saved tensors the
             # backward needs (torch.utils.checkpoint's early stop): every forward collective but w2's.
             recomputed = sum(lo.checkpointed(i) == "full" for i in ids)
+            # per-head norms (HeadNorm): replicated weights whose gradients are summed over tp
+            for p in head_norms:
+                add("tp", "all_reduce", "backward", p.tp_numel * gb, t, "per-head norm weight gradients", passes)
             if lo.sequence_parallel:
-                n = len(ids)
-                add("tp", "all_gather", "forward", A, t, "block inputs of attention / ffn", 2 * n * passes)
-                add("tp", "reduce_scatter", "forward", A, t, "block outputs of wo / w2", 2 * n * passes)
-                add("tp", "all_gather", "backward", A, t, "block outputs of wo / w2", 2 * n * passes)
-                add("tp", "reduce_scatter", "backward", A, t, "block inputs of attention / ffn", 2 * n * passes)
+                # an MoE block runs on this rank's own tokens (TokenLocal): no all-gather / reduce-scatter around it
+                n, local = len(ids), len(moe)
+                ffn_recomputed = sum(lo.checkpointed(i) == "full" for i in ids if i not in moe)
+                add("tp", "all_gather", "forward", A, t, "block inputs of attention / ffn", (2 * n - local) * passes)
+                add("tp", "reduce_scatter", "forward", A, t, "block outputs of wo / w2", (2 * n - local) * passes)
+                add("tp", "all_gather", "backward", A, t, "block outputs of wo / w2", (2 * n - local) * passes)
+                add(
+                    "tp",
+                    "reduce_scatter",
+                    "backward",
+                    A,
+                    t,
+                    "block inputs of attention / ffn",
+                    (2 * n - local) * passes,
+                )
                 add(
                     "tp",
                     "all_gather",
@@ -117,7 +145,7 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
                     A,
                     t,
                     "recomputed inputs of attention / ffn (full AC)",
-                    2 * recomputed * passes,
+                    (recomputed + ffn_recomputed) * passes,
                 )
                 add("tp", "reduce_scatter", "backward", A, t, "recomputed output of wo (full AC)", recomputed * passes)
                 n_norms = 2 * len(ids) + ("norm" in names)
@@ -177,6 +205,34 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
             add(
                 "cp", "all_gather", "backward", kv_bytes, lo.cp, "recomputed K and V (full AC)", 2 * recomputed * passes
             )
+        # ---------------------------------------------------------------------------------- expert parallel
+        if lo.ep > 1:
+            routed = b * s // (t if lo.ep_tp > 1 else 1)  # tokens this rank routes (its SP shard when ep borrows tp)
+            off = (lo.ep - 1) / lo.ep
+            for i, m in moe.items():
+                rows = round(routed * m.top_k * off * lo.expert_imbalance)
+                repeat = 1 + (lo.checkpointed(i) == "full")  # full AC reruns the forward's three
+                for phase, n, again in (("forward", passes, ""), ("backward", (repeat - 1) * passes, ", full AC")):
+                    counts = "MoE token counts per expert" + (" (recomputed)" if again else "")
+                    add("ep", "all_to_all", phase, m.num_experts * 8 * off, lo.ep, counts, n)
+                    add("ep", "all_to_all", phase, rows * h * a, lo.ep, _dispatch_what(m, lo, again), 2 * n)
+                add("ep", "all_to_all", "backward", rows * h * a, lo.ep, "MoE dispatch / combine grads", 2 * passes)
+        split = lo.cp * lo.ep_tp  # ranks holding pieces of one sequence, each routing its own tokens
+        for i, m in moe.items() if split > 1 else ():
+            if m.aux_loss_coeff > 0:  # the sequence-wise aux loss sums each sequence's expert counts over them
+                dim = "tp" if lo.cp == 1 else ("cp" if lo.ep_tp == 1 else "cp_tp")
+                recomputed = lo.checkpointed(i) != "none"  # a c10d all-reduce: not among the saved ops
+                what = "MoE aux loss: expert counts per sequence"
+                add(dim, "all_reduce", "forward", b * m.num_experts * lo.compute_bytes, split, what, passes)
+                add(
+                    dim,
+                    "all_reduce",
+                    "backward",
+                    b * m.num_experts * lo.compute_bytes,
+                    split,
+                    what,
+                    recomputed * passes,
+                )
         # ---------------------------------------------------------------------------------- pipeline
         if lo.pp > 1:
             p2p = A // t if lo.sequence_parallel else A
@@ -193,43 +249,46 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
                 )
                 add("pp", "all_reduce", "step", shard.numel * lo.param_bytes, 2, "tied embedding grads", 1)
     # -------------------------------------------------------------------------------------- data parallel
-    if lo.fsdp:
-        shards = rank_param_shards(lo, args, rank)
-        ds, dr, fdim = lo.fsdp_shard, lo.dp_replicate, lo.fsdp_dim
-        for sid in stage_ids:
-            for kind, params in fsdp_units(lo, args, shards[sid], lo.stages[sid]):
-                padded = sum(p.padded_numel for p in params)
-                reshard = lo.reshard(kind)
-                if lo.pp > 1:  # the schedule keeps the stage gathered and reduces once per schedule step
-                    fwd_ag = lo.accum_steps * (lo.n_microbatches if reshard else 1)
-                    bwd_ag = lo.accum_steps * lo.n_microbatches if reshard else 0
-                    rs = lo.accum_steps
-                else:
-                    fwd_ag, bwd_ag, rs = lo.accum_steps, lo.accum_steps if reshard else 0, lo.accum_steps
-                what = f"{kind} {'params' if kind != 'block' else 'params (per block)'}"
-                # Under pp the schedule runs FSDP's post-backward itself after the stage's last backward:
-                # the reduction waits for the whole backward instead of overlapping it.
-                reduce_phase = "step" if lo.pp > 1 else "backward"
-                add(fdim, "all_gather", "forward", padded * ds * a, ds, what, fwd_ag)
-                add(fdim, "all_gather", "backward", padded * ds * a, ds, what, bwd_ag)
-                add(
-                    fdim,
-                    "reduce_scatter",
-                    reduce_phase,
-                    padded * ds * lo.reduce_bytes,
-                    ds,
-                    what.replace("params", "grads"),
-                    rs,
-                )
-                add(
-                    "dp_replicate",
-                    "all_reduce",
-                    reduce_phase,
-                    padded * lo.reduce_bytes,
-                    dr,
-                    what.replace("params", "grad shards"),
-                    rs,
-                )
+    shards = rank_param_shards(lo, args, rank)
+    dr = lo.dp_replicate
+    for sid in stage_ids:
+        for kind, params in fsdp_units(lo, args, shards[sid], lo.stages[sid]):
+            wrapped = unit_group(lo, params)
+            if wrapped is None:
+                continue
+            fdim, ds = wrapped
+            padded = sum(p.padded_numel for p in params)
+            reshard = unit_reshards(lo, kind)
+            if lo.pp > 1:  # the schedule keeps the stage gathered and reduces once per schedule step
+                fwd_ag = lo.accum_steps * (lo.n_microbatches if reshard else 1)
+                bwd_ag = lo.accum_steps * lo.n_microbatches if reshard else 0
+                rs = lo.accum_steps
+            else:
+                fwd_ag, bwd_ag, rs = lo.accum_steps, lo.accum_steps if reshard else 0, lo.accum_steps
+            what = f"{kind} {'params' if kind not in _PER_BLOCK else 'params (per block)'}"
+            # Under pp the schedule runs FSDP's post-backward itself after the stage's last backward:
+            # the reduction waits for the whole backward instead of overlapping it.
+            reduce_phase = "step" if lo.pp > 1 else "backward"
+            add(fdim, "all_gather", "forward", padded * ds * a, ds, what, fwd_ag)
+            add(fdim, "all_gather", "backward", padded * ds * a, ds, what, bwd_ag)
+            add(
+                fdim,
+                "reduce_scatter",
+                reduce_phase,
+                padded * ds * lo.reduce_bytes,
+                ds,
+                what.replace("params", "grads"),
+                rs,
+            )
+            add(
+                "dp_replicate",
+                "all_reduce",
+                reduce_phase,
+                padded * lo.reduce_bytes,
+                dr,
+                what.replace("params", "grad shards"),
+                rs,
+            )
     # -------------------------------------------------------------------------------------- Muon
     muon = muon_rank(lo, args, rank)
     if muon is not None and muon.collectives:
@@ -247,6 +306,12 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
         Message(dim, op, phase, count, nbytes, group, what)
         for (dim, op, phase, nbytes, group, what), count in out.items()
     ]
+
+
+def _dispatch_what(m, lo: Layout, recomputed: str = "") -> str:
+    imbalance = f", busiest rank x{lo.expert_imbalance:g}" if lo.expert_imbalance != 1 else ", balanced"
+    again = " recomputed" if recomputed else ""
+    return f"MoE dispatch / combine rows{again} (top-{m.top_k}, {lo.ep - 1}/{lo.ep} off-rank{imbalance})"
 
 
 @lru_cache(maxsize=512)
@@ -315,6 +380,11 @@ def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
         for sid in lo.stage_ids(pp_rank):
             tr, rc = _stage_flops_per_token(lo, args, lo.stages[sid])
             train, recompute = train + tr, recompute + rc
+            if lo.ep > 1:  # the busiest expert-parallel rank computes imbalance x the mean of the routed rows
+                for i, m in moe_layers(args, lo.stages[sid]).items():
+                    routed = 6 * 3 * m.dim * m.hidden_dim * m.top_k * (lo.expert_imbalance - 1)
+                    train += routed
+                    recompute += routed / 3 if lo.checkpointed(i) == "full" else 0
         per_rank.append((train + recompute) * tokens / (lo.dp * lo.cp * lo.tp))
     rank_flops = max(per_rank)
     compute = rank_flops / (hw.peak_flops * hw.compute_efficiency)
@@ -336,9 +406,11 @@ def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
         after[dim] = seconds([m for m in msgs if m.phase == "step"])
     bub = bubble(lo.schedule or "1F1B", lo.pp, lo.n_microbatches, lo.stages_per_rank)
     tp_s = dims["tp"].seconds if "tp" in dims else 0.0
-    cp_s = dims["cp"].seconds if "cp" in dims else 0.0  # synchronous inside attention: on the critical path
+    # synchronous inside attention (and the MoE aux loss's counts over cp x tp): on the critical path
+    cp_s = sum(dims[d].seconds for d in ("cp", "cp_tp") if d in dims)
+    ep_s = dims["ep"].seconds if "ep" in dims else 0.0  # the MoE blocks wait for their tokens: on the critical path
     pp_s = dims["pp"].seconds if "pp" in dims else 0.0
-    dp = [d for d in ("dp_shard", "dp_shard_cp", "dp_replicate") if d in dims]
+    dp = [d for d in _DP_DIMS if d in dims]
     dp_after = sum(after[d] for d in dp)  # reductions after the last backward: nothing left to hide them under
     dp_overlap = sum(dims[d].seconds for d in dp) - dp_after
     dp_exposed = dp_after + max(0.0, dp_overlap - compute)
@@ -347,8 +419,15 @@ def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
     ns = max((m.ns_flops for m in muon if m is not None), default=0)
     muon_s = dims["muon"].seconds if "muon" in dims else 0.0
     optimizer = ns / (hw.peak_flops * hw.compute_efficiency) + muon_s
-    step = (compute + tp_s + cp_s) * (1 + bub) + pp_s + dp_exposed + optimizer
-    for d, exposed in (("tp", tp_s * (1 + bub)), ("cp", cp_s * (1 + bub)), ("pp", pp_s), ("muon", muon_s)):
+    step = (compute + tp_s + cp_s + ep_s) * (1 + bub) + pp_s + dp_exposed + optimizer
+    for d, exposed in (
+        ("tp", tp_s * (1 + bub)),
+        ("cp", dims["cp"].seconds * (1 + bub) if "cp" in dims else 0.0),
+        ("cp_tp", dims["cp_tp"].seconds * (1 + bub) if "cp_tp" in dims else 0.0),
+        ("ep", ep_s * (1 + bub)),
+        ("pp", pp_s),
+        ("muon", muon_s),
+    ):
         if d in dims:
             dims[d] = _replace(dims[d], exposed)
     for d in dp:  # split the exposed time in proportion

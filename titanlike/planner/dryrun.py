@@ -82,7 +82,13 @@ def dry_run(cfg: JobConfig, layout: Layout, args, rank: int = 0, probe_activatio
     try:
         d = layout.dims  # plain degrees; the mesh comes from parallel's ParallelDims
         dims = ParallelDims(
-            dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, cp=d.cp, tp=d.tp, pp=d.pp, world_size=d.world_size
+            dp_replicate=d.dp_replicate,
+            dp_shard=d.dp_shard,
+            cp=d.cp,
+            tp=d.tp,
+            pp=d.pp,
+            world_size=d.world_size,
+            ep=d.ep,
         )
         dims.build_mesh("cpu")
         full = spec_for(args).build_meta(args)
@@ -133,6 +139,7 @@ def _probe_block(cfg: JobConfig, layout: Layout, args, dims, block) -> int:
 
     from titanlike.layout import loss_parallel_enabled
     from titanlike.models import block_container_of
+    from titanlike.models.moe import balanced_routing, set_aux_loss_denominator
     from titanlike.parallel.activation_checkpoint import apply_ac
     from titanlike.parallel.tensor_parallel import apply_tp
 
@@ -171,7 +178,10 @@ def _probe_block(cfg: JobConfig, layout: Layout, args, dims, block) -> int:
         (layer,) = block_container_of(block).values()
         tracker = MemTracker()
         tracker.track_external(block, x_leaf, *kwargs.values())
-        with tracker:
+        set_aux_loss_denominator(layer, layout.microbatch_size * layout.dp)  # a sequence-wise aux loss's global S
+        # an MoE block routes round-robin: every expert the same rows (the planner's assumed balance), known from
+        # the shapes, as FakeTensorMode needs
+        with tracker, balanced_routing():
             x = x_leaf * 1  # the block input as the previous block hands it over: kept only if the block saves it
             y = layer(x, **kwargs)
             del x

@@ -62,11 +62,24 @@ class Layout:
     # The share of the causal mask's attention computed: 1 under model.attn_mask_type = causal; under block_causal
     # the tiles the corpus's documents keep (titanlike.data.documents.document_stats: block_fraction)
     attention_fraction: float = 1.0
+    # Mixture of experts: the load the planner assumes on the busiest expert-parallel rank, as a multiple of the
+    # mean (1: perfectly balanced, what the bias balancing steers to); scales that rank's all-to-all bytes and its
+    # expert FLOPs
+    expert_imbalance: float = 1.0
 
     @classmethod
-    def from_config(cls, cfg, world_size: int, args, gpus_per_node: int, attention_fraction: float = 1.0) -> Layout:
+    def from_config(
+        cls,
+        cfg,
+        world_size: int,
+        args,
+        gpus_per_node: int,
+        attention_fraction: float = 1.0,
+        expert_imbalance: float = 1.0,
+    ) -> Layout:
         """The layout of ``cfg`` on ``world_size`` ranks; ConfigError if the layout itself is illegal.
-        ``attention_fraction``: the block-causal mask's share of the causal attention (1 for ``causal``)."""
+        ``attention_fraction``: the block-causal mask's share of the causal attention (1 for ``causal``);
+        ``expert_imbalance``: the busiest expert-parallel rank's load over the mean (>= 1)."""
         problems = layout_violations(cfg, world_size, args)
         if problems:
             raise ConfigError(problems[0])
@@ -74,6 +87,10 @@ class Layout:
             raise ConfigError(
                 f"attention fraction {attention_fraction}: the share of causal attention a mask computes is in (0, 1], "
                 f"and 1 under model.attn_mask_type = causal"
+            )
+        if not expert_imbalance >= 1:
+            raise ConfigError(
+                f"expert imbalance {expert_imbalance}: the busiest expert-parallel rank's load over the mean is >= 1"
             )
         p, t = cfg.parallelism, cfg.training
         dims = Degrees.from_config(cfg, world_size)
@@ -111,6 +128,7 @@ class Layout:
             ns_steps=cfg.optimizer.ns_steps,
             muon_bucket_mb=cfg.optimizer.muon_bucket_mb,
             attention_fraction=attention_fraction,
+            expert_imbalance=expert_imbalance,
         )
 
     # ----------------------------------------------------------------------------------------- degrees
@@ -125,6 +143,16 @@ class Layout:
     @property
     def cp(self) -> int:
         return self.dims.cp
+
+    ep = property(lambda self: self.dims.ep)
+    ep_tp = property(lambda self: self.dims.ep_tp)
+    dp_shard_mod_ep = property(lambda self: self.dims.dp_shard_mod_ep)
+
+    def token_index(self, coords: dict[str, int]) -> int:
+        """A rank's place among the ranks routing tokens of their own (``dp_shard x cp``, ``x tp`` when expert
+        parallelism borrows tp): ``ep`` cuts them into consecutive blocks (ep innermost, as ``ParallelDims``)."""
+        i = self.fsdp_shard_index(coords)
+        return i * self.tp + coords["tp"] if self.ep_tp > 1 else i
 
     @property
     def local_seq_len(self) -> int:
@@ -228,7 +256,28 @@ class Layout:
         }
         # Muon's all-to-alls: every rank of a pipeline stage (its matrices' flattened mesh)
         groups["muon"] = group_map(self.dims, "muon", self.gpus_per_node, members=MESH_DIMS[1:])
+        for name, rows in self.expert_rows.items():
+            groups[name] = _map_rows(name, rows, self.gpus_per_node)
+        if self.ep_tp > 1:
+            groups["cp_tp"] = group_map(self.dims, "cp_tp", self.gpus_per_node, members=("cp", "tp"))
         return groups
+
+    @cached_property
+    def expert_rows(self) -> dict[str, np.ndarray]:
+        """Under expert parallelism, the groups (rows of ranks) of ``ep`` (the token ranks cut into blocks, ep
+        innermost, as ``ParallelDims`` unflattens them), ``dp_shard_mod_ep`` (the same experts across the blocks) and,
+        when ep borrows tp, ``dp_shard_cp_tp`` (every token rank of a model copy)."""
+        if self.ep == 1:
+            return {}
+        rows = _group_rows(self.dims, ("dp_shard", "cp", "tp") if self.ep_tp > 1 else ("dp_shard", "cp"))
+        m = rows.shape[1] // self.ep
+        out = {
+            "ep": rows.reshape(-1, self.ep),
+            "dp_shard_mod_ep": rows.reshape(-1, m, self.ep).transpose(0, 2, 1).reshape(-1, m),
+        }
+        if self.ep_tp > 1:
+            out["dp_shard_cp_tp"] = rows
+        return out
 
 
 @dataclass(frozen=True)
@@ -259,11 +308,18 @@ class GroupMap:
 def group_map(dims: Degrees, name: str, gpus_per_node: int, members: tuple[str, ...] | None = None) -> GroupMap:
     """Where the groups of mesh dim ``name`` ("tp", "dp", ...; or of the dims ``members``) sit: the same groups as
     ``titanlike.layout.rank_groups``, computed with numpy so that 16k-rank grids take milliseconds."""
-    members = members or FLATTENED.get(name, (name,))
+    return _map_rows(name, _group_rows(dims, members or FLATTENED.get(name, (name,))), gpus_per_node)
+
+
+def _group_rows(dims: Degrees, members: tuple[str, ...]) -> np.ndarray:
+    """(groups, size): the ranks of every group of the dims ``members``, each row in mesh order."""
     axes = [MESH_DIMS.index(m) for m in members]
     grid = np.arange(dims.world_size).reshape(dims.shape)
     rest = [a for a in range(len(MESH_DIMS)) if a not in axes]
-    groups = np.transpose(grid, rest + axes).reshape(-1, int(np.prod([dims.shape[a] for a in axes])))
+    return np.transpose(grid, rest + axes).reshape(-1, int(np.prod([dims.shape[a] for a in axes])))
+
+
+def _map_rows(name: str, groups: np.ndarray, gpus_per_node: int) -> GroupMap:
     size = groups.shape[1]
     nodes = groups // gpus_per_node
     crossing = nodes.min(axis=1) != nodes.max(axis=1)

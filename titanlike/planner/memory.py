@@ -42,11 +42,14 @@ __all__ = [
     "chunk",
     "fsdp_units",
     "inflight_microbatches",
+    "moe_activation_bytes",
+    "moe_layers",
     "param_shapes",
     "rank_activation_memory",
     "rank_memory",
     "rank_param_shards",
     "rank_state_memory",
+    "unit_group",
 ]
 
 
@@ -63,7 +66,17 @@ def _spec(args):
 
 
 _MODELS: dict[tuple, object] = {}  # (model name, repr(args)) -> the whole model on the meta device
-_STAGES: dict[tuple, tuple[dict[str, tuple[int, ...]], list[list[str]]]] = {}
+_STAGES: dict[tuple, StageFacts] = {}
+
+
+@dataclass(frozen=True)
+class StageFacts:
+    """What the planner reads off one stage module built on the meta device."""
+
+    shapes: dict[str, tuple[int, ...]]  # parameter FQN -> full shape, in named_parameters order
+    ties: list[list[str]]  # tied name groups
+    experts: tuple[str, ...]  # FQNs of the routed experts' modules (GroupedExperts): sharded over ep when ep > 1
+    moe: dict[str, object]  # FQN of every MoE block -> its MoEArgs
 
 
 def _meta_model(spec, args):
@@ -75,9 +88,10 @@ def _meta_model(spec, args):
     return _MODELS[key]
 
 
-def _stage(args, names: tuple[str, ...]) -> tuple[dict[str, tuple[int, ...]], list[list[str]]]:
-    """(parameter shapes, tied name groups) of the stage holding ``names``: the model's own constructor on the meta
-    device, cut by the pipeline's stage builder, ties found by identity."""
+def _stage(args, names: tuple[str, ...]) -> StageFacts:
+    """The facts of the stage holding ``names``: the model's own constructor on the meta device, cut by the
+    pipeline's stage builder, ties found by identity, expert and MoE modules found by type."""
+    from titanlike.models.moe import GroupedExperts, MoE
     from titanlike.parallel.pipeline import build_stage
     from titanlike.parallel.ties import tie_groups
 
@@ -85,14 +99,25 @@ def _stage(args, names: tuple[str, ...]) -> tuple[dict[str, tuple[int, ...]], li
     key = (spec.name, repr(args), names)
     if key not in _STAGES:
         stage = build_stage(_meta_model(spec, args), names)
-        _STAGES[key] = ({k: tuple(p.shape) for k, p in stage.named_parameters()}, tie_groups(stage))
+        mods = list(stage.named_modules())
+        _STAGES[key] = StageFacts(
+            {k: tuple(p.shape) for k, p in stage.named_parameters()},
+            tie_groups(stage),
+            tuple(n for n, m in mods if isinstance(m, GroupedExperts)),
+            {n: m.args for n, m in mods if isinstance(m, MoE)},
+        )
     return _STAGES[key]
+
+
+def moe_layers(args, names: Sequence[str]) -> dict[int, object]:
+    """Layer id -> MoEArgs of every block among module ``names`` (a stage's) that holds an MoE block."""
+    return {int(fqn.split(".")[1]): a for fqn, a in _stage(args, tuple(names)).moe.items()}
 
 
 def param_shapes(args, names: Sequence[str]) -> dict[str, tuple[int, ...]]:
     """Full shapes of the parameters of a stage holding modules ``names`` (the model's own FQNs, in
     ``named_parameters`` order; a tied head inside the stage is the embedding's parameter)."""
-    return dict(_stage(args, tuple(names))[0])
+    return dict(_stage(args, tuple(names)).shapes)
 
 
 @dataclass(frozen=True)
@@ -102,6 +127,9 @@ class ParamShard:
     tp_shape: tuple[int, ...]  # after tensor parallelism: what FSDP all-gathers
     local_shape: tuple[int, ...]  # what this rank stores
     padded_numel: int  # FSDP's per-rank all-gather share (dim 0 padded to ceil(n / dp_shard))
+    # FSDP's shard group when it is not the layout's (``Layout.fsdp_dim``): the routed experts' "dp_shard_mod_ep"
+    # (their tp_shape is then this ep rank's experts), an MoE block's "dp_shard_cp_tp" when ep borrows tp
+    group: str = ""
 
     @property
     def numel(self) -> int:
@@ -120,23 +148,41 @@ def _prod(shape) -> int:
 
 
 def rank_param_shards(layout: Layout, args, rank: int = 0) -> dict[int, list[ParamShard]]:
-    """Per stage held by ``rank``: its parameters' full, tp-local and stored shapes."""
+    """Per stage held by ``rank``: its parameters' full, tp-local (ep-local for routed experts) and stored shapes.
+
+    Under expert parallelism (``titanlike.parallel.parallelize``): a routed expert weight ``(E, ., .)`` is
+    ``Shard(0)`` over ``ep`` (this ep rank's ``E / ep`` experts), then FSDP over ``dp_shard_mod_ep`` on dim 0 when its
+    experts divide by that group, else dim 1; when ep borrows tp, the rest of an MoE block (router, shared experts)
+    is replicated over tp and FSDP-sharded over ``dp_shard x cp x tp``."""
     c = layout.coords(rank)
     ds, shard_index = layout.fsdp_shard, layout.fsdp_shard_index(c)
+    token = layout.token_index(c)
+    ep_rank, mod_rank = token % layout.ep, token // layout.ep
     out = {}
+    sharding = _spec(args).sharding_of(args)
     for s in layout.stage_ids(c["pp"]):
         shards = []
-        sharding = _spec(args).sharding_of(args)
-        for name, shape in param_shapes(args, layout.stages[s]).items():
+        facts = _stage(args, tuple(layout.stages[s]))
+        for name, shape in facts.shapes.items():
+            owner = name.rpartition(".")[0]
             tp_shape = list(shape)
-            d, fd = param_dims(sharding, name, len(shape), tp=layout.tp, fsdp=layout.fsdp)
-            if d is not None:
-                tp_shape[d] = chunk(shape[d], layout.tp, c["tp"])
+            if layout.ep > 1 and owner in facts.experts:
+                tp_shape[0] = chunk(shape[0], layout.ep, ep_rank)
+                m = layout.dp_shard_mod_ep
+                fd = 0 if tp_shape[0] % m == 0 else 1
+                group, size, index = "dp_shard_mod_ep", m, mod_rank
+            elif layout.ep_tp > 1 and any(owner == b or owner.startswith(b + ".") for b in facts.moe):
+                fd, group, size, index = 0, "dp_shard_cp_tp", ds * layout.tp, token
+            else:
+                d, fd = param_dims(sharding, name, len(shape), tp=layout.tp, fsdp=layout.fsdp)
+                if d is not None:
+                    tp_shape[d] = chunk(shape[d], layout.tp, c["tp"])
+                group, size, index = "", (ds if layout.fsdp else 0), shard_index
             local, padded = list(tp_shape), _prod(tp_shape)
-            if layout.fsdp:
-                local[fd] = chunk(tp_shape[fd], ds, shard_index)
-                padded = -(-tp_shape[fd] // ds) * _prod(tp_shape) // max(1, tp_shape[fd])
-            shards.append(ParamShard(name, tuple(shape), tuple(tp_shape), tuple(local), padded))
+            if size:
+                local[fd] = chunk(tp_shape[fd], size, index)
+                padded = -(-tp_shape[fd] // size) * _prod(tp_shape) // max(1, tp_shape[fd])
+            shards.append(ParamShard(name, tuple(shape), tuple(tp_shape), tuple(local), padded, group))
         out[s] = shards
     return out
 
@@ -145,13 +191,16 @@ def fsdp_units(
     layout: Layout, args, shards: list[ParamShard], names: Sequence[str]
 ) -> list[tuple[str, list[ParamShard]]]:
     """FSDP groups of one stage module as titanlike.parallel.fsdp.apply_fsdp builds them: (kind, params) with kind
-    "block", "embedding", "head" or "root"; groups without parameters are left out."""
+    "block", "embedding", "head" or "root"; groups without parameters are left out. Under expert parallelism each
+    block's routed experts come first as their own "experts" group (``apply_expert_fsdp``), and when ep borrows tp
+    the rest of its MoE block as a "moe" group (``apply_moe_token_fsdp``). Which of them FSDP wraps, over which
+    ranks: :func:`unit_group`."""
     by_name = {p.name: p for p in shards}
     spec = _spec(args)
     inputs = [n for n in spec.input_modules if n in names]
     outputs = [n for n in spec.output_modules if n in names]
     # apply_fsdp leaves a parameter the input and output modules share (a tied embedding / head) to the root
-    owners = [{name.split(".")[0] for name in group} for group in _stage(args, tuple(names))[1]]
+    owners = [{name.split(".")[0] for name in group} for group in _stage(args, tuple(names)).ties]
     tied_owners = set().union(*(o for o in owners if o & set(inputs) and o & set(outputs)))
     tied = bool(tied_owners)
     units: list[tuple[str, list[ParamShard]]] = []
@@ -165,6 +214,11 @@ def fsdp_units(
 
     for name in names:
         if name.startswith("layers."):
+            for kind, group in (("experts", "dp_shard_mod_ep"), ("moe", "dp_shard_cp_tp")):
+                inside = [p for p in shards if p.group == group and p.name.startswith(name + ".")]
+                if inside:
+                    taken.update(p.name for p in inside)
+                    units.append((kind, inside))
             add("block", (name + ".",))
     if tied:  # apply_fsdp leaves the tied pair (and the head) to the root
         inputs, outputs = [n for n in inputs if n not in tied_owners], []
@@ -178,15 +232,35 @@ def fsdp_units(
     return units
 
 
+def unit_group(layout: Layout, params: list[ParamShard]) -> tuple[str, int] | None:
+    """(mesh dim, ranks) FSDP shards the group ``params`` over, or None when FSDP does not wrap it (one rank per
+    model copy: the routed experts and MoE blocks under ep are always wrapped)."""
+    group = params[0].group
+    if group == "dp_shard_mod_ep":
+        return group, layout.dp_shard_mod_ep
+    if group == "dp_shard_cp_tp":
+        return group, layout.fsdp_shard * layout.tp
+    return (layout.fsdp_dim, layout.fsdp_shard) if layout.fsdp else None
+
+
+def unit_reshards(layout: Layout, kind: str) -> bool:
+    """Whether FSDP frees the group's gathered parameters after its forward: the experts' and MoE groups follow the
+    blocks' policy (``titanlike.parallel.parallelize``)."""
+    return layout.reshard("block" if kind in ("experts", "moe") else kind)
+
+
 # ------------------------------------------------------------------------------------------------- activations
-def block_activation_bytes(layout: Layout, args, tokens: int, mode: str = "none") -> int:
+def block_activation_bytes(
+    layout: Layout, args, tokens: int, mode: str = "none", moe=None, *, probe: bool = False
+) -> int:
     """Bytes one transformer block keeps for its backward, for ``tokens`` tokens of one microbatch.
 
     The block's structure comes from its model spec (``norm_kind``, ``mlp_kind``; per-head q/k norms where its
     sharding has ``HeadNorm`` entries) and its args (attention widths ``n_heads x head_dim`` and
     ``n_kv_heads x head_dim``, which need not be the model dim): Llama (RMSNorm upcast to float32, SwiGLU), GPT-2
     (LayerNorm, fused q|k|v, GELU MLP), Qwen3-like blocks (QK-norm); each equals the planner's dry-run probe
-    (FakeTensorMode)."""
+    (FakeTensorMode). ``moe``: the block's ``MoEArgs`` when its feed-forward is an MoE block (:func:`moe_layers`),
+    whose term (:func:`moe_activation_bytes`) replaces the SwiGLU's."""
     h, H, n, kv_n = args.dim, args.hidden_dim, args.n_heads, args.n_kv_heads
     q_w, kv_w = n * args.head_dim, kv_n * args.head_dim  # attention widths (= h for Llama and GPT-2)
     a, c, t = layout.act_bytes, layout.compute_bytes, layout.tp
@@ -198,9 +272,10 @@ def block_activation_bytes(layout: Layout, args, tokens: int, mode: str = "none"
     # Context parallel (``tokens`` are the local ones): the attention kernel keeps K and V of the whole sequence,
     # repeated to all heads as its inputs (no AC: (cp - 1) more tokens' worth than the local K / V counted below);
     # selective op AC saves the all-gather outputs instead (kv heads) and recomputes the rest.
+    # Without AC the kernels of the two chunks also keep their outputs, besides the concatenated output (``a q_w``).
     gathered_kv = 0.0
     if layout.cp > 1 and mode == "none":
-        gathered_kv = 2 * a * q_w / t * (layout.cp - 1)
+        gathered_kv = 2 * a * q_w / t * (layout.cp - 1) + a * q_w / t
     elif layout.cp > 1 and mode == "op":
         gathered_kv = 2 * a * kv_w / t * layout.cp
     if mode == "full":
@@ -228,7 +303,57 @@ def block_activation_bytes(layout: Layout, args, tokens: int, mode: str = "none"
         if qk_norm:
             attention += (c + a) * (q_w + kv_w) + c * (n + kv_n)
         per_token = norms + (attention + (2 if gelu else 4) * a * H) / t
-    return round((per_token + gathered_kv) * tokens)
+    if moe is None:
+        return round((per_token + gathered_kv) * tokens)
+    # the dense feed-forward's share above out, the MoE block's in (it runs on this rank's own tokens: 1 / t_sp)
+    # (and under SP the feed-forward's input is not all-gathered, nor its output reduce-scattered: one collective
+    # pair less for op AC, the norm's output kept at local length)
+    sp_extra = (a * h - a * h / tsp) if tsp > 1 else 0
+    ffn = {
+        "full": 0,
+        "op": (1 if gelu else 2) * a * H / t + a * h + sp_extra / (1 - 1 / tsp) * (1 + 1 / tsp)
+        if tsp > 1
+        else (1 if gelu else 2) * a * H / t + a * h,
+        "none": 4 * a * H / t + sp_extra,
+    }[mode]
+    routed = tokens // tsp
+    return round((per_token - ffn + gathered_kv) * tokens) + moe_activation_bytes(
+        layout, moe, routed, mode, probe=probe
+    )
+
+
+def moe_activation_bytes(layout: Layout, m, tokens: int, mode: str = "none", *, probe: bool = False) -> int:
+    """Bytes an MoE block (``m``: its MoEArgs) keeps for its backward when it routes ``tokens`` tokens, every expert
+    the same load (the planner's balanced routing), read off ``titanlike.models.moe`` and checked against the
+    dry run's probe. Per token, with ``k = top_k``, ``E`` experts, ``H`` per expert, ``H_s`` the shared width, ``a``
+    the activation bytes and ``c`` the router's compute bytes: ``none``: the router's scores ``c E``, the picked ids
+    and the sort's two index vectors ``3 x 8 k``, the routing weights ``c k`` (``c k + c`` more when renormalised),
+    the sorted rows ``a h k``, each expert's SwiGLU ``4 a H k``, the combine's upcast rows ``c h k``, the shared
+    experts' ``4 a H_s`` (the aux loss: ``c`` more, and ``c E`` per sequence); expert parallelism adds the
+    regrouping's two index vectors ``2 x 8 k``. Selective op: the router's logits ``a E``, each routed row's three
+    matmul outputs ``k (2 a H + a h)``, the shared experts' ``2 a H_s + a h``, and under expert parallelism the
+    dispatch and combine outputs ``2 a h k``. Full: nothing beyond the block input. Every mode keeps the block's
+    token counts (``8 E``: the load statistics). Under ep the experts' side (the rows this rank computes) is the
+    busiest rank's: ``layout.expert_imbalance`` x the mean. ``probe``: without the expert-parallel terms (the dry
+    run's probe cannot run the dispatch on fake tensors)."""
+    a, c, h, k, E = layout.act_bytes, layout.compute_bytes, m.dim, m.top_k, m.num_experts
+    ep = layout.ep > 1 and not probe
+    shared = m.shared_width
+    # what the experts' side keeps scales with the rows this rank computes: the busiest rank's under ep
+    busy = layout.expert_imbalance if ep else 1.0
+    if mode == "full":
+        per_token = 0.0
+    elif mode == "op":
+        experts = k * (2 * a * m.hidden_dim + a * h) + (a * h * k if ep else 0)  # + the dispatch's output
+        per_token = a * E + busy * experts + (2 * a * shared + a * h if shared else 0) + (a * h * k if ep else 0)
+    else:
+        experts = a * h * k + 4 * a * m.hidden_dim * k + (16 * k if ep else 0)
+        per_token = c * E + 24 * k + c * k + (c * k + c if m.route_norm else 0) + busy * experts
+        per_token += c * h * k + 4 * a * shared + (c if m.aux_loss_coeff > 0 else 0)
+    sequences = layout.microbatch_size
+    aux = m.aux_loss_coeff > 0  # its running sum (a scalar), and per sequence the counts' coefficients
+    constant = 8 * E + (c if aux else 0) + (c * E * sequences if aux and mode == "none" else 0)
+    return round(per_token * tokens) + constant
 
 
 def head_activation_bytes(layout: Layout, args, tokens: int) -> tuple[int, int]:
@@ -304,16 +429,26 @@ def rank_state_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
     sharded = (
         f"sharded over {layout.fsdp_dim} {layout.fsdp_shard}" if layout.fsdp and layout.fsdp_shard > 1 else "unsharded"
     )
+    experts = [p for ps in shards.values() for p in ps if p.group == "dp_shard_mod_ep"]
+    if experts:  # the routed experts' share: this ep rank's experts, sharded over the ranks holding the same ones
+        n_exp = sum(p.numel for p in experts)
+        sharded += (
+            f"; routed experts {fmt_gib(n_exp * pb)} of it ({experts[0].tp_shape[0]} of {experts[0].shape[0]} "
+            f"experts per layer on this ep rank of {layout.ep}, sharded over dp_shard_mod_ep {layout.dp_shard_mod_ep})"
+        )
     items = [
         MemoryItem("parameters", n_local * pb, f"{n_local / 1e6:,.1f}M elements, fp{8 * pb} master copy, {sharded}"),
         MemoryItem("gradients", n_local * pb, f"fp{8 * pb}, same shards"),
         _optimizer_item(layout, args, shards, n_local, n_tensors),
     ]
     # Gathered parameters / unsharded gradients.
-    stage_units = {s: fsdp_units(layout, args, ps, layout.stages[s]) for s, ps in shards.items()}
-    if layout.fsdp:
-        resident = [u for units in stage_units.values() for u in units if not layout.reshard(u[0])]
-        blocks = [u for units in stage_units.values() for u in units if layout.reshard(u[0])]
+    stage_units = {
+        s: [(k, ps) for k, ps in fsdp_units(layout, args, ps, layout.stages[s]) if unit_group(layout, ps)]
+        for s, ps in shards.items()
+    }
+    if any(stage_units.values()):
+        resident = [u for units in stage_units.values() for u in units if not unit_reshards(layout, u[0])]
+        blocks = [u for units in stage_units.values() for u in units if unit_reshards(layout, u[0])]
         gathered = sum(p.tp_numel for _, ps in resident for p in ps)
         largest = sorted((sum(p.tp_numel for p in ps) for _, ps in blocks), reverse=True)[:2]
         gathered += sum(largest)
@@ -380,7 +515,8 @@ def rank_activation_memory(layout: Layout, args, rank: int = 0) -> list[MemoryIt
     detail = []
     for s, count in zip(stage_ids, counts):
         ids = [int(n.split(".")[1]) for n in layout.stages[s] if n.startswith("layers.")]
-        per_mb = sum(block_activation_bytes(layout, args, tokens, layout.checkpointed(i)) for i in ids)
+        moe = moe_layers(args, layout.stages[s])
+        per_mb = sum(block_activation_bytes(layout, args, tokens, layout.checkpointed(i), moe.get(i)) for i in ids)
         if "output" in layout.stages[s]:
             kept, tr = head_activation_bytes(layout, args, tokens)
             per_mb += kept
@@ -389,8 +525,8 @@ def rank_activation_memory(layout: Layout, args, rank: int = 0) -> list[MemoryIt
         detail.append(f"{count} x stage {s}" if layout.pp > 1 else "1 microbatch")
         if any(layout.checkpointed(i) != "none" for i in ids):
             recompute = max(
-                block_activation_bytes(layout, args, tokens)
-                - block_activation_bytes(layout, args, tokens, layout.checkpointed(i))
+                block_activation_bytes(layout, args, tokens, "none", moe.get(i))
+                - block_activation_bytes(layout, args, tokens, layout.checkpointed(i), moe.get(i))
                 for i in ids
             )
             transient = max(transient, recompute)
@@ -406,6 +542,10 @@ def rank_activation_memory(layout: Layout, args, rank: int = 0) -> list[MemoryIt
     )
     items.append(MemoryItem("transient", transient, "largest of: loss working set, one block's recomputation"))
     return items
+
+
+def fmt_gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def _dtype(nbytes: int) -> str:

@@ -13,7 +13,7 @@ from titanlike.planner.cost import StepCost, messages, step_cost
 from titanlike.planner.dryrun import DryRun, dry_run
 from titanlike.planner.hardware import GiB, Hardware
 from titanlike.planner.layout import Layout
-from titanlike.planner.memory import MemoryItem, block_activation_bytes, rank_memory, rank_param_shards
+from titanlike.planner.memory import MemoryItem, block_activation_bytes, moe_layers, rank_memory, rank_param_shards
 from titanlike.planner.muon import muon_rank
 
 __all__ = ["Plan", "make_plan", "render_plan", "fmt_bytes", "fmt_seconds"]
@@ -59,10 +59,12 @@ def make_plan(
     rank: int = 0,
     run_dry: bool = True,
     attention_fraction: float = 1.0,
+    expert_imbalance: float = 1.0,
 ) -> Plan:
     """Validate ``cfg`` for ``world_size`` ranks of ``hardware`` and, if it is legal, price, size and dry-run it.
     ``attention_fraction``: under ``block_causal`` the share of the causal attention the mask computes on the corpus
-    (``titanlike.data.documents.document_stats``)."""
+    (``titanlike.data.documents.document_stats``); ``expert_imbalance``: the busiest expert-parallel rank's load over
+    the mean (>= 1; 1 is the balance the bias update steers to)."""
     violations = layout_violations(cfg, world_size, args)
     try:
         validate(cfg, world_size)  # per-key ranges and choices come first there; keep any the layout rules lack
@@ -74,7 +76,9 @@ def make_plan(
     plan = Plan(cfg, args, hardware, world_size, violations, rank=rank)
     if violations:
         return plan
-    lo = plan.layout = Layout.from_config(cfg, world_size, args, hardware.gpus_per_node, attention_fraction)
+    lo = plan.layout = Layout.from_config(
+        cfg, world_size, args, hardware.gpus_per_node, attention_fraction, expert_imbalance
+    )
     for dim in ("tp", "cp"):
         gm = lo.groups[dim]
         if gm.spanning:
@@ -158,7 +162,14 @@ def _header(plan: Plan) -> list[str]:
         )
         lines.append(
             f"  layout: tp {lo.tp}{' +SP' if lo.sequence_parallel else ''} x pp {lo.pp}{sched} x dp_shard "
-            f"{lo.dp_shard} x dp_replicate {lo.dp_replicate} x cp {lo.dims.cp}; AC {_ac(lo)}; "
+            f"{lo.dp_shard} x dp_replicate {lo.dp_replicate} x cp {lo.dims.cp}"
+            + (
+                f" (ep {lo.ep} from dp_shard x cp{' x tp' if lo.ep_tp > 1 else ''}, experts FSDP over the other "
+                f"{lo.dp_shard_mod_ep})"
+                if lo.ep > 1
+                else ""
+            )
+            + f"; AC {_ac(lo)}; "
             f"FSDP reshard after forward: {lo.reshard_after_forward}"
         )
         lines.append(
@@ -193,9 +204,10 @@ def _map(plan: Plan) -> list[str]:
         "== map",
         f"  rank = (((pp * {lo.dp_replicate} + dp_replicate) * {lo.dp_shard} + dp_shard) * {lo.dims.cp} + cp) * "
         f"{lo.tp} + tp;  node = rank // {gpn};  {lo.n_nodes:,} nodes",
-        f"  {'dim':<13}{'size':>6}{'stride':>8}{'groups':>8}  {'nodes/group':>11}  link     rank {plan.rank}'s group",
+        f"  {'dim':<16}{'size':>6}{'stride':>8}{'groups':>8}  {'nodes/group':>11}  link     rank {plan.rank}'s group",
     ]
-    for name in ("tp", "cp", "dp_shard", "dp_shard_cp", "dp_replicate", "dp", "pp"):
+    names = ("tp", "cp", "dp_shard", "dp_shard_cp", "dp_replicate", "dp", "pp", *lo.expert_rows)
+    for name in names:
         gm = lo.groups[name]
         if name == "dp_shard_cp" and 1 in (lo.dp_shard, lo.cp):
             continue
@@ -203,7 +215,7 @@ def _map(plan: Plan) -> list[str]:
             continue
         mine = _group_of(lo, name, plan.rank)
         out.append(
-            f"  {name:<13}{gm.size:>6}{gm.stride:>8}{gm.n_groups:>8}  {gm.max_nodes:>11}  {gm.link:<8} {_ranks(mine)}"
+            f"  {name:<16}{gm.size:>6}{gm.stride:>8}{gm.n_groups:>8}  {gm.max_nodes:>11}  {gm.link:<8} {_ranks(mine)}"
         )
     if all(lo.groups[n].size == 1 for n in ("tp", "cp", "dp", "pp")):
         out.append("  single rank: nothing to map")
@@ -216,6 +228,9 @@ def _map(plan: Plan) -> list[str]:
 
 
 def _group_of(lo: Layout, name: str, rank: int) -> tuple[int, ...]:
+    if name in lo.expert_rows:
+        rows = lo.expert_rows[name]
+        return tuple(int(r) for r in rows[(rows == rank).any(axis=1)][0])
     c = lo.coords(rank)
     members = FLATTENED.get(name, (name,))
     sizes = dict(zip(MESH_DIMS, lo.dims.shape))
@@ -237,20 +252,20 @@ def _price(plan: Plan) -> list[str]:
     out = [
         "",
         f"== price per step (rank {plan.rank}; one optimizer step)",
-        f"  {'dim':<13}{'op':<15}{'phase':<9}{'count':>7}  {'message':>11}  {'wire/GPU':>11}  what",
+        f"  {'dim':<16}{'op':<15}{'phase':<9}{'count':>7}  {'message':>11}  {'wire/GPU':>11}  what",
     ]
     for m in sorted(messages(lo, plan.args, plan.rank), key=lambda m: (_DIM_ORDER.index(m.dim), -m.wire_bytes)):
         out.append(
-            f"  {m.dim:<13}{m.op:<15}{m.phase:<9}{m.count:>7}  {fmt_bytes(m.nbytes):>11}  "
+            f"  {m.dim:<16}{m.op:<15}{m.phase:<9}{m.count:>7}  {fmt_bytes(m.nbytes):>11}  "
             f"{fmt_bytes(m.wire_bytes):>11}  {m.what}"
         )
     out.append("")
-    out.append(f"  {'dim':<13}{'messages':>9}  {'wire/GPU':>11}  {'link':<10}{'time':>10}  {'exposed':>10}")
+    out.append(f"  {'dim':<16}{'messages':>9}  {'wire/GPU':>11}  {'link':<10}{'time':>10}  {'exposed':>10}")
     for dim in _DIM_ORDER:
         d = c.dims.get(dim)
         if d:
             out.append(
-                f"  {dim:<13}{d.messages:>9}  {fmt_bytes(d.wire_bytes):>11}  {d.link:<10}"
+                f"  {dim:<16}{d.messages:>9}  {fmt_bytes(d.wire_bytes):>11}  {d.link:<10}"
                 f"{fmt_seconds(d.seconds):>10}  {fmt_seconds(d.exposed):>10}"
             )
     b, s, h, t = lo.microbatch_size, lo.seq_len, plan.args.dim, lo.tp
@@ -288,7 +303,24 @@ def _price(plan: Plan) -> list[str]:
             f"{fmt_bytes(kv)} each, {fmt_bytes(4 * kv * (lo.cp - 1) / lo.cp)} on the wire per block and "
             f"microbatch; synchronous inside attention, so fully exposed"
         )
-    cp = " + cp" if lo.cp > 1 else ""
+    if lo.ep > 1:
+        moe = {
+            i: m
+            for sid in lo.stage_ids(lo.pp_rank_of(plan.rank))
+            for i, m in moe_layers(plan.args, lo.stages[sid]).items()
+        }
+        if moe:
+            m = next(iter(moe.values()))
+            routed = lo.microbatch_size * lo.local_seq_len // (lo.tp if lo.ep_tp > 1 else 1)
+            out.append(
+                f"  ep: per MoE layer and microbatch this rank routes {routed:,} tokens x top-{m.top_k} = "
+                f"{routed * m.top_k:,} rows; {lo.ep - 1}/{lo.ep} of them leave for the other ep ranks "
+                f"(dispatch, then the combine brings them back), assuming the busiest rank gets "
+                f"{lo.expert_imbalance:g} x the mean load; 3 all-to-alls forward (counts, dispatch, combine) + 2 "
+                f"backward{' + 3 recomputed (full AC)' if any(lo.checkpointed(i) == 'full' for i in moe) else ''}; "
+                f"synchronous, so fully exposed"
+            )
+    cp = (" + cp" if lo.cp > 1 else "") + (" + ep" if lo.ep > 1 else "")
     muon = muon_rank(lo, plan.args, plan.rank)
     opt = ""
     if muon is not None:
@@ -310,7 +342,19 @@ def _price(plan: Plan) -> list[str]:
     return out
 
 
-_DIM_ORDER = ("tp", "cp", "pp", "dp_shard", "dp_shard_cp", "dp_replicate", "muon")
+_DIM_ORDER = (
+    "tp",
+    "cp",
+    "cp_tp",
+    "ep",
+    "pp",
+    "dp_shard",
+    "dp_shard_cp",
+    "dp_shard_mod_ep",
+    "dp_shard_cp_tp",
+    "dp_replicate",
+    "muon",
+)
 
 
 def _memory(plan: Plan) -> list[str]:
@@ -334,14 +378,20 @@ def _memory(plan: Plan) -> list[str]:
     lo = plan.layout
     tokens = lo.microbatch_size * lo.local_seq_len
     alts = []
+    moe = {
+        i: m for sid in lo.stage_ids(lo.pp_rank_of(plan.rank)) for i, m in moe_layers(plan.args, lo.stages[sid]).items()
+    }
+    block = next(iter(moe.values()), None)  # an MoE block's when the rank holds one
     for mode in ("none", "op", "full"):
 
         def size(sp: bool) -> str:
-            return fmt_bytes(block_activation_bytes(_replace_layout(lo, sequence_parallel=sp), plan.args, tokens, mode))
+            layout = _replace_layout(lo, sequence_parallel=sp)
+            return fmt_bytes(block_activation_bytes(layout, plan.args, tokens, mode, block))
 
         alts.append(f"AC {mode} {size(False)}" + (f" / SP {size(True)}" if lo.tp > 1 else ""))
     cp = f", cp {lo.cp}" if lo.cp > 1 else ""
-    out.append(f"  one block's activations per microbatch of {tokens:,} tokens (tp {lo.tp}{cp}): " + ";  ".join(alts))
+    kind = "MoE block" if block is not None else "block"
+    out.append(f"  one {kind}'s activations per microbatch of {tokens:,} tokens (tp {lo.tp}{cp}): " + ";  ".join(alts))
     return out
 
 
@@ -390,7 +440,12 @@ def _dry(plan: Plan) -> list[str]:
     if d.block_activation_bytes is not None:
         cp = f" (cp {lo.cp}: this rank's share of {lo.seq_len}, with the gathered K/V)" if lo.cp > 1 else ""
         tokens = lo.microbatch_size * lo.local_seq_len
-        analytic_act = block_activation_bytes(lo, plan.args, tokens, lo.checkpointed(d.probe_layer))
+        moe = moe_layers(plan.args, lo.stages[lo.stage_ids(lo.pp_rank_of(d.rank))[0]])
+        routing = ", experts balanced round-robin, without the ep dispatch" if d.probe_layer in moe else ""
+        # the probe routes round-robin and cannot run the expert dispatch on fake tensors: compared without it
+        analytic_act = block_activation_bytes(
+            lo, plan.args, tokens, lo.checkpointed(d.probe_layer), moe.get(d.probe_layer), probe=True
+        )
         same = (
             "equal"
             if analytic_act == d.block_activation_bytes
@@ -398,7 +453,7 @@ def _dry(plan: Plan) -> list[str]:
         )
         out.append(
             f"  activation probe: block layers.{d.probe_layer} under FakeTensorMode, {lo.microbatch_size} x "
-            f"{lo.local_seq_len} tokens{cp}: {fmt_bytes(d.block_activation_bytes)} held after its forward; "
+            f"{lo.local_seq_len} tokens{cp}{routing}: {fmt_bytes(d.block_activation_bytes)} held after its forward; "
             f"{same}"
         )
     out.append(f"  took {d.seconds:.1f} s")
