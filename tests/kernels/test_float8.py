@@ -165,6 +165,21 @@ def test_float8_run_of_the_debug_model_tracks_the_run_without_float8(tmp_path):
     assert fp8[-1] < fp8[0] - 0.5  # and it learns
 
 
+def test_the_start_up_line_says_what_trains_in_float8_and_that_routed_experts_do_not(tmp_path, capsys):
+    """Qwen3-MoE tiny (layer 0 dense, layer 1 MoE): its attention and dense SwiGLU Linears train in float8; the
+    routed experts' grouped GEMMs stay high precision, and the start-up line says so (nothing silently ignored)."""
+    trainer, losses = _run(
+        tmp_path, 1, "--model.name", "qwen3_moe", "--float8.recipe", "tensorwise", "--float8.emulate"
+    )
+    converted = trainer.model_parts[0]._float8_converted
+    assert math.isfinite(losses[0]) and not [n for n in converted if ".moe." in n]
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("float8:"))
+    assert line == (
+        f"float8: {len(converted)} Linear layers train in torchao float8 (tensorwise); the routed experts of 1 MoE "
+        f"block(s) keep high-precision grouped GEMMs (torchao's float8 grouped GEMM, CUDA only, is not wired)"
+    )
+
+
 @pytest.mark.parametrize("first,second", [("float8", "plain"), ("plain", "float8")])
 def test_a_float8_checkpoint_resumes_without_float8_and_back(tmp_path, first, second):
     flags = {"float8": ("--float8.recipe", "tensorwise", "--float8.emulate"), "plain": ()}

@@ -68,6 +68,24 @@ def attention_note(cfg: JobConfig, device: torch.device, eos_id: int) -> str:
     )
 
 
+def float8_note(model_parts) -> str | None:
+    """The start-up line of a torchao float8 run: what trains in float8 and what does not (None without float8)."""
+    from titanlike.models.moe import GroupedExperts
+
+    if not any(hasattr(m, "_float8_converted") for m in model_parts):
+        return None
+    converted = sum(len(getattr(m, "_float8_converted", ())) for m in model_parts)
+    recipe = next(m._float8_recipe for m in model_parts if hasattr(m, "_float8_converted"))
+    note = f"{converted} Linear layers train in torchao float8 ({recipe})"
+    experts = sum(isinstance(mod, GroupedExperts) for m in model_parts for mod in m.modules())
+    if experts:
+        note += (
+            f"; the routed experts of {experts} MoE block(s) keep high-precision grouped GEMMs (torchao's float8 "
+            f"grouped GEMM, CUDA only, is not wired)"
+        )
+    return note
+
+
 def default_corpus() -> list[str]:
     from titanlike.data import shipped_corpus
 
@@ -314,6 +332,9 @@ class Trainer:
                 flush=True,
             )
             print(f"attention: {attention_note(cfg, self.device, self.tokenizer.eos_id)}", flush=True)
+            f8 = float8_note(self.model_parts)
+            if f8:
+                print(f"float8: {f8}", flush=True)
             if hasattr(self.optimizer, "describe"):  # Muon: what it orthogonalizes (rank 0's parameters)
                 print(f"optimizer: {self.optimizer.describe()}", flush=True)
 
