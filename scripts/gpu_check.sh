@@ -19,7 +19,8 @@
 #   fsdp_on_b4       titanlike under the FSDP2 wrapper on one rank, b4   (ratio against plain b4)
 #   train_1b         python train.py --job.config_file configs/llama3_1b.toml, 30 steps (b4 x 2048, compile)
 #   moe_bench        scripts/moe_bench.py: one MoE layer (Qwen3-30B-A3B shape, bf16), torch._grouped_mm vs a
-#                    per-expert loop, side by side ($OUT/moe_bench/moe_bench.json; "moe" in summary.json)
+#                    per-expert loop vs torchao's float8 grouped GEMM (--float8), side by side
+#                    ($OUT/moe_bench/moe_bench.json; "moe" in summary.json)
 #   muon_step        scripts/muon_bench.py: the 1B model's optimizer step, Muon (bf16 Newton-Schulz) vs AdamW, one GPU
 #                    (dry mode: 2 gloo ranks, tiny, with the naive every-rank Muon beside it)
 #   mask_bench       scripts/mask_bench.py: attention fwd+bwd, block_causal (FlexAttention block mask, compiled) vs
@@ -79,7 +80,7 @@ if [ "$DEVICE" = cuda ]; then
   COMMON=(--flavor 1B --seq-len 2048 --steps 15 --warmup 4 --compile --loss-chunk 2048 --device cuda)
   F8=()
   B4=4; B8=8; T_FIRST=150; T_ROW=100; T_TRAIN=170
-  MOE=(--device cuda)
+  MOE=(--device cuda --float8)
   MUON=(--world 1 --device cuda --flavor 1B --dim 0 --layers 0 --ns-dtype bfloat16 --steps 5); T_MUON=90
   MASK=(--device cuda)
   TRAIN=(--job.config_file configs/llama3_1b.toml --training.steps 30 --training.local_batch_size 4
@@ -169,6 +170,9 @@ if summary["train_1b"]:
     last = summary["train_1b"][-1]
     print(f"train_1b: step {last['step']} loss {last['loss']:.4f} tokens/s {last.get('tokens_per_s', 0):,.0f}")
 if summary["moe"]:
+    if "ratio_fp8_over_grouped" in summary["moe"]:
+        print(f"moe_bench: float8 grouped/grouped {summary['moe']['ratio_fp8_over_grouped']:.3f}, "
+              f"max |fp8 - loop| {summary['moe']['max_fp8_output_diff']:.2e}")
     print(f"moe_bench: grouped/loop {summary['moe']['ratio_grouped_over_loop']:.3f}",
           {k: round(v["tokens_per_s"]) for k, v in summary["moe"]["rows"].items()})
 if muon:

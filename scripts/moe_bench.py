@@ -50,6 +50,11 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: stable on a shared machine)")
+    ap.add_argument(
+        "--float8",
+        action="store_true",
+        help="add a row with torchao's float8 grouped GEMM (CUDA compute capability 9.0+, Triton)",
+    )
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.device == "auto":
@@ -67,6 +72,14 @@ def parse(argv=None) -> argparse.Namespace:
         problems.append(f"--top-k {a.top_k} exceeds --experts {a.experts}")
     if a.steps < 1 or a.warmup < 0 or a.threads < 1:
         problems.append("--steps and --threads must be >= 1, --warmup >= 0")
+    if a.float8:
+        from titanlike.kernels.float8 import experts_float8_unavailable
+
+        why = experts_float8_unavailable(emulate=a.device != "cuda")
+        if why:
+            problems.append(f"--float8: {why} (on {a.device})")
+        elif a.dtype != "bfloat16" or a.dim % 16 or a.hidden % 16:
+            problems.append("--float8 needs --dtype bfloat16 and --dim, --hidden multiples of 16")
     if problems:
         ap.error("; ".join(problems))
     return a
@@ -90,6 +103,12 @@ def main(argv=None) -> dict:
         for p in blocks["grouped"].parameters():
             torch.nn.init.trunc_normal_(p, std=0.02)
     blocks["loop"].load_state_dict(blocks["grouped"].state_dict())
+    if a.float8:  # the same weights through torchao's float8 grouped GEMM
+        from titanlike.kernels.float8 import convert_experts_to_float8
+
+        blocks["grouped_fp8"] = MoE(args.replace(experts_impl="grouped")).to(device)
+        blocks["grouped_fp8"].load_state_dict(blocks["grouped"].state_dict())
+        convert_experts_to_float8(blocks["grouped_fp8"])
     for b in blocks.values():
         b.to(dtype)
     x = torch.randn(1, a.tokens, a.dim, generator=torch.Generator().manual_seed(a.seed)).to(device, dtype)
@@ -125,13 +144,21 @@ def main(argv=None) -> dict:
         "padded_rows": padded,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
+    if a.float8:
+        result["ratio_fp8_over_grouped"] = rows["grouped_fp8"]["tokens_per_s"] / rows["grouped"]["tokens_per_s"]
+        result["max_fp8_output_diff"] = (outs["grouped_fp8"].float() - outs["loop"].float()).abs().max().item()
     print(
         f"MoE layer: {a.tokens} tokens x dim {a.dim}, {a.experts} experts of hidden {a.hidden}, top-{a.top_k}, "
         f"{a.dtype} on {result['device_name']}; forward + backward, {a.steps} steps each after {a.warmup} warmup"
     )
     for impl, r in rows.items():
-        print(f"{impl:<8} {r['tokens_per_s']:>12,.0f} tokens/s {r['ms_per_step']:>10.2f} ms/step")
+        print(f"{impl:<11} {r['tokens_per_s']:>12,.0f} tokens/s {r['ms_per_step']:>10.2f} ms/step")
     print(f"ratio grouped/loop: {result['ratio_grouped_over_loop']:.3f}")
+    if a.float8:
+        print(
+            f"ratio grouped_fp8/grouped: {result['ratio_fp8_over_grouped']:.3f}; max |grouped_fp8 - loop| output: "
+            f"{result['max_fp8_output_diff']:.2e}"
+        )
     print(
         f"max |grouped - loop| output: {result['max_output_diff']:.2e}; grouped padding: {result['routed_rows']} "
         f"routed rows computed as {padded} (groups padded to {align} rows)"

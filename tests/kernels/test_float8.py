@@ -176,7 +176,57 @@ def test_the_start_up_line_says_what_trains_in_float8_and_that_routed_experts_do
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("float8:"))
     assert line == (
         f"float8: {len(converted)} Linear layers train in torchao float8 (tensorwise); the routed experts of 1 MoE "
-        f"block(s) keep high-precision grouped GEMMs (torchao's float8 grouped GEMM, CUDA only, is not wired)"
+        f"block(s) keep high-precision grouped GEMMs (torchao's float8 grouped GEMM has no emulation)"
+    )
+    assert f8.experts_float8_unavailable(emulate=False) == (
+        "torchao's float8 grouped GEMM needs CUDA compute capability 9.0+"  # this machine: no GPU
+    )
+
+
+def test_routed_experts_take_a_float8_grouped_gemm_with_torchs_operand_layouts():
+    """convert_experts_to_float8 swaps torchao's float8 grouped GEMM into every GroupedExperts (CUDA 9.0+ only, so
+    here a stand-in with the same contract runs torch._grouped_mm): it is called 3 times per forward with a row-major
+    left operand, column-major per-expert weights, int32 group ends on 16-row boundaries, and the block then equals
+    the per-expert loop (float32) in output and every gradient. Refused in one line: experts whose dims are not
+    multiples of 16 (each named), the loop implementation."""
+    from titanlike.kernels.float8 import convert_experts_to_float8, float8_grouped_mm
+    from titanlike.models.moe import MoE, MoEArgs
+
+    calls = []
+
+    def contract(a, b_t, offs):
+        assert a.is_contiguous() and b_t.stride(-2) == 1 and offs.dtype == torch.int32  # row- / column-major
+        ends = offs.tolist()
+        assert all(e % 16 == 0 for e in ends) and ends[-1] == a.shape[0]
+        calls.append(b_t.shape)
+        return torch._grouped_mm(a, b_t, offs=offs)
+
+    torch.manual_seed(0)
+    args = MoEArgs(dim=32, hidden_dim=48, num_experts=4, top_k=2, route_norm=True)
+    block, ref = MoE(args), MoE(args.replace(experts_impl="loop"))
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    ref.load_state_dict(block.state_dict())
+    assert convert_experts_to_float8(block, grouped_mm=contract) == ["experts"]
+    x = torch.randn(2, 24, 32)
+    y, y_ref = block(x), ref(x)
+    assert len(calls) == 3 and calls[0] == (4, 32, 48) and calls[2] == (4, 48, 32)
+    y.square().sum().backward()
+    y_ref.square().sum().backward()
+    assert torch.allclose(y, y_ref, atol=1e-6)
+    for (name, p), q in zip(block.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5), name
+    assert MoE(args).experts.grouped_mm is None  # the default: torch's own grouped matmul or the loop
+    default = MoE(args)
+    convert_experts_to_float8(default)
+    assert default.experts.grouped_mm is float8_grouped_mm and default.experts.grouped_mm_align == 16
+    with pytest.raises(ValueError) as e:
+        convert_experts_to_float8(
+            torch.nn.ModuleDict({"a": MoE(args.replace(dim=24)), "b": MoE(args.replace(experts_impl="loop"))})
+        )
+    assert str(e.value) == (
+        "float8 routed experts: 'a.experts' has dim 24 / hidden 48, not multiples of 16; 'b.experts' runs the "
+        "per-expert loop (experts_impl 'loop'); use 'auto' or 'grouped'"
     )
 
 

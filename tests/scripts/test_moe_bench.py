@@ -37,3 +37,11 @@ def test_moe_bench_bad_arguments_are_one_line(capsys):
     assert e.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--dim 6 is not a multiple of 4 (float32)" in last and "--top-k 9 exceeds --experts 4" in last, last
+
+
+def test_moe_bench_float8_row_is_refused_in_one_line_without_a_hopper_gpu(capsys):
+    with pytest.raises(SystemExit) as e:
+        moe_bench.parse(["--float8", "--device", "cpu"])
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.endswith("--float8: torchao's float8 grouped GEMM has no emulation (on cpu)"), last

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import logging
 from collections.abc import Iterable
 
@@ -59,6 +60,9 @@ __all__ = [
     "is_float8_linear",
     "float8_tensorwise_tp",
     "precompute_float8_scales",
+    "convert_experts_to_float8",
+    "experts_float8_unavailable",
+    "float8_grouped_mm",
 ]
 
 TORCHAO_RECIPES = TORCHAO_FLOAT8_RECIPES  # the names are the layout layer's (config choices, rules, here)
@@ -265,3 +269,52 @@ def precompute_float8_scales(model: nn.Module) -> None:
     """After the optimizer step: every FSDP float8-all-gathered weight's scale in one all-reduce (torchao)."""
     if getattr(model, "_float8_fsdp_all_gather", False):
         load_torchao_float8().precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+# ------------------------------------------------------------------------------------------------ routed experts
+def float8_grouped_mm(a, b_t, offs):
+    """torchao's float8 grouped GEMM (``torchao.prototype.moe_training``: dynamic rowwise scales, power-of-2,
+    ``torch._scaled_grouped_mm``; CUDA with Triton, compute capability 9.0+) with ``torch._grouped_mm``'s calling
+    convention, the routed experts' swap point (``GroupedExperts.grouped_mm``): ``a`` (rows, in) row-major, ``b_t``
+    (experts, in, out) column-major per expert, ``offs`` int32 group ends, every group a multiple of 16 rows (the
+    experts pad them: ``grouped_mm_align``); bf16 out."""
+    load_torchao_float8()  # torchao importable (one line otherwise), its import logs quieted
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+    return _to_fp8_rowwise_then_scaled_grouped_mm(
+        a, b_t, offs, out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False
+    )
+
+
+def experts_float8_unavailable(emulate: bool) -> str | None:
+    """Why the routed experts cannot take torchao's float8 grouped GEMM here (None: they can): it has no emulation,
+    and needs CUDA compute capability 9.0+ and Triton."""
+    if emulate:
+        return "torchao's float8 grouped GEMM has no emulation"
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        return "torchao's float8 grouped GEMM needs CUDA compute capability 9.0+"
+    if importlib.util.find_spec("triton") is None:
+        return "torchao's float8 grouped GEMM needs Triton"
+    return None
+
+
+def convert_experts_to_float8(model: nn.Module, grouped_mm=None) -> list[str]:
+    """Route every ``GroupedExperts`` of ``model`` through a float8 grouped GEMM (``grouped_mm``, default
+    :func:`float8_grouped_mm`), groups padded to 16 rows; return their FQNs (sorted). Refused in one line, every
+    module named: an expert ``dim`` or ``hidden_dim`` not a multiple of 16 (the GEMM's operands), ``impl="loop"``
+    (float8 needs the grouped path)."""
+    from titanlike.models.moe import GroupedExperts
+
+    found = [(n, m) for n, m in model.named_modules() if isinstance(m, GroupedExperts)]
+    problems = [
+        f"'{n}' has dim {m.w1.shape[2]} / hidden {m.w1.shape[1]}, not multiples of {FLOAT8_ALIGN}"
+        for n, m in found
+        if m.w1.shape[2] % FLOAT8_ALIGN or m.w1.shape[1] % FLOAT8_ALIGN
+    ]
+    problems += [f"'{n}' runs the per-expert loop (experts_impl 'loop'); use 'auto' or 'grouped'" for n, m in found
+                 if m.impl == "loop"]  # fmt: skip
+    if problems:
+        raise ValueError("float8 routed experts: " + "; ".join(problems))
+    for _, m in found:
+        m.grouped_mm, m.grouped_mm_align = grouped_mm or float8_grouped_mm, FLOAT8_ALIGN
+    return sorted(n for n, _ in found)

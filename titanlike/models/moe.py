@@ -267,10 +267,13 @@ def _loop_swiglu(x: Tensor, counts: Tensor | list[int], w1: Tensor, w2: Tensor, 
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
 
-def _grouped_swiglu(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, mm=None) -> Tensor:
-    """The same through a grouped matmul on zero-padded groups (``mm``: default ``torch._grouped_mm``)."""
+def _grouped_swiglu(
+    x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, mm=None, align: int | None = None
+) -> Tensor:
+    """The same through a grouped matmul on zero-padded groups (``mm``: default ``torch._grouped_mm``; ``align``:
+    rows per group multiple, default :func:`grouped_alignment`)."""
     mm = mm or torch._grouped_mm
-    padded, rows, offs = pad_groups(x, counts, grouped_alignment(x.dtype))
+    padded, rows, offs = pad_groups(x, counts, align or grouped_alignment(x.dtype))
     w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
     h = F.silu(mm(padded, w1.transpose(-2, -1), offs=offs)) * mm(padded, w3.transpose(-2, -1), offs=offs)
     return mm(h, w2.transpose(-2, -1), offs=offs).index_select(0, rows)
@@ -292,13 +295,22 @@ class GroupedExperts(nn.Module):
         if impl not in EXPERTS_IMPLS:
             raise ValueError(f"GroupedExperts: impl must be one of {EXPERTS_IMPLS}, got {impl!r}")
         self.num_experts, self.impl = num_experts, impl
+        # A swap point for another grouped matmul with ``torch._grouped_mm``'s calling convention, ``mm(a, b_t,
+        # offs=offs)`` (a: rows, row-major; b_t: (experts, in, out), column-major per expert; offs: int32 group
+        # ends), e.g. torchao's float8 one (``titanlike.kernels.float8.convert_experts_to_float8``); each group is
+        # then padded to ``grouped_mm_align`` rows. Set, it always takes the grouped path.
+        self.grouped_mm: Callable | None = None
+        self.grouped_mm_align: int | None = None
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
     def resolved_impl(self, x: Tensor) -> str:
-        """``"grouped"`` or ``"loop"`` for input ``x`` (``auto``: grouped on CUDA in bf16/fp16 with aligned sizes)."""
+        """``"grouped"`` or ``"loop"`` for input ``x`` (``auto``: grouped on CUDA in bf16/fp16 with aligned sizes;
+        always grouped with a swapped-in ``grouped_mm``)."""
         dim, hidden = self.w1.shape[2], self.w1.shape[1]
+        if self.grouped_mm is not None:
+            return "grouped"
         if self.impl == "loop":
             return "loop"
         why = None
@@ -320,7 +332,7 @@ class GroupedExperts(nn.Module):
                 f"weights sharded over experts need the expert-parallel dispatch (titanlike.parallel.apply_ep)"
             )
         if self.resolved_impl(x) == "grouped":
-            return _grouped_swiglu(x, counts, w1, w2, w3)
+            return _grouped_swiglu(x, counts, w1, w2, w3, self.grouped_mm, self.grouped_mm_align)
         if _BALANCED[0]:  # every local expert the same rows, known from the shapes (no host read of the counts)
             return _loop_swiglu(x, [x.shape[0] // w1.shape[0]] * w1.shape[0], w1, w2, w3)
         return _loop_swiglu(x, counts, w1, w2, w3)

@@ -26,7 +26,12 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from titanlike.kernels.float8 import convert_to_float8, float8_tensorwise_tp
+from titanlike.kernels.float8 import (
+    convert_experts_to_float8,
+    convert_to_float8,
+    experts_float8_unavailable,
+    float8_tensorwise_tp,
+)
 from titanlike.layout import float8_backend, loss_parallel_enabled, precision_policy
 from titanlike.layout import reshard_after_forward as reshard_policy
 from titanlike.loss import cross_entropy_loss
@@ -81,6 +86,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
             enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather and dims.fsdp_enabled,
             modules=float8_modules,
         )
+        if experts_modules(model) and experts_float8_unavailable(f8.emulate) is None:
+            convert_experts_to_float8(model)  # the routed experts' grouped GEMMs (the start-up line says which)
     if dims.tp_enabled:
         float8_tp = float8_modules is not None and float8_tensorwise_tp(model, float8_modules)
         tp_mesh = dims.get_mesh("tp")

@@ -68,8 +68,9 @@ def attention_note(cfg: JobConfig, device: torch.device, eos_id: int) -> str:
     )
 
 
-def float8_note(model_parts) -> str | None:
+def float8_note(model_parts, emulate: bool) -> str | None:
     """The start-up line of a torchao float8 run: what trains in float8 and what does not (None without float8)."""
+    from titanlike.kernels.float8 import experts_float8_unavailable
     from titanlike.models.moe import GroupedExperts
 
     if not any(hasattr(m, "_float8_converted") for m in model_parts):
@@ -78,10 +79,15 @@ def float8_note(model_parts) -> str | None:
     recipe = next(m._float8_recipe for m in model_parts if hasattr(m, "_float8_converted"))
     note = f"{converted} Linear layers train in torchao float8 ({recipe})"
     experts = sum(isinstance(mod, GroupedExperts) for m in model_parts for mod in m.modules())
-    if experts:
+    fp8_experts = sum(
+        isinstance(mod, GroupedExperts) and mod.grouped_mm is not None for m in model_parts for mod in m.modules()
+    )
+    if fp8_experts:
+        note += f"; the routed experts of {fp8_experts} MoE block(s) through torchao's float8 rowwise grouped GEMM"
+    elif experts:
         note += (
-            f"; the routed experts of {experts} MoE block(s) keep high-precision grouped GEMMs (torchao's float8 "
-            f"grouped GEMM, CUDA only, is not wired)"
+            f"; the routed experts of {experts} MoE block(s) keep high-precision grouped GEMMs "
+            f"({experts_float8_unavailable(emulate)})"
         )
     return note
 
@@ -332,7 +338,7 @@ class Trainer:
                 flush=True,
             )
             print(f"attention: {attention_note(cfg, self.device, self.tokenizer.eos_id)}", flush=True)
-            f8 = float8_note(self.model_parts)
+            f8 = float8_note(self.model_parts, cfg.float8.emulate)
             if f8:
                 print(f"float8: {f8}", flush=True)
             if hasattr(self.optimizer, "describe"):  # Muon: what it orthogonalizes (rank 0's parameters)
