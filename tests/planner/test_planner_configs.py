@@ -12,7 +12,14 @@ from titanlike.data import build_tokenizer
 from titanlike.planner import hardware_for, make_plan
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-WORLD = {"gpt2_small": 8, "llama3_1b": 8, "llama3_8b": 64, "llama3_70b": 256, "llama3_405b": 16384}
+WORLD = {
+    "gpt2_small": 8,
+    "llama3_1b": 8,
+    "llama3_8b": 64,
+    "llama3_70b": 256,
+    "llama3_405b": 16384,
+    "qwen3_30b_a3b": 64,
+}
 
 
 @lru_cache
