@@ -183,6 +183,12 @@ def test_plan_text_shows_expert_memory_the_all_to_alls_and_the_ep_groups():
     with redirect_stderr(err):
         assert plan_cli.main(argv[:-1] + ["0.5"]) == 2
     assert "expert imbalance 0.5" in err.getvalue()
+    # ep 16 over nodes of 8: every MoE layer's all-to-alls cross nodes, and the plan says so
+    wide = ["--model.name", "qwen3_moe", "--model.flavor", "30B-A3B", "--model.n_layers", "4", "--world-size", "32"]
+    out = io.StringIO()
+    with redirect_stdout(out):
+        plan_cli.main(wide + ["--parallelism.expert_parallel_degree", "16", "--no-dry-run"])
+    assert "WARNING: 2 of 2 ep groups span nodes: [0..15]; [16..31]; every layer's ep collectives" in out.getvalue()
 
 
 def test_balanced_routing_gives_every_expert_the_same_rows_from_the_shapes():

@@ -79,7 +79,9 @@ def make_plan(
     lo = plan.layout = Layout.from_config(
         cfg, world_size, args, hardware.gpus_per_node, attention_fraction, expert_imbalance
     )
-    for dim in ("tp", "cp"):
+    for dim in ("tp", "cp", "ep"):
+        if dim not in lo.groups:  # ep: only under expert parallelism
+            continue
         gm = lo.groups[dim]
         if gm.spanning:
             shown = "; ".join(_ranks(g) for g in gm.spanning[:4])
