@@ -78,6 +78,7 @@ __all__ = [
     "apply_ep",
     "apply_expert_fsdp",
     "experts_modules",
+    "expert_fsdp_dim",
     "expert_fsdp_placement",
     "sync_expert_biases",
     "set_aux_sequence_group",
@@ -185,11 +186,15 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
     return model
 
 
+def expert_fsdp_dim(local_experts: int, mesh_size: int) -> int:
+    """The dim FSDP shards a routed expert weight on over ``mesh_size`` ranks: 0 (whole experts per rank) when this
+    rank's ``local_experts`` divide by it, else 1 (an expert's rows split over the ranks). The planner reads it too."""
+    return 0 if local_experts % mesh_size == 0 else 1
+
+
 def expert_fsdp_placement(experts: GroupedExperts, mesh_size: int) -> Shard:
-    """FSDP's placement for one expert weight over ``mesh_size`` ranks: whole experts per rank (``Shard(0)``) when
-    this rank's experts divide by it, else ``Shard(1)`` (an expert's rows split over the ranks)."""
-    local = _local_experts(experts)
-    return Shard(0) if local % mesh_size == 0 else Shard(1)
+    """FSDP's placement for one expert weight over ``mesh_size`` ranks (:func:`expert_fsdp_dim`)."""
+    return Shard(expert_fsdp_dim(_local_experts(experts), mesh_size))
 
 
 def _local_experts(experts: GroupedExperts) -> int:

@@ -154,6 +154,8 @@ def rank_param_shards(layout: Layout, args, rank: int = 0) -> dict[int, list[Par
     ``Shard(0)`` over ``ep`` (this ep rank's ``E / ep`` experts), then FSDP over ``dp_shard_mod_ep`` on dim 0 when its
     experts divide by that group, else dim 1; when ep borrows tp, the rest of an MoE block (router, shared experts)
     is replicated over tp and FSDP-sharded over ``dp_shard x cp x tp``."""
+    from titanlike.parallel.expert_parallel import expert_fsdp_dim
+
     c = layout.coords(rank)
     ds, shard_index = layout.fsdp_shard, layout.fsdp_shard_index(c)
     token = layout.token_index(c)
@@ -169,7 +171,7 @@ def rank_param_shards(layout: Layout, args, rank: int = 0) -> dict[int, list[Par
             if layout.ep > 1 and owner in facts.experts:
                 tp_shape[0] = chunk(shape[0], layout.ep, ep_rank)
                 m = layout.dp_shard_mod_ep
-                fd = 0 if tp_shape[0] % m == 0 else 1
+                fd = expert_fsdp_dim(tp_shape[0], m)
                 group, size, index = "dp_shard_mod_ep", m, mod_rank
             elif layout.ep_tp > 1 and any(owner == b or owner.startswith(b + ".") for b in facts.moe):
                 fd, group, size, index = 0, "dp_shard_cp_tp", ds * layout.tp, token
