@@ -51,6 +51,7 @@ from titanlike.training.step import train_step  # noqa: E402
 
 TOL = 1e-10
 STEPS = 3
+BROKEN = 1e-6  # a mutation must move its metric by at least this much (test_parallel_gate.py, test_pipeline_gate.py)
 GLOBAL_BATCH = 8
 SEQ = 16
 VOCAB = 128
@@ -1162,6 +1163,8 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
                     diffs["biases"] = max(diffs["biases"], _max_abs(b, ref.biases[name]))
             if step == 1 and built.eval_sum is not None:
                 diffs["eval"] = abs(built.eval_sum(*step_batch(cfg, STEPS + 1)) - ctx.reference_eval(layout, cfg))
+            if layout.mutation and step < STEPS and _broken_on_some_rank(diffs):
+                break  # a planted bug has shown: the steps after it would only show it again
     # Reduce over ranks: NaN counts as infinitely wrong.
     values = torch.tensor([v if v == v else math.inf for v in diffs.values()], dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
@@ -1192,8 +1195,19 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
         and all(checks.values()),
         "ref_grad_norms": [r.grad_norm for r in records],
         "max_norm": cfg.training.max_norm,
+        "steps": step,  # STEPS, or fewer for a mutation that broke the gate earlier
         "seconds": round(time.perf_counter() - t0, 2),
     }
+
+
+def _broken_on_some_rank(diffs: dict[str, float]) -> bool:
+    """Whether some rank's differences so far break the gate by more than :data:`BROKEN` (NaN included): a mutation
+    layout then stops training, since what its test asserts (the gate fails, the expected metric moved by more than
+    BROKEN, a right first forward) is decided by the steps so far. Every rank gets the same answer (one all-reduce)."""
+    worst = max((0.0 if v <= BROKEN else 1.0) for k, v in diffs.items() if k != "loss_step1")
+    flag = torch.tensor([worst], dtype=torch.float64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() > 0
 
 
 _MUON_COUNTS = ("matrices", "ns_flops", "collectives", "sent", "received")
