@@ -1,6 +1,6 @@
 """The pipeline-parallel part of the equality gate: every schedule, tied embeddings, PP x FSDP x TP, in float64.
 
-    python tests/parallel/pipeline_gate.py --world-size 4 --out pp4.json [--only NAME,NAME] [--with-gate gate4.json]
+    python tests/parallel/pipeline_gate.py --world-size 4 --out pp4.json [--only NAME,NAME]
 
 Extends ``tests/parallel/gate.py`` without changing it: registers the ``"pp"`` builder (``apply_pp`` exactly
 as the trainer calls it), deeper models (8 blocks: pp 4 x 2 stages per rank needs a block per stage) and the
@@ -12,7 +12,6 @@ must survive, and after the last step, against the one-device model with the sam
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import json
@@ -548,22 +547,8 @@ def gate_main(rank: int, world_size: int, out: str, only: list[str] | None) -> N
         Path(out).write_text(json.dumps({"world_size": world_size, "tolerance": TOL, "layouts": results}, indent=1))
 
 
-def _with_gate(gate_out: str, rank: int, world_size: int, out: str, only: list[str] | None) -> None:
-    """gate.py's layouts of this world size (their JSON, probes included, to ``gate_out``), then the pipeline ones, in
-    the same ranks: one launch for both gates."""
-    gate.gate_main(rank, world_size, gate_out, only)
-    gate_main(rank, world_size, out, only)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """The pipeline gate's command line; ``--with-gate GATE_JSON`` runs gate.py's layouts of the world size first in the
-    same launch (tests/parallel/gate_launches.py: one launch per world size for both test files)."""
-    ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--with-gate", default="")
-    known, rest = ap.parse_known_args(argv)
-    if not known.with_gate:
-        return gate.main(rest, entry=gate_main, layouts=LAYOUTS)
-    return gate.main(rest, entry=partial(_with_gate, known.with_gate), layouts=[*gate.LAYOUTS, *LAYOUTS])
+    return gate.main(argv, entry=gate_main, layouts=LAYOUTS)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 float64, and every planted mutation caught where it should be."""
 
 import gate
-import gate_launches
 import pytest
+import shared_launch
 
 # Where each mutation must show. "forward" mutations change the loss of step 1; the others leave the forward
 # (and so the loss of step 1) exactly right and only break gradients: a forward-only test would pass them.
@@ -43,7 +43,7 @@ BROKEN = gate.BROKEN  # a mutation must move its metric by at least this much (t
 @pytest.fixture(scope="module", params=[2, 4, 8], ids=lambda n: f"world{n}")
 def gate_results(request, tmp_path_factory):
     world = request.param
-    results = gate_launches.results("gate", world, request, tmp_path_factory)  # one launch per world size
+    results = shared_launch.results("gate", world, request, tmp_path_factory)  # one launch per world size
     print(f"\ngate world size {world} (max |diff| over 3 steps):")
     for name, r in results["layouts"].items():
         print(

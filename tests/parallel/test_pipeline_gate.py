@@ -3,9 +3,9 @@ every schedule / tied / 3-D layout within 1e-10 of one device in float64 (loss, 
 the validation loss), and every planted pipeline mutation caught where it should show."""
 
 import gate
-import gate_launches
 import pipeline_gate
 import pytest
+import shared_launch
 
 TOL = pipeline_gate.TOL
 FORWARD_BREAKS = {"pp_starts_other_microbatch"}  # the mutations that change the forward (the loss of step 1) too
@@ -27,7 +27,7 @@ EXPECTED_BREAK = {
 @pytest.fixture(scope="module", params=[2, 4, 8], ids=lambda n: f"world{n}")
 def gate_results(request, tmp_path_factory):
     world = request.param
-    results = gate_launches.results("pipeline", world, request, tmp_path_factory)  # one launch per world size
+    results = shared_launch.results("pipeline", world, request, tmp_path_factory)  # one launch per world size
     print(f"\npipeline gate, world size {world} (max |diff| over 3 steps):")
     for name, r in results["layouts"].items():
         print(
