@@ -2,12 +2,11 @@
 test: the documented code is the file, and the file trains on 8 ranks (pp 2 x dp 2 x tp 2, SP, FSDP, fused c_attn,
 loss parallel, clipping, a checkpoint round trip) exactly like one process in float64."""
 
-import json
 import re
 from pathlib import Path
 
 import pytest
-from dist_utils import run_script
+import shared_launch
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -43,14 +42,8 @@ def test_the_example_uses_the_public_api_only():
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("nanogpt_example")
-    out = tmp / "result.json"
-    proc = run_script(
-        HERE / "nanogpt_example_worker.py", "--out", str(out), "--checkpoint", str(tmp / "ckpt"), timeout=400
-    )
-    assert proc.returncode == 0, f"example worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    r = json.loads(out.read_text())
+def result(request, tmp_path_factory):
+    r = shared_launch.results("nanogpt", 8, request, tmp_path_factory)  # in the session's 8-rank launch
     print("\nnanoGPT example vs one process:", {k: v for k, v in r.items()})
     return r
 

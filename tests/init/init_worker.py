@@ -1,7 +1,9 @@
 """4 gloo ranks: every rank's generated shard equals its part of the whole tensor (tests/init/test_init.py)."""
 
 import itertools
+import json
 import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -72,7 +74,8 @@ def build(kind: str, mesh1, mesh2) -> nn.Module:
     return m
 
 
-def main(rank: int, world: int) -> None:
+def main(rank: int, world: int, out: str | None = None) -> None:
+    """Every check; rank 0 prints the count, and writes it to ``out`` as JSON (tests/parallel/shared_launch.py)."""
     n = check_local_indices(rank)
     mesh1 = init_device_mesh("cpu", (4,))
     mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -90,6 +93,8 @@ def main(rank: int, world: int) -> None:
     assert torch.equal(expect["1.weight"], generate(trunc_normal(0.1), 11, "1.weight", (3, 12), dtype=torch.float64))
     if rank == 0:
         print(f"checked {n} local layouts / parameters", flush=True)
+        if out is not None:
+            Path(out).write_text(json.dumps({"checked": n}))
 
 
 if __name__ == "__main__":

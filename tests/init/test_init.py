@@ -2,13 +2,9 @@
 and equals the same elements of the whole; the models' init plans cover every parameter."""
 
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import worker_env
 
 from titanlike.init import (
     TILE_1D,
@@ -25,8 +21,6 @@ from titanlike.init import (
     zeros,
 )
 from titanlike.models import get_spec
-
-HERE = Path(__file__).resolve().parent
 
 
 def _subsets(n: int, g: torch.Generator) -> list[torch.Tensor]:
@@ -120,12 +114,10 @@ def test_a_parameter_without_a_distribution_is_named_before_anything_is_written(
     assert torch.equal(m[1].weight, torch.ones(4))
 
 
-def test_shards_on_four_ranks_equal_the_single_device_init():
-    """A 4-rank gloo worker: local_indices against DTensor's own layout (distribute_tensor) for Shard, uneven and
-    empty shards, _StridedShard, 2-D meshes; and init_parameters on FSDP2 / TP x FSDP2 modules (uneven shapes)
-    against the whole tensor."""
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "init_worker.py")], env=worker_env(), capture_output=True, text=True, timeout=240
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "checked" in proc.stdout, proc.stdout
+def test_shards_on_four_ranks_equal_the_single_device_init(request, tmp_path_factory):
+    """A 4-rank gloo worker (init_worker.py, in the session's 4-rank launch: tests/parallel/shared_launch.py):
+    local_indices against DTensor's own layout (distribute_tensor) for Shard, uneven and empty shards, _StridedShard,
+    2-D meshes; and init_parameters on FSDP2 / TP x FSDP2 modules (uneven shapes) against the whole tensor."""
+    import shared_launch
+
+    assert shared_launch.results("init", 4, request, tmp_path_factory)["checked"] > 0

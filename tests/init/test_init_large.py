@@ -3,17 +3,19 @@
 Llama dim 2048, 18 layers, 16 heads / 8 kv heads, SwiGLU 5632, the shipped 2k vocabulary: 0.86B parameters,
 3.4 GB in float32. The old trainer initialised the whole model on every rank (8 x 3.4 GB = 27 GB > the 24 GiB CI
 machine; the old check refused it). Under tp8 each rank holds 1/8 of it: the run builds on meta, generates only its
-shards, trains one step, and reports its peak host memory, which must stay far below one full copy.
+shards, trains one step, and reports its peak host memory, which must stay far below one full copy. The 8 ranks are
+forked from one worker that imported the trainer once (tests/init/init_large_worker.py, as under torchrun).
 """
 
 import math
 import os
 import re
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
-from dist_utils import REPO, worker_env
+from dist_utils import run_script
+
+HERE = Path(__file__).resolve().parent
 
 ARGS = [
     "--job.config_file",
@@ -55,23 +57,11 @@ def _host_bytes() -> int:
 
 @pytest.mark.timeout(900)
 def test_a_model_too_large_to_initialise_whole_per_rank_starts_sharded_on_8_ranks(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "8",
-        "--log-dir",
-        str(tmp_path / "logs"),
-        "train.py",
-        *ARGS,
-        "--job.dump_folder",
-        str(tmp_path / "run"),
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=840)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
+    dump = tmp_path / "run"
+    proc = run_script(HERE / "init_large_worker.py", str(dump), "--", *ARGS, timeout=840)
+    out = "".join((dump / f"rank{r}.log").read_text() for r in range(8) if (dump / f"rank{r}.log").is_file())
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:] + out[-6000:]
+    out = (dump / "rank0.log").read_text()
     params = re.search(r"([\d.]+)M parameters", out)
     assert params, out[-3000:]
     n = float(params.group(1)) * 1e6

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+from pathlib import Path
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -55,7 +56,8 @@ def _loss(model, tokens):
     return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
-def worker(rank: int, world_size: int) -> None:
+def worker(rank: int, world_size: int, out: str | None = None) -> None:
+    """Every case; rank 0 prints the JSON line, or writes it to ``out`` (tests/parallel/shared_launch.py)."""
     torch.manual_seed(0)
     args = FLAVORS["tiny"].replace(vocab_size=64, dim=64, n_layers=2, max_seq_len=32)
     base = Transformer(args).to(torch.float64)
@@ -105,7 +107,11 @@ def worker(rank: int, world_size: int) -> None:
     worst = torch.tensor(max(r["max_grad_diff"] for r in result.values()), dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if rank == 0:
-        print(json.dumps({"results": result, "worst": worst.item()}), flush=True)
+        line = json.dumps({"results": result, "worst": worst.item()})
+        if out is None:
+            print(line, flush=True)
+        else:
+            Path(out).write_text(line)
 
 
 if __name__ == "__main__":

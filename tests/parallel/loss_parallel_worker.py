@@ -224,6 +224,22 @@ def _checks(world_size):
     return results
 
 
+def rank_main(rank: int, world_size: int, out: str) -> None:
+    """Every case on the current process group; rank 0 writes ``out`` (also run by tests/parallel/shared_launch.py)."""
+    results = _checks(world_size)
+    # Worst value over the ranks for every metric, in one collective.
+    keys = [(case, metric) for case, metrics in results.items() for metric in metrics]
+    worst = torch.tensor([float(results[c][m]) for c, m in keys], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        merged = {}
+        for (case, metric), value in zip(keys, worst.tolist()):
+            merged.setdefault(case, {})[metric] = value
+        with open(f"{out}.tmp", "w") as f:
+            json.dump(merged, f, indent=1)
+        os.replace(f"{out}.tmp", out)
+
+
 def _run(rank: int, world_size: int, out_dir: str) -> None:
     try:
         torch.set_num_threads(1)
@@ -234,18 +250,7 @@ def _run(rank: int, world_size: int, out_dir: str) -> None:
             world_size=world_size,
             timeout=timedelta(seconds=30),
         )
-        results = _checks(world_size)
-        # Worst value over the ranks for every metric, in one collective.
-        keys = [(case, metric) for case, metrics in results.items() for metric in metrics]
-        worst = torch.tensor([float(results[c][m]) for c, m in keys], dtype=torch.float64)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        if rank == 0:
-            merged = {}
-            for (case, metric), value in zip(keys, worst.tolist()):
-                merged.setdefault(case, {})[metric] = value
-            with open(os.path.join(out_dir, "results.json.tmp"), "w") as f:
-                json.dump(merged, f, indent=1)
-            os.replace(os.path.join(out_dir, "results.json.tmp"), os.path.join(out_dir, "results.json"))
+        rank_main(rank, world_size, os.path.join(out_dir, "results.json"))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:

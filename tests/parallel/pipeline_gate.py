@@ -515,7 +515,8 @@ def run(layout: Layout, ctx) -> dict:
     cfg = gate.config(layout, ctx.world_size)
     _, records = ctx.reference(layout, cfg)
     final = gate.CUSTOM_MODELS[layout.model]() if layout.model in gate.CUSTOM_MODELS else gate.build_model(cfg)
-    final.load_state_dict({**records[-1].weights, **records[-1].biases})
+    last = records[result["steps"] - 1]  # a mutation may have stopped before STEPS
+    final.load_state_dict({**last.weights, **last.biases})
     EVAL[layout.name].append(_eval_diff(_BUILT["pp"], _BUILT["dims"], final, cfg))
     diffs = torch.tensor([v if v == v else math.inf for v in EVAL[layout.name]], dtype=torch.float64)
     dist.all_reduce(diffs, op=dist.ReduceOp.MAX)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import copy
-import json
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -139,15 +137,13 @@ def test_eval_forward_skips_checkpointing_and_matches():
         assert torch.equal(model(tokens), ref(tokens))
 
 
-def test_ac_under_tensor_parallelism_and_fsdp_two_ranks():
+def test_ac_under_tensor_parallelism_and_fsdp_two_ranks(request, tmp_path_factory):
     """tp=2 (plain and sequence-parallel) and FSDP dp=2, float64: every AC mode gives the one-device gradients;
     under TP, op-level AC issues no collective in the backward beyond what no-AC does (their outputs are
-    saved), full AC does."""
-    from dist_utils import run_script
+    saved), full AC does. (ac_parallel_worker.py, in the session's 2-rank launch: tests/parallel/shared_launch.py)"""
+    import shared_launch
 
-    proc = run_script(Path(__file__).with_name("ac_parallel_worker.py"), timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = shared_launch.results("ac", 2, request, tmp_path_factory)
     assert out["worst"] <= 1e-12, out
     res = out["results"]
     for layout in ("tp", "sp", "fsdp"):

@@ -2,14 +2,10 @@
 in float64 (loss, gradients, weights, expert biases, aux loss), every planted mutation caught where it should be,
 the all-to-alls pinned with CommDebugMode, and apply_ep's refusals."""
 
-import json
-from pathlib import Path
-
 import moe_ep_worker as worker
 import pytest
-from dist_utils import run_script
+import shared_launch
 
-HERE = Path(__file__).resolve().parent
 BROKEN = 1e-6  # a mutation must move something by at least this much (the tolerance is 1e-10)
 
 # Where each mutation must show, and whether step 1's loss stays exact (a gradient-only bug).
@@ -25,10 +21,7 @@ STEP1_LOSS_EXACT = {"local_loads", "aux_per_rank", "expert_fsdp_average", "stale
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")
 def results(request, tmp_path_factory):
     world = request.param
-    out = tmp_path_factory.mktemp("ep") / f"ep{world}.json"
-    proc = run_script(HERE / "moe_ep_worker.py", "--world-size", str(world), "--out", str(out), timeout=420)
-    assert proc.returncode == 0, f"expert-parallel worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    data = json.loads(out.read_text())
+    data = shared_launch.results("ep", world, request, tmp_path_factory)  # in the session's launch of that size
     print(f"\nexpert parallelism, world size {world} (max |diff| over 3 steps):")
     for name, r in data["cases"].items():
         print(

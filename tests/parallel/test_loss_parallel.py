@@ -1,35 +1,19 @@
-"""Vocab-parallel cross entropy on 2 and 4 gloo ranks (one launch per world size, see loss_parallel_worker.py)."""
-
-import json
-import subprocess
-import sys
-from pathlib import Path
+"""Vocab-parallel cross entropy on 2 and 4 gloo ranks (loss_parallel_worker.py, in the session's launch of each
+world size: tests/parallel/shared_launch.py)."""
 
 import pytest
+import shared_launch
 import torch
-from dist_utils import worker_env
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from titanlike.parallel.loss_parallel import _shard_size_and_offset, _vocab_mesh_dim, loss_parallel_cross_entropy
 
-WORKER = Path(__file__).with_name("loss_parallel_worker.py")
-REPO = Path(__file__).resolve().parents[2]
 TOL = 1e-12
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def results(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"loss_parallel_{request.param}")
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), str(request.param), str(out)],
-        env=worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    errors = "".join(p.read_text() for p in sorted(out.glob("error_rank*.txt")))
-    assert proc.returncode == 0, f"worker failed (rc {proc.returncode}):\n{errors}\n{proc.stderr[-3000:]}"
-    return json.loads((out / "results.json").read_text())
+    return shared_launch.results("loss", request.param, request, tmp_path_factory)  # the session's launch of that size
 
 
 def _cases(results, *, exclude=("mutation_", "bf16")):

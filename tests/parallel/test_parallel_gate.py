@@ -1,14 +1,9 @@
 """The equality gate (tests/parallel/gate.py): one launch per world size, every layout <= 1e-10 of one device in
 float64, and every planted mutation caught where it should be."""
 
-import json
-from pathlib import Path
-
 import gate
 import pytest
-from dist_utils import run_script
-
-HERE = Path(__file__).resolve().parent
+import shared_launch
 
 # Where each mutation must show. "forward" mutations change the loss of step 1; the others leave the forward
 # (and so the loss of step 1) exactly right and only break gradients: a forward-only test would pass them.
@@ -42,16 +37,13 @@ EXPECTED_BREAK = {
     "moe_router_not_over_tp": ("grads", False),
     "moe_aux_counts_not_over_tp": ("grads", False),
 }
-BROKEN = 1e-6  # a mutation must move something by at least this much (the gate's tolerance is 1e-10)
+BROKEN = gate.BROKEN  # a mutation must move its metric by at least this much (the tolerance is 1e-10)
 
 
 @pytest.fixture(scope="module", params=[2, 4, 8], ids=lambda n: f"world{n}")
 def gate_results(request, tmp_path_factory):
     world = request.param
-    out = tmp_path_factory.mktemp("gate") / f"gate{world}.json"
-    proc = run_script(HERE / "gate.py", "--world-size", str(world), "--out", str(out), "--timeout", "60", timeout=420)
-    assert proc.returncode == 0, f"gate worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    results = json.loads(out.read_text())
+    results = shared_launch.results("gate", world, request, tmp_path_factory)  # one launch per world size
     print(f"\ngate world size {world} (max |diff| over 3 steps):")
     for name, r in results["layouts"].items():
         print(

@@ -1,14 +1,10 @@
 """Two-rank probes (tests/parallel/tp_probe_worker.py, one launch): collective counts and bytes under tp 2, a user's
 own module under apply_tp / apply_fsdp, FSDP mixed precision, cross-stage clipping, apply_tp's errors."""
 
-import json
 import math
-from pathlib import Path
 
 import pytest
-from dist_utils import run_script
-
-HERE = Path(__file__).resolve().parent
+import shared_launch
 
 # The tiny gate model: batch 8 x seq 16 x dim 64 in float64 = one activation of 65536 bytes; 2 blocks;
 # vocab 128; the vocab-parallel CE all-reduces 3 vectors of 128 rows (1024 bytes each); a norm weight is 512 bytes.
@@ -16,11 +12,8 @@ ACT, ROWS, NORM, LOGITS = 8 * 16 * 64 * 8, 8 * 16 * 8, 64 * 8, 8 * 16 * 128 * 8
 
 
 @pytest.fixture(scope="module")
-def probes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("probes") / "probes.json"
-    proc = run_script(HERE / "tp_probe_worker.py", str(out), timeout=300)
-    assert proc.returncode == 0, f"probe worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return json.loads(out.read_text())
+def probes(request, tmp_path_factory):
+    return shared_launch.results("probes", 2, request, tmp_path_factory)  # in the session's 2-rank launch
 
 
 def test_one_block_two_all_reduces_each_way_without_sp(probes):

@@ -2,19 +2,14 @@
 every schedule / tied / 3-D layout within 1e-10 of one device in float64 (loss, grad norm, gradients, weights and
 the validation loss), and every planted pipeline mutation caught where it should show."""
 
-import json
-from pathlib import Path
-
 import gate
 import pipeline_gate
 import pytest
-from dist_utils import run_script
-
-HERE = Path(__file__).resolve().parent
+import shared_launch
 
 TOL = pipeline_gate.TOL
 FORWARD_BREAKS = {"pp_starts_other_microbatch"}  # the mutations that change the forward (the loss of step 1) too
-BROKEN = 1e-6  # a mutation must move its metric by at least this much
+BROKEN = gate.BROKEN  # a mutation must move its metric by at least this much (the tolerance is 1e-10)
 # Where each mutation must show. None but FORWARD_BREAKS changes the loss of step 1: they only break gradients (or
 # the norm), which a loss-only test would miss.
 EXPECTED_BREAK = {
@@ -32,12 +27,7 @@ EXPECTED_BREAK = {
 @pytest.fixture(scope="module", params=[2, 4, 8], ids=lambda n: f"world{n}")
 def gate_results(request, tmp_path_factory):
     world = request.param
-    out = tmp_path_factory.mktemp("ppgate") / f"ppgate{world}.json"
-    proc = run_script(
-        HERE / "pipeline_gate.py", "--world-size", str(world), "--out", str(out), "--timeout", "120", timeout=480
-    )
-    assert proc.returncode == 0, f"pipeline gate worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    results = json.loads(out.read_text())
+    results = shared_launch.results("pipeline", world, request, tmp_path_factory)  # one launch per world size
     print(f"\npipeline gate, world size {world} (max |diff| over 3 steps):")
     for name, r in results["layouts"].items():
         print(

@@ -1,16 +1,14 @@
-"""train.py under pipeline parallelism (torchrun, 4 ranks: pp 2 x tp 2 with SP, the V-shaped zero-bubble schedule,
-tied embeddings) logs the same training losses, gradient norms and validation losses as one process."""
+"""train.py under pipeline parallelism (4 ranks as torchrun starts them: pp 2 x tp 2 with SP, the V-shaped zero-bubble
+schedule, tied embeddings) logs the same training losses, gradient norms and validation losses as one process. Both
+runs share one worker (tests/parallel/pipeline_train_worker.py)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from dist_utils import worker_env
+from dist_utils import run_script
 
-ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
 COMMON = [
-    "train.py",
     "--job.config_file",
     "configs/debug_model.toml",
     "--training.steps",
@@ -42,28 +40,15 @@ PP = (
 )
 
 
-def _run(out: Path, *args: str, nproc: int = 1) -> list[dict]:
-    launcher = (
-        [sys.executable]
-        if nproc == 1
-        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    )
-    env = worker_env()
-    r = subprocess.run(
-        [*launcher, *COMMON, "--job.dump_folder", str(out), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+def _metrics(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_pipeline_training_matches_one_process(tmp_path):
-    single = _run(tmp_path / "single")
-    piped = _run(tmp_path / "pp", *PP, nproc=4)
+    # one worker: the 4 ranks forked as torchrun starts them, then the single process (one import of the trainer)
+    r = run_script(HERE / "pipeline_train_worker.py", str(tmp_path), "4", "--", *COMMON, "--", *PP)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    single, piped = _metrics(tmp_path / "single"), _metrics(tmp_path / "pp")
 
     def series(rows, key):
         return [(row["step"], row[key]) for row in rows if key in row]

@@ -2,15 +2,11 @@
 write them (real ``transformers`` models from tiny float64 configs, a user's own pipeline model), and the correct
 plans equal to one process. The multi-rank cases run in ONE 2-rank launch (traps_worker.py); the rest here."""
 
-import json
-from pathlib import Path
-
 import pytest
+import shared_launch
 import torch
-from dist_utils import run_script
 from torch import nn
 
-HERE = Path(__file__).resolve().parent
 TOL = 1e-10
 
 
@@ -21,11 +17,8 @@ def one_line(message: str | None) -> str:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("traps") / "result.json"
-    proc = run_script(HERE / "traps_worker.py", "--out", str(out), timeout=400)
-    assert proc.returncode == 0, f"traps worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    everyone = json.loads(out.read_text())
+def ranks(request, tmp_path_factory):
+    everyone = shared_launch.results("traps", 2, request, tmp_path_factory)  # in the session's 2-rank launch
     print("\ntraps, rank 0:", everyone[0])
     return everyone
 

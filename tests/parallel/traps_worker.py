@@ -330,11 +330,15 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--timeout", type=float, default=120.0)
     a = ap.parse_args()
-    import transformers.models.phi3.modeling_phi3  # noqa: F401  (imported once, before the ranks fork)
+    prepare()
+    return spawn(rank_main, 2, a.out, timeout_s=a.timeout)
+
+
+def prepare() -> None:
+    """Before the ranks fork: import the transformers models the cases build (once, not per rank)."""
+    import transformers.models.phi3.modeling_phi3  # noqa: F401
     import transformers.models.qwen2.modeling_qwen2  # noqa: F401
     import transformers.models.qwen3.modeling_qwen3  # noqa: F401
-
-    return spawn(rank_main, 2, a.out, timeout_s=a.timeout)
 
 
 if __name__ == "__main__":
