@@ -267,6 +267,25 @@ def _trainer_rank(rank: int, world_size: int, port: int, dump: Path, argv: list[
         os._exit(code)
 
 
+def run_jobs_then_single(out: Path, jobs: dict[str, list[str]], single: list[str], world_size: int = 2) -> int:
+    """Each of ``jobs`` (name -> train.py options) on ``world_size`` forked ranks into ``out/<name>``
+    (:func:`run_trainer_job`), then ``single`` in this process into ``out/single``: a worker's main, which imported
+    the trainer once. A failed job prints its ranks' log tails and returns 1 before the single run."""
+    from titanlike.training.trainer import main as train_main
+
+    for name, argv in jobs.items():
+        codes = run_trainer_job(out / name, argv, world_size=world_size)
+        if any(codes):
+            for r in range(world_size):
+                print(f"--- {name} rank {r}:\n{(out / name / f'rank{r}.log').read_text()[-3000:]}", file=sys.stderr)
+            print(f"job {name}: exit codes {codes}", file=sys.stderr)
+            return 1
+    import torch
+
+    torch.set_num_threads(1)
+    return train_main([*single, "--job.dump_folder", str(out / "single")])
+
+
 def run_trainer_job(dump: Path, argv: list[str], world_size: int = 2) -> list[int]:
     """``titanlike.training.trainer.main(argv)`` on ``world_size`` forked ranks, exactly as under torchrun (RANK,
     WORLD_SIZE, MASTER_ADDR / MASTER_PORT in the environment: the trainer creates the process group itself), with

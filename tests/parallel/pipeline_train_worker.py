@@ -16,9 +16,9 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: then importing it starts no thread, and forking is safe
 
-from dist_utils import run_trainer_job  # noqa: E402
+from dist_utils import run_jobs_then_single  # noqa: E402
 
-from titanlike.training.trainer import main as train_main  # noqa: E402
+import titanlike.training.trainer  # noqa: E402,F401  (imported once, before the forks)
 
 
 def main() -> int:
@@ -26,16 +26,7 @@ def main() -> int:
     second = sys.argv.index("--", first + 1)
     out, nproc = Path(sys.argv[1]), int(sys.argv[2])
     common, parallel = sys.argv[first + 1 : second], sys.argv[second + 1 :]
-    codes = run_trainer_job(out / "pp", [*common, *parallel], world_size=nproc)
-    if any(codes):
-        for r in range(nproc):
-            print(f"--- rank {r}:\n{(out / 'pp' / f'rank{r}.log').read_text()[-3000:]}", file=sys.stderr)
-        print(f"parallel run: exit codes {codes}", file=sys.stderr)
-        return 1
-    import torch
-
-    torch.set_num_threads(1)
-    return train_main([*common, "--job.dump_folder", str(out / "single")])
+    return run_jobs_then_single(out, {"pp": [*common, *parallel]}, common, world_size=nproc)
 
 
 if __name__ == "__main__":

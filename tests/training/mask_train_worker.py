@@ -16,9 +16,9 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: then importing it starts no thread, and forking is safe
 
-from dist_utils import run_trainer_job  # noqa: E402
+from dist_utils import run_jobs_then_single  # noqa: E402
 
-from titanlike.training.trainer import main as train_main  # noqa: E402
+import titanlike.training.trainer  # noqa: E402,F401  (imported once, before the forks)
 
 JOBS = {
     "cp2": ["--parallelism.context_parallel_degree", "2"],
@@ -36,15 +36,7 @@ JOBS = {
 def main() -> int:
     split = sys.argv.index("--")
     out, argv = Path(sys.argv[1]), sys.argv[split + 1 :]
-    for name, extra in JOBS.items():
-        codes = run_trainer_job(out / name, [*argv, *extra])
-        if any(codes):
-            print(f"job {name}: exit codes {codes}", file=sys.stderr)
-            return 1
-    import torch
-
-    torch.set_num_threads(1)
-    return train_main([*argv, "--job.dump_folder", str(out / "single")])
+    return run_jobs_then_single(out, {name: [*argv, *extra] for name, extra in JOBS.items()}, argv)
 
 
 if __name__ == "__main__":
