@@ -103,6 +103,7 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
     stage_ids = lo.stage_ids(pp_rank)
     passes = lo.accum_steps * lo.n_microbatches  # microbatch forwards per stage per step
     sharding = get_spec_for(args).sharding_of(args)
+    shards = rank_param_shards(lo, args, rank)
     gb = lo.act_bytes if lo.fsdp else lo.param_bytes  # a replicated weight's gradient (bf16 under FSDP's mp)
 
     def add(dim, op, phase, nbytes, group, what, count):
@@ -113,7 +114,7 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
         names = lo.stages[sid]
         ids = _layer_ids(names)
         moe = moe_layers(args, names)
-        head_norms = [p for p in rank_param_shards(lo, args, rank)[sid] if _is_head_norm(sharding, p.name)]
+        head_norms = [p for p in shards[sid] if _is_head_norm(sharding, p.name)]
         # ---------------------------------------------------------------------------------- tensor parallel
         if t > 1:
             # Blocks under full AC rerun their forward in the backward up to the last op whose saved tensors the
@@ -242,14 +243,9 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
                 add("pp", "send", "backward", p2p, 2, "stage input grad", passes)
             tied = args.tie_embeddings and (sid == 0 or sid == len(lo.stages) - 1) and not lo.v_placement
             if tied:  # finalize_grads: the two copies of the tied weight sum their gradient shards
-                shard = next(
-                    p
-                    for p in rank_param_shards(lo, args, rank)[sid]
-                    if p.name in ("tok_embeddings.weight", "output.weight")
-                )
+                shard = next(p for p in shards[sid] if p.name in ("tok_embeddings.weight", "output.weight"))
                 add("pp", "all_reduce", "step", shard.numel * lo.param_bytes, 2, "tied embedding grads", 1)
     # -------------------------------------------------------------------------------------- data parallel
-    shards = rank_param_shards(lo, args, rank)
     dr = lo.dp_replicate
     for sid in stage_ids:
         for kind, params in fsdp_units(lo, args, shards[sid], lo.stages[sid]):

@@ -310,13 +310,12 @@ def block_activation_bytes(
     # the dense feed-forward's share above out, the MoE block's in (it runs on this rank's own tokens: 1 / t_sp)
     # (and under SP the feed-forward's input is not all-gathered, nor its output reduce-scattered: one collective
     # pair less for op AC, the norm's output kept at local length)
-    sp_extra = (a * h - a * h / tsp) if tsp > 1 else 0
+    ag = (a * h - a * h / tsp) if tsp > 1 else 0  # the norm output's gathered part (none) ...
+    coll = (a * h + a * h / tsp) if tsp > 1 else 0  # ... and the all-gather / reduce-scatter pair (op AC)
     ffn = {
         "full": 0,
-        "op": (1 if gelu else 2) * a * H / t + a * h + sp_extra / (1 - 1 / tsp) * (1 + 1 / tsp)
-        if tsp > 1
-        else (1 if gelu else 2) * a * H / t + a * h,
-        "none": 4 * a * H / t + sp_extra,
+        "op": (1 if gelu else 2) * a * H / t + a * h + coll,
+        "none": (2 if gelu else 4) * a * H / t + ag,
     }[mode]
     routed = tokens // tsp
     return round((per_token - ffn + gathered_kv) * tokens) + moe_activation_bytes(

@@ -306,11 +306,7 @@ def _price(plan: Plan) -> list[str]:
             f"microbatch; synchronous inside attention, so fully exposed"
         )
     if lo.ep > 1:
-        moe = {
-            i: m
-            for sid in lo.stage_ids(lo.pp_rank_of(plan.rank))
-            for i, m in moe_layers(plan.args, lo.stages[sid]).items()
-        }
+        moe = _rank_moe(plan)
         if moe:
             m = next(iter(moe.values()))
             routed = lo.microbatch_size * lo.local_seq_len // (lo.tp if lo.ep_tp > 1 else 1)
@@ -380,9 +376,7 @@ def _memory(plan: Plan) -> list[str]:
     lo = plan.layout
     tokens = lo.microbatch_size * lo.local_seq_len
     alts = []
-    moe = {
-        i: m for sid in lo.stage_ids(lo.pp_rank_of(plan.rank)) for i, m in moe_layers(plan.args, lo.stages[sid]).items()
-    }
+    moe = _rank_moe(plan)
     block = next(iter(moe.values()), None)  # an MoE block's when the rank holds one
     for mode in ("none", "op", "full"):
 
@@ -395,6 +389,14 @@ def _memory(plan: Plan) -> list[str]:
     kind = "MoE block" if block is not None else "block"
     out.append(f"  one {kind}'s activations per microbatch of {tokens:,} tokens (tp {lo.tp}{cp}): " + ";  ".join(alts))
     return out
+
+
+def _rank_moe(plan: Plan) -> dict:
+    """Layer id -> MoEArgs of the MoE blocks on the stages of the plan's rank."""
+    lo = plan.layout
+    return {
+        i: m for sid in lo.stage_ids(lo.pp_rank_of(plan.rank)) for i, m in moe_layers(plan.args, lo.stages[sid]).items()
+    }
 
 
 def _replace_layout(lo: Layout, **kw) -> Layout:
