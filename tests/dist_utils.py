@@ -16,9 +16,11 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -68,7 +70,7 @@ def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-def _rank_main(fn, rank: int, world_size: int, port: int, timeout_s: float, args: tuple) -> None:
+def _rank_main(fn, rank: int, world_size: int, port: int, timeout_s: float, errors: str, args: tuple) -> None:
     code = 1
     try:
         import torch
@@ -85,6 +87,8 @@ def _rank_main(fn, rank: int, world_size: int, port: int, timeout_s: float, args
     except BaseException:  # noqa: BLE001 - report anything, then exit non-zero
         traceback.print_exc()
         sys.stderr.flush()
+        # for spawn's summary: when this rank failed, and why (the first failure is the cause, the others follow it)
+        Path(errors, f"rank{rank}").write_text(f"{time.time()}\n{traceback.format_exc()}")
     finally:
         sys.stdout.flush()
         os._exit(code)
@@ -96,18 +100,18 @@ def spawn(fn: Callable[..., None], world_size: int, *args, timeout_s: float = 60
     ``timeout_s`` is the gloo timeout: a collective that waits longer (a rank died, or the ranks disagree
     on the sequence of collectives) fails instead of hanging.
     """
-    import socket
-
     import torch.distributed as dist
 
     # Fork before anything in this process starts a thread: the TCPStore server runs a background thread, and
     # forking while it holds a lock (malloc's, say) can deadlock a child before it reaches gloo. So pick a free
     # port, fork the ranks, and only then host the store on that port (the clients retry until it is up).
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unused_port()
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, timeout_s, args)) for r in range(world_size)]
+    errors = tempfile.mkdtemp(prefix="spawn_errors_")
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, timeout_s, errors, args))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     store = dist.TCPStore(  # noqa: F841 (kept alive: the workers' store)
@@ -119,6 +123,7 @@ def spawn(fn: Callable[..., None], world_size: int, *args, timeout_s: float = 60
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     failed = False
+    killed: set[int] = set()  # the ranks this function killed once another had failed
     while any(p.is_alive() for p in procs):
         if any(p.exitcode not in (None, 0) for p in procs):
             failed = True
@@ -129,9 +134,34 @@ def spawn(fn: Callable[..., None], world_size: int, *args, timeout_s: float = 60
         for p in procs:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
+                killed.add(p.pid)
     for p in procs:
         p.join()
+    if any(p.exitcode != 0 for p in procs):
+        _report_failure(procs, killed, Path(errors))
+    shutil.rmtree(errors, ignore_errors=True)
     return 0 if all(p.exitcode == 0 for p in procs) else 1
+
+
+def _report_failure(procs, killed: set[int], errors: Path) -> None:
+    """The last lines of a failed launch's stderr (what a test's message keeps of it): every rank's exit code (a
+    negative one is the signal that killed it, with no traceback: the OOM killer, say) and the traceback of the rank
+    that failed first. The others mostly fail after it ("Connection closed by peer") and their tracebacks, printed
+    later, would push the cause out of a test's message."""
+
+    def code(p) -> str:
+        if p.pid in killed:
+            return "killed after another failed"
+        return f"{p.exitcode}" + (f" ({signal.Signals(-p.exitcode).name})" if (p.exitcode or 0) < 0 else "")
+
+    codes = ", ".join(f"rank {r}: {code(p)}" for r, p in enumerate(procs))
+    failures = sorted(
+        (float(text.partition("\n")[0]), path.name, text.partition("\n")[2])
+        for path in errors.iterdir()
+        for text in [path.read_text()]
+    )
+    first = f"the first to fail, {failures[0][1]}:\n{failures[0][2][-6000:]}" if failures else "no rank raised"
+    print(f"=== spawn: a rank failed; exit codes {codes}; {first}", file=sys.stderr, flush=True)
 
 
 def run_script(script: str | Path, *args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
