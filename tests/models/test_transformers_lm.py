@@ -96,6 +96,11 @@ def _cfg(folder: str, *more: str):
             "transformers cannot build it (ValueError: Gemma2ForCausalLM does not support an attention",
         ),
         (dict(is_encoder_decoder=True), "is_encoder_decoder = true"),
+        # a mixture of experts, as transformers' Qwen3MoeConfig writes it: refused before its float64 forward check
+        (
+            dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=4, moe_intermediate_size=8),
+            "a mixture of experts (num_experts = 4) trains as a titanlike MoE model",
+        ),
         (dict(model_type="t5", architectures=["T5ForConditionalGeneration"]), "transformers cannot build it"),
     ],
 )

@@ -133,6 +133,9 @@ class HFArgs:
 
 # ------------------------------------------------------------------------------------------------- config.json
 _DROPOUTS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout")
+# config.json's routed-expert counts across transformers' MoE families (Qwen2/3-MoE, OLMoE; Mixtral, gpt-oss,
+# transformers 5's Qwen3-MoE; DeepSeek-V2/V3)
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def config_problems(config: dict) -> list[str]:
@@ -146,6 +149,13 @@ def config_problems(config: dict) -> list[str]:
     kinds = {k for k in (config.get("layer_types") or []) if k != "full_attention"}
     if kinds or config.get("use_sliding_window"):
         out.append(f"layer_types {sorted(kinds) or ['sliding_attention']} (only full causal attention is wired)")
+    experts = [f"{k} = {config[k]}" for k in _EXPERT_COUNTS if config.get(k)]
+    if experts:  # its experts would train with no expert axis, no load balancing, a TP plan with no titanlike style
+        out.append(
+            f"a mixture of experts ({', '.join(experts)}) trains as a titanlike MoE model, not through model.name "
+            "'hf': its folder with weights by checkpoint.initial_load_path and no --model.* flags, or that model's "
+            "--model.* flags (docs/moe.md)"
+        )
     if config.get("quantization_config") is not None:
         out.append("quantization_config (quantized weights do not train)")
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
