@@ -255,8 +255,9 @@ def run_case(rank: int, name: str) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
     from titanlike.models import spec_for
-    from titanlike.models.moe import balanced_routing, set_aux_loss_denominator
+    from titanlike.models.moe import MoE, balanced_routing, set_aux_loss_denominator
     from titanlike.parallel import ParallelDims, build_loss_fn, parallelize_model, rank_groups
+    from titanlike.parallel.expert_parallel import ExpertBalancing
     from titanlike.planner.cost import messages
     from titanlike.planner.layout import Layout
     from titanlike.planner.memory import rank_memory
@@ -280,6 +281,7 @@ def run_case(rank: int, name: str) -> dict:
     torch.manual_seed(0)
     model = spec_for(args).build(args)
     model.init_weights()
+    layers = [n for n, m in model.named_modules() if isinstance(m, MoE)]  # before pp cuts the stages
     pp = None
     if dims.pp > 1:
         from titanlike.parallel.pipeline import apply_pp
@@ -303,7 +305,7 @@ def run_case(rank: int, name: str) -> dict:
     shape = (cfg.training.local_batch_size, cfg.training.seq_len)
     measured, comm_debug, recorded = defaultdict(lambda: [0, 0]), 0, 0
 
-    def run(fn, phase=None):
+    def run(fn, phase=None, named=None):  # named: ranks -> dim, for groups that are no mesh dim of dim_of
         nonlocal comm_debug, recorded
         recorder = _recorder()
         if pp is None:  # CommDebugMode's own count must agree with the recorder's
@@ -322,7 +324,7 @@ def run_case(rank: int, name: str) -> dict:
                 continue
             if len(ranks) == 1:  # a group of one (the experts' FSDP when ep takes every token rank)
                 continue
-            dims_here = dim_of[ranks]
+            dims_here = [named[ranks]] if ranks in (named or {}) else dim_of[ranks]
             dim = dims_here[0] if len(dims_here) == 1 else ("cp" if functional else dims_here[-1])
             key = _key(dim, op, phase or is_phase, pp is not None)
             measured[key][0] += 1
@@ -343,6 +345,13 @@ def run_case(rank: int, name: str) -> dict:
     if pp is not None:
         run(pp.finalize_grads, "step")
     optimizer.step()
+    if layers:  # the step's MoE balancing, as train_step ends it (ExpertBalancing.end_step)
+        group = dims.expert_load_group()
+        balancing = ExpertBalancing(
+            parts, group, dims.dp, layers=layers, num_experts=args.num_experts, pp_group=pp and pp.pp_group
+        )
+        named = {tuple(dist.get_process_group_ranks(group)): dims.expert_load_dim} if group is not None else {}
+        run(balancing.end_step, "step", named)
     planned = defaultdict(lambda: [0, 0])
     for m in messages(layout, args, rank):
         key = _key(m.dim, m.op, m.phase, pp is not None)

@@ -10,7 +10,8 @@ Qwen3-MoE (a dense and an MoE layer, the sequence-wise aux loss on, routed round
 under ep 2 x FSDP 4 in bf16 (experts' own FSDP over dp_shard_mod_ep) and under TP+SP 2 x ep 4 x FSDP 2 with full AC
 (ep borrowing tp: no collectives around the MoE block, its router over dp_shard_cp_tp, the aux loss's counts over tp,
 per-head norm gradients over tp, the all-to-alls recomputed); Qwen3-MoE under PP 2 x ep 2 with 1F1B (a dense and an
-MoE layer on the first stage, two MoE layers on the second).
+MoE layer on the first stage, two MoE layers on the second). Every MoE case ends with the step's balancing (the
+aux-loss terms and expert loads summed over dp x cp, x tp where ep borrows it; the log's table over the stages).
 The vocabulary (250 rows) splits unevenly under tp 2 x dp_shard 2, so the padded FSDP
 shards are exercised too.
 """
@@ -69,8 +70,21 @@ def test_planner_matches_gloo_runs(tmp_path):
         "dp_shard_mod_ep reduce_scatter backward",
         "dp_shard_cp_tp all_gather forward",
         "dp_shard_cp_tp reduce_scatter backward",
+        "dp_cp all_reduce step",
+        "dp_cp_tp all_reduce step",
     ):
         assert key in keys, key
+    # After the optimizer step (ExpertBalancing.end_step) over the ranks that routed other tokens: the aux-loss
+    # terms (float64 per MoE layer) and the stage's expert loads (int64, 8 experts per layer); under pp each stage's
+    # own layers (1 on stage 0, 2 on stage 1), and the log's table over the stages rides with the tied grads
+    for name, key in (
+        ("moe_ep2_fsdp4_bf16", "dp_cp all_reduce step"),
+        ("moe_tp2_sp_ep4_fsdp2_fullac", "dp_cp_tp all_reduce step"),
+    ):
+        assert all(r["measured"][key] == [2, 8 + 8 * 8] for r in cases[name].values()), name
+    for rank, r in cases["pp2_moe_ep2_1f1b"].items():
+        layers = 1 if rank in ("0", "1") else 2
+        assert r["measured"]["dp_cp all_reduce any"] == [2, layers * (8 + 8 * 8)], (rank, r["measured"])
     # MoE (one MoE layer, one pass): the counts, the dispatch and the combine forward, the two transposes backward;
     # full AC reruns the forward's three in the backward
     for name, fwd, bwd in (("moe_ep2_fsdp4_bf16", 3, 2), ("moe_tp2_sp_ep4_fsdp2_fullac", 3, 5)):

@@ -18,6 +18,7 @@ The trainer and the parallelize functions act on these decisions; the planner pr
 from titanlike.layout.degrees import (
     FLATTENED,
     MESH_DIMS,
+    TOKEN_DIMS,
     Degrees,
     degree_problems,
     describe_layout,
@@ -78,6 +79,7 @@ __all__ = [
     "FLATTENED",
     "FSDP_GROUPS",
     "MESH_DIMS",
+    "TOKEN_DIMS",
     "RESHARD_CHOICES",
     "RULES",
     "SCHEDULES",

@@ -30,6 +30,7 @@ from titanlike.errors import ConfigError
 __all__ = [
     "FLATTENED",
     "MESH_DIMS",
+    "TOKEN_DIMS",
     "Degrees",
     "degree_problems",
     "describe_layout",
@@ -45,6 +46,9 @@ FLATTENED = {
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
+# The ranks holding other tokens of the same layers: every data and context rank, and the tp ranks too where they
+# route their own sequence shards (expert parallelism borrowing tp under sequence parallelism).
+TOKEN_DIMS = {"dp_cp": FLATTENED["dp_cp"], "dp_cp_tp": (*FLATTENED["dp_cp"], "tp")}
 
 
 def degree_problems(
@@ -156,6 +160,14 @@ class Degrees:
         """The ranks of ``dp_shard x cp`` (``x tp`` when borrowed: :attr:`ep_tp`) holding the same experts (the
         experts' FSDP group): ``dp_shard * cp * ep_tp / ep``."""
         return self.dp_shard * self.cp * self.ep_tp // self.ep
+
+    @property
+    def expert_load_dim(self) -> str | None:
+        """The flattened mesh dim whose ranks routed other tokens of the same MoE layers (the expert loads and the
+        aux-loss terms are summed over it once per step): ``"dp_cp"`` (dp x cp), ``"dp_cp_tp"`` when expert
+        parallelism borrows tp (:data:`TOKEN_DIMS`); None on one rank per model copy."""
+        name = "dp_cp_tp" if self.ep_tp > 1 else "dp_cp"
+        return name if math.prod(self.shape[MESH_DIMS.index(d)] for d in TOKEN_DIMS[name]) > 1 else None
 
     @property
     def fsdp_enabled(self) -> bool:

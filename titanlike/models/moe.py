@@ -573,11 +573,14 @@ def set_aux_loss_denominator(model: nn.Module, sequences: float | Tensor) -> Non
 
 
 def aux_losses(model: nn.Module) -> Tensor:
-    """(layers,) this rank's aux-loss contributions since the last reset (zero where off): their sum over the data
-    ranks is the step's auxiliary loss per layer."""
+    """(layers,) float64, on the blocks' device (one copy to the host per step, by the caller, not one per block):
+    this rank's aux-loss contributions since the last reset (zero where off); their sum over the data ranks is the
+    step's auxiliary loss per layer."""
     blocks = moe_modules(model)
-    vals = [m.aux_loss_sum if m.aux_loss_sum is not None else torch.zeros((), dtype=torch.float64) for m in blocks]
-    return torch.stack([v.to(torch.float64).cpu() for v in vals]) if vals else torch.zeros(0, dtype=torch.float64)
+    if not blocks:
+        return torch.zeros(0, dtype=torch.float64)
+    zero = torch.zeros((), dtype=torch.float64, device=blocks[0].expert_load.device)
+    return torch.stack([zero if m.aux_loss_sum is None else m.aux_loss_sum.to(torch.float64) for m in blocks])
 
 
 def init_moe_buffers(model: nn.Module, device: torch.device | None = None) -> None:

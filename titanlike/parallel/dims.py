@@ -136,13 +136,8 @@ class ParallelDims(Degrees):
         return self.get_mesh(("dp_replicate", "dp_shard_cp_tp") if self.dp_replicate_enabled else "dp_shard_cp_tp")
 
     def expert_load_group(self):
-        """The ranks whose MoE blocks routed other tokens of the same layers (the expert loads are summed over
-        them): ``dp x cp``, and ``x tp`` when ep borrows tp; None on one rank per model copy."""
-        if self.ep_tp > 1:
-            return self.get_mesh("dp_cp_tp").get_group()
-        if self.cp_enabled:
-            return self.get_mesh("dp_cp").get_group()
-        return self.get_mesh("dp").get_group() if self.dp_enabled else None
+        """The process group of :attr:`expert_load_dim` (the expert loads are summed over it), or None."""
+        return None if self.expert_load_dim is None else self.get_mesh(self.expert_load_dim).get_group()
 
     def fsdp_mesh(self) -> DeviceMesh:
         """What FSDP shards over: ``dp_shard x cp``, and ``dp_replicate`` (HSDP, 2-D) when it is above 1."""

@@ -320,7 +320,7 @@ class ExpertBalancing:
         parts = [m for m in self.model_parts if moe_modules(m)]
         rows = [self.layers.index(n) for m in parts for n, mod in m.named_modules() if isinstance(mod, MoE)]
         if parts:
-            aux = torch.cat([aux_losses(m) for m in parts]).to(expert_loads(parts[0]).device)
+            aux = torch.cat([aux_losses(m) for m in parts])
             aux = _all_reduce_sum(aux, self.group)
             if update:
                 loads = torch.cat([sync_expert_biases(m, self.group) for m in parts])

@@ -44,6 +44,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
 
+from titanlike.layout import TOKEN_DIMS
 from titanlike.layout.timeline import schedule_timeline
 from titanlike.models import spec_for as get_spec_for
 from titanlike.planner.hardware import Hardware
@@ -285,6 +286,20 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
                 what.replace("params", "grad shards"),
                 rs,
             )
+    # -------------------------------------------------------------------------------------- MoE balancing
+    # After the optimizer step (ExpertBalancing.end_step): the aux-loss terms of this rank's MoE layers, the expert
+    # loads of each of its stages (the bias update; float64 / int64) over the ranks that routed other tokens, and
+    # under pp every layer's row of the log's table over the stages
+    held = [moe_layers(args, lo.stages[sid]) for sid in stage_ids]
+    every = {i: m for names in lo.stages for i, m in moe_layers(args, names).items()}
+    if every:
+        experts, load = next(iter(every.values())).num_experts, lo.dims.expert_load_dim
+        if load is not None and any(held):
+            size = lo.groups[load].size
+            add(load, "all_reduce", "step", 8 * sum(map(len, held)), size, "MoE aux loss per layer (the log)", 1)
+            for layers in held:
+                add(load, "all_reduce", "step", 8 * len(layers) * experts, size, "MoE expert loads (bias update)", 1)
+        add("pp", "all_reduce", "step", 8 * len(every) * (1 + experts), lo.pp, "MoE aux loss and loads (the log)", 1)
     # -------------------------------------------------------------------------------------- Muon
     muon = muon_rank(lo, args, rank)
     if muon is not None and muon.collectives:
@@ -415,7 +430,10 @@ def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
     ns = max((m.ns_flops for m in muon if m is not None), default=0)
     muon_s = dims["muon"].seconds if "muon" in dims else 0.0
     optimizer = ns / (hw.peak_flops * hw.compute_efficiency) + muon_s
+    # the MoE balancing's all-reduces after the optimizer step: nothing hides them
+    balance = [d for d in TOKEN_DIMS if d in dims]
     step = (compute + tp_s + cp_s + ep_s) * (1 + bub) + pp_s + dp_exposed + optimizer
+    step += sum(dims[d].seconds for d in balance)
     for d, exposed in (
         ("tp", tp_s * (1 + bub)),
         ("cp", dims["cp"].seconds * (1 + bub) if "cp" in dims else 0.0),
@@ -423,6 +441,7 @@ def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
         ("ep", ep_s * (1 + bub)),
         ("pp", pp_s),
         ("muon", muon_s),
+        *((d, dims[d].seconds) for d in balance),
     ):
         if d in dims:
             dims[d] = _replace(dims[d], exposed)

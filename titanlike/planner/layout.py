@@ -16,6 +16,7 @@ from titanlike.errors import ConfigError
 from titanlike.layout import (
     FLATTENED,
     MESH_DIMS,
+    TOKEN_DIMS,
     Degrees,
     ac_block_mode,
     batch_split,
@@ -260,6 +261,9 @@ class Layout:
             groups[name] = _map_rows(name, rows, self.gpus_per_node)
         if self.ep_tp > 1:
             groups["cp_tp"] = group_map(self.dims, "cp_tp", self.gpus_per_node, members=("cp", "tp"))
+        load = self.dims.expert_load_dim  # an MoE model's per-step expert loads and aux-loss terms
+        if load is not None:
+            groups[load] = group_map(self.dims, load, self.gpus_per_node, members=TOKEN_DIMS[load])
         return groups
 
     @cached_property

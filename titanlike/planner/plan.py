@@ -351,6 +351,8 @@ _DIM_ORDER = (
     "dp_shard_mod_ep",
     "dp_shard_cp_tp",
     "dp_replicate",
+    "dp_cp",  # an MoE model's expert loads and aux-loss terms, once per step
+    "dp_cp_tp",
     "muon",
 )
 
