@@ -414,13 +414,12 @@ def _rank_entry(rank: int, world_size: int, port: int, out_path: str) -> None:
 
 def launch(out_path: str, timeout_s: float = 240.0) -> int:
     """Start WORLD fresh interpreters (no fork of a process with threads), wait, kill the rest if one fails."""
-    import socket
     import subprocess
     import time
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from dist_utils import unused_port  # below the ephemeral range: no other job's connection can take it first
+
+    port = unused_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen([sys.executable, __file__, "--rank", str(r), str(port), out_path], env=env)
