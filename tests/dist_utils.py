@@ -165,15 +165,28 @@ def _report_failure(procs, killed: set[int], errors: Path) -> None:
 
 
 def run_script(script: str | Path, *args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
-    """Run ``python script *args`` from the repository root (one thread per process), capturing its output."""
-    return subprocess.run(
+    """Run ``python script *args`` from the repository root (one thread per process), capturing its output. Past
+    ``timeout`` (or on an interrupt) the script **and every process it forked** (a launch's ranks) are killed, then
+    ``subprocess.TimeoutExpired`` is raised with the output so far: ranks left running would slow every later test."""
+    proc = subprocess.Popen(
         [sys.executable, str(script), *args],
         cwd=REPO,
         env=worker_env(),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
+        start_new_session=True,  # its own process group: the ranks it forks are in it
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(proc.args, timeout, out, err) from None
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def kill_at_pause_points(

@@ -22,6 +22,7 @@ import argparse
 import importlib
 import json
 import re
+import subprocess
 import sys
 import time
 import warnings
@@ -135,9 +136,12 @@ def _launch(world: int, kinds: list[str], tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"shared{world}")
     out = {k: folder / f"{k}{world}.json" for k in kinds}
     runs = [arg for k in kinds for arg in ("--run", f"{k}={out[k]}")]
-    proc = run_script(
-        HERE / "shared_launch.py", "--world-size", str(world), *runs, timeout=sum(TIMEOUT_S[k] for k in kinds)
-    )
+    limit = sum(TIMEOUT_S[k] for k in kinds)
+    try:
+        proc = run_script(HERE / "shared_launch.py", "--world-size", str(world), *runs, timeout=limit)
+    except subprocess.TimeoutExpired as e:  # a failure like any other: recorded once, never launched again
+        text = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
+        proc = subprocess.CompletedProcess(e.cmd, -1, text[0], f"{text[1]}\nthe launch timed out after {limit} s")
     for k, path in out.items():
         if path.is_file() and (proc.returncode == 0 or k != kinds[-1]):  # the last worker needs a clean end too
             _RESULTS[(world, k)] = json.loads(path.read_text())
