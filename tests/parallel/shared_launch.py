@@ -140,8 +140,8 @@ def _launch(world: int, kinds: list[str], tmp_path_factory):
     try:
         proc = run_script(HERE / "shared_launch.py", "--world-size", str(world), *runs, timeout=limit)
     except subprocess.TimeoutExpired as e:  # a failure like any other: recorded once, never launched again
-        text = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
-        proc = subprocess.CompletedProcess(e.cmd, -1, text[0], f"{text[1]}\nthe launch timed out after {limit} s")
+        err = f"{e.stderr or ''}\nthe launch timed out after {limit} s"
+        proc = subprocess.CompletedProcess(e.cmd, -1, e.stdout or "", err)
     for k, path in out.items():
         if path.is_file() and (proc.returncode == 0 or k != kinds[-1]):  # the last worker needs a clean end too
             _RESULTS[(world, k)] = json.loads(path.read_text())

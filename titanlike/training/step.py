@@ -161,13 +161,14 @@ def train_step(
     finite = math.isfinite(loss_value) and math.isfinite(norm_value)
     if finite:
         optimizer.step()
-    if lr_scheduler is not None:
+    if lr_scheduler is not None and finite:
+        lr_scheduler.step()
+    elif lr_scheduler is not None:
         # A skipped update still advances the schedule: the learning rate follows the step number, which counts
         # skipped steps too. torch warns that the scheduler stepped before the optimizer when the very first update
         # is the one skipped; that order is intended here.
-        with contextlib.nullcontext() if finite else warnings.catch_warnings():
-            if not finite:
-                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
             lr_scheduler.step()
     moe_stats = moe.end_step(update=finite) if moe is not None else None
     return StepResult(loss=loss_value, grad_norm=norm_value, tokens=int(tokens), skipped=not finite, moe=moe_stats)
