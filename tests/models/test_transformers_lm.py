@@ -122,3 +122,25 @@ def test_bad_folders_are_refused_in_one_line(tmp_path):
         _cfg(str(tmp_path))
     with pytest.raises(ConfigError, match="model.hf_config: llama3 has no such setting"):
         load_config(["--model.hf_config", str(tmp_path)])
+
+
+def test_a_moe_config_as_transformers_writes_it_is_refused_naming_the_moe_route(tmp_path):
+    """The installed library's own Qwen3MoeConfig.save_pretrained (5.x writes num_local_experts): one line, exit-2
+    material, pointing at titanlike's MoE model instead of failing in the float64 forward check."""
+    transformers.Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+    ).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        _cfg(str(tmp_path))
+    message = str(e.value)
+    assert "a mixture of experts (num_" in message and "trains as a titanlike MoE model" in message, message
+    assert "\n" not in message and "cannot build or run" not in message, message
