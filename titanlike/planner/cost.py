@@ -374,11 +374,9 @@ def _stage_flops_per_token(layout: Layout, args, names) -> tuple[float, float]:
     return train, recompute
 
 
-def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
-    lo = layout
+def _rank_flops(lo: Layout, args) -> float:
+    """The FLOPs of the busiest pipeline rank in one step (the embedding / head make the first and last differ)."""
     tokens = lo.tokens_per_step
-    model_flops = args.flops_per_token(lo.seq_len) * tokens
-    # The slowest pipeline rank sets the pace (the embedding / head make the first and last ones differ).
     per_rank = []
     for pp_rank in range(lo.pp):
         train = recompute = 0.0
@@ -391,9 +389,12 @@ def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
                     train += routed
                     recompute += routed / 3 if lo.checkpointed(i) == "full" else 0
         per_rank.append((train + recompute) * tokens / (lo.dp * lo.cp * lo.tp))
-    rank_flops = max(per_rank)
-    compute = rank_flops / (hw.peak_flops * hw.compute_efficiency)
+    return max(per_rank)
 
+
+def _dim_costs(lo: Layout, args, hw: Hardware, rank: int) -> tuple[dict, dict[str, float]]:
+    """Each dim's messages priced on its link; and the seconds of each dim's messages that wait for the end of the
+    backward (phase "step")."""
     by_dim: dict[str, list[Message]] = defaultdict(list)
     for msg in messages(lo, args, rank):
         by_dim[msg.dim].append(msg)
@@ -409,6 +410,17 @@ def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
             dim, sum(m.count for m in msgs), sum(m.wire_bytes for m in msgs), gm.link, seconds(msgs), 0.0
         )
         after[dim] = seconds([m for m in msgs if m.phase == "step"])
+    return dims, after
+
+
+def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
+    lo = layout
+    tokens = lo.tokens_per_step
+    model_flops = args.flops_per_token(lo.seq_len) * tokens
+    rank_flops = _rank_flops(lo, args)
+    compute = rank_flops / (hw.peak_flops * hw.compute_efficiency)
+
+    dims, after = _dim_costs(lo, args, hw, rank)
     bub = bubble(lo.schedule or "1F1B", lo.pp, lo.n_microbatches, lo.stages_per_rank)
     tp_s = dims["tp"].seconds if "tp" in dims else 0.0
     # synchronous inside attention (and the MoE aux loss's counts over cp x tp): on the critical path
