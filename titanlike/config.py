@@ -559,31 +559,58 @@ def parse_config(argv: list[str] | None = None, raise_problems: bool = True) -> 
         file_pairs = _read_toml(path, problems)
         cfg.job.config_file = path
     torchtitan_file = any(k in tt.TORCHTITAN_KEYS and k not in _all_keys() for k, _ in file_pairs)
-    if torchtitan_file:  # torchtitan's defaults where the file is silent and titanlike's default differs
-        given = {k for k, _ in file_pairs} | {
-            tt.TORCHTITAN_KEYS[k].target
-            for k, _ in file_pairs
-            if k in tt.TORCHTITAN_KEYS and tt.TORCHTITAN_KEYS[k].target
-        }
-        for key, value in tt.TORCHTITAN_DEFAULTS.items():
-            if key not in given and key not in ("training.dtype", "parallelism.enable_sequence_parallel"):
-                _set(cfg, key, value, from_cli=False)
-                reading.notes.append(f"{key} = {value!r}: torchtitan's default (the file does not set it)")
-        tt_dtype = dict(file_pairs).get("training.dtype", "float32")
-        mixed = dict(file_pairs).get("training.mixed_precision_param", "bfloat16")
-        file_pairs = [(k, v) for k, v in file_pairs if k not in ("training.dtype", "training.mixed_precision_param")]
-        if tt_dtype == "bfloat16":
-            problems.append(
-                "torchtitan's training.dtype = 'bfloat16' trains bf16 weights without float32 master "
-                "weights, which titanlike does not do: use training.dtype = 'float32' (torchtitan's "
-                "mixed_precision_param = 'bfloat16' is then titanlike's training.dtype = 'bfloat16')"
-            )
-        elif tt_dtype != "float32":
-            problems.append(f"training.dtype: '{tt_dtype}' is not a torchtitan dtype ('float32' or 'bfloat16')")
-        else:
-            file_pairs.append(("training.mixed_precision_param", mixed))
+    if torchtitan_file:
+        file_pairs = _torchtitan_file_defaults(cfg, file_pairs, reading, problems)
     _apply_pairs(cfg, file_pairs, False, reading, problems, explicit)
-    cli_pairs = []
+    _apply_pairs(cfg, _cli_pairs(cli, problems), True, reading, problems, explicit)
+    if "model.name" not in explicit and cfg.checkpoint.initial_load_path:
+        _model_name_from_hf_config(cfg, reading)
+    if torchtitan_file and "parallelism.enable_sequence_parallel" not in explicit:
+        cfg.parallelism.enable_sequence_parallel = cfg.parallelism.tensor_parallel_degree > 1
+        if cfg.parallelism.enable_sequence_parallel:
+            reading.notes.append(
+                "parallelism.enable_sequence_parallel = True: torchtitan shards sequences "
+                "whenever tensor_parallel_degree > 1"
+            )
+    problems += reading.problems + _validation_size_problems(cfg, reading)
+    object.__setattr__(cfg, "notes", reading.notes)
+    object.__setattr__(cfg, "_problems", problems)
+    if raise_problems:
+        _raise_all(cfg, problems)
+    return cfg
+
+
+def _torchtitan_file_defaults(cfg: JobConfig, file_pairs, reading, problems: list[str]) -> list[tuple[str, object]]:
+    """A torchtitan file: torchtitan's defaults where the file is silent and titanlike's default differs, and its
+    dtype pair (training.dtype, mixed_precision_param) read as torchtitan means it; returns the pairs to apply."""
+    from titanlike import torchtitan as tt
+
+    given = {k for k, _ in file_pairs} | {
+        tt.TORCHTITAN_KEYS[k].target for k, _ in file_pairs if k in tt.TORCHTITAN_KEYS and tt.TORCHTITAN_KEYS[k].target
+    }
+    for key, value in tt.TORCHTITAN_DEFAULTS.items():
+        if key not in given and key not in ("training.dtype", "parallelism.enable_sequence_parallel"):
+            _set(cfg, key, value, from_cli=False)
+            reading.notes.append(f"{key} = {value!r}: torchtitan's default (the file does not set it)")
+    tt_dtype = dict(file_pairs).get("training.dtype", "float32")
+    mixed = dict(file_pairs).get("training.mixed_precision_param", "bfloat16")
+    file_pairs = [(k, v) for k, v in file_pairs if k not in ("training.dtype", "training.mixed_precision_param")]
+    if tt_dtype == "bfloat16":
+        problems.append(
+            "torchtitan's training.dtype = 'bfloat16' trains bf16 weights without float32 master "
+            "weights, which titanlike does not do: use training.dtype = 'float32' (torchtitan's "
+            "mixed_precision_param = 'bfloat16' is then titanlike's training.dtype = 'bfloat16')"
+        )
+    elif tt_dtype != "float32":
+        problems.append(f"training.dtype: '{tt_dtype}' is not a torchtitan dtype ('float32' or 'bfloat16')")
+    else:
+        file_pairs.append(("training.mixed_precision_param", mixed))
+    return file_pairs
+
+
+def _cli_pairs(cli, problems: list[str]) -> list[tuple[str, object]]:
+    """The command line's (key, value) pairs but --job.config_file; a bare --<bool key> is true."""
+    out = []
     for key, value in cli:
         if key == "job.config_file":
             continue
@@ -595,31 +622,22 @@ def parse_config(argv: list[str] | None = None, raise_problems: bool = True) -> 
                 problems.append(f"--{key} needs a value ({_type_name(tp)})")
                 continue
             value = "true"
-        cli_pairs.append((key, value))
-    _apply_pairs(cfg, cli_pairs, True, reading, problems, explicit)
-    if "model.name" not in explicit and cfg.checkpoint.initial_load_path:
-        _model_name_from_hf_config(cfg, reading)
-    if torchtitan_file and "parallelism.enable_sequence_parallel" not in explicit:
-        cfg.parallelism.enable_sequence_parallel = cfg.parallelism.tensor_parallel_degree > 1
-        if cfg.parallelism.enable_sequence_parallel:
-            reading.notes.append(
-                "parallelism.enable_sequence_parallel = True: torchtitan shards sequences "
-                "whenever tensor_parallel_degree > 1"
-            )
-    problems += reading.problems
-    for key, value in reading.settings:  # torchtitan's validation sizes: titanlike validates with the training's
+        out.append((key, value))
+    return out
+
+
+def _validation_size_problems(cfg: JobConfig, reading) -> list[str]:
+    """torchtitan's validation sizes: titanlike validates with the training's, so they must equal them."""
+    out = []
+    for key, value in reading.settings:
         if key.startswith("_validation."):
             name = key.rpartition(".")[2]
             if value != getattr(cfg.training, name):
-                problems.append(
+                out.append(
                     f"torchtitan's validation.{name} = {value!r}: titanlike validates with "
                     f"training.{name} ({getattr(cfg.training, name)}); remove it or make them equal"
                 )
-    object.__setattr__(cfg, "notes", reading.notes)
-    object.__setattr__(cfg, "_problems", problems)
-    if raise_problems:
-        _raise_all(cfg, problems)
-    return cfg
+    return out
 
 
 def _model_name_from_hf_config(cfg: JobConfig, reading) -> None:

@@ -236,31 +236,7 @@ class CheckpointManager:
         c, folder = self.cfg, self.folder
         plan = ResumePlan(run_id=uuid.uuid4().hex[:8])
         if c.create_seed_checkpoint:
-            ignored = [
-                k
-                for k, v in (
-                    ("initial_load_path", c.initial_load_path),
-                    ("load_step", c.load_step >= 0),
-                    ("export_safetensors", c.export_safetensors),
-                )
-                if v
-            ]
-            if ignored:
-                raise ConfigError(
-                    f"checkpoint.create_seed_checkpoint writes the weights initialised from "
-                    f"training.seed and exits: {', '.join('checkpoint.' + k for k in ignored)} would be "
-                    f"ignored; remove {'it' if len(ignored) == 1 else 'them'} (a Hugging Face folder "
-                    f"becomes a seed checkpoint with scripts/convert_checkpoint.py from-hf)"
-                )
-            existing = committed_checkpoints(folder)
-            if existing:
-                raise ConfigError(
-                    f"checkpoint.create_seed_checkpoint: '{folder}' already holds checkpoints "
-                    f"({', '.join(f'step-{s}' for s in existing)}); not overwriting them, choose an "
-                    f"empty checkpoint.folder"
-                )
-            check_writable(folder)
-            return dataclasses.replace(plan, action="seed")
+            return self._plan_seed(plan)
         if c.export_safetensors and not c.enable:
             raise ConfigError(
                 "checkpoint.export_safetensors exports the final checkpoint: set checkpoint.enable = true as well"
@@ -270,65 +246,111 @@ class CheckpointManager:
         expected = self._expected_model()
         if c.enable:
             check_writable(folder)
-            found = committed_checkpoints(folder)
-            if c.load_step >= 0:
-                if c.load_step not in found:
-                    have = ", ".join(map(str, found)) or "none"
-                    raise ConfigError(
-                        f"checkpoint.load_step {c.load_step}: there is no committed checkpoint "
-                        f"step-{c.load_step} in '{folder}' (steps there: {have})"
-                    )
-                later = [s for s in found if s > c.load_step]
-                if later:
-                    raise ConfigError(
-                        f"checkpoint.load_step {c.load_step}: '{folder}' also holds later checkpoints "
-                        f"({', '.join(map(str, later))}) that this run would overwrite or purge; move "
-                        f"them away or resume into another checkpoint.folder"
-                    )
-                found = {c.load_step: found[c.load_step]}
-            corrupt: list[tuple[Path, str]] = []  # newest first, set aside when an older one resumes
-            for step, path in sorted(found.items(), reverse=True):
-                try:
-                    metadata = self._check_intact(path)
-                except ConfigError as e:
-                    self._refuse_unless_falling_back(str(e))
-                    corrupt.append((path, str(e)))
-                    continue
-                if read_meta(path).get("kind") == "model_only":
-                    raise ConfigError(
-                        f"checkpoint '{path}' is the model-only last save of a finished run "
-                        f"(checkpoint.last_save_model_only): it cannot resume training; start a new "
-                        f"run from it with checkpoint.initial_load_path (in another checkpoint.folder), "
-                        f"or move it away to resume from the checkpoint before it"
-                    )
-                check_model_fits(metadata, expected, path)
-                keys = metadata.state_dict_metadata
-                saved_by = read_meta(path).get("optimizer", "AdamW")  # checkpoints from before Muon: AdamW
-                if saved_by != self.optimizer_name and any(k.startswith("optimizer.") for k in keys):
-                    raise ConfigError(
-                        f"checkpoint '{path}' holds {saved_by}'s optimizer state and this run's optimizer.name is "
-                        f"{self.optimizer_name!r}; resume with optimizer.name = {saved_by!r}, or start "
-                        f"{self.optimizer_name} from its weights: checkpoint.initial_load_path = '{path}' with "
-                        f"another checkpoint.folder"
-                    )
-                return dataclasses.replace(
-                    plan,
-                    action="resume",
-                    path=str(path),
-                    step=step,
-                    corrupt=tuple((str(p), why) for p, why in corrupt),
-                    full=any(k.startswith("optimizer.") for k in keys),
-                    owner_state_for_copies=not holds_copy_state(keys, self._tied_pairs),
-                    rng_world_size=read_meta(path).get("world_size"),
-                )
-            if corrupt:
-                raise ConfigError(
-                    f"no intact checkpoint in '{folder}' to resume from (checkpoint.on_corrupt = "
-                    f'"previous"): {corrupt[-1][1]}; repair one or move them away to start over'
-                )
+            resumed = self._plan_resume(plan, self._resumable_steps(), expected)
+            if resumed is not None:
+                return resumed
         if c.initial_load_path:
             plan = self._plan_initial(plan, Path(c.initial_load_path), expected)
         return plan
+
+    def _plan_seed(self, plan: ResumePlan) -> ResumePlan:
+        """checkpoint.create_seed_checkpoint: nothing else to load or export, and an empty folder to write."""
+        c, folder = self.cfg, self.folder
+        ignored = [
+            k
+            for k, v in (
+                ("initial_load_path", c.initial_load_path),
+                ("load_step", c.load_step >= 0),
+                ("export_safetensors", c.export_safetensors),
+            )
+            if v
+        ]
+        if ignored:
+            raise ConfigError(
+                f"checkpoint.create_seed_checkpoint writes the weights initialised from "
+                f"training.seed and exits: {', '.join('checkpoint.' + k for k in ignored)} would be "
+                f"ignored; remove {'it' if len(ignored) == 1 else 'them'} (a Hugging Face folder "
+                f"becomes a seed checkpoint with scripts/convert_checkpoint.py from-hf)"
+            )
+        existing = committed_checkpoints(folder)
+        if existing:
+            raise ConfigError(
+                f"checkpoint.create_seed_checkpoint: '{folder}' already holds checkpoints "
+                f"({', '.join(f'step-{s}' for s in existing)}); not overwriting them, choose an "
+                f"empty checkpoint.folder"
+            )
+        check_writable(folder)
+        return dataclasses.replace(plan, action="seed")
+
+    def _resumable_steps(self) -> dict:
+        """The committed checkpoints a resume may pick from: all of them, or checkpoint.load_step's alone."""
+        c, folder = self.cfg, self.folder
+        found = committed_checkpoints(folder)
+        if c.load_step < 0:
+            return found
+        if c.load_step not in found:
+            have = ", ".join(map(str, found)) or "none"
+            raise ConfigError(
+                f"checkpoint.load_step {c.load_step}: there is no committed checkpoint "
+                f"step-{c.load_step} in '{folder}' (steps there: {have})"
+            )
+        later = [s for s in found if s > c.load_step]
+        if later:
+            raise ConfigError(
+                f"checkpoint.load_step {c.load_step}: '{folder}' also holds later checkpoints "
+                f"({', '.join(map(str, later))}) that this run would overwrite or purge; move "
+                f"them away or resume into another checkpoint.folder"
+            )
+        return {c.load_step: found[c.load_step]}
+
+    def _plan_resume(self, plan: ResumePlan, found: dict, expected) -> ResumePlan | None:
+        """The newest intact checkpoint of ``found`` to resume from (None when there is none to resume)."""
+        corrupt: list[tuple[Path, str]] = []  # newest first, set aside when an older one resumes
+        for step, path in sorted(found.items(), reverse=True):
+            try:
+                metadata = self._check_intact(path)
+            except ConfigError as e:
+                self._refuse_unless_falling_back(str(e))
+                corrupt.append((path, str(e)))
+                continue
+            keys = self._check_resumable(path, metadata, expected)
+            return dataclasses.replace(
+                plan,
+                action="resume",
+                path=str(path),
+                step=step,
+                corrupt=tuple((str(p), why) for p, why in corrupt),
+                full=any(k.startswith("optimizer.") for k in keys),
+                owner_state_for_copies=not holds_copy_state(keys, self._tied_pairs),
+                rng_world_size=read_meta(path).get("world_size"),
+            )
+        if corrupt:
+            raise ConfigError(
+                f"no intact checkpoint in '{self.folder}' to resume from (checkpoint.on_corrupt = "
+                f'"previous"): {corrupt[-1][1]}; repair one or move them away to start over'
+            )
+        return None
+
+    def _check_resumable(self, path: Path, metadata, expected):
+        """An intact checkpoint resumes this run: a full save, of this model, by this optimizer; returns its keys."""
+        if read_meta(path).get("kind") == "model_only":
+            raise ConfigError(
+                f"checkpoint '{path}' is the model-only last save of a finished run "
+                f"(checkpoint.last_save_model_only): it cannot resume training; start a new "
+                f"run from it with checkpoint.initial_load_path (in another checkpoint.folder), "
+                f"or move it away to resume from the checkpoint before it"
+            )
+        check_model_fits(metadata, expected, path)
+        keys = metadata.state_dict_metadata
+        saved_by = read_meta(path).get("optimizer", "AdamW")  # checkpoints from before Muon: AdamW
+        if saved_by != self.optimizer_name and any(k.startswith("optimizer.") for k in keys):
+            raise ConfigError(
+                f"checkpoint '{path}' holds {saved_by}'s optimizer state and this run's optimizer.name is "
+                f"{self.optimizer_name!r}; resume with optimizer.name = {saved_by!r}, or start "
+                f"{self.optimizer_name} from its weights: checkpoint.initial_load_path = '{path}' with "
+                f"another checkpoint.folder"
+            )
+        return keys
 
     def _refuse_unless_falling_back(self, msg: str) -> None:
         """A checkpoint of the folder is corrupted (``msg`` says how): the one-line ConfigError with the way out, unless

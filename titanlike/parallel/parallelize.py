@@ -71,6 +71,29 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
     (every rank must hold the same weights: TP and FSDP keep each rank's shard of its own copy). The meshes are
     ``dims``' (``dims.build_mesh(device_type)`` first, unless every degree is 1). Parameter names do not change.
     """
+    _apply_float8_and_tp(model, dims, cfg)
+    if dims.cp_enabled:
+        from titanlike.parallel.context_parallel import apply_cp
+
+        apply_cp(model, dims.get_mesh("cp"))
+    # (a pipeline stage of dense blocks only holds no experts; a model without any is refused by the rule ep_model)
+    has_experts = dims.ep_enabled and bool(experts_modules(model))
+    if experts_modules(model) and (dims.cp_enabled or dims.ep_tp > 1):
+        # the aux loss of a sequence split over cp (and tp, when the MoE blocks route each tp rank's own tokens)
+        # counts the whole sequence's tokens
+        set_aux_sequence_group(model, dims.get_mesh("cp_tp" if dims.ep_tp > 1 else "cp").get_group())
+    if has_experts:
+        apply_ep(model, dims.get_mesh("ep"))
+    if cfg.activation_checkpoint.mode != "none":
+        apply_ac(model, cfg.activation_checkpoint)
+    if cfg.compile.enable:
+        apply_compile(model, cfg.compile)
+    _apply_data_parallel(model, dims, cfg, has_experts)
+    return model
+
+
+def _apply_float8_and_tp(model: nn.Module, dims: ParallelDims, cfg) -> None:
+    """torchao float8 (the model's float8-eligible Linears, or every Linear of an unregistered module), then TP."""
     p = cfg.parallelism
     f8 = cfg.float8
     spec = spec_for(model)
@@ -102,22 +125,12 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
             loss_parallel=loss_parallel_enabled(cfg, dims),
             float8=float8_tp,
         )
-    if dims.cp_enabled:
-        from titanlike.parallel.context_parallel import apply_cp
 
-        apply_cp(model, dims.get_mesh("cp"))
-    # (a pipeline stage of dense blocks only holds no experts; a model without any is refused by the rule ep_model)
-    has_experts = dims.ep_enabled and bool(experts_modules(model))
-    if experts_modules(model) and (dims.cp_enabled or dims.ep_tp > 1):
-        # the aux loss of a sequence split over cp (and tp, when the MoE blocks route each tp rank's own tokens)
-        # counts the whole sequence's tokens
-        set_aux_sequence_group(model, dims.get_mesh("cp_tp" if dims.ep_tp > 1 else "cp").get_group())
-    if has_experts:
-        apply_ep(model, dims.get_mesh("ep"))
-    if cfg.activation_checkpoint.mode != "none":
-        apply_ac(model, cfg.activation_checkpoint)
-    if cfg.compile.enable:
-        apply_compile(model, cfg.compile)
+
+def _apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg, has_experts: bool) -> None:
+    """FSDP / HSDP (bf16 parameters over float32 master weights under mixed precision); the experts' own groups
+    first, and under ep borrowing tp each MoE block's token-local parameters over the ranks routing their own."""
+    p = cfg.parallelism
     mixed = precision_policy(cfg.training.dtype, dims) == "fsdp"
     expert_fsdp = dict(
         param_dtype=torch.bfloat16 if mixed else None,
@@ -141,7 +154,6 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
             reshard_after_forward=p.fsdp_reshard_after_forward,
             pp_enabled=dims.pp_enabled,
         )
-    return model
 
 
 def build_loss_fn(cfg, dims: ParallelDims) -> Callable[[Tensor, Tensor], Tensor]:
