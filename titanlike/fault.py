@@ -177,6 +177,18 @@ def operation(what: str, *, rank: int, world_size: int, timeout_s: float, enable
         raise CollectiveFailure(f"rank {rank}: {what} failed: {who} ({type(e).__name__}: {first_line(e)})") from e
 
 
+def job_operation(job, what: str):
+    """:func:`operation` for an object holding its job's ``rank``, ``world_size``, ``timeout`` (a timedelta) and
+    ``distributed`` flag (the trainer, the checkpoint manager)."""
+    return operation(
+        what,
+        rank=job.rank,
+        world_size=job.world_size,
+        timeout_s=job.timeout.total_seconds(),
+        enabled=job.distributed,
+    )
+
+
 def first_non_finite(named: Sequence[tuple[str, torch.Tensor]]) -> str | None:
     """The name of the first floating-point tensor holding a NaN or an infinity (None: all finite). One fused norm
     per tensor (``torch._foreach_norm``, one kernel group on a GPU: non-finite when an element is; the 2-norm, which

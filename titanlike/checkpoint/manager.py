@@ -196,13 +196,7 @@ class CheckpointManager:
 
     def _op(self, what: str):
         """A phase whose failed collectives are reported naming the ranks that stopped answering (fault.py)."""
-        return fault.operation(
-            what,
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout_s=self.timeout.total_seconds(),
-            enabled=self.distributed,
-        )
+        return fault.job_operation(self, what)
 
     # ------------------------------------------------------------------------------------------ input checks
     def _agree(self, fn):

@@ -13,68 +13,10 @@ No file here names a model. See docs/checkpointing.md (Hugging Face) and docs/ad
 provides).
 """
 
-from titanlike.hf.adapter import (
-    GENERIC_FIELDS,
-    HFAdapter,
-    HFConfigError,
-    adapter_for,
-    adapter_for_config,
-    check_state_dict_fits,
-    expected_shapes,
-)
-from titanlike.hf.convert import (
-    check_same_architecture,
-    describe_args,
-    from_hf,
-    hf_architecture,
-    hf_config,
-    load_hf,
-    model_args_from_hf_config,
-    save_hf,
-    to_hf,
-    transformers_major_version,
-)
-from titanlike.hf.files import (
-    CONFIG_NAME,
-    DEFAULT_MAX_SHARD_SIZE,
-    INDEX_NAME,
-    WEIGHTS_NAME,
-    parse_size,
-    read_hf_config,
-    read_safetensors,
-    resolve_safetensors,
-    resolve_weights,
-    safetensors_shapes,
-    write_hf_folder,
-)
+# Each module's own __all__ is the package's: the names are listed once, where they are defined.
+from titanlike.hf import adapter, convert, files
+from titanlike.hf.adapter import *  # noqa: F403
+from titanlike.hf.convert import *  # noqa: F403
+from titanlike.hf.files import *  # noqa: F403
 
-__all__ = [
-    "CONFIG_NAME",
-    "DEFAULT_MAX_SHARD_SIZE",
-    "GENERIC_FIELDS",
-    "HFAdapter",
-    "HFConfigError",
-    "INDEX_NAME",
-    "WEIGHTS_NAME",
-    "adapter_for",
-    "adapter_for_config",
-    "check_same_architecture",
-    "check_state_dict_fits",
-    "describe_args",
-    "expected_shapes",
-    "from_hf",
-    "hf_architecture",
-    "hf_config",
-    "load_hf",
-    "model_args_from_hf_config",
-    "parse_size",
-    "read_hf_config",
-    "read_safetensors",
-    "resolve_safetensors",
-    "resolve_weights",
-    "safetensors_shapes",
-    "save_hf",
-    "to_hf",
-    "transformers_major_version",
-    "write_hf_folder",
-]
+__all__ = [*adapter.__all__, *convert.__all__, *files.__all__]

@@ -2,14 +2,14 @@
 ``titanlike.hf``): the renaming of parameters between our FQNs and Hugging Face's by two tables. (The config.json
 fields that change no weights are ``titanlike.hf.GENERIC_FIELDS``, set aside before an adapter reads the file.) And
 the adapter protocol's ``describe`` / ``check_same_architecture`` for a model whose architecture is a list of args
-fields."""
+fields; and the config.json fields the Llama-style decoders (Llama, Qwen3) write alike."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
 
-__all__ = ["Names", "check_same_fields", "describe_fields"]
+__all__ = ["Names", "check_same_fields", "decoder_hf_config", "describe_fields", "set_rope_and_dtype"]
 
 
 class Names:
@@ -59,3 +59,45 @@ def check_same_fields(args, ours, source: str, fields: Iterable[str]) -> None:
     ]
     if diff:
         raise ValueError(f"{source} is for a different model: {'; '.join(diff)}")
+
+
+def decoder_hf_config(architecture: str, model_type: str, args, bos_id: int | None, eos_id: int | None, **own) -> dict:
+    """The config.json of a Llama-style decoder (RMSNorm, SiLU-gated MLP, bias-free attention): the sizes of
+    ``args``, then the model's ``own`` fields, then the fields both transformers layouts share."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": args.dim,
+        "intermediate_size": args.hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps,
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        **own,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+    }
+
+
+def set_rope_and_dtype(config: dict, dtype, layout: int, rope_theta: float, rope_parameters: dict, **layout4):
+    """The RoPE and dtype fields in the layout of transformers ``layout``: 5 has ``rope_parameters`` and ``dtype``,
+    4 a top-level ``rope_theta`` (and the model's ``layout4`` fields, Llama's ``rope_scaling``) and ``torch_dtype``;
+    returns ``config``."""
+    name = str(dtype).removeprefix("torch.")
+    if layout >= 5:
+        config["rope_parameters"] = rope_parameters
+        config["dtype"] = name
+    else:
+        config["rope_theta"] = rope_theta
+        config.update(layout4)
+        config["torch_dtype"] = name
+    return config

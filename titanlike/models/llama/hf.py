@@ -29,6 +29,7 @@ import re
 
 import torch
 
+from titanlike.models.hf_common import decoder_hf_config, set_rope_and_dtype
 from titanlike.models.llama.model import ModelArgs
 
 MODEL_TYPE = "llama"
@@ -188,37 +189,10 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int | None, eos_id: i
     """A ``LlamaForCausalLM`` config.json for ``args``, in the layout of transformers ``layout`` (4 or 5): 5 has
     ``rope_parameters`` and ``dtype``, 4 top-level ``rope_theta`` / ``rope_scaling`` and ``torch_dtype``. Both load
     in both versions."""
-    config = {
-        "architectures": [ARCHITECTURE],
-        "model_type": MODEL_TYPE,
-        "hidden_size": args.dim,
-        "intermediate_size": args.hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "max_position_embeddings": args.max_seq_len,
-        "rms_norm_eps": args.norm_eps,
-        "tie_word_embeddings": args.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "initializer_range": 0.02,
-        "pretraining_tp": 1,
-        "use_cache": True,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-    }
-    if layout >= 5:
-        config["rope_parameters"] = _rope_dict(args, 5)
-        config["dtype"] = str(dtype).removeprefix("torch.")
-    else:
-        config["rope_theta"] = args.rope_theta
-        config["rope_scaling"] = _rope_dict(args, 4)
-        config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    return config
+    config = decoder_hf_config(ARCHITECTURE, MODEL_TYPE, args, bos_id, eos_id, mlp_bias=False, pretraining_tp=1)
+    return set_rope_and_dtype(
+        config, dtype, layout, args.rope_theta, _rope_dict(args, 5), rope_scaling=_rope_dict(args, 4)
+    )
 
 
 def _rope_from_config(config: dict, problems: list[str]) -> dict:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from titanlike.models.hf_common import Names, check_same_fields, describe_fields
+from titanlike.models.hf_common import Names, check_same_fields, decoder_hf_config, describe_fields, set_rope_and_dtype
 from titanlike.models.qwen3.model import Qwen3Args
 
 MODEL_TYPE = "qwen3"
@@ -102,36 +102,11 @@ def shape_hint(fqn: str, got: tuple, want: tuple) -> str:
 def hf_config(args: Qwen3Args, dtype: torch.dtype, bos_id: int | None, eos_id: int | None, layout: int) -> dict:
     """A ``Qwen3ForCausalLM`` config.json for ``args`` in the layout of transformers ``layout`` (4 or 5): 5 has
     ``rope_parameters`` and ``dtype``, 4 a top-level ``rope_theta`` and ``torch_dtype``."""
-    config = {
-        "architectures": [ARCHITECTURE],
-        "model_type": MODEL_TYPE,
-        "hidden_size": args.dim,
-        "intermediate_size": args.hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "max_position_embeddings": args.max_seq_len,
-        "rms_norm_eps": args.norm_eps,
-        "tie_word_embeddings": args.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-    }
-    if layout >= 5:
-        config["rope_parameters"] = {"rope_theta": args.rope_theta, "rope_type": "default"}
-        config["dtype"] = str(dtype).removeprefix("torch.")
-    else:
-        config["rope_theta"] = args.rope_theta
-        config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    return config
+    config = decoder_hf_config(
+        ARCHITECTURE, MODEL_TYPE, args, bos_id, eos_id, use_sliding_window=False, sliding_window=None
+    )
+    rope = {"rope_theta": args.rope_theta, "rope_type": "default"}
+    return set_rope_and_dtype(config, dtype, layout, args.rope_theta, rope)
 
 
 def _rope_theta(config: dict, problems: list[str]) -> float:
