@@ -106,6 +106,26 @@ def test_lr_scheduler_drives_the_optimizer():
     assert [g["weight_decay"] for g in opt.param_groups] == [cfg.optimizer.weight_decay, 0.0]
 
 
+def test_the_step_result_carries_the_rate_its_update_used():
+    """StepResult.lr is the rate optimizer.step() ran with (read by a step pre-hook), not the scheduler's next one
+    (which the trainer logged before: every logged lr was one step ahead)."""
+    cfg = cfg_for("--training.steps", "6", "--lr_scheduler.warmup_steps", "3", "--optimizer.lr", "0.01")
+    m = _model()
+    opt = build_optimizer([m], cfg)
+    sched = build_lr_scheduler(opt, cfg)
+    used = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: used.append(o.param_groups[0]["lr"]))
+    x = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    logged = []
+    for _ in range(6):
+        r = train_step(
+            [m], opt, [(x[:, :-1], x[:, 1:])], _loss(), max_norm=1.0, clip_fn=plain_clip_grad_norm_, lr_scheduler=sched
+        )
+        logged.append(r.lr)
+    assert logged == used == pytest.approx([0.01 * lr_factor(s, cfg) for s in range(1, 7)])
+    assert logged[:3] == pytest.approx([0.01 / 3, 0.02 / 3, 0.01])  # warmup: step s uses s / warmup
+
+
 def _model():
     torch.manual_seed(0)
     m = Transformer(FLAVORS["tiny"].replace(vocab_size=64)).double()

@@ -5,28 +5,32 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from titanlike.config import load_config
+from titanlike.training.optim import lr_factor
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_debug_config_learns(tmp_path):
     out = tmp_path / "run"
+    argv = [
+        "--job.config_file",
+        "configs/debug_model.toml",
+        "--training.steps",
+        "60",
+        "--metrics.log_freq",
+        "10",
+        "--lr_scheduler.warmup_steps",
+        "10",
+        "--validation.freq",
+        "60",
+        "--job.dump_folder",
+        str(out),
+    ]
     r = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "--job.config_file",
-            "configs/debug_model.toml",
-            "--training.steps",
-            "60",
-            "--metrics.log_freq",
-            "10",
-            "--lr_scheduler.warmup_steps",
-            "10",
-            "--validation.freq",
-            "60",
-            "--job.dump_folder",
-            str(out),
-        ],
+        [sys.executable, "train.py", *argv],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -37,6 +41,12 @@ def test_debug_config_learns(tmp_path):
     train = [row for row in rows if "loss" in row]
     assert [row["step"] for row in train] == [1, 10, 20, 30, 40, 50, 60]
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(train[0])
+    # the logged lr of step s is the rate its update used: warmup gives step 1 lr / 10, step 10 the full lr
+    cfg = load_config(argv)
+    assert [row["lr"] for row in train] == pytest.approx(
+        [cfg.optimizer.lr * lr_factor(row["step"], cfg) for row in train], rel=1e-12
+    )
+    assert train[0]["lr"] == pytest.approx(cfg.optimizer.lr / 10) and train[1]["lr"] == pytest.approx(cfg.optimizer.lr)
     first, last = train[0]["loss"], train[-1]["loss"]
     assert first > 7.0  # ~ln(2048) at initialisation
     assert last < first - 1.5, (first, last)  # learns well below its start

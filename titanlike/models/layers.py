@@ -115,21 +115,27 @@ class RopeTables:
     ``rope_theta`` (and the RoPE scaling fields, when it has them)."""
 
     def _register_rope(self) -> None:
+        """The tables in float64 when the model is built in float64 (the default dtype at its construction, as
+        the trainer builds a float64 run), float32 otherwise."""
         a = self.args
         cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a)
-        self.register_buffer("rope_cos", cos.float(), persistent=False)
-        self.register_buffer("rope_sin", sin.float(), persistent=False)
+        dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
 
     def block_kwargs(self, positions: torch.Tensor) -> dict:
         return {"cos": self.rope_cos[positions], "sin": self.rope_sin[positions]}  # (seq, n) or (batch, seq, n)
 
     @torch.no_grad()
     def init_buffers(self, device: torch.device | None = None) -> None:
-        """(Re)compute the RoPE tables on ``device`` (float32, or float64 in a float64 model)."""
+        """(Re)compute the RoPE tables on ``device`` (float32, or float64 in a float64 model: float64 tables, or
+        float64 parameters, e.g. after ``.double()``, which casts the float32 tables' values)."""
         a = self.args
         device = device or self.rope_cos.device
         cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a)
-        dtype = self.rope_cos.dtype if self.rope_cos.dtype == torch.float64 else torch.float32
+        param = next(self.parameters(), None)
+        float64 = self.rope_cos.dtype == torch.float64 or (param is not None and param.dtype == torch.float64)
+        dtype = torch.float64 if float64 else torch.float32
         self.rope_cos = cos.to(device=device, dtype=dtype)
         self.rope_sin = sin.to(device=device, dtype=dtype)
 

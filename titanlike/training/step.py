@@ -55,6 +55,7 @@ class StepResult:
     tokens: int  # non-ignored tokens of the global batch
     skipped: bool  # True when loss or grad norm was not finite and the update was skipped
     moe: dict | None = None  # a model with MoE blocks: the aux loss per layer and the global expert loads
+    lr: float | None = None  # the learning rate of this step's update (read before the scheduler steps)
 
 
 def forward_backward(
@@ -159,6 +160,7 @@ def train_step(
         [total, torch.as_tensor(norm, dtype=torch.float64, device=total.device)]
     ).tolist()
     finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+    lr = float(optimizer.param_groups[0]["lr"])  # the rate this update uses (the scheduler moves it on below)
     if finite:
         optimizer.step()
     if lr_scheduler is not None and finite:
@@ -171,7 +173,9 @@ def train_step(
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
             lr_scheduler.step()
     moe_stats = moe.end_step(update=finite) if moe is not None else None
-    return StepResult(loss=loss_value, grad_norm=norm_value, tokens=int(tokens), skipped=not finite, moe=moe_stats)
+    return StepResult(
+        loss=loss_value, grad_norm=norm_value, tokens=int(tokens), skipped=not finite, moe=moe_stats, lr=lr
+    )
 
 
 def reshard_fsdp(module: nn.Module) -> None:

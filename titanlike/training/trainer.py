@@ -653,7 +653,7 @@ class Trainer:
         rate.last_logged = self.step
         tps_dev = tps / self.world_size
         util = mfu(tps_dev, rate.flops_per_token, rate.peak) if rate.peak else None
-        lr = self.lr_scheduler.get_last_lr()[0]
+        lr = res.lr  # the rate of this step's update, not the scheduler's next one
         mem = peak_memory_gib(self.device)
         line = (
             f"step {self.step:5d}  loss {res.loss:8.4f}  lr {lr:.3e}  grad_norm {res.grad_norm:7.3f}"
@@ -717,13 +717,7 @@ class Trainer:
 
     def _op(self, what: str):
         """A phase whose failed collectives are reported naming the ranks that stopped answering (fault.py)."""
-        return fault.operation(
-            what,
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout_s=self.timeout.total_seconds(),
-            enabled=self.distributed,
-        )
+        return fault.job_operation(self, what)
 
     @torch.no_grad()
     def _end_of_step(self, res, exit_signals) -> int:
