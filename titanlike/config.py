@@ -561,10 +561,14 @@ def parse_config(argv: list[str] | None = None, raise_problems: bool = True) -> 
     torchtitan_file = any(k in tt.TORCHTITAN_KEYS and k not in _all_keys() for k, _ in file_pairs)
     if torchtitan_file:
         file_pairs = _torchtitan_file_defaults(cfg, file_pairs, reading, problems)
-    _apply_pairs(cfg, file_pairs, False, reading, problems, explicit)
-    _apply_pairs(cfg, _cli_pairs(cli, problems), True, reading, problems, explicit)
+    cli_pairs = _cli_pairs(cli, problems)
+    # The command line wins before anything is read: a file's value it replaces is never checked.
+    _apply_pairs(cfg, _not_on_the_command_line(file_pairs, cli_pairs), False, reading, problems, explicit)
+    _apply_pairs(cfg, cli_pairs, True, reading, problems, explicit)
     if "model.name" not in explicit and cfg.checkpoint.initial_load_path:
         _model_name_from_hf_config(cfg, reading)
+    if torchtitan_file and "model.max_seq_len" not in explicit:
+        _torchtitan_max_seq_len(cfg, reading)
     if torchtitan_file and "parallelism.enable_sequence_parallel" not in explicit:
         cfg.parallelism.enable_sequence_parallel = cfg.parallelism.tensor_parallel_degree > 1
         if cfg.parallelism.enable_sequence_parallel:
@@ -606,6 +610,36 @@ def _torchtitan_file_defaults(cfg: JobConfig, file_pairs, reading, problems: lis
     else:
         file_pairs.append(("training.mixed_precision_param", mixed))
     return file_pairs
+
+
+def _key_targets(dotted: str) -> set[str]:
+    """The keys a (titanlike or torchtitan) key sets: itself and, for a torchtitan key, its titanlike target."""
+    from titanlike import torchtitan as tt
+
+    entry = tt.lookup(dotted)
+    return {dotted} | ({entry.target} if entry is not None and entry.target else set())
+
+
+def _not_on_the_command_line(file_pairs, cli_pairs) -> list[tuple[str, object]]:
+    """The file's pairs but those the command line sets too (by the same key, or a key with the same target:
+    ``--model.tokenizer`` replaces torchtitan's ``model.hf_assets_path``)."""
+    on_cli = set().union(*(_key_targets(k) for k, _ in cli_pairs))
+    return [(k, v) for k, v in file_pairs if not (_key_targets(k) & on_cli)]
+
+
+def _torchtitan_max_seq_len(cfg: JobConfig, reading) -> None:
+    """torchtitan sets the model's maximum sequence length from training.seq_len (``update_from_config``): under a
+    torchtitan file so does titanlike, for a model that reads model.max_seq_len (model.max_seq_len wins when set)."""
+    try:
+        reads = model_keys_read(get_spec(cfg.model.name), cfg.model)
+    except UnknownModelError:
+        return  # reported by validate
+    if "max_seq_len" in reads:
+        cfg.model.max_seq_len = cfg.training.seq_len
+        reading.notes.append(
+            f"model.max_seq_len = {cfg.training.seq_len}: torchtitan's model maximum sequence length is "
+            f"training.seq_len"
+        )
 
 
 def _cli_pairs(cli, problems: list[str]) -> list[tuple[str, object]]:

@@ -576,10 +576,12 @@ steps = 10
 
 
 def test_torchtitans_debug_toml_runs_with_its_hf_assets_path_tokenizer_folder(tmp_path, capsys):
-    """The file unchanged but for hf_assets_path pointing at a Hugging Face tokenizer folder; data.path set (a
-    parquet file); on the command line only the run shortened (2 steps of 64 tokens: the debug model has 512
-    positions) and float32 parameters (torchtitan's bf16 mixed precision is slow on a CPU). Without the folder, the
-    one line names what to do."""
+    """torchtitan's debug_model.toml, unchanged, with ``--model.hf_assets_path <folder>`` on the command line: the
+    command line wins before the file's ./tests/assets/tokenizer (not here) is checked, and torchtitan's seq_len
+    2048 is the model's max_seq_len (the debug flavor's is 512), as torchtitan's update_from_config makes it. On
+    the command line besides: the run shortened (2 steps of one sequence), float32 parameters (torchtitan's bf16
+    mixed precision is slow on a CPU), a parquet file for its c4_test. Without the folder, the one line names what
+    to do."""
     from data_files import documents, make_hf_tokenizer, write_parquet
 
     from titanlike.training.trainer import Trainer, main
@@ -587,18 +589,48 @@ def test_torchtitans_debug_toml_runs_with_its_hf_assets_path_tokenizer_folder(tm
     folder = make_hf_tokenizer(tmp_path / "tokenizer")
     data = write_parquet(tmp_path / "c4_test.parquet", documents(60))
     path = tmp_path / "debug_model.toml"
-    path.write_text(TORCHTITAN_DEBUG_TOML.replace("./tests/assets/tokenizer", str(folder)))
-    short = ["--training.steps", "2", "--training.seq_len", "64", "--training.mixed_precision_param", "float32"]
+    path.write_text(TORCHTITAN_DEBUG_TOML)
+    short = [
+        "--data.path",
+        str(data),
+        "--training.steps",
+        "2",
+        "--training.local_batch_size",
+        "1",
+        "--training.mixed_precision_param",
+        "float32",
+    ]
     short += ["--job.dump_folder", str(tmp_path / "out")]
-    cfg = load_config(["--job.config_file", str(path), "--data.path", str(data), *short], world_size=1)
+    cfg = load_config(["--job.config_file", str(path), "--model.hf_assets_path", str(folder), *short], world_size=1)
     assert cfg.model.tokenizer == str(folder) and any("model.hf_assets_path" in n for n in cfg.notes)
+    assert cfg.training.seq_len == cfg.model.max_seq_len == 2048
+    assert any(n.startswith("model.max_seq_len = 2048: torchtitan's") for n in cfg.notes)
     trainer = Trainer(cfg)
+    assert trainer.model_args.max_seq_len == 2048 and trainer.model_parts[0].rope_cos.shape[0] == 2048
     assert trainer.tokenizer.name == "tokenizer" and (trainer.tokenizer.bos_id, trainer.tokenizer.eos_id) == (0, 1)
     losses = trainer.train()
     assert len(losses) == 2 and all(5.0 < x < 7.0 for x in losses)  # ~ln(448) at the start
     assert "config: model.hf_assets_path = " in capsys.readouterr().out
-    path.write_text(TORCHTITAN_DEBUG_TOML)  # torchtitan's own folder is not here
-    assert main(["--job.config_file", str(path), *short]) == 2
+    # the command line wins for every key, a titanlike one too: model.tokenizer replaces the file's hf_assets_path
+    cfg = load_config(["--job.config_file", str(path), "--model.tokenizer", "test", *short], world_size=1)
+    assert cfg.model.tokenizer == "test"
+    # model.max_seq_len set wins over torchtitan's meaning, and is checked against seq_len as always
+    assert (
+        main(
+            [
+                "--job.config_file",
+                str(path),
+                "--model.hf_assets_path",
+                str(folder),
+                "--model.max_seq_len",
+                "512",
+                *short,
+            ]
+        )
+        == 2
+    )
+    assert "training.seq_len 2048 exceeds the model's max_seq_len 512" in capsys.readouterr().err
+    assert main(["--job.config_file", str(path), *short]) == 2  # torchtitan's own folder is not here
     err = capsys.readouterr().err
     assert (
         "torchtitan's model.hf_assets_path = './tests/assets/tokenizer': no such folder" in err
