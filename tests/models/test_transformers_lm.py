@@ -99,7 +99,13 @@ def _cfg(folder: str, *more: str):
         # a mixture of experts, as transformers' Qwen3MoeConfig writes it: refused before its float64 forward check
         (
             dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=4, moe_intermediate_size=8),
-            "a mixture of experts (num_experts = 4) trains as a titanlike MoE model",
+            "a mixture of experts (num_experts = 4) trains as titanlike's qwen3_moe model",
+        ),
+        # Mixtral: no titanlike model imports it, so the advice is not checkpoint.initial_load_path (which refuses
+        # model_type 'mixtral' too)
+        (
+            dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=4),
+            "no titanlike MoE model imports model_type 'mixtral' yet: nothing trains it here yet",
         ),
         (dict(model_type="t5", architectures=["T5ForConditionalGeneration"]), "transformers cannot build it"),
     ],
@@ -127,7 +133,7 @@ def test_bad_folders_are_refused_in_one_line(tmp_path):
 def test_a_moe_config_as_transformers_writes_it_is_refused_naming_the_moe_route(tmp_path):
     """The installed library's own Qwen3MoeConfig.save_pretrained (5.x writes num_local_experts): one line, exit-2
     material, pointing at titanlike's MoE model instead of failing in the float64 forward check."""
-    transformers.Qwen3MoeConfig(
+    config = transformers.Qwen3MoeConfig(
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
@@ -138,9 +144,36 @@ def test_a_moe_config_as_transformers_writes_it_is_refused_naming_the_moe_route(
         head_dim=16,
         num_experts=4,
         num_experts_per_tok=2,
-    ).save_pretrained(tmp_path)
+    )
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)  # with its weights: the advice's route
     with pytest.raises(ConfigError) as e:
         _cfg(str(tmp_path))
     message = str(e.value)
-    assert "a mixture of experts (num_" in message and "trains as a titanlike MoE model" in message, message
+    assert "a mixture of experts (num_" in message and "trains as titanlike's qwen3_moe model" in message, message
     assert "\n" not in message and "cannot build or run" not in message, message
+    # the advice leads somewhere: the folder by checkpoint.initial_load_path selects the qwen3_moe model
+    cfg = load_config(["--checkpoint.initial_load_path", str(tmp_path), "--training.seq_len", "16"], world_size=1)
+    assert cfg.model.name == "qwen3_moe" and model_args_from_config(cfg).num_experts == 4
+
+
+def test_a_mixtral_config_is_refused_without_advice_that_leads_nowhere(tmp_path):
+    """transformers' own MixtralConfig.save_pretrained: no titanlike model imports model_type 'mixtral' (the
+    checkpoint.initial_load_path route refuses it too), so the refusal says that nothing trains it yet."""
+    config = transformers.MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        _cfg(str(tmp_path))
+    message = str(e.value)
+    assert "nothing trains it here yet" in message and "initial_load_path" not in message, message
+    assert "\n" not in message, message
+    with pytest.raises(ConfigError, match="model_type = 'mixtral'"):  # what the advice would have led to
+        load_config(["--checkpoint.initial_load_path", str(tmp_path)], world_size=1)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["ModelSpec", "UnknownModelError", "lookup", "register"]
+__all__ = ["ModelSpec", "UnknownModelError", "importer_of", "lookup", "register"]
 
 
 class UnknownModelError(ValueError):
@@ -126,6 +126,17 @@ def register(spec: ModelSpec) -> ModelSpec:
         raise ValueError(f"a model named '{spec.name}' is already registered")
     _REGISTRY[spec.name] = spec
     return spec
+
+
+def importer_of(model_type) -> ModelSpec | None:
+    """The registered spec whose Hugging Face adapter imports config.json's ``model_type`` (not an adapter that
+    reads any config.json for its own model's weights), among the models registered so far; None: no model does."""
+    for spec in _REGISTRY.values():
+        if spec.hf_adapter:
+            adapter = spec.hf()
+            if not getattr(adapter, "ANY_MODEL_TYPE", False) and adapter.MODEL_TYPE == model_type:
+                return spec
+    return None
 
 
 def lookup(obj) -> ModelSpec | None:

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from titanlike.init import Init, normal, ones, zeros
+from titanlike.models.spec import importer_of
 
 CONFIG_NAME = "config.json"
 # Fused projections whose output is a concatenation of chunks, by module name (transformers' naming), and the chunks.
@@ -151,17 +152,30 @@ def config_problems(config: dict) -> list[str]:
         out.append(f"layer_types {sorted(kinds) or ['sliding_attention']} (only full causal attention is wired)")
     experts = [f"{k} = {config[k]}" for k in _EXPERT_COUNTS if config.get(k)]
     if experts:  # its experts would train with no expert axis, no load balancing, a TP plan with no titanlike style
-        out.append(
-            f"a mixture of experts ({', '.join(experts)}) trains as a titanlike MoE model, not through model.name "
-            "'hf': its folder with weights by checkpoint.initial_load_path and no --model.* flags, or that model's "
-            "--model.* flags (docs/moe.md)"
-        )
+        out.append(_experts_problem(config.get("model_type"), ", ".join(experts)))
     if config.get("quantization_config") is not None:
         out.append("quantization_config (quantized weights do not train)")
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
         if not isinstance(config.get(key), int):
             out.append(f"{key} is {'missing' if key not in config else repr(config[key])} (an integer is needed)")
     return out
+
+
+def _experts_problem(model_type, experts: str) -> str:
+    """A mixture of experts trains as the titanlike MoE model that imports its model_type; the advice names that
+    model, or says that none does yet (checkpoint.initial_load_path would refuse the model_type too)."""
+    spec = importer_of(model_type)
+    if spec is not None:
+        return (
+            f"a mixture of experts ({experts}) trains as titanlike's {spec.name} model, not through model.name 'hf': "
+            f"its folder with weights by checkpoint.initial_load_path and no --model.* flags, or --model.name "
+            f"{spec.name} with its --model.* flags (docs/moe.md)"
+        )
+    return (
+        f"a mixture of experts ({experts}) does not train through model.name 'hf' (no expert parallelism, no load "
+        f"balancing), and no titanlike MoE model imports model_type {model_type!r} yet: nothing trains it here yet "
+        f"(docs/moe.md)"
+    )
 
 
 def read_folder(folder: str) -> dict:
