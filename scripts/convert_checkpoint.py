@@ -1,18 +1,19 @@
-"""Convert between titanlike checkpoints (DCP, any layout) and Hugging Face Llama weights (safetensors).
+"""Convert between titanlike checkpoints (DCP, any layout) and Hugging Face weights (safetensors + config.json).
 
     # a checkpoint step folder -> model.safetensors (or shards above --max-shard-size) + config.json
     python scripts/convert_checkpoint.py to-hf outputs/debug/checkpoint/step-200 outputs/debug/hf
     python scripts/convert_checkpoint.py to-hf outputs/8b/checkpoint/step-1000 outputs/8b/hf --max-shard-size 5GB \
         --dtype bfloat16
 
-    # a Hugging Face Llama folder (single file or sharded; or a .safetensors with config.json beside it) -> a DCP
+    # a Hugging Face folder (single file or sharded; or a .safetensors with config.json beside it) -> a DCP
     # seed checkpoint (or start training from the folder directly: --checkpoint.initial_load_path <folder>)
     python scripts/convert_checkpoint.py from-hf outputs/debug/hf outputs/finetune/checkpoint/step-0
     python train.py ... --checkpoint.initial_load_path outputs/finetune/checkpoint/step-0
 
-The q/k projections are permuted between our interleaved-pair RoPE layout and Hugging Face's rotate-half layout
-(see titanlike/models/llama/hf.py), so either side computes the same logits. Runs in one process, needs no process
-group, and never writes over an existing path. Bad input: one line on stderr, exit code 2.
+Every model with a Hugging Face adapter converts (``--help`` lists them): its adapter renames and re-lays the
+weights (Llama's q/k projections, for one, are permuted between our interleaved-pair RoPE layout and Hugging Face's
+rotate-half layout, titanlike/models/llama/hf.py), so either side computes the same logits. Runs in one process,
+needs no process group, and never writes over an existing path. Bad input: one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
@@ -31,10 +32,18 @@ from titanlike.errors import ConfigError  # noqa: E402
 from titanlike.hf import load_hf  # noqa: E402
 
 
+def _models_line() -> str:
+    """The registered models that convert (those with a Hugging Face adapter), for --help."""
+    from titanlike.models import get_spec, registered
+
+    names = [n for n in registered() if get_spec(n).hf_adapter]
+    return f"Models that convert (a Hugging Face adapter each): {', '.join(names)}."
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=_models_line())
     sub = parser.add_subparsers(dest="direction", required=True)
-    to_hf = sub.add_parser("to-hf", help="checkpoint step folder -> Hugging Face Llama folder")
+    to_hf = sub.add_parser("to-hf", help="checkpoint step folder -> Hugging Face folder")
     to_hf.add_argument("checkpoint", help="a step-N folder (DCP) written by titanlike")
     to_hf.add_argument("out", help="new folder for model.safetensors and config.json")
     to_hf.add_argument(
@@ -50,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="bos/eos ids from this tokenizer (default: the one recorded in the checkpoint)",
     )
-    from_hf = sub.add_parser("from-hf", help="Hugging Face Llama weights -> DCP seed checkpoint")
+    from_hf = sub.add_parser("from-hf", help="Hugging Face weights -> DCP seed checkpoint")
     from_hf.add_argument("weights", help="model.safetensors (config.json beside it) or the folder holding both")
     from_hf.add_argument("out", help="new checkpoint folder, e.g. <dump>/checkpoint/step-0")
     args = parser.parse_args(argv)
