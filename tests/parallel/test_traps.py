@@ -166,3 +166,45 @@ def test_style_arguments_are_validated():
         with pytest.raises(ValueError, match="check must be one of"):
             style(check="sometimes")
     assert repr(HeadNormParallel(heads_dim=2)) == "HeadNormParallel(heads_dim=2, use_local_output=True)"
+
+
+# ------------------------------------------------------------------ nanoGPT as its author wrote it (issue 38)
+def test_a_dropped_moduledict_entry_is_named_by_the_dry_run():
+    """karpathy's nanoGPT reaches its modules through the ModuleDict ``transformer``: stage 0, whose ln_f (on stage
+    1) is deleted from the ModuleDict, is refused by the dry run naming ``transformer.ln_f``, not by an
+    AttributeError in stage 0's first forward after the stages were built."""
+    from karpathy_nanogpt import GPT, GPTConfig
+
+    split = [
+        ["transformer.wte", "transformer.wpe", "transformer.h.0"],
+        ["transformer.h.1", "transformer.ln_f", "lm_head"],
+    ]
+    msg = _pipeline_error(GPT(GPTConfig()), split)
+    assert msg.startswith(
+        "pipeline_module: stage 0's forward calls 'transformer.ln_f' ('x = self.transformer.ln_f(x)')"
+    ), msg
+    assert "which is on stage 1" in msg and "not in its ModuleDict 'transformer'" in msg, msg
+    assert "if 'ln_f' in self.transformer" in msg, msg
+
+
+def test_apply_pp_on_an_unregistered_model_names_pipeline_module():
+    from karpathy_nanogpt import GPT, GPTConfig
+
+    from titanlike.config import load_config
+    from titanlike.parallel.pipeline import apply_pp
+
+    with pytest.raises(ValueError) as e:
+        apply_pp(GPT(GPTConfig()), None, load_config([]), torch.device("cpu"))
+    msg = one_line(str(e.value))
+    assert msg.startswith("apply_pp: GPT is not a registered model") and "pipeline_module(model, pp_mesh" in msg
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_the_dry_run_of_a_transformers_model_gives_one_verdict_with_or_without_cache(use_cache):
+    """transformers calls .item() on a meta tensor with use_cache=False (find_packed_sequence_indices): the dry run
+    reruns that stage on fake tensors, which transformers' is_tracing skips, and reaches the same verdict."""
+    split = [["model.embed_tokens", "model.layers.0"], ["model.layers.1", "model.norm", "lm_head"]]
+    model = _qwen3()
+    model.config.use_cache = use_cache
+    msg = _pipeline_error(model, split)
+    assert "stage 0's forward calls 'model.rotary_emb'" in msg and "shared=['model.rotary_emb']" in msg, msg

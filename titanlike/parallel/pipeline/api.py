@@ -29,6 +29,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
 
 from titanlike.layout import precision_policy, stage_module_names
+from titanlike.models import spec_for
 from titanlike.parallel.materialize import materialize
 from titanlike.parallel.parallelize import build_loss_fn, parallelize_model
 from titanlike.parallel.pipeline.build import check_split, dry_run
@@ -53,6 +54,12 @@ def apply_pp(model: nn.Module, dims, cfg, device: torch.device, *, init_seed: in
     ``model`` on the meta device: the stages are built and parallelized on meta, then only this rank's shards are
     allocated and filled by the sharded init from ``init_seed`` (None: left for a checkpoint load). A materialised
     ``model``: each stage copies its values."""
+    if spec_for(model) is None:
+        raise ValueError(
+            f"apply_pp: {type(model).__name__} is not a registered model (titanlike.models), whose config splits it "
+            f"into stages; split your own module with pipeline_module(model, pp_mesh, module_fqns_per_stage, "
+            f"loss_fn=..., n_microbatches=...)"
+        )
     p = cfg.parallelism
     on_meta = next(model.parameters()).is_meta
     tp_mesh = dims.get_mesh("tp") if dims.tp_enabled else None

@@ -114,6 +114,36 @@ def build_stage(model: nn.Module, fqns: Sequence[str], *, meta: bool = False) ->
     return stage
 
 
+def _frames(exc: BaseException) -> list:
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    return frames
+
+
+def _dropped_dict_entry(exc: BaseException, stage: nn.Module, model: nn.Module) -> tuple[str, str, str] | None:
+    """(the FQN, the owner's FQN, the source line) of an entry of an ``nn.ModuleDict`` that the stage dropped (deleted:
+    the other keys keep their FQNs) and a forward reached by attribute (``self.transformer.wte``, nanoGPT's way)."""
+    m = re.fullmatch(r"'ModuleDict' object has no attribute '(\w+)'", str(exc))
+    if not isinstance(exc, AttributeError) or m is None:
+        return None
+    names = {id(mod): n for n, mod in stage.named_modules(remove_duplicate=False)}
+    frames = _frames(exc)
+    for i in reversed(range(len(frames))):
+        owner = frames[i][0].f_locals.get("self")
+        if not isinstance(owner, nn.ModuleDict) or id(owner) not in names:
+            continue
+        prefix = names[id(owner)]
+        if m.group(1) not in model.get_submodule(prefix)._modules:
+            return None  # not an entry the stage dropped: the forward's own error
+        caller = next((f, n) for f, n in reversed(frames[:i]) if isinstance(f.f_locals.get("self"), nn.Module))
+        line = linecache.getline(caller[0].f_code.co_filename, caller[1]).strip()
+        return (f"{prefix}.{m.group(1)}" if prefix else m.group(1)), prefix, line
+    return None
+
+
 def _none_child(exc: BaseException, stage: nn.Module) -> tuple[str, str, str] | None:
     """(the FQN of the ``None`` child, the owner's FQN, the source line) that a forward failed on, from the frames of
     ``exc``: the innermost frame whose ``self`` is a module of ``stage`` holding a ``None`` child named in its
@@ -121,11 +151,7 @@ def _none_child(exc: BaseException, stage: nn.Module) -> tuple[str, str, str] | 
     if not isinstance(exc, (TypeError, AttributeError)) or "NoneType" not in str(exc):
         return None
     names = {id(m): n for n, m in stage.named_modules(remove_duplicate=False)}
-    frames = []
-    tb = exc.__traceback__
-    while tb is not None:
-        frames.append((tb.tb_frame, tb.tb_lineno))
-        tb = tb.tb_next
+    frames = _frames(exc)
     for frame, lineno in reversed(frames):
         owner = frame.f_locals.get("self")
         if not isinstance(owner, nn.Module) or id(owner) not in names:
@@ -137,6 +163,26 @@ def _none_child(exc: BaseException, stage: nn.Module) -> tuple[str, str, str] | 
             prefix = names[id(owner)]
             return (f"{prefix}.{named[0]}" if prefix else named[0]), prefix, line
     return None
+
+
+def _meta_forward(stage: nn.Module, x):
+    """``stage(x)`` on the meta device. A data-dependent check (``.item()``) cannot run on meta tensors: that stage
+    runs again on fake tensors (meta-backed), whose checks libraries skip (transformers' ``is_tracing`` does, with
+    ``use_cache=False``); its output is handed on as meta tensors."""
+    with torch.no_grad():
+        try:
+            return stage(x)
+        except RuntimeError as exc:
+            if "meta tensors" not in str(exc):
+                raise
+        from torch._subclasses.fake_tensor import FakeTensorMode  # torch's fake tensors (every supported torch)
+
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            out = stage(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x)
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        if not isinstance(first, torch.Tensor):
+            return out
+        return torch.empty(first.shape, dtype=first.dtype, device="meta")
 
 
 def dry_run(
@@ -153,19 +199,24 @@ def dry_run(
     for s, fqns in enumerate(module_fqns_per_stage):
         stage = build_stage(model, fqns, meta=True)
         try:
-            with torch.no_grad():
-                x = stage(x)
-        except Exception as exc:  # noqa: BLE001 - only the None calls are judged
-            found = _none_child(exc, stage)
+            x = _meta_forward(stage, x)
+        except Exception as exc:  # noqa: BLE001 - only the calls of children the stage lacks are judged
+            none = _none_child(exc, stage)
+            found = none or _dropped_dict_entry(exc, stage, model)
             if found is None:
                 return
-            child, _, line = found
+            child, owner, line = found
             on = f"on stage {where[child]}" if child in where else "listed on no stage"
             leaf = child.rpartition(".")[2]
+            if none is not None:
+                what, skip = "None", f"skip None children in the forward (if self.{leaf} is not None: ...)"
+            else:
+                what = f"not in its ModuleDict '{owner}' (the stage deletes the entries of other stages)"
+                skip = f"skip absent entries in the forward (if '{leaf}' in self.{owner.rpartition('.')[2]}: ...)"
             raise ValueError(
-                f"pipeline_module: stage {s}'s forward calls '{child}' ({line!r}), which is {on}, so it is None on "
-                f"stage {s}; skip None children in the forward (if self.{leaf} is not None: ...), or, if every stage "
-                f"needs it (rotary or position tables), pass shared=['{child}']"
+                f"pipeline_module: stage {s}'s forward calls '{child}' ({line!r}), which is {on}, so it is {what} "
+                f"on stage {s}; {skip}, or, if every stage needs it (rotary or position tables), pass "
+                f"shared=['{child}']"
             ) from None
         if isinstance(x, (tuple, list)):
             x = x[0]
