@@ -89,6 +89,15 @@ def test_blocks_that_split_a_tie_are_refused_at_apply_fsdp(result):
     assert "model.embed_tokens.weight = lm_head.weight" in msg
 
 
+def test_fsdp_lists_form_one_group_holding_nanogpts_tied_pair_and_trains_like_one_process(ranks):
+    """torch's list form, blocks=[[model.transformer.wte, model.lm_head], *model.transformer.h], on karpathy's
+    nanoGPT (it died with "'list' object has no attribute 'modules'" at the tie check): 3 AdamW steps on dp2."""
+    for r in ranks:
+        assert r["fsdp_list_tied"], "the tie survives"
+        for key in ("fsdp_list_loss", "fsdp_list_grads", "fsdp_list_weights"):
+            assert r[key] <= TOL, f"{key}: {r[key]:.1e}"
+
+
 def test_a_shared_pipeline_module_with_a_parameter_trains_like_one_process(ranks):
     for r in ranks:
         assert r["shared_gain_here"], "every stage holds the shared module"

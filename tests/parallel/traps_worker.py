@@ -14,7 +14,10 @@ pipeline model), results in one JSON for tests/parallel/test_traps.py:
   train_step naming lm_head.weight; with the check off it trains wrong (the grad norm); FSDP on the root trains
   equal to one process; ``blocks=`` splitting the tie refused at apply_fsdp;
 * ``pipeline_module(shared=["rope"])``: a module every stage calls, holding a parameter, trains pp2 equal to one
-  process (its gradient summed over the stages).
+  process (its gradient summed over the stages);
+* karpathy's nanoGPT as written (karpathy_nanogpt.py): ``apply_fsdp(model, mesh, blocks=[[model.transformer.wte,
+  model.lm_head], *model.transformer.h])``, torch's list form of one group holding the tied pair, trains dp2 equal
+  to one process (its own loss from ``forward(idx, targets)``).
 
     python tests/parallel/traps_worker.py --out result.json
 """
@@ -308,6 +311,43 @@ def pipeline_shared_case(mesh) -> dict:
     return {"shared_loss": loss_diff, "shared_weights": w, "shared_gain_here": "rope.gain" in names}
 
 
+def nanogpt_fsdp_list_case(mesh) -> dict:
+    from karpathy_nanogpt import GPT, GPTConfig
+
+    from titanlike.parallel import apply_fsdp
+
+    def build():
+        torch.manual_seed(0)
+        return GPT(GPTConfig()).to(torch.float64)
+
+    model, ref = build(), build()
+    apply_fsdp(model, mesh, blocks=[[model.transformer.wte, model.lm_head], *model.transformer.h])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_optimizer = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    rank, r = mesh.get_local_rank(), {"fsdp_list_loss": 0.0, "fsdp_list_grads": 0.0}
+    for s in range(3):
+        tokens = torch.randint(64, (4, 17), generator=torch.Generator().manual_seed(s))
+        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # as nanoGPT's get_batch gives them
+        _, loss = model(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
+        (loss / 2).backward()  # the mean over this rank's half; apply_fsdp sums the ranks' gradients
+        _, ref_loss = ref(x, y)
+        ref_loss.backward()
+        total = loss.detach() / 2
+        dist.all_reduce(total, group=mesh.get_group())
+        r["fsdp_list_loss"] = max(r["fsdp_list_loss"], abs(total.item() - ref_loss.item()))
+        ref_params = dict(ref.named_parameters())
+        for n, p in model.named_parameters():
+            diff = (p.grad.full_tensor() - ref_params[n].grad).abs().max().item()
+            r["fsdp_list_grads"] = max(r["fsdp_list_grads"], diff)
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    weights = dict(ref.named_parameters())
+    r["fsdp_list_weights"] = max((p.full_tensor() - weights[n]).abs().max().item() for n, p in model.named_parameters())
+    r["fsdp_list_tied"] = model.transformer.wte.weight is model.lm_head.weight
+    return r
+
+
 def rank_main(rank: int, world_size: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -317,6 +357,7 @@ def rank_main(rank: int, world_size: int, out: str) -> None:
     r |= head_count_case(mesh)
     r |= coverage_cases(mesh)
     r |= pipeline_shared_case(mesh)
+    r |= nanogpt_fsdp_list_case(mesh)
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, r)
     if rank == 0:

@@ -20,7 +20,7 @@ collective after its backward.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -92,16 +92,18 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None = None,
     reshard_after_forward: str = "default",
     pp_enabled: bool = False,
-    blocks: Iterable[nn.Module] | None = None,
+    blocks: Iterable[nn.Module | Sequence[nn.Module]] | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2 over ``dp_mesh`` (1-D: FSDP, 2-D: HSDP); return it.
 
-    ``blocks`` are the modules that get their own group (default: the children of the model spec's block container,
-    ``model.layers``); a registered model's input modules (embeddings) and output modules (norm + head) get one group
-    each unless they share the tied weight; the root takes the rest. A model with no spec and no ``.layers`` needs
-    ``blocks`` (``blocks=[]``: one root group on purpose); ``blocks`` that put the names of a tied parameter in
-    different groups are refused. Chunk-sharded fused projections
-    (:class:`~titanlike.parallel.fused.FusedColwiseParallel`) are sharded on dim 1. Works on the meta device.
+    ``blocks`` are the modules that get their own group, or lists of modules that share one (torch's list form:
+    ``[[model.transformer.wte, model.lm_head], *model.transformer.h]`` keeps a tied pair in one group); default:
+    the children of the model spec's block container, ``model.layers``. A registered model's input modules
+    (embeddings) and output modules (norm + head) get one group each unless they share the tied weight; the root
+    takes the rest. A model with no spec and no ``.layers`` needs ``blocks`` (``blocks=[]``: one root group on
+    purpose); ``blocks`` that put the names of a tied parameter in different groups are refused. Chunk-sharded fused
+    projections (:class:`~titanlike.parallel.fused.FusedColwiseParallel`) are sharded on dim 1. Works on the meta
+    device.
     """
     if reshard_after_forward not in RESHARD_CHOICES:
         raise ValueError(f"reshard_after_forward must be one of {RESHARD_CHOICES}, got {reshard_after_forward!r}")
@@ -126,9 +128,10 @@ def apply_fsdp(
                 f"each get their own FSDP group), or blocks=[] for one group on purpose"
             )
         blocks = list(container.children())
-    blocks = list(blocks)
+    # a group is a module or, torch's list form, several modules sharing one group (a tied embedding and head)
+    blocks = [list(b) if isinstance(b, (list, tuple)) else b for b in blocks]
     inputs, outputs = _role_groups(model, spec)
-    _check_ties_in_one_group(model, [[b] for b in blocks] + [inputs, outputs])
+    _check_ties_in_one_group(model, [b if isinstance(b, list) else [b] for b in blocks] + [inputs, outputs])
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard("block"), **kw)
     if inputs:
