@@ -269,6 +269,21 @@ def _tied_across_stages(
     return tied_sets, excluded
 
 
+def _plain_step_inputs(sched, has_first_stage: bool) -> None:
+    """``sched.step(inputs, ...)`` takes the inputs as torch 2.11's stages check them (2.13 accepts any): contiguous
+    (2.11 compares each microbatch's strides with the shape inference's, a slice ``tokens[:, :-1]`` fails), and only
+    on the rank holding the first stage (2.11: "Can't supply input args for shape inference on non-first stage").
+    Every caller (train_step, the examples) may then pass the same arguments on every rank."""
+    step = sched.step
+
+    def plain_step(*args, **kwargs):
+        if not has_first_stage:
+            return step(**kwargs)
+        return step(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args), **kwargs)
+
+    sched.step = plain_step
+
+
 def make_pipeline(
     model: nn.Module,
     pp_mesh,
@@ -308,6 +323,7 @@ def make_pipeline(
     loss = ScaledLoss(loss_fn)
     cls = schedule_class(schedule)
     sched = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
+    _plain_step_inputs(sched, has_first_stage=0 in stage_ids)
     # After parallelize (FSDP / TP have replaced the parameters by DTensors): the full model's ties, by identity.
     tied_sets, excluded = _tied_across_stages(model, module_fqns_per_stage, parts, stage_ids, pp_group, schedule)
     return PipelineParallel(
