@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
 from titanlike.models.decoder import AttentionCore, Positions
-from titanlike.models.masking import DocumentMask
+from titanlike.models.masking import DocumentMask, window_keys
 
 __all__ = [
     "ContextParallelAttention",
@@ -140,35 +140,80 @@ class ContextParallelAttention(nn.Module):
     Same interface as the plain core: ``q (batch, s, heads, head_dim)``, ``k, v (batch, s, kv_heads, head_dim)``
     with ``s = seq_len / cp`` this rank's tokens (chunks ``r`` and ``2 cp - 1 - r``); returns ``(batch, s, heads,
     head_dim)``. Every cp rank of the mesh must call it (the all-gathers are collectives).
+
+    ``window`` / ``sinks``: the plain core's options (taken from it by :func:`apply_cp`). A sliding-window layer
+    whose window fits a chunk (``window - 1 <= C``) gathers only what the window can see: the last ``window - 1``
+    keys / values of every chunk (:meth:`_windowed`: ``2 cp (window - 1)`` tokens per layer instead of ``S``; exact,
+    the query positions global); a wider window gathers everything and masks.
     """
 
-    def __init__(self, cp_mesh: DeviceMesh):
+    attention_seam = True
+
+    def __init__(self, cp_mesh: DeviceMesh, window: int | None = None, sinks: bool = False):
         super().__init__()
         self.cp_mesh = cp_mesh
         self.cp = cp_mesh.size()
         self.rank = cp_mesh.get_local_rank()
+        self.window, self.sinks = window, sinks
 
     def extra_repr(self) -> str:
-        return f"cp={self.cp}, rank={self.rank}, chunks={chunk_ids(self.cp, self.rank)}"
+        return f"cp={self.cp}, rank={self.rank}, chunks={chunk_ids(self.cp, self.rank)}, window={self.window}"
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask | None = None) -> Tensor:
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask | None = None, sinks: Tensor | None = None
+    ) -> Tensor:
         cp, c = self.cp, q.shape[1] // 2
+        if mask is None and (self.window is not None or sinks is not None):  # outside a decoder: the causal mask
+            positions = cp_positions(q.shape[1] * cp, cp, self.rank, q.device)
+            mask = DocumentMask.causal(q.shape[0], positions, (self.window,))
+        if self.window is not None and self.window - 1 <= c:
+            return self._windowed(q, k, v, mask, sinks)
         k_all = reorder_gathered(all_gather_sequence(k, self.cp_mesh), cp)
         v_all = reorder_gathered(all_gather_sequence(v, self.cp_mesh), cp)
-        n_rep = q.shape[2] // k.shape[2]
-        if n_rep > 1:  # grouped-query attention, as the plain core does (after the gather: kv heads travel)
-            k_all = k_all.repeat_interleave(n_rep, dim=2)
-            v_all = v_all.repeat_interleave(n_rep, dim=2)
-        kt, vt = k_all.transpose(1, 2), v_all.transpose(1, 2)
+        kt, vt = _repeat_kv(k_all, q).transpose(1, 2), _repeat_kv(v_all, q).transpose(1, 2)
+        plain = self.window is None and sinks is None
         outs = []
         for half, j in enumerate(chunk_ids(cp, self.rank)):
             qj = q[:, half * c : (half + 1) * c].transpose(1, 2)
-            kj, vj = kt[:, :, : (j + 1) * c], vt[:, :, : (j + 1) * c]
-            if mask is None:
-                outs.append(chunk_attention(qj, kj, vj).transpose(1, 2))
-            else:  # block-causal: the chunk's rows of the mask (global positions, local document starts)
-                outs.append(mask.attend(qj, kj, vj, rows=(half * c, (half + 1) * c)).transpose(1, 2))
+            if mask is None or (plain and not mask.documents):
+                outs.append(chunk_attention(qj, kt[:, :, : (j + 1) * c], vt[:, :, : (j + 1) * c]).transpose(1, 2))
+                continue
+            # the chunk's rows of the mask (global positions, local document starts) against the keys it can see
+            k0, k1 = window_keys(j * c, (j + 1) * c - 1, self.window)
+            rows = (half * c, (half + 1) * c)
+            out = mask.attend(qj, kt[:, :, k0:k1], vt[:, :, k0:k1], rows, window=self.window, sinks=sinks, key_start=k0)
+            outs.append(out.transpose(1, 2))
         return torch.cat(outs, dim=1)
+
+    def _windowed(self, q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, sinks: Tensor | None) -> Tensor:
+        """Sliding-window attention gathering only the last ``t = window - 1`` keys / values of every chunk (one
+        all-gather each of ``2 t`` tokens per rank; their gradients reduce-scattered): global chunk ``j`` attends to
+        the tail of chunk ``j - 1`` and its own keys, the range :func:`window_keys` gives."""
+        cp, c, t = self.cp, q.shape[1] // 2, self.window - 1
+        if t:
+            tails_k = torch.cat([k[:, (h + 1) * c - t : (h + 1) * c] for h in (0, 1)], dim=1)
+            tails_v = torch.cat([v[:, (h + 1) * c - t : (h + 1) * c] for h in (0, 1)], dim=1)
+            tails_k = reorder_gathered(all_gather_sequence(tails_k, self.cp_mesh), cp)  # (b, 2 cp t): chunk order
+            tails_v = reorder_gathered(all_gather_sequence(tails_v, self.cp_mesh), cp)
+        outs = []
+        for half, j in enumerate(chunk_ids(cp, self.rank)):
+            own = slice(half * c, (half + 1) * c)
+            kj, vj = k[:, own], v[:, own]
+            if t and j > 0:
+                kj = torch.cat([tails_k[:, (j - 1) * t : j * t], kj], dim=1)
+                vj = torch.cat([tails_v[:, (j - 1) * t : j * t], vj], dim=1)
+            k0, _ = window_keys(j * c, (j + 1) * c - 1, self.window)
+            qj = q[:, own].transpose(1, 2)
+            kj, vj = _repeat_kv(kj, q).transpose(1, 2), _repeat_kv(vj, q).transpose(1, 2)
+            out = mask.attend(qj, kj, vj, (own.start, own.stop), window=self.window, sinks=sinks, key_start=k0)
+            outs.append(out.transpose(1, 2))
+        return torch.cat(outs, dim=1)
+
+
+def _repeat_kv(kv: Tensor, q: Tensor) -> Tensor:
+    """Grouped-query attention, as the plain core does (after the gather: kv heads travel)."""
+    n_rep = q.shape[2] // kv.shape[2]
+    return kv.repeat_interleave(n_rep, dim=2) if n_rep > 1 else kv
 
 
 def chunk_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -281,7 +326,8 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True) -
             f"pass positions=False if it has no positions or feeds cp_positions to them itself"
         )
     for owner, child_name in cores:
-        setattr(owner, child_name, ContextParallelAttention(cp_mesh))
+        core = getattr(owner, child_name)
+        setattr(owner, child_name, ContextParallelAttention(cp_mesh, window=core.window, sinks=core.sinks))
     for owner, child_name in seams:
         setattr(owner, child_name, ContextParallelPositions(cp_mesh))
     return model
