@@ -86,6 +86,9 @@ class Model:
     rope_original_max_seq_len: int = _override(0)  # llama3 scaling: the pre-training context length (0: the flavor's)
     num_experts: int = _override(0)  # routed experts per MoE block (0: the flavor's; models with experts)
     top_k: int = _override(0)  # experts per token (0: the flavor's; models with experts)
+    # the window of a model's sliding-window layers, in positions, the query included (0: the flavor's; gpt_oss)
+    sliding_window: int = _override(0)
+    attention_sinks: bool | None = _override(None)  # a learned sink logit per head (None: the flavor's; gpt_oss)
     # model.name = "hf": a folder holding a transformers config.json (weights optional): that model, built by
     # transformers (docs/transformers.md)
     hf_config: str = _override("")
@@ -318,6 +321,7 @@ MINIMUM = {
     "model.rope_original_max_seq_len": 0,
     "model.num_experts": 0,
     "model.top_k": 0,
+    "model.sliding_window": 0,
     "parallelism.data_parallel_replicate_degree": 1,
     "parallelism.tensor_parallel_degree": 1,
     "parallelism.context_parallel_degree": 1,

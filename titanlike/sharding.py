@@ -47,6 +47,7 @@ __all__ = [
     "FusedColwise",
     "Head",
     "HeadNorm",
+    "HeadParams",
     "Matrices",
     "Norm",
     "PositionTable",
@@ -214,6 +215,16 @@ class HeadNorm(Entry):
     that holds the heads ((batch, seq, heads, head_dim): 2)."""
 
     heads_dim: int = 2
+
+
+@dataclass(frozen=True)
+class HeadParams(Entry):
+    """A module holding one value per attention head in its parameters' dim 0 (gpt-oss's attention sinks, ``weight``
+    (heads,)), called with no input and returning them: split over tp with the heads (dim 0), so each rank holds and
+    returns the values of its own heads (the heads its Colwise q projection computes)."""
+
+    def tp_dim(self, leaf, ndim, *, tp, fsdp):
+        return 0
 
 
 @dataclass(frozen=True)

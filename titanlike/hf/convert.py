@@ -105,7 +105,9 @@ def model_args_from_hf_config(config: dict, source: str = "config.json", like=No
     arch = config.get("architectures")
     if ad is not None and arch not in (None, [ad.ARCHITECTURE]):
         problems.append(f"architectures = {arch!r} (titanlike imports [{ad.ARCHITECTURE!r}])")
-    if config.get("quantization_config") is not None:
+    quant = config.get("quantization_config")
+    accepted = getattr(ad, "QUANTIZATION_METHODS", ()) if ad is not None else ()
+    if quant is not None and not (isinstance(quant, dict) and quant.get("quant_method") in accepted):
         problems.append(
             f"quantization_config = {config['quantization_config']!r} (quantized weights are not "
             f"supported; give a float32/bfloat16/float16 checkpoint)"
@@ -115,7 +117,8 @@ def model_args_from_hf_config(config: dict, source: str = "config.json", like=No
         fields = {
             k: v
             for k, v in config.items()
-            if k not in GENERIC_FIELDS and k not in ("architectures", "model_type", "quantization_config")
+            if (k not in GENERIC_FIELDS or k in getattr(ad, "READS_GENERIC", ()))
+            and k not in ("architectures", "model_type", "quantization_config")
         }
         try:
             args = ad.model_args_from_hf_config(fields)

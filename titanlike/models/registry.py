@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 import titanlike.models.gpt2  # noqa: F401
+import titanlike.models.gpt_oss  # noqa: F401
 import titanlike.models.llama  # noqa: F401
 import titanlike.models.qwen3  # noqa: F401
 import titanlike.models.qwen3_moe  # noqa: F401

@@ -22,6 +22,7 @@ The translation (``seq`` = ``Shard(1)`` under sequence parallelism, else ``Repli
 ``Rowwise``            RowwiseParallel, output ``seq``: the "g" operator, all-reduce forward (SP: reduce-scatter)
 ``Head``               ColwiseParallel from ``seq``: logits stay a DTensor ``Shard(-1)`` for the vocab-parallel
                        loss, or are all-gathered (``loss_parallel=False``)
+``HeadParams``         :class:`HeadParamsParallel`: parameters ``Shard(0)`` (this rank's heads), returned local
 ``TokenLocal``         SP only: :class:`TokenLocalParallel`: runs on the local shard of the stream, returns it as
                        ``Shard(1)``; its parameters are left to a data-parallel reduction over tp (an MoE block)
 =====================  ==========================================================================================
@@ -52,7 +53,7 @@ from functools import partial
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -71,6 +72,7 @@ __all__ = [
     "tp_plan",
     "apply_tp",
     "HeadNormParallel",
+    "HeadParamsParallel",
     "ReplicateParallel",
     "PositionEmbeddingParallel",
     "TokenLocalParallel",
@@ -206,6 +208,28 @@ class TokenLocalParallel(ParallelStyle):
         return module
 
 
+class HeadParamsParallel(ParallelStyle):
+    """A module holding per-head values (attention sinks): its parameters ``Shard(0)`` over tp, its output (the
+    parameter it returns) this rank's local part, so rank ``r`` uses the values of the heads its q projection
+    computes. The gradient of each rank's part is its own (no communication)."""
+
+    @staticmethod
+    def _partition_fn(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])))
+
+    @staticmethod
+    def _local_output(module: nn.Module, outputs, mesh: DeviceMesh):
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._partition_fn, output_fn=self._local_output)
+
+
+def _head_params_style(entry: sh.HeadParams) -> ParallelStyle:
+    return HeadParamsParallel()
+
+
 # ------------------------------------------------------------------------------------------------- the translator
 def _norm_style(sequence_parallel: bool) -> ParallelStyle:
     """SP: the norm runs on the local sequence shard, weight replicated (SequenceParallel). Without SP it runs
@@ -283,6 +307,8 @@ def tp_plan(
             return _norm_style(sequence_parallel)
         if isinstance(entry, sh.HeadNorm):
             return _head_norm_style(entry)
+        if isinstance(entry, sh.HeadParams):
+            return _head_params_style(entry)
         if isinstance(entry, sh.Region):
             inner = any(p.startswith(pattern + ".") for p in f8_patterns)
             prepare = PrepareFloat8ModuleInput if inner else PrepareModuleInput
