@@ -133,6 +133,12 @@ MODELS = {
         "--model.reset_position_ids",
         "true",
     ),
+    # gpt-oss (tiny: a sliding-window layer (window 4 of the 16 positions) and a full one, sinks, q/k/v/o biases,
+    # YaRN, 4 biased experts top-2 with the clamped SwiGLU (limit 0.1, so it acts)), causal and block_causal
+    "gpt_oss": ("--model.name", "gpt_oss"),
+    "gpt_oss_block": ("--model.name", "gpt_oss", "--model.attn_mask_type", "block_causal"),
+    # a window wider than a cp chunk (6 - 1 > 16 / 4): cp gathers every key and masks
+    "gpt_oss_wide": ("--model.name", "gpt_oss", "--model.sliding_window", "6"),
     **HF_MODELS,
 }
 # Matrices Muon orthogonalizes per model (tiny, 2 blocks): Llama 7 per block; GPT-2 c_attn's q, k, v + 3.
@@ -358,6 +364,34 @@ LAYOUTS = [
         model="hf_qwen2_tied",
         mutation="tp_no_backward_reduce",
     ),
+    # gpt-oss: the window and the sinks under every SPMD layout kind (tp + SP needs ep for the experts: rule moe_tp;
+    # cp2's windowed layer gathers only the last 3 keys / values of each chunk), causal and block_causal
+    *[
+        Layout(f"{m} {name}", 2, args, model=m)
+        for m in ("gpt_oss", "gpt_oss_block")
+        for name, args in (
+            ("tp2_sp_ep2", _ep(2, *_tp(2, *SP, *_dp(1, 1, 8)))),
+            ("fsdp2", _dp(1, 2, 4)),
+            ("cp2", _cp(2, *_dp(1, 1, 8))),
+            ("ep2", _ep(2, *_dp(1, 2, 4))),
+        )
+    ],
+    Layout("gpt_oss_wide cp2", 2, _cp(2, *_dp(1, 1, 8)), model="gpt_oss_wide"),
+    Layout("MUT gpt_oss fsdp2 window off by one", 2, _dp(1, 2, 4), model="gpt_oss", mutation="window_off_by_one"),
+    Layout(
+        "MUT gpt_oss cp2 window on local positions", 2, _cp(2, *_dp(1, 1, 8)), model="gpt_oss", mutation="window_local"
+    ),
+    Layout(
+        "MUT gpt_oss_block cp2 sinks dropped", 2, _cp(2, *_dp(1, 1, 8)), model="gpt_oss_block", mutation="sinks_dropped"
+    ),
+    Layout(
+        "MUT gpt_oss tp2_sp_ep2 sinks not split with their heads",
+        2,
+        _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))),
+        model="gpt_oss",
+        mutation="sinks_not_split",
+    ),
+    Layout("MUT gpt_oss ep2 clamp missing", 2, _ep(2, *_dp(1, 2, 4)), model="gpt_oss", mutation="clamp_missing"),
     # 4 ranks
     Layout("tp4_gqa", 4, _tp(4, *_dp(1, 1, 8)), model="gqa8"),
     Layout("fsdp4", 4, _dp(1, 4, 2)),
@@ -790,7 +824,84 @@ def _moe_expert_fsdp_average():
         yield
 
 
+@contextlib.contextmanager
+def _window_off_by_one():
+    """The sliding window's exact mask keeps one key too many (``j >= p - w`` instead of ``j > p - w``)."""
+    from titanlike.models.masking import DocumentMask
+
+    original = DocumentMask.dense
+
+    def dense(self, lo, hi, n, window=None, key_start=0):
+        return original(self, lo, hi, n, None if window is None else window + 1, key_start)
+
+    with patched(DocumentMask, "dense", dense):
+        yield
+
+
+@contextlib.contextmanager
+def _window_local():
+    """Under cp the mask's query positions are the rank's local ones (0 .. s-1), not its chunks' global positions:
+    the window (and the causal bound) measured from the wrong place. (RoPE keeps its global positions.)"""
+    from titanlike.models.masking import DocumentMask
+
+    original = DocumentMask.__post_init__
+
+    def post_init(self):
+        self.positions = torch.arange(self.positions.shape[0], device=self.positions.device)
+        original(self)
+
+    with patched(DocumentMask, "__post_init__", post_init):
+        yield
+
+
+@contextlib.contextmanager
+def _sinks_dropped():
+    """The context-parallel core drops the sinks it is given (plain softmax attention)."""
+    import titanlike.parallel.context_parallel as cpm
+
+    original = cpm.ContextParallelAttention.forward
+
+    def forward(self, q, k, v, mask=None, sinks=None):
+        return original(self, q, k, v, mask, None)
+
+    with patched(cpm.ContextParallelAttention, "forward", forward):
+        yield
+
+
+@contextlib.contextmanager
+def _sinks_not_split():
+    """The sinks replicated over tp instead of split with their heads: every rank uses the first heads' sinks."""
+    import titanlike.parallel.tensor_parallel as tpm
+
+    def replicate(name, module, mesh):
+        for pname, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
+
+    class FirstHeads(tpm.ParallelStyle):
+        def _apply(self, module, mesh):
+            local = module.weight.shape[0] // mesh.size()
+            first = lambda mod, out, mesh: out.to_local()[:local]  # noqa: E731
+            return tpm.distribute_module(module, mesh, replicate, output_fn=first)
+
+    with patched(tpm, "_head_params_style", lambda entry: FirstHeads()):
+        yield
+
+
+@contextlib.contextmanager
+def _clamp_missing():
+    """gpt-oss's experts without the clamp of gate and up (the plain ``(up + 1) g sigmoid(alpha g)``)."""
+    import titanlike.models.moe as moe
+
+    with patched(moe, "clamped_swiglu", lambda g, u, alpha, limit: (u + 1) * g * torch.sigmoid(alpha * g)):
+        yield
+
+
 MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "window_off_by_one": _window_off_by_one,
+    "window_local": _window_local,
+    "sinks_dropped": _sinks_dropped,
+    "sinks_not_split": _sinks_not_split,
+    "clamp_missing": _clamp_missing,
     "mask_cp_rank": _mask_cp_rank,
     "mask_no_reset": _mask_no_reset,
     "moe_local_loads": _moe_local_loads,

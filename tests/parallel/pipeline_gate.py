@@ -48,6 +48,9 @@ gate.MODELS.update(
         "block_deep": ("--model.n_layers", "8", *gate.MODELS["block_reset"]),
         # Qwen3-MoE (every block MoE, bias update and aux loss on): each stage updates its own blocks' biases
         "moe_deep": ("--model.n_layers", "4", *gate.MODELS["moe"]),
+        # gpt-oss (4 blocks: sliding, full, sliding, full; sinks; biased clamped experts), causal and block_causal
+        "gpt_oss_deep": ("--model.n_layers", "4", *gate.MODELS["gpt_oss"]),
+        "gpt_oss_block_deep": ("--model.n_layers", "4", *gate.MODELS["gpt_oss_block"]),
     }
 )
 gate.MUON_MATRICES["muon_deep"] = 7 * 8
@@ -255,6 +258,15 @@ LAYOUTS += [
         model="block_deep",
         mutation="pp_starts_other_microbatch",
     ),
+]
+
+
+# gpt-oss stages: the sliding-window and full layers with their sinks on different stages, causal (the forward's
+# causal mask built per stage and microbatch) and block_causal (the starts travel with each microbatch)
+LAYOUTS += [
+    _layout(f"{m} pp2 {s}", 2, _pp(2, s, 8, 2), model=m)
+    for m in ("gpt_oss_deep", "gpt_oss_block_deep")
+    for s in ("1F1B", "ZBVZeroBubble", "DualPipeV")
 ]
 
 

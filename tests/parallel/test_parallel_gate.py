@@ -36,6 +36,12 @@ EXPECTED_BREAK = {
     "moe_expert_fsdp_average": ("grads", False),
     "moe_router_not_over_tp": ("grads", False),
     "moe_aux_counts_not_over_tp": ("grads", False),
+    # gpt-oss: the window's bound, the window's positions under cp, the sinks under cp and tp, the experts' clamp
+    "window_off_by_one": ("loss_step1", True),
+    "window_local": ("loss_step1", True),
+    "sinks_dropped": ("loss_step1", True),
+    "sinks_not_split": ("loss_step1", True),
+    "clamp_missing": ("loss_step1", True),
 }
 BROKEN = gate.BROKEN  # a mutation must move its metric by at least this much (the tolerance is 1e-10)
 
@@ -146,6 +152,7 @@ def test_matrix_covers_the_required_layouts():
         "moe ep2",
         "moe cp2_ep2",
         "moe ep2_fsdp4",
+        *[f"{m} {k}" for m in ("gpt_oss", "gpt_oss_block") for k in ("tp2_sp_ep2", "fsdp2", "cp2", "ep2")],
     ]
     assert all(n in by_name for n in required)
     assert {layout.mutation for layout in gate.LAYOUTS if layout.mutation} == set(EXPECTED_BREAK)
