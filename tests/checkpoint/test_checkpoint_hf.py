@@ -297,6 +297,7 @@ def test_every_model_adapter_implements_the_protocol_and_hf_names_no_model():
     adapters.pop("hf")
     assert {name: ad.MODEL_TYPE for name, ad in adapters.items()} == {
         "gpt2": "gpt2",
+        "gpt_oss": "gpt_oss",
         "llama3": "llama",
         "qwen3": "qwen3",
         "qwen3_moe": "qwen3_moe",
@@ -309,7 +310,7 @@ def test_every_model_adapter_implements_the_protocol_and_hf_names_no_model():
     # model_type picks the adapter; none or an unknown one is one line listing those titanlike imports.
     for config, message in (({}, "no model_type"), ({"model_type": "mistral"}, "model_type = 'mistral'")):
         with pytest.raises(
-            hf.HFConfigError, match=message + r" \(titanlike imports 'gpt2', 'llama', 'qwen3', 'qwen3_moe'\)"
+            hf.HFConfigError, match=message + r" \(titanlike imports 'gpt2', 'gpt_oss', 'llama', 'qwen3', 'qwen3_moe'\)"
         ):
             hf.model_args_from_hf_config(config)
 

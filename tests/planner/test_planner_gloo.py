@@ -37,7 +37,7 @@ def test_planner_matches_gloo_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     cases = json.loads(out.read_text())["cases"]
-    assert len(cases) == 12
+    assert len(cases) == 13
     for name, ranks in cases.items():
         assert sorted(ranks) == ["0", "1", "2", "3"], name
         for rank, r in ranks.items():
@@ -103,5 +103,9 @@ def test_planner_matches_gloo_runs(tmp_path):
         m = r["measured"]
         assert m["cp all_gather forward"][0] == 4 and m["cp reduce_scatter backward"][0] == 4, (rank, m)
         assert "cp all_gather backward" not in m, (rank, m)
+    # gpt-oss: its sliding-window layer (window 4, chunks of 4) gathers 2 cp x 3 of the 16 positions, bounded by
+    # the window: K and V of (batch 2, 12 tokens, 2 kv heads, 16) float32 = 3072 bytes each, the full layer's 4096
+    for rank, r in cases["gpt_oss_cp2_fsdp2"].items():
+        assert r["measured"]["cp all_gather forward"] == [4, 2 * 3072 + 2 * 4096], (rank, r["measured"])
     for rank, r in cases["cp2_tp2_sp_fullac"].items():
         assert r["measured"]["cp all_gather backward"][0] == 4, (rank, r["measured"])

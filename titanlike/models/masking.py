@@ -46,7 +46,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["MASK_TYPES", "DocumentMask", "attention_backend", "attention_with_sinks", "document_starts", "window_keys"]
+__all__ = [
+    "MASK_TYPES",
+    "DocumentMask",
+    "attention_backend",
+    "attention_with_sinks",
+    "cp_gathered_tokens",
+    "document_starts",
+    "window_keys",
+    "window_tail",
+]
 
 MASK_TYPES = ("causal", "block_causal")
 
@@ -75,6 +84,20 @@ def window_keys(first: int, last: int, window: int | None) -> tuple[int, int]:
     last + 1)`` under full attention, ``[max(0, first - window + 1), last + 1)`` under a sliding window (the one
     place this range is decided: the masks are built for it, context parallelism hands exactly these keys)."""
     return (0 if window is None else max(0, first - window + 1)), last + 1
+
+
+def window_tail(chunk: int, window: int | None) -> int | None:
+    """Context parallelism's decision for a layer (chunks of ``chunk`` tokens): the ``window - 1`` keys / values of
+    the end of every chunk that a sliding window reaches into the next one, when they fit a chunk (only those are
+    gathered); None: full attention, or a window wider than a chunk (every key gathered)."""
+    return window - 1 if window is not None and window - 1 <= chunk else None
+
+
+def cp_gathered_tokens(seq_len: int, cp: int, window: int | None) -> int:
+    """Tokens of K (and of V) a context-parallel layer all-gathers (every rank's share together): ``seq_len``, or
+    ``2 cp (window - 1)`` for a sliding window that fits a chunk (bounded by the window, not the sequence)."""
+    tail = window_tail(seq_len // (2 * cp), window)
+    return seq_len if tail is None else 2 * cp * tail
 
 
 _compiled_flex = None

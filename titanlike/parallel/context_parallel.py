@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
 from titanlike.models.decoder import AttentionCore, Positions
-from titanlike.models.masking import DocumentMask, window_keys
+from titanlike.models.masking import DocumentMask, window_keys, window_tail
 
 __all__ = [
     "ContextParallelAttention",
@@ -166,7 +166,7 @@ class ContextParallelAttention(nn.Module):
         if mask is None and (self.window is not None or sinks is not None):  # outside a decoder: the causal mask
             positions = cp_positions(q.shape[1] * cp, cp, self.rank, q.device)
             mask = DocumentMask.causal(q.shape[0], positions, (self.window,))
-        if self.window is not None and self.window - 1 <= c:
+        if window_tail(c, self.window) is not None:
             return self._windowed(q, k, v, mask, sinks)
         k_all = reorder_gathered(all_gather_sequence(k, self.cp_mesh), cp)
         v_all = reorder_gathered(all_gather_sequence(v, self.cp_mesh), cp)
@@ -189,7 +189,8 @@ class ContextParallelAttention(nn.Module):
         """Sliding-window attention gathering only the last ``t = window - 1`` keys / values of every chunk (one
         all-gather each of ``2 t`` tokens per rank; their gradients reduce-scattered): global chunk ``j`` attends to
         the tail of chunk ``j - 1`` and its own keys, the range :func:`window_keys` gives."""
-        cp, c, t = self.cp, q.shape[1] // 2, self.window - 1
+        cp, c = self.cp, q.shape[1] // 2
+        t = window_tail(c, self.window)
         if t:
             tails_k = torch.cat([k[:, (h + 1) * c - t : (h + 1) * c] for h in (0, 1)], dim=1)
             tails_v = torch.cat([v[:, (h + 1) * c - t : (h + 1) * c] for h in (0, 1)], dim=1)

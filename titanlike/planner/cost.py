@@ -47,6 +47,7 @@ from functools import lru_cache
 from titanlike.layout import TOKEN_DIMS
 from titanlike.layout.timeline import schedule_timeline
 from titanlike.models import spec_for as get_spec_for
+from titanlike.models.masking import cp_gathered_tokens
 from titanlike.planner.hardware import Hardware
 from titanlike.planner.layout import Layout
 from titanlike.planner.memory import fsdp_units, moe_layers, rank_param_shards, unit_group, unit_reshards
@@ -200,13 +201,14 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
                 else:
                     add("tp", "all_gather", "forward", b * s * args.vocab_size * a, t, "logits", passes)
         # ---------------------------------------------------------------------------------- context parallel
-        if lo.cp > 1:
-            n, recomputed = len(ids), sum(lo.checkpointed(i) == "full" for i in ids)
-            add("cp", "all_gather", "forward", kv_bytes, lo.cp, "K and V of every block", 2 * n * passes)
-            add("cp", "reduce_scatter", "backward", kv_bytes, lo.cp, "K and V grads of every block", 2 * n * passes)
-            add(
-                "cp", "all_gather", "backward", kv_bytes, lo.cp, "recomputed K and V (full AC)", 2 * recomputed * passes
-            )
+        if lo.cp > 1:  # a sliding-window layer gathers only the window's reach (cp_gathered_tokens)
+            window_of = getattr(args, "window_of", lambda i: None)
+            for i in ids:
+                kv = kv_bytes * cp_gathered_tokens(lo.seq_len, lo.cp, window_of(i)) // lo.seq_len
+                add("cp", "all_gather", "forward", kv, lo.cp, "K and V of every block", 2 * passes)
+                add("cp", "reduce_scatter", "backward", kv, lo.cp, "K and V grads of every block", 2 * passes)
+                recomputed = lo.checkpointed(i) == "full"
+                add("cp", "all_gather", "backward", kv, lo.cp, "recomputed K and V (full AC)", 2 * recomputed * passes)
         # ---------------------------------------------------------------------------------- expert parallel
         if lo.ep > 1:
             routed = b * s // (t if lo.ep_tp > 1 else 1)  # tokens this rank routes (its SP shard when ep borrows tp)

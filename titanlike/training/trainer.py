@@ -54,17 +54,26 @@ def resolve_device(cfg: JobConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def attention_note(cfg: JobConfig, device: torch.device, eos_id: int) -> str:
-    """The start-up line's mask and backend."""
-    if cfg.model.attn_mask_type == "causal":
-        return "causal mask (SDPA's causal kernel)"
+def attention_note(cfg: JobConfig, device: torch.device, eos_id: int, model_parts=()) -> str:
+    """The start-up line's mask and backend (and the seams' sliding windows and sinks)."""
     from titanlike.models.masking import attention_backend
 
     backend = {"flex": "FlexAttention with a block mask", "sdpa": "SDPA with an exact boolean mask"}
+    seams = [m for part in model_parts for m in part.modules() if getattr(m, "attention_seam", False)]
+    windowed = sorted({m.window for m in seams if m.window is not None})
+    local = ""
+    if windowed:
+        n = sum(m.window is not None for m in seams)
+        local += f"; sliding window {', '.join(map(str, windowed))} in {n} of {len(seams)} layers"
+    if any(m.sinks for m in seams):
+        local += "; a learned sink per head" + (" (explicit softmax)" if attention_backend(device) == "sdpa" else "")
+    if cfg.model.attn_mask_type == "causal":
+        kernel = "SDPA's causal kernel" if not local else backend[attention_backend(device)]
+        return f"causal mask ({kernel}){local}"
     reset = ", positions restart per document" if cfg.model.reset_position_ids else ""
     return (
         f"block_causal mask (documents end at EOS id {eos_id}), {backend[attention_backend(device)]} on "
-        f"{device.type}{reset}"
+        f"{device.type}{reset}{local}"
     )
 
 
@@ -337,7 +346,8 @@ class Trainer:
                 f"{self.device.type}, {cfg.training.dtype}",
                 flush=True,
             )
-            print(f"attention: {attention_note(cfg, self.device, self.tokenizer.eos_id)}", flush=True)
+            note = attention_note(cfg, self.device, self.tokenizer.eos_id, self.model_parts)
+            print(f"attention: {note}", flush=True)
             f8 = float8_note(self.model_parts, cfg.float8.emulate)
             if f8:
                 print(f"float8: {f8}", flush=True)
