@@ -391,6 +391,13 @@ LAYOUTS = [
         model="gpt_oss",
         mutation="sinks_not_split",
     ),
+    Layout(
+        "MUT hf_mistral_window fsdp2 window dropped",
+        2,
+        _dp(1, 2, 4),
+        model="hf_mistral_window",
+        mutation="hf_window_dropped",
+    ),
     Layout("MUT gpt_oss ep2 clamp missing", 2, _ep(2, *_dp(1, 2, 4)), model="gpt_oss", mutation="clamp_missing"),
     # 4 ranks
     Layout("tp4_gqa", 4, _tp(4, *_dp(1, 1, 8)), model="gqa8"),
@@ -896,7 +903,17 @@ def _clamp_missing():
         yield
 
 
+@contextlib.contextmanager
+def _hf_window_dropped():
+    """model.name = "hf": the sliding-window layers get no mask (the library's SDPA attention then runs full causal)."""
+    import titanlike.models.transformers_lm.model as lm
+
+    with patched(lm, "layer_windows", lambda config: [None] * config.num_hidden_layers):
+        yield
+
+
 MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "hf_window_dropped": _hf_window_dropped,
     "window_off_by_one": _window_off_by_one,
     "window_local": _window_local,
     "sinks_dropped": _sinks_dropped,
