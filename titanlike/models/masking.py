@@ -86,6 +86,13 @@ def window_keys(first: int, last: int, window: int | None) -> tuple[int, int]:
     return (0 if window is None else max(0, first - window + 1)), last + 1
 
 
+def _is_fake(t: Tensor) -> bool:
+    """Whether ``t`` is a FakeTensor (shapes only: no values to build a mask from)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 def window_tail(chunk: int, window: int | None) -> int | None:
     """Context parallelism's decision for a layer (chunks of ``chunk`` tokens): the ``window - 1`` keys / values of
     the end of every chunk that a sliding window reaches into the next one, when they fit a chunk (only those are
@@ -168,7 +175,8 @@ class DocumentMask:
             )
         if not self.backend:
             self.backend = attention_backend(self.starts.device)
-        if self.starts.device.type != "meta":  # (a pipeline stage's shape inference runs on meta: built lazily)
+        # a pipeline stage's shape inference runs on meta, the planner's probe on fake tensors: built lazily there
+        if self.starts.device.type != "meta" and not _is_fake(self.starts):
             self._build()
 
     def _build(self) -> None:
