@@ -377,6 +377,13 @@ LAYOUTS = [
         )
     ],
     Layout("gpt_oss_wide cp2", 2, _cp(2, *_dp(1, 1, 8)), model="gpt_oss_wide"),
+    Layout("gpt_oss cp2 ac_full", 2, _cp(2, "--activation_checkpoint.mode", "full", *_dp(1, 1, 8)), model="gpt_oss"),
+    Layout(
+        "gpt_oss_block ep2 ac_selective_op",
+        2,
+        _ep(2, "--activation_checkpoint.mode", "selective", *_dp(1, 2, 4)),
+        model="gpt_oss_block",
+    ),
     Layout("MUT gpt_oss fsdp2 window off by one", 2, _dp(1, 2, 4), model="gpt_oss", mutation="window_off_by_one"),
     Layout(
         "MUT gpt_oss cp2 window on local positions", 2, _cp(2, *_dp(1, 1, 8)), model="gpt_oss", mutation="window_local"
