@@ -113,3 +113,16 @@ def test_compiled_blocks_with_selective_ac_match_eager():
     # the only break is the shared MoE block's data-dependent bincount (as for qwen3_moe), none from the window,
     # the sinks or the mask
     assert all("bincount" in reason for reason in counters["graph_break"]), dict(counters["graph_break"])
+
+
+def test_start_up_line_names_the_windows_and_sinks():
+    from titanlike.training.trainer import attention_note
+
+    cfg = load_config(["--model.name", "gpt_oss", "--model.flavor", "tiny"])
+    model = SPEC.build_meta(_args())
+    note = attention_note(cfg, torch.device("cpu"), 0, [model])
+    assert note == (
+        "causal mask (SDPA with an exact boolean mask); sliding window 4 in 1 of 2 layers; a learned sink per head "
+        "(explicit softmax)"
+    )
+    assert attention_note(cfg, torch.device("cpu"), 0, []) == "causal mask (SDPA's causal kernel)"
