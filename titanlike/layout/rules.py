@@ -101,9 +101,28 @@ RULES = {
     "ep_model": "expert parallelism on models with experts (ModelSpec.num_experts)",
     "ep_experts": "expert_parallel_degree divides the number of experts",
     "moe_tp": "a model with experts under tp > 1 only with sequence parallelism and ep > 1 (ep borrows the tp ranks)",
+    "mtp_layout": "multi-token prediction (model.mtp_layers > 0) without pipeline or context parallelism (its depths "
+    "take the token ids ahead from the whole local window), training.mtp_loss_weight >= 0",
     "export_model": "checkpoint.export_safetensors on models with a Hugging Face adapter that can express them "
     "(ModelSpec.hf_adapter, hf_export_violations: Qwen3-MoE's expert bias)",
 }
+
+
+def _mtp_violations(cfg, args, cp: int, pp: int) -> list[str]:
+    """Multi-token prediction (``args.mtp_layers``): its depths read the token ids k ahead from the rank's window,
+    which a pipeline stage after the first (hidden states in) and a context-parallel rank (two chunks of the
+    sequence) do not hold whole."""
+    out = []
+    depths = getattr(args, "mtp_layers", 0)
+    if not cfg.training.mtp_loss_weight >= 0:
+        out.append(f"training.mtp_loss_weight {cfg.training.mtp_loss_weight} must be >= 0")
+    for degree, key in ((pp, "pipeline_parallel_degree"), (cp, "context_parallel_degree")):
+        if depths and degree > 1:
+            out.append(
+                f"parallelism.{key} {degree}: model.mtp_layers {depths} needs each rank's whole window of token ids "
+                f"(not built under {key.split('_')[0]} parallelism); set model.mtp_layers = 0 or {key} = 1"
+            )
+    return out
 
 
 def layout_violations(cfg, world_size: int, args) -> list[str]:
@@ -175,6 +194,7 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
         out += _expert_violations(cfg, spec, args, dps, cp, tp)
     if cp > 1:
         out += _context_parallel_violations(cfg, cp, tp)
+    out += [("mtp_layout", m) for m in _mtp_violations(cfg, args, cp, pp)]
     dp = p.data_parallel_replicate_degree * dps
     # Tensor / sequence parallel.
     if tp > 1:

@@ -96,7 +96,7 @@ def build_parallel_model(
         )
     on_meta = any(p.is_meta for p in model.parameters())
     model = parallelize_model(model, dims, cfg)
-    loss = ScaledLoss(build_loss_fn(cfg, dims))
+    loss = ScaledLoss(build_loss_fn(cfg, dims), mtp_weight=cfg.training.mtp_loss_weight)
     if on_meta:
         materialize(model, device, init_seed)
     else:
