@@ -133,6 +133,16 @@ MODELS = {
         "--model.reset_position_ids",
         "true",
     ),
+    # DeepSeek-V3 (tiny: dim 64, MLA with the q low-rank path (4 heads, latent 32 + shared RoPE key 8, nope 16,
+    # v 16), a dense first layer then MoE (8 experts, sigmoid + the correction-bias update, 4 groups / top-2, route
+    # scale 2.5, one shared expert), one MTP depth (its block MoE) weighted 0.3): lite = a plain query projection and
+    # rotate-half RoPE
+    "ds": ("--model.name", "deepseek_v3"),
+    "ds_lite": ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel_lite", "--model.n_layers", "2"),
+    "ds_block": ("--model.name", "deepseek_v3", "--model.attn_mask_type", "block_causal"),
+    # context parallelism (the per-head K/V gathered through the shared seam; MTP is refused under cp)
+    "ds_cp": ("--model.name", "deepseek_v3", "--model.mtp_layers", "0"),
+    "ds_cp_block": ("--model.name", "deepseek_v3", "--model.mtp_layers", "0", "--model.attn_mask_type", "block_causal"),
     **HF_MODELS,
 }
 # Matrices Muon orthogonalizes per model (tiny, 2 blocks): Llama 7 per block; GPT-2 c_attn's q, k, v + 3.
@@ -323,6 +333,29 @@ LAYOUTS = [
         "MUT moe ep2 bias update from local loads", 2, _ep(2, *_dp(1, 2, 4)), model="moe", mutation="moe_local_loads"
     ),
     Layout("MUT moe ep2 aux loss per rank", 2, _ep(2, *_dp(1, 2, 4)), model="moe", mutation="moe_aux_per_rank"),
+    # DeepSeek-V3: MLA's latent projections replicated in the attention region (gradients summed over tp), MoE as
+    # qwen3_moe (ep borrowing dp_shard, or tp under SP), MTP on
+    Layout("ds fsdp2", 2, _dp(1, 2, 4), model="ds"),
+    Layout("ds ep2", 2, _ep(2, *_dp(1, 2, 4)), model="ds"),
+    Layout("ds tp2_sp_ep2", 2, _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="ds"),
+    Layout("ds_lite tp2_sp_ep2", 2, _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="ds_lite"),
+    Layout("ds_block tp2_sp_ep2", 2, _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="ds_block"),
+    Layout("ds_block ep2", 2, _ep(2, *_dp(1, 2, 4)), model="ds_block"),
+    Layout("ds_cp cp2_ep2", 2, _ep(2, *_cp(2, *_dp(1, 1, 8))), model="ds_cp"),
+    Layout("ds_cp_block cp2", 2, _cp(2, *_dp(1, 1, 8)), model="ds_cp_block"),
+    Layout("MUT ds fsdp2 RoPE on the non-rope part", 2, _dp(1, 2, 4), model="ds", mutation="ds_rope_on_nope"),
+    Layout(
+        "MUT ds ep2 correction bias in the weights", 2, _ep(2, *_dp(1, 2, 4)), model="ds", mutation="ds_bias_in_weights"
+    ),
+    Layout("MUT ds ep2 group limiting skipped", 2, _ep(2, *_dp(1, 2, 4)), model="ds", mutation="ds_no_group_limit"),
+    Layout("MUT ds fsdp2 MTP targets shifted by one", 2, _dp(1, 2, 4), model="ds", mutation="ds_mtp_shift"),
+    Layout(
+        "MUT ds tp2_sp_ep2 latent norm gradient not summed",
+        2,
+        _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))),
+        model="ds",
+        mutation="ds_latent_replicated",
+    ),
     # transformers models (model.name = "hf"): the plan translated from each config's base_model_tp_plan
     *[
         Layout(f"{m} {name}", 2, args, model=m)
@@ -393,6 +426,7 @@ LAYOUTS = [
         model="moe",
         mutation="moe_expert_fsdp_average",
     ),
+    Layout("ds tp2_sp_fsdp2_ep2", 4, _ep(2, *_tp(2, *SP, *_dp(1, 2, 4))), model="ds"),
     *[Layout(f"{m} tp2_fsdp2", 4, _tp(2, *_dp(1, 2, 4)), model=m) for m in HF_CONFIGS if m != "hf_phi3_mha"],
     Layout("hf_qwen2_tied hsdp2x2", 4, _dp(2, 2, 2), model="hf_qwen2_tied"),  # HSDP, the tie across the groups
     # 8 ranks
@@ -400,6 +434,7 @@ LAYOUTS = [
     Layout("tp2_sp_fsdp4", 8, _tp(2, *SP, *_dp(1, 4, 2))),
     Layout("cp2_tp2_fsdp2", 8, _cp(2, *_tp(2, *_dp(1, 2, 4)))),
     Layout("gpt2 tp2_sp_hsdp2x2", 8, _tp(2, *SP, *_dp(2, 2, 2)), model="gpt2"),
+    Layout("ds ep4_fsdp8", 8, _ep(4, *_dp(1, 8, 1)), model="ds"),
 ]
 
 
@@ -790,7 +825,81 @@ def _moe_expert_fsdp_average():
         yield
 
 
+@contextlib.contextmanager
+def _ds_rope_on_nope():
+    """MLA turns the first qk_rope_head_dim dims of every q / k head (the non-rope part) instead of its rope part."""
+    from titanlike.models.deepseek_v3 import MLA
+
+    def forward(self, x, *, cos, sin, mask=None):
+        a, (b, s, _) = self.args, x.shape
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if a.q_lora_rank else self.wq(x)
+        q = q.view(b, s, -1, a.qk_head_dim)
+        latent, k_pe = self.wkv_a(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        kv = self.wkv_b(self.kv_norm(latent)).view(b, s, -1, a.qk_nope_head_dim + a.v_head_dim)
+        k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, self.k_rope(k_pe).unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        r = a.qk_rope_head_dim
+        q = torch.cat([self.rope(q[..., :r], cos, sin), q[..., r:]], dim=-1) * self.q_scale
+        k = torch.cat([self.rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+        return self.wo(self.sdpa(q, k, v, mask).reshape(b, s, -1))
+
+    with patched(MLA, "forward", forward):
+        yield
+
+
+@contextlib.contextmanager
+def _ds_bias_in_weights():
+    """The correction bias added to the combine weights too (it must steer the selection only); zero at step 1, so
+    it shows once the first bias update has moved it."""
+    from titanlike.models.moe import Router
+
+    route = Router.forward
+
+    def forward(self, x, expert_bias=None):
+        scores, idx, weights = route(self, x, expert_bias)
+        if expert_bias is not None:
+            weights = weights + expert_bias.to(weights.dtype)[idx]
+        return scores, idx, weights
+
+    with patched(Router, "forward", forward):
+        yield
+
+
+@contextlib.contextmanager
+def _ds_no_group_limit():
+    """Group-limited routing skipped: every token picks its top-k over all experts."""
+    import titanlike.models.moe as moe
+
+    with patched(moe, "_limit_to_top_groups", lambda choice, groups, topk: choice):
+        yield
+
+
+@contextlib.contextmanager
+def _ds_mtp_shift():
+    """The MTP depth k trained against the labels shifted by k + 1 (one position too far)."""
+    import titanlike.loss as loss
+
+    shift = loss.shift_labels
+    with patched(loss, "shift_labels", lambda labels, k: shift(labels, k + 1)):
+        yield
+
+
+@contextlib.contextmanager
+def _ds_latent_replicated():
+    """MLA's latent projections and norms get ReplicateParallel (a module on the replicated stream) instead of the
+    Latent style: each rank's heads give them only a partial gradient, never summed over tp."""
+    import titanlike.parallel.tensor_parallel as tpm
+
+    with patched(tpm, "LatentParallel", lambda local_output=False: tpm.ReplicateParallel(check="never")):
+        yield
+
+
 MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "ds_rope_on_nope": _ds_rope_on_nope,
+    "ds_bias_in_weights": _ds_bias_in_weights,
+    "ds_no_group_limit": _ds_no_group_limit,
+    "ds_mtp_shift": _ds_mtp_shift,
+    "ds_latent_replicated": _ds_latent_replicated,
     "mask_cp_rank": _mask_cp_rank,
     "mask_no_reset": _mask_no_reset,
     "moe_local_loads": _moe_local_loads,
@@ -890,6 +999,7 @@ class Record:
     grads: dict[str, torch.Tensor]
     weights: dict[str, torch.Tensor]
     biases: dict[str, torch.Tensor] = field(default_factory=dict)  # the MoE blocks' expert biases (buffers)
+    mtp: list[float] | None = None  # the MTP depths' losses (a model with MTP)
 
 
 def expert_biases(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -942,7 +1052,7 @@ class Context:
                     [ref],
                     opt,
                     [step_batch(cfg, step)],
-                    ScaledLoss(_plain_loss(cfg)),
+                    ScaledLoss(_plain_loss(cfg), mtp_weight=cfg.training.mtp_loss_weight),
                     max_norm=cfg.training.max_norm,
                     clip_fn=plain_clip_grad_norm_,
                     moe=moe,
@@ -955,6 +1065,7 @@ class Context:
                         {n: p.grad.detach().clone() for n, p in named.items()},
                         {n: p.detach().clone() for n, p in named.items()},
                         {n: b.detach().clone() for n, b in expert_biases(ref).items()},
+                        res.mtp,
                     )
                 )
             self.references[layout.model] = records
@@ -1147,6 +1258,8 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
                     **built.step_kwargs,
                 )
             loss_diff = abs(res.loss - ref.loss)
+            if res.mtp is not None or ref.mtp is not None:  # each MTP depth's logged loss too
+                loss_diff = max([loss_diff] + [abs(a - b) for a, b in zip(res.mtp or [math.inf], ref.mtp or [0.0])])
             diffs["loss"] = max(diffs["loss"], loss_diff)
             if step == 1:
                 diffs["loss_step1"] = loss_diff
@@ -1250,7 +1363,10 @@ def _counting_expert_comms(built: Built, counts: dict[str, int], on: bool) -> co
     ``counts``; a no-op otherwise."""
     # (not under a pipeline schedule: CommDebugMode's module tracker registers multi-grad hooks, which the stages'
     # autograd.grad backward refuses)
-    if not on or built.step_kwargs.get("moe") is None or built.step_kwargs.get("pp_schedule") is not None:
+    # (nor on a model with MTP depths: they call the embedding and the head a second time in the forward, which
+    # CommDebugMode's module tracker cannot follow, torch 2.13: IndexError in _fw_set_module_hook)
+    mtp = any(len(getattr(m, "mtp", None) or ()) for m in built.model_parts)
+    if not on or mtp or built.step_kwargs.get("moe") is None or built.step_kwargs.get("pp_schedule") is not None:
         return contextlib.nullcontext()
     from torch.distributed.tensor.debug import CommDebugMode
 

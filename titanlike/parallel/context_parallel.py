@@ -177,12 +177,13 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
     * CUDA: SDPA with ``causal_lower_right`` (flash / memory-efficient kernels take the bottom-right alignment);
     * CPU: torch's flash kernel twice, the ``n - c`` earlier keys without a mask and the last ``c`` with the square
-      causal mask, merged by their log-sum-exps (:class:`_TwoBlockAttentionCPU`); anything else: the explicit mask.
+      causal mask, merged by their log-sum-exps (:class:`_TwoBlockAttentionCPU`); anything else (values of another
+      head dim than q / k, MLA's: the CPU flash kernel refuses them, torch 2.13): the explicit mask.
     """
     c, n = q.shape[2], k.shape[2]
     if q.device.type == "cuda":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(c, n))
-    if q.device.type == "cpu" and _cpu_flash is not None:
+    if q.device.type == "cpu" and _cpu_flash is not None and v.shape[-1] == q.shape[-1]:
         if n == c:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return _TwoBlockAttentionCPU.apply(q, k[:, :, : n - c], v[:, :, : n - c], k[:, :, n - c :], v[:, :, n - c :])

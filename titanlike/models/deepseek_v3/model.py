@@ -378,6 +378,8 @@ FLAVORS: dict[str, DeepseekV3Args] = {
     # tiny test shapes: MLA with the q low-rank path, a dense first layer then MoE (sigmoid, bias, 4 groups /
     # top-2), one MTP depth
     "debugmodel": DeepseekV3Args(**_DEBUG),
+    # the gates' shape: the same with 2 layers (dense, MoE) and the MTP depth's block MoE
+    "tiny": DeepseekV3Args(**{**_DEBUG, "n_layers": 2, "max_seq_len": 256}),
     # the same with one plain query projection (q_lora_rank 0, as DeepSeek-V2-Lite) and rotate-half RoPE
     "debugmodel_lite": DeepseekV3Args(**{**_DEBUG, "q_lora_rank": 0, "rope_interleave": False}),
     # DeepSeek-V2-Lite / Moonlight shape (torchtitan's 16B): 64 experts, top-6, 2 shared, softmax, no MTP
