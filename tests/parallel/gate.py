@@ -140,7 +140,8 @@ MODELS = {
     "ds": ("--model.name", "deepseek_v3"),
     "ds_lite": ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel_lite", "--model.n_layers", "2"),
     "ds_block": ("--model.name", "deepseek_v3", "--model.attn_mask_type", "block_causal"),
-    # context parallelism (the per-head K/V gathered through the shared seam; MTP is refused under cp)
+    # context parallelism (the latent + RoPE key gathered, expanded locally: ContextParallelLatentAttention; MTP is
+    # refused under cp)
     "ds_cp": ("--model.name", "deepseek_v3", "--model.mtp_layers", "0"),
     "ds_cp_block": ("--model.name", "deepseek_v3", "--model.mtp_layers", "0", "--model.attn_mask_type", "block_causal"),
     **HF_MODELS,
@@ -343,6 +344,13 @@ LAYOUTS = [
     Layout("ds_block ep2", 2, _ep(2, *_dp(1, 2, 4)), model="ds_block"),
     Layout("ds_cp cp2_ep2", 2, _ep(2, *_cp(2, *_dp(1, 1, 8))), model="ds_cp"),
     Layout("ds_cp_block cp2", 2, _cp(2, *_dp(1, 1, 8)), model="ds_cp_block"),
+    Layout(
+        "MUT ds_cp cp2 latent without the RoPE key",
+        2,
+        _cp(2, *_dp(1, 1, 8)),
+        model="ds_cp",
+        mutation="ds_cp_latent_no_rope",
+    ),
     Layout("MUT ds fsdp2 RoPE on the non-rope part", 2, _dp(1, 2, 4), model="ds", mutation="ds_rope_on_nope"),
     Layout(
         "MUT ds ep2 correction bias in the weights", 2, _ep(2, *_dp(1, 2, 4)), model="ds", mutation="ds_bias_in_weights"
@@ -427,6 +435,7 @@ LAYOUTS = [
         mutation="moe_expert_fsdp_average",
     ),
     Layout("ds tp2_sp_fsdp2_ep2", 4, _ep(2, *_tp(2, *SP, *_dp(1, 2, 4))), model="ds"),
+    Layout("ds_cp_block cp2_tp2_sp_ep2", 4, _ep(2, *_cp(2, *_tp(2, *SP, *_dp(1, 1, 8)))), model="ds_cp_block"),
     *[Layout(f"{m} tp2_fsdp2", 4, _tp(2, *_dp(1, 2, 4)), model=m) for m in HF_CONFIGS if m != "hf_phi3_mha"],
     Layout("hf_qwen2_tied hsdp2x2", 4, _dp(2, 2, 2), model="hf_qwen2_tied"),  # HSDP, the tie across the groups
     # 8 ranks
@@ -835,13 +844,16 @@ def _ds_rope_on_nope():
         q = self.wq_b(self.q_norm(self.wq_a(x))) if a.q_lora_rank else self.wq(x)
         q = q.view(b, s, -1, a.qk_head_dim)
         latent, k_pe = self.wkv_a(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
-        kv = self.wkv_b(self.kv_norm(latent)).view(b, s, -1, a.qk_nope_head_dim + a.v_head_dim)
-        k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, self.k_rope(k_pe).unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         r = a.qk_rope_head_dim
+
+        def expand(latent, k_pe):  # RoPE on the first r dims of each key (its non-rope part)
+            k, v = self.expand(latent, k_pe)
+            return torch.cat([self.rope(k[..., :r], cos, sin), k[..., r:]], dim=-1), v
+
         q = torch.cat([self.rope(q[..., :r], cos, sin), q[..., r:]], dim=-1) * self.q_scale
-        k = torch.cat([self.rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
-        return self.wo(self.sdpa(q, k, v, mask).reshape(b, s, -1))
+        return self.wo(
+            self.core(q, self.kv_norm(latent), self.k_rope(k_pe).unsqueeze(2), expand, mask).reshape(b, s, -1)
+        )
 
     with patched(MLA, "forward", forward):
         yield
@@ -894,7 +906,23 @@ def _ds_latent_replicated():
         yield
 
 
+@contextlib.contextmanager
+def _ds_cp_latent_no_rope():
+    """Context parallelism gathers MLA's latent but not the shared RoPE key: every rank's own keys stand in for the
+    other ranks' tokens."""
+    import titanlike.parallel.context_parallel as cpm
+
+    gather = cpm._gather_replicated
+
+    def latent_only(t, mesh):
+        return gather(t, mesh) if t.dim() == 3 else torch.cat([t] * mesh.size(), dim=1)
+
+    with patched(cpm, "_gather_replicated", latent_only):
+        yield
+
+
 MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "ds_cp_latent_no_rope": _ds_cp_latent_no_rope,
     "ds_rope_on_nope": _ds_rope_on_nope,
     "ds_bias_in_weights": _ds_bias_in_weights,
     "ds_no_group_limit": _ds_no_group_limit,

@@ -39,6 +39,7 @@ EXPECTED_BREAK = {
     # DeepSeek-V3: the bias in the weights shows after the first bias update (the validation between steps); the
     # MTP shift leaves the logged loss (next-token) alone, its depth loss (compared with the loss) moves at step 1
     "ds_rope_on_nope": ("loss_step1", True),
+    "ds_cp_latent_no_rope": ("loss_step1", True),
     "ds_bias_in_weights": ("eval", False),  # the forward after step 1's bias update
     "ds_no_group_limit": ("loss_step1", True),
     "ds_mtp_shift": ("loss_step1", True),

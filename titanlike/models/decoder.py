@@ -37,7 +37,7 @@ from torch import nn
 from titanlike.init import Init, init_parameters
 from titanlike.models.masking import DocumentMask
 
-__all__ = ["AttentionCore", "Decoder", "DecoderBlock", "Positions"]
+__all__ = ["AttentionCore", "Decoder", "DecoderBlock", "LatentAttentionCore", "Positions"]
 
 
 class AttentionCore(nn.Module):
@@ -59,6 +59,20 @@ class AttentionCore(nn.Module):
         else:
             out = mask.attend(q, k, v)
         return out.transpose(1, 2)
+
+
+class LatentAttentionCore(nn.Module):
+    """The attention seam of a model whose keys and values are expanded from a compressed latent (multi-head latent
+    attention, DeepSeek-V2/V3): ``core(q, latent, k_rope, expand, mask=None)`` with ``latent`` (batch, seq, rank) and
+    the shared RoPE key ``k_rope`` (batch, seq, 1, rope dim), already rotated at the tokens' positions, and
+    ``expand(latent, k_rope) -> (k, v)`` the model's up-projection to per-head keys and values; then the causal
+    softmax attention of :class:`AttentionCore`. No parameters (``expand`` carries them). Context parallelism
+    replaces it from outside (``ContextParallelLatentAttention``), gathering the latent and the RoPE key, not the
+    per-head keys and values, and expanding them locally."""
+
+    def forward(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, expand, mask=None):
+        k, v = expand(latent, k_rope)
+        return AttentionCore.forward(self, q, k, v, mask)
 
 
 class Positions(nn.Module):

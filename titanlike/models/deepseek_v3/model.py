@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from titanlike.init import Init, normal, ones, plan_from_patterns
-from titanlike.models.decoder import AttentionCore, Decoder, DecoderBlock
+from titanlike.models.decoder import Decoder, DecoderBlock, LatentAttentionCore
 from titanlike.models.layers import FeedForward, RMSNorm, RopeTables, apply_rope, yarn_mscale
 from titanlike.models.masking import DocumentMask
 from titanlike.models.moe import MoE, MoEArgs, init_moe_buffers
@@ -241,7 +241,7 @@ class MLA(nn.Module):
         self.wkv_b = nn.Linear(a.kv_lora_rank, a.n_heads * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
         self.k_rope = SharedKey()
         self.wo = nn.Linear(a.n_heads * a.v_head_dim, a.dim, bias=False)
-        self.sdpa = AttentionCore()
+        self.core = LatentAttentionCore()  # the attention seam: context parallelism gathers the latent
         # the seam's default scale is 1 / sqrt(q's head dim): fold the model's softmax scale into q
         self.q_scale = a.softmax_scale * math.sqrt(qk)
         self.rope = apply_rope if a.rope_interleave else apply_rope_half
@@ -252,12 +252,17 @@ class MLA(nn.Module):
         q = self.wq_b(self.q_norm(self.wq_a(x))) if a.q_lora_rank else self.wq(x)
         q_nope, q_pe = q.view(b, s, -1, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.wkv_a(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
-        kv = self.wkv_b(self.kv_norm(latent)).view(b, s, -1, a.qk_nope_head_dim + a.v_head_dim)
-        k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
         k_pe = self.rope(self.k_rope(k_pe).unsqueeze(2), cos, sin)  # (b, s, 1, rope): one key for every head
         q = torch.cat([q_nope, self.rope(q_pe, cos, sin)], dim=-1) * self.q_scale
-        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
-        return self.wo(self.sdpa(q, k, v, mask).reshape(b, s, -1))
+        return self.wo(self.core(q, self.kv_norm(latent), k_pe, self.expand, mask).reshape(b, s, -1))
+
+    def expand(self, latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normed latent (b, s, kv_lora_rank) and the rotated shared key (b, s, 1, rope) -> per-head keys
+        ``[k_nope | k_pe]`` and values (the seam calls it: under context parallelism on the gathered sequence)."""
+        a = self.args
+        kv = self.wkv_b(latent).view(*latent.shape[:2], -1, a.qk_nope_head_dim + a.v_head_dim)
+        k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
+        return torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1), v
 
 
 class DeepseekV3Block(DecoderBlock):
