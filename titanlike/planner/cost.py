@@ -200,7 +200,17 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
                 else:
                     add("tp", "all_gather", "forward", b * s * args.vocab_size * a, t, "logits", passes)
         # ---------------------------------------------------------------------------------- context parallel
-        if lo.cp > 1:
+        latent = getattr(args, "cp_gathered", None)  # MLA: the latent and the shared RoPE key, not K and V
+        if lo.cp > 1 and latent:
+            n, recomputed = len(ids), sum(lo.checkpointed(i) == "full" for i in ids)
+            per_head = args.cp_per_head_numbers // t
+            for what, width in latent:
+                size = b * lo.seq_len * width * a
+                note = f"{what} of every block ({width}/token; per-head K and V would be {per_head}/token)"
+                add("cp", "all_gather", "forward", size, lo.cp, note, n * passes)
+                add("cp", "reduce_scatter", "backward", size, lo.cp, f"{what} grads of every block", n * passes)
+                add("cp", "all_gather", "backward", size, lo.cp, f"recomputed {what} (full AC)", recomputed * passes)
+        elif lo.cp > 1:
             n, recomputed = len(ids), sum(lo.checkpointed(i) == "full" for i in ids)
             add("cp", "all_gather", "forward", kv_bytes, lo.cp, "K and V of every block", 2 * n * passes)
             add("cp", "reduce_scatter", "backward", kv_bytes, lo.cp, "K and V grads of every block", 2 * n * passes)

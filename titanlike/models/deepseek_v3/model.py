@@ -119,6 +119,18 @@ class DeepseekV3Args:
             scale *= yarn_mscale(self.rope_scaling_factor, self.rope_mscale_all_dim) ** 2
         return scale
 
+    @property
+    def cp_gathered(self) -> list[tuple[str, int]]:
+        """What context parallelism all-gathers per token and block (the planner prices it): the latent and the
+        shared RoPE key (``ContextParallelLatentAttention``; 512 + 64 for V3)."""
+        return [("MLA latent", self.kv_lora_rank), ("MLA shared RoPE key", self.qk_rope_head_dim)]
+
+    @property
+    def cp_per_head_numbers(self) -> int:
+        """What gathering the expanded per-head keys and values would move per token (2 x 128 x 192 for V3: k is
+        qk_head_dim wide, v v_head_dim)."""
+        return self.n_heads * (self.qk_head_dim + self.v_head_dim)
+
     def replace(self, **changes) -> DeepseekV3Args:
         return dataclasses.replace(self, **changes)
 
