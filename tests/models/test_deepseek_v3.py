@@ -244,3 +244,26 @@ def test_training_starts_from_a_save_pretrained_folder_with_no_model_flags(tmp_p
     with torch.no_grad():
         hf_loss = F.cross_entropy(theirs(x).logits.flatten(0, 1), y.flatten()).item()
     assert abs(loss - hf_loss) <= 1e-5, (loss, hf_loss)
+
+
+def test_bad_shapes_are_refused_one_line_each():
+    args = FLAVORS["debugmodel"].replace(vocab_size=64)
+    assert SPEC.shape_violations(args) == []
+    bad = args.replace(qk_rope_head_dim=7, kv_lora_rank=0, q_lora_rank=-1, mtp_layers=-1, top_k=9, rope_scaling="x")
+    problems = SPEC.shape_violations(bad)
+    for needle in ("qk_rope_head_dim 7", "kv_lora_rank", "q_lora_rank", "mtp_layers", "top_k 9", "rope_scaling 'x'"):
+        assert sum(needle in p for p in problems) == 1, (needle, problems)
+    from titanlike.layout.rules import layout_violations
+
+    cfg = load_config(["--model.name", "deepseek_v3"], world_size=1)
+    cfg.parallelism.tensor_parallel_degree = 3  # every problem of the layout, one line each
+    problems = layout_violations(cfg, 3, args)
+    assert any("does not divide n_heads 4" in m for m in problems), problems
+
+
+def test_sharding_declares_every_module_of_each_flavor():
+    from titanlike.sharding import check_sharding
+
+    for flavor, args in FLAVORS.items():
+        model = SPEC.build_meta(args.replace(vocab_size=64 if args.vocab_size < 0 else args.vocab_size))
+        assert check_sharding(SPEC.sharding_of(args), [n for n, _ in model.named_modules()]) == [], flavor
