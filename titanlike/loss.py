@@ -54,12 +54,14 @@ class ScaledLoss:
         self.denominator: Tensor | float = 1.0
         self.mtp_weight = mtp_weight
         self.mtp_losses: list[Tensor] = []
+        # the labels of MTP depth k (a swap point: context parallelism shifts the whole window's labels)
+        self.shift_labels: Callable[[Tensor, int], Tensor] = shift_labels
 
     def __call__(self, output: Tensor | tuple[Tensor, ...], labels: Tensor) -> Tensor:
         if not isinstance(output, tuple):
             return self.loss_fn(output, labels) / self.denominator
         main = self.loss_fn(output[0], labels) / self.denominator
-        depths = [self.loss_fn(o, shift_labels(labels, k)) / self.denominator for k, o in enumerate(output[1:], 1)]
+        depths = [self.loss_fn(o, self.shift_labels(labels, k)) / self.denominator for k, o in enumerate(output[1:], 1)]
         if not self.mtp_losses:
             self.mtp_losses = [torch.zeros((), dtype=torch.float64, device=main.device) for _ in depths]
         for total, d in zip(self.mtp_losses, depths):

@@ -140,8 +140,8 @@ MODELS = {
     "ds": ("--model.name", "deepseek_v3"),
     "ds_lite": ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel_lite", "--model.n_layers", "2"),
     "ds_block": ("--model.name", "deepseek_v3", "--model.attn_mask_type", "block_causal"),
-    # context parallelism (the latent + RoPE key gathered, expanded locally: ContextParallelLatentAttention; MTP is
-    # refused under cp)
+    # context parallelism without MTP (the latent + RoPE key gathered, expanded locally:
+    # ContextParallelLatentAttention); with MTP: the "ds" layouts under cp
     "ds_cp": ("--model.name", "deepseek_v3", "--model.mtp_layers", "0"),
     "ds_cp_block": ("--model.name", "deepseek_v3", "--model.mtp_layers", "0", "--model.attn_mask_type", "block_causal"),
     **HF_MODELS,
@@ -343,6 +343,11 @@ LAYOUTS = [
     Layout("ds_block tp2_sp_ep2", 2, _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="ds_block"),
     Layout("ds_block ep2", 2, _ep(2, *_dp(1, 2, 4)), model="ds_block"),
     Layout("ds_cp cp2_ep2", 2, _ep(2, *_cp(2, *_dp(1, 1, 8))), model="ds_cp"),
+    Layout("ds cp2_ep2", 2, _ep(2, *_cp(2, *_dp(1, 1, 8))), model="ds"),  # MTP: the window's ids gathered
+    Layout("ds_block cp2", 2, _cp(2, *_dp(1, 1, 8)), model="ds_block"),
+    Layout(
+        "MUT ds cp2 MTP labels shifted per rank", 2, _cp(2, *_dp(1, 1, 8)), model="ds", mutation="ds_cp_local_shift"
+    ),
     Layout("ds_cp_block cp2", 2, _cp(2, *_dp(1, 1, 8)), model="ds_cp_block"),
     Layout(
         "MUT ds_cp cp2 latent without the RoPE key",
@@ -436,6 +441,7 @@ LAYOUTS = [
     ),
     Layout("ds tp2_sp_fsdp2_ep2", 4, _ep(2, *_tp(2, *SP, *_dp(1, 2, 4))), model="ds"),
     Layout("ds_cp_block cp2_tp2_sp_ep2", 4, _ep(2, *_cp(2, *_tp(2, *SP, *_dp(1, 1, 8)))), model="ds_cp_block"),
+    Layout("ds_block cp2_tp2_sp_ep2", 4, _ep(2, *_cp(2, *_tp(2, *SP, *_dp(1, 1, 8)))), model="ds_block"),
     *[Layout(f"{m} tp2_fsdp2", 4, _tp(2, *_dp(1, 2, 4)), model=m) for m in HF_CONFIGS if m != "hf_phi3_mha"],
     Layout("hf_qwen2_tied hsdp2x2", 4, _dp(2, 2, 2), model="hf_qwen2_tied"),  # HSDP, the tie across the groups
     # 8 ranks
@@ -921,7 +927,18 @@ def _ds_cp_latent_no_rope():
         yield
 
 
+@contextlib.contextmanager
+def _ds_cp_local_shift():
+    """Under context parallelism the MTP depths' labels shifted within each rank's own (non-contiguous) chunks."""
+    import titanlike.parallel.context_parallel as cpm
+    from titanlike.loss import shift_labels
+
+    with patched(cpm, "cp_shift_labels", lambda mesh: shift_labels):
+        yield
+
+
 MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "ds_cp_local_shift": _ds_cp_local_shift,
     "ds_cp_latent_no_rope": _ds_cp_latent_no_rope,
     "ds_rope_on_nope": _ds_rope_on_nope,
     "ds_bias_in_weights": _ds_bias_in_weights,

@@ -101,8 +101,8 @@ RULES = {
     "ep_model": "expert parallelism on models with experts (ModelSpec.num_experts)",
     "ep_experts": "expert_parallel_degree divides the number of experts",
     "moe_tp": "a model with experts under tp > 1 only with sequence parallelism and ep > 1 (ep borrows the tp ranks)",
-    "mtp_layout": "multi-token prediction (model.mtp_layers > 0) without pipeline or context parallelism (its depths "
-    "take the token ids ahead from the whole local window), training.mtp_loss_weight >= 0",
+    "mtp_layout": "multi-token prediction (model.mtp_layers > 0) without pipeline parallelism (its depths take the "
+    "token ids ahead, which the last stage does not get), training.mtp_loss_weight >= 0",
     "export_model": "checkpoint.export_safetensors on models with a Hugging Face adapter that can express them "
     "(ModelSpec.hf_adapter, hf_export_violations: Qwen3-MoE's expert bias)",
 }
@@ -114,19 +114,17 @@ def layout_violations(cfg, world_size: int, args) -> list[str]:
 
 
 def _mtp_violations(cfg, args, cp: int, pp: int) -> list[str]:
-    """Multi-token prediction (``args.mtp_layers``): its depths read the token ids k ahead from the rank's window,
-    which a pipeline stage after the first (hidden states in) and a context-parallel rank (two chunks of the
-    sequence) do not hold whole."""
+    """Multi-token prediction (``args.mtp_layers``): its depths read the token ids k ahead, which a pipeline stage
+    after the first (hidden states in) does not hold (context parallelism gathers them: the window seam)."""
     out = []
     depths = getattr(args, "mtp_layers", 0)
     if not cfg.training.mtp_loss_weight >= 0:
         out.append(f"training.mtp_loss_weight {cfg.training.mtp_loss_weight} must be >= 0")
-    for degree, key in ((pp, "pipeline_parallel_degree"), (cp, "context_parallel_degree")):
-        if depths and degree > 1:
-            out.append(
-                f"parallelism.{key} {degree}: model.mtp_layers {depths} needs each rank's whole window of token ids "
-                f"(not built under {key.split('_')[0]} parallelism); set model.mtp_layers = 0 or {key} = 1"
-            )
+    if depths and pp > 1:
+        out.append(
+            f"parallelism.pipeline_parallel_degree {pp}: model.mtp_layers {depths} needs the token ids on the last "
+            f"stage (not built under pipeline parallelism); set model.mtp_layers = 0 or pipeline_parallel_degree = 1"
+        )
     return out
 
 

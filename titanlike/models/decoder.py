@@ -37,7 +37,7 @@ from torch import nn
 from titanlike.init import Init, init_parameters
 from titanlike.models.masking import DocumentMask
 
-__all__ = ["AttentionCore", "Decoder", "DecoderBlock", "LatentAttentionCore", "Positions"]
+__all__ = ["AttentionCore", "Decoder", "DecoderBlock", "LatentAttentionCore", "Positions", "SequenceWindow"]
 
 
 class AttentionCore(nn.Module):
@@ -82,6 +82,16 @@ class Positions(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.arange(x.shape[1], device=x.device)
+
+
+class SequenceWindow(nn.Module):
+    """The window seam: the whole window of a per-token tensor ``t`` (batch, seq), in sequence order, for a model that
+    looks other positions' token ids up (multi-token prediction: the tokens k ahead, read at the position seam's
+    positions + k). On one device ``t`` itself; under context parallelism every cp rank's part gathered
+    (``ContextParallelWindow``). No parameters, no gradient."""
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return t
 
 
 def _seed(seed: int | None) -> int:

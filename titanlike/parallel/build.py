@@ -97,6 +97,10 @@ def build_parallel_model(
     on_meta = any(p.is_meta for p in model.parameters())
     model = parallelize_model(model, dims, cfg)
     loss = ScaledLoss(build_loss_fn(cfg, dims), mtp_weight=cfg.training.mtp_loss_weight)
+    if dims.cp_enabled:  # the MTP depths' labels: the whole window's, shifted
+        from titanlike.parallel.context_parallel import cp_shift_labels
+
+        loss.shift_labels = cp_shift_labels(dims.get_mesh("cp"))
     if on_meta:
         materialize(model, device, init_seed)
     else:

@@ -40,13 +40,16 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
-from titanlike.models.decoder import AttentionCore, LatentAttentionCore, Positions
+from titanlike.loss import shift_labels
+from titanlike.models.decoder import AttentionCore, LatentAttentionCore, Positions, SequenceWindow
 from titanlike.models.masking import DocumentMask
 
 __all__ = [
     "ContextParallelAttention",
     "ContextParallelLatentAttention",
     "ContextParallelPositions",
+    "ContextParallelWindow",
+    "cp_shift_labels",
     "apply_cp",
     "chunk_attention",
     "chunk_ids",
@@ -296,6 +299,34 @@ class ContextParallelPositions(nn.Module):
         return _global_positions(x.shape[1] * self.cp, self.cp, self.rank, x.device)  # x.shape: DTensor or not
 
 
+class ContextParallelWindow(nn.Module):
+    """The window seam under context parallelism: a per-token tensor (token ids) of every cp rank gathered and put
+    in global order, (batch, seq of the whole window). Integers, no gradient: one all-gather."""
+
+    def __init__(self, cp_mesh: DeviceMesh):
+        super().__init__()
+        self.cp_mesh = cp_mesh
+
+    def forward(self, t: Tensor) -> Tensor:
+        return gather_window(t, self.cp_mesh)
+
+
+def gather_window(t: Tensor, mesh: DeviceMesh) -> Tensor:
+    """Every cp rank's ``t`` (batch, local seq), no gradient, in global sequence order."""
+    return reorder_gathered(_gather_seq(t, mesh), mesh.size())
+
+
+def cp_shift_labels(cp_mesh: DeviceMesh):
+    """``ScaledLoss.shift_labels`` under context parallelism: the labels of MTP depth k are the whole window's
+    labels shifted by k (a rank's two chunks are not contiguous), cut back to this rank's chunks."""
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+
+    def shift(labels: Tensor, k: int) -> Tensor:
+        return cp_shard(shift_labels(gather_window(labels, cp_mesh), k), cp, rank)
+
+    return shift
+
+
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True) -> nn.Module:
     """Context parallelism over ``cp_mesh`` (1-D), in place; returns ``model``.
 
@@ -309,13 +340,15 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True) -
     """
     if cp_mesh.ndim != 1:
         raise ValueError(f"apply_cp needs a 1-D cp mesh, got {cp_mesh}")
-    cores, seams = [], []
+    cores, seams, windows = [], [], []
     for module in model.modules():
         for child_name, child in module.named_children():
             if isinstance(child, (AttentionCore, LatentAttentionCore)):
                 cores.append((module, child_name))
             elif isinstance(child, Positions):
                 seams.append((module, child_name))
+            elif isinstance(child, SequenceWindow):
+                windows.append((module, child_name))
     already = any(
         isinstance(m, (ContextParallelAttention, ContextParallelLatentAttention, ContextParallelPositions))
         for m in model.modules()
@@ -337,4 +370,6 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True) -
         setattr(owner, child_name, (ContextParallelLatentAttention if latent else ContextParallelAttention)(cp_mesh))
     for owner, child_name in seams:
         setattr(owner, child_name, ContextParallelPositions(cp_mesh))
+    for owner, child_name in windows:
+        setattr(owner, child_name, ContextParallelWindow(cp_mesh))
     return model

@@ -17,8 +17,9 @@ the block-causal mask) applies unchanged. YaRN's frequencies and table factor co
 **MTP** (:class:`MTPModule`, ``mtp_layers`` = D): depth k combines the previous depth's hidden state (depth 1: the
 main model's, after its final norm, as transformers' and vLLM's MTP take it) with the embedding of the token k
 positions ahead: ``eh_proj([enorm(emb(t_{i+k})); hnorm(h_i)])``, one transformer block, then ``norm`` and the shared
-head (``output``); the next depth takes the block's output. The token ids ahead come from the window itself, as
-Megatron-Core rolls them: the last k positions of a window have no depth-k target. In training mode the forward
+head (``output``); the next depth takes the block's output. The token ids ahead come from the window itself (the
+window seam ``SequenceWindow``: under context parallelism the cp ranks' ids gathered), as Megatron-Core rolls them:
+the last k positions of a window have no depth-k target. In training mode the forward
 returns ``(logits, depth-1 logits, ..., depth-D logits)``; ``titanlike.loss.ScaledLoss`` turns them into the
 next-token loss plus ``mtp_loss_weight / D`` times the depth losses (each against the labels shifted by k), the
 value it returns staying the next-token loss. In eval mode the forward returns the logits only.
@@ -39,7 +40,7 @@ import torch
 from torch import nn
 
 from titanlike.init import Init, normal, ones, plan_from_patterns
-from titanlike.models.decoder import Decoder, DecoderBlock, LatentAttentionCore
+from titanlike.models.decoder import Decoder, DecoderBlock, LatentAttentionCore, SequenceWindow
 from titanlike.models.layers import FeedForward, RMSNorm, RopeTables, apply_rope, yarn_mscale
 from titanlike.models.masking import DocumentMask
 from titanlike.models.moe import MoE, MoEArgs, init_moe_buffers
@@ -315,10 +316,10 @@ class MTPModule(nn.Module):
         return self.block(self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)), **kwargs)
 
 
-def tokens_ahead(tokens: torch.Tensor, k: int) -> torch.Tensor:
-    """``tokens`` (batch, seq) shifted left by ``k``: position i holds token i + k (the last k positions: token 0,
-    whose targets are ignored)."""
-    return torch.cat([tokens[:, k:], tokens.new_zeros(tokens.shape[0], min(k, tokens.shape[1]))], dim=1)
+def tokens_ahead(window: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """The token ids ``k`` ahead of the tokens at ``positions`` (seq,) in the whole ``window`` (batch, seq of the
+    window); past the window's end the last token (those positions' targets are ignored)."""
+    return window[:, (positions + k).clamp(max=window.shape[1] - 1)]
 
 
 class DeepseekV3(RopeTables, Decoder):
@@ -334,6 +335,7 @@ class DeepseekV3(RopeTables, Decoder):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self._build_trunk(lambda i: DeepseekV3Block(i, args), RMSNorm(args.dim, args.norm_eps))
         self.mtp = nn.ModuleDict({str(k): MTPModule(k, args) for k in range(1, args.mtp_layers + 1)})
+        self.window = SequenceWindow()  # the whole window's token ids (cp: gathered), for the tokens ahead
         self._register_rope()
 
     def forward(self, x: torch.Tensor, document_starts: torch.Tensor | None = None):
@@ -345,7 +347,7 @@ class DeepseekV3(RopeTables, Decoder):
                 "DeepseekV3: the MTP depths need the token ids, and this pipeline stage gets hidden states; keep "
                 "the whole model on one stage or set model.mtp_layers = 0"
             )
-        positions = self.positions(x)
+        positions = window_positions = self.positions(x)
         kwargs = {}
         if document_starts is not None:
             kwargs["mask"] = DocumentMask(document_starts, positions)
@@ -356,9 +358,9 @@ class DeepseekV3(RopeTables, Decoder):
         for block in self.layers.values():
             h = block(h, **kwargs)
         h = self.norm(h)
-        outs = [self.output(h)]
+        outs, window = [self.output(h)], self.window(x)
         for k, depth in self.mtp.items():
-            h = depth(self.tok_embeddings(tokens_ahead(x, int(k))), h, **kwargs)
+            h = depth(self.tok_embeddings(tokens_ahead(window, window_positions, int(k))), h, **kwargs)
             outs.append(self.output(depth.norm(h)))
         return tuple(outs)
 
