@@ -48,9 +48,10 @@ gate.MODELS.update(
         "block_deep": ("--model.n_layers", "8", *gate.MODELS["block_reset"]),
         # Qwen3-MoE (every block MoE, bias update and aux loss on): each stage updates its own blocks' biases
         "moe_deep": ("--model.n_layers", "4", *gate.MODELS["moe"]),
-        # DeepSeek-V3 (MLA, a dense first layer, then MoE with the bias update; MTP is refused under pp: rule
-        # mtp_layout), block_causal
-        "ds_deep": ("--model.n_layers", "4", *gate.MODELS["ds_cp_block"]),
+        # DeepSeek-V3 (MLA, a dense first layer, then MoE with the bias update, block_causal), the MTP depth on the
+        # last stage (its embedding a tied copy of the first stage's table, the token ids passed to every stage)
+        "ds_deep": ("--model.n_layers", "4", *gate.MODELS["ds_block"]),
+        "ds_deep_nomtp": ("--model.n_layers", "4", *gate.MODELS["ds_cp_block"]),
     }
 )
 gate.MUON_MATRICES["muon_deep"] = 7 * 8
@@ -287,6 +288,7 @@ LAYOUTS += [
     _layout("ds_block pp2 1F1B", 2, _pp(2, "1F1B", 8, 2), model="ds_deep"),
     _layout("ds_block pp2 ZBVZeroBubble", 2, _pp(2, "ZBVZeroBubble", 8, 2), model="ds_deep"),
     _layout("ds_block pp2 ep2 fsdp4 1F1B", 8, (*EP2, *_pp(2, "1F1B", 2)), model="ds_deep"),
+    _layout("ds_block no MTP pp2 1F1B", 2, _pp(2, "1F1B", 8, 2), model="ds_deep_nomtp"),
 ]
 
 

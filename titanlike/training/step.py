@@ -90,6 +90,8 @@ def forward_backward(
         else:
             losses: list[torch.Tensor] = []
             targets = labels if has_last_stage else None
+            if any(getattr(m, "wants_token_ids", False) for m in model_parts):  # MTP depths on the last stage
+                kwargs["token_ids"] = inputs
             # keyword tensors are split by microbatch like the inputs: each microbatch keeps its document starts
             pp_schedule.step(inputs, target=targets, losses=losses, **kwargs)
             if has_last_stage:
@@ -186,8 +188,11 @@ def train_step(
 def _mtp_losses(loss: ScaledLoss, device, dp_group, pp_group) -> torch.Tensor:
     """Each MTP depth's loss of this step (``ScaledLoss.take_mtp_losses``, summed over the last pipeline stage and
     the data-parallel ranks, like the loss); empty for a model without MTP depths."""
-    parts = loss.take_mtp_losses()
-    mtp = torch.stack(parts).to(torch.float64) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+    parts = loss.take_mtp_losses()  # (a pipeline rank without the last stage: none, zeros of the depths)
+    if parts:
+        mtp = torch.stack(parts).to(torch.float64)
+    else:
+        mtp = torch.zeros(loss.mtp_depths, dtype=torch.float64, device=device)
     for group in (pp_group, dp_group):
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(mtp, group=group)

@@ -14,10 +14,11 @@ are the model's own, ``rope_interleave``)::
 
 The MTP depths sit where DeepSeek's checkpoints keep them, the layers after the last decoder layer (depth k at
 ``model.layers.{n_layers + k - 1}``): the block's names, and ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``
-(our ``mtp.k.norm``), with copies of the embedding and the head (``embed_tokens``, ``shared_head.head``: the model
-shares them; import checks the copies equal the main ones, export writes them). transformers' own
-``DeepseekV3ForCausalLM`` ignores those layers. config.json's ``num_nextn_predict_layers`` says how many depths a
-checkpoint may have; the depths imported are those whose weights the files hold (:func:`args_for_weights`).
+(our ``mtp.k.norm``), with copies of the embedding and the head (``embed_tokens``: our ``mtp.k.embed``, tied to
+the token table; ``shared_head.head``: the model shares ``output``; import checks the copies equal the main ones,
+export writes them). transformers' own ``DeepseekV3ForCausalLM`` ignores those layers. config.json's
+``num_nextn_predict_layers`` says how many depths a checkpoint may have; the depths imported are those whose
+weights the files hold (:func:`args_for_weights`).
 
 Import takes the correction bias (``load_balance_coeff`` 1e-3: it keeps being updated in training); transformers 5's
 fused in-memory experts (``gate_up_proj``, ``down_proj``) import too; export writes every expert apart.
@@ -58,8 +59,9 @@ _BLOCK = {
 _BLOCK_BACK = {v: k for k, v in _BLOCK.items()}
 _MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight"}
 _MTP["norm.weight"] = "shared_head.norm.weight"
+_MTP["embed.weight"] = "embed_tokens.weight"  # tied to the main table: import checks the copy equals it
 _MTP_BACK = {v: k for k, v in _MTP.items()}
-_MTP_COPIES = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
+_MTP_COPIES = {"shared_head.head.weight": "output.weight"}  # the model shares the head: a copy on export
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
 _TOP["output.weight"] = "lm_head.weight"
 _TOP_BACK = {v: k for k, v in _TOP.items()}
@@ -162,6 +164,12 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: DeepseekV3Args) -> dic
         out[f"{prefix}.moe.experts.{w}"] = torch.stack([by_expert[e] for e in range(len(by_expert))])
     if args.tie_embeddings and "tok_embeddings.weight" in out:
         out.setdefault("output.weight", out["tok_embeddings.weight"])
+    for k in range(1, args.mtp_layers + 1):  # tied to the token table: a stored copy must equal it
+        name = f"model.layers.{args.n_layers + k - 1}.embed_tokens.weight"
+        if f"mtp.{k}.embed.weight" in out:
+            copies[name] = (out.pop(f"mtp.{k}.embed.weight"), "tok_embeddings.weight")
+        if "tok_embeddings.weight" in out:
+            out[f"mtp.{k}.embed.weight"] = out["tok_embeddings.weight"]
     for name, (t, ours) in copies.items():
         main = out.get(ours)
         if main is not None and t.device.type != "meta" and not torch.equal(t.to(main.dtype), main):

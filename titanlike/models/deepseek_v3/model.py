@@ -26,7 +26,8 @@ value it returns staying the next-token loss. In eval mode the forward returns t
 
 Module names (torchtitan's): ``tok_embeddings``, ``layers.N.{attention_norm, attention.{wq | wq_a, q_norm, wq_b},
 attention.{wkv_a, kv_norm, wkv_b, k_rope, wo}, ffn_norm, feed_forward.{w1, w2, w3} | moe.{router.gate, experts,
-shared_experts}}``, ``norm``, ``output``, ``mtp.K.{enorm, hnorm, eh_proj, block.<a layer's names>, norm}``.
+shared_experts}}``, ``norm``, ``output``, ``mtp.K.{embed (tied to tok_embeddings), enorm, hnorm, eh_proj,
+block.<a layer's names>, norm}``.
 """
 
 from __future__ import annotations
@@ -221,6 +222,7 @@ def param_init(args: DeepseekV3Args) -> Callable[[str], Init]:
             block + r"moe\.(router\.gate\.weight|experts\.(w1|w2|w3)|shared_experts\.(w1|w2|w3)\.weight)": w,
             r"mtp\.\d+\.(enorm|hnorm|norm)\.weight": ones(),
             r"mtp\.\d+\.eh_proj\.weight": w,
+            r"mtp\.\d+\.embed\.weight": w.tied_to("tok_embeddings.weight"),
             r"norm\.weight": ones(),
             r"output\.weight": w.tied_to("tok_embeddings.weight") if args.tie_embeddings else w,
         }
@@ -301,18 +303,21 @@ class DeepseekV3Block(DecoderBlock):
 
 
 class MTPModule(nn.Module):
-    """One MTP depth: ``block(eh_proj([enorm(e); hnorm(h)]))``; ``norm`` is the norm before the shared head
-    (DeepSeek's checkpoints: ``shared_head.norm``)."""
+    """One MTP depth: ``block(eh_proj([enorm(embed(t)); hnorm(h)]))``; ``embed`` is the model's token table (tied:
+    one parameter, a copy on the last pipeline stage whose gradient the pipeline sums with the first stage's);
+    ``norm`` is the norm before the shared head (DeepSeek's checkpoints: ``shared_head.norm``)."""
 
     def __init__(self, depth: int, args: DeepseekV3Args):
         super().__init__()
+        self.embed = nn.Embedding(args.vocab_size, args.dim)  # the model ties it to tok_embeddings
         self.enorm = RMSNorm(args.dim, args.norm_eps)
         self.hnorm = RMSNorm(args.dim, args.norm_eps)
         self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
         self.block = DeepseekV3Block(args.n_layers + depth - 1, args)
         self.norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, emb: torch.Tensor, h: torch.Tensor, **kwargs) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, h: torch.Tensor, **kwargs) -> torch.Tensor:
+        emb = self.embed(tokens)
         return self.block(self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)), **kwargs)
 
 
@@ -335,32 +340,42 @@ class DeepseekV3(RopeTables, Decoder):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self._build_trunk(lambda i: DeepseekV3Block(i, args), RMSNorm(args.dim, args.norm_eps))
         self.mtp = nn.ModuleDict({str(k): MTPModule(k, args) for k in range(1, args.mtp_layers + 1)})
+        for depth in self.mtp.values():
+            depth.embed.weight = self.tok_embeddings.weight
         self.window = SequenceWindow()  # the whole window's token ids (cp: gathered), for the tokens ahead
         self._register_rope()
 
-    def forward(self, x: torch.Tensor, document_starts: torch.Tensor | None = None):
-        """Token ids -> logits; in training mode with MTP depths, ``(logits, depth-1 logits, ...)``."""
+    @property
+    def wants_token_ids(self) -> bool:
+        """Whether every pipeline stage must get the batch's token ids (``token_ids``): the MTP depths on the last
+        stage embed the tokens ahead (``titanlike.training.step`` passes them)."""
+        return self.args.mtp_layers > 0
+
+    def forward(
+        self, x: torch.Tensor, document_starts: torch.Tensor | None = None, token_ids: torch.Tensor | None = None
+    ):
+        """Token ids (or a stage's hidden states) -> logits (or hidden states); in training mode with MTP depths,
+        ``(logits, depth-1 logits, ...)`` (a last pipeline stage: from ``token_ids``, the batch's ids)."""
         if not (self.training and self.mtp is not None and len(self.mtp) and self.output is not None):
             return super().forward(x, document_starts)
-        if not self._has_inputs():
-            raise ValueError(
-                "DeepseekV3: the MTP depths need the token ids, and this pipeline stage gets hidden states; keep "
-                "the whole model on one stage or set model.mtp_layers = 0"
-            )
+        inputs = self._has_inputs()
+        tokens = x if inputs else token_ids
+        if tokens is None:
+            raise ValueError("DeepseekV3: the MTP depths of a last pipeline stage need the batch's token_ids")
         positions = window_positions = self.positions(x)
         kwargs = {}
         if document_starts is not None:
             kwargs["mask"] = DocumentMask(document_starts, positions)
             if self.reset_position_ids:
                 positions = positions - document_starts
-        h = self.embed(x, positions)
+        h = self.embed(x, positions) if inputs else x
         kwargs.update(self.block_kwargs(positions))
         for block in self.layers.values():
             h = block(h, **kwargs)
         h = self.norm(h)
-        outs, window = [self.output(h)], self.window(x)
+        outs, window = [self.output(h)], self.window(tokens)
         for k, depth in self.mtp.items():
-            h = depth(self.tok_embeddings(tokens_ahead(window, window_positions, int(k))), h, **kwargs)
+            h = depth(tokens_ahead(window, window_positions, int(k)), h, **kwargs)
             outs.append(self.output(depth.norm(h)))
         return tuple(outs)
 

@@ -48,6 +48,7 @@ SHARDING = {
     **_block("layers.*"),
     "norm": Norm(),
     "output": Head(),
+    "mtp.*.embed": VocabEmbedding(),  # tied to tok_embeddings: sharded alike
     "mtp.*.enorm": Norm(),
     "mtp.*.hnorm": Norm(),
     "mtp.*.eh_proj": Norm(),  # a replicated Linear on the residual stream: the same style as a norm
