@@ -362,6 +362,7 @@ LAYOUTS = [
     ),
     Layout("MUT ds ep2 group limiting skipped", 2, _ep(2, *_dp(1, 2, 4)), model="ds", mutation="ds_no_group_limit"),
     Layout("MUT ds fsdp2 MTP targets shifted by one", 2, _dp(1, 2, 4), model="ds", mutation="ds_mtp_shift"),
+    Layout("MUT ds fsdp2 latent norm before the split", 2, _dp(1, 2, 4), model="ds", mutation="ds_latent_norm_unsplit"),
     Layout(
         "MUT ds tp2_sp_ep2 latent norm gradient not summed",
         2,
@@ -866,6 +867,27 @@ def _ds_rope_on_nope():
 
 
 @contextlib.contextmanager
+def _ds_latent_norm_unsplit():
+    """MLA's latent RMSNorm computed over the whole down-projection (latent and RoPE key) before the split, instead
+    of over the latent after it."""
+    from titanlike.models.deepseek_v3 import MLA
+
+    def forward(self, x, *, cos, sin, mask=None):
+        a, (b, s, _) = self.args, x.shape
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if a.q_lora_rank else self.wq(x)
+        q_nope, q_pe = q.view(b, s, -1, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
+        kv = self.wkv_a(x)
+        kv = kv * torch.rsqrt(kv.pow(2).mean(-1, keepdim=True) + self.kv_norm.eps)
+        latent, k_pe = kv.split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        k_pe = self.rope(self.k_rope(k_pe).unsqueeze(2), cos, sin)
+        q = torch.cat([q_nope, self.rope(q_pe, cos, sin)], dim=-1) * self.q_scale
+        return self.wo(self.core(q, latent * self.kv_norm.weight, k_pe, self.expand, mask).reshape(b, s, -1))
+
+    with patched(MLA, "forward", forward):
+        yield
+
+
+@contextlib.contextmanager
 def _ds_bias_in_weights():
     """The correction bias added to the combine weights too (it must steer the selection only); zero at step 1, so
     it shows once the first bias update has moved it."""
@@ -938,6 +960,7 @@ def _ds_cp_local_shift():
 
 
 MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "ds_latent_norm_unsplit": _ds_latent_norm_unsplit,
     "ds_cp_local_shift": _ds_cp_local_shift,
     "ds_cp_latent_no_rope": _ds_cp_latent_no_rope,
     "ds_rope_on_nope": _ds_rope_on_nope,

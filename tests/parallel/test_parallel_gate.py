@@ -40,7 +40,8 @@ EXPECTED_BREAK = {
     # MTP shift leaves the logged loss (next-token) alone, its depth loss (compared with the loss) moves at step 1
     "ds_rope_on_nope": ("loss_step1", True),
     "ds_cp_latent_no_rope": ("loss_step1", True),
-    "ds_cp_local_shift": ("loss_step1", True),  # the depth loss (compared with the loss) at step 1
+    "ds_cp_local_shift": ("loss_step1", True),
+    "ds_latent_norm_unsplit": ("loss_step1", True),  # the depth loss (compared with the loss) at step 1
     "ds_bias_in_weights": ("eval", False),  # the forward after step 1's bias update
     "ds_no_group_limit": ("loss_step1", True),
     "ds_mtp_shift": ("loss_step1", True),
