@@ -29,6 +29,9 @@
 #                    shipped corpus's skipped share ($OUT/mask_bench/mask.json; "mask")
 #   train_gpt_oss    python train.py --model.name gpt_oss --model.flavor debugmodel, block_causal, 10 steps (window 32,
 #                    sinks, compiled blocks: flex's window + documents block mask and the sinks' backward on a GPU)
+#   deepseek_v3      benchmark.py --model deepseek_v3 (debugmodel: MLA, DeepSeek MoE, one MTP depth), titanlike vs
+#                    plain on CUDA: the MLA path (v head dim != q/k head dim) through SDPA and the grouped experts
+#                    ($OUT/deepseek_v3/deepseek_v3.json; "deepseek_v3" in summary.json)
 # Writes $OUT/<row>.json (benchmark.py --json), $OUT/<row>.log, $OUT/train_1b/metrics.jsonl, $OUT/moe_bench/moe_bench.json,
 # $OUT/muon_step/muon.json, $OUT/mask_bench/mask.json, $OUT/env.json and $OUT/summary.json (every row's tokens/s, MFU,
 # memory and ratio to plain, the MoE ratio, Muon's step seconds against AdamW's, the mask ratio, and each step's exit
@@ -87,6 +90,7 @@ if [ "$DEVICE" = cuda ]; then
   MOE=(--device cuda --float8)
   MUON=(--world 1 --device cuda --flavor 1B --dim 0 --layers 0 --ns-dtype bfloat16 --steps 5); T_MUON=90
   MASK=(--device cuda)
+  DS=(--model deepseek_v3 --flavor debugmodel --seq-len 2048 --batch 8 --steps 10 --warmup 3 --compile --device cuda)
   TRAIN=(--job.config_file configs/llama3_1b.toml --training.steps 30 --training.local_batch_size 4
          --training.global_batch_size 4 --training.seq_len 2048 --compile.enable true --metrics.log_freq 10
          --validation.enable false --checkpoint.enable false --metrics.enable_tensorboard false)
@@ -100,6 +104,7 @@ else
   MOE=(--device cpu --tokens 64 --dim 16 --hidden 32 --experts 4 --steps 1 --warmup 0)
   MUON=(--world 2 --device cpu --flavor tiny --dim 0 --layers 0 --steps 1); T_MUON=300
   MASK=(--device cpu --seq-len 256 --batch 1 --heads 2 --head-dim 16 --doc-len 64 --steps 1 --warmup 0)
+  DS=(--model deepseek_v3 --flavor debugmodel --seq-len 32 --batch 2 --steps 2 --warmup 1 --device cpu)
   TRAIN=(--job.config_file configs/debug_model.toml --training.steps 3 --training.seq_len 32 --training.device cpu
          --training.local_batch_size 2 --metrics.log_freq 1 --validation.enable false
          --metrics.enable_tensorboard false)
@@ -133,6 +138,8 @@ mkdir -p "$OUT/muon_step"
 run muon_step "$T_MUON" python scripts/muon_bench.py "${MUON[@]}" --json "$OUT/muon_step/muon.json"
 run mask_bench "$T_ROW" python scripts/mask_bench.py "${MASK[@]}" --json "$OUT/mask_bench/mask.json"
 run train_gpt_oss "$T_ROW" python train.py "${GPT_OSS[@]}" --job.dump_folder "$OUT/train_gpt_oss"
+mkdir -p "$OUT/deepseek_v3"
+run deepseek_v3 "$T_ROW" python scripts/benchmark.py "${DS[@]}" --json "$OUT/deepseek_v3/deepseek_v3.json"
 
 rcs=""; for k in "${!RC[@]}"; do rcs="$rcs$k=${RC[$k]} "; done
 python - "$OUT" "$rcs" <<'EOF'
@@ -168,10 +175,13 @@ muon = out / "muon_step" / "muon.json"
 muon = json.loads(muon.read_text()) if muon.exists() else None
 mask = out / "mask_bench" / "mask.json"
 mask = json.loads(mask.read_text()) if mask.exists() else None
+ds = out / "deepseek_v3" / "deepseek_v3.json"
+ds = json.loads(ds.read_text()) if ds.exists() else None
 summary = {"env": json.loads((out / "env.json").read_text()), "exit_codes": rcs, "rows": rows,
            "plain_tokens_per_s_by_batch": plain, "train_1b": [r for r in train if "loss" in r],
            "moe": json.loads(moe.read_text()) if moe.exists() else None, "muon_step": muon, "mask": mask,
-           "train_gpt_oss": [r for r in gpt_oss if "loss" in r]}
+           "train_gpt_oss": [r for r in gpt_oss if "loss" in r],
+           "deepseek_v3": ds}
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
 print(f"{'row':<16} {'batch':>5} {'tokens/s':>10} {'MFU':>6} {'mem GiB':>8} {'x plain':>8}")
 for r in rows:

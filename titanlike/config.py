@@ -89,6 +89,9 @@ class Model:
     # the window of a model's sliding-window layers, in positions, the query included (0: the flavor's; gpt_oss)
     sliding_window: int = _override(0)
     attention_sinks: bool | None = _override(None)  # a learned sink logit per head (None: the flavor's; gpt_oss)
+    # multi-token prediction depths (-1: the flavor's; 0: off; models with MTP: deepseek_v3); the depths' losses
+    # weighted by training.mtp_loss_weight
+    mtp_layers: int = _override(-1)
     # model.name = "hf": a folder holding a transformers config.json (weights optional): that model, built by
     # transformers (docs/transformers.md)
     hf_config: str = _override("")
@@ -107,6 +110,9 @@ class Training:
     max_norm: float = 1.0  # gradient clipping by global norm; <= 0 disables clipping
     max_nonfinite_steps: int = 3  # the run stops at the N-th skipped step (non-finite loss or grad norm)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto | cpu | cuda
+    # the multi-token-prediction losses' weight (DeepSeek-V3's lambda: 0.3, then 0.1), their mean over the depths
+    # added to the next-token loss (a model with model.mtp_layers > 0; the logged loss stays the next-token one)
+    mtp_loss_weight: float = 0.3
 
 
 @dataclass

@@ -48,6 +48,7 @@ __all__ = [
     "Head",
     "HeadNorm",
     "HeadParams",
+    "Latent",
     "Matrices",
     "Norm",
     "PositionTable",
@@ -225,6 +226,18 @@ class HeadParams(Entry):
 
     def tp_dim(self, leaf, ndim, *, tp, fsdp):
         return 0
+
+
+@dataclass(frozen=True)
+class Latent(Entry):
+    """A module inside a ``Region`` that runs on the replicated input for every head, before the heads split (MLA's
+    latent down-projections ``wq_a`` / ``wkv_a`` and their norms): its parameters are replicated over tp, and since
+    each rank's heads use the whole output, their gradient covers only those heads and is summed over tp (a
+    ``Partial`` gradient, as ``HeadNorm``'s). Its input and output stay replicated DTensors, so the column-wise
+    projection after it splits the heads; ``local_output``: hand its output on as this rank's local tensor instead
+    (its gradient a partial sum over tp), for a tensor joined to per-head ones (MLA's shared RoPE key)."""
+
+    local_output: bool = False
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,7 @@ CASES = {
     "ep_experts": (4, [*MOE, "--parallelism.expert_parallel_degree", "4", "--model.num_experts", "6"]),
     "moe_tp": (2, [*MOE, "--parallelism.tensor_parallel_degree", "2"]),
     "export_model": (1, [*MOE, "--checkpoint.enable", "--checkpoint.export_safetensors"]),
+    "mtp_layout": (1, ["--model.name", "deepseek_v3", "--training.mtp_loss_weight", "-1"]),
 }
 
 # further cases of a rule that guards several things

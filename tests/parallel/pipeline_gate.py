@@ -51,6 +51,10 @@ gate.MODELS.update(
         # gpt-oss (4 blocks: sliding, full, sliding, full; sinks; biased clamped experts), causal and block_causal
         "gpt_oss_deep": ("--model.n_layers", "4", *gate.MODELS["gpt_oss"]),
         "gpt_oss_block_deep": ("--model.n_layers", "4", *gate.MODELS["gpt_oss_block"]),
+        # DeepSeek-V3 (MLA, a dense first layer, then MoE with the bias update, block_causal), the MTP depth on the
+        # last stage (its embedding a tied copy of the first stage's table, the token ids passed to every stage)
+        "ds_deep": ("--model.n_layers", "4", *gate.MODELS["ds_block"]),
+        "ds_deep_nomtp": ("--model.n_layers", "4", *gate.MODELS["ds_cp_block"]),
     }
 )
 gate.MUON_MATRICES["muon_deep"] = 7 * 8
@@ -293,6 +297,10 @@ LAYOUTS += [
         mutation="pp_moe_inference_counted",
     ),
     _layout("moe pp2 ep2 fsdp4 1F1B", 8, (*EP2, *_pp(2, "1F1B", 2)), model="moe_deep"),
+    _layout("ds_block pp2 1F1B", 2, _pp(2, "1F1B", 8, 2), model="ds_deep"),
+    _layout("ds_block pp2 ZBVZeroBubble", 2, _pp(2, "ZBVZeroBubble", 8, 2), model="ds_deep"),
+    _layout("ds_block pp2 ep2 fsdp4 1F1B", 8, (*EP2, *_pp(2, "1F1B", 2)), model="ds_deep"),
+    _layout("ds_block no MTP pp2 1F1B", 2, _pp(2, "1F1B", 8, 2), model="ds_deep_nomtp"),
 ]
 
 

@@ -39,6 +39,7 @@ def test_gpu_check_dry_run_writes_every_row(tmp_path):
             "muon_step",
             "mask_bench",
             "train_gpt_oss",
+            "deepseek_v3",
         )
     }, proc.stdout
     rows = {r["row"]: r for r in summary["rows"]}
@@ -56,6 +57,8 @@ def test_gpu_check_dry_run_writes_every_row(tmp_path):
     assert set(muon) == {"adamw", "muon", "naive_muon"} and all(r["seconds"] > 0 for r in muon.values())
     assert [c["matrices"] for c in muon["muon"]["ranks"]] == [7, 7]
     assert [c["matrices"] for c in muon["naive_muon"]["ranks"]] == [14, 14]
+    ds = {r["name"]: r for r in summary["deepseek_v3"]["rows"]}  # MLA + DeepSeek MoE + MTP, titanlike vs plain
+    assert set(ds) == {"titanlike", "plain"} and all(r["tokens_per_s"] > 0 for r in ds.values())
     mask = summary["mask"]  # block_causal vs causal on one batch, and the shipped corpus's skipped share
     assert mask["backend"] == "sdpa" and mask["ratio_block_causal_over_causal"] > 0
     assert 0 < mask["batch_pair_fraction"] < 1 and 0 < mask["corpus"]["flops_skipped"] < 0.01

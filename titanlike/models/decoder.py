@@ -37,7 +37,15 @@ from torch import nn
 from titanlike.init import Init, init_parameters
 from titanlike.models.masking import DocumentMask
 
-__all__ = ["AttentionCore", "Decoder", "DecoderBlock", "Positions", "attention_windows"]
+__all__ = [
+    "AttentionCore",
+    "Decoder",
+    "DecoderBlock",
+    "LatentAttentionCore",
+    "Positions",
+    "SequenceWindow",
+    "attention_windows",
+]
 
 
 class AttentionCore(nn.Module):
@@ -96,6 +104,22 @@ def attention_windows(model: nn.Module) -> tuple | None:
     return tuple(dict.fromkeys(m.window for m in seams))
 
 
+class LatentAttentionCore(nn.Module):
+    """The attention seam of a model whose keys and values are expanded from a compressed latent (multi-head latent
+    attention, DeepSeek-V2/V3): ``core(q, latent, k_rope, expand, mask=None)`` with ``latent`` (batch, seq, rank) and
+    the shared RoPE key ``k_rope`` (batch, seq, 1, rope dim), already rotated at the tokens' positions, and
+    ``expand(latent, k_rope) -> (k, v)`` the model's up-projection to per-head keys and values; then the causal
+    softmax attention of :class:`AttentionCore`. No parameters (``expand`` carries them). Context parallelism
+    replaces it from outside (``ContextParallelLatentAttention``), gathering the latent and the RoPE key, not the
+    per-head keys and values, and expanding them locally."""
+
+    window, sinks = None, False  # full attention without sinks: AttentionCore's causal path
+
+    def forward(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, expand, mask=None):
+        k, v = expand(latent, k_rope)
+        return AttentionCore.forward(self, q, k, v, mask)
+
+
 class Positions(nn.Module):
     """The position seam: the positions ``(seq,)`` of the tokens of ``x`` (batch, seq, ...): ``0 .. seq - 1`` on
     one device; under context parallelism the global positions of this rank's chunks. No parameters, no buffers
@@ -103,6 +127,16 @@ class Positions(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.arange(x.shape[1], device=x.device)
+
+
+class SequenceWindow(nn.Module):
+    """The window seam: the whole window of a per-token tensor ``t`` (batch, seq), in sequence order, for a model that
+    looks other positions' token ids up (multi-token prediction: the tokens k ahead, read at the position seam's
+    positions + k). On one device ``t`` itself; under context parallelism every cp rank's part gathered
+    (``ContextParallelWindow``). No parameters, no gradient."""
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return t
 
 
 def _seed(seed: int | None) -> int:

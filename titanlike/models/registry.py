@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
+import titanlike.models.deepseek_v3  # noqa: F401
 import titanlike.models.gpt2  # noqa: F401
 import titanlike.models.gpt_oss  # noqa: F401
 import titanlike.models.llama  # noqa: F401

@@ -40,12 +40,16 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
-from titanlike.models.decoder import AttentionCore, Positions
+from titanlike.loss import shift_labels
+from titanlike.models.decoder import AttentionCore, LatentAttentionCore, Positions, SequenceWindow
 from titanlike.models.masking import DocumentMask, window_keys, window_tail
 
 __all__ = [
     "ContextParallelAttention",
+    "ContextParallelLatentAttention",
     "ContextParallelPositions",
+    "ContextParallelWindow",
+    "cp_shift_labels",
     "apply_cp",
     "chunk_attention",
     "chunk_ids",
@@ -217,18 +221,65 @@ def _repeat_kv(kv: Tensor, q: Tensor) -> Tensor:
     return kv.repeat_interleave(n_rep, dim=2) if n_rep > 1 else kv
 
 
+def _gather_replicated(t: Tensor, mesh: DeviceMesh) -> Tensor:
+    """:func:`all_gather_sequence` of ``t``, in global order; a tensor-parallel ``Replicate`` DTensor (MLA's latent
+    under tp) travels as its local tensor and comes back as one, its gradient kept a ``Partial`` sum over tp (each
+    rank's heads use it), as the ``Latent`` style hands it on."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    if not isinstance(t, DTensor):
+        return reorder_gathered(all_gather_sequence(t, mesh), mesh.size())
+    partial = (Partial(),) * t.device_mesh.ndim
+    local = reorder_gathered(all_gather_sequence(t.to_local(grad_placements=partial), mesh), mesh.size())
+    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, grad_placements=partial)
+
+
+class ContextParallelLatentAttention(nn.Module):
+    """Context-parallel :class:`~titanlike.models.decoder.LatentAttentionCore` over ``cp_mesh``: the latent
+    (``kv_lora_rank`` numbers per token) and the shared RoPE key (``qk_rope_head_dim``: 512 + 64 = 576 for
+    DeepSeek-V3) are all-gathered instead of the per-head keys and values (2 x 128 x 192 = 49152 for V3), and expanded
+    locally by the model's ``expand`` over the whole gathered sequence; then each local query chunk attends as in
+    :class:`ContextParallelAttention` (causal, or the block-causal mask). Backward: the gathered latent's and key's
+    gradients are reduce-scattered (the expansion's weight gradients stay local: FSDP / the data-parallel
+    reduction over ``dp x cp`` sums them). Every cp rank of the mesh must call it."""
+
+    def __init__(self, cp_mesh: DeviceMesh):
+        super().__init__()
+        self.cp_mesh = cp_mesh
+        self.cp = cp_mesh.size()
+        self.rank = cp_mesh.get_local_rank()
+
+    def extra_repr(self) -> str:
+        return f"cp={self.cp}, rank={self.rank}, chunks={chunk_ids(self.cp, self.rank)}, gathers the latent"
+
+    def forward(self, q: Tensor, latent: Tensor, k_rope: Tensor, expand, mask: DocumentMask | None = None) -> Tensor:
+        cp, c = self.cp, q.shape[1] // 2
+        k_all, v_all = expand(_gather_replicated(latent, self.cp_mesh), _gather_replicated(k_rope, self.cp_mesh))
+        kt, vt = k_all.transpose(1, 2), v_all.transpose(1, 2)
+        outs = []
+        for half, j in enumerate(chunk_ids(cp, self.rank)):
+            qj = q[:, half * c : (half + 1) * c].transpose(1, 2)
+            kj, vj = kt[:, :, : (j + 1) * c], vt[:, :, : (j + 1) * c]
+            if mask is None:
+                outs.append(chunk_attention(qj, kj, vj).transpose(1, 2))
+            else:
+                outs.append(mask.attend(qj, kj, vj, rows=(half * c, (half + 1) * c)).transpose(1, 2))
+        return torch.cat(outs, dim=1)
+
+
 def chunk_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Causal attention of ``q`` (batch, heads, c, d), the last ``c`` positions, over ``k, v`` (batch, heads, n, d),
     positions ``0 .. n-1`` (the causal mask aligned to the bottom right). No ``c x n`` mask is materialised:
 
     * CUDA: SDPA with ``causal_lower_right`` (flash / memory-efficient kernels take the bottom-right alignment);
     * CPU: torch's flash kernel twice, the ``n - c`` earlier keys without a mask and the last ``c`` with the square
-      causal mask, merged by their log-sum-exps (:class:`_TwoBlockAttentionCPU`); anything else: the explicit mask.
+      causal mask, merged by their log-sum-exps (:class:`_TwoBlockAttentionCPU`); anything else (values of another
+      head dim than q / k, MLA's: the CPU flash kernel refuses them, torch 2.13): the explicit mask.
     """
     c, n = q.shape[2], k.shape[2]
     if q.device.type == "cuda":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(c, n))
-    if q.device.type == "cpu" and _cpu_flash is not None:
+    if q.device.type == "cpu" and _cpu_flash is not None and v.shape[-1] == q.shape[-1]:
         if n == c:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return _TwoBlockAttentionCPU.apply(q, k[:, :, : n - c], v[:, :, : n - c], k[:, :, n - c :], v[:, :, n - c :])
@@ -294,26 +345,60 @@ class ContextParallelPositions(nn.Module):
         return _global_positions(x.shape[1] * self.cp, self.cp, self.rank, x.device)  # x.shape: DTensor or not
 
 
+class ContextParallelWindow(nn.Module):
+    """The window seam under context parallelism: a per-token tensor (token ids) of every cp rank gathered and put
+    in global order, (batch, seq of the whole window). Integers, no gradient: one all-gather."""
+
+    def __init__(self, cp_mesh: DeviceMesh):
+        super().__init__()
+        self.cp_mesh = cp_mesh
+
+    def forward(self, t: Tensor) -> Tensor:
+        return gather_window(t, self.cp_mesh)
+
+
+def gather_window(t: Tensor, mesh: DeviceMesh) -> Tensor:
+    """Every cp rank's ``t`` (batch, local seq), no gradient, in global sequence order."""
+    return reorder_gathered(_gather_seq(t, mesh), mesh.size())
+
+
+def cp_shift_labels(cp_mesh: DeviceMesh):
+    """``ScaledLoss.shift_labels`` under context parallelism: the labels of MTP depth k are the whole window's
+    labels shifted by k (a rank's two chunks are not contiguous), cut back to this rank's chunks."""
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+
+    def shift(labels: Tensor, k: int) -> Tensor:
+        return cp_shard(shift_labels(gather_window(labels, cp_mesh), k), cp, rank)
+
+    return shift
+
+
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True) -> nn.Module:
     """Context parallelism over ``cp_mesh`` (1-D), in place; returns ``model``.
 
     Every attention seam (``titanlike.models.decoder.AttentionCore``, called as ``core(q, k, v)``) becomes a
-    :class:`ContextParallelAttention`, every position seam (``titanlike.models.decoder.Positions``) a
-    :class:`ContextParallelPositions`. A module without an attention seam is refused (its attention would see only
-    this rank's tokens); so is one without a position seam unless ``positions=False`` (the model has no positions,
-    or feeds ``cp_positions`` to its position lookups itself). Call after tensor parallelism and before activation
-    checkpointing / compile / FSDP; the batches must be cut with :func:`cp_shard`.
+    :class:`ContextParallelAttention` (a ``LatentAttentionCore``: a :class:`ContextParallelLatentAttention`), every
+    position seam (``titanlike.models.decoder.Positions``) a :class:`ContextParallelPositions`. A module without an
+    attention seam is refused (its attention would see only this rank's tokens); so is one without a position seam
+    unless ``positions=False`` (the model has no positions, or feeds ``cp_positions`` to its position lookups
+    itself). Call after tensor parallelism and before activation checkpointing / compile / FSDP; the batches must be
+    cut with :func:`cp_shard`.
     """
     if cp_mesh.ndim != 1:
         raise ValueError(f"apply_cp needs a 1-D cp mesh, got {cp_mesh}")
-    cores, seams = [], []
+    cores, seams, windows = [], [], []
     for module in model.modules():
         for child_name, child in module.named_children():
-            if isinstance(child, AttentionCore):
+            if isinstance(child, (AttentionCore, LatentAttentionCore)):
                 cores.append((module, child_name))
             elif isinstance(child, Positions):
                 seams.append((module, child_name))
-    already = any(isinstance(m, (ContextParallelAttention, ContextParallelPositions)) for m in model.modules())
+            elif isinstance(child, SequenceWindow):
+                windows.append((module, child_name))
+    already = any(
+        isinstance(m, (ContextParallelAttention, ContextParallelLatentAttention, ContextParallelPositions))
+        for m in model.modules()
+    )
     if not cores and not already:
         raise ValueError(
             f"apply_cp: {type(model).__name__} has no attention seam (a titanlike.models.decoder.AttentionCore "
@@ -328,7 +413,12 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True) -
         )
     for owner, child_name in cores:
         core = getattr(owner, child_name)
-        setattr(owner, child_name, ContextParallelAttention(cp_mesh, window=core.window, sinks=core.sinks))
+        if isinstance(core, LatentAttentionCore):
+            setattr(owner, child_name, ContextParallelLatentAttention(cp_mesh))
+        else:
+            setattr(owner, child_name, ContextParallelAttention(cp_mesh, window=core.window, sinks=core.sinks))
     for owner, child_name in seams:
         setattr(owner, child_name, ContextParallelPositions(cp_mesh))
+    for owner, child_name in windows:
+        setattr(owner, child_name, ContextParallelWindow(cp_mesh))
     return model

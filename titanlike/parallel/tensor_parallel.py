@@ -14,6 +14,9 @@ The translation (``seq`` = ``Shard(1)`` under sequence parallelism, else ``Repli
                        :class:`ReplicateParallel` (runs on the replicated stream, returns a local tensor)
 ``HeadNorm``           SequenceParallel over the heads dim: runs on this rank's heads, weight replicated, its
                        gradient a ``Partial`` sum over tp (never ReplicateParallel: each rank sees other heads)
+``Latent``             :class:`LatentParallel`: replicated weight on the region's replicated input (MLA's latent
+                       down-projections and norms), its gradient a ``Partial`` sum over tp; ``local_output``:
+                       its output as the local tensor (a partial gradient)
 ``Region``             PrepareModuleInput ``seq`` -> Replicate of the first input (keyword arguments untouched):
                        the "f" operator, identity forward / all-reduce backward (SP: all-gather / reduce-scatter);
                        ``Region(keyword=k)``: of keyword argument ``k`` instead, positional inputs untouched
@@ -53,7 +56,7 @@ from functools import partial
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -73,6 +76,7 @@ __all__ = [
     "apply_tp",
     "HeadNormParallel",
     "HeadParamsParallel",
+    "LatentParallel",
     "ReplicateParallel",
     "PositionEmbeddingParallel",
     "TokenLocalParallel",
@@ -150,6 +154,46 @@ class HeadNormParallel(SequenceParallel):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(heads_dim={self.heads_dim}, use_local_output={self.use_local_output})"
+
+
+class LatentParallel(ParallelStyle):
+    """A module inside a tensor-parallel region that runs on the replicated input before the heads split (MLA's
+    latent down-projections and their norms; the ``Latent`` sharding entry): its parameters ``Replicate`` DTensors,
+    its input kept (a DTensor from the region) or taken as the replicated local tensor, its output a ``Replicate``
+    DTensor for the column-wise projection that follows. Each rank's heads use the whole output, so autograd gives
+    its parameters (and its input) ``Partial`` gradients, summed over tp by :func:`apply_tp`'s gradient hook (and by
+    the region's f operator). ``local_output``: the output as the local tensor with a ``Partial`` gradient (a
+    tensor joined to per-head local ones: MLA's shared RoPE key). No forward communication."""
+
+    def __init__(self, *, local_output: bool = False):
+        super().__init__()
+        self.local_output = local_output
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(local_output={self.local_output})"
+
+    @staticmethod
+    def _input_fn(mod, inputs, device_mesh):
+        x, *rest = inputs
+        if not isinstance(x, DTensor):
+            replicate, partial = (Replicate(),) * device_mesh.ndim, (Partial(),) * device_mesh.ndim
+            x = DTensor.from_local(x, device_mesh, replicate, run_check=False, grad_placements=partial)
+        return (x, *rest)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        local = self.local_output
+
+        def output_fn(mod, outputs, mesh):
+            if local and isinstance(outputs, DTensor):
+                return outputs.to_local(grad_placements=(Partial(),) * mesh.ndim)
+            return outputs
+
+        def replicate_params(name, mod, mesh):
+            for key, param in list(mod.named_parameters(recurse=False)):
+                dist_param = nn.Parameter(distribute_tensor(param, mesh, [Replicate()] * mesh.ndim))
+                mod.register_parameter(key, dist_param)
+
+        return distribute_module(module, device_mesh, replicate_params, input_fn=self._input_fn, output_fn=output_fn)
 
 
 class PositionEmbeddingParallel(ReplicateParallel):
@@ -309,6 +353,8 @@ def tp_plan(
             return _head_norm_style(entry)
         if isinstance(entry, sh.HeadParams):
             return _head_params_style(entry)
+        if isinstance(entry, sh.Latent):
+            return LatentParallel(local_output=entry.local_output)
         if isinstance(entry, sh.Region):
             inner = any(p.startswith(pattern + ".") for p in f8_patterns)
             prepare = PrepareFloat8ModuleInput if inner else PrepareModuleInput

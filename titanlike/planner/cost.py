@@ -208,8 +208,20 @@ def _loss_messages(tally: _Tally) -> None:
 
 
 def _cp_messages(tally: _Tally, ids: list[int]) -> None:
-    """Context parallel: every block's K and V all-gathers and their gradients' reduce-scatters."""
+    """Context parallel: every block's K and V all-gathers and their gradients' reduce-scatters (a sliding-window
+    layer: the window's reach only; MLA: the latent and the shared RoPE key instead, ``args.cp_gathered``)."""
     lo, add, passes = tally.lo, tally.add, tally.passes
+    latent = getattr(tally.args, "cp_gathered", None)  # MLA: the latent and the shared RoPE key, not K and V
+    if latent:
+        n, recomputed = len(ids), sum(lo.checkpointed(i) == "full" for i in ids)
+        per_head = tally.args.cp_per_head_numbers // tally.t
+        for what, width in latent:
+            size = tally.b * lo.seq_len * width * tally.a
+            note = f"{what} of every block ({width}/token; per-head K and V would be {per_head}/token)"
+            add("cp", "all_gather", "forward", size, lo.cp, note, n * passes)
+            add("cp", "reduce_scatter", "backward", size, lo.cp, f"{what} grads of every block", n * passes)
+            add("cp", "all_gather", "backward", size, lo.cp, f"recomputed {what} (full AC)", recomputed * passes)
+        return
     window_of = getattr(tally.args, "window_of", lambda i: None)  # a sliding-window layer: the window's reach only
     for i in ids:
         kv = tally.kv_bytes * cp_gathered_tokens(lo.seq_len, lo.cp, window_of(i)) // lo.seq_len

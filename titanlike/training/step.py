@@ -55,6 +55,7 @@ class StepResult:
     tokens: int  # non-ignored tokens of the global batch
     skipped: bool  # True when loss or grad norm was not finite and the update was skipped
     moe: dict | None = None  # a model with MoE blocks: the aux loss per layer and the global expert loads
+    mtp: list[float] | None = None  # a model with MTP depths: each depth's loss over the global batch's tokens
 
 
 def forward_backward(
@@ -89,6 +90,8 @@ def forward_backward(
         else:
             losses: list[torch.Tensor] = []
             targets = labels if has_last_stage else None
+            if any(getattr(m, "wants_token_ids", False) for m in model_parts):  # MTP depths on the last stage
+                kwargs["token_ids"] = inputs
             # keyword tensors are split by microbatch like the inputs: each microbatch keeps its document starts
             pp_schedule.step(inputs, target=targets, losses=losses, **kwargs)
             if has_last_stage:
@@ -152,11 +155,12 @@ def train_step(
         has_last_stage=has_last_stage,
         forward_ctx=forward_ctx,
     )
+    mtp = _mtp_losses(loss, total.device, dp_group, pp_group)
     params = [p for m in model_parts for p in m.parameters()]
     norm = clip_fn(params, max_norm)
-    # One device-to-host copy for both numbers (one host sync per step, not two).
-    loss_value, norm_value = torch.stack(
-        [total, torch.as_tensor(norm, dtype=torch.float64, device=total.device)]
+    # One device-to-host copy for all the numbers (one host sync per step, not two).
+    loss_value, norm_value, *mtp_values = torch.cat(
+        [torch.stack([total, torch.as_tensor(norm, dtype=torch.float64, device=total.device)]), mtp]
     ).tolist()
     finite = math.isfinite(loss_value) and math.isfinite(norm_value)
     if finite:
@@ -171,7 +175,28 @@ def train_step(
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
             lr_scheduler.step()
     moe_stats = moe.end_step(update=finite) if moe is not None else None
-    return StepResult(loss=loss_value, grad_norm=norm_value, tokens=int(tokens), skipped=not finite, moe=moe_stats)
+    return StepResult(
+        loss=loss_value,
+        grad_norm=norm_value,
+        tokens=int(tokens),
+        skipped=not finite,
+        moe=moe_stats,
+        mtp=mtp_values or None,
+    )
+
+
+def _mtp_losses(loss: ScaledLoss, device, dp_group, pp_group) -> torch.Tensor:
+    """Each MTP depth's loss of this step (``ScaledLoss.take_mtp_losses``, summed over the last pipeline stage and
+    the data-parallel ranks, like the loss); empty for a model without MTP depths."""
+    parts = loss.take_mtp_losses()  # (a pipeline rank without the last stage: none, zeros of the depths)
+    if parts:
+        mtp = torch.stack(parts).to(torch.float64)
+    else:
+        mtp = torch.zeros(loss.mtp_depths, dtype=torch.float64, device=device)
+    for group in (pp_group, dp_group):
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(mtp, group=group)
+    return mtp
 
 
 def reshard_fsdp(module: nn.Module) -> None:

@@ -680,6 +680,10 @@ class Trainer:
             )
             if self.rank == 0:  # the layers x experts picture (every rank holds the global loads)
                 write_expert_load_picture(cfg.job.dump_folder, res.moe["loads"], self.step)
+        # each MTP depth's loss beside the next-token loss (the logged loss)
+        mtp_metrics = {f"mtp_loss_{k}": v for k, v in enumerate(res.mtp or [], 1)}
+        if mtp_metrics:
+            line += "  mtp " + " ".join(f"{v:.4f}" for v in mtp_metrics.values())
         logger.log(
             self.step,
             {
@@ -693,6 +697,7 @@ class Trainer:
                 "skipped": res.skipped,
                 **data_metrics(seen),
                 **moe_metrics,
+                **mtp_metrics,
             },
             console=line,
         )
