@@ -47,6 +47,7 @@ __all__ = [
     "FusedColwise",
     "Head",
     "HeadNorm",
+    "HeadParams",
     "Matrices",
     "Norm",
     "PositionTable",
@@ -214,6 +215,20 @@ class HeadNorm(Entry):
     that holds the heads ((batch, seq, heads, head_dim): 2)."""
 
     heads_dim: int = 2
+
+
+@dataclass(frozen=True)
+class HeadParams(Entry):
+    """A module inside a tensor-parallel region whose parameters hold one slice per head along their dim 0 (a
+    linear-attention layer's per-head decay parameters, its short conv's channels): split over tp with the heads the
+    region's Colwise projections give each rank (``Shard(0)``, as a Colwise weight). It runs on this rank's heads:
+    its tensor inputs are local shards along ``heads_dim`` (the heads / channels dim: (batch, seq, heads): 2), its
+    outputs local tensors."""
+
+    heads_dim: int = 2
+
+    def tp_dim(self, leaf, ndim, *, tp, fsdp):
+        return 0
 
 
 @dataclass(frozen=True)

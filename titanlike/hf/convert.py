@@ -115,7 +115,8 @@ def model_args_from_hf_config(config: dict, source: str = "config.json", like=No
         fields = {
             k: v
             for k, v in config.items()
-            if k not in GENERIC_FIELDS and k not in ("architectures", "model_type", "quantization_config")
+            if (k not in GENERIC_FIELDS or k in getattr(ad, "READS_GENERIC", ()))
+            and k not in ("architectures", "model_type", "quantization_config")
         }
         try:
             args = ad.model_args_from_hf_config(fields)

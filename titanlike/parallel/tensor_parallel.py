@@ -14,6 +14,8 @@ The translation (``seq`` = ``Shard(1)`` under sequence parallelism, else ``Repli
                        :class:`ReplicateParallel` (runs on the replicated stream, returns a local tensor)
 ``HeadNorm``           SequenceParallel over the heads dim: runs on this rank's heads, weight replicated, its
                        gradient a ``Partial`` sum over tp (never ReplicateParallel: each rank sees other heads)
+``HeadParams``         :class:`HeadParamsParallel`: parameters ``Shard(0)`` with the heads, inputs this rank's
+                       shards along the heads dim, outputs local (a linear-attention decay, its conv's channels)
 ``Region``             PrepareModuleInput ``seq`` -> Replicate of the first input (keyword arguments untouched):
                        the "f" operator, identity forward / all-reduce backward (SP: all-gather / reduce-scatter);
                        ``Region(keyword=k)``: of keyword argument ``k`` instead, positional inputs untouched
@@ -50,9 +52,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from functools import partial
 
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -71,6 +73,7 @@ __all__ = [
     "tp_plan",
     "apply_tp",
     "HeadNormParallel",
+    "HeadParamsParallel",
     "ReplicateParallel",
     "PositionEmbeddingParallel",
     "TokenLocalParallel",
@@ -148,6 +151,40 @@ class HeadNormParallel(SequenceParallel):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(heads_dim={self.heads_dim}, use_local_output={self.use_local_output})"
+
+
+class HeadParamsParallel(ParallelStyle):
+    """A module whose parameters are sharded with the heads (``Shard(0)``: a per-head decay, a depthwise conv's
+    channels) inside a tensor-parallel region: its tensor inputs are this rank's local shards along ``heads_dim``
+    (taken as DTensors ``Shard(heads_dim)``, so the parameters broadcast against them shard by shard), its outputs
+    local tensors. What the ``HeadParams`` sharding entry translates to."""
+
+    def __init__(self, heads_dim: int = 2):
+        super().__init__()
+        self.heads_dim = heads_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        dim = self.heads_dim
+
+        def partition(name, mod, mesh):
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])))
+
+        def input_fn(mod, inputs, mesh):
+            return tuple(
+                DTensor.from_local(x, mesh, [Shard(dim)], run_check=False) if isinstance(x, Tensor) else x
+                for x in inputs
+            )
+
+        def output_fn(mod, outputs, mesh):
+            if isinstance(outputs, tuple):
+                return tuple(o.to_local() if isinstance(o, DTensor) else o for o in outputs)
+            return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+        return distribute_module(module, device_mesh, partition, input_fn, output_fn)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(heads_dim={self.heads_dim})"
 
 
 class PositionEmbeddingParallel(ReplicateParallel):
@@ -283,6 +320,8 @@ def tp_plan(
             return _norm_style(sequence_parallel)
         if isinstance(entry, sh.HeadNorm):
             return _head_norm_style(entry)
+        if isinstance(entry, sh.HeadParams):
+            return HeadParamsParallel(entry.heads_dim)
         if isinstance(entry, sh.Region):
             inner = any(p.startswith(pattern + ".") for p in f8_patterns)
             prepare = PrepareFloat8ModuleInput if inner else PrepareModuleInput
