@@ -41,7 +41,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
 from titanlike.models.decoder import AttentionCore, Positions
+from titanlike.models.linear_attention import GatedDeltaCore, ShortConvCore
 from titanlike.models.masking import DocumentMask
+from titanlike.parallel.state_passing import ContextParallelGatedDelta, ContextParallelShortConv
 
 __all__ = [
     "ContextParallelAttention",
@@ -253,22 +255,27 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True) -
 
     Every attention seam (``titanlike.models.decoder.AttentionCore``, called as ``core(q, k, v)``) becomes a
     :class:`ContextParallelAttention`, every position seam (``titanlike.models.decoder.Positions``) a
-    :class:`ContextParallelPositions`. A module without an attention seam is refused (its attention would see only
-    this rank's tokens); so is one without a position seam unless ``positions=False`` (the model has no positions,
+    :class:`ContextParallelPositions`, every linear-attention seam (``titanlike.models.linear_attention``:
+    ``GatedDeltaCore``, ``ShortConvCore``) its state-passing counterpart (``titanlike.parallel.state_passing``). A
+    module without an attention seam is refused (its attention would see only this rank's tokens); so is one
+    without a position seam unless ``positions=False`` (the model has no positions,
     or feeds ``cp_positions`` to its position lookups itself). Call after tensor parallelism and before activation
     checkpointing / compile / FSDP; the batches must be cut with :func:`cp_shard`.
     """
     if cp_mesh.ndim != 1:
         raise ValueError(f"apply_cp needs a 1-D cp mesh, got {cp_mesh}")
-    cores, seams = [], []
+    cores, seams, linear = [], [], []
     for module in model.modules():
         for child_name, child in module.named_children():
             if isinstance(child, AttentionCore):
                 cores.append((module, child_name))
             elif isinstance(child, Positions):
                 seams.append((module, child_name))
-    already = any(isinstance(m, (ContextParallelAttention, ContextParallelPositions)) for m in model.modules())
-    if not cores and not already:
+            elif isinstance(child, (GatedDeltaCore, ShortConvCore)):
+                linear.append((module, child_name, child))
+    done = (ContextParallelAttention, ContextParallelPositions, ContextParallelGatedDelta, ContextParallelShortConv)
+    already = any(isinstance(m, done) for m in model.modules())
+    if not cores and not linear and not already:
         raise ValueError(
             f"apply_cp: {type(model).__name__} has no attention seam (a titanlike.models.decoder.AttentionCore "
             f"module called as core(q, k, v)), so each cp rank would attend over its own tokens only; route its "
@@ -284,4 +291,9 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True) -
         setattr(owner, child_name, ContextParallelAttention(cp_mesh))
     for owner, child_name in seams:
         setattr(owner, child_name, ContextParallelPositions(cp_mesh))
+    for owner, child_name, child in linear:  # linear attention: state passing (titanlike.parallel.state_passing)
+        if isinstance(child, GatedDeltaCore):
+            setattr(owner, child_name, ContextParallelGatedDelta(cp_mesh, child.chunk_size))
+        else:
+            setattr(owner, child_name, ContextParallelShortConv(cp_mesh))
     return model
