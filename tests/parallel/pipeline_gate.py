@@ -48,6 +48,9 @@ gate.MODELS.update(
         "block_deep": ("--model.n_layers", "8", *gate.MODELS["block_reset"]),
         # Qwen3-MoE (every block MoE, bias update and aux loss on): each stage updates its own blocks' biases
         "moe_deep": ("--model.n_layers", "4", *gate.MODELS["moe"]),
+        # Qwen3-Next (linear, full, linear, full): ZBV's 4 stages of one block each hold both layer kinds
+        "qnext_deep": ("--model.n_layers", "4", *gate.MODELS["qnext"]),
+        "qnext_block_deep": ("--model.n_layers", "4", *gate.MODELS["qnext_block"]),
     }
 )
 gate.MUON_MATRICES["muon_deep"] = 7 * 8
@@ -264,6 +267,11 @@ EP2 = ("--parallelism.expert_parallel_degree", "2")
 LAYOUTS += [
     _layout("moe pp2 1F1B", 2, _pp(2, "1F1B", 8, 2), model="moe_deep"),
     _layout("moe pp2 ZBVZeroBubble", 2, _pp(2, "ZBVZeroBubble", 8, 2), model="moe_deep"),
+    *[
+        _layout(f"{m} pp2 {s}", 2, _pp(2, s, 8, 2), model=f"{m}_deep")
+        for m in ("qnext", "qnext_block")
+        for s in ("1F1B", "ZBVZeroBubble")
+    ],
     _layout("moe pp2 ep2 1F1B", 4, (*EP2, *_pp(2, "1F1B", 4)), model="moe_deep"),
     _layout("moe pp2 ep2 Interleaved1F1B", 4, (*EP2, *_pp(2, "Interleaved1F1B", 4)), model="moe_deep"),
     _layout(
