@@ -300,6 +300,7 @@ def test_every_model_adapter_implements_the_protocol_and_hf_names_no_model():
         "llama3": "llama",
         "qwen3": "qwen3",
         "qwen3_moe": "qwen3_moe",
+        "qwen3_next": "qwen3_next",
     }
     # titanlike/hf/ is model-independent: no registered model's name, model_type or class appears in it.
     words = {w.lower() for ad in adapters.values() for w in (ad.MODEL_TYPE, ad.ARCHITECTURE)} | set(adapters)
@@ -309,7 +310,8 @@ def test_every_model_adapter_implements_the_protocol_and_hf_names_no_model():
     # model_type picks the adapter; none or an unknown one is one line listing those titanlike imports.
     for config, message in (({}, "no model_type"), ({"model_type": "mistral"}, "model_type = 'mistral'")):
         with pytest.raises(
-            hf.HFConfigError, match=message + r" \(titanlike imports 'gpt2', 'llama', 'qwen3', 'qwen3_moe'\)"
+            hf.HFConfigError,
+            match=message + r" \(titanlike imports 'gpt2', 'llama', 'qwen3', 'qwen3_moe', 'qwen3_next'\)",
         ):
             hf.model_args_from_hf_config(config)
 

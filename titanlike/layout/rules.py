@@ -73,6 +73,8 @@ RULES = {
     "tp_heads": "tp divides n_heads",
     "tp_kv_heads": "tp divides n_kv_heads",
     "tp_ffn": "tp divides the ffn hidden size",
+    "tp_model": "the model's own tensor-parallel rules (ModelSpec.tp_violations; Qwen3-Next: tp divides the "
+    "linear-attention key heads)",
     "tp_vocab": "tp divides the padded vocabulary",
     "sp_seq_len": "tp divides seq_len under sequence parallelism",
     "sp_needs_tp": "sequence parallelism needs tp > 1",
@@ -190,6 +192,7 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
                 f"parallelism.tensor_parallel_degree {tp} does not divide n_kv_heads {args.n_kv_heads}; "
                 f"choose a tp degree dividing {args.n_kv_heads}",
             )
+        out += [("tp_model", m) for m in spec.tp_violations(args, tp)]
         if args.hidden_dim % tp:
             add(
                 "tp_ffn",

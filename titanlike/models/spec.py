@@ -48,6 +48,9 @@ class ModelSpec:
     block_container: str | None = None
     # Extra shape rules of this model (one line with the fix per violation), on top of the shared ones.
     shape_violations: Callable[[object], list[str]] = lambda args: []
+    # Extra tensor-parallel rules of this model: tp_violations(args, tp) (Qwen3-Next: tp divides its linear-attention
+    # key heads), one line with the fix each; checked by the layout rules (rule tp_model) before any process starts.
+    tp_violations: Callable[[object, int], list[str]] = lambda args, tp: []
     # Hugging Face adapter: the module (titanlike/models/<name>/hf.py) implementing titanlike.hf.HFAdapter; its
     # MODEL_TYPE is the config.json model_type import picks it by.
     hf_adapter: str = ""

@@ -2,7 +2,7 @@
 
 from titanlike.models.qwen3_next.hf import export_violations
 from titanlike.models.qwen3_next.model import FLAVORS, Qwen3Next, Qwen3NextArgs, Qwen3NextBlock, param_init
-from titanlike.models.qwen3_next.sharding import SHARDING
+from titanlike.models.qwen3_next.sharding import SHARDING, sharding_of
 from titanlike.models.spec import ModelSpec, register
 
 __all__ = ["FLAVORS", "SPEC", "Qwen3Next", "Qwen3NextArgs", "Qwen3NextBlock", "param_init"]
@@ -31,6 +31,16 @@ def _shape_violations(args) -> list[str]:
     return out
 
 
+def _tp_violations(args, tp: int) -> list[str]:
+    if args.linear_k_heads % tp:
+        return [
+            f"parallelism.tensor_parallel_degree {tp} does not divide the Gated DeltaNet key heads "
+            f"{args.linear_k_heads} (each tp rank holds whole key-head groups); choose a tp degree dividing "
+            f"{args.linear_k_heads}"
+        ]
+    return []
+
+
 def _num_experts(args) -> int:
     return args.num_experts
 
@@ -42,8 +52,10 @@ SPEC = register(
         args_cls=Qwen3NextArgs,
         flavors=FLAVORS,
         sharding=SHARDING,
+        sharding_fn=sharding_of,  # a dense SwiGLU's entries instead of the MoE block's without experts
         context_parallel=True,  # attention, the linear-attention seams and positions through the shared seams
         shape_violations=_shape_violations,
+        tp_violations=_tp_violations,
         num_experts=_num_experts,
         hf_adapter="titanlike.models.qwen3_next.hf",
         hf_export_violations=export_violations,

@@ -11,7 +11,7 @@ sequence, the experts over ``ep``; the router, shared expert and its gate data-p
 
 from titanlike.sharding import Colwise, Head, HeadNorm, HeadParams, Norm, Region, Rowwise, TokenLocal, VocabEmbedding
 
-__all__ = ["SHARDING"]
+__all__ = ["SHARDING", "sharding_of"]
 
 SHARDING = {
     "tok_embeddings": VocabEmbedding(),
@@ -31,11 +31,21 @@ SHARDING = {
     "layers.*.linear_attn.norm": HeadNorm(),
     "layers.*.linear_attn.out_proj": Rowwise(),
     "layers.*.ffn_norm": Norm(),
-    "layers.*.feed_forward": Region(),
-    "layers.*.feed_forward.w1": Colwise(),
-    "layers.*.feed_forward.w3": Colwise(),
-    "layers.*.feed_forward.w2": Rowwise(),
     "layers.*.moe": TokenLocal(),
     "norm": Norm(),
     "output": Head(),
 }
+_DENSE = {
+    "layers.*.feed_forward": Region(),
+    "layers.*.feed_forward.w1": Colwise(),
+    "layers.*.feed_forward.w3": Colwise(),
+    "layers.*.feed_forward.w2": Rowwise(),
+}
+
+
+def sharding_of(args) -> dict:
+    """The entries of a model of ``args``: the MoE block's (``SHARDING``), or a dense SwiGLU's without experts."""
+    if args.num_experts:
+        return SHARDING
+    dense = {k: v for k, v in SHARDING.items() if k != "layers.*.moe"}
+    return {**dense, **_DENSE}
