@@ -92,6 +92,25 @@ def _layer_ids(names) -> list[int]:
     return [int(n.split(".")[1]) for n in names if n.startswith("layers.")]
 
 
+def _linear_cp_messages(add, lo: Layout, linear: dict, passes: int) -> None:
+    """The cp messages of the linear-attention blocks (``titanlike.parallel.state_passing``), per block and
+    microbatch: the all-gather of every rank's two pieces' state maps ``(B, M)``, ``b x v_heads/tp x dk x (dv + dk)``
+    each in at least float32, and of their conv halos (the last ``kernel - 1`` inputs of each piece), both
+    reduce-scattered in the backward (again gathered when full AC recomputes the block): independent of seq_len."""
+    b, t, a = lo.microbatch_size, lo.tp, lo.act_bytes
+    for i, shape in linear.items():
+        if shape is None:
+            continue
+        hv, dk, dv, channels, kernel = shape
+        state = lo.cp * 2 * b * (hv // t) * dk * (dv + dk) * lo.compute_bytes
+        halo = lo.cp * 2 * b * min(kernel - 1, lo.local_seq_len // 2) * (channels // t) * a
+        again = lo.checkpointed(i) == "full"
+        for nbytes, what in ((state, "linear-attention state maps"), (halo, "short-conv halos")):
+            add("cp", "all_gather", "forward", nbytes, lo.cp, f"{what} of every linear block", passes)
+            add("cp", "reduce_scatter", "backward", nbytes, lo.cp, f"{what} grads of every linear block", passes)
+            add("cp", "all_gather", "backward", nbytes, lo.cp, f"recomputed {what} (full AC)", again * passes)
+
+
 def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
     """Every message ``rank`` sends in one optimizer step, aggregated by (dim, op, phase, size, what)."""
     out: dict[tuple, int] = defaultdict(int)
@@ -201,7 +220,10 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
                     add("tp", "all_gather", "forward", b * s * args.vocab_size * a, t, "logits", passes)
         # ---------------------------------------------------------------------------------- context parallel
         if lo.cp > 1:
-            n, recomputed = len(ids), sum(lo.checkpointed(i) == "full" for i in ids)
+            linear = {i: get_spec_for(args).linear_attention(args, i) for i in ids}
+            _linear_cp_messages(add, lo, linear, passes)
+            softmax = [i for i in ids if linear[i] is None]
+            n, recomputed = len(softmax), sum(lo.checkpointed(i) == "full" for i in softmax)
             add("cp", "all_gather", "forward", kv_bytes, lo.cp, "K and V of every block", 2 * n * passes)
             add("cp", "reduce_scatter", "backward", kv_bytes, lo.cp, "K and V grads of every block", 2 * n * passes)
             add(

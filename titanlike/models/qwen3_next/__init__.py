@@ -41,6 +41,13 @@ def _tp_violations(args, tp: int) -> list[str]:
     return []
 
 
+def _linear_attention(args, layer_id: int):
+    if args.layer_type(layer_id) != "linear_attention":
+        return None
+    channels = 2 * args.key_dim + args.value_dim
+    return args.linear_v_heads, args.linear_k_head_dim, args.linear_v_head_dim, channels, args.conv_kernel
+
+
 def _num_experts(args) -> int:
     return args.num_experts
 
@@ -56,6 +63,7 @@ SPEC = register(
         context_parallel=True,  # attention, the linear-attention seams and positions through the shared seams
         shape_violations=_shape_violations,
         tp_violations=_tp_violations,
+        linear_attention=_linear_attention,
         num_experts=_num_experts,
         hf_adapter="titanlike.models.qwen3_next.hf",
         hf_export_violations=export_violations,
