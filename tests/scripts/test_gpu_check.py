@@ -38,6 +38,7 @@ def test_gpu_check_dry_run_writes_every_row(tmp_path):
             "moe_bench",
             "muon_step",
             "mask_bench",
+            "linear_bench",
         )
     }, proc.stdout
     rows = {r["row"]: r for r in summary["rows"]}
@@ -58,6 +59,8 @@ def test_gpu_check_dry_run_writes_every_row(tmp_path):
     mask = summary["mask"]  # block_causal vs causal on one batch, and the shipped corpus's skipped share
     assert mask["backend"] == "sdpa" and mask["ratio_block_causal_over_causal"] > 0
     assert 0 < mask["batch_pair_fraction"] < 1 and 0 < mask["corpus"]["flops_skipped"] < 0.01
+    linear = summary["linear"]  # Gated DeltaNet: chunked vs recurrent (no flash-linear-attention on CPU), the scan
+    assert set(linear["forms"]["rows"]) == {"chunked", "recurrent"} and linear["scan"]["sent_bytes"] > 0
 
 
 def test_gpu_check_bad_argument_is_one_line(tmp_path):
