@@ -192,3 +192,17 @@ def test_config_fields_refused_in_one_line():
         model_args_from_hf_config(fields)
     msg = str(e.value)
     assert "\n" not in msg and "layer_types" in msg and "hidden_act" in msg and "mlp_only_layers" in msg
+
+
+def test_init_follows_transformers_rules():
+    args = get_spec("qwen3_next").flavors["tiny"].replace(vocab_size=64)
+    model = get_spec("qwen3_next").build(args)
+    model.init_weights(seed=0)
+    a_log = model.layers["0"].linear_attn.decay.A_log
+    assert (a_log.exp() >= 0.01).all() and (a_log.exp() <= 16).all() and a_log.std() > 0  # log(uniform(0.01, 16))
+    assert torch.equal(model.layers["0"].linear_attn.decay.dt_bias, torch.ones(4))
+    assert torch.equal(model.layers["1"].attention.q_norm.weight, torch.zeros(16))  # zero-centred: 1 + w
+    assert torch.equal(model.layers["0"].linear_attn.norm.weight, torch.ones(8))
+    again = get_spec("qwen3_next").build(args)
+    again.init_weights(seed=0)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))

@@ -375,6 +375,12 @@ LAYOUTS = [
         )
     ],
     Layout("qnext cp2 ac_full", 2, _cp(2, "--activation_checkpoint.mode", "full", *_dp(1, 1, 8)), model="qnext"),
+    Layout(
+        "qnext_block cp2 ac_selective_op",
+        2,
+        _cp(2, "--activation_checkpoint.mode", "selective", *_dp(1, 1, 8)),
+        model="qnext_block",
+    ),
     Layout("MUT qnext cp2 state not passed", 2, _cp(2, *_dp(1, 1, 8)), model="qnext", mutation="cp_state_not_passed"),
     Layout(
         "MUT qnext cp2 scan in placement order", 2, _cp(2, *_dp(1, 1, 8)), model="qnext", mutation="cp_scan_rank_order"
