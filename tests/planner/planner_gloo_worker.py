@@ -117,6 +117,9 @@ CASES = {
         "--activation_checkpoint.mode",
         "full",
     ],
+    # Qwen3-Next (a Gated DeltaNet layer, a gated attention one, MoE): the state maps and conv halos on the cp group
+    # beside the attention layer's K/V, recomputed under full AC, FSDP over dp_shard x cp
+    "qnext_cp2_fsdp2_fullac": ["--parallelism.context_parallel_degree", "2", "--activation_checkpoint.mode", "full"],
     "pp2_moe_ep2_1f1b": [  # stage 0: the dense layer and an MoE one, stage 1: two MoE layers
         "--parallelism.expert_parallel_degree",
         "2",
@@ -127,6 +130,7 @@ CASES = {
     ],
 }
 MOE = ["--model.name", "qwen3_moe"]
+QNEXT = ["--model.name", "qwen3_next"]
 MODEL = [
     "--model.flavor",
     "tiny",
@@ -153,7 +157,8 @@ VOCAB = 250  # with vocab_multiple 2: 250 rows, uneven FSDP chunks under tp 2 x 
 def case_config(name: str):
     from titanlike.config import model_args_from_config, parse_config
 
-    cfg = parse_config((MOE if "moe" in name else []) + MODEL + ["--model.vocab_multiple", "2"] + CASES[name])
+    model = MOE if "moe" in name else QNEXT if "qnext" in name else []
+    cfg = parse_config(model + MODEL + ["--model.vocab_multiple", "2"] + CASES[name])
     return cfg, model_args_from_config(cfg, VOCAB)
 
 
