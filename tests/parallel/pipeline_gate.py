@@ -272,6 +272,13 @@ LAYOUTS += [
         for m in ("qnext", "qnext_block")
         for s in ("1F1B", "ZBVZeroBubble")
     ],
+    # the state passing inside every pipeline stage (each stage's linear layer scans over the cp group)
+    _layout(
+        "qnext_block cp2 pp2 1F1B",
+        4,
+        ("--parallelism.context_parallel_degree", "2", *_pp(2, "1F1B", 8, 2)),
+        model="qnext_block_deep",
+    ),
     _layout("moe pp2 ep2 1F1B", 4, (*EP2, *_pp(2, "1F1B", 4)), model="moe_deep"),
     _layout("moe pp2 ep2 Interleaved1F1B", 4, (*EP2, *_pp(2, "Interleaved1F1B", 4)), model="moe_deep"),
     _layout(
