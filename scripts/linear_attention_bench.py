@@ -39,8 +39,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from titanlike.models.linear_attention import (  # noqa: E402
-    _fla_kernel,
     chunk_gated_delta_rule,
+    fla_kernel,
     l2norm,
     recurrent_gated_delta_rule,
 )
@@ -112,7 +112,7 @@ def time_forms(a) -> dict:
         "chunked": lambda *x: chunk_gated_delta_rule(*x, chunk_size=a.chunk)[0],
         "recurrent": lambda *x: recurrent_gated_delta_rule(*x)[0],
     }
-    kernel = _fla_kernel() if a.device == "cuda" else None
+    kernel = fla_kernel() if a.device == "cuda" else None
     if kernel is not None:
         forms["fla"] = lambda q, k, v, g, b: kernel(q, k, v, g=g, beta=b, scale=q.shape[-1] ** -0.5)[0]
     times = {n: [] for n in forms}

@@ -49,6 +49,7 @@ __all__ = [
     "ShortConvCore",
     "chunk_gated_delta_rule",
     "conv_taps",
+    "fla_kernel",
     "l2norm",
     "recurrent_gated_delta_rule",
     "state_affine",
@@ -253,7 +254,7 @@ class GatedDeltaCore(nn.Module):
         return f"chunk_size={self.chunk_size}, form={self.form}"
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, mask: DocumentMask | None = None):
-        kernel = _fla_kernel() if self.use_kernels and mask is None and v.is_cuda and v.dtype != torch.float64 else None
+        kernel = fla_kernel() if self.use_kernels and mask is None and v.is_cuda and v.dtype != torch.float64 else None
         if kernel is not None:
             q, k = _expand_heads(q, k, v)
             return kernel(q, k, v, g=g, beta=beta, scale=q.shape[-1] ** -0.5)[0]
@@ -265,7 +266,7 @@ class GatedDeltaCore(nn.Module):
         ]
 
 
-def _fla_kernel():
+def fla_kernel():
     """flash-linear-attention's chunked kernel when installed (a kernel backend, never required), else None."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
