@@ -32,8 +32,11 @@
 #   deepseek_v3      benchmark.py --model deepseek_v3 (debugmodel: MLA, DeepSeek MoE, one MTP depth), titanlike vs
 #                    plain on CUDA: the MLA path (v head dim != q/k head dim) through SDPA and the grouped experts
 #                    ($OUT/deepseek_v3/deepseek_v3.json; "deepseek_v3" in summary.json)
+#   linear_bench     scripts/linear_attention_bench.py: Gated DeltaNet fwd+bwd, chunked vs recurrent (vs the
+#                    flash-linear-attention kernel when installed), Qwen3-Next's cp bytes per layer kind, the scan on 2
+#                    gloo ranks ($OUT/linear_bench/linear.json; "linear" in summary.json)
 # Writes $OUT/<row>.json (benchmark.py --json), $OUT/<row>.log, $OUT/train_1b/metrics.jsonl, $OUT/moe_bench/moe_bench.json,
-# $OUT/muon_step/muon.json, $OUT/mask_bench/mask.json, $OUT/env.json and $OUT/summary.json (every row's tokens/s, MFU,
+# $OUT/muon_step/muon.json, $OUT/mask_bench/mask.json, $OUT/linear_bench/linear.json, $OUT/env.json and $OUT/summary.json (every row's tokens/s, MFU,
 # memory and ratio to plain, the MoE ratio, Muon's step seconds against AdamW's, the mask ratio, and each step's exit
 # code).
 set -u
@@ -91,6 +94,7 @@ if [ "$DEVICE" = cuda ]; then
   MUON=(--world 1 --device cuda --flavor 1B --dim 0 --layers 0 --ns-dtype bfloat16 --steps 5); T_MUON=90
   MASK=(--device cuda)
   DS=(--model deepseek_v3 --flavor debugmodel --seq-len 2048 --batch 8 --steps 10 --warmup 3 --compile --device cuda)
+  LINEAR=(--device cuda --seq 4096 --steps 2 --warmup 1)
   TRAIN=(--job.config_file configs/llama3_1b.toml --training.steps 30 --training.local_batch_size 4
          --training.global_batch_size 4 --training.seq_len 2048 --compile.enable true --metrics.log_freq 10
          --validation.enable false --checkpoint.enable false --metrics.enable_tensorboard false)
@@ -105,6 +109,7 @@ else
   MUON=(--world 2 --device cpu --flavor tiny --dim 0 --layers 0 --steps 1); T_MUON=300
   MASK=(--device cpu --seq-len 256 --batch 1 --heads 2 --head-dim 16 --doc-len 64 --steps 1 --warmup 0)
   DS=(--model deepseek_v3 --flavor debugmodel --seq-len 32 --batch 2 --steps 2 --warmup 1 --device cpu)
+  LINEAR=(--device cpu --seq 48 --heads 2 --dk 8 --dv 8 --chunk 16 --steps 1 --warmup 0 --scan-reps 2)
   TRAIN=(--job.config_file configs/debug_model.toml --training.steps 3 --training.seq_len 32 --training.device cpu
          --training.local_batch_size 2 --metrics.log_freq 1 --validation.enable false
          --metrics.enable_tensorboard false)
@@ -140,6 +145,8 @@ run mask_bench "$T_ROW" python scripts/mask_bench.py "${MASK[@]}" --json "$OUT/m
 run train_gpt_oss "$T_ROW" python train.py "${GPT_OSS[@]}" --job.dump_folder "$OUT/train_gpt_oss"
 mkdir -p "$OUT/deepseek_v3"
 run deepseek_v3 "$T_ROW" python scripts/benchmark.py "${DS[@]}" --json "$OUT/deepseek_v3/deepseek_v3.json"
+mkdir -p "$OUT/linear_bench"
+run linear_bench "$T_ROW" python scripts/linear_attention_bench.py "${LINEAR[@]}" --json "$OUT/linear_bench/linear.json"
 
 rcs=""; for k in "${!RC[@]}"; do rcs="$rcs$k=${RC[$k]} "; done
 python - "$OUT" "$rcs" <<'EOF'
@@ -177,11 +184,13 @@ mask = out / "mask_bench" / "mask.json"
 mask = json.loads(mask.read_text()) if mask.exists() else None
 ds = out / "deepseek_v3" / "deepseek_v3.json"
 ds = json.loads(ds.read_text()) if ds.exists() else None
+linear = out / "linear_bench" / "linear.json"
+linear = json.loads(linear.read_text()) if linear.exists() else None
 summary = {"env": json.loads((out / "env.json").read_text()), "exit_codes": rcs, "rows": rows,
            "plain_tokens_per_s_by_batch": plain, "train_1b": [r for r in train if "loss" in r],
            "moe": json.loads(moe.read_text()) if moe.exists() else None, "muon_step": muon, "mask": mask,
            "train_gpt_oss": [r for r in gpt_oss if "loss" in r],
-           "deepseek_v3": ds}
+           "deepseek_v3": ds, "linear": linear}
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
 print(f"{'row':<16} {'batch':>5} {'tokens/s':>10} {'MFU':>6} {'mem GiB':>8} {'x plain':>8}")
 for r in rows:
@@ -208,6 +217,9 @@ if mask:
           f"{mask['window_pair_fraction']:.4f} of the pairs), with sinks {mask['ratio_window_sinks_over_causal']:.3f}")
 if summary["train_gpt_oss"]:
     print("train_gpt_oss: losses", [round(r["loss"], 4) for r in summary["train_gpt_oss"]])
+if linear:
+    print("linear_bench: tokens/s", {k: round(v["tokens_per_s"]) for k, v in linear["forms"]["rows"].items()},
+          "max diff vs recurrent", linear["forms"]["max_output_diff_vs_recurrent"])
 print("exit codes:", rcs)
 EOF
 echo "== gpu_check done in $((SECONDS - START))s; results in $OUT"

@@ -220,9 +220,13 @@ class HeadNorm(Entry):
 
 @dataclass(frozen=True)
 class HeadParams(Entry):
-    """A module holding one value per attention head in its parameters' dim 0 (gpt-oss's attention sinks, ``weight``
-    (heads,)), called with no input and returning them: split over tp with the heads (dim 0), so each rank holds and
-    returns the values of its own heads (the heads its Colwise q projection computes)."""
+    """A module whose parameters hold one slice per attention head along their dim 0, split over tp with the heads
+    the region's Colwise projections give each rank (``Shard(0)``, as a Colwise weight), running on this rank's heads:
+    its tensor inputs are local shards along ``heads_dim`` (the heads / channels dim: (batch, seq, heads): 2), its
+    outputs local tensors. gpt-oss's attention sinks (``weight`` (heads,), called with no input, returning this
+    rank's heads' values); a linear-attention layer's per-head decay parameters and its short conv's channels."""
+
+    heads_dim: int = 2
 
     def tp_dim(self, leaf, ndim, *, tp, fsdp):
         return 0

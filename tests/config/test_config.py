@@ -93,8 +93,8 @@ def test_value_forms():
         ),
         (
             ["--model.name", "gtp2"],
-            "model.name: unknown model 'gtp2'; registered: deepseek_v3, gpt2, gpt_oss, hf, llama3, qwen3, qwen3_moe "
-            "(did you mean 'gpt2'?)",
+            "model.name: unknown model 'gtp2'; registered: deepseek_v3, gpt2, gpt_oss, hf, llama3, qwen3, qwen3_moe, "
+            "qwen3_next (did you mean 'gpt2'?)",
         ),
         (["--model.name", "gpt2", "--model.rope_theta", "5e5"], "model.rope_theta: gpt2 has no such setting"),
         (["--model.name", "gpt2", "--model.n_kv_heads", "2"], "model.n_kv_heads: gpt2 has no such setting"),

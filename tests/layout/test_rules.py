@@ -64,6 +64,11 @@ CASES = {
     "tp_plan": (2, ["--model.name", "hf", "--model.hf_config", NO_PLAN, "--parallelism.tensor_parallel_degree", "2"]),
     "tp_heads": (8, ["--parallelism.tensor_parallel_degree", "8"]),
     "tp_kv_heads": (4, ["--parallelism.tensor_parallel_degree", "4"]),
+    # Qwen3-Next tiny: 2 Gated DeltaNet key heads, the attention's 4 heads / 4 kv heads split by 4
+    "tp_model": (
+        4,
+        ["--model.name", "qwen3_next", "--model.n_kv_heads", "4", "--parallelism.tensor_parallel_degree", "4"],
+    ),
     "tp_ffn": (2, ["--parallelism.tensor_parallel_degree", "2", "--model.ffn_hidden_dim", "91"]),
     "tp_vocab": (
         2,

@@ -35,6 +35,8 @@ def _model(name: str, reset: bool):
     args = model_args_from_config(cfg, vocab_size=VOCAB)
     if getattr(args, "aux_loss_coeff", 0):  # MoE: the sequence-wise aux loss is over the window (one packed row is
         args = args.replace(aux_loss_coeff=0.0)  # one sequence), not over documents: off for the per-document check
+    if getattr(args, "mtp_layers", 0):  # multi-token prediction reads the tokens k ahead, across a document's end:
+        args = args.replace(mtp_layers=0)  # the next-token model here (MTP under block_causal: the parallel gates)
     model = get_spec(name).build(args).to(torch.float64)
     model.init_weights(seed=0)
     model.reset_position_ids = reset

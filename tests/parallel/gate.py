@@ -150,6 +150,11 @@ MODELS = {
     # ContextParallelLatentAttention); with MTP: the "ds" layouts under cp
     "ds_cp": ("--model.name", "deepseek_v3", "--model.mtp_layers", "0"),
     "ds_cp_block": ("--model.name", "deepseek_v3", "--model.mtp_layers", "0", "--model.attn_mask_type", "block_causal"),
+    # Qwen3-Next (tiny: a Gated DeltaNet layer (2 key heads of 8, 4 value heads of 8, conv 4, chunk 4) then a gated
+    # attention one (4 heads of 16, 2 kv heads, RoPE on half of each head), MoE of 4 experts of 32, top-2, with the
+    # sigmoid-gated shared expert; no expert bias, as transformers' model); qnext_block: packed documents
+    "qnext": ("--model.name", "qwen3_next"),
+    "qnext_block": ("--model.name", "qwen3_next", "--model.attn_mask_type", "block_causal"),
     **HF_MODELS,
 }
 # Matrices Muon orthogonalizes per model (tiny, 2 blocks): Llama 7 per block; GPT-2 c_attn's q, k, v + 3.
@@ -453,6 +458,48 @@ LAYOUTS = [
         mutation="hf_window_dropped",
     ),
     Layout("MUT gpt_oss ep2 clamp missing", 2, _ep(2, *_dp(1, 2, 4)), model="gpt_oss", mutation="clamp_missing"),
+    # Qwen3-Next: the linear-attention layer's cp by state passing, its heads over tp (ep borrows the tp ranks)
+    *[
+        Layout(f"{m} {name}", 2, args, model=m)
+        for m in ("qnext", "qnext_block")
+        for name, args in (
+            ("cp2", _cp(2, *_dp(1, 1, 8))),
+            ("tp2_sp_ep2", _ep(2, *_tp(2, *SP, *_dp(1, 1, 8)))),
+            ("fsdp2", _dp(1, 2, 4)),
+            ("ep2", _ep(2, *_dp(1, 2, 4))),
+        )
+    ],
+    Layout("qnext cp2 ac_full", 2, _cp(2, "--activation_checkpoint.mode", "full", *_dp(1, 1, 8)), model="qnext"),
+    Layout(
+        "qnext_block cp2 ac_selective_op",
+        2,
+        _cp(2, "--activation_checkpoint.mode", "selective", *_dp(1, 1, 8)),
+        model="qnext_block",
+    ),
+    Layout("MUT qnext cp2 state not passed", 2, _cp(2, *_dp(1, 1, 8)), model="qnext", mutation="cp_state_not_passed"),
+    Layout(
+        "MUT qnext cp2 scan in placement order", 2, _cp(2, *_dp(1, 1, 8)), model="qnext", mutation="cp_scan_rank_order"
+    ),
+    Layout("MUT qnext cp2 conv halo missing", 2, _cp(2, *_dp(1, 1, 8)), model="qnext", mutation="cp_no_conv_halo"),
+    Layout(
+        "MUT qnext_block cp2 state not reset at a document start",
+        2,
+        _cp(2, *_dp(1, 1, 8)),
+        model="qnext_block",
+        mutation="delta_no_reset",
+    ),
+    Layout("MUT qnext fsdp2 decay sign flipped", 2, _dp(1, 2, 4), model="qnext", mutation="delta_decay_sign"),
+    Layout("MUT qnext fsdp2 beta not a sigmoid", 2, _dp(1, 2, 4), model="qnext", mutation="delta_beta_raw"),
+    Layout(
+        "MUT qnext ep2 shared-expert gate missing", 2, _ep(2, *_dp(1, 2, 4)), model="qnext", mutation="no_shared_gate"
+    ),
+    Layout(
+        "MUT qnext tp2_sp_ep2 delta norm ReplicateParallel",
+        2,
+        _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))),
+        model="qnext",
+        mutation="qk_norm_replicated",
+    ),
     # 4 ranks
     Layout("tp4_gqa", 4, _tp(4, *_dp(1, 1, 8)), model="gqa8"),
     Layout("fsdp4", 4, _dp(1, 4, 2)),
@@ -493,6 +540,22 @@ LAYOUTS = [
     Layout("ds_block cp2_tp2_sp_ep2", 4, _ep(2, *_cp(2, *_tp(2, *SP, *_dp(1, 1, 8)))), model="ds_block"),
     *[Layout(f"{m} tp2_fsdp2", 4, _tp(2, *_dp(1, 2, 4)), model=m) for m in HF_CONFIGS if m != "hf_phi3_mha"],
     Layout("hf_qwen2_tied hsdp2x2", 4, _dp(2, 2, 2), model="hf_qwen2_tied"),  # HSDP, the tie across the groups
+    *[
+        Layout(f"{m} {name}", 4, args, model=m)
+        for m in ("qnext", "qnext_block")
+        for name, args in (
+            ("cp4", _cp(4, *_dp(1, 1, 8))),
+            ("cp2_tp2_sp_ep2", _ep(2, *_cp(2, *_tp(2, *SP, *_dp(1, 1, 8))))),
+        )
+    ],
+    Layout(
+        "MUT qnext_block cp4 scan in placement order",
+        4,
+        _cp(4, *_dp(1, 1, 8)),
+        model="qnext_block",
+        mutation="cp_scan_rank_order",
+    ),
+    Layout("MUT qnext cp4 conv halo missing", 4, _cp(4, *_dp(1, 1, 8)), model="qnext", mutation="cp_no_conv_halo"),
     # 8 ranks
     Layout("tp2_hsdp2x2", 8, _tp(2, *_dp(2, 2, 2))),
     Layout("tp2_sp_fsdp4", 8, _tp(2, *SP, *_dp(1, 4, 2))),
@@ -803,6 +866,93 @@ def _mask_cp_rank():
         yield
 
 
+@contextlib.contextmanager
+def _cp_state_not_passed():
+    """Linear attention under cp: every piece starts from the zero state (no scan over the cp ranks' maps)."""
+    import titanlike.parallel.state_passing as spm
+
+    def zeros(maps, dv, upto):
+        return [torch.zeros_like(maps[0, ..., :dv])] * (upto + 1)
+
+    with patched(spm, "entering_states", zeros):
+        yield
+
+
+@contextlib.contextmanager
+def _cp_scan_rank_order():
+    """Linear attention under cp: the gathered state maps scanned in placement (rank) order, not sequence order."""
+    import titanlike.parallel.state_passing as spm
+
+    with patched(spm, "true_order", lambda gathered, chunks_of_rank: gathered):
+        yield
+
+
+@contextlib.contextmanager
+def _cp_no_conv_halo():
+    """Linear attention under cp: each piece's short conv starts from zeros instead of the previous piece's inputs."""
+    import titanlike.parallel.state_passing as spm
+
+    with patched(spm, "halo_before", lambda tails, chunk, kernel: None):
+        yield
+
+
+@contextlib.contextmanager
+def _delta_no_reset():
+    """The gated delta rule's state is not reset at document starts (the conv still is)."""
+    import titanlike.models.linear_attention as la
+
+    original = la._doc_masks
+    with patched(la, "_doc_masks", lambda starts, *rest: original(torch.zeros_like(starts), *rest)):
+        yield
+
+
+@contextlib.contextmanager
+def _delta_decay_sign():
+    """Gated DeltaNet's decay with the wrong sign: g = +exp(A_log) softplus(a + dt_bias)."""
+    from titanlike.models.qwen3_next.model import DeltaDecay
+
+    original = DeltaDecay.forward
+
+    def flipped(self, b, a):
+        beta, g = original(self, b, a)
+        return beta, -g
+
+    with patched(DeltaDecay, "forward", flipped):
+        yield
+
+
+@contextlib.contextmanager
+def _delta_beta_raw():
+    """Gated DeltaNet's write strength without its sigmoid: beta = b."""
+    from titanlike.models.qwen3_next.model import DeltaDecay
+
+    original = DeltaDecay.forward
+
+    def raw(self, b, a):
+        return b, original(self, b, a)[1]
+
+    with patched(DeltaDecay, "forward", raw):
+        yield
+
+
+@contextlib.contextmanager
+def _no_shared_gate():
+    """The MoE block's shared expert added without its sigmoid gate."""
+    from titanlike.models.moe import MoE
+
+    original = MoE.forward
+
+    def ungated(self, x):
+        gate, self.shared_gate = self.shared_gate, None
+        try:
+            return original(self, x)
+        finally:
+            self.shared_gate = gate
+
+    with patched(MoE, "forward", ungated):
+        yield
+
+
 _RESET = {"apply": True}  # build_model sets model.reset_position_ids from the config unless a mutation says not
 
 
@@ -1103,6 +1253,13 @@ MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "ds_no_group_limit": _ds_no_group_limit,
     "ds_mtp_shift": _ds_mtp_shift,
     "ds_latent_replicated": _ds_latent_replicated,
+    "cp_state_not_passed": _cp_state_not_passed,
+    "cp_scan_rank_order": _cp_scan_rank_order,
+    "cp_no_conv_halo": _cp_no_conv_halo,
+    "delta_no_reset": _delta_no_reset,
+    "delta_decay_sign": _delta_decay_sign,
+    "delta_beta_raw": _delta_beta_raw,
+    "no_shared_gate": _no_shared_gate,
     "mask_cp_rank": _mask_cp_rank,
     "mask_no_reset": _mask_no_reset,
     "moe_local_loads": _moe_local_loads,

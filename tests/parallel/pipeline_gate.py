@@ -55,6 +55,9 @@ gate.MODELS.update(
         # last stage (its embedding a tied copy of the first stage's table, the token ids passed to every stage)
         "ds_deep": ("--model.n_layers", "4", *gate.MODELS["ds_block"]),
         "ds_deep_nomtp": ("--model.n_layers", "4", *gate.MODELS["ds_cp_block"]),
+        # Qwen3-Next (linear, full, linear, full): ZBV's 4 stages of one block each hold both layer kinds
+        "qnext_deep": ("--model.n_layers", "4", *gate.MODELS["qnext"]),
+        "qnext_block_deep": ("--model.n_layers", "4", *gate.MODELS["qnext_block"]),
     }
 )
 gate.MUON_MATRICES["muon_deep"] = 7 * 8
@@ -280,6 +283,18 @@ EP2 = ("--parallelism.expert_parallel_degree", "2")
 LAYOUTS += [
     _layout("moe pp2 1F1B", 2, _pp(2, "1F1B", 8, 2), model="moe_deep"),
     _layout("moe pp2 ZBVZeroBubble", 2, _pp(2, "ZBVZeroBubble", 8, 2), model="moe_deep"),
+    *[
+        _layout(f"{m} pp2 {s}", 2, _pp(2, s, 8, 2), model=f"{m}_deep")
+        for m in ("qnext", "qnext_block")
+        for s in ("1F1B", "ZBVZeroBubble")
+    ],
+    # the state passing inside every pipeline stage (each stage's linear layer scans over the cp group)
+    _layout(
+        "qnext_block cp2 pp2 1F1B",
+        4,
+        ("--parallelism.context_parallel_degree", "2", *_pp(2, "1F1B", 8, 2)),
+        model="qnext_block_deep",
+    ),
     _layout("moe pp2 ep2 1F1B", 4, (*EP2, *_pp(2, "1F1B", 4)), model="moe_deep"),
     _layout("moe pp2 ep2 Interleaved1F1B", 4, (*EP2, *_pp(2, "Interleaved1F1B", 4)), model="moe_deep"),
     _layout(

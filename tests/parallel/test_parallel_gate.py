@@ -53,6 +53,14 @@ EXPECTED_BREAK = {
     "ds_no_group_limit": ("loss_step1", True),
     "ds_mtp_shift": ("loss_step1", True),
     "ds_latent_replicated": ("grads", False),
+    # Qwen3-Next: linear attention's cp by state passing and the Gated DeltaNet / shared-expert gates (forward)
+    "cp_state_not_passed": ("loss_step1", True),
+    "cp_scan_rank_order": ("loss_step1", True),
+    "cp_no_conv_halo": ("loss_step1", True),
+    "delta_no_reset": ("loss_step1", True),
+    "delta_decay_sign": ("loss_step1", True),
+    "delta_beta_raw": ("loss_step1", True),
+    "no_shared_gate": ("loss_step1", True),
 }
 BROKEN = gate.BROKEN  # a mutation must move its metric by at least this much (the tolerance is 1e-10)
 
@@ -154,6 +162,15 @@ def test_matrix_covers_the_required_layouts():
         "qwen3 fsdp2",
         "qwen3 hsdp2x2",
         "qwen3 cp2",
+        "qnext cp2",
+        "qnext cp4",
+        "qnext_block cp2",
+        "qnext_block cp4",
+        "qnext tp2_sp_ep2",
+        "qnext_block tp2_sp_ep2",
+        "qnext fsdp2",
+        "qnext ep2",
+        "qnext cp2_tp2_sp_ep2",
         "muon fsdp2",
         "muon tp2_sp",
         "muon cp2",

@@ -10,9 +10,10 @@ Qwen3-MoE (a dense and an MoE layer, the sequence-wise aux loss on, routed round
 under ep 2 x FSDP 4 in bf16 (experts' own FSDP over dp_shard_mod_ep) and under TP+SP 2 x ep 4 x FSDP 2 with full AC
 (ep borrowing tp: no collectives around the MoE block, its router over dp_shard_cp_tp, the aux loss's counts over tp,
 per-head norm gradients over tp, the all-to-alls recomputed); Qwen3-MoE under PP 2 x ep 2 with 1F1B (a dense and an
-MoE layer on the first stage, two MoE layers on the second). Every MoE case ends with the step's balancing (the
-aux-loss terms and expert loads summed over dp x cp, x tp where ep borrows it; the log's table over the stages).
-The vocabulary (250 rows) splits unevenly under tp 2 x dp_shard 2, so the padded FSDP
+MoE layer on the first stage, two MoE layers on the second); Qwen3-Next (a Gated DeltaNet and a gated attention
+layer) under CP 2 x FSDP with full AC (the state maps and conv halos beside the K/V). Every MoE case ends with
+the step's balancing (the aux-loss terms and expert loads summed over dp x cp, x tp where ep borrows it; the log's
+table over the stages). The vocabulary (250 rows) splits unevenly under tp 2 x dp_shard 2, so the padded FSDP
 shards are exercised too.
 """
 

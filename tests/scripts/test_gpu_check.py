@@ -40,6 +40,7 @@ def test_gpu_check_dry_run_writes_every_row(tmp_path):
             "mask_bench",
             "train_gpt_oss",
             "deepseek_v3",
+            "linear_bench",
         )
     }, proc.stdout
     rows = {r["row"]: r for r in summary["rows"]}
@@ -64,6 +65,8 @@ def test_gpu_check_dry_run_writes_every_row(tmp_path):
     assert 0 < mask["batch_pair_fraction"] < 1 and 0 < mask["corpus"]["flops_skipped"] < 0.01
     assert 0 < mask["window_pair_fraction"] < 1 and mask["ratio_window_sinks_over_causal"] > 0
     assert [r["step"] for r in summary["train_gpt_oss"]] == [1, 2]  # gpt-oss: window, sinks, block_causal
+    linear = summary["linear"]  # Gated DeltaNet: chunked vs recurrent (no flash-linear-attention on CPU), the scan
+    assert set(linear["forms"]["rows"]) == {"chunked", "recurrent"} and linear["scan"]["sent_bytes"] > 0
 
 
 def test_gpu_check_bad_argument_is_one_line(tmp_path):

@@ -73,6 +73,8 @@ RULES = {
     "tp_heads": "tp divides n_heads",
     "tp_kv_heads": "tp divides n_kv_heads",
     "tp_ffn": "tp divides the ffn hidden size",
+    "tp_model": "the model's own tensor-parallel rules (ModelSpec.tp_violations; Qwen3-Next: tp divides the "
+    "linear-attention key heads)",
     "tp_vocab": "tp divides the padded vocabulary",
     "sp_seq_len": "tp divides seq_len under sequence parallelism",
     "sp_needs_tp": "sequence parallelism needs tp > 1",
@@ -144,6 +146,7 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
     dp = p.data_parallel_replicate_degree * dps
     if tp > 1:
         out += _tensor_parallel_violations(cfg, args, tp)
+        out += [("tp_model", m) for m in spec.tp_violations(args, tp)]
     elif p.enable_sequence_parallel:
         out.append(
             (

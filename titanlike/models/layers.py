@@ -162,6 +162,11 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def _rotary_dim(args) -> int:
+    """The rotated dims of a head: ``args.rotary_dim`` (partial rotary embeddings, Qwen3-Next) or all of it."""
+    return getattr(args, "rotary_dim", None) or args.head_dim
+
+
 class RopeTables:
     """Mixed into a :class:`~titanlike.models.decoder.Decoder` whose blocks rotate q and k: the cos / sin tables of
     every position up to ``args.max_seq_len`` as non-persistent root buffers (every pipeline stage keeps them; never
@@ -171,7 +176,7 @@ class RopeTables:
 
     def _register_rope(self) -> None:
         a = self.args
-        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a)
+        cos, sin = rope_tables(_rotary_dim(a), a.max_seq_len, a.rope_theta, a)
         self.register_buffer("rope_cos", cos.float(), persistent=False)
         self.register_buffer("rope_sin", sin.float(), persistent=False)
 
@@ -183,7 +188,7 @@ class RopeTables:
         """(Re)compute the RoPE tables on ``device`` (float32, or float64 in a float64 model)."""
         a = self.args
         device = device or self.rope_cos.device
-        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a)
+        cos, sin = rope_tables(_rotary_dim(a), a.max_seq_len, a.rope_theta, a)
         dtype = self.rope_cos.dtype if self.rope_cos.dtype == torch.float64 else torch.float32
         self.rope_cos = cos.to(device=device, dtype=dtype)
         self.rope_sin = sin.to(device=device, dtype=dtype)

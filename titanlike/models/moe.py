@@ -129,6 +129,7 @@ class MoEArgs:
     top_k: int = 2
     num_shared_experts: int = 0
     shared_hidden_dim: int | None = None  # per shared expert (default: hidden_dim)
+    shared_gate: bool = False  # the shared experts' output scaled by sigmoid(x w), w (1, dim) (Qwen2-MoE, Qwen3-Next)
     score_func: str = "softmax"
     route_norm: bool = False
     route_scale: float = 1.0
@@ -199,14 +200,16 @@ class MoEArgs:
         return 3 * d * h + (2 * h + d) * self.expert_bias_terms
 
     def num_params(self) -> int:
-        """Parameters of one block: router, every routed expert, the shared experts (biases included)."""
+        """Parameters of one block: router, every routed expert, the shared experts (biases included) and their gate."""
         d, e = self.dim, self.num_experts
-        return (d + self.router_bias) * e + self._expert_params() * e + 3 * d * self.shared_width
+        gate = d if self.shared_gate and self.num_shared_experts else 0
+        return (d + self.router_bias) * e + self._expert_params() * e + 3 * d * self.shared_width + gate
 
     def active_params(self) -> int:
-        """Parameters one token uses: router, ``top_k`` routed experts, the shared experts."""
+        """Parameters one token uses: router, ``top_k`` routed experts, the shared experts and their gate."""
         d, e = self.dim, self.num_experts
-        return (d + self.router_bias) * e + self._expert_params() * self.top_k + 3 * d * self.shared_width
+        gate = d if self.shared_gate and self.num_shared_experts else 0
+        return (d + self.router_bias) * e + self._expert_params() * self.top_k + 3 * d * self.shared_width + gate
 
 
 class Router(nn.Module):
@@ -492,6 +495,8 @@ class MoE(nn.Module):
             limit=args.swiglu_limit,
         )
         self.shared_experts = FeedForward(args.dim, args.shared_width) if args.num_shared_experts else None
+        # Qwen3-Next's gate on the shared experts (sigmoid of one projection of the token)
+        self.shared_gate = nn.Linear(args.dim, 1, bias=False) if args.shared_gate and args.num_shared_experts else None
         if args.load_balance_coeff is not None:
             self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
         else:
@@ -519,7 +524,10 @@ class MoE(nn.Module):
         routed = self.experts(flat.index_select(0, order // k), counts)
         out = self.combine(routed, weights, order).view(bsz, seqlen, dim)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared
         if self.training and self.args.aux_loss_coeff > 0:
             aux = self.sequence_aux_loss(scores, idx, bsz)
             if _counting(self):
@@ -599,6 +607,7 @@ def param_init_patterns(prefix: str = "", depth: int | None = None) -> dict[str,
         prefix + r"experts\.(w2|w3)": residual,
         prefix + r"shared_experts\.w1\.weight": trunc_normal(0.02),
         prefix + r"shared_experts\.(w2|w3)\.weight": residual,
+        prefix + r"shared_gate\.weight": trunc_normal(0.02),
     }
 
 

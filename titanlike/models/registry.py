@@ -15,6 +15,7 @@ import titanlike.models.gpt_oss  # noqa: F401
 import titanlike.models.llama  # noqa: F401
 import titanlike.models.qwen3  # noqa: F401
 import titanlike.models.qwen3_moe  # noqa: F401
+import titanlike.models.qwen3_next  # noqa: F401
 import titanlike.models.transformers_lm  # noqa: F401
 from titanlike.models.spec import _REGISTRY, ModelSpec, UnknownModelError, lookup
 

@@ -42,7 +42,9 @@ from torch.nn.attention.bias import causal_lower_right
 
 from titanlike.loss import shift_labels
 from titanlike.models.decoder import AttentionCore, LatentAttentionCore, Positions, SequenceWindow
+from titanlike.models.linear_attention import GatedDeltaCore, ShortConvCore
 from titanlike.models.masking import DocumentMask, window_keys, window_tail
+from titanlike.parallel.state_passing import ContextParallelGatedDelta, ContextParallelShortConv
 
 __all__ = [
     "ContextParallelAttention",
@@ -378,15 +380,16 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True) -
 
     Every attention seam (``titanlike.models.decoder.AttentionCore``, called as ``core(q, k, v)``) becomes a
     :class:`ContextParallelAttention` (a ``LatentAttentionCore``: a :class:`ContextParallelLatentAttention`), every
-    position seam (``titanlike.models.decoder.Positions``) a :class:`ContextParallelPositions`. A module without an
-    attention seam is refused (its attention would see only this rank's tokens); so is one without a position seam
-    unless ``positions=False`` (the model has no positions, or feeds ``cp_positions`` to its position lookups
-    itself). Call after tensor parallelism and before activation checkpointing / compile / FSDP; the batches must be
-    cut with :func:`cp_shard`.
+    position seam (``titanlike.models.decoder.Positions``) a :class:`ContextParallelPositions`, every
+    linear-attention seam (``titanlike.models.linear_attention``: ``GatedDeltaCore``, ``ShortConvCore``) its
+    state-passing counterpart (``titanlike.parallel.state_passing``). A module without an attention seam is refused
+    (its attention would see only this rank's tokens); so is one without a position seam unless ``positions=False``
+    (the model has no positions, or feeds ``cp_positions`` to its position lookups itself). Call after tensor
+    parallelism and before activation checkpointing / compile / FSDP; the batches must be cut with :func:`cp_shard`.
     """
     if cp_mesh.ndim != 1:
         raise ValueError(f"apply_cp needs a 1-D cp mesh, got {cp_mesh}")
-    cores, seams, windows = [], [], []
+    cores, seams, windows, linear = [], [], [], []
     for module in model.modules():
         for child_name, child in module.named_children():
             if isinstance(child, (AttentionCore, LatentAttentionCore)):
@@ -395,11 +398,17 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True) -
                 seams.append((module, child_name))
             elif isinstance(child, SequenceWindow):
                 windows.append((module, child_name))
-    already = any(
-        isinstance(m, (ContextParallelAttention, ContextParallelLatentAttention, ContextParallelPositions))
-        for m in model.modules()
+            elif isinstance(child, (GatedDeltaCore, ShortConvCore)):
+                linear.append((module, child_name, child))
+    done = (
+        ContextParallelAttention,
+        ContextParallelLatentAttention,
+        ContextParallelPositions,
+        ContextParallelGatedDelta,
+        ContextParallelShortConv,
     )
-    if not cores and not already:
+    already = any(isinstance(m, done) for m in model.modules())
+    if not cores and not linear and not already:
         raise ValueError(
             f"apply_cp: {type(model).__name__} has no attention seam (a titanlike.models.decoder.AttentionCore "
             f"module called as core(q, k, v)), so each cp rank would attend over its own tokens only; route its "
@@ -421,4 +430,9 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True) -
         setattr(owner, child_name, ContextParallelPositions(cp_mesh))
     for owner, child_name in windows:
         setattr(owner, child_name, ContextParallelWindow(cp_mesh))
+    for owner, child_name, child in linear:  # linear attention: state passing (titanlike.parallel.state_passing)
+        if isinstance(child, GatedDeltaCore):
+            setattr(owner, child_name, ContextParallelGatedDelta(cp_mesh, child.chunk_size))
+        else:
+            setattr(owner, child_name, ContextParallelShortConv(cp_mesh))
     return model

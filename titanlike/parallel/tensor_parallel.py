@@ -17,6 +17,9 @@ The translation (``seq`` = ``Shard(1)`` under sequence parallelism, else ``Repli
 ``Latent``             :class:`LatentParallel`: replicated weight on the region's replicated input (MLA's latent
                        down-projections and norms), its gradient a ``Partial`` sum over tp; ``local_output``:
                        its output as the local tensor (a partial gradient)
+``HeadParams``         :class:`HeadParamsParallel`: parameters ``Shard(0)`` with the heads, inputs this rank's
+                       shards along the heads dim, outputs local (attention sinks, a linear-attention decay, its
+                       conv's channels)
 ``Region``             PrepareModuleInput ``seq`` -> Replicate of the first input (keyword arguments untouched):
                        the "f" operator, identity forward / all-reduce backward (SP: all-gather / reduce-scatter);
                        ``Region(keyword=k)``: of keyword argument ``k`` instead, positional inputs untouched
@@ -25,7 +28,6 @@ The translation (``seq`` = ``Shard(1)`` under sequence parallelism, else ``Repli
 ``Rowwise``            RowwiseParallel, output ``seq``: the "g" operator, all-reduce forward (SP: reduce-scatter)
 ``Head``               ColwiseParallel from ``seq``: logits stay a DTensor ``Shard(-1)`` for the vocab-parallel
                        loss, or are all-gathered (``loss_parallel=False``)
-``HeadParams``         :class:`HeadParamsParallel`: parameters ``Shard(0)`` (this rank's heads), returned local
 ``TokenLocal``         SP only: :class:`TokenLocalParallel`: runs on the local shard of the stream, returns it as
                        ``Shard(1)``; its parameters are left to a data-parallel reduction over tp (an MoE block)
 =====================  ==========================================================================================
@@ -54,7 +56,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from functools import partial
 
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -253,25 +255,42 @@ class TokenLocalParallel(ParallelStyle):
 
 
 class HeadParamsParallel(ParallelStyle):
-    """A module holding per-head values (attention sinks): its parameters ``Shard(0)`` over tp, its output (the
-    parameter it returns) this rank's local part, so rank ``r`` uses the values of the heads its q projection
-    computes. The gradient of each rank's part is its own (no communication)."""
+    """A module whose parameters are sharded with the heads (``Shard(0)``: attention sinks, a per-head decay, a
+    depthwise conv's channels) inside a tensor-parallel region: its tensor inputs are this rank's local shards along
+    ``heads_dim`` (taken as DTensors ``Shard(heads_dim)``, so the parameters broadcast against them shard by shard),
+    its outputs local tensors (a module called with no input returns this rank's part of its parameters). What the
+    ``HeadParams`` sharding entry translates to."""
 
-    @staticmethod
-    def _partition_fn(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        for pname, p in list(module.named_parameters(recurse=False)):
-            module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])))
-
-    @staticmethod
-    def _local_output(module: nn.Module, outputs, mesh: DeviceMesh):
-        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+    def __init__(self, heads_dim: int = 2):
+        super().__init__()
+        self.heads_dim = heads_dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, self._partition_fn, output_fn=self._local_output)
+        dim = self.heads_dim
+
+        def partition(name, mod, mesh):
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])))
+
+        def input_fn(mod, inputs, mesh):
+            return tuple(
+                DTensor.from_local(x, mesh, [Shard(dim)], run_check=False) if isinstance(x, Tensor) else x
+                for x in inputs
+            )
+
+        def output_fn(mod, outputs, mesh):
+            if isinstance(outputs, tuple):
+                return tuple(o.to_local() if isinstance(o, DTensor) else o for o in outputs)
+            return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+        return distribute_module(module, device_mesh, partition, input_fn, output_fn)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(heads_dim={self.heads_dim})"
 
 
 def _head_params_style(entry: sh.HeadParams) -> ParallelStyle:
-    return HeadParamsParallel()
+    return HeadParamsParallel(entry.heads_dim)
 
 
 # ------------------------------------------------------------------------------------------------- the translator

@@ -150,6 +150,14 @@ def config_problems(config: dict) -> list[str]:
         if config.get(key) not in (None, 0, 0.0):
             out.append(f"{key} = {config[key]!r} (dropout differs per layout; set it to 0)")
     kinds = {k for k in (config.get("layer_types") or []) if k not in ("full_attention", "sliding_attention")}
+    linear = sorted(k for k in kinds if "linear" in k)
+    if linear:  # its recurrent state would see only this rank's tokens under cp, no document resets
+        out.append(
+            f"layer_types {linear}: linear attention (Gated DeltaNet) trains as titanlike's qwen3_next model "
+            "(model.name = 'qwen3_next', or its folder by checkpoint.initial_load_path with no --model.* flags: "
+            "docs/qwen3_next.md), not through model.name 'hf'"
+        )
+        kinds -= set(linear)
     if kinds:
         out.append(f"layer_types {sorted(kinds)} (full causal and sliding-window attention are wired)")
     window = config.get("sliding_window")
