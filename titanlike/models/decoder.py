@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titanlike.init import Init, init_parameters
+from titanlike.models.kv_cache import CachedPositions, CachedSoftmaxAttention, DecodeState
 from titanlike.models.masking import DocumentMask
 
 __all__ = ["AttentionCore", "Decoder", "DecoderBlock", "Positions"]
@@ -60,6 +61,15 @@ class AttentionCore(nn.Module):
             out = mask.attend(q, k, v)
         return out.transpose(1, 2)
 
+    def kv_cache(self, state: DecodeState) -> nn.Module | None:
+        """This seam's cached counterpart for a decode of ``state`` (``titanlike.models.kv_cache``): the softmax
+        cache. A subclass that attends differently (a window, sinks, a latent or linear attention) returns its own
+        cache, or None ("cannot cache yet": generation then recomputes the sequence); one that overrides
+        ``forward`` without overriding this method gets None, never the softmax cache."""
+        if type(self).forward is not AttentionCore.forward:
+            return None
+        return CachedSoftmaxAttention(state)
+
 
 class Positions(nn.Module):
     """The position seam: the positions ``(seq,)`` of the tokens of ``x`` (batch, seq, ...): ``0 .. seq - 1`` on
@@ -68,6 +78,10 @@ class Positions(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.arange(x.shape[1], device=x.device)
+
+    def kv_cache(self, state: DecodeState) -> nn.Module:
+        """During a cached decode: each row's positions of this step's tokens (after its left padding)."""
+        return CachedPositions(state)
 
 
 def _seed(seed: int | None) -> int:
