@@ -196,6 +196,11 @@ class Metrics:
     disable_color_printing: bool = False  # plain console lines (colors are used only on a terminal anyway)
     save_tb_folder: str = "tb"  # tensorboard folder under job.dump_folder
     enable_jsonl: bool = True  # write metrics.jsonl under job.dump_folder
+    # log every metric and the config to Weights & Biases (the [wandb] extra; WANDB_MODE=offline: no network)
+    enable_wandb: bool = False
+    wandb_project: str = ""  # "": $WANDB_PROJECT, else "titanlike"
+    wandb_entity: str = ""  # the team or user ("": your default)
+    wandb_run_name: str = ""  # "": job.description, else the dump folder's name
     peak_tflops: float = 0.0  # override the peak table (dense bf16 TFLOP/s of one device)
 
 

@@ -175,6 +175,10 @@ class Trainer:
                 load_te()
             except TEUnavailableError as e:
                 raise ConfigError(str(e)) from None
+        from titanlike.training.trackers import wandb_problem
+
+        if wandb_problem(cfg.metrics):
+            raise ConfigError(wandb_problem(cfg.metrics))
         if cfg.float8.recipe and float8_backend(cfg) == "torchao":
             from titanlike.kernels.float8 import Float8UnavailableError, check_float8_runtime
 
@@ -511,6 +515,7 @@ class Trainer:
             tb_folder=cfg.metrics.save_tb_folder,
             jsonl=cfg.metrics.enable_jsonl,
             color=use_color(cfg.metrics.disable_color_printing),
+            trackers=self._trackers(),
         )
         from titanlike.training.mfu import device_peak_flops, mfu, peak_key
         from titanlike.training.profiling import maybe_profile
@@ -631,6 +636,21 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.finish()
         return losses
+
+    def _trackers(self) -> tuple:
+        """Rank 0's trackers (metrics.enable_wandb): the run id comes from the checkpoint resumed, else is new, and
+        goes into every checkpoint this run saves."""
+        if self.rank != 0 or not self.cfg.metrics.enable_wandb:
+            return ()
+        from titanlike.checkpoint import read_meta
+        from titanlike.training.trackers import RUN_ID_KEY, WandbTracker, new_run_id
+
+        plan = self.checkpointer.plan if self.checkpointer is not None else None
+        resumed = read_meta(plan.path).get(RUN_ID_KEY) if plan is not None and plan.action == "resume" else None
+        run_id = resumed or new_run_id()
+        if self.checkpointer is not None:
+            self.checkpointer.meta_extra[RUN_ID_KEY] = run_id
+        return (WandbTracker(self.cfg, run_id, resumed=resumed is not None),)
 
     def _install_exit_signals(self):
         """checkpoint.exit_signals, when there is a checkpoint to save them into (checkpoint.enable)."""
