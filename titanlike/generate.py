@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,22 +95,23 @@ def generate(
     eos_id: int | None = None,
     vocab_size: int | None = None,
     use_cache: bool = True,
+    stop: Callable[[list[int]], bool] | None = None,
 ) -> list[list[int]]:
     """The new tokens of each prompt (token ids), at most ``max_new_tokens``, a row ending at its first
-    ``eos_id`` (kept, as transformers' ``generate`` does). ``vocab_size``: only ids below it are chosen (a padded
-    vocabulary's extra rows never are). ``use_cache=False``, or a model with :func:`cache_blockers`: every step
-    recomputes the sequence, one prompt at a time. Every tensor-parallel rank must call it with the same input."""
+    ``eos_id`` (kept, as transformers' ``generate`` does) or once ``stop(its new tokens)`` is true (a stop string
+    decoded, say). ``vocab_size``: only ids below it are chosen (a padded vocabulary's extra rows never are).
+    ``use_cache=False``, or a model with :func:`cache_blockers`: every step recomputes the sequence, one prompt at
+    a time. Every tensor-parallel rank must call it with the same input."""
     _check_request(model, prompts, max_new_tokens, sampling)
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(sampling.seed) if sampling.temperature > 0 else None
     try:
         if use_cache and not cache_blockers(model):
-            return _generate_cached(model, prompts, max_new_tokens, sampling, gen, eos_id, vocab_size, device)
+            return _generate_cached(model, prompts, max_new_tokens, sampling, gen, _Ends(eos_id, stop), vocab_size)
         rows = []
         for p in prompts:
-            rows += _generate_uncached(model, p, max_new_tokens, sampling, gen, eos_id, vocab_size, device)
+            rows += _generate_uncached(model, p, max_new_tokens, sampling, gen, _Ends(eos_id, stop), vocab_size)
         return rows
     finally:
         model.train(was_training)
@@ -121,7 +122,19 @@ def _logits(out) -> torch.Tensor:
     return out[:, -1]
 
 
-def _generate_cached(model, prompts, max_new_tokens, sampling, gen, eos_id, vocab_size, device):
+@dataclass(frozen=True)
+class _Ends:
+    """When a row is complete: its last token is ``eos_id``, or ``stop(row)``."""
+
+    eos_id: int | None
+    stop: Callable[[list[int]], bool] | None
+
+    def __call__(self, row: list[int]) -> bool:
+        return (self.eos_id is not None and row[-1] == self.eos_id) or (self.stop is not None and self.stop(row))
+
+
+def _generate_cached(model, prompts, max_new_tokens, sampling, gen, ends: _Ends, vocab_size):
+    device = next(model.parameters()).device
     longest = max(len(p) for p in prompts)
     pad = torch.tensor([longest - len(p) for p in prompts], device=device)
     tokens = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], device=device)
@@ -136,21 +149,21 @@ def _generate_cached(model, prompts, max_new_tokens, sampling, gen, eos_id, voca
             nxt = sample_next(logits[:, :vocab_size] if vocab_size else logits, sampling, gen)
             for b in (~done).nonzero().flatten().tolist():
                 out[b].append(int(nxt[b]))
-            done |= nxt == eos_id if eos_id is not None else torch.zeros_like(done)
+                done[b] = ends(out[b])
             if bool(done.all()):
                 break
             tokens = nxt[:, None]
     return out
 
 
-def _generate_uncached(model, prompt, max_new_tokens, sampling, gen, eos_id, vocab_size, device):
-    seq = torch.tensor([list(prompt)], device=device)
+def _generate_uncached(model, prompt, max_new_tokens, sampling, gen, ends: _Ends, vocab_size):
+    seq = torch.tensor([list(prompt)], device=next(model.parameters()).device)
     new: list[int] = []
     for _ in range(max_new_tokens):
         logits = _logits(model(seq))
         nxt = sample_next(logits[:, :vocab_size] if vocab_size else logits, sampling, gen)
         new.append(int(nxt[0]))
-        if eos_id is not None and new[-1] == eos_id:
+        if ends(new):
             break
         seq = torch.cat((seq, nxt[:, None]), dim=1)
     return [new]
