@@ -120,3 +120,59 @@ def test_bad_model_args_and_unknown_tasks_are_one_line(folder):
     lm = TitanlikeLM(checkpoint=str(path))
     with pytest.raises(ConfigError, match=r"unknown task\(s\) \['hellaswag_local'\]; local tasks here: shakespeare"):
         evaluate(lm, ["hellaswag_local"])
+
+
+def _hf_tokenizer_of_test(folder) -> None:
+    """tokenizer.json + tokenizer_config.json of the shipped "test" tokenizer in ``folder`` (transformers' tiktoken
+    converter: the same ids), so that lm-eval's hf model reads the exported folder of a run that used it."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from titanlike.data import asset_path, build_tokenizer
+    from titanlike.data.tokenizer import LLAMA3_PATTERN
+
+    tok = build_tokenizer("test")
+    specials = [t for t, _ in sorted(tok.special_tokens.items(), key=lambda kv: kv[1])]
+    converted = TikTokenConverter(
+        vocab_file=str(asset_path("tokenizers", "test_2k.tiktoken")),
+        pattern=LLAMA3_PATTERN,
+        extra_special_tokens=specials,
+    ).converted()
+    text = asset_path("corpus", "tinyshakespeare.txt").read_text()[:5000]
+    assert converted.encode(text, add_special_tokens=False).ids == tok.encode(text)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=converted, eos_token="<|end_of_text|>", bos_token="<|begin_of_text|>"
+    )
+    fast.save_pretrained(str(folder))
+
+
+def test_script_on_a_run_checkpoint_prints_the_accuracy_of_lm_evals_hf_model_on_its_export(tmp_path, capsys):
+    """``scripts/eval.py --checkpoint <a run's checkpoint folder> --tasks shakespeare_next_line``, the tokenizer the
+    run recorded ("test"), against lm-eval's hf model on the folder export_hf writes of it."""
+    import eval as script  # scripts/eval.py
+    from lm_eval.models.huggingface import HFLM
+
+    from titanlike.checkpoint import export_hf, write_seed_checkpoint
+    from titanlike.data import build_tokenizer
+
+    tok = build_tokenizer("test")
+    spec = get_spec("llama3")
+    args = spec.flavors["tiny"].replace(vocab_size=2048, max_seq_len=64)
+    model = spec.build(args)
+    model.init_weights(seed=5)
+    meta = {"tokenizer": tok.name, "bos_id": tok.bos_id, "eos_id": tok.eos_id}
+    step = write_seed_checkpoint(dict(model.state_dict()), args, tmp_path / "checkpoint" / "step-3", **meta)
+    argv = ["--checkpoint", str(tmp_path / "checkpoint"), "--tasks", "shakespeare_next_line", "--limit", str(LIMIT)]
+    assert script.main([*argv, "--output", str(tmp_path / "r.json")]) == 0
+    lines = dict(line.split()[1:] for line in capsys.readouterr().out.splitlines() if line.startswith("shakespeare"))
+    hf = export_hf(step, tmp_path / "hf")
+    _hf_tokenizer_of_test(hf)
+    theirs = HFLM(pretrained=str(hf), dtype="float32", batch_size=8, device="cpu", add_bos_token=False)
+    want = task_metrics(evaluate(theirs, ["shakespeare_next_line"], limit=LIMIT))
+    assert float(lines["acc"]) == round(want["eval/shakespeare_next_line/acc"], 4)
+    assert float(lines["acc_norm"]) == round(want["eval/shakespeare_next_line/acc_norm"], 4)
+    saved = json.loads((tmp_path / "r.json").read_text())["shakespeare_next_line"]
+    assert saved["acc,none"] == want["eval/shakespeare_next_line/acc"]
+    capsys.readouterr()
+    assert script.main(["--checkpoint", str(tmp_path / "checkpoint"), "--tasks", "x", "--model_args", "bogus=1"]) == 2
+    assert capsys.readouterr().err.startswith("error: titanlike LM: unknown model_args ['bogus']")
