@@ -220,6 +220,17 @@ class Data:
 
 
 @dataclass
+class Eval:
+    # run lm-evaluation-harness tasks during training, on the training layout (the [eval] extra)
+    enable: bool = False
+    freq: int = 1000  # steps between evaluations (and at the last step)
+    tasks: list[str] = field(default_factory=list)  # task names: the shipped ones (shakespeare_next_line), include's
+    include: list[str] = field(default_factory=list)  # folders of lm-eval task YAMLs whose data_files are local
+    limit: int = 0  # documents per task (0: all)
+    batch_size: int = 8  # sequences per forward
+
+
+@dataclass
 class Validation:
     enable: bool = True  # compute the validation loss
     # held-out data (file, folder, glob or list; one per data.path entry with weights); "" = each source's tail
@@ -281,6 +292,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     data: Data = field(default_factory=Data)
     validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
@@ -337,6 +349,9 @@ MINIMUM = {
     "checkpoint.keep_latest_k": 0,
     "metrics.log_freq": 1,
     "validation.freq": 1,
+    "eval.freq": 1,
+    "eval.limit": 0,
+    "eval.batch_size": 1,
     "validation.steps": -1,
     "data.num_workers": 0,
     "comm.timeout_seconds": 1,

@@ -16,6 +16,7 @@ them is given to lm-eval's ``TaskManager(include_path=...)``. The shipped ``shak
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -265,18 +266,52 @@ def evaluate(
     if unknown:
         local = local_tasks(include)
         raise ConfigError(f"eval: unknown task(s) {unknown}; local tasks here: {', '.join(local) or 'none'}")
-    return simple_evaluate(
-        model=lm,
-        tasks=list(tasks),
-        task_manager=manager,
-        limit=limit,
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
-        log_samples=log_samples,
-        bootstrap_iters=0,
-    )
+    with _rank_zero_view(), _own_rng():
+        return simple_evaluate(
+            model=lm,
+            tasks=list(tasks),
+            task_manager=manager,
+            limit=limit,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+            log_samples=log_samples,
+            bootstrap_iters=0,
+        )
+
+
+@contextlib.contextmanager
+def _rank_zero_view():
+    """lm-eval's simple_evaluate returns the results only where LOCAL_RANK is 0 (it assumes its own data-parallel
+    split); a titanlike LM runs every request on every rank (the layout's collectives need them all), so every rank
+    gets the results."""
+    before = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LOCAL_RANK")
+        else:
+            os.environ["LOCAL_RANK"] = before
+
+
+@contextlib.contextmanager
+def _own_rng():
+    """lm-eval seeds python's, numpy's and torch's generators: a run evaluating mid-training gets its own back."""
+    import random
+
+    import numpy as np
+
+    py, npy = random.getstate(), np.random.get_state()
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
 
 
 def _offline() -> None:
