@@ -191,3 +191,25 @@ def test_script_prints_text_equal_to_transformers_on_the_export(tmp_path, capsys
     assert capsys.readouterr().err.strip() == "error: top_p 2.0 is not in (0, 1]"
     assert script.main(["--checkpoint", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
     assert "neither a titanlike checkpoint" in capsys.readouterr().err
+
+
+def test_a_transformers_model_cannot_cache_says_so_and_generates_transformers_tokens(tmp_path):
+    """``model.name = "hf"`` runs transformers' own attention modules (no seam): it is named as unable to cache and
+    recomputes, with the tokens transformers' generate gives on its export."""
+    from hf_models import hf_folder
+
+    from titanlike.models.transformers_lm import args_from_folder
+
+    args = args_from_folder(hf_folder("hf_qwen3"))
+    torch.manual_seed(0)
+    model = get_spec("hf").build(args)
+    model.init_weights(seed=3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    assert cache_blockers(model) == ["HFCausalLM calls its attention through no seam with a kv_cache method"]
+    out = save_hf(model.state_dict(), args, tmp_path / "export")
+    prompts = [[int(t) % 128 for t in p] for p in PROMPTS]
+    expected = hf_greedy(out, prompts)
+    assert len({t for row in expected for t in row}) > 8, expected
+    assert generate(model.eval(), prompts, NEW) == expected
