@@ -179,14 +179,14 @@ def test_script_prints_text_equal_to_transformers_on_the_export(tmp_path, capsys
     step = write_seed_checkpoint(dict(model.state_dict()), args, tmp_path / "checkpoint" / "step-5", **meta)
     short = ["--prompt", "ROMEO:", "--max-new-tokens", "12"]
     assert script.main(["--checkpoint", str(tmp_path / "checkpoint"), *short]) == 0
-    text = capsys.readouterr().out.rstrip("\n")
+    text = capsys.readouterr().out.removesuffix("\n")  # print adds one newline; a generated one stays
     hf = export_hf(step, tmp_path / "hf")
     ids = tok.encode("ROMEO:")
     (expected,) = hf_greedy(hf, [ids], new=12, eos=tok.eos_id)
     assert text == "ROMEO:" + tok.decode([t for t in expected if t != tok.eos_id])
     assert len(text) > len("ROMEO:")
     assert script.main(["--checkpoint", str(hf), "--tokenizer", "test", *short]) == 0
-    assert capsys.readouterr().out.rstrip("\n") == text
+    assert capsys.readouterr().out.removesuffix("\n") == text
     assert script.main(["--checkpoint", str(tmp_path / "checkpoint"), "--top-p", "2"]) == 2
     assert capsys.readouterr().err.strip() == "error: top_p 2.0 is not in (0, 1]"
     assert script.main(["--checkpoint", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
