@@ -1,9 +1,11 @@
-"""The [eval] section on a tp2 + sequence-parallel training run (2 forked ranks, as under torchrun), then the same
-step's checkpoint scored in this one process: writes both to the JSON named on the command line."""
+"""The [eval] section on a tp2 + sequence-parallel training run (2 forked ranks, as under torchrun; wandb on, in
+offline mode), then the same step's checkpoint scored in this one process: writes both, and what the wandb runs
+logged, to the JSON named on the command line."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,12 +21,17 @@ ARGV = [
     "--training.local_batch_size", "2", "--training.steps", "4", "--metrics.log_freq", "2",
     "--validation.enable=false", "--checkpoint.enable", "--checkpoint.interval", "4",
     "--eval.enable", "--eval.tasks", "shakespeare_next_line", "--eval.limit", "12", "--eval.freq", "2",
+    "--metrics.enable_wandb",
 ]  # fmt: skip
 LAYOUT = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel"]
 
 
 def main(out: Path) -> int:
+    import wandb_offline
+
     from titanlike.evaluation import TitanlikeLM, evaluate, task_metrics
+
+    os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true")
 
     dump = out.parent / "tp2sp"
     codes = run_trainer_job(dump, [*ARGV, *LAYOUT], world_size=2)
@@ -36,7 +43,8 @@ def main(out: Path) -> int:
     lm = TitanlikeLM(checkpoint=str(dump / "checkpoint" / "step-4"), max_length=64)
     single = task_metrics(evaluate(lm, ["shakespeare_next_line"], limit=12))
     log = (dump / "rank0.log").read_text()
-    out.write_text(json.dumps({"rows": rows, "single": single, "console": log}))
+    runs = {str(f): wandb_offline.history(f) for f in wandb_offline.run_files(dump)}
+    out.write_text(json.dumps({"rows": rows, "single": single, "console": log, "wandb": runs}))
     return 0
 
 

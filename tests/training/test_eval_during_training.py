@@ -1,5 +1,5 @@
 """The [eval] section: lm-eval tasks every eval.freq steps on the training layout (tp2 + sequence parallelism, two
-ranks), logged to the console and metrics.jsonl (and so to the trackers), equal to scoring the same step's
+ranks), logged to the console, metrics.jsonl and (rank 0 only) the wandb run, equal to scoring the same step's
 checkpoint in one process; the layouts and inputs it cannot run on are refused before anything starts."""
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ def test_tp2_sp_run_logs_what_one_process_scores_on_its_checkpoint(tmp_path):
     for key, value in got["single"].items():
         assert evals[4][key] == pytest.approx(value, abs=1e-9), key
     assert "eval  shakespeare_next_line/acc " in got["console"]
+    (logged,) = got["wandb"].values()  # one wandb run: rank 0's
+    for step in (2, 4):
+        assert {k: v for k, v in logged[str(step)].items() if k.startswith("eval/")} == {
+            k: v for k, v in evals[step].items() if k.startswith("eval/")
+        }
 
 
 def _problems(*argv: str) -> list[str]:
