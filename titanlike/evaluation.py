@@ -74,7 +74,9 @@ class TitanlikeLM(TemplateLM):
             folder = loaded.path if loaded.kind == "hf" else None
         self.model = model
         self.tokenizer = _tokenizer(tokenizer, meta, folder)
-        self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
+        if not str(batch_size).isdigit() or int(batch_size) < 1:
+            raise ConfigError(f"titanlike LM: batch_size {batch_size!r}: give a positive number (no 'auto' search)")
+        self.batch_size = int(batch_size)
         limit = getattr(getattr(model, "args", None), "max_seq_len", None)
         self.max_length = int(max_length or limit or 2048)
         self.max_gen_toks = int(max_gen_toks)
@@ -175,7 +177,7 @@ class TitanlikeLM(TemplateLM):
             kwargs = normalize_gen_kwargs(dict(requests[members[0]].args[1]), self.max_gen_toks)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             new = int(kwargs.pop("max_gen_toks"))
-            sampling = Sampling(temperature=float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0)
+            sampling = _sampling(kwargs)
             keep = max(self.max_length - new, 1)
 
             def stopped(row: list[int]) -> bool:
@@ -193,6 +195,26 @@ class TitanlikeLM(TemplateLM):
                     out[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return out
+
+
+def _sampling(kwargs: dict) -> Sampling:
+    """A task's generation_kwargs (lm-eval-normalized, ``until`` and ``max_gen_toks`` taken) as a Sampling; a key
+    titanlike does not honour is refused, never ignored."""
+    unknown = sorted(set(kwargs) - {"do_sample", "temperature", "top_k", "top_p", "seed"})
+    if unknown:
+        raise ConfigError(f"titanlike LM: generation_kwargs {unknown} are not supported (do_sample, temperature, "
+                          f"top_k, top_p, seed are)")  # fmt: skip
+    if not kwargs.get("do_sample"):
+        return Sampling()
+    out = Sampling(
+        temperature=float(kwargs.get("temperature") or 1.0),
+        top_k=int(kwargs.get("top_k") or 0),
+        top_p=float(kwargs.get("top_p") or 1.0),
+        seed=int(kwargs.get("seed") or 0),
+    )
+    if out.problems():
+        raise ConfigError("titanlike LM: generation_kwargs: " + "; ".join(out.problems()))
+    return out
 
 
 def _bool(value) -> bool:

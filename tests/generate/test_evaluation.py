@@ -14,6 +14,7 @@ from data_files import make_hf_tokenizer
 
 from titanlike.errors import ConfigError
 from titanlike.evaluation import TitanlikeLM, evaluate, local_tasks, task_metrics
+from titanlike.generate import Sampling
 from titanlike.hf import save_hf
 from titanlike.models import get_spec
 
@@ -117,6 +118,14 @@ def test_bad_model_args_and_unknown_tasks_are_one_line(folder):
         TitanlikeLM(checkpoint=str(path), pretrained="x")
     with pytest.raises(ConfigError, match="not both"):
         TitanlikeLM()
+    with pytest.raises(ConfigError, match="batch_size 'auto': give a positive number"):
+        TitanlikeLM(checkpoint=str(path), batch_size="auto")
+    from titanlike.evaluation import _sampling
+
+    with pytest.raises(ConfigError, match=r"generation_kwargs \['repetition_penalty'\] are not supported"):
+        _sampling({"do_sample": True, "repetition_penalty": 1.1})
+    assert _sampling({"do_sample": False, "temperature": 0.0}).temperature == 0
+    assert _sampling({"do_sample": True, "temperature": 0.7, "top_p": 0.9}) == Sampling(0.7, 0, 0.9, 0)
     lm = TitanlikeLM(checkpoint=str(path))
     with pytest.raises(ConfigError, match=r"unknown task\(s\) \['hellaswag_local'\]; local tasks here: shakespeare"):
         evaluate(lm, ["hellaswag_local"])
