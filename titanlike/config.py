@@ -205,6 +205,11 @@ class Metrics:
     disable_color_printing: bool = False  # plain console lines (colors are used only on a terminal anyway)
     save_tb_folder: str = "tb"  # tensorboard folder under job.dump_folder
     enable_jsonl: bool = True  # write metrics.jsonl under job.dump_folder
+    # log every metric and the config to Weights & Biases (the [wandb] extra; WANDB_MODE=offline: no network)
+    enable_wandb: bool = False
+    wandb_project: str = ""  # "": $WANDB_PROJECT, else "titanlike"
+    wandb_entity: str = ""  # the team or user ("": your default)
+    wandb_run_name: str = ""  # "": job.description, else the dump folder's name
     peak_tflops: float = 0.0  # override the peak table (dense bf16 TFLOP/s of one device)
 
 
@@ -221,6 +226,17 @@ class Data:
     val_fraction: float = 0.05  # the held-out tail used for validation
     shuffle: bool = True  # shuffle the packed windows (seeded)
     num_workers: int = 0  # loader worker processes per rank
+
+
+@dataclass
+class Eval:
+    # run lm-evaluation-harness tasks during training, on the training layout (the [eval] extra)
+    enable: bool = False
+    freq: int = 1000  # steps between evaluations (and at the last step)
+    tasks: list[str] = field(default_factory=list)  # task names: the shipped ones (shakespeare_next_line), include's
+    include: list[str] = field(default_factory=list)  # folders of lm-eval task YAMLs whose data_files are local
+    limit: int = 0  # documents per task (0: all)
+    batch_size: int = 8  # sequences per forward
 
 
 @dataclass
@@ -285,6 +301,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     data: Data = field(default_factory=Data)
     validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
@@ -342,6 +359,9 @@ MINIMUM = {
     "checkpoint.keep_latest_k": 0,
     "metrics.log_freq": 1,
     "validation.freq": 1,
+    "eval.freq": 1,
+    "eval.limit": 0,
+    "eval.batch_size": 1,
     "validation.steps": -1,
     "data.num_workers": 0,
     "comm.timeout_seconds": 1,

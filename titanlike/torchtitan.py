@@ -5,7 +5,7 @@ A torchtitan key is either
 * **shared**: titanlike has the same key with the same meaning (``training.steps``); set as it is;
 * **mapped**: titanlike has the concept under another key or spelling (``comm.train_timeout_seconds`` ->
   ``comm.timeout_seconds``); set there, with a one-line note;
-* **inert**: it does not apply to titanlike (wandb, MoE, torchft, ...) and is accepted only at values that change
+* **inert**: it does not apply to titanlike (some MoE keys, torchft, ...) and is accepted only at values that change
   nothing (its torchtitan default, or "off"), with a note; any other value is refused, saying why;
 * **refused**: titanlike cannot honour it; the message names the titanlike equivalent or why it does not apply.
 
@@ -96,9 +96,7 @@ TORCHTITAN_KEYS: dict[str, Key] = {
     "metrics.save_for_all_ranks": Key(
         INERT, ok=(False,), note="titanlike logs global metrics (all-reduced) from rank 0 only"
     ),
-    "metrics.enable_wandb": Key(
-        INERT, ok=(False,), note="no Weights & Biases: titanlike writes tensorboard and <dump_folder>/metrics.jsonl"
-    ),
+    "metrics.enable_wandb": S(),
     # [model]
     "model.name": S(),
     "model.flavor": S(),

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titanlike.init import Init, init_parameters
+from titanlike.models.kv_cache import CachedPositions, CachedSoftmaxAttention, DecodeState
 from titanlike.models.masking import DocumentMask
 
 __all__ = [
@@ -94,6 +95,15 @@ class AttentionCore(nn.Module):
             out = mask.attend(q, k, v, window=self.window, sinks=sinks)
         return out.transpose(1, 2)
 
+    def kv_cache(self, state: DecodeState) -> nn.Module | None:
+        """This seam's cached counterpart for a decode of ``state`` (``titanlike.models.kv_cache``): the softmax
+        cache. A subclass that attends differently (a window, sinks, a latent or linear attention) returns its own
+        cache, or None ("cannot cache yet": generation then recomputes the sequence); one that overrides
+        ``forward`` without overriding this method gets None, never the softmax cache."""
+        if type(self).forward is not AttentionCore.forward:
+            return None
+        return CachedSoftmaxAttention(state)
+
 
 def attention_windows(model: nn.Module) -> tuple | None:
     """The windows (None: full attention) of ``model``'s attention seams when some seam needs a mask without
@@ -127,6 +137,10 @@ class Positions(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.arange(x.shape[1], device=x.device)
+
+    def kv_cache(self, state: DecodeState) -> nn.Module:
+        """During a cached decode: each row's positions of this step's tokens (after its left padding)."""
+        return CachedPositions(state)
 
 
 class SequenceWindow(nn.Module):

@@ -194,6 +194,14 @@ class Trainer:
                 load_te()
             except TEUnavailableError as e:
                 raise ConfigError(str(e)) from None
+        from titanlike.training.eval_tasks import eval_problems
+        from titanlike.training.trackers import wandb_problem
+
+        problems = [p for p in (wandb_problem(cfg.metrics), *eval_problems(cfg)) if p]
+        if problems:
+            raise ConfigError(
+                problems[0] if len(problems) == 1 else f"{len(problems)} problems: " + "; ".join(problems)
+            )
         if cfg.float8.recipe and float8_backend(cfg) == "torchao":
             from titanlike.kernels.float8 import Float8UnavailableError, check_float8_runtime
 
@@ -553,6 +561,7 @@ class Trainer:
             tb_folder=cfg.metrics.save_tb_folder,
             jsonl=cfg.metrics.enable_jsonl,
             color=use_color(cfg.metrics.disable_color_printing),
+            trackers=self._trackers(),
         )
         from titanlike.data import loader_position
         from titanlike.training.profiling import maybe_profile
@@ -587,6 +596,7 @@ class Trainer:
                         vals,
                         console=f"step {self.step:5d}  " + "  ".join(f"{k} {v:8.4f}" for k, v in vals.items()),
                     )
+                self._maybe_evaluate(logger)
                 if self.checkpointer is not None:
                     self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps)
                 profiler.step()
@@ -595,6 +605,34 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.finish()
         return losses
+
+    def _maybe_evaluate(self, logger) -> None:
+        """The [eval] tasks at every eval.freq-th step and the last, on the training layout; rank 0 logs them."""
+        cfg = self.cfg
+        if not cfg.eval.enable or (self.step % cfg.eval.freq and self.step != cfg.training.steps):
+            return
+        from titanlike.training.eval_tasks import run_eval
+
+        t0 = time.perf_counter()
+        with self._op(f"the evaluation at step {self.step}"):
+            scores = run_eval(cfg, self.model_parts[0], self.tokenizer, self.forward_context, cfg.training.seed)
+        shown = "  ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in scores.items())
+        logger.log(self.step, scores, console=f"step {self.step:5d}  eval  {shown}  ({time.perf_counter() - t0:.1f}s)")
+
+    def _trackers(self) -> tuple:
+        """Rank 0's trackers (metrics.enable_wandb): the run id comes from the checkpoint resumed, else is new, and
+        goes into every checkpoint this run saves."""
+        if self.rank != 0 or not self.cfg.metrics.enable_wandb:
+            return ()
+        from titanlike.checkpoint import read_meta
+        from titanlike.training.trackers import RUN_ID_KEY, WandbTracker, new_run_id
+
+        plan = self.checkpointer.plan if self.checkpointer is not None else None
+        resumed = read_meta(plan.path).get(RUN_ID_KEY) if plan is not None and plan.action == "resume" else None
+        run_id = resumed or new_run_id()
+        if self.checkpointer is not None:
+            self.checkpointer.meta_extra[RUN_ID_KEY] = run_id
+        return (WandbTracker(self.cfg, run_id, resumed=resumed is not None),)
 
     def _step_rate(self) -> _StepRate:
         """What the logged throughput and MFU of a step are measured against."""
