@@ -100,6 +100,8 @@ def _ratio_hint(first: Point, kept: list, sizes: dict[str, int]) -> str:
     if not cs or max(cs) - min(cs) > 1e-6 * abs(cs[0]) or abs(cs[0] - 1) < 1e-6:
         return ""
     c = cs[0]
+    if not 1e-3 < abs(c) < 1e3:
+        return ""
     what = "gradient" if first.phase == "gradient" else first.phase + " tensor"
     text = f"{first.fqn}'s {what} is {c:.4g} x the reference"
     counts = {n for n in _products(sizes) if n > 1}

@@ -154,7 +154,9 @@ class Tracer:
         data: DataCut | None = None,
         rank: int = 0,
         tol: float = 1e-10,
+        root: bool = True,
     ):
+        """``root=False``: no hooks on each part's root (pipeline stages: a stage's root is not the model's)."""
         self.parts, self.ref, self.compare, self.data, self.rank, self.tol = parts, reference, compare, data, rank, tol
         self.counter = CollectiveCounter()
         self.points: list[Point] = []
@@ -163,15 +165,28 @@ class Tracer:
         self.not_compared: set[tuple[str, str]] = set()
         self.stack: list[str] = []  # modules whose forward is running (innermost last)
         self.step = 0
+        self.paused = False  # set while the pipeline stages infer their shapes on placeholder tensors
         self.handles = []
         self._calls: dict[str, int] = defaultdict(int)
-        self._bwd_calls: dict[tuple, int] = defaultdict(int)
-        self._entry: dict[int, dict] = {}
         for part in parts:
             for name, module in part.named_modules():
-                self._install(clean_fqn(name), module)
+                if name or root:
+                    self._install(clean_fqn(name), module)
 
     # ----------------------------------------------------------------------------------- lifecycle
+    def pause_during(self, owner, name: str) -> None:
+        """No points while ``owner.name`` runs (the pipeline stages' metadata inference on placeholder tensors)."""
+        original = getattr(owner, name)
+
+        def paused(*args, **kwargs):
+            self.paused = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.paused = False
+
+        setattr(owner, name, paused)
+
     def close(self) -> None:
         for h in self.handles:
             h.remove()
@@ -180,7 +195,6 @@ class Tracer:
     def begin_step(self, step: int) -> None:
         self.step = step
         self._calls.clear()
-        self._bwd_calls.clear()
         if not self.compare:
             self.ref.steps.append(StepRecord())
 
@@ -193,7 +207,9 @@ class Tracer:
         state: dict = {}
 
         def pre(mod, args, kwargs):
-            if _in_backward():
+            # not a point: a recomputation in backward (activation checkpointing), a no-grad forward (the pipeline
+            # stages' shape inference)
+            if _in_backward() or not torch.is_grad_enabled() or self.paused:
                 state["skip"] = True
                 return None
             state["skip"] = False
@@ -237,6 +253,8 @@ class Tracer:
         shape_of = a  # the layout the gradient comes back in
 
         def on_grad(grad):
+            if self.paused:
+                return
             self._backward_point(fqn, j, key, grad, shape_of, state)
 
         return _Tap.apply(on_grad, a)
@@ -312,14 +330,17 @@ class Tracer:
                 self.kept[p.key()] = (local.detach().to(torch.float64).clone(), expected.to(torch.float64).clone())
 
     # ----------------------------------------------------------------------------------- parameters
-    def parameters_point(self, phase: str) -> None:
-        """Every parameter's gradient (``phase="gradient"``) or value (``"update"``): record or compare."""
+    def parameters_point(self, phase: str, scale: float = 1.0) -> None:
+        """Every parameter's gradient (``phase="gradient"``, times ``scale``) or value (``"update"``): record or
+        compare."""
         from torch.distributed.tensor import DTensor
 
         rec = self.record
         for part in self.parts:
             for name, p in part.named_parameters(remove_duplicate=False):
                 t = p.grad if phase == "gradient" else p
+                if t is not None and scale != 1.0:
+                    t = t.detach() * scale
                 if not self.compare:
                     store = rec.grads if phase == "gradient" else rec.weights
                     if t is not None:
