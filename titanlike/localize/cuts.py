@@ -150,8 +150,8 @@ def cut_for(t: torch.Tensor, ref: torch.Tensor, data: DataCut, micro: int, weigh
             cut.last = _weight_cut(weight, data.model_dims, shape[d], local[d])
             if cut.last is not None:
                 continue
-        if local[d] == 0 or shape[d] % local[d]:
-            return None
+        if d == 0 or local[d] == 0 or shape[d] % local[d]:
+            return None  # dim 0 is the batch (cut above) or flattened tokens (no contiguous cut explains those)
         parts = shape[d] // local[d]
         dims = [coord for size, coord in data.model_dims.values() if size == parts]
         if not dims:

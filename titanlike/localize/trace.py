@@ -66,7 +66,7 @@ class CollectiveCounter(TorchDispatchMode):
         if packet in self.ops:
             name = str(packet).split(".")[-1].rstrip("_").replace("allreduce", "all_reduce")
             name = name.replace("allgather", "all_gather").replace("_into_tensor", "").replace("_coalesced", "")
-            self.counts[name.replace("_base", "").replace("_single", "")] += 1
+            self.counts[name.replace("_base", "").replace("_single", "").lstrip("_")] += 1
         return out
 
     def snapshot(self) -> dict[str, int]:
@@ -356,7 +356,10 @@ class Tracer:
                     self._point(phase, fqn, leaf, order, float("inf"), "none", "", "no gradient")
                     continue
                 if isinstance(t, DTensor) and isinstance(p, DTensor) and t.placements != p.placements:
-                    note = f"gradient placement ({describe_placement(t)}) is not the parameter's"
+                    note = (
+                        f"the gradient's placement ({describe_placement(t)}) is not the parameter's "
+                        f"({describe_placement(p)}): a reduction owed to it was never made"
+                    )
                     self._point(
                         phase, fqn, leaf, order, float("inf"), describe_placement(t), describe_placement(p), note
                     )

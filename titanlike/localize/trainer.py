@@ -17,6 +17,7 @@ as the norm, not smeared over every parameter).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from functools import partial
 
@@ -148,15 +149,22 @@ def _data_cut(cfg, dims, n_calls: int) -> tuple[DataCut, Callable]:
     return data, micro_batches
 
 
-def localize_config(argv: list[str], steps: int = 2, tol: float = 1e-10, dims_cache: dict | None = None) -> Outcome:
-    """On every rank of the process group: the layout of ``argv`` (train.py flags) against one device."""
+def localize_config(
+    argv: list[str],
+    steps: int = 2,
+    tol: float = 1e-10,
+    dims_cache: dict | None = None,
+    around_layout: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> Outcome:
+    """On every rank of the process group: the layout of ``argv`` (train.py flags) against one device.
+
+    ``dims_cache`` (a dict kept across calls) reuses the meshes of a shape, so that many calls in one process group
+    create no new groups; ``around_layout`` wraps the layout's build and steps, not the one-device run (a test's
+    planted bug)."""
     import torch.distributed as dist
 
     from titanlike.models import get_spec
-    from titanlike.parallel import ParallelDims, build_parallel_model, loss_group
-    from titanlike.parallel.coverage import uncovered_parameters
-    from titanlike.training.optim import build_optimizer
-    from titanlike.training.step import train_step
+    from titanlike.parallel import ParallelDims
 
     world = dist.get_world_size()
     cfg, args, eos = _config(argv, world)
@@ -179,6 +187,20 @@ def localize_config(argv: list[str], steps: int = 2, tol: float = 1e-10, dims_ca
         dims.build_mesh("cpu")
         if dims_cache is not None:
             dims_cache[key] = dims
+    with around_layout():
+        return _compare_layout(cfg, args, eos, dims, build, reference, steps, tol)
+
+
+def _compare_layout(cfg, args, eos, dims, build, reference: Reference, steps: int, tol: float) -> Outcome:
+    """The layout built as the trainer builds it, trained ``steps`` steps, every point compared with ``reference``."""
+    import torch.distributed as dist
+
+    from titanlike.parallel import build_parallel_model, loss_group
+    from titanlike.parallel.coverage import uncovered_parameters
+    from titanlike.training.optim import build_optimizer
+    from titanlike.training.step import train_step
+
+    seed = cfg.training.seed
     built = build_parallel_model(build("meta"), cfg, dims, torch.device("cpu"), init_seed=seed)
     n_pp = cfg.training.local_batch_size // cfg.parallelism.pipeline_parallel_microbatch_size if built.pp else 1
     n_acc = cfg.training.global_batch_size // (cfg.training.local_batch_size * dims.dp)
