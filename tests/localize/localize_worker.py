@@ -42,6 +42,17 @@ BLOCK = ("--model.attn_mask_type", "block_causal")
 RESET = ("--model.reset_position_ids", "true")
 MOE = ("--model.name", "qwen3_moe")
 EP = ("--parallelism.expert_parallel_degree", "2")
+DEEP = ("--model.n_layers", "8")
+DEEP_TIED = (*DEEP, "--model.tie_embeddings", "true")
+
+
+def pp(degree: int, schedule: str, local: int, microbatch: int = 1) -> tuple[str, ...]:
+    return (
+        "--parallelism.pipeline_parallel_degree", str(degree), "--parallelism.pipeline_parallel_schedule", schedule,
+        "--training.local_batch_size", str(local), "--parallelism.pipeline_parallel_microbatch_size", str(microbatch),
+    )  # fmt: skip
+
+
 # name -> (world size, train.py flags, mutation of gate.MUTATIONS or None)
 CASES = {
     "tp2_sp": (2, (*TP, *SP, *dp(1, 1, 8)), None),
@@ -78,6 +89,25 @@ CASES = {
     "MUT moe ep2 bias update from local loads": (2, (*MOE, *EP, *dp(1, 2, 4)), "moe_local_loads"),
     "MUT moe ep2 aux loss per rank": (2, (*MOE, *EP, *dp(1, 2, 4)), "moe_aux_per_rank"),
     "MUT moe ep2_fsdp4 expert FSDP averaging": (4, (*MOE, *EP, *dp(1, 4, 2)), "moe_expert_fsdp_average"),
+    "pp2 1F1B tied": (2, (*DEEP_TIED, *pp(2, "1F1B", 8, 2)), None),
+    "pp2 ZBVZeroBubble": (2, (*DEEP, *pp(2, "ZBVZeroBubble", 8, 2)), None),
+    "MUT pp2 microbatch loss / m": (2, (*DEEP, *pp(2, "1F1B", 8, 2)), "pp_loss_over_microbatches"),
+    "MUT pp2 norm not reduced over stages": (2, (*DEEP, *pp(2, "1F1B", 8, 2)), "pp_norm_not_reduced"),
+    "MUT pp2 tied weight counted twice in norm": (2, (*DEEP_TIED, *pp(2, "1F1B", 8, 2)), "pp_tied_norm_twice"),
+    "MUT pp2 tied grads not summed": (2, (*DEEP_TIED, *pp(2, "1F1B", 8, 2)), "pp_tied_not_summed"),
+    "MUT block pp2 ZBVZeroBubble microbatch given another's starts": (
+        2,
+        (*DEEP, *BLOCK, *RESET, *pp(2, "ZBVZeroBubble", 8, 2)),
+        "pp_starts_other_microbatch",
+    ),
+    "MUT pp2 fsdp2 ZBVZeroBubble resharding after forward": (
+        4,
+        (*DEEP, *pp(2, "ZBVZeroBubble", 4), *dp(1, 2, 4)),
+        "pp_fsdp_reshard_after_forward",
+    ),
+    "pp2 tp2_sp 1F1B": (4, (*DEEP, *TP, *SP, *pp(2, "1F1B", 8, 2)), None),
+    "tp2_fsdp2": (4, (*TP, *dp(1, 2, 4)), None),
+    "cp2_fsdp2": (4, (*CP, *dp(1, 2, 4)), None),
     "hsdp2x2": (4, dp(2, 2, 2), None),
     "tp2_sp_fsdp2": (4, (*TP, *SP, *dp(1, 2, 4)), None),
     "cp2_tp2_sp": (4, (*CP, *TP, *SP, *dp(1, 1, 8)), None),
@@ -121,6 +151,7 @@ def rank_main(rank: int, world_size: int, out: str, only: list[str] | None = Non
     import logging
 
     import gate
+    import pipeline_gate  # noqa: F401 - registers the pipeline mutations in gate.MUTATIONS
 
     from titanlike.localize.trainer import localize_config
 

@@ -37,7 +37,14 @@ def test_o_proj_colwise_named_in_forward():
     assert r.returncode == 1, r.stdout + r.stderr
     first = r.stdout.splitlines()[0]
     assert first.startswith("divergence: blocks.0.attn.o_proj forward: step 1, microbatch 0, rank "), first
-    assert "raised RuntimeError" in first, first
+    assert "raised RuntimeError" in first and first.endswith("(input local [4, 8, 16], weight tp: S(0) [32, 32])"), (
+        first
+    )
+    assert r.stdout.splitlines()[1] == (
+        "hint: its input holds 1/2 of its 32 in-features (this rank's share, e.g. its heads), but its weight is split "
+        "column-wise (Shard(0)), which needs the whole input: plan it row-wise (RowwiseParallel), the partner of a "
+        "column-wise module before it"
+    )
 
 
 def test_o_proj_partial_never_reduced():

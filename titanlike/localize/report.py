@@ -84,7 +84,7 @@ def _sum_hint(first: Point, kept: list, coords: list[dict], sizes: dict[str, int
     return ""
 
 
-def _ratio_hint(first: Point, kept: list, sizes: dict[str, int]) -> str:
+def _ratio_hint(first: Point, kept: list, sizes: dict[str, int], micro: int) -> str:
     """The tensor a fixed multiple c of the reference on every rank that has it."""
     cs = []
     for k in kept:
@@ -104,12 +104,12 @@ def _ratio_hint(first: Point, kept: list, sizes: dict[str, int]) -> str:
         return ""
     what = "gradient" if first.phase == "gradient" else first.phase + " tensor"
     text = f"{first.fqn}'s {what} is {c:.4g} x the reference"
-    counts = {n for n in _products(sizes) if n > 1}
+    counts = {n for n in _products({**sizes, "microbatches": micro}) if n > 1}
     for n in sorted(counts):
         if abs(c - 1 / n) < 1e-6:
-            return text + f": 1/{n}, a mean over {n} ranks where a sum was due (a gradient averaged, not summed?)"
+            return text + f": divided by {n} where a sum was due (a mean over {n} ranks or microbatches?)"
         if abs(c - n) < 1e-6:
-            return text + f": {n} x, summed or counted once per rank of {n} where once was due"
+            return text + f": counted {n} times where once was due (once per rank or microbatch?)"
     return text
 
 
@@ -120,38 +120,55 @@ def _products(sizes: dict[str, int]) -> set[int]:
     return out
 
 
-def hint_for(first: Point, kept: list, coords: list[dict], sizes: dict[str, int], uncovered: list[str]) -> str:
+def hint_for(
+    first: Point, kept: list, coords: list[dict], sizes: dict[str, int], uncovered: list[str], micro: int = 1
+) -> str:
     if first.note.startswith("raised"):
-        return f"the layout's step raised inside {first.fqn}: {first.note[len('raised ') :]}"
+        return first.hint or f"the layout's step raised inside {first.fqn} (its inputs: {first.placement})"
     name = f"{first.fqn}.{first.what}"
     if first.phase in ("gradient", "update") and name in uncovered:
         return f"no data-parallel reduction covers {name}: each data-parallel rank steps its own copy"
     if first.note:
         return first.note
+    if first.fqn == "(gradient norm)":
+        return (
+            "every gradient agrees but the global gradient norm does not: the norm's reduction over the mesh dims "
+            "and pipeline stages (a shard or a tied copy counted twice, or not at all)"
+        )
     if "Partial" in first.inner and "Partial" not in first.placement:
         return (
             f"{first.fqn}'s output placement {first.inner} was never reduced "
             f"({first.comms.get('all_reduce', 0)} all-reduce in this module) before it became a local tensor"
         )
-    return _sum_hint(first, kept, coords, sizes) or _ratio_hint(first, kept, sizes)
+    return _sum_hint(first, kept, coords, sizes) or _ratio_hint(first, kept, sizes, micro)
 
 
 def _line(p: Point) -> str:
     inner = f" (inside the module: {p.inner})" if p.inner and p.inner != p.placement else ""
     where = f"step {p.step}, microbatch {p.micro}, rank {p.rank}"
     if p.note.startswith("raised"):
-        return f"{p.fqn} {p.phase}: {where}: {p.note}"
-    return (
-        f"{p.fqn} {p.phase}: {where}: max |diff| {p.diff:.1e} ({p.what}); placement {p.placement}{inner}; "
-        f"{_comms(p.comms)} in this module"
-    )
+        inner = f", {p.inner}" if p.inner else ""
+        return f"{p.fqn} {p.phase}: {where}: {p.note} (input {p.placement}{inner})"
+    text = f"{p.fqn} {p.phase}: {where}: max |diff| {p.diff:.1e} ({p.what})"
+    if p.placement:
+        text += f"; placement {p.placement}{inner}"
+    if p.phase in ("forward", "backward"):
+        text += f"; {_comms(p.comms)} in this module"
+    return text
 
 
 def gather_outcome(
-    tracer: Tracer, steps: int, tol: float, coords: dict[str, int], sizes: dict[str, int], uncovered: list[str] = ()
+    tracer: Tracer,
+    steps: int,
+    tol: float,
+    coords: dict[str, int],
+    sizes: dict[str, int],
+    uncovered: list[str] = (),
+    micro: int = 1,
 ) -> Outcome:
     """Collect every rank's points (two ``all_gather_object``: the points, then the first point's tensors); the same
-    :class:`Outcome` on every rank."""
+    :class:`Outcome` on every rank. ``coords`` / ``sizes``: this rank's mesh coordinates and the mesh dims' sizes;
+    ``uncovered``: parameters no data-parallel reduction covers; ``micro``: micro-batches per step on a rank."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     mine = ([dataclasses.asdict(p) for p in tracer.points], tracer.compared, sorted(tracer.not_compared), coords)
     everyone = [None] * world
@@ -175,7 +192,7 @@ def gather_outcome(
     else:
         kept = [kept_mine]
     all_coords = [e[3] for e in everyone]
-    hint = hint_for(first, kept, all_coords, sizes, list(uncovered))
+    hint = hint_for(first, kept, all_coords, sizes, list(uncovered), micro)
     lines = [f"divergence: {_line(first)}"]
     if hint:
         lines.append(f"hint: {hint}")
@@ -184,6 +201,9 @@ def gather_outcome(
         lines.append("next divergent points:")
         lines.append(f"  {'step':>4} {'phase':9} {'mb':>2} {'rank':>4} {'max |diff|':>10}  module (tensor; placement)")
         for p in rest:
+            if p.note:
+                lines.append(f"  {p.step:>4} {p.phase:9} {p.micro:>2} {p.rank:>4} {'':>10}  {p.fqn} ({p.note[:100]})")
+                continue
             lines.append(
                 f"  {p.step:>4} {p.phase:9} {p.micro:>2} {p.rank:>4} {p.diff:>10.1e}  {p.fqn} ({p.what}; {p.placement})"
             )

@@ -93,6 +93,7 @@ class Point:
     inner: str = ""  # the layout inside the module (a DTensor's placements before to_local)
     comms: dict[str, int] = field(default_factory=dict)
     note: str = ""
+    hint: str = ""  # what the rank saw of the cause (a raise: the module's weight and input)
 
     def key(self) -> tuple:
         return (self.step, PHASES.index(self.phase), self.micro, self.order, self.what)
@@ -109,6 +110,7 @@ class StepRecord:
     calls: dict[str, int] = field(default_factory=dict)  # fqn -> calls per step
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    grad_norm: float = 0.0
 
 
 class Reference:
@@ -164,6 +166,7 @@ class Tracer:
         self.compared = 0
         self.not_compared: set[tuple[str, str]] = set()
         self.stack: list[str] = []  # modules whose forward is running (innermost last)
+        self.running: dict[str, tuple] = {}  # fqn -> (module, its float inputs) while its forward runs
         self.step = 0
         self.paused = False  # set while the pipeline stages infer their shapes on placeholder tensors
         self.handles = []
@@ -219,6 +222,7 @@ class Tracer:
             state["comms"] = self.counter.snapshot()
             state["weight"] = None
             self.stack.append(fqn)
+            self.running[fqn] = (mod, [a for a in (*args, *kwargs.values()) if _is_float(a)])
             args = tuple(self._tap(fqn, j, str(i), a, state) for i, a in enumerate(args))
             kwargs = {k: self._tap(fqn, j, k, v, state) for k, v in kwargs.items()}
             return args, kwargs
@@ -237,6 +241,7 @@ class Tracer:
                 return None
             if self.stack and self.stack[-1] == fqn:
                 self.stack.pop()
+            self.running.pop(fqn, None)
             self._forward_point(fqn, state, out)
             return None
 
@@ -366,6 +371,16 @@ class Tracer:
                     continue
                 self._compare_param(phase, fqn, leaf, order, t, ref)
 
+    def norm_point(self, norm: float) -> None:
+        """The step's global gradient norm (before clipping): recorded, or compared after every parameter's."""
+        if not self.compare:
+            self.record.grad_norm = norm
+            return
+        d = abs(norm - self.record.grad_norm)
+        self.compared += 1
+        if not d <= self.tol:
+            self._point("gradient", "(gradient norm)", "norm", 1 << 30, d, "", "", "")
+
     def _compare_param(self, phase, fqn, leaf, order, t, ref) -> None:
         from torch.distributed.tensor import DTensor
 
@@ -394,7 +409,30 @@ class Tracer:
         phase = "forward" if self.stack else "backward"
         order = self.record.forward_order.get((fqn, 0), 0) if self.stack else 0
         msg = f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-        self.points.append(Point(self.step, phase, fqn, "raised", 0, order, self.rank, float("inf"), "", "", {}, msg))
+        mod, inputs = self.running.get(fqn, (None, []))
+        weight = getattr(mod, "weight", None)
+        placement = ", ".join(f"{describe_placement(a)} {list(a.shape)}" for a in inputs)
+        inner = f"weight {describe_placement(weight)} {list(weight.shape)}" if isinstance(weight, torch.Tensor) else ""
+        point = Point(self.step, phase, fqn, "raised", 0, order, self.rank, float("inf"), placement, inner, {}, msg)
+        point.hint = _raise_hint(weight, inputs)
+        self.points.append(point)
+
+
+def _raise_hint(weight, inputs: list[torch.Tensor]) -> str:
+    """A column-wise (``Shard(0)``) weight given a local input that holds 1/k of its in-features (this rank's heads
+    or hidden units): the module was planned column-wise where its input called for row-wise."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not (isinstance(weight, DTensor) and weight.dim() == 2 and inputs) or isinstance(inputs[0], DTensor):
+        return ""
+    for p, k in zip(weight.placements, weight.device_mesh.shape):
+        if isinstance(p, Shard) and p.dim == 0 and k > 1 and inputs[0].shape[-1] * k == weight.shape[1]:
+            return (
+                f"its input holds 1/{k} of its {weight.shape[1]} in-features (this rank's share, e.g. its heads), "
+                f"but its weight is split column-wise (Shard(0)), which needs the whole input: plan it row-wise "
+                f"(RowwiseParallel), the partner of a column-wise module before it"
+            )
+    return ""
 
 
 def _is_float(a) -> bool:

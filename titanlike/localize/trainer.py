@@ -92,6 +92,7 @@ def _clip_then_compare(clip_fn: Callable, tracer: Tracer) -> Callable:
     def clip(params, max_norm):
         norm = clip_fn(params, max_norm)
         coef = min(1.0, max_norm / (float(norm) + 1e-6)) if max_norm > 0 else 1.0
+        tracer.norm_point(float(norm))
         tracer.parameters_point("gradient", scale=1.0 / coef)
         return norm
 
@@ -241,7 +242,7 @@ def _compare_layout(cfg, args, eos, dims, build, reference: Reference, steps: in
     sizes = dict(zip(names, dims.world_mesh.shape))
     dp_ranks = dims.get_mesh("dp").mesh.flatten().tolist() if dims.dp_enabled else []
     uncovered = uncovered_parameters(built.model_parts, dp_ranks) if len(dp_ranks) > 1 else []
-    return gather_outcome(tracer, steps, tol, coords, sizes, uncovered)
+    return gather_outcome(tracer, steps, tol, coords, sizes, uncovered, n_acc * n_pp)
 
 
 def run_trainer(rank: int, world: int, argv: list[str], steps: int, tol: float) -> tuple[int, str]:
