@@ -77,9 +77,10 @@ def _sum_hint(first: Point, kept: list, coords: list[dict], sizes: dict[str, int
                 break
         if ok:
             what = "outputs" if first.phase == "forward" else "gradients"
+            where = f" ({_comms(first.comms)} there)" if first.phase in ("forward", "backward") else ""
             return (
                 f"the {size} {dim} ranks' {what} sum to the reference: a partial sum never reduced over {dim} "
-                f"in {first.fqn} ({_comms(first.comms)} there)"
+                f"in {first.fqn}{where}"
             )
     return ""
 
