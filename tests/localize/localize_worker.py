@@ -89,6 +89,13 @@ CASES = {
     "MUT moe ep2 bias update from local loads": (2, (*MOE, *EP, *dp(1, 2, 4)), "moe_local_loads"),
     "MUT moe ep2 aux loss per rank": (2, (*MOE, *EP, *dp(1, 2, 4)), "moe_aux_per_rank"),
     "MUT moe ep2_fsdp4 expert FSDP averaging": (4, (*MOE, *EP, *dp(1, 4, 2)), "moe_expert_fsdp_average"),
+    "MUT fsdp2 validation leaves FSDP unsharded": (2, dp(1, 2, 4), "eval_keeps_unsharded"),
+    "MUT moe pp2 1F1B metadata inference counted as routed tokens": (
+        2,
+        (*MOE, "--model.n_layers", "4", *pp(2, "1F1B", 8, 2)),
+        "pp_moe_inference_counted",
+    ),
+    "moe pp2 1F1B": (2, (*MOE, "--model.n_layers", "4", *pp(2, "1F1B", 8, 2)), None),
     "pp2 1F1B tied": (2, (*DEEP_TIED, *pp(2, "1F1B", 8, 2)), None),
     "pp2 ZBVZeroBubble": (2, (*DEEP, *pp(2, "ZBVZeroBubble", 8, 2)), None),
     "MUT pp2 microbatch loss / m": (2, (*DEEP, *pp(2, "1F1B", 8, 2)), "pp_loss_over_microbatches"),

@@ -1,6 +1,6 @@
 """The divergence localiser on every planted mutation of the equality gates (tests/parallel/gate.py MUTATIONS,
 pipeline_gate.py's): each localised to the module and phase where it acts (step 1 unless the bug acts later: the
-expert-bias update shows in step 2's routing), and clean layouts of tp / sp / fsdp / hsdp / cp / ep / pp reported
+expert-bias update shows in step 2's routing, the validation forward's leftovers in step 2), and clean layouts of tp / sp / fsdp / hsdp / cp / ep / pp reported
 clean. One launch per world size (tests/localize/localize_worker.py)."""
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ EXPECTED = {
     "MUT moe tp2_sp_ep2 aux counts not over tp": ("layers.1.moe", "backward", 1),
     "MUT moe ep2 bias update from local loads": ("layers.1.moe", "forward", 2),
     "MUT moe ep2 aux loss per rank": ("layers.1.moe", "backward", 1),
+    "MUT fsdp2 validation leaves FSDP unsharded": ("norm", "gradient", 2),
+    "MUT moe pp2 1F1B metadata inference counted as routed tokens": ("layers.1.moe", "forward", 2),
+    "moe pp2 1F1B": None,
     "pp2 1F1B tied": None,
     "pp2 ZBVZeroBubble": None,
     "MUT pp2 microbatch loss / m": ("tok_embeddings", "gradient", 1),

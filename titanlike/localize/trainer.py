@@ -150,6 +150,16 @@ def _data_cut(cfg, dims, n_calls: int) -> tuple[DataCut, Callable]:
     return data, micro_batches
 
 
+def _validate(built, micro_batches: list[tuple]) -> None:
+    """The trainer's validation forward between two steps (no grad: no point of its own), so that what it leaves
+    behind (FSDP groups left unsharded, say) shows in the next step."""
+    from titanlike.training.step import eval_loss_sum
+
+    for mb in micro_batches:
+        starts = mb[2] if len(mb) > 2 else None
+        eval_loss_sum(built.model_parts[0], built.loss.loss_fn, mb[0], mb[1], built.forward_context, starts)
+
+
 def localize_config(
     argv: list[str],
     steps: int = 2,
@@ -233,6 +243,8 @@ def _compare_layout(cfg, args, eos, dims, build, reference: Reference, steps: in
                     moe=built.moe,
                 )
                 tracer.parameters_point("update")
+            if step < steps and built.pp is None:
+                _validate(built, micro_batches(*global_batch(cfg, args.vocab_size, eos, steps + 1)))
         except Exception as exc:  # noqa: BLE001 - a layout that raises is a divergence, reported as one
             tracer.failed(exc)
             break
