@@ -1,7 +1,7 @@
 """The divergence localiser on every planted mutation of the equality gates (tests/parallel/gate.py MUTATIONS,
 pipeline_gate.py's): each localised to the module and phase where it acts (step 1 unless the bug acts later: the
-expert-bias update shows in step 2's routing, the validation forward's leftovers in step 2), and clean layouts of tp / sp / fsdp / hsdp / cp / ep / pp reported
-clean. One launch per world size (tests/localize/localize_worker.py)."""
+expert-bias update shows in step 2's routing, the validation forward's leftovers in step 2), and clean layouts of
+tp / sp / fsdp / hsdp / cp / ep / pp reported clean. One launch per world size (tests/localize/localize_worker.py)."""
 
 from __future__ import annotations
 
