@@ -21,6 +21,9 @@ EXPECTED = {
     "tp2_sp": None,
     "fsdp2": None,
     "cp2": None,
+    "tp2_ac_full": None,  # the recomputation in backward is no point of its own
+    "cp2_ac_selective_op": None,
+    "gpt2 tp2_sp_accum2": None,
     "MUT tp2 no f backward all-reduce": ("layers.1.feed_forward", "backward", 1),
     "MUT tp2_sp no f backward reduce-scatter": ("layers.1.feed_forward", "backward", 1),
     "MUT tp2 CE without max all-reduce": ("output", "backward", 1),
