@@ -349,19 +349,19 @@ TORCHTITAN_KEYS: dict[str, Key] = {
     # [memory_estimation]
     "memory_estimation.enable": Key(INERT, ok=(False,), note="use scripts/plan.py (memory per rank of any layout)"),
     "memory_estimation.disable_fake_mode": Key(INERT, ok=(False,), note="use scripts/plan.py"),
-    # [fault_tolerance]
-    **{
-        f"fault_tolerance.{k}": Key(INERT, ok=ok, note="fault tolerance (torchft) is not supported")
-        for k, ok in (
-            ("enable", (False,)),
-            ("process_group", ("gloo",)),
-            ("process_group_timeout_ms", (10000,)),
-            ("replica_id", (0,)),
-            ("group_size", (0,)),
-            ("min_replica_size", (1,)),
-            ("semi_sync_method", (None,)),
-        )
-    },
+    # [fault_tolerance]: replica groups through torchft (docs/fault_tolerance.md)
+    "fault_tolerance.enable": S(),
+    "fault_tolerance.process_group": S(),
+    "fault_tolerance.process_group_timeout_ms": S(),
+    "fault_tolerance.replica_id": S(),
+    "fault_tolerance.group_size": S(),
+    "fault_tolerance.min_replica_size": S(),
+    "fault_tolerance.semi_sync_method": Key(
+        INERT,
+        ok=(None,),
+        note="semi-synchronous training (LocalSGD / DiLoCo) is not implemented; the replica groups train "
+        "synchronously (every step's gradients summed across the groups that take part)",
+    ),
     # [experimental]
     "experimental.custom_import": Key(INERT, ok=("",), note="titanlike has no plugin imports"),
     "experimental.custom_args_module": Key(INERT, ok=("",), note="titanlike's config is one fixed dataclass tree"),

@@ -55,6 +55,7 @@ class StepResult:
     tokens: int  # non-ignored tokens of the global batch
     skipped: bool  # True when loss or grad norm was not finite and the update was skipped
     moe: dict | None = None  # a model with MoE blocks: the aux loss per layer and the global expert loads
+    committed: bool = True  # replica groups (fault_tolerance): False when the step failed and nothing was updated
 
 
 def forward_backward(
@@ -67,6 +68,7 @@ def forward_backward(
     pp_group=None,
     has_last_stage: bool = True,
     forward_ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    replicas=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run forward and backward over this rank's micro-batches; return (global mean loss, global token count).
 
@@ -74,8 +76,12 @@ def forward_backward(
     ``pp_schedule.step`` splits each micro-batch into the schedule's microbatches; only the last stage sees
     labels and losses. A micro-batch ``(inputs, labels, document_starts)`` runs the block-causal mask
     (:func:`model_kwargs`). ``forward_ctx`` (e.g. bf16 autocast) wraps the forward and loss, not the backward.
+    ``replicas`` (fault-tolerant replica groups, ``titanlike.training.fault_tolerance``): the token count is summed
+    over the groups that take part in the step.
     """
     tokens = count_tokens(micro_batches, dp_group)
+    if replicas is not None:
+        tokens = replicas.sum_tokens(tokens)
     loss.denominator = tokens
     device = micro_batches[0][0].device
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -115,6 +121,7 @@ def train_step(
     has_last_stage: bool = True,
     forward_ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     moe=None,
+    replicas=None,
 ) -> StepResult:
     """zero_grad -> forward/backward -> global grad norm (clip) -> finite check -> optimizer step.
 
@@ -129,6 +136,10 @@ def train_step(
     ``clip_fn(parameters, max_norm) -> total_norm`` must return the norm over every parameter of the model on
     every rank (the parallel layer supplies one that reduces across DTensor meshes and pipeline stages). A
     non-finite loss or norm, identical on every rank by construction, skips the update on every rank.
+
+    ``replicas`` (``titanlike.training.fault_tolerance.ReplicaGroups``): the token count, the gradients and the loss
+    are summed over the replica groups of the step before the norm, and the update waits for every group to commit
+    (a failed step updates nothing, not even the LR schedule: ``StepResult.committed`` is False).
     """
     if not isinstance(loss, ScaledLoss):
         raise TypeError(
@@ -151,7 +162,10 @@ def train_step(
         pp_group=pp_group,
         has_last_stage=has_last_stage,
         forward_ctx=forward_ctx,
+        replicas=replicas,
     )
+    if replicas is not None:
+        total = replicas.sum_gradients(total)
     params = [p for m in model_parts for p in m.parameters()]
     norm = clip_fn(params, max_norm)
     # One device-to-host copy for both numbers (one host sync per step, not two).
@@ -159,6 +173,8 @@ def train_step(
         [total, torch.as_tensor(norm, dtype=torch.float64, device=total.device)]
     ).tolist()
     finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+    if replicas is not None and not replicas.should_commit():
+        return StepResult(loss=loss_value, grad_norm=norm_value, tokens=int(tokens), skipped=True, committed=False)
     if finite:
         optimizer.step()
     if lr_scheduler is not None and finite:
