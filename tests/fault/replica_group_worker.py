@@ -58,7 +58,8 @@ def _plant() -> None:
         if wait_for and self.participants < self.cfg.fault_tolerance.group_size:
             time.sleep(0.3)
             deadline = time.time() + 120
-            while (step == 0 or step >= self.cfg.training.steps - 3) and not Path(wait_for).exists() and time.time() < deadline:
+            edge = step == 0 or step >= self.cfg.training.steps - 3
+            while edge and not Path(wait_for).exists() and time.time() < deadline:
                 time.sleep(0.1)
         return out
 
