@@ -1,11 +1,18 @@
 """Fault-tolerant replica groups (torchft, titanlike/training/fault_tolerance.py) on CPU, as a cluster runs them.
 
 A lighthouse on loopback (started and stopped here), two replica groups of two gloo ranks each (FSDP2 inside), each
-its own real torchrun, float64. One rank of group 1 is killed with SIGKILL at a step drawn at random; group 0 keeps
-stepping alone; torchrun restarts group 1 (``--max-restarts 1``), which fetches group 0's live state through
-torchft's checkpoint transport and rejoins. At the end both groups' checkpoints (weights and AdamW state) are
-bitwise equal, and every logged loss and the final weights equal a float64 single-process reference that replays
-the same participation: a step with both groups trains on two group batches, a step group 1 missed on one.
+its own real torchrun, float64, checkpoints every 4 steps. One job goes through (one shared timeline, several
+tests reading it):
+
+1. one rank of group 1 is killed with SIGKILL before a step drawn at random; group 0 keeps stepping alone; torchrun
+   restarts group 1 (``--max-restarts 1``), which fetches group 0's live state through torchft's checkpoint
+   transport and rejoins;
+2. the lighthouse dies: both groups stop with one line within ``quorum_timeout_seconds``;
+3. a new lighthouse, both groups relaunched by hand: they resume from their checkpoints and finish.
+
+At the end both groups' checkpoints (weights and AdamW state) are bitwise equal, and every logged loss and the
+final weights equal a float64 single-process reference that replays the same participation: a step with both groups
+trains on two group batches, a step group 1 missed on one.
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ pytest.importorskip("torchft", reason="the optional extra titanlike[ft] (torchft
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("replica_group_worker.py")
 CORPUS = str(asset_path("corpus", "tinyshakespeare.txt"))
-STEPS = 20
+STEPS = 24
+INTERVAL = 4
+QUORUM_TIMEOUT = 8
 GROUP_BATCH = 4  # two ranks x local batch 2
 
 
@@ -62,7 +71,7 @@ def train_args(dump: Path, lighthouse: str, replica_id: int) -> list[str]:
         "3e-3",
         "--checkpoint.enable",
         "--checkpoint.interval",
-        str(STEPS),
+        str(INTERVAL),
         "--checkpoint.exit_signals",
         "",
         "--comm.timeout_seconds",
@@ -78,6 +87,8 @@ def train_args(dump: Path, lighthouse: str, replica_id: int) -> list[str]:
         lighthouse,
         "--fault_tolerance.process_group_timeout_ms",
         "5000",
+        "--fault_tolerance.quorum_timeout_seconds",
+        str(QUORUM_TIMEOUT),
     ]
 
 
@@ -217,39 +228,109 @@ def wait_all(procs: dict[str, subprocess.Popen], timeout: float) -> dict[str, in
     return codes
 
 
-def test_a_killed_group_rejoins_bitwise_and_the_losses_replay_the_participation(tmp_path):
+def _wait_for(path: Path, procs: dict, seconds: float) -> None:
+    deadline = time.time() + seconds
+    while not path.exists():
+        assert time.time() < deadline, f"{path.name} did not appear within {seconds} s"
+        assert all(p.poll() is None for p in procs.values()), {n: p.poll() for n, p in procs.items()}
+        time.sleep(0.1)
+
+
+def together(mine: Path, peer: Path) -> dict[str, str]:
+    """The worker's environment for a group that starts its first quorum with the other's."""
+    return {"FT_TEST_READY": str(mine), "FT_TEST_PEER_READY": str(peer)}
+
+
+@pytest.fixture(scope="module")
+def timeline(tmp_path_factory):
+    """The job of the module docstring; returns what the tests read."""
+    tmp = tmp_path_factory.mktemp("replica_groups")
     seed = int(time.time()) % 10_000
-    kill_step = random.Random(seed).randint(2, 7)
-    print(f"kill step {kill_step} (seed {seed})")
+    kill_step = random.Random(seed).randint(2, 6)
+    print(f"kill before group 1's training step {kill_step} (seed {seed})")
     port = unused_port()
     lighthouse = f"http://127.0.0.1:{port}"
-    lh = start_lighthouse(port, tmp_path / "lighthouse.log")
-    ready = tmp_path / "group1_ready"
+    a, b = tmp / "group0", tmp / "group1"
+    ready, ready0, pause = tmp / "group1_ready", tmp / "group0_ready", tmp / "paused"
+    out = {"tmp": tmp, "a": a, "b": b, "kill_step": kill_step}
+    lh = start_lighthouse(port, tmp / "lighthouse1.log")
     try:
-        a, b = tmp_path / "group0", tmp_path / "group1"
         procs = {
-            "group0": start_group(a, lighthouse, 0, 0, FT_TEST_WAIT_FOR=str(ready)),
-            "group1": start_group(b, lighthouse, 1, 1, FT_TEST_READY=str(ready), FT_TEST_KILL=f"{kill_step}:1"),
+            "group0": start_group(
+                a, lighthouse, 0, 0, **together(ready0, ready), FT_TEST_HOLD_FOR=str(ready), FT_TEST_PAUSE=str(pause)
+            ),
+            "group1": start_group(b, lighthouse, 1, 1, **together(ready, ready0), FT_TEST_KILL=f"{kill_step}:1"),
         }
         t0 = time.time()
-        codes = wait_all(procs, timeout=400)
-        seconds = time.time() - t0
-    finally:
+        _wait_for(pause, procs, 300)  # group 1 is back and group 0 holds before its next quorum
+        out["phase1_seconds"] = time.time() - t0
         os.killpg(lh.pid, 9)
         lh.wait()
-    logs = {n: (tmp_path / n / "console.log").read_text() for n in procs}
-    assert codes == {"group0": 0, "group1": 0}, f"{codes}\n{logs['group0'][-3000:]}\n{logs['group1'][-3000:]}"
-    ra, rb = rows(a), rows(b)
+        out["lighthouse_killed"] = time.time()
+        (tmp / "paused.go").write_text("")
+        out["codes1"] = wait_all(procs, timeout=120)
+        out["stopped"] = time.time()
+        out["logs1"] = {n: (tmp / n / "console.log").read_text() for n in procs}
+        out["rows1"] = rows(a)
+        ready.unlink(missing_ok=True)
+        ready0.unlink(missing_ok=True)
+        lh = start_lighthouse(port, tmp / "lighthouse2.log")
+        for n in procs:
+            (tmp / n / "console.log").rename(tmp / n / "console1.log")
+        procs = {
+            "group0": start_group(a, lighthouse, 0, 0, **together(ready0, ready)),
+            "group1": start_group(b, lighthouse, 1, 0, **together(ready, ready0)),
+        }
+        out["codes2"] = wait_all(procs, timeout=300)
+        out["logs2"] = {n: (tmp / n / "console.log").read_text() for n in procs}
+    finally:
+        if lh.poll() is None:
+            os.killpg(lh.pid, 9)
+            lh.wait()
+    out["killed"] = float((tmp / "group1_ready.killed").read_text())
+    return out
+
+
+def _tails(logs: dict) -> str:
+    return "\n".join(f"--- {n}\n{text[-3000:]}" for n, text in logs.items())
+
+
+def test_a_killed_group_leaves_the_other_keeps_stepping_and_it_rejoins(timeline):
+    logs, ra = timeline["logs1"], timeline["rows1"]
+    assert "recovered the live state of step" in logs["group1"], _tails(logs)
+    assert "group 1 left" in logs["group0"] and "group 1 joined" in logs["group0"], _tails(logs)
+    after = [s for s in sorted(ra) if ra[s]["unix_time"] > timeline["killed"]]
+    alone = [s for s in after if ra[s]["participants"] == 1]
+    back = next(s for s in after if ra[s]["participants"] == 2)
+    assert alone and alone == list(range(after[0], back)), f"group 0 did not keep stepping alone: {after}"
+    print(
+        f"killed before group 1's step {timeline['kill_step']}: group 0 committed its next step (alone) "
+        f"{ra[after[0]]['unix_time'] - timeline['killed']:.2f} s later, {ra[back]['failed_steps']} step(s) not "
+        f"committed; {len(alone)} step(s) alone; group 1 back at step {back}, "
+        f"{ra[back]['unix_time'] - timeline['killed']:.1f} s after the kill; phase 1 {timeline['phase1_seconds']:.1f} s"
+    )
+
+
+def test_the_lighthouse_dying_stops_both_groups_with_one_line(timeline):
+    logs = timeline["logs1"]
+    assert timeline["codes1"] == {"group0": 1, "group1": 1}, _tails(logs)
+    for n, text in logs.items():
+        errors = [line for line in text.splitlines() if line.startswith("error: ")]
+        assert errors and all("the lighthouse at" in e and "is down or unreachable" in e for e in errors), (n, errors)
+    took = timeline["stopped"] - timeline["lighthouse_killed"]
+    assert took < QUORUM_TIMEOUT + 30, took
+    print(f"the lighthouse killed: both groups stopped {took:.1f} s later (quorum_timeout_seconds {QUORUM_TIMEOUT})")
+
+
+def test_both_groups_resume_from_their_checkpoints_and_end_bitwise_equal_to_the_replayed_reference(timeline):
+    logs, a, b = timeline["logs2"], timeline["a"], timeline["b"]
+    assert timeline["codes2"] == {"group0": 0, "group1": 0}, _tails(logs)
+    # group 0 resumes from its checkpoint; group 1 too, or (when it was away at group 0's last save) it starts
+    # afresh and recovers group 0's live state
+    assert "checkpoint: resumed from" in logs["group0"], _tails(logs)
+    assert any(w in logs["group1"] for w in ("checkpoint: resumed from", "recovered the live state")), _tails(logs)
+    ra = rows(a)
     assert sorted(ra) == list(range(1, STEPS + 1))
-    # group 0 never stopped: some step trained without group 1, and group 1 came back and recovered
-    alone = [s for s, r in ra.items() if r["participants"] == 1]
-    assert alone, f"group 0 never stepped alone: {[(s, r['participants']) for s, r in ra.items()]}"
-    assert ra[STEPS]["participants"] == 2, "group 1 did not rejoin before the end"
-    assert "recovered the live state of step" in logs["group1"] and "group 1 left" in logs["group0"]
-    assert "group 1 joined" in logs["group0"]
-    # the steps both trained: the same loss, bitwise
-    both = [s for s in rb if rb[s]["participants"] == 2 and ra[s]["participants"] == 2]
-    assert both and all(ra[s]["loss"] == rb[s]["loss"] for s in both)
     # final state (weights and AdamW moments): bitwise equal across the groups
     fa, fb = final_state(a), final_state(b)
     assert fa.keys() == fb.keys() and any(k.startswith("optimizer") for k in fa)
@@ -262,19 +343,10 @@ def test_a_killed_group_rejoins_bitwise_and_the_losses_replay_the_participation(
         participation[s] = (r["data_group_batches"] - r["participants"], r["participants"])
         assert participation[s][0] == committed, f"step {s} did not start at the next unread group batch"
         committed = r["data_group_batches"]
-    ref_losses, ref_weights = reference(participation, tmp_path / "reference")
+    assert any(n == 1 for _, n in participation.values()) and participation[STEPS][1] == 2
+    ref_losses, ref_weights = reference(participation, timeline["tmp"] / "reference")
     worst = max(abs(ref_losses[s] - ra[s]["loss"]) for s in ra)
     assert worst < 1e-10, (worst, ref_losses, {s: r["loss"] for s, r in ra.items()})
     for k, v in ref_weights.items():
-        got = fa[f"model.{k}"]
-        assert (got - v).abs().max().item() < 1e-10, k
-    killed = float((tmp_path / "group1_ready.killed").read_text())
-    after = [s for s in sorted(ra) if ra[s]["unix_time"] > killed]
-    back = next(s for s in after if ra[s]["participants"] == 2)
-    print(
-        f"killed before group 1's step {kill_step}: group 0 committed its next step (alone) "
-        f"{ra[after[0]]['unix_time'] - killed:.2f} s later, {ra[STEPS]['failed_steps']} step(s) not committed; "
-        f"group 0 stepped alone {len(alone)} step(s); group 1 back at step {back}, "
-        f"{ra[back]['unix_time'] - killed:.1f} s after the kill (recovery transfer {rb[back]['recovery_seconds']:.2f} "
-        f"s); job {seconds:.1f} s, worst loss difference {worst:.1e}"
-    )
+        assert (fa[f"model.{k}"] - v).abs().max().item() < 1e-10, k
+    print(f"{sum(n == 1 for _, n in participation.values())} step(s) of group 0 alone; worst loss diff {worst:.1e}")

@@ -40,6 +40,14 @@ class NothingToRejoinError(ReportedError):
     """A restarted group found no healthy group to recover from."""
 
 
+class RecoveryError(ReportedError):
+    """The ranks of a group disagree on the step after a recovery that failed on some of them."""
+
+
+class QuorumError(ReportedError):
+    """The quorum failed: the lighthouse is gone or did not answer in time."""
+
+
 def lighthouse_address(cfg) -> str:
     return cfg.fault_tolerance.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
 
@@ -182,7 +190,16 @@ class ReplicaGroups:
 
         was_quorum = self.pg.quorum_id
         t0 = time.perf_counter()
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except Exception as e:  # the lighthouse is gone (or did not answer in time): this group stops
+            raise QuorumError(
+                f"fault tolerance: group {self.cfg.fault_tolerance.replica_id}: the quorum of step {step + 1} failed "
+                f"after {time.perf_counter() - t0:.1f} s ({_first_line(e)}): the lighthouse at "
+                f"{lighthouse_address(self.cfg)} is down or unreachable, or a group took longer than "
+                f"fault_tolerance.quorum_timeout_seconds = {self.cfg.fault_tolerance.quorum_timeout_seconds} to reach "
+                f"its next step; this group stops here (resume from its checkpoints with a lighthouse running)"
+            ) from None
         healed = self.manager.current_step() != step
         seconds = time.perf_counter() - t0
         self.participants = self.manager.num_participants()
@@ -195,6 +212,7 @@ class ReplicaGroups:
                 + _changes(before, self.replica_ids)
             )
         self._refuse_a_restart_with_nothing_to_rejoin(step)
+        self._check_the_group_agrees(step)
         if healed:
             self.recovery_seconds = seconds
             self._say(
@@ -217,6 +235,23 @@ class ReplicaGroups:
                     f"is running to recover the job's state from (they finished or died); it would train from step 0 "
                     f"alone. Resume the job from its checkpoints (checkpoint.enable) or start it again"
                 )
+
+    def _check_the_group_agrees(self, step: int) -> None:
+        """Every rank of the group is at the same step after the quorum: a recovery that failed on some ranks only
+        (the healthy group died while sending) would leave the group's shards at different steps."""
+        if self.group_world == 1:
+            return
+        now = self.manager.current_step()
+        steps = torch.tensor([now, -now], dtype=torch.int64, device=self.params[0].device)
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        hi, lo = int(steps[0]), -int(steps[1])
+        if hi != lo:
+            raise RecoveryError(
+                f"fault tolerance: group {self.cfg.fault_tolerance.replica_id}: the recovery before step {step + 1} "
+                f"failed on some ranks ({_first_line(self.manager.errored()) or 'no error'} on rank {self.rank}): its "
+                f"ranks hold steps {lo} .. {hi}; the group stops (torchrun's --max-restarts restarts it, and it "
+                f"recovers again from a healthy group)"
+            )
 
     def sum_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """This group's token count summed over the groups of the step (the loss denominator)."""
@@ -330,7 +365,12 @@ class ReplicaGroups:
 
 
 def _first_line(e) -> str:
-    return str(getattr(e, "original_exception", e)).strip().splitlines()[0][:200] if e else ""
+    """The first line of an exception (torchft wraps them in ExceptionWithTraceback), at most 200 characters."""
+    if not e:
+        return ""
+    e = getattr(e, "original_exception", e)
+    lines = str(e).strip().splitlines()
+    return (lines[0][:200] if lines else "") or type(e).__name__
 
 
 def _changes(before: list[int], now: list[int]) -> str:
