@@ -53,10 +53,22 @@ def lighthouse_address(cfg) -> str:
 
 
 def config_problems(cfg) -> list[str]:
-    """Every problem of ``[fault_tolerance]`` with the rest of the config, one line each (none when disabled)."""
+    """Every problem of ``[fault_tolerance]`` with the rest of the config, one line each (disabled: only keys set
+    that would be ignored)."""
     ft = cfg.fault_tolerance
     if not ft.enable:
-        return []
+        import dataclasses
+
+        default = type(ft)()
+        set_ = [f.name for f in dataclasses.fields(ft) if getattr(ft, f.name) != getattr(default, f.name)]
+        return (
+            [
+                f"fault_tolerance: {', '.join('fault_tolerance.' + k for k in set_)} set while fault_tolerance.enable "
+                f"is false (it would be ignored); set fault_tolerance.enable = true or remove them"
+            ]
+            if set_
+            else []
+        )
     out = []
     if ft.group_size < 1:
         out.append(

@@ -214,14 +214,13 @@ class Trainer:
     def _check_fault_tolerance(self) -> None:
         """[fault_tolerance]: every problem of the section in one line, torchft installed, the lighthouse reachable
         (titanlike/training/fault_tolerance.py)."""
-        if not self.cfg.fault_tolerance.enable:
-            return
         from titanlike.training import fault_tolerance
 
         problems = fault_tolerance.config_problems(self.cfg)
         if problems:
             raise ConfigError("; ".join(problems))
-        fault_tolerance.check_runtime(self.cfg)
+        if self.cfg.fault_tolerance.enable:
+            fault_tolerance.check_runtime(self.cfg)
 
     def _replica_groups(self):
         """This group's torchft manager (fault_tolerance.enable), else None."""
