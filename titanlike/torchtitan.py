@@ -225,7 +225,9 @@ TORCHTITAN_KEYS: dict[str, Key] = {
     # [checkpoint]
     "checkpoint.enable": S(),
     "checkpoint.enable_ft_dataloader_checkpoints": Key(
-        INERT, ok=(True, False), note="fault tolerance (torchft) is not supported"
+        INERT,
+        ok=(True, False),
+        note="every checkpoint of a fault-tolerant replica group holds its data position (docs/fault_tolerance.md)",
     ),
     "checkpoint.folder": S(),
     "checkpoint.interval": S(),
@@ -354,6 +356,8 @@ TORCHTITAN_KEYS: dict[str, Key] = {
     "fault_tolerance.process_group": S(),
     "fault_tolerance.process_group_timeout_ms": S(),
     "fault_tolerance.replica_id": S(),
+    # the same count of groups; their data differs from torchtitan's fixed shard per replica_id: each step's group
+    # batches follow the groups that take part, and training.global_batch_size is one group's batch
     "fault_tolerance.group_size": S(),
     "fault_tolerance.min_replica_size": S(),
     "fault_tolerance.semi_sync_method": Key(

@@ -134,6 +134,7 @@ def start_group(dump: Path, lighthouse: str, replica_id: int, restarts: int, **e
         "0.5",
         str(WORKER),
         *train_args(dump, lighthouse, replica_id),
+        *env.pop("FT_TEST_EXTRA", "").split(),
     ]
     return subprocess.Popen(
         cmd,
@@ -350,3 +351,26 @@ def test_both_groups_resume_from_their_checkpoints_and_end_bitwise_equal_to_the_
     for k, v in ref_weights.items():
         assert (fa[f"model.{k}"] - v).abs().max().item() < 1e-10, k
     print(f"{sum(n == 1 for _, n in participation.values())} step(s) of group 0 alone; worst loss diff {worst:.1e}")
+
+
+def test_a_group_that_never_comes_back_below_min_replica_size_stops_the_job_with_one_line(tmp_path):
+    """min_replica_size = 2 and group 1 never starts: group 0 waits for it quorum_timeout_seconds, then stops (with
+    min_replica_size = 1, the default, it trains on alone: the timeline above)."""
+    port = unused_port()
+    lh = start_lighthouse(port, tmp_path / "lighthouse.log")
+    try:
+        a = tmp_path / "group0"
+        t0 = time.time()
+        proc = start_group(a, f"http://127.0.0.1:{port}", 0, 0, FT_TEST_EXTRA="--fault_tolerance.min_replica_size 2")
+        codes = wait_all({"group0": proc}, timeout=200)
+        seconds = time.time() - t0
+    finally:
+        os.killpg(lh.pid, 9)
+        lh.wait()
+    log = (a / "console.log").read_text()
+    assert codes == {"group0": 1}, log[-3000:]
+    assert "1 group(s), fewer than min_replica_size 2: waiting for more" in log, log[-3000:]
+    errors = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert errors and all("fewer than fault_tolerance.min_replica_size = 2" in e for e in errors), errors
+    assert not (a / "metrics.jsonl").exists() or "loss" not in (a / "metrics.jsonl").read_text()  # nothing trained
+    print(f"group 0 alone below min_replica_size: stopped {seconds:.1f} s after its launch")

@@ -191,15 +191,52 @@ class ReplicaGroups:
         if rank != 0:
             self.manager = Manager(**kwargs)
         self.quorum_changes, self.recovery_seconds, self.participants, self.failed_steps = 0, 0.0, 0, 0
+        self.quorum_seconds = 0.0
         self.replica_ids: list[int] = []
         self.last_recovery: str | None = None
 
     # ------------------------------------------------------------------ the step
     def begin_step(self, step: int):
-        """The quorum of the next step (a group behind heals here); then the loader at this group's batch.
-        Returns the data iterator for the step."""
+        """The quorum of the next step (a group behind heals here; too few groups: wait for more, at most
+        ``quorum_timeout_seconds``); then the loader at this group's group batch. Returns the step's data iterator."""
         from titanlike.data import set_loader_position
 
+        ft = self.cfg.fault_tolerance
+        t0 = time.perf_counter()
+        self._quorum(step)
+        healed = self.manager.current_step() != step
+        seconds, said = time.perf_counter() - t0, False
+        while self.participants < ft.min_replica_size:
+            waited = time.perf_counter() - t0
+            if waited > ft.quorum_timeout_seconds:
+                raise QuorumError(
+                    f"fault tolerance: group {ft.replica_id}: only {self.participants} replica group(s) "
+                    f"{self.replica_ids} took part for {waited:.0f} s, fewer than fault_tolerance.min_replica_size = "
+                    f"{ft.min_replica_size}: this group stops (start the missing groups, or lower min_replica_size)"
+                )
+            if not said:
+                said = True
+                self._say(
+                    f"step {self.manager.current_step() + 1}: {self.participants} group(s), fewer than "
+                    f"min_replica_size {ft.min_replica_size}: waiting for more (at most {ft.quorum_timeout_seconds} s)"
+                )
+            time.sleep(1.0)
+            self._quorum(step)
+        self.quorum_seconds = time.perf_counter() - t0
+        self._refuse_a_restart_with_nothing_to_rejoin(step)
+        self._check_the_group_agrees(step)
+        if healed:
+            self.recovery_seconds = seconds
+            self._say(
+                f"recovered the live state of step {self.manager.current_step()} from a healthy group in "
+                f"{seconds:.2f} s (weights, optimizer, LR schedule, data position, RNG); rejoining"
+            )
+        slot = self.manager.batches_committed() + self.manager.participating_rank()
+        set_loader_position(self.dataloader, slot * self.global_batch)
+        return iter(self.dataloader)
+
+    def _quorum(self, step: int) -> None:
+        """torchft's quorum (synchronous); a new one is said on the console (rank 0)."""
         was_quorum = self.pg.quorum_id
         t0 = time.perf_counter()
         try:
@@ -212,8 +249,6 @@ class ReplicaGroups:
                 f"fault_tolerance.quorum_timeout_seconds = {self.cfg.fault_tolerance.quorum_timeout_seconds} to reach "
                 f"its next step; this group stops here (resume from its checkpoints with a lighthouse running)"
             ) from None
-        healed = self.manager.current_step() != step
-        seconds = time.perf_counter() - t0
         self.participants = self.manager.num_participants()
         if self.pg.quorum_id != was_quorum:
             self.quorum_changes += 1
@@ -223,17 +258,6 @@ class ReplicaGroups:
                 f"{self.replica_ids} take part ({self.participants} of {self.cfg.fault_tolerance.group_size})"
                 + _changes(before, self.replica_ids)
             )
-        self._refuse_a_restart_with_nothing_to_rejoin(step)
-        self._check_the_group_agrees(step)
-        if healed:
-            self.recovery_seconds = seconds
-            self._say(
-                f"recovered the live state of step {self.manager.current_step()} from a healthy group in "
-                f"{seconds:.2f} s (weights, optimizer, LR schedule, data position, RNG); rejoining"
-            )
-        slot = self.manager.batches_committed() + self.manager.participating_rank()
-        set_loader_position(self.dataloader, slot * self.global_batch)
-        return iter(self.dataloader)
 
     def _refuse_a_restart_with_nothing_to_rejoin(self, step: int) -> None:
         """A restarted group (torchrun's restart count > 0) without a checkpoint of its own whose first quorum has
@@ -305,10 +329,13 @@ class ReplicaGroups:
         return committed
 
     def metrics(self) -> dict:
+        """The step's metrics: groups that took part, quorums so far, the last recovery's and this step's quorum
+        seconds, group batches committed (the data position), steps not committed so far, the wall clock."""
         return {
             "participants": self.participants,
             "quorum_changes": self.quorum_changes,
             "recovery_seconds": self.recovery_seconds,
+            "quorum_seconds": self.quorum_seconds,
             "data_group_batches": self.manager.batches_committed(),
             "failed_steps": self.failed_steps,
             "unix_time": time.time(),
