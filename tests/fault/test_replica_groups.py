@@ -351,6 +351,8 @@ def test_both_groups_resume_from_their_checkpoints_and_end_bitwise_equal_to_the_
     for k, v in ref_weights.items():
         assert (fa[f"model.{k}"] - v).abs().max().item() < 1e-10, k
     print(f"{sum(n == 1 for _, n in participation.values())} step(s) of group 0 alone; worst loss diff {worst:.1e}")
+    print("step: (first group batch, groups) " + ", ".join(f"{s}: {participation[s]}" for s in participation))
+    print("quorum seconds (both groups): " + ", ".join(f"{ra[s]['quorum_seconds']:.3f}" for s in ra if s > 1))
 
 
 def test_a_group_that_never_comes_back_below_min_replica_size_stops_the_job_with_one_line(tmp_path):
