@@ -114,12 +114,55 @@ def layout_violations(cfg, world_size: int, args) -> list[str]:
 def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
     """:func:`layout_violations` with the name (a key of :data:`RULES`) of the rule each line comes from."""
     p, t = cfg.parallelism, cfg.training
+    spec = get_spec(cfg.model.name)
+    out = _model_violations(cfg, spec, args)
+    # Degrees.
+    tp, pp, cp = p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree
+    problems, dps = degree_problems(
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        cp=cp,
+        tp=tp,
+        pp=pp,
+        world_size=world_size,
+    )
+    out += [("degrees", m) for m in problems]
+    if not problems:
+        out += _expert_violations(cfg, spec, args, dps, cp, tp)
+    if cp > 1:
+        out += _context_parallel_violations(cfg, cp, tp)
+    dp = p.data_parallel_replicate_degree * dps
+    if tp > 1:
+        out += _tensor_parallel_violations(cfg, args, tp)
+    elif p.enable_sequence_parallel:
+        out.append(
+            (
+                "sp_needs_tp",
+                "parallelism.enable_sequence_parallel needs tensor_parallel_degree > 1; turn it off or raise the tp "
+                "degree",
+            )
+        )
+    # Batch.
+    split = batch_split(t.global_batch_size, t.local_batch_size, dp)
+    if split.problem:
+        out.append(("batch", split.problem))
+    # Pipeline.
+    if pp > 1:
+        out += _pipeline_violations(cfg, args, pp)
+    elif p.pipeline_parallel_module_names:
+        out.append(
+            ("pp_names_need_pp", "parallelism.pipeline_parallel_module_names needs pipeline_parallel_degree > 1")
+        )
+    return out + _feature_violations(cfg, spec, args, tp, cp)
+
+
+def _model_violations(cfg, spec, args) -> list[tuple[str, str]]:
+    """The [model] section's keys and masks, and the model's shape (its own rules, its maximum sequence length)."""
     out: list[tuple[str, str]] = []
 
     def add(rule: str, message: str) -> None:
         out.append((rule, message))
 
-    spec = get_spec(cfg.model.name)
     reads = model_keys_read(spec, cfg.model)
     unread = [k for k in model_overrides(cfg.model) if k not in reads]
     if unread:
@@ -141,7 +184,6 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
             "model.reset_position_ids: positions restart at document starts, which only the block-causal mask "
             "knows; set model.attn_mask_type = 'block_causal' or drop it",
         )
-    # Model shape.
     if args.dim % args.n_heads:
         add(
             "dim_heads",
@@ -154,79 +196,69 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
             f"choose n_kv_heads dividing n_heads",
         )
     out += [("model_shape", m) for m in spec.shape_violations(args)]
-    if t.seq_len > args.max_seq_len:
+    seq_len = cfg.training.seq_len
+    if seq_len > args.max_seq_len:
         add(
             "seq_len_max",
-            f"training.seq_len {t.seq_len} exceeds the model's max_seq_len {args.max_seq_len}; "
+            f"training.seq_len {seq_len} exceeds the model's max_seq_len {args.max_seq_len}; "
             f"lower training.seq_len or raise model.max_seq_len",
         )
-    # Degrees.
-    tp, pp, cp = p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree
-    problems, dps = degree_problems(
-        dp_replicate=p.data_parallel_replicate_degree,
-        dp_shard=p.data_parallel_shard_degree,
-        cp=cp,
-        tp=tp,
-        pp=pp,
-        world_size=world_size,
-    )
-    out += [("degrees", m) for m in problems]
-    if not problems:
-        out += _expert_violations(cfg, spec, args, dps, cp, tp)
-    if cp > 1:
-        out += _context_parallel_violations(cfg, cp, tp)
-    dp = p.data_parallel_replicate_degree * dps
-    # Tensor / sequence parallel.
-    if tp > 1:
-        if args.n_heads % tp:
-            add(
-                "tp_heads",
-                f"parallelism.tensor_parallel_degree {tp} does not divide n_heads {args.n_heads}; "
-                f"choose a tp degree dividing {args.n_heads}",
-            )
-        if args.n_kv_heads % tp and args.n_kv_heads != args.n_heads:
-            add(
-                "tp_kv_heads",
-                f"parallelism.tensor_parallel_degree {tp} does not divide n_kv_heads {args.n_kv_heads}; "
-                f"choose a tp degree dividing {args.n_kv_heads}",
-            )
-        if args.hidden_dim % tp:
-            add(
-                "tp_ffn",
-                f"parallelism.tensor_parallel_degree {tp} does not divide the ffn hidden size {args.hidden_dim}",
-            )
-        if args.vocab_size > 0 and args.vocab_size % tp:
-            add(
-                "tp_vocab",
-                f"parallelism.tensor_parallel_degree {tp} does not divide the vocabulary {args.vocab_size}; "
-                f"set model.vocab_multiple to a multiple of {tp}",
-            )
-        if p.enable_sequence_parallel and t.seq_len % tp:
-            add(
-                "sp_seq_len",
-                f"training.seq_len {t.seq_len} is not divisible by tensor_parallel_degree {tp} under "
-                f"sequence parallelism; choose a multiple of {tp}",
-            )
-        if cfg.model.kernels == "te":
-            add(
-                "te_tp",
-                f"model.kernels=te does not combine with tensor_parallel_degree {tp} (TE modules are not "
-                f"nn.Linear, so the TP plan cannot shard them); use model.kernels=torch or tp 1",
-            )
-    elif p.enable_sequence_parallel:
+    return out
+
+
+def _tensor_parallel_violations(cfg, args, tp: int) -> list[tuple[str, str]]:
+    """tp > 1: tp divides the heads, the ffn and the vocabulary (and seq_len under sequence parallelism)."""
+    out: list[tuple[str, str]] = []
+
+    def add(rule: str, message: str) -> None:
+        out.append((rule, message))
+
+    if args.n_heads % tp:
         add(
-            "sp_needs_tp",
-            "parallelism.enable_sequence_parallel needs tensor_parallel_degree > 1; turn it off or raise the tp degree",
+            "tp_heads",
+            f"parallelism.tensor_parallel_degree {tp} does not divide n_heads {args.n_heads}; "
+            f"choose a tp degree dividing {args.n_heads}",
         )
-    # Batch.
-    split = batch_split(t.global_batch_size, t.local_batch_size, dp)
-    if split.problem:
-        add("batch", split.problem)
-    # Pipeline.
-    if pp > 1:
-        out += _pipeline_violations(cfg, args, pp)
-    elif p.pipeline_parallel_module_names:
-        add("pp_names_need_pp", "parallelism.pipeline_parallel_module_names needs pipeline_parallel_degree > 1")
+    if args.n_kv_heads % tp and args.n_kv_heads != args.n_heads:
+        add(
+            "tp_kv_heads",
+            f"parallelism.tensor_parallel_degree {tp} does not divide n_kv_heads {args.n_kv_heads}; "
+            f"choose a tp degree dividing {args.n_kv_heads}",
+        )
+    if args.hidden_dim % tp:
+        add(
+            "tp_ffn",
+            f"parallelism.tensor_parallel_degree {tp} does not divide the ffn hidden size {args.hidden_dim}",
+        )
+    if args.vocab_size > 0 and args.vocab_size % tp:
+        add(
+            "tp_vocab",
+            f"parallelism.tensor_parallel_degree {tp} does not divide the vocabulary {args.vocab_size}; "
+            f"set model.vocab_multiple to a multiple of {tp}",
+        )
+    seq_len = cfg.training.seq_len
+    if cfg.parallelism.enable_sequence_parallel and seq_len % tp:
+        add(
+            "sp_seq_len",
+            f"training.seq_len {seq_len} is not divisible by tensor_parallel_degree {tp} under "
+            f"sequence parallelism; choose a multiple of {tp}",
+        )
+    if cfg.model.kernels == "te":
+        add(
+            "te_tp",
+            f"model.kernels=te does not combine with tensor_parallel_degree {tp} (TE modules are not "
+            f"nn.Linear, so the TP plan cannot shard them); use model.kernels=torch or tp 1",
+        )
+    return out
+
+
+def _feature_violations(cfg, spec, args, tp: int, cp: int) -> list[tuple[str, str]]:
+    """The features a model must declare (TE, float8, cp, a TP plan, export) and the option groups' own rules."""
+    out: list[tuple[str, str]] = []
+
+    def add(rule: str, message: str) -> None:
+        out.append((rule, message))
+
     if cfg.activation_checkpoint.mode == "selective":
         try:
             parse_ac_option(cfg.activation_checkpoint.selective_ac_option)
@@ -359,15 +391,24 @@ def _schedules(having) -> str:
 
 
 def _pipeline_violations(cfg, args, pp: int) -> list[tuple[str, str]]:
-    p, t = cfg.parallelism, cfg.training
+    n_stages = pipeline_stage_count(cfg, args)
+    return (
+        _stage_count_violations(cfg, n_stages, pp)
+        + _layer_split_violations(cfg, args, n_stages)
+        + _microbatch_violations(cfg, n_stages, pp)
+        + _split_backward_violations(cfg)
+    )
+
+
+def _stage_count_violations(cfg, n_stages: int, pp: int) -> list[tuple[str, str]]:
+    """The stages divide over the pp ranks, as many per rank as the schedule runs."""
     out: list[tuple[str, str]] = []
 
     def add(rule: str, message: str) -> None:
         out.append((rule, message))
 
-    sched = p.pipeline_parallel_schedule
+    sched = cfg.parallelism.pipeline_parallel_schedule
     facts = schedule_facts(sched)
-    n_stages = pipeline_stage_count(cfg, args)
     if n_stages % pp:
         add(
             "pp_stages_divide",
@@ -392,87 +433,119 @@ def _pipeline_violations(cfg, args, pp: int) -> list[tuple[str, str]]:
             f"parallelism.pipeline_parallel_schedule {sched} needs at least 2 stages per rank; use "
             f"{_schedules(lambda f: f.single_stage)} or set pipeline_parallel_stages_per_rank >= 2",
         )
+    return out
+
+
+def _layer_split_violations(cfg, args, n_stages: int) -> list[tuple[str, str]]:
+    """The layers go into the stages: the module names listed per stage, or an even split with a block at each end."""
+    p = cfg.parallelism
     eff = args.n_layers + p.pipeline_parallel_first_stage_less_layers + p.pipeline_parallel_last_stage_less_layers
     lps = p.pipeline_parallel_layers_per_stage
     if p.pipeline_parallel_module_names:
         try:
             parse_module_names(p.pipeline_parallel_module_names, args.n_layers, spec=get_spec(cfg.model.name))
         except ConfigError as e:
-            add("pp_module_names", str(e))
-    else:
-        if lps and (eff % lps or (p.pipeline_parallel_stages_per_rank and eff != lps * n_stages)):
-            add(
+            return [("pp_module_names", str(e))]
+    elif lps and (eff % lps or (p.pipeline_parallel_stages_per_rank and eff != lps * n_stages)):
+        return [
+            (
                 "pp_layers_per_stage",
                 f"parallelism.pipeline_parallel_layers_per_stage {lps} does not fit {args.n_layers} layers "
                 f"(+{p.pipeline_parallel_first_stage_less_layers} for the embedding, "
                 f"+{p.pipeline_parallel_last_stage_less_layers} for the head) in {n_stages} stages; "
                 f"choose a divisor of {eff} (or drop pipeline_parallel_stages_per_rank)",
             )
-        elif eff % n_stages:
-            add(
+        ]
+    elif eff % n_stages:
+        return [
+            (
                 "pp_even_split",
                 f"pipeline: {args.n_layers} layers (+{p.pipeline_parallel_first_stage_less_layers} for the "
                 f"embedding, +{p.pipeline_parallel_last_stage_less_layers} for the head) do not split evenly "
                 f"into {n_stages} stages; change n_layers or list pipeline_parallel_module_names per stage",
             )
-        elif eff // n_stages <= max(
-            p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers
-        ):
-            add(
+        ]
+    elif eff // n_stages <= max(
+        p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers
+    ):
+        return [
+            (
                 "pp_stage_has_block",
                 f"pipeline: {n_stages} stages of {eff // n_stages} layers leave the first or last stage "
                 f"without a transformer block; use fewer stages",
             )
-    mbs = p.pipeline_parallel_microbatch_size
+        ]
+    return []
+
+
+def _microbatch_violations(cfg, n_stages: int, pp: int) -> list[tuple[str, str]]:
+    """The microbatch size divides the local batch into as many microbatches as the schedule needs."""
+    t, sched = cfg.training, cfg.parallelism.pipeline_parallel_schedule
+    facts = schedule_facts(sched)
+    mbs = cfg.parallelism.pipeline_parallel_microbatch_size
     if t.local_batch_size % mbs:
-        add(
-            "pp_microbatch_size",
-            f"training.local_batch_size {t.local_batch_size} is not divisible by "
-            f"pipeline_parallel_microbatch_size {mbs}",
+        return [
+            (
+                "pp_microbatch_size",
+                f"training.local_batch_size {t.local_batch_size} is not divisible by "
+                f"pipeline_parallel_microbatch_size {mbs}",
+            )
+        ]
+    m = t.local_batch_size // mbs
+    # A schedule that alternates forwards and backwards warms up with pp microbatches in flight: proven with
+    # at least pp (torch accepts fewer for some); breadth-first ones run any number (the pipeline gate has m=1).
+    if not facts.breadth_first and m < pp:
+        message = (
+            f"pipeline: {m} microbatches (local_batch_size / pipeline_parallel_microbatch_size) are fewer "
+            f"than pp {pp} stages for {sched}; raise local_batch_size to at least {pp * mbs}"
+        )
+    elif facts.microbatch_per_stage and m < n_stages:
+        message = (
+            f"pipeline: {sched} needs at least as many microbatches as stages ({n_stages}), got {m}; "
+            f"raise local_batch_size to at least {n_stages * mbs}"
+        )
+    elif facts.microbatch_rounds and m % max(1, m // pp):
+        message = (
+            f"pipeline: {sched} runs the {m} microbatches in rounds of pp={pp} and needs m divisible by "
+            f"m // pp = {m // pp}; use a multiple of {pp} microbatches"
         )
     else:
-        m = t.local_batch_size // mbs
-        # A schedule that alternates forwards and backwards warms up with pp microbatches in flight: proven with
-        # at least pp (torch accepts fewer for some); breadth-first ones run any number (the pipeline gate has m=1).
-        if not facts.breadth_first and m < pp:
-            add(
-                "pp_microbatches",
-                f"pipeline: {m} microbatches (local_batch_size / pipeline_parallel_microbatch_size) are fewer "
-                f"than pp {pp} stages for {sched}; raise local_batch_size to at least {pp * mbs}",
-            )
-        elif facts.microbatch_per_stage and m < n_stages:
-            add(
-                "pp_microbatches",
-                f"pipeline: {sched} needs at least as many microbatches as stages ({n_stages}), got {m}; "
-                f"raise local_batch_size to at least {n_stages * mbs}",
-            )
-        elif facts.microbatch_rounds and m % max(1, m // pp):
-            add(
-                "pp_microbatches",
-                f"pipeline: {sched} runs the {m} microbatches in rounds of pp={pp} and needs m divisible by "
-                f"m // pp = {m // pp}; use a multiple of {pp} microbatches",
-            )
-    # Split-backward (zero-bubble) schedules run each backward as an input-gradient and a later weight-gradient
-    # pass over the same graph (retain_graph); these features assume one backward per forward.
-    if facts.split_backward:
-        if p.fsdp_reshard_after_forward == "always":
-            add(
+        return []
+    return [("pp_microbatches", message)]
+
+
+def _split_backward_violations(cfg) -> list[tuple[str, str]]:
+    """Split-backward (zero-bubble) schedules run each backward as an input-gradient and a later weight-gradient
+    pass over the same graph (retain_graph); these features assume one backward per forward."""
+    p = cfg.parallelism
+    sched = p.pipeline_parallel_schedule
+    if not schedule_facts(sched).split_backward:
+        return []
+    out: list[tuple[str, str]] = []
+    if p.fsdp_reshard_after_forward == "always":
+        out.append(
+            (
                 "zb_reshard",
                 f"parallelism.fsdp_reshard_after_forward 'always' gives wrong gradients with {sched} (its "
                 f"weight-gradient passes run outside FSDP's hooks); use 'default' or 'never'",
             )
-        ac = cfg.activation_checkpoint
-        if ac.mode == "selective" and ac.selective_ac_option == "op":
-            add(
+        )
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_ac_option == "op":
+        out.append(
+            (
                 "zb_op_ac",
                 f"activation_checkpoint: op-level selective checkpointing allows one backward per region, "
                 f"{sched} runs two; use mode 'full', selective_ac_option N (every N-th block) or another "
                 f"schedule",
             )
-        if cfg.compile.enable:
-            add(
+        )
+    if cfg.compile.enable:
+        out.append(
+            (
                 "zb_compile",
                 f"compile.enable: compiled blocks allow one backward per forward, {sched} runs two; turn "
                 f"compile off or use {_schedules(lambda f: not f.split_backward)}",
             )
+        )
     return out

@@ -22,9 +22,11 @@ __all__ = [
     "RopeTables",
     "apply_rope",
     "compute_dtype",
+    "rope_attention_factor",
     "rope_inv_freq",
     "rope_rows",
     "rope_tables",
+    "yarn_mscale",
 ]
 
 
@@ -48,16 +50,67 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``0.1 * mscale * ln(scale) + 1`` (1 for ``scale <= 1``; the paper's sqrt(1/t))."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, args) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071, transformers' ``rope_type: yarn``): frequencies that turn fewer than ``beta_slow``
+    times over the original context are interpolated (divided by ``factor``), those turning more than ``beta_fast``
+    times are kept, with a linear ramp between, over the rotary dims found by the inverse-dimension formula
+    (``truncate``: the range's ends rounded outwards, as transformers does by default; gpt-oss turns it off)."""
+    factor, old_len = args.rope_scaling_factor, args.rope_original_max_seq_len
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(args.rope_beta_fast), correction_dim(args.rope_beta_slow)
+    if getattr(args, "rope_truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the frequency, 0: interpolate it
+    return inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+
+
+def rope_attention_factor(args) -> float:
+    """The factor RoPE's cos / sin tables are multiplied by: 1, or YaRN's attention factor (``rope_attention_factor``
+    when set, else ``mscale(factor, rope_mscale) / mscale(factor, rope_mscale_all_dim)`` when both are set (DeepSeek),
+    else ``mscale(factor)``), as transformers computes it."""
+    if args is None or getattr(args, "rope_scaling", "none") != "yarn":
+        return 1.0
+    if getattr(args, "rope_attention_factor", 0.0):
+        return float(args.rope_attention_factor)
+    factor = args.rope_scaling_factor
+    mscale, mscale_all_dim = getattr(args, "rope_mscale", 0.0), getattr(args, "rope_mscale_all_dim", 0.0)
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
 def rope_inv_freq(head_dim: int, theta: float, args=None) -> torch.Tensor:
-    """The head_dim // 2 rotation frequencies theta^(-2i/head_dim), in float64, with ``args.rope_scaling``.
+    """The head_dim // 2 rotation frequencies theta^(-2i/head_dim), in float64, with ``args.rope_scaling``
+    (``head_dim``: the rotated dims, a part of the head under partial rotary embeddings).
 
     "llama3" (Llama 3.1+, as Meta's reference code and transformers' ``rope_type: llama3``): wavelengths longer than
     ``original_max_seq_len / low_freq_factor`` are stretched by ``factor``, those shorter than
     ``original_max_seq_len / high_freq_factor`` are kept, and the band between is interpolated smoothly.
+    "yarn" (DeepSeek-V3, gpt-oss, Qwen3 long context; transformers' ``rope_type: yarn``): :func:`_yarn_inv_freq`,
+    with the fields ``rope_scaling_factor``, ``rope_original_max_seq_len``, ``rope_beta_fast``, ``rope_beta_slow``
+    (and ``rope_truncate``); the tables' scale is :func:`rope_attention_factor`. This is the one place every model's
+    RoPE scaling is computed.
     """
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    if args is None or getattr(args, "rope_scaling", "none") == "none":
+    scaling = "none" if args is None else getattr(args, "rope_scaling", "none")
+    if scaling == "none":
         return inv_freq
+    if scaling == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, args)
+    if scaling != "llama3":
+        raise ValueError(f"rope_scaling {scaling!r}: not one of none, llama3, yarn")
     factor, low, high = args.rope_scaling_factor, args.rope_low_freq_factor, args.rope_high_freq_factor
     old_len = args.rope_original_max_seq_len
     wavelen = 2 * math.pi / inv_freq
@@ -69,10 +122,12 @@ def rope_inv_freq(head_dim: int, theta: float, args=None) -> torch.Tensor:
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, args=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (max_seq_len, head_dim // 2), computed in float64 (``args``: rope scaling)."""
+    """cos/sin tables of shape (max_seq_len, head_dim // 2), computed in float64 (``args``: rope scaling; YaRN's
+    attention factor multiplies both, as transformers' rotary embedding does)."""
     inv_freq = rope_inv_freq(head_dim, theta, args)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos(), angles.sin()
+    scale = rope_attention_factor(args)
+    return angles.cos() * scale, angles.sin() * scale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

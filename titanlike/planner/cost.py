@@ -92,164 +92,177 @@ def _layer_ids(names) -> list[int]:
     return [int(n.split(".")[1]) for n in names if n.startswith("layers.")]
 
 
+class _Tally:
+    """What the message functions of one rank share: the layout's sizes and the running count per message."""
+
+    def __init__(self, layout: Layout, args, rank: int):
+        lo = self.lo = layout
+        self.args, self.rank = args, rank
+        self.out: dict[tuple, int] = defaultdict(int)
+        self.b, self.s, self.h = lo.microbatch_size, lo.local_seq_len, args.dim
+        self.a, self.t = lo.act_bytes, lo.tp
+        self.A = self.b * self.s * self.h * self.a
+        # one gathered K (or V), all S tokens
+        self.kv_bytes = self.b * lo.seq_len * (args.n_kv_heads // self.t) * args.head_dim * self.a
+        self.stage_ids = lo.stage_ids(lo.pp_rank_of(rank))
+        self.passes = lo.accum_steps * lo.n_microbatches  # microbatch forwards per stage per step
+        self.sharding = get_spec_for(args).sharding_of(args)
+        self.shards = rank_param_shards(lo, args, rank)
+        self.gb = lo.act_bytes if lo.fsdp else lo.param_bytes  # a replicated weight's gradient (bf16 under FSDP's mp)
+
+    def add(self, dim, op, phase, nbytes, group, what, count):
+        if group > 1 and count:
+            self.out[(dim, op, phase, int(nbytes), group, what)] += count
+
+    def messages(self) -> list[Message]:
+        return [
+            Message(dim, op, phase, count, nbytes, group, what)
+            for (dim, op, phase, nbytes, group, what), count in self.out.items()
+        ]
+
+
 def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
     """Every message ``rank`` sends in one optimizer step, aggregated by (dim, op, phase, size, what)."""
-    out: dict[tuple, int] = defaultdict(int)
-    lo = layout
-    b, s, h = lo.microbatch_size, lo.local_seq_len, args.dim
-    a, t = lo.act_bytes, lo.tp
-    A = b * s * h * a
-    kv_bytes = b * lo.seq_len * (args.n_kv_heads // t) * args.head_dim * a  # one gathered K (or V), all S tokens
-    pp_rank = lo.pp_rank_of(rank)
-    stage_ids = lo.stage_ids(pp_rank)
-    passes = lo.accum_steps * lo.n_microbatches  # microbatch forwards per stage per step
-    sharding = get_spec_for(args).sharding_of(args)
-    shards = rank_param_shards(lo, args, rank)
-    gb = lo.act_bytes if lo.fsdp else lo.param_bytes  # a replicated weight's gradient (bf16 under FSDP's mp)
-
-    def add(dim, op, phase, nbytes, group, what, count):
-        if group > 1 and count:
-            out[(dim, op, phase, int(nbytes), group, what)] += count
-
-    for sid in stage_ids:
-        names = lo.stages[sid]
+    tally = _Tally(layout, args, rank)
+    for sid in tally.stage_ids:
+        names = layout.stages[sid]
         ids = _layer_ids(names)
         moe = moe_layers(args, names)
-        head_norms = [p for p in shards[sid] if _is_head_norm(sharding, p.name)]
-        # ---------------------------------------------------------------------------------- tensor parallel
-        if t > 1:
-            # Blocks under full AC rerun their forward in the backward up to the last op whose saved tensors the
-            # backward needs (torch.utils.checkpoint's early stop): every forward collective but w2's.
-            recomputed = sum(lo.checkpointed(i) == "full" for i in ids)
-            # per-head norms (HeadNorm): replicated weights whose gradients are summed over tp
-            for p in head_norms:
-                add("tp", "all_reduce", "backward", p.tp_numel * gb, t, "per-head norm weight gradients", passes)
-            if lo.sequence_parallel:
-                # an MoE block runs on this rank's own tokens (TokenLocal): no all-gather / reduce-scatter around it
-                n, local = len(ids), len(moe)
-                ffn_recomputed = sum(lo.checkpointed(i) == "full" for i in ids if i not in moe)
-                add("tp", "all_gather", "forward", A, t, "block inputs of attention / ffn", (2 * n - local) * passes)
-                add("tp", "reduce_scatter", "forward", A, t, "block outputs of wo / w2", (2 * n - local) * passes)
-                add("tp", "all_gather", "backward", A, t, "block outputs of wo / w2", (2 * n - local) * passes)
-                add(
-                    "tp",
-                    "reduce_scatter",
-                    "backward",
-                    A,
-                    t,
-                    "block inputs of attention / ffn",
-                    (2 * n - local) * passes,
-                )
-                add(
-                    "tp",
-                    "all_gather",
-                    "backward",
-                    A,
-                    t,
-                    "recomputed inputs of attention / ffn (full AC)",
-                    (recomputed + ffn_recomputed) * passes,
-                )
-                add("tp", "reduce_scatter", "backward", A, t, "recomputed output of wo (full AC)", recomputed * passes)
-                n_norms = 2 * len(ids) + ("norm" in names)
-                add(
-                    "tp",
-                    "all_reduce",
-                    "backward",
-                    h * a if lo.fsdp else h * lo.param_bytes,
-                    t,
-                    "norm weight gradients (SP)",
-                    n_norms * passes,
-                )
-                if "tok_embeddings" in names:
-                    add("tp", "reduce_scatter", "forward", A, t, "embedding output", passes)
-                    add("tp", "all_gather", "backward", A, t, "embedding output grad", passes)
-                if "output" in names:
-                    add("tp", "all_gather", "forward", A, t, "head input", passes)
-                    add("tp", "reduce_scatter", "backward", A, t, "head input grad", passes)
-            else:
-                add("tp", "all_reduce", "forward", A, t, "block outputs of wo / w2", 2 * len(ids) * passes)
-                add("tp", "all_reduce", "backward", A, t, "block input grads of attention / ffn", 2 * len(ids) * passes)
-                add("tp", "all_reduce", "backward", A, t, "recomputed output of wo (full AC)", recomputed * passes)
-                if "tok_embeddings" in names:
-                    add("tp", "all_reduce", "forward", A, t, "embedding output", passes)
-                if "output" in names:
-                    add("tp", "all_reduce", "backward", A, t, "head input grad", passes)
-            if "output" in names:
-                if lo.loss_parallel:
-                    rows = b * s
-                    chunk = lo.loss_chunk_size or rows
-                    full, rest = divmod(rows, chunk)
-                    add(
-                        "tp",
-                        "all_reduce",
-                        "forward",
-                        chunk * lo.compute_bytes,
-                        t,
-                        "vocab-parallel loss (max, sum, target)",
-                        3 * full * passes,
-                    )
-                    add(
-                        "tp",
-                        "all_reduce",
-                        "forward",
-                        rest * lo.compute_bytes,
-                        t,
-                        "vocab-parallel loss (max, sum, target)",
-                        3 * (rest > 0) * passes,
-                    )
-                else:
-                    add("tp", "all_gather", "forward", b * s * args.vocab_size * a, t, "logits", passes)
-        # ---------------------------------------------------------------------------------- context parallel
-        if lo.cp > 1:
-            n, recomputed = len(ids), sum(lo.checkpointed(i) == "full" for i in ids)
-            add("cp", "all_gather", "forward", kv_bytes, lo.cp, "K and V of every block", 2 * n * passes)
-            add("cp", "reduce_scatter", "backward", kv_bytes, lo.cp, "K and V grads of every block", 2 * n * passes)
-            add(
-                "cp", "all_gather", "backward", kv_bytes, lo.cp, "recomputed K and V (full AC)", 2 * recomputed * passes
-            )
-        # ---------------------------------------------------------------------------------- expert parallel
-        if lo.ep > 1:
-            routed = b * s // (t if lo.ep_tp > 1 else 1)  # tokens this rank routes (its SP shard when ep borrows tp)
-            off = (lo.ep - 1) / lo.ep
-            for i, m in moe.items():
-                rows = round(routed * m.top_k * off * lo.expert_imbalance)
-                repeat = 1 + (lo.checkpointed(i) == "full")  # full AC reruns the forward's three
-                for phase, n, again in (("forward", passes, ""), ("backward", (repeat - 1) * passes, ", full AC")):
-                    counts = "MoE token counts per expert" + (" (recomputed)" if again else "")
-                    add("ep", "all_to_all", phase, m.num_experts * 8 * off, lo.ep, counts, n)
-                    add("ep", "all_to_all", phase, rows * h * a, lo.ep, _dispatch_what(m, lo, again), 2 * n)
-                add("ep", "all_to_all", "backward", rows * h * a, lo.ep, "MoE dispatch / combine grads", 2 * passes)
-        split = lo.cp * lo.ep_tp  # ranks holding pieces of one sequence, each routing its own tokens
-        for i, m in moe.items() if split > 1 else ():
-            if m.aux_loss_coeff > 0:  # the sequence-wise aux loss sums each sequence's expert counts over them
-                dim = "tp" if lo.cp == 1 else ("cp" if lo.ep_tp == 1 else "cp_tp")
-                recomputed = lo.checkpointed(i) != "none"  # a c10d all-reduce: not among the saved ops
-                what = "MoE aux loss: expert counts per sequence"
-                add(dim, "all_reduce", "forward", b * m.num_experts * lo.compute_bytes, split, what, passes)
-                add(
-                    dim,
-                    "all_reduce",
-                    "backward",
-                    b * m.num_experts * lo.compute_bytes,
-                    split,
-                    what,
-                    recomputed * passes,
-                )
-        # ---------------------------------------------------------------------------------- pipeline
-        if lo.pp > 1:
-            p2p = A // t if lo.sequence_parallel else A
-            if sid != len(lo.stages) - 1:
-                add("pp", "send", "forward", p2p, 2, "stage output", passes)
-            if sid != 0:
-                add("pp", "send", "backward", p2p, 2, "stage input grad", passes)
-            tied = args.tie_embeddings and (sid == 0 or sid == len(lo.stages) - 1) and not lo.v_placement
-            if tied:  # finalize_grads: the two copies of the tied weight sum their gradient shards
-                shard = next(p for p in shards[sid] if p.name in ("tok_embeddings.weight", "output.weight"))
-                add("pp", "all_reduce", "step", shard.numel * lo.param_bytes, 2, "tied embedding grads", 1)
-    # -------------------------------------------------------------------------------------- data parallel
-    dr = lo.dp_replicate
-    for sid in stage_ids:
-        for kind, params in fsdp_units(lo, args, shards[sid], lo.stages[sid]):
+        if tally.t > 1:
+            _tp_messages(tally, sid, names, ids, moe)
+        if layout.cp > 1:
+            _cp_messages(tally, ids)
+        if layout.ep > 1:
+            _ep_messages(tally, moe)
+        _aux_loss_messages(tally, moe)
+        if layout.pp > 1:
+            _pp_messages(tally, sid)
+    _dp_messages(tally)
+    _moe_balancing_messages(tally)
+    _muon_messages(tally)
+    return tally.messages()
+
+
+def _tp_messages(tally: _Tally, sid: int, names, ids: list[int], moe) -> None:
+    """Tensor parallel: the blocks' collectives, the embedding's, the head's and the loss's."""
+    lo, add, A, t, passes = tally.lo, tally.add, tally.A, tally.t, tally.passes
+    # Blocks under full AC rerun their forward in the backward up to the last op whose saved tensors the
+    # backward needs (torch.utils.checkpoint's early stop): every forward collective but w2's.
+    recomputed = sum(lo.checkpointed(i) == "full" for i in ids)
+    # per-head norms (HeadNorm): replicated weights whose gradients are summed over tp
+    for p in tally.shards[sid]:
+        if _is_head_norm(tally.sharding, p.name):
+            add("tp", "all_reduce", "backward", p.tp_numel * tally.gb, t, "per-head norm weight gradients", passes)
+    if lo.sequence_parallel:
+        _sp_messages(tally, names, ids, moe, recomputed)
+    else:
+        add("tp", "all_reduce", "forward", A, t, "block outputs of wo / w2", 2 * len(ids) * passes)
+        add("tp", "all_reduce", "backward", A, t, "block input grads of attention / ffn", 2 * len(ids) * passes)
+        add("tp", "all_reduce", "backward", A, t, "recomputed output of wo (full AC)", recomputed * passes)
+        if "tok_embeddings" in names:
+            add("tp", "all_reduce", "forward", A, t, "embedding output", passes)
+        if "output" in names:
+            add("tp", "all_reduce", "backward", A, t, "head input grad", passes)
+    if "output" in names:
+        _loss_messages(tally)
+
+
+def _sp_messages(tally: _Tally, names, ids: list[int], moe, recomputed: int) -> None:
+    """Sequence parallel's all-gathers and reduce-scatters in place of tp's all-reduces, and its norms' gradients."""
+    lo, add, A, t, passes = tally.lo, tally.add, tally.A, tally.t, tally.passes
+    # an MoE block runs on this rank's own tokens (TokenLocal): no all-gather / reduce-scatter around it
+    n, local = len(ids), len(moe)
+    ffn_recomputed = sum(lo.checkpointed(i) == "full" for i in ids if i not in moe)
+    add("tp", "all_gather", "forward", A, t, "block inputs of attention / ffn", (2 * n - local) * passes)
+    add("tp", "reduce_scatter", "forward", A, t, "block outputs of wo / w2", (2 * n - local) * passes)
+    add("tp", "all_gather", "backward", A, t, "block outputs of wo / w2", (2 * n - local) * passes)
+    add("tp", "reduce_scatter", "backward", A, t, "block inputs of attention / ffn", (2 * n - local) * passes)
+    what = "recomputed inputs of attention / ffn (full AC)"
+    add("tp", "all_gather", "backward", A, t, what, (recomputed + ffn_recomputed) * passes)
+    add("tp", "reduce_scatter", "backward", A, t, "recomputed output of wo (full AC)", recomputed * passes)
+    n_norms = 2 * len(ids) + ("norm" in names)
+    norm_bytes = tally.h * tally.a if lo.fsdp else tally.h * lo.param_bytes
+    add("tp", "all_reduce", "backward", norm_bytes, t, "norm weight gradients (SP)", n_norms * passes)
+    if "tok_embeddings" in names:
+        add("tp", "reduce_scatter", "forward", A, t, "embedding output", passes)
+        add("tp", "all_gather", "backward", A, t, "embedding output grad", passes)
+    if "output" in names:
+        add("tp", "all_gather", "forward", A, t, "head input", passes)
+        add("tp", "reduce_scatter", "backward", A, t, "head input grad", passes)
+
+
+def _loss_messages(tally: _Tally) -> None:
+    """The head's stage under tp: the vocab-parallel loss's all-reduces, or the logits' all-gather."""
+    lo, add, t, passes = tally.lo, tally.add, tally.t, tally.passes
+    if lo.loss_parallel:
+        rows = tally.b * tally.s
+        chunk = lo.loss_chunk_size or rows
+        full, rest = divmod(rows, chunk)
+        what = "vocab-parallel loss (max, sum, target)"
+        add("tp", "all_reduce", "forward", chunk * lo.compute_bytes, t, what, 3 * full * passes)
+        add("tp", "all_reduce", "forward", rest * lo.compute_bytes, t, what, 3 * (rest > 0) * passes)
+    else:
+        logits = tally.b * tally.s * tally.args.vocab_size * tally.a
+        add("tp", "all_gather", "forward", logits, t, "logits", passes)
+
+
+def _cp_messages(tally: _Tally, ids: list[int]) -> None:
+    """Context parallel: every block's K and V all-gathers and their gradients' reduce-scatters."""
+    lo, add, kv, passes = tally.lo, tally.add, tally.kv_bytes, tally.passes
+    n, recomputed = len(ids), sum(lo.checkpointed(i) == "full" for i in ids)
+    add("cp", "all_gather", "forward", kv, lo.cp, "K and V of every block", 2 * n * passes)
+    add("cp", "reduce_scatter", "backward", kv, lo.cp, "K and V grads of every block", 2 * n * passes)
+    add("cp", "all_gather", "backward", kv, lo.cp, "recomputed K and V (full AC)", 2 * recomputed * passes)
+
+
+def _ep_messages(tally: _Tally, moe) -> None:
+    """Expert parallel: each MoE layer's token counts and its dispatch / combine all-to-alls."""
+    lo, add, passes = tally.lo, tally.add, tally.passes
+    routed = tally.b * tally.s // (tally.t if lo.ep_tp > 1 else 1)  # its SP shard when ep borrows tp
+    off = (lo.ep - 1) / lo.ep
+    for i, m in moe.items():
+        rows = round(routed * m.top_k * off * lo.expert_imbalance)
+        repeat = 1 + (lo.checkpointed(i) == "full")  # full AC reruns the forward's three
+        for phase, n, again in (("forward", passes, ""), ("backward", (repeat - 1) * passes, ", full AC")):
+            counts = "MoE token counts per expert" + (" (recomputed)" if again else "")
+            add("ep", "all_to_all", phase, m.num_experts * 8 * off, lo.ep, counts, n)
+            add("ep", "all_to_all", phase, rows * tally.h * tally.a, lo.ep, _dispatch_what(m, lo, again), 2 * n)
+        add("ep", "all_to_all", "backward", rows * tally.h * tally.a, lo.ep, "MoE dispatch / combine grads", 2 * passes)
+
+
+def _aux_loss_messages(tally: _Tally, moe) -> None:
+    """The sequence-wise aux loss sums each sequence's expert counts over the ranks holding pieces of it."""
+    lo, passes = tally.lo, tally.passes
+    split = lo.cp * lo.ep_tp  # ranks holding pieces of one sequence, each routing its own tokens
+    for i, m in moe.items() if split > 1 else ():
+        if m.aux_loss_coeff > 0:
+            dim = "tp" if lo.cp == 1 else ("cp" if lo.ep_tp == 1 else "cp_tp")
+            recomputed = lo.checkpointed(i) != "none"  # a c10d all-reduce: not among the saved ops
+            what = "MoE aux loss: expert counts per sequence"
+            nbytes = tally.b * m.num_experts * lo.compute_bytes
+            tally.add(dim, "all_reduce", "forward", nbytes, split, what, passes)
+            tally.add(dim, "all_reduce", "backward", nbytes, split, what, recomputed * passes)
+
+
+def _pp_messages(tally: _Tally, sid: int) -> None:
+    """Pipeline: the stage's output and input gradient per microbatch, and the tied embedding's gradient sum."""
+    lo, add, passes = tally.lo, tally.add, tally.passes
+    p2p = tally.A // tally.t if lo.sequence_parallel else tally.A
+    if sid != len(lo.stages) - 1:
+        add("pp", "send", "forward", p2p, 2, "stage output", passes)
+    if sid != 0:
+        add("pp", "send", "backward", p2p, 2, "stage input grad", passes)
+    tied = tally.args.tie_embeddings and (sid == 0 or sid == len(lo.stages) - 1) and not lo.v_placement
+    if tied:  # finalize_grads: the two copies of the tied weight sum their gradient shards
+        shard = next(p for p in tally.shards[sid] if p.name in ("tok_embeddings.weight", "output.weight"))
+        add("pp", "all_reduce", "step", shard.numel * lo.param_bytes, 2, "tied embedding grads", 1)
+
+
+def _dp_messages(tally: _Tally) -> None:
+    """Data parallel (FSDP2): each group's parameter all-gathers and gradient reduce-scatters, HSDP's all-reduce."""
+    lo, add, a = tally.lo, tally.add, tally.a
+    for sid in tally.stage_ids:
+        for kind, params in fsdp_units(lo, tally.args, tally.shards[sid], lo.stages[sid]):
             wrapped = unit_group(lo, params)
             if wrapped is None:
                 continue
@@ -268,55 +281,36 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
             reduce_phase = "step" if lo.pp > 1 else "backward"
             add(fdim, "all_gather", "forward", padded * ds * a, ds, what, fwd_ag)
             add(fdim, "all_gather", "backward", padded * ds * a, ds, what, bwd_ag)
-            add(
-                fdim,
-                "reduce_scatter",
-                reduce_phase,
-                padded * ds * lo.reduce_bytes,
-                ds,
-                what.replace("params", "grads"),
-                rs,
-            )
-            add(
-                "dp_replicate",
-                "all_reduce",
-                reduce_phase,
-                padded * lo.reduce_bytes,
-                dr,
-                what.replace("params", "grad shards"),
-                rs,
-            )
-    # -------------------------------------------------------------------------------------- MoE balancing
-    # After the optimizer step (ExpertBalancing.end_step): the aux-loss terms of this rank's MoE layers, the expert
-    # loads of each of its stages (the bias update; float64 / int64) over the ranks that routed other tokens, and
-    # under pp every layer's row of the log's table over the stages
-    held = [moe_layers(args, lo.stages[sid]) for sid in stage_ids]
+            grads, shard_grads = what.replace("params", "grads"), what.replace("params", "grad shards")
+            add(fdim, "reduce_scatter", reduce_phase, padded * ds * lo.reduce_bytes, ds, grads, rs)
+            add("dp_replicate", "all_reduce", reduce_phase, padded * lo.reduce_bytes, lo.dp_replicate, shard_grads, rs)
+
+
+def _moe_balancing_messages(tally: _Tally) -> None:
+    """After the optimizer step (ExpertBalancing.end_step): the aux-loss terms of this rank's MoE layers, the expert
+    loads of each of its stages (the bias update; float64 / int64) over the ranks that routed other tokens, and
+    under pp every layer's row of the log's table over the stages."""
+    lo, args, add = tally.lo, tally.args, tally.add
+    held = [moe_layers(args, lo.stages[sid]) for sid in tally.stage_ids]
     every = {i: m for names in lo.stages for i, m in moe_layers(args, names).items()}
-    if every:
-        experts, load = next(iter(every.values())).num_experts, lo.dims.expert_load_dim
-        if load is not None and any(held):
-            size = lo.groups[load].size
-            add(load, "all_reduce", "step", 8 * sum(map(len, held)), size, "MoE aux loss per layer (the log)", 1)
-            for layers in held:
-                add(load, "all_reduce", "step", 8 * len(layers) * experts, size, "MoE expert loads (bias update)", 1)
-        add("pp", "all_reduce", "step", 8 * len(every) * (1 + experts), lo.pp, "MoE aux loss and loads (the log)", 1)
-    # -------------------------------------------------------------------------------------- Muon
-    muon = muon_rank(lo, args, rank)
+    if not every:
+        return
+    experts, load = next(iter(every.values())).num_experts, lo.dims.expert_load_dim
+    if load is not None and any(held):
+        size = lo.groups[load].size
+        add(load, "all_reduce", "step", 8 * sum(map(len, held)), size, "MoE aux loss per layer (the log)", 1)
+        for layers in held:
+            add(load, "all_reduce", "step", 8 * len(layers) * experts, size, "MoE expert loads (bias update)", 1)
+    add("pp", "all_reduce", "step", 8 * len(every) * (1 + experts), lo.pp, "MoE aux loss and loads (the log)", 1)
+
+
+def _muon_messages(tally: _Tally) -> None:
+    """Muon: the bytes this rank sends over its all-to-alls (gathers to the owners, scatters from them), on average."""
+    muon = muon_rank(tally.lo, tally.args, tally.rank)
     if muon is not None and muon.collectives:
-        # the bytes this rank sends, over its all-to-alls (gathers to the owners, scatters from them), on average
-        add(
-            "muon",
-            "all_to_all",
-            "step",
-            muon.sent * lo.ns_bytes / muon.collectives,
-            muon.group,
-            f"Muon: matrix blocks to their owners and back ({muon.collectives // 2} buckets)",
-            muon.collectives,
-        )
-    return [
-        Message(dim, op, phase, count, nbytes, group, what)
-        for (dim, op, phase, nbytes, group, what), count in out.items()
-    ]
+        what = f"Muon: matrix blocks to their owners and back ({muon.collectives // 2} buckets)"
+        nbytes = muon.sent * tally.lo.ns_bytes / muon.collectives
+        tally.add("muon", "all_to_all", "step", nbytes, muon.group, what, muon.collectives)
 
 
 def _dispatch_what(m, lo: Layout, recomputed: str = "") -> str:
@@ -380,11 +374,9 @@ def _stage_flops_per_token(layout: Layout, args, names) -> tuple[float, float]:
     return train, recompute
 
 
-def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
-    lo = layout
+def _rank_flops(lo: Layout, args) -> float:
+    """The FLOPs of the busiest pipeline rank in one step (the embedding / head make the first and last differ)."""
     tokens = lo.tokens_per_step
-    model_flops = args.flops_per_token(lo.seq_len) * tokens
-    # The slowest pipeline rank sets the pace (the embedding / head make the first and last ones differ).
     per_rank = []
     for pp_rank in range(lo.pp):
         train = recompute = 0.0
@@ -397,9 +389,12 @@ def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
                     train += routed
                     recompute += routed / 3 if lo.checkpointed(i) == "full" else 0
         per_rank.append((train + recompute) * tokens / (lo.dp * lo.cp * lo.tp))
-    rank_flops = max(per_rank)
-    compute = rank_flops / (hw.peak_flops * hw.compute_efficiency)
+    return max(per_rank)
 
+
+def _dim_costs(lo: Layout, args, hw: Hardware, rank: int) -> tuple[dict, dict[str, float]]:
+    """Each dim's messages priced on its link; and the seconds of each dim's messages that wait for the end of the
+    backward (phase "step")."""
     by_dim: dict[str, list[Message]] = defaultdict(list)
     for msg in messages(lo, args, rank):
         by_dim[msg.dim].append(msg)
@@ -415,6 +410,17 @@ def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
             dim, sum(m.count for m in msgs), sum(m.wire_bytes for m in msgs), gm.link, seconds(msgs), 0.0
         )
         after[dim] = seconds([m for m in msgs if m.phase == "step"])
+    return dims, after
+
+
+def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
+    lo = layout
+    tokens = lo.tokens_per_step
+    model_flops = args.flops_per_token(lo.seq_len) * tokens
+    rank_flops = _rank_flops(lo, args)
+    compute = rank_flops / (hw.peak_flops * hw.compute_efficiency)
+
+    dims, after = _dim_costs(lo, args, hw, rank)
     bub = bubble(lo.schedule or "1F1B", lo.pp, lo.n_microbatches, lo.stages_per_rank)
     tp_s = dims["tp"].seconds if "tp" in dims else 0.0
     # synchronous inside attention (and the MoE aux loss's counts over cp x tp): on the critical path

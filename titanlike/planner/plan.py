@@ -250,7 +250,8 @@ def _group_of(lo: Layout, name: str, rank: int) -> tuple[int, ...]:
 
 
 def _price(plan: Plan) -> list[str]:
-    lo, c, hw = plan.layout, plan.cost, plan.hardware
+    """The price-per-step section: every message, each dim's time, and how the step time adds up."""
+    lo, c = plan.layout, plan.cost
     out = [
         "",
         f"== price per step (rank {plan.rank}; one optimizer step)",
@@ -270,6 +271,14 @@ def _price(plan: Plan) -> list[str]:
                 f"  {dim:<16}{d.messages:>9}  {fmt_bytes(d.wire_bytes):>11}  {d.link:<10}"
                 f"{fmt_seconds(d.seconds):>10}  {fmt_seconds(d.exposed):>10}"
             )
+    out += _compute_notes(plan) + _cp_ep_notes(plan) + _step_notes(plan)
+    return out
+
+
+def _compute_notes(plan: Plan) -> list[str]:
+    """Megatron's TP volume, the bubble and the compute time, as checks of the table above."""
+    lo, c, hw = plan.layout, plan.cost, plan.hardware
+    out = []
     b, s, h, t = lo.microbatch_size, lo.seq_len, plan.args.dim, lo.tp
     if t > 1:
         per_mb = 8 * plan.args.n_layers / lo.pp * (t - 1) / t * b * s * h * lo.act_bytes
@@ -293,11 +302,13 @@ def _price(plan: Plan) -> list[str]:
             else ""
         )
     )
-    hidden = (
-        "reductions deferred past the last backward + what compute cannot hide"
-        if lo.pp > 1
-        else "what compute cannot hide"
-    )
+    return out
+
+
+def _cp_ep_notes(plan: Plan) -> list[str]:
+    """What cp's and ep's messages are per block and microbatch (synchronous: fully exposed)."""
+    lo, t = plan.layout, plan.layout.tp
+    out = []
     if lo.cp > 1:
         kv = lo.seq_len * plan.args.n_kv_heads // t * plan.args.head_dim * lo.act_bytes * lo.microbatch_size
         out.append(
@@ -318,6 +329,18 @@ def _price(plan: Plan) -> list[str]:
                 f"backward{' + 3 recomputed (full AC)' if any(lo.checkpointed(i) == 'full' for i in moe) else ''}; "
                 f"synchronous, so fully exposed"
             )
+    return out
+
+
+def _step_notes(plan: Plan) -> list[str]:
+    """Muon's step, and how the step time and MFU add up."""
+    lo, c = plan.layout, plan.cost
+    out = []
+    hidden = (
+        "reductions deferred past the last backward + what compute cannot hide"
+        if lo.pp > 1
+        else "what compute cannot hide"
+    )
     cp = (" + cp" if lo.cp > 1 else "") + (" + ep" if lo.ep > 1 else "")
     muon = muon_rank(lo, plan.args, plan.rank)
     opt = ""

@@ -120,6 +120,35 @@ def suggest_layouts(
     return found, stats
 
 
+def _layout_sets(tp, pp, dp_shard, dp_replicate, local, global_batch, ac, option, schedule, mbs, v, ends) -> dict:
+    """The config keys that make the candidate layout (the pipeline's only under pp)."""
+    sets = {
+        "parallelism.tensor_parallel_degree": tp,
+        "parallelism.enable_sequence_parallel": tp > 1,
+        "parallelism.pipeline_parallel_degree": pp,
+        "parallelism.data_parallel_shard_degree": dp_shard,
+        "parallelism.data_parallel_replicate_degree": dp_replicate,
+        "parallelism.context_parallel_degree": 1,
+        "training.local_batch_size": local,
+        "training.global_batch_size": global_batch,
+        "activation_checkpoint.mode": ac,
+        "activation_checkpoint.selective_ac_option": option,
+    }
+    if pp > 1:
+        sets.update(
+            {
+                "parallelism.pipeline_parallel_schedule": schedule,
+                "parallelism.pipeline_parallel_microbatch_size": mbs,
+                "parallelism.pipeline_parallel_stages_per_rank": v,
+                "parallelism.pipeline_parallel_layers_per_stage": 0,
+                "parallelism.pipeline_parallel_module_names": [],
+                "parallelism.pipeline_parallel_first_stage_less_layers": ends[0],
+                "parallelism.pipeline_parallel_last_stage_less_layers": ends[1],
+            }
+        )
+    return sets
+
+
 def _best(
     cfg, world_size, hw: Hardware, args, global_batch, tp, pp, dp_shard, dp_replicate, schedule, v, mbs, stats
 ) -> Candidate | None:
@@ -146,30 +175,7 @@ def _best(
     for accum in accums:
         local = global_batch // (dp * accum)
         for ac, option in _AC:
-            sets = {
-                "parallelism.tensor_parallel_degree": tp,
-                "parallelism.enable_sequence_parallel": tp > 1,
-                "parallelism.pipeline_parallel_degree": pp,
-                "parallelism.data_parallel_shard_degree": dp_shard,
-                "parallelism.data_parallel_replicate_degree": dp_replicate,
-                "parallelism.context_parallel_degree": 1,
-                "training.local_batch_size": local,
-                "training.global_batch_size": global_batch,
-                "activation_checkpoint.mode": ac,
-                "activation_checkpoint.selective_ac_option": option,
-            }
-            if pp > 1:
-                sets.update(
-                    {
-                        "parallelism.pipeline_parallel_schedule": schedule,
-                        "parallelism.pipeline_parallel_microbatch_size": mbs,
-                        "parallelism.pipeline_parallel_stages_per_rank": v,
-                        "parallelism.pipeline_parallel_layers_per_stage": 0,
-                        "parallelism.pipeline_parallel_module_names": [],
-                        "parallelism.pipeline_parallel_first_stage_less_layers": ends[0],
-                        "parallelism.pipeline_parallel_last_stage_less_layers": ends[1],
-                    }
-                )
+            sets = _layout_sets(tp, pp, dp_shard, dp_replicate, local, global_batch, ac, option, schedule, mbs, v, ends)
             cand_cfg = _configure(cfg, sets)
             if layout_violations(cand_cfg, world_size, args):  # e.g. op-level AC under a zero-bubble schedule
                 continue

@@ -125,6 +125,16 @@ class TrainState:
         )
 
 
+@dataclass
+class _StepRate:
+    """The training loop's throughput meter and what MFU divides by (the device's peak, the model's FLOPs)."""
+
+    peak: float | None
+    flops_per_token: float
+    throughput: Throughput
+    last_logged: int  # the step of the last logged line
+
+
 def _counter(name: str) -> property:
     return property(
         lambda self: getattr(self.train_state, name),
@@ -261,32 +271,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ build
     def _build(self) -> None:
-        cfg, args = self.cfg, self.model_args
-        param_dtype = DTYPES[master_dtype(cfg.training.dtype)]  # bf16 = mixed precision over float32
+        cfg = self.cfg
         if self.rank == 0:
             self._print_start()
-        self.dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)  # one process: no mesh
-        dp_rank, dp_degree = 0, 1
-        self.cp_rank, self.cp_degree = 0, 1
-        # dp_group: the loss group (token count, reported and validation loss): dp x cp, every rank that holds a
-        # different part of the global batch.
-        self.dp_group = None
-        if self.distributed:
-            self.dims = ParallelDims.from_config(cfg, self.world_size)
-            self.dims.build_mesh(self.device.type)
-            if self.rank == 0:
-                gpn = cfg.parallelism.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-                print(describe_layout(self.dims, gpn), flush=True)
-            from titanlike.parallel import loss_group
-
-            self.dp_group = loss_group(self.dims)
-            if self.dims.dp_enabled:
-                dp_mesh = self.dims.get_mesh("dp")
-                dp_rank, dp_degree = dp_mesh.get_local_rank(), dp_mesh.size()
-            if self.dims.cp_enabled:  # cp ranks read the same samples, each its two chunks of every sequence
-                cp_mesh = self.dims.get_mesh("cp")
-                self.cp_rank, self.cp_degree = cp_mesh.get_local_rank(), cp_mesh.size()
-
+        dp_rank, dp_degree = self._build_mesh()
         # The model is built on the meta device and parallelized there; then each rank allocates only its own shards
         # and fills them with the sharded init (each element a pure function of (seed, FQN, index): the same initial
         # weights under every layout, titanlike.init), or leaves them for the checkpoint load when the weights come
@@ -294,23 +282,7 @@ class Trainer:
         # ever holds more than its shards plus one tile: any model size starts from nothing.
         self.meta_init = self._weights_come_from_a_checkpoint()
         init_seed = None if self.meta_init else cfg.training.seed
-        torch.manual_seed(cfg.training.seed)
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(param_dtype)
-        try:
-            with torch.device("meta"):
-                model = self.spec.build(args)
-        finally:
-            torch.set_default_dtype(prev)
-        model.reset_position_ids = cfg.model.reset_position_ids  # read by the decoder's forward (every stage)
-        # Document masking: the loaders derive each token's document start from the tokenizer's EOS.
-        self.mask_eos_id = self.tokenizer.eos_id if cfg.model.attn_mask_type == "block_causal" else None
-        if cfg.model.kernels != "torch":
-            from titanlike.kernels import convert_kernels
-
-            model = convert_kernels(model, cfg.model.kernels, cfg.float8.recipe if float8_backend(cfg) == "te" else "")
-        self.num_params = sum(p.numel() for p in model.parameters())
-
+        model = self._build_meta_model()
         # One builder for the trainer, the numerics gate and the benchmark (titanlike.parallel.build).
         t0 = time.perf_counter()
         built = build_parallel_model(model, cfg, self.dims, self.device, init_seed=init_seed)
@@ -326,17 +298,72 @@ class Trainer:
             getattr(m, "_float8_fsdp_all_gather", False) for m in self.model_parts
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
+        self._build_data(dp_rank, dp_degree)
+        if self.rank == 0:
+            self._print_model()
+        self.train_state = TrainState()
+        self.checkpointer = self._build_checkpointer()
 
-        # Data: the global sample order depends only on the seed (and, for a mixture, the weights); this rank reads
-        # its data-parallel slice.
+    def _build_mesh(self) -> tuple[int, int]:
+        """The parallel dims and meshes (none on one process), the loss group, this rank's cp coordinates; returns
+        this rank's data-parallel (rank, degree)."""
+        cfg = self.cfg
+        self.dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)  # one process: no mesh
+        dp_rank, dp_degree = 0, 1
+        self.cp_rank, self.cp_degree = 0, 1
+        # dp_group: the loss group (token count, reported and validation loss): dp x cp, every rank that holds a
+        # different part of the global batch.
+        self.dp_group = None
+        if not self.distributed:
+            return dp_rank, dp_degree
+        self.dims = ParallelDims.from_config(cfg, self.world_size)
+        self.dims.build_mesh(self.device.type)
+        if self.rank == 0:
+            gpn = cfg.parallelism.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+            print(describe_layout(self.dims, gpn), flush=True)
+        from titanlike.parallel import loss_group
+
+        self.dp_group = loss_group(self.dims)
+        if self.dims.dp_enabled:
+            dp_mesh = self.dims.get_mesh("dp")
+            dp_rank, dp_degree = dp_mesh.get_local_rank(), dp_mesh.size()
+        if self.dims.cp_enabled:  # cp ranks read the same samples, each its two chunks of every sequence
+            cp_mesh = self.dims.get_mesh("cp")
+            self.cp_rank, self.cp_degree = cp_mesh.get_local_rank(), cp_mesh.size()
+        return dp_rank, dp_degree
+
+    def _build_meta_model(self) -> torch.nn.Module:
+        """The single-device model on the meta device, in the master dtype, with its kernels swapped in."""
+        cfg = self.cfg
+        param_dtype = DTYPES[master_dtype(cfg.training.dtype)]  # bf16 = mixed precision over float32
+        torch.manual_seed(cfg.training.seed)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(param_dtype)
+        try:
+            with torch.device("meta"):
+                model = self.spec.build(self.model_args)
+        finally:
+            torch.set_default_dtype(prev)
+        model.reset_position_ids = cfg.model.reset_position_ids  # read by the decoder's forward (every stage)
+        # Document masking: the loaders derive each token's document start from the tokenizer's EOS.
+        self.mask_eos_id = self.tokenizer.eos_id if cfg.model.attn_mask_type == "block_causal" else None
+        if cfg.model.kernels != "torch":
+            from titanlike.kernels import convert_kernels
+
+            model = convert_kernels(model, cfg.model.kernels, cfg.float8.recipe if float8_backend(cfg) == "te" else "")
+        self.num_params = sum(p.numel() for p in model.parameters())
+        return model
+
+    def _build_data(self, dp_rank: int, dp_degree: int) -> None:
+        """The training loader and the validation streams. The global sample order depends only on the seed (and,
+        for a mixture, the weights); this rank reads its data-parallel slice."""
         from titanlike.data import build_dataloader
 
-        corpus = self.corpus
-        t = cfg.training
+        cfg, t = self.cfg, self.cfg.training
         split = batch_split(t.global_batch_size, t.local_batch_size, dp_degree)
         self.global_batch, self.accum_steps = split.global_batch, split.accum_steps
         self.dataloader = build_dataloader(
-            corpus.windows(t.seed, cfg.data.shuffle),
+            self.corpus.windows(t.seed, cfg.data.shuffle),
             seq_len=t.seq_len,
             global_batch_size=self.global_batch,
             local_batch_size=t.local_batch_size,
@@ -351,49 +378,55 @@ class Trainer:
         )
         self.val_sources = self._validation_sources(dp_degree)
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
-        if self.rank == 0:
-            n_train = sum(len(s.train) for s in corpus.sources)
-            n_val = sum(len(v) for _, v in corpus.validation)
-            if corpus.is_mixture:
-                print(f"data: mixture of {len(corpus.sources)} sources: {corpus.describe()}", flush=True)
-            active = getattr(args, "num_active_params", None)  # a model with experts: what one token uses
-            active_note = f" ({active() / 1e6:.2f}M active per token)" if active is not None else ""
-            print(
-                f"model {cfg.model.name}{'/' + cfg.model.flavor if self.spec.flavors else ''}: "
-                f"{self.num_params / 1e6:.2f}M parameters{active_note}, "
-                f"vocab {args.vocab_size}; data: {n_train:,} train / {n_val:,} val tokens "
-                f"(loaded in {self.data_seconds:.1f}s); global batch {self.global_batch} x {t.seq_len} "
-                f"tokens, {self.accum_steps} accumulation step(s); {self.world_size} process(es) on "
-                f"{self.device.type}, {cfg.training.dtype}",
-                flush=True,
-            )
-            print(f"attention: {attention_note(cfg, self.device, self.tokenizer.eos_id)}", flush=True)
-            f8 = float8_note(self.model_parts, cfg.float8.emulate)
-            if f8:
-                print(f"float8: {f8}", flush=True)
-            if hasattr(self.optimizer, "describe"):  # Muon: what it orthogonalizes (rank 0's parameters)
-                print(f"optimizer: {self.optimizer.describe()}", flush=True)
 
-        self.train_state = TrainState()
-        self.checkpointer = None
-        c = cfg.checkpoint
-        if c.enable or c.initial_load_path or c.create_seed_checkpoint or c.export_safetensors or c.load_step >= 0:
-            from titanlike.checkpoint import CheckpointManager
+    def _print_model(self) -> None:
+        """Rank 0: the model, the data, the batch and the devices; the attention, float8 and optimizer notes."""
+        cfg, args, corpus, t = self.cfg, self.model_args, self.corpus, self.cfg.training
+        n_train = sum(len(s.train) for s in corpus.sources)
+        n_val = sum(len(v) for _, v in corpus.validation)
+        if corpus.is_mixture:
+            print(f"data: mixture of {len(corpus.sources)} sources: {corpus.describe()}", flush=True)
+        active = getattr(args, "num_active_params", None)  # a model with experts: what one token uses
+        active_note = f" ({active() / 1e6:.2f}M active per token)" if active is not None else ""
+        print(
+            f"model {cfg.model.name}{'/' + cfg.model.flavor if self.spec.flavors else ''}: "
+            f"{self.num_params / 1e6:.2f}M parameters{active_note}, "
+            f"vocab {args.vocab_size}; data: {n_train:,} train / {n_val:,} val tokens "
+            f"(loaded in {self.data_seconds:.1f}s); global batch {self.global_batch} x {t.seq_len} "
+            f"tokens, {self.accum_steps} accumulation step(s); {self.world_size} process(es) on "
+            f"{self.device.type}, {cfg.training.dtype}",
+            flush=True,
+        )
+        print(f"attention: {attention_note(cfg, self.device, self.tokenizer.eos_id)}", flush=True)
+        f8 = float8_note(self.model_parts, cfg.float8.emulate)
+        if f8:
+            print(f"float8: {f8}", flush=True)
+        if hasattr(self.optimizer, "describe"):  # Muon: what it orthogonalizes (rank 0's parameters)
+            print(f"optimizer: {self.optimizer.describe()}", flush=True)
 
-            self.checkpointer = CheckpointManager(
-                cfg,
-                model_parts=self.model_parts,
-                optimizer=self.optimizer,
-                lr_scheduler=self.lr_scheduler,
-                dataloader=self.dataloader,
-                train_state=self.train_state,
-                model_args=self.model_args,
-                tokenizer=self.tokenizer,
-                device=self.device,
-                rank=self.rank,
-                world_size=self.world_size,
-                dp_degree=self.dp_degree,
-            )
+    def _build_checkpointer(self):
+        """The checkpoint manager, when anything loads, saves or exports weights (None otherwise)."""
+        c = self.cfg.checkpoint
+        if not (
+            c.enable or c.initial_load_path or c.create_seed_checkpoint or c.export_safetensors or c.load_step >= 0
+        ):
+            return None
+        from titanlike.checkpoint import CheckpointManager
+
+        return CheckpointManager(
+            self.cfg,
+            model_parts=self.model_parts,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            dataloader=self.dataloader,
+            train_state=self.train_state,
+            model_args=self.model_args,
+            tokenizer=self.tokenizer,
+            device=self.device,
+            rank=self.rank,
+            world_size=self.world_size,
+            dp_degree=self.dp_degree,
+        )
 
     def _report_init(self, seconds: float, init_seed: int | None) -> None:
         """Rank 0: how the weights started, the build's time and the largest peak host memory (RSS) of any rank."""
@@ -544,19 +577,13 @@ class Trainer:
             jsonl=cfg.metrics.enable_jsonl,
             color=use_color(cfg.metrics.disable_color_printing),
         )
-        from titanlike.training.mfu import device_peak_flops, mfu, peak_key
+        from titanlike.data import loader_position
         from titanlike.training.profiling import maybe_profile
 
-        key = "tf32" if cfg.training.dtype == "float64" else peak_key(cfg.training.dtype, cfg.float8.recipe)
-        peak = device_peak_flops(self.device, key, cfg.metrics.peak_tflops)
-        flops_per_token = self.spec.flops_per_token(self.model_args, cfg.training.seq_len)
-        throughput = Throughput(self.device)
-        from titanlike.data import loader_position
-
+        rate = self._step_rate()
         epochs = self.corpus.epochs(loader_position(self.dataloader))
         data_iter = iter(self.dataloader)
         losses: list[float] = []
-        last_logged = self.step
         exit_signals = self._install_exit_signals()
         with (
             exit_signals,
@@ -569,96 +596,21 @@ class Trainer:
                     if self.step >= cfg.training.steps:
                         break
                 self.step += 1
-                with self._op(f"training step {self.step}"):
-                    micro_batches = self._next_micro_batches(data_iter)
-                    res = train_step(
-                        self.model_parts,
-                        self.optimizer,
-                        micro_batches,
-                        self.loss,
-                        max_norm=cfg.training.max_norm,
-                        clip_fn=self.clip_fn,
-                        lr_scheduler=self.lr_scheduler,
-                        dp_group=self.dp_group,
-                        pp_schedule=self.pp_schedule,
-                        pp_group=self.pp_group,
-                        has_last_stage=self.has_last_stage,
-                        forward_ctx=self.forward_context,
-                        moe=self.moe,
-                        replicas=self.replicas,
-                    )
-                    signum = self._end_of_step(res, exit_signals)
+                res, signum = self._run_step(data_iter, exit_signals)
                 if not res.committed:  # a replica group failed in the step: redone with the groups that are left
                     self.step -= 1
                     if signum:
                         self._stop_on_exit_signal(signum, exit_signals, losses)
                     continue
-                with self._op(f"training step {self.step}"):
-                    if self.float8_precompute:
-                        from titanlike.kernels.float8 import precompute_float8_scales
-
-                        for m in self.model_parts:
-                            precompute_float8_scales(m)
-                throughput.add(res.tokens)
+                rate.throughput.add(res.tokens)
                 self.tokens_seen += res.tokens
                 losses.append(res.loss)
                 position = loader_position(self.dataloader)
                 epochs = self._log_epochs(epochs, position)
                 if res.skipped:
-                    self.nonfinite_steps += 1
-                    limit = cfg.training.max_nonfinite_steps
-                    if self.rank == 0:
-                        print(
-                            f"step {self.step}: non-finite loss {res.loss} or grad norm {res.grad_norm}: update "
-                            f"skipped ({self.nonfinite_steps} of at most {limit})",
-                            flush=True,
-                        )
-                    if self.nonfinite_steps >= limit:
-                        raise NonFiniteError(
-                            f"stopping at step {self.step}: {self.nonfinite_steps} non-finite steps "
-                            f"skipped, training.max_nonfinite_steps={limit}"
-                        )
+                    self._count_skipped_step(res)
                 if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps or self.step == 1:
-                    tps, eta = throughput.measure(self.step - last_logged, cfg.training.steps - self.step)
-                    last_logged = self.step
-                    tps_dev = tps / self.world_size
-                    util = mfu(tps_dev, flops_per_token, peak) if peak else None
-                    lr = self.lr_scheduler.get_last_lr()[0]
-                    mem = peak_memory_gib(self.device)
-                    line = (
-                        f"step {self.step:5d}  loss {res.loss:8.4f}  lr {lr:.3e}  grad_norm {res.grad_norm:7.3f}"
-                        f"  tok/s {tps:9.0f}"
-                        + (f"  mfu {100 * util:5.1f}%" if util is not None else "")
-                        + f"  mem {mem:6.2f}GiB  eta {format_eta(eta)}"
-                    )
-                    seen = self.corpus.seen(position)
-                    if self.corpus.is_mixture:
-                        line += "\n" + format_data(seen)
-                    moe_metrics = expert_metrics(res.moe) if res.moe is not None else {}
-                    if moe_metrics:
-                        line += (
-                            f"  aux {moe_metrics['moe_aux_loss']:.3e}  load max/mean "
-                            f"{moe_metrics['moe_load_max_over_mean']:.2f}"
-                        )
-                        if self.rank == 0:  # the layers x experts picture (every rank holds the global loads)
-                            write_expert_load_picture(cfg.job.dump_folder, res.moe["loads"], self.step)
-                    logger.log(
-                        self.step,
-                        {
-                            "loss": res.loss,
-                            "lr": lr,
-                            "grad_norm": res.grad_norm,
-                            "tokens_per_s": tps,
-                            "tokens_per_s_per_device": tps_dev,
-                            "mfu": util,
-                            "memory_gib": mem,
-                            "skipped": res.skipped,
-                            **data_metrics(seen),
-                            **moe_metrics,
-                            **(self.replicas.metrics() if self.replicas is not None else {}),
-                        },
-                        console=line,
-                    )
+                    self._log_step(logger, res, rate, position)
                 if self.val_sources and (self.step % cfg.validation.freq == 0 or self.step == cfg.training.steps):
                     with self._op(f"the validation at step {self.step}"):
                         vals = self.validate()
@@ -675,6 +627,109 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.finish()
         return losses
+
+    def _step_rate(self) -> _StepRate:
+        """What the logged throughput and MFU of a step are measured against."""
+        from titanlike.training.mfu import device_peak_flops, peak_key
+
+        cfg = self.cfg
+        key = "tf32" if cfg.training.dtype == "float64" else peak_key(cfg.training.dtype, cfg.float8.recipe)
+        return _StepRate(
+            peak=device_peak_flops(self.device, key, cfg.metrics.peak_tflops),
+            flops_per_token=self.spec.flops_per_token(self.model_args, cfg.training.seq_len),
+            throughput=Throughput(self.device),
+            last_logged=self.step,
+        )
+
+    def _run_step(self, data_iter, exit_signals):
+        """One optimizer step on every rank, its end-of-step check and float8 scales; returns (result, signal)."""
+        cfg = self.cfg
+        with self._op(f"training step {self.step}"):
+            micro_batches = self._next_micro_batches(data_iter)
+            res = train_step(
+                self.model_parts,
+                self.optimizer,
+                micro_batches,
+                self.loss,
+                max_norm=cfg.training.max_norm,
+                clip_fn=self.clip_fn,
+                lr_scheduler=self.lr_scheduler,
+                dp_group=self.dp_group,
+                pp_schedule=self.pp_schedule,
+                pp_group=self.pp_group,
+                has_last_stage=self.has_last_stage,
+                forward_ctx=self.forward_context,
+                moe=self.moe,
+                replicas=self.replicas,
+            )
+            signum = self._end_of_step(res, exit_signals)
+            if self.float8_precompute:
+                from titanlike.kernels.float8 import precompute_float8_scales
+
+                for m in self.model_parts:
+                    precompute_float8_scales(m)
+        return res, signum
+
+    def _count_skipped_step(self, res) -> None:
+        """A non-finite loss or gradient norm skipped the update: say so, and stop past training.max_nonfinite_steps."""
+        self.nonfinite_steps += 1
+        limit = self.cfg.training.max_nonfinite_steps
+        if self.rank == 0:
+            print(
+                f"step {self.step}: non-finite loss {res.loss} or grad norm {res.grad_norm}: update "
+                f"skipped ({self.nonfinite_steps} of at most {limit})",
+                flush=True,
+            )
+        if self.nonfinite_steps >= limit:
+            raise NonFiniteError(
+                f"stopping at step {self.step}: {self.nonfinite_steps} non-finite steps "
+                f"skipped, training.max_nonfinite_steps={limit}"
+            )
+
+    def _log_step(self, logger: MetricsLogger, res, rate: _StepRate, position: int) -> None:
+        """The step's line and metrics: loss, lr, grad norm, throughput, MFU, memory, data and MoE metrics."""
+        from titanlike.training.mfu import mfu
+
+        cfg = self.cfg
+        tps, eta = rate.throughput.measure(self.step - rate.last_logged, cfg.training.steps - self.step)
+        rate.last_logged = self.step
+        tps_dev = tps / self.world_size
+        util = mfu(tps_dev, rate.flops_per_token, rate.peak) if rate.peak else None
+        lr = self.lr_scheduler.get_last_lr()[0]
+        mem = peak_memory_gib(self.device)
+        line = (
+            f"step {self.step:5d}  loss {res.loss:8.4f}  lr {lr:.3e}  grad_norm {res.grad_norm:7.3f}"
+            f"  tok/s {tps:9.0f}"
+            + (f"  mfu {100 * util:5.1f}%" if util is not None else "")
+            + f"  mem {mem:6.2f}GiB  eta {format_eta(eta)}"
+        )
+        seen = self.corpus.seen(position)
+        if self.corpus.is_mixture:
+            line += "\n" + format_data(seen)
+        moe_metrics = expert_metrics(res.moe) if res.moe is not None else {}
+        if moe_metrics:
+            line += (
+                f"  aux {moe_metrics['moe_aux_loss']:.3e}  load max/mean {moe_metrics['moe_load_max_over_mean']:.2f}"
+            )
+            if self.rank == 0:  # the layers x experts picture (every rank holds the global loads)
+                write_expert_load_picture(cfg.job.dump_folder, res.moe["loads"], self.step)
+        logger.log(
+            self.step,
+            {
+                "loss": res.loss,
+                "lr": lr,
+                "grad_norm": res.grad_norm,
+                "tokens_per_s": tps,
+                "tokens_per_s_per_device": tps_dev,
+                "mfu": util,
+                "memory_gib": mem,
+                "skipped": res.skipped,
+                **data_metrics(seen),
+                **moe_metrics,
+                **(self.replicas.metrics() if self.replicas is not None else {}),
+            },
+            console=line,
+        )
 
     def _install_exit_signals(self):
         """checkpoint.exit_signals, when there is a checkpoint to save them into (checkpoint.enable)."""
