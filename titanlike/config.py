@@ -279,7 +279,9 @@ class FaultTolerance:
     # the lighthouse's address, http://host:port ("": the TORCHFT_LIGHTHOUSE environment variable)
     lighthouse: str = ""
     connect_timeout_seconds: int = 10  # limit of reaching the lighthouse (at start) and the other groups' managers
-    quorum_timeout_seconds: int = 60  # limit of one quorum (the groups agreeing who takes part in the next step)
+    # limit of one quorum (who takes part in the next step), of a wait for min_replica_size groups and, at the start,
+    # for all group_size groups
+    quorum_timeout_seconds: int = 60
 
 
 @dataclass

@@ -363,7 +363,13 @@ def test_a_group_that_never_comes_back_below_min_replica_size_stops_the_job_with
     try:
         a = tmp_path / "group0"
         t0 = time.time()
-        proc = start_group(a, f"http://127.0.0.1:{port}", 0, 0, FT_TEST_EXTRA="--fault_tolerance.min_replica_size 2")
+        proc = start_group(
+            a,
+            f"http://127.0.0.1:{port}",
+            0,
+            0,
+            FT_TEST_EXTRA="--fault_tolerance.min_replica_size 2 --fault_tolerance.quorum_timeout_seconds 4",
+        )
         codes = wait_all({"group0": proc}, timeout=200)
         seconds = time.time() - t0
     finally:
@@ -371,7 +377,7 @@ def test_a_group_that_never_comes_back_below_min_replica_size_stops_the_job_with
         lh.wait()
     log = (a / "console.log").read_text()
     assert codes == {"group0": 1}, log[-3000:]
-    assert "1 group(s), fewer than min_replica_size 2: waiting for more" in log, log[-3000:]
+    assert "1 group(s), fewer than group_size 2 at the start: waiting for more (at most 4 s)" in log, log[-3000:]
     errors = [line for line in log.splitlines() if line.startswith("error: ")]
     assert errors and all("fewer than fault_tolerance.min_replica_size = 2" in e for e in errors), errors
     assert not (a / "metrics.jsonl").exists() or "loss" not in (a / "metrics.jsonl").read_text()  # nothing trained

@@ -197,31 +197,15 @@ class ReplicaGroups:
 
     # ------------------------------------------------------------------ the step
     def begin_step(self, step: int):
-        """The quorum of the next step (a group behind heals here; too few groups: wait for more, at most
-        ``quorum_timeout_seconds``); then the loader at this group's group batch. Returns the step's data iterator."""
+        """The quorum of the next step (a group behind heals here; too few groups: :meth:`_wait_for_groups`); then the
+        loader at this group's group batch. Returns the step's data iterator."""
         from titanlike.data import set_loader_position
 
-        ft = self.cfg.fault_tolerance
         t0 = time.perf_counter()
         self._quorum(step)
         healed = self.manager.current_step() != step
-        seconds, said = time.perf_counter() - t0, False
-        while self.participants < ft.min_replica_size:
-            waited = time.perf_counter() - t0
-            if waited > ft.quorum_timeout_seconds:
-                raise QuorumError(
-                    f"fault tolerance: group {ft.replica_id}: only {self.participants} replica group(s) "
-                    f"{self.replica_ids} took part for {waited:.0f} s, fewer than fault_tolerance.min_replica_size = "
-                    f"{ft.min_replica_size}: this group stops (start the missing groups, or lower min_replica_size)"
-                )
-            if not said:
-                said = True
-                self._say(
-                    f"step {self.manager.current_step() + 1}: {self.participants} group(s), fewer than "
-                    f"min_replica_size {ft.min_replica_size}: waiting for more (at most {ft.quorum_timeout_seconds} s)"
-                )
-            time.sleep(1.0)
-            self._quorum(step)
+        seconds = time.perf_counter() - t0
+        self._wait_for_groups(step, t0)
         self.quorum_seconds = time.perf_counter() - t0
         self._refuse_a_restart_with_nothing_to_rejoin(step)
         self._check_the_group_agrees(step)
@@ -234,6 +218,39 @@ class ReplicaGroups:
         slot = self.manager.batches_committed() + self.manager.participating_rank()
         set_loader_position(self.dataloader, slot * self.global_batch)
         return iter(self.dataloader)
+
+    def _wait_for_groups(self, step: int, t0: float) -> None:
+        """Fewer than ``min_replica_size`` groups: quorum again every second until there are, and stop after
+        ``quorum_timeout_seconds``. At the start of a job (every group at step 0) wait the same time for all
+        ``group_size`` groups, then train with those there (a late group heals from them)."""
+        ft, said = self.cfg.fault_tolerance, False
+        fresh = step == 0 and self.manager.current_step() == 0
+        while self.participants < (ft.group_size if fresh else ft.min_replica_size):
+            waited = time.perf_counter() - t0
+            if waited > ft.quorum_timeout_seconds:
+                if self.participants >= ft.min_replica_size:
+                    self._say(
+                        f"step 1: starting with {self.participants} of {ft.group_size} groups after {waited:.0f} s"
+                    )
+                    return
+                raise QuorumError(
+                    f"fault tolerance: group {ft.replica_id}: only {self.participants} replica group(s) "
+                    f"{self.replica_ids} took part for {waited:.0f} s, fewer than fault_tolerance.min_replica_size = "
+                    f"{ft.min_replica_size}: this group stops (start the missing groups, or lower min_replica_size)"
+                )
+            if not said:
+                said = True
+                self._say(
+                    f"step {self.manager.current_step() + 1}: {self.participants} group(s), fewer than "
+                    + (
+                        f"group_size {ft.group_size} at the start"
+                        if fresh
+                        else f"min_replica_size {ft.min_replica_size}"
+                    )
+                    + f": waiting for more (at most {ft.quorum_timeout_seconds} s)"
+                )
+            time.sleep(0.5)
+            self._quorum(step)
 
     def _quorum(self, step: int) -> None:
         """torchft's quorum (synchronous); a new one is said on the console (rank 0)."""
