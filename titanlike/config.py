@@ -279,8 +279,7 @@ class FaultTolerance:
     # the lighthouse's address, http://host:port ("": the TORCHFT_LIGHTHOUSE environment variable)
     lighthouse: str = ""
     connect_timeout_seconds: int = 10  # limit of reaching the lighthouse (at start) and the other groups' managers
-    # limit of one quorum (who takes part in the next step), of a wait for min_replica_size groups and, at the start,
-    # for all group_size groups
+    # limit of a quorum (who takes part in a step), of waiting for min_replica_size groups or all at the start
     quorum_timeout_seconds: int = 60
 
 
