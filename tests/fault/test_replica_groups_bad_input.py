@@ -98,3 +98,18 @@ def test_an_unreachable_lighthouse_is_one_line_bounded_by_the_connect_timeout(ca
     with pytest.raises(ConfigError, match=r"cannot reach the lighthouse at http://192.0.2.1:29510 within 1 s"):
         fault_tolerance.check_runtime(cfg)
     assert time.perf_counter() - t0 < 3.0
+
+
+def test_torchtitans_fault_tolerance_keys_are_read_as_they_are(tmp_path, monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29510")  # how torchtitan gives the address
+    toml = tmp_path / "ft.toml"
+    section = "[fault_tolerance]\nenable = true\nreplica_id = 1\ngroup_size = 2\nmin_replica_size = 1\n"
+    toml.write_text(section + 'process_group = "gloo"\nprocess_group_timeout_ms = 5000\n')
+    cfg = load_config(["--job.config_file", str(toml), *BASE], world_size=1)
+    ft = cfg.fault_tolerance
+    assert (ft.enable, ft.replica_id, ft.group_size, ft.process_group_timeout_ms) == (True, 1, 2, 5000)
+    assert fault_tolerance.config_problems(cfg) == []
+    toml.write_text(section + 'semi_sync_method = "diloco"\n')
+    with pytest.raises(ConfigError, match=r"fault_tolerance.semi_sync_method.*LocalSGD / DiLoCo\) is not implemented"):
+        load_config(["--job.config_file", str(toml), *BASE], world_size=1)
