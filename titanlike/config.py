@@ -281,6 +281,9 @@ class FaultTolerance:
     connect_timeout_seconds: int = 10  # limit of reaching the lighthouse (at start) and the other groups' managers
     # limit of a quorum (who takes part in a step), of waiting for min_replica_size groups or all at the start
     quorum_timeout_seconds: int = 60
+    # none (gradients summed across the groups every step) | local_sgd (weights averaged every sync_steps steps)
+    semi_sync_method: Literal["none", "local_sgd"] = "none"
+    sync_steps: int = 5  # local_sgd: steps between two averagings of the weights
 
 
 @dataclass
@@ -366,6 +369,7 @@ MINIMUM = {
     "fault_tolerance.min_replica_size": 1,
     "fault_tolerance.connect_timeout_seconds": 1,
     "fault_tolerance.quorum_timeout_seconds": 1,
+    "fault_tolerance.sync_steps": 1,
 }
 MAXIMUM = {
     "lr_scheduler.decay_ratio": 1.0,

@@ -361,10 +361,11 @@ TORCHTITAN_KEYS: dict[str, Key] = {
     "fault_tolerance.group_size": S(),
     "fault_tolerance.min_replica_size": S(),
     "fault_tolerance.semi_sync_method": Key(
-        INERT,
-        ok=(None,),
-        note="semi-synchronous training (LocalSGD / DiLoCo) is not implemented; the replica groups train "
-        "synchronously (every step's gradients summed across the groups that take part)",
+        MAPPED,
+        "fault_tolerance.semi_sync_method",
+        "fault_tolerance.semi_sync_method (None: 'none'; torchft's LocalSGD: 'local_sgd')",
+        convert=lambda v: {"fault_tolerance.semi_sync_method": "none" if v is None else v},
+        accept=_only(None, "local_sgd", why="DiLoCo is not implemented; use None (synchronous) or 'local_sgd'"),
     ),
     # [experimental]
     "experimental.custom_import": Key(INERT, ok=("",), note="titanlike has no plugin imports"),

@@ -382,3 +382,97 @@ def test_a_group_that_never_comes_back_below_min_replica_size_stops_the_job_with
     assert errors and all("fewer than fault_tolerance.min_replica_size = 2" in e for e in errors), errors
     assert not (a / "metrics.jsonl").exists() or "loss" not in (a / "metrics.jsonl").read_text()  # nothing trained
     print(f"group 0 alone below min_replica_size: stopped {seconds:.1f} s after its launch")
+
+
+LOCAL_STEPS, SYNC = 6, 3
+
+
+def test_local_sgd_groups_agree_at_every_sync_point_and_follow_the_reference(tmp_path):
+    """semi_sync_method = local_sgd (torchft's LocalSGD): each group steps alone on its own group batches (group g
+    reads group batch 2(s-1) + g at step s); every SYNC steps the weights are averaged. The groups' weights at every
+    sync point are bitwise equal, and each group's losses and the final weights equal a float64 reference of two
+    models in one process doing the same arithmetic."""
+    port = unused_port()
+    lh = start_lighthouse(port, tmp_path / "lighthouse.log")
+    extra = f"--training.steps {LOCAL_STEPS} --checkpoint.interval {SYNC} --fault_tolerance.semi_sync_method local_sgd"
+    extra += f" --fault_tolerance.sync_steps {SYNC}"
+    dumps = [tmp_path / "group0", tmp_path / "group1"]
+    ready = [tmp_path / "ready0", tmp_path / "ready1"]
+    try:
+        procs = {
+            f"group{g}": start_group(
+                dumps[g], f"http://127.0.0.1:{port}", g, 0, **together(ready[g], ready[1 - g]), FT_TEST_EXTRA=extra
+            )
+            for g in (0, 1)
+        }
+        codes = wait_all(procs, timeout=300)
+    finally:
+        os.killpg(lh.pid, 9)
+        lh.wait()
+    logs = {n: (tmp_path / n / "console.log").read_text() for n in procs}
+    assert codes == {"group0": 0, "group1": 0}, _tails(logs)
+    from titanlike.checkpoint import committed_checkpoints
+
+    states = {}
+    for sync_step in range(SYNC, LOCAL_STEPS + 1, SYNC):
+        for g in (0, 1):
+            out = dumps[g] / f"state{sync_step}.pt"
+            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+            dcp_to_torch_save(committed_checkpoints(dumps[g] / "checkpoint")[sync_step], out)
+            states[sync_step, g] = torch.load(out, weights_only=False)["model"]
+        a, b = states[sync_step, 0], states[sync_step, 1]
+        unequal = [k for k in a if not torch.equal(a[k], b[k])]
+        assert not unequal, (sync_step, unequal[:5])
+    logged = [rows(d) for d in dumps]
+    assert [logged[0][s]["participants"] for s in (SYNC, LOCAL_STEPS)] == [2, 2]
+    assert logged[0][1]["loss"] != logged[1][1]["loss"]  # each group trained on its own data
+    ref_losses, ref_weights = local_sgd_reference(tmp_path / "reference")
+    worst = max(abs(ref_losses[g][s] - logged[g][s]["loss"]) for g in (0, 1) for s in logged[g])
+    assert worst < 1e-10, worst
+    final = states[LOCAL_STEPS, 0]
+    assert max((final[k] - v).abs().max().item() for k, v in ref_weights.items()) < 1e-10
+    print(f"local_sgd: groups bitwise equal at steps {list(range(SYNC, LOCAL_STEPS + 1, SYNC))}; worst {worst:.1e}")
+
+
+def local_sgd_reference(dump: Path):
+    """Two single-process float64 trainers (the two groups), each on its group batches, with AdamW of its own; every
+    SYNC steps both models' weights become their mean."""
+    from titanlike.config import load_config
+    from titanlike.data import set_loader_position
+    from titanlike.training.step import train_step
+    from titanlike.training.trainer import Trainer
+
+    argv = train_args(dump, "", 0)
+    argv = argv[: argv.index("--fault_tolerance.enable")] + ["--checkpoint.enable", "false"]
+    argv += ["--training.steps", str(LOCAL_STEPS), "--training.global_batch_size", str(GROUP_BATCH)]
+    trainers = []
+    for g in (0, 1):
+        cfg = load_config([*argv, "--job.dump_folder", str(dump / f"g{g}")], world_size=1)
+        trainers.append(Trainer(cfg))
+    losses = {0: {}, 1: {}}
+    try:
+        for step in range(1, LOCAL_STEPS + 1):
+            for g, t in enumerate(trainers):
+                set_loader_position(t.dataloader, (2 * (step - 1) + g) * GROUP_BATCH)
+                res = train_step(
+                    t.model_parts,
+                    t.optimizer,
+                    t._next_micro_batches(iter(t.dataloader)),
+                    t.loss,
+                    max_norm=t.cfg.training.max_norm,
+                    clip_fn=t.clip_fn,
+                    lr_scheduler=t.lr_scheduler,
+                )
+                losses[g][step] = res.loss
+            if step % SYNC == 0:
+                with torch.no_grad():
+                    for pa, pb in zip(trainers[0].model_parts[0].parameters(), trainers[1].model_parts[0].parameters()):
+                        mean = (pa + pb) / 2
+                        pa.copy_(mean)
+                        pb.copy_(mean)
+        weights = {k: v.detach().clone() for k, v in trainers[0].model_parts[0].state_dict().items()}
+    finally:
+        for t in trainers:
+            t.close()
+    return losses, weights

@@ -84,6 +84,11 @@ def config_problems(cfg) -> list[str]:
             f"fault_tolerance.min_replica_size: {ft.min_replica_size} groups can never take part in a step of a "
             f"job of fault_tolerance.group_size = {ft.group_size}; lower it to at most {ft.group_size}"
         )
+    if ft.semi_sync_method == "none" and ft.sync_steps != type(ft)().sync_steps:
+        out.append(
+            "fault_tolerance.sync_steps is read only with fault_tolerance.semi_sync_method = local_sgd; set it or "
+            "remove sync_steps"
+        )
     if cfg.parallelism.data_parallel_replicate_degree != 1:
         out.append(
             f"parallelism.data_parallel_replicate_degree: {cfg.parallelism.data_parallel_replicate_degree} with "
@@ -190,6 +195,11 @@ class ReplicaGroups:
             dist.barrier()
         if rank != 0:
             self.manager = Manager(**kwargs)
+        self.local_sgd = None
+        if ft.semi_sync_method == "local_sgd":  # torchft's LocalSGD: its optimizer hook averages every sync_steps
+            from torchft.local_sgd import LocalSGD
+
+            self.local_sgd = LocalSGD(self.manager, _Parameters(self.params), optimizer, ft.sync_steps).__enter__()
         self.quorum_changes, self.recovery_seconds, self.participants, self.failed_steps = 0, 0.0, 0, 0
         self.quorum_seconds = 0.0
         self.replica_ids: list[int] = []
@@ -201,6 +211,10 @@ class ReplicaGroups:
         loader at this group's group batch. Returns the step's data iterator."""
         from titanlike.data import set_loader_position
 
+        if self.local_sgd is not None:  # no quorum but at the averagings; group g reads every group_size-th batch
+            ft = self.cfg.fault_tolerance
+            set_loader_position(self.dataloader, (step * ft.group_size + ft.replica_id) * self.global_batch)
+            return iter(self.dataloader)
         t0 = time.perf_counter()
         self._quorum(step)
         healed = self.manager.current_step() != step
@@ -307,7 +321,10 @@ class ReplicaGroups:
             )
 
     def sum_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """This group's token count summed over the groups of the step (the loss denominator)."""
+        """This group's token count summed over the groups of the step (the loss denominator; local_sgd: this
+        group's)."""
+        if self.local_sgd is not None:
+            return tokens
         self.manager.allreduce(tokens, reduce_op=dist.ReduceOp.SUM).wait()
         return tokens
 
@@ -315,6 +332,8 @@ class ReplicaGroups:
         """Every local gradient shard and the loss, summed over the groups of the step: one buffer per dtype."""
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+        if self.local_sgd is not None:
+            return total
         grads = [_local(p.grad) for p in self.params if p.grad is not None]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:
@@ -333,6 +352,8 @@ class ReplicaGroups:
         the group batches of the step."""
         from titanlike.data import set_loader_position
 
+        if self.local_sgd is not None:  # the averaging commits (torchft's LocalSGD, after the optimizer step)
+            return True
         committed = self.manager.should_commit()
         if committed:
             set_loader_position(self.dataloader, self.manager.batches_committed() * self.global_batch)
@@ -348,6 +369,8 @@ class ReplicaGroups:
     def metrics(self) -> dict:
         """The step's metrics: groups that took part, quorums so far, the last recovery's and this step's quorum
         seconds, group batches committed (the data position), steps not committed so far, the wall clock."""
+        if self.local_sgd is not None:
+            self.participants = self.manager.num_participants()  # of the last averaging
         return {
             "participants": self.participants,
             "quorum_changes": self.quorum_changes,
@@ -363,8 +386,14 @@ class ReplicaGroups:
         training.global_batch_size)."""
         from titanlike.data import loader_position
 
+        step = self.train_state.step
+        if self.local_sgd is not None:  # torchft counts the averagings
+            sync = self.cfg.fault_tolerance.sync_steps
+            self.manager.load_state_dict({"step": step // sync, "batches_committed": 0})
+            self.local_sgd._local_step = step % sync
+            return
         self.manager.load_state_dict(
-            {"step": self.train_state.step, "batches_committed": loader_position(self.dataloader) // self.global_batch}
+            {"step": step, "batches_committed": loader_position(self.dataloader) // self.global_batch}
         )
 
     def shutdown(self) -> None:
@@ -418,6 +447,16 @@ class ReplicaGroups:
         torch.set_rng_state(state["rng"])
         if state["cuda_rng"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda_rng"])
+
+
+class _Parameters:
+    """What torchft's LocalSGD reads of a model: its parameters (every model part of this rank)."""
+
+    def __init__(self, params):
+        self._params = params
+
+    def parameters(self):
+        return iter(self._params)
 
 
 def _first_line(e) -> str:
