@@ -281,9 +281,11 @@ class FaultTolerance:
     connect_timeout_seconds: int = 10  # limit of reaching the lighthouse (at start) and the other groups' managers
     # limit of a quorum (who takes part in a step), of waiting for min_replica_size groups or all at the start
     quorum_timeout_seconds: int = 60
-    # none (gradients summed across the groups every step) | local_sgd (weights averaged every sync_steps steps)
-    semi_sync_method: Literal["none", "local_sgd"] = "none"
-    sync_steps: int = 5  # local_sgd: steps between two averagings of the weights
+    # none (gradients summed every step) | local_sgd (weights averaged every sync_steps) | diloco (outer SGD step)
+    semi_sync_method: Literal["none", "local_sgd", "diloco"] = "none"
+    sync_steps: int = 5  # local_sgd / diloco: steps between two synchronizations of the groups
+    outer_lr: float = 0.7  # diloco: the outer optimizer's learning rate (SGD, Nesterov momentum, as torchtitan)
+    outer_momentum: float = 0.9  # diloco: the outer optimizer's momentum
 
 
 @dataclass
@@ -370,6 +372,8 @@ MINIMUM = {
     "fault_tolerance.connect_timeout_seconds": 1,
     "fault_tolerance.quorum_timeout_seconds": 1,
     "fault_tolerance.sync_steps": 1,
+    "fault_tolerance.outer_lr": 0.0,
+    "fault_tolerance.outer_momentum": 0.0,
 }
 MAXIMUM = {
     "lr_scheduler.decay_ratio": 1.0,

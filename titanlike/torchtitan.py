@@ -363,9 +363,9 @@ TORCHTITAN_KEYS: dict[str, Key] = {
     "fault_tolerance.semi_sync_method": Key(
         MAPPED,
         "fault_tolerance.semi_sync_method",
-        "fault_tolerance.semi_sync_method (None: 'none'; torchft's LocalSGD: 'local_sgd')",
+        "fault_tolerance.semi_sync_method (None: 'none'; torchft's LocalSGD and DiLoCo: 'local_sgd', 'diloco')",
         convert=lambda v: {"fault_tolerance.semi_sync_method": "none" if v is None else v},
-        accept=_only(None, "local_sgd", why="DiLoCo is not implemented; use None (synchronous) or 'local_sgd'"),
+        accept=_only(None, "local_sgd", "diloco", why="use None (synchronous), 'local_sgd' or 'diloco'"),
     ),
     # [experimental]
     "experimental.custom_import": Key(INERT, ok=("",), note="titanlike has no plugin imports"),

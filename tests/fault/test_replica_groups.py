@@ -387,14 +387,16 @@ def test_a_group_that_never_comes_back_below_min_replica_size_stops_the_job_with
 LOCAL_STEPS, SYNC = 6, 3
 
 
-def test_local_sgd_groups_agree_at_every_sync_point_and_follow_the_reference(tmp_path):
-    """semi_sync_method = local_sgd (torchft's LocalSGD): each group steps alone on its own group batches (group g
-    reads group batch 2(s-1) + g at step s); every SYNC steps the weights are averaged. The groups' weights at every
-    sync point are bitwise equal, and each group's losses and the final weights equal a float64 reference of two
-    models in one process doing the same arithmetic."""
+@pytest.mark.parametrize("method", ["local_sgd", "diloco"])
+def test_semi_sync_groups_agree_at_every_sync_point_and_follow_the_reference(tmp_path, method):
+    """semi_sync_method = local_sgd / diloco (torchft's LocalSGD / DiLoCo): each group steps alone on its own group
+    batches (group g reads group batch 2(s-1) + g at step s); every SYNC steps the weights are averaged (local_sgd)
+    or the outer SGD steps on the averaged pseudo-gradients (diloco). The groups' weights at every sync point are
+    bitwise equal, and each group's losses and the final weights equal a float64 reference of two models in one
+    process doing the same arithmetic."""
     port = unused_port()
     lh = start_lighthouse(port, tmp_path / "lighthouse.log")
-    extra = f"--training.steps {LOCAL_STEPS} --checkpoint.interval {SYNC} --fault_tolerance.semi_sync_method local_sgd"
+    extra = f"--training.steps {LOCAL_STEPS} --checkpoint.interval {SYNC} --fault_tolerance.semi_sync_method {method}"
     extra += f" --fault_tolerance.sync_steps {SYNC}"
     dumps = [tmp_path / "group0", tmp_path / "group1"]
     ready = [tmp_path / "ready0", tmp_path / "ready1"]
@@ -427,17 +429,19 @@ def test_local_sgd_groups_agree_at_every_sync_point_and_follow_the_reference(tmp
     logged = [rows(d) for d in dumps]
     assert [logged[0][s]["participants"] for s in (SYNC, LOCAL_STEPS)] == [2, 2]
     assert logged[0][1]["loss"] != logged[1][1]["loss"]  # each group trained on its own data
-    ref_losses, ref_weights = local_sgd_reference(tmp_path / "reference")
+    ref_losses, ref_weights = semi_sync_reference(tmp_path / "reference", method)
     worst = max(abs(ref_losses[g][s] - logged[g][s]["loss"]) for g in (0, 1) for s in logged[g])
     assert worst < 1e-10, worst
     final = states[LOCAL_STEPS, 0]
     assert max((final[k] - v).abs().max().item() for k, v in ref_weights.items()) < 1e-10
-    print(f"local_sgd: groups bitwise equal at steps {list(range(SYNC, LOCAL_STEPS + 1, SYNC))}; worst {worst:.1e}")
+    print(f"{method}: groups bitwise equal at steps {list(range(SYNC, LOCAL_STEPS + 1, SYNC))}; worst {worst:.1e}")
 
 
-def local_sgd_reference(dump: Path):
+def semi_sync_reference(dump: Path, method: str):
     """Two single-process float64 trainers (the two groups), each on its group batches, with AdamW of its own; every
-    SYNC steps both models' weights become their mean."""
+    SYNC steps both models' weights become their mean (local_sgd), or (diloco) the outer weights, a copy of the
+    weights at the last sync, take an SGD step (lr 0.7, momentum 0.9, Nesterov) on the mean of the pseudo-gradients
+    (outer - local), and both models continue from them."""
     from titanlike.config import load_config
     from titanlike.data import set_loader_position
     from titanlike.training.step import train_step
@@ -450,6 +454,9 @@ def local_sgd_reference(dump: Path):
     for g in (0, 1):
         cfg = load_config([*argv, "--job.dump_folder", str(dump / f"g{g}")], world_size=1)
         trainers.append(Trainer(cfg))
+    params = [list(t.model_parts[0].parameters()) for t in trainers]
+    outer = [torch.nn.Parameter(p.detach().clone()) for p in params[0]]
+    outer_opt = torch.optim.SGD(outer, lr=0.7, momentum=0.9, nesterov=True)
     losses = {0: {}, 1: {}}
     try:
         for step in range(1, LOCAL_STEPS + 1):
@@ -465,12 +472,22 @@ def local_sgd_reference(dump: Path):
                     lr_scheduler=t.lr_scheduler,
                 )
                 losses[g][step] = res.loss
-            if step % SYNC == 0:
+            if step % SYNC == 0 and method == "local_sgd":
                 with torch.no_grad():
-                    for pa, pb in zip(trainers[0].model_parts[0].parameters(), trainers[1].model_parts[0].parameters()):
+                    for pa, pb in zip(*params):
                         mean = (pa + pb) / 2
                         pa.copy_(mean)
                         pb.copy_(mean)
+            elif step % SYNC == 0:
+                with torch.no_grad():
+                    for o, pa, pb in zip(outer, *params):
+                        o.grad = ((o - pa) + (o - pb)) / 2
+                outer_opt.step()
+                outer_opt.zero_grad()
+                with torch.no_grad():
+                    for o, pa, pb in zip(outer, *params):
+                        pa.copy_(o)
+                        pb.copy_(o)
         weights = {k: v.detach().clone() for k, v in trainers[0].model_parts[0].state_dict().items()}
     finally:
         for t in trainers:

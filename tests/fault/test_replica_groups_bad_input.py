@@ -110,11 +110,16 @@ def test_torchtitans_fault_tolerance_keys_are_read_as_they_are(tmp_path, monkeyp
     ft = cfg.fault_tolerance
     assert (ft.enable, ft.replica_id, ft.group_size, ft.process_group_timeout_ms) == (True, 1, 2, 5000)
     assert fault_tolerance.config_problems(cfg) == []
-    toml.write_text(section + 'semi_sync_method = "diloco"\n')
-    with pytest.raises(ConfigError, match=r"fault_tolerance.semi_sync_method.*DiLoCo is not implemented"):
+    toml.write_text(section + 'semi_sync_method = "streaming"\n')
+    with pytest.raises(ConfigError, match=r"fault_tolerance.semi_sync_method.*use None \(synchronous\), 'local_sgd'"):
         load_config(["--job.config_file", str(toml), *BASE], world_size=1)
-    toml.write_text(section + 'semi_sync_method = "local_sgd"\n')
-    cfg = load_config(["--job.config_file", str(toml), *BASE], world_size=1)
-    assert cfg.fault_tolerance.semi_sync_method == "local_sgd" and fault_tolerance.config_problems(cfg) == []
-    (p,) = problems("--fault_tolerance.enable", "--fault_tolerance.group_size=2", "--fault_tolerance.sync_steps=3")
-    assert p.startswith("fault_tolerance.sync_steps is read only with fault_tolerance.semi_sync_method = local_sgd")
+    for method in ("local_sgd", "diloco"):
+        toml.write_text(section + f'semi_sync_method = "{method}"\n')
+        cfg = load_config(["--job.config_file", str(toml), *BASE], world_size=1)
+        assert cfg.fault_tolerance.semi_sync_method == method and fault_tolerance.config_problems(cfg) == []
+    on = ["--fault_tolerance.enable", "--fault_tolerance.group_size=2"]
+    (p,) = problems(*on, "--fault_tolerance.sync_steps=3", "--fault_tolerance.outer_lr=0.5")
+    assert p.startswith("fault_tolerance.sync_steps, fault_tolerance.outer_lr: not read with")
+    (p,) = problems(*on, "--fault_tolerance.semi_sync_method=local_sgd", "--fault_tolerance.outer_lr=0.5")
+    assert p.startswith("fault_tolerance.outer_lr: not read with fault_tolerance.semi_sync_method = local_sgd")
+    assert problems(*on, "--fault_tolerance.semi_sync_method=diloco", "--fault_tolerance.outer_lr=0.5") == []

@@ -84,10 +84,17 @@ def config_problems(cfg) -> list[str]:
             f"fault_tolerance.min_replica_size: {ft.min_replica_size} groups can never take part in a step of a "
             f"job of fault_tolerance.group_size = {ft.group_size}; lower it to at most {ft.group_size}"
         )
-    if ft.semi_sync_method == "none" and ft.sync_steps != type(ft)().sync_steps:
+    default = type(ft)()
+    unread = [k for k in ("sync_steps", "outer_lr", "outer_momentum") if getattr(ft, k) != getattr(default, k)]
+    unread = [
+        k
+        for k in unread
+        if not (ft.semi_sync_method == "diloco" or (ft.semi_sync_method, k) == ("local_sgd", "sync_steps"))
+    ]
+    if unread:
         out.append(
-            "fault_tolerance.sync_steps is read only with fault_tolerance.semi_sync_method = local_sgd; set it or "
-            "remove sync_steps"
+            f"{', '.join('fault_tolerance.' + k for k in unread)}: not read with fault_tolerance.semi_sync_method = "
+            f"{ft.semi_sync_method} (sync_steps: local_sgd and diloco; outer_*: diloco); set the method or remove them"
         )
     if cfg.parallelism.data_parallel_replicate_degree != 1:
         out.append(
@@ -195,15 +202,28 @@ class ReplicaGroups:
             dist.barrier()
         if rank != 0:
             self.manager = Manager(**kwargs)
-        self.local_sgd = None
-        if ft.semi_sync_method == "local_sgd":  # torchft's LocalSGD: its optimizer hook averages every sync_steps
-            from torchft.local_sgd import LocalSGD
-
-            self.local_sgd = LocalSGD(self.manager, _Parameters(self.params), optimizer, ft.sync_steps).__enter__()
+        self.local_sgd = self._semi_sync(model_parts, optimizer)
         self.quorum_changes, self.recovery_seconds, self.participants, self.failed_steps = 0, 0.0, 0, 0
         self.quorum_seconds = 0.0
         self.replica_ids: list[int] = []
         self.last_recovery: str | None = None
+
+    def _semi_sync(self, model_parts, optimizer):
+        """torchft's LocalSGD or DiLoCo (their optimizer hook synchronizes every sync_steps), else None."""
+        from torch import nn
+
+        ft = self.cfg.fault_tolerance
+        if ft.semi_sync_method == "local_sgd":
+            from torchft.local_sgd import LocalSGD
+
+            return LocalSGD(self.manager, _Parameters(self.params), optimizer, ft.sync_steps).__enter__()
+        if ft.semi_sync_method == "diloco":
+            from torchft.local_sgd import DiLoCo
+
+            model = nn.ModuleList(model_parts)
+            outer = torch.optim.SGD(model.parameters(), lr=ft.outer_lr, momentum=ft.outer_momentum, nesterov=True)
+            return DiLoCo(self.manager, [model], optimizer, outer, sync_every=ft.sync_steps).__enter__()
+        return None
 
     # ------------------------------------------------------------------ the step
     def begin_step(self, step: int):
@@ -387,10 +407,18 @@ class ReplicaGroups:
         from titanlike.data import loader_position
 
         step = self.train_state.step
-        if self.local_sgd is not None:  # torchft counts the averagings
-            sync = self.cfg.fault_tolerance.sync_steps
-            self.manager.load_state_dict({"step": step // sync, "batches_committed": 0})
-            self.local_sgd._local_step = step % sync
+        if self.local_sgd is not None:  # torchft counts the synchronizations
+            ft = self.cfg.fault_tolerance
+            if ft.semi_sync_method == "diloco" and step % ft.sync_steps:
+                raise ConfigError(
+                    f"checkpoint: diloco resumes only from the checkpoint of a synchronization (a multiple of "
+                    f"fault_tolerance.sync_steps = {ft.sync_steps}; the outer weights of step {step} are not saved); "
+                    f"set checkpoint.load_step to one"
+                )
+            self.manager.load_state_dict({"step": step // ft.sync_steps, "batches_committed": 0})
+            self.local_sgd._local_step = step % ft.sync_steps
+            if ft.semi_sync_method == "diloco":
+                self.local_sgd._save_parameters()  # the outer (global) weights: the loaded ones
             return
         self.manager.load_state_dict(
             {"step": step, "batches_committed": loader_position(self.dataloader) // self.global_batch}
