@@ -202,6 +202,8 @@ class ReplicaGroups:
             dist.barrier()
         if rank != 0:
             self.manager = Manager(**kwargs)
+        self.local_sgd = None
+        self._torchft_start_quorum, self.manager.start_quorum = self.manager.start_quorum, self._start_quorum
         self.local_sgd = self._semi_sync(model_parts, optimizer)
         self.quorum_changes, self.recovery_seconds, self.participants, self.failed_steps = 0, 0.0, 0, 0
         self.quorum_seconds = 0.0
@@ -287,27 +289,33 @@ class ReplicaGroups:
             self._quorum(step)
 
     def _quorum(self, step: int) -> None:
-        """torchft's quorum (synchronous); a new one is said on the console (rank 0)."""
-        was_quorum = self.pg.quorum_id
-        t0 = time.perf_counter()
+        """torchft's quorum (synchronous), through :meth:`_start_quorum`."""
+        self.manager.start_quorum()
+
+    def _start_quorum(self, *args, **kwargs) -> None:
+        """torchft's ``Manager.start_quorum`` (this replaces it on the manager, so LocalSGD's and DiLoCo's quorums go
+        through it too): a failure is one line (QuorumError), a new quorum is said on the console (rank 0)."""
+        ft = self.cfg.fault_tolerance
+        step = self.train_state.step + (0 if self.local_sgd is not None else 1)  # the step it is for
+        was_quorum, t0 = self.pg.quorum_id, time.perf_counter()
         try:
-            self.manager.start_quorum()
+            self._torchft_start_quorum(*args, **kwargs)
         except Exception as e:  # the lighthouse is gone (or did not answer in time): this group stops
             raise QuorumError(
-                f"fault tolerance: group {self.cfg.fault_tolerance.replica_id}: the quorum of step {step + 1} failed "
-                f"after {time.perf_counter() - t0:.1f} s ({_first_line(e)}): the lighthouse at "
+                f"fault tolerance: group {ft.replica_id}: the quorum of step {step} failed after "
+                f"{time.perf_counter() - t0:.1f} s ({_first_line(e)}): the lighthouse at "
                 f"{lighthouse_address(self.cfg)} is down or unreachable, or a group took longer than "
-                f"fault_tolerance.quorum_timeout_seconds = {self.cfg.fault_tolerance.quorum_timeout_seconds} to reach "
-                f"its next step; this group stops here (resume from its checkpoints with a lighthouse running)"
+                f"fault_tolerance.quorum_timeout_seconds = {ft.quorum_timeout_seconds} to reach its next step; this "
+                f"group stops here (resume from its checkpoints with a lighthouse running)"
             ) from None
         self.participants = self.manager.num_participants()
         if self.pg.quorum_id != was_quorum:
             self.quorum_changes += 1
             before, self.replica_ids = self.replica_ids, self.pg.replica_ids(self.group_world)
             self._say(
-                f"step {self.manager.current_step() + 1}: quorum {self.pg.quorum_id}: replica groups "
-                f"{self.replica_ids} take part ({self.participants} of {self.cfg.fault_tolerance.group_size})"
-                + _changes(before, self.replica_ids)
+                f"step {self.train_state.step + (0 if self.local_sgd is not None else 1)}: quorum "
+                f"{self.pg.quorum_id}: replica groups {self.replica_ids} take part ({self.participants} of "
+                f"{ft.group_size})" + _changes(before, self.replica_ids)
             )
 
     def _refuse_a_restart_with_nothing_to_rejoin(self, step: int) -> None:
