@@ -12,8 +12,12 @@ inside (FSDP / TP / PP / ...). Each step:
 3. :meth:`sum_tokens` / :meth:`sum_gradients`: the token count, then every local gradient shard and the loss, are
    summed across the groups that take part through torchft's manager (its reconfigurable process group): the
    global-token loss contract over the groups of the step.
-4. :meth:`should_commit`: every group agrees the step succeeded before its optimizer steps; a step that failed
-   (a peer died in a collective) is not committed and is redone with the groups that are left, on the same data.
+4. :meth:`should_commit`: every rank of the group agrees the step succeeded before its optimizer steps; a step
+   that failed (a peer died in a collective) is not committed and is redone with the groups that are left, on the
+   same data.
+
+``semi_sync_method = local_sgd / diloco``: torchft's LocalSGD / DiLoCo instead (each group steps alone on its own
+group batches, their optimizer hook synchronizes the groups every ``sync_steps``); the hooks above do nothing then.
 
 Everything that can be wrong with the input is found by :func:`config_problems` and :func:`check_runtime` before a
 process group starts.
@@ -57,45 +61,8 @@ def config_problems(cfg) -> list[str]:
     that would be ignored)."""
     ft = cfg.fault_tolerance
     if not ft.enable:
-        import dataclasses
-
-        default = type(ft)()
-        set_ = [f.name for f in dataclasses.fields(ft) if getattr(ft, f.name) != getattr(default, f.name)]
-        return (
-            [
-                f"fault_tolerance: {', '.join('fault_tolerance.' + k for k in set_)} set while fault_tolerance.enable "
-                f"is false (it would be ignored); set fault_tolerance.enable = true or remove them"
-            ]
-            if set_
-            else []
-        )
-    out = []
-    if ft.group_size < 1:
-        out.append(
-            "fault_tolerance.group_size: set the number of replica groups of the job (>= 1) with fault_tolerance.enable"
-        )
-    elif not 0 <= ft.replica_id < ft.group_size:
-        out.append(
-            f"fault_tolerance.replica_id: {ft.replica_id} is not a group of the job; give each group an id in "
-            f"0 .. {ft.group_size - 1} (fault_tolerance.group_size = {ft.group_size})"
-        )
-    if ft.group_size >= 1 and ft.min_replica_size > ft.group_size:
-        out.append(
-            f"fault_tolerance.min_replica_size: {ft.min_replica_size} groups can never take part in a step of a "
-            f"job of fault_tolerance.group_size = {ft.group_size}; lower it to at most {ft.group_size}"
-        )
-    default = type(ft)()
-    unread = [k for k in ("sync_steps", "outer_lr", "outer_momentum") if getattr(ft, k) != getattr(default, k)]
-    unread = [
-        k
-        for k in unread
-        if not (ft.semi_sync_method == "diloco" or (ft.semi_sync_method, k) == ("local_sgd", "sync_steps"))
-    ]
-    if unread:
-        out.append(
-            f"{', '.join('fault_tolerance.' + k for k in unread)}: not read with fault_tolerance.semi_sync_method = "
-            f"{ft.semi_sync_method} (sync_steps: local_sgd and diloco; outer_*: diloco); set the method or remove them"
-        )
+        return _set_while_disabled(ft)
+    out = _group_problems(ft) + _semi_sync_problems(ft)
     if cfg.parallelism.data_parallel_replicate_degree != 1:
         out.append(
             f"parallelism.data_parallel_replicate_degree: {cfg.parallelism.data_parallel_replicate_degree} with "
@@ -122,6 +89,55 @@ def config_problems(cfg) -> list[str]:
             "the group's store)"
         )
     return out
+
+
+def _set_while_disabled(ft) -> list[str]:
+    import dataclasses
+
+    default = type(ft)()
+    keys = [f.name for f in dataclasses.fields(ft) if getattr(ft, f.name) != getattr(default, f.name)]
+    if not keys:
+        return []
+    return [
+        f"fault_tolerance: {', '.join('fault_tolerance.' + k for k in keys)} set while fault_tolerance.enable is "
+        f"false (it would be ignored); set fault_tolerance.enable = true or remove them"
+    ]
+
+
+def _group_problems(ft) -> list[str]:
+    out = []
+    if ft.group_size < 1:
+        out.append(
+            "fault_tolerance.group_size: set the number of replica groups of the job (>= 1) with fault_tolerance.enable"
+        )
+    elif not 0 <= ft.replica_id < ft.group_size:
+        out.append(
+            f"fault_tolerance.replica_id: {ft.replica_id} is not a group of the job; give each group an id in "
+            f"0 .. {ft.group_size - 1} (fault_tolerance.group_size = {ft.group_size})"
+        )
+    if ft.group_size >= 1 and ft.min_replica_size > ft.group_size:
+        out.append(
+            f"fault_tolerance.min_replica_size: {ft.min_replica_size} groups can never take part in a step of a "
+            f"job of fault_tolerance.group_size = {ft.group_size}; lower it to at most {ft.group_size}"
+        )
+    return out
+
+
+def _semi_sync_problems(ft) -> list[str]:
+    """sync_steps is read by local_sgd and diloco, outer_lr / outer_momentum by diloco only."""
+    readers = {"sync_steps": ("local_sgd", "diloco"), "outer_lr": ("diloco",), "outer_momentum": ("diloco",)}
+    default = type(ft)()
+    unread = [
+        k
+        for k, methods in readers.items()
+        if getattr(ft, k) != getattr(default, k) and ft.semi_sync_method not in methods
+    ]
+    if not unread:
+        return []
+    return [
+        f"{', '.join('fault_tolerance.' + k for k in unread)}: not read with fault_tolerance.semi_sync_method = "
+        f"{ft.semi_sync_method} (sync_steps: local_sgd and diloco; outer_*: diloco); set the method or remove them"
+    ]
 
 
 def _host_port(address: str) -> tuple[str, int] | None:
