@@ -218,13 +218,12 @@ class ReplicaGroups:
             dist.barrier()
         if rank != 0:
             self.manager = Manager(**kwargs)
-        self.local_sgd = None
+        self.semi_sync = None  # torchft's LocalSGD or DiLoCo (semi_sync_method)
         self._torchft_start_quorum, self.manager.start_quorum = self.manager.start_quorum, self._start_quorum
-        self.local_sgd = self._semi_sync(model_parts, optimizer)
+        self.semi_sync = self._semi_sync(model_parts, optimizer)
         self.quorum_changes, self.recovery_seconds, self.participants, self.failed_steps = 0, 0.0, 0, 0
         self.quorum_seconds = 0.0
         self.replica_ids: list[int] = []
-        self.last_recovery: str | None = None
 
     def _semi_sync(self, model_parts, optimizer):
         """torchft's LocalSGD or DiLoCo (their optimizer hook synchronizes every sync_steps), else None."""
@@ -249,7 +248,7 @@ class ReplicaGroups:
         loader at this group's group batch. Returns the step's data iterator."""
         from titanlike.data import set_loader_position
 
-        if self.local_sgd is not None:  # no quorum but at the averagings; group g reads every group_size-th batch
+        if self.semi_sync is not None:  # no quorum but at the averagings; group g reads every group_size-th batch
             ft = self.cfg.fault_tolerance
             set_loader_position(self.dataloader, (step * ft.group_size + ft.replica_id) * self.global_batch)
             return iter(self.dataloader)
@@ -272,7 +271,7 @@ class ReplicaGroups:
         return iter(self.dataloader)
 
     def _wait_for_groups(self, step: int, t0: float) -> None:
-        """Fewer than ``min_replica_size`` groups: quorum again every second until there are, and stop after
+        """Fewer than ``min_replica_size`` groups: quorum again every half second until there are, and stop after
         ``quorum_timeout_seconds``. At the start of a job (every group at step 0) wait the same time for all
         ``group_size`` groups, then train with those there (a late group heals from them)."""
         ft, said = self.cfg.fault_tolerance, False
@@ -312,7 +311,7 @@ class ReplicaGroups:
         """torchft's ``Manager.start_quorum`` (this replaces it on the manager, so LocalSGD's and DiLoCo's quorums go
         through it too): a failure is one line (QuorumError), a new quorum is said on the console (rank 0)."""
         ft = self.cfg.fault_tolerance
-        step = self.train_state.step + (0 if self.local_sgd is not None else 1)  # the step it is for
+        step = self.train_state.step + (0 if self.semi_sync is not None else 1)  # the step it is for
         was_quorum, t0 = self.pg.quorum_id, time.perf_counter()
         try:
             self._torchft_start_quorum(*args, **kwargs)
@@ -329,7 +328,7 @@ class ReplicaGroups:
             self.quorum_changes += 1
             before, self.replica_ids = self.replica_ids, self.pg.replica_ids(self.group_world)
             self._say(
-                f"step {self.train_state.step + (0 if self.local_sgd is not None else 1)}: quorum "
+                f"step {self.train_state.step + (0 if self.semi_sync is not None else 1)}: quorum "  # healed: its step
                 f"{self.pg.quorum_id}: replica groups {self.replica_ids} take part ({self.participants} of "
                 f"{ft.group_size})" + _changes(before, self.replica_ids)
             )
@@ -367,7 +366,7 @@ class ReplicaGroups:
     def sum_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """This group's token count summed over the groups of the step (the loss denominator; local_sgd: this
         group's)."""
-        if self.local_sgd is not None:
+        if self.semi_sync is not None:
             return tokens
         self.manager.allreduce(tokens, reduce_op=dist.ReduceOp.SUM).wait()
         return tokens
@@ -376,7 +375,7 @@ class ReplicaGroups:
         """Every local gradient shard and the loss, summed over the groups of the step: one buffer per dtype."""
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-        if self.local_sgd is not None:
+        if self.semi_sync is not None:
             return total
         grads = [_local(p.grad) for p in self.params if p.grad is not None]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -396,7 +395,7 @@ class ReplicaGroups:
         the group batches of the step."""
         from titanlike.data import set_loader_position
 
-        if self.local_sgd is not None:  # the averaging commits (torchft's LocalSGD, after the optimizer step)
+        if self.semi_sync is not None:  # the averaging commits (torchft's LocalSGD, after the optimizer step)
             return True
         committed = self.manager.should_commit()
         if committed:
@@ -413,7 +412,7 @@ class ReplicaGroups:
     def metrics(self) -> dict:
         """The step's metrics: groups that took part, quorums so far, the last recovery's and this step's quorum
         seconds, group batches committed (the data position), steps not committed so far, the wall clock."""
-        if self.local_sgd is not None:
+        if self.semi_sync is not None:
             self.participants = self.manager.num_participants()  # of the last averaging
         return {
             "participants": self.participants,
@@ -431,7 +430,7 @@ class ReplicaGroups:
         from titanlike.data import loader_position
 
         step = self.train_state.step
-        if self.local_sgd is not None:  # torchft counts the synchronizations
+        if self.semi_sync is not None:  # torchft counts the synchronizations
             ft = self.cfg.fault_tolerance
             if ft.semi_sync_method == "diloco" and step % ft.sync_steps:
                 raise ConfigError(
@@ -440,9 +439,9 @@ class ReplicaGroups:
                     f"set checkpoint.load_step to one"
                 )
             self.manager.load_state_dict({"step": step // ft.sync_steps, "batches_committed": 0})
-            self.local_sgd._local_step = step % ft.sync_steps
+            self.semi_sync._local_step = step % ft.sync_steps
             if ft.semi_sync_method == "diloco":
-                self.local_sgd._save_parameters()  # the outer (global) weights: the loaded ones
+                self.semi_sync._save_parameters()  # the outer (global) weights: the loaded ones
             return
         self.manager.load_state_dict(
             {"step": step, "batches_committed": loader_position(self.dataloader) // self.global_batch}
