@@ -290,6 +290,30 @@ class Profiling:
 
 
 @dataclass
+class FaultTolerance:
+    # Replica groups with torchft (docs/fault_tolerance.md): each group is its own torchrun job with the same layout
+    # inside; gradients are summed across the groups that take part in a step; a group that dies leaves and rejoins
+    # from a healthy group's live state. Needs the optional extra: pip install 'titanlike[ft]'.
+    # fault-tolerant replica groups through torchft's manager and lighthouse (pip install 'titanlike[ft]')
+    enable: bool = False
+    process_group: Literal["gloo", "nccl"] = "gloo"  # the process group across the groups: gloo | nccl (CUDA)
+    process_group_timeout_ms: int = 10000  # a collective across the groups that takes longer fails the step
+    replica_id: int = 0  # this group's id, 0 .. group_size - 1
+    group_size: int = 0  # the number of replica groups of the job (the most that take part in one step)
+    min_replica_size: int = 1  # a step commits only when at least this many groups took part
+    # the lighthouse's address, http://host:port ("": the TORCHFT_LIGHTHOUSE environment variable)
+    lighthouse: str = ""
+    connect_timeout_seconds: int = 10  # limit of reaching the lighthouse (at start) and the other groups' managers
+    # limit of a quorum (who takes part in a step), of waiting for min_replica_size groups or all at the start
+    quorum_timeout_seconds: int = 60
+    # none (gradients summed every step) | local_sgd (weights averaged every sync_steps) | diloco (outer SGD step)
+    semi_sync_method: Literal["none", "local_sgd", "diloco"] = "none"
+    sync_steps: int = 5  # local_sgd / diloco: steps between two synchronizations of the groups
+    outer_lr: float = 0.7  # diloco: the outer optimizer's learning rate (SGD, Nesterov momentum, as torchtitan)
+    outer_momentum: float = 0.9  # diloco: the outer optimizer's momentum
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -307,6 +331,7 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     comm: Comm = field(default_factory=Comm)
     profiling: Profiling = field(default_factory=Profiling)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -370,6 +395,15 @@ MINIMUM = {
     "profiling.profile_freq": 1,
     "profiling.profile_warmup": 0,
     "profiling.profile_active": 1,
+    "fault_tolerance.process_group_timeout_ms": 1,
+    "fault_tolerance.replica_id": 0,
+    "fault_tolerance.group_size": 0,
+    "fault_tolerance.min_replica_size": 1,
+    "fault_tolerance.connect_timeout_seconds": 1,
+    "fault_tolerance.quorum_timeout_seconds": 1,
+    "fault_tolerance.sync_steps": 1,
+    "fault_tolerance.outer_lr": 0.0,
+    "fault_tolerance.outer_momentum": 0.0,
 }
 MAXIMUM = {
     "lr_scheduler.decay_ratio": 1.0,

@@ -56,6 +56,7 @@ class StepResult:
     skipped: bool  # True when loss or grad norm was not finite and the update was skipped
     moe: dict | None = None  # a model with MoE blocks: the aux loss per layer and the global expert loads
     mtp: list[float] | None = None  # a model with MTP depths: each depth's loss over the global batch's tokens
+    committed: bool = True  # replica groups (fault_tolerance): False when the step failed and nothing was updated
 
 
 def forward_backward(
@@ -68,6 +69,7 @@ def forward_backward(
     pp_group=None,
     has_last_stage: bool = True,
     forward_ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    replicas=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run forward and backward over this rank's micro-batches; return (global mean loss, global token count).
 
@@ -75,8 +77,12 @@ def forward_backward(
     ``pp_schedule.step`` splits each micro-batch into the schedule's microbatches; only the last stage sees
     labels and losses. A micro-batch ``(inputs, labels, document_starts)`` runs the block-causal mask
     (:func:`model_kwargs`). ``forward_ctx`` (e.g. bf16 autocast) wraps the forward and loss, not the backward.
+    ``replicas`` (fault-tolerant replica groups, ``titanlike.training.fault_tolerance``): the token count is summed
+    over the groups that take part in the step.
     """
     tokens = count_tokens(micro_batches, dp_group)
+    if replicas is not None:
+        tokens = replicas.sum_tokens(tokens)
     loss.denominator = tokens
     device = micro_batches[0][0].device
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -118,6 +124,7 @@ def train_step(
     has_last_stage: bool = True,
     forward_ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     moe=None,
+    replicas=None,
 ) -> StepResult:
     """zero_grad -> forward/backward -> global grad norm (clip) -> finite check -> optimizer step.
 
@@ -132,6 +139,10 @@ def train_step(
     ``clip_fn(parameters, max_norm) -> total_norm`` must return the norm over every parameter of the model on
     every rank (the parallel layer supplies one that reduces across DTensor meshes and pipeline stages). A
     non-finite loss or norm, identical on every rank by construction, skips the update on every rank.
+
+    ``replicas`` (``titanlike.training.fault_tolerance.ReplicaGroups``): the token count, the gradients and the loss
+    are summed over the replica groups of the step before the norm, and the update waits for every group to commit
+    (a failed step updates nothing, not even the LR schedule: ``StepResult.committed`` is False).
     """
     if not isinstance(loss, ScaledLoss):
         raise TypeError(
@@ -154,8 +165,11 @@ def train_step(
         pp_group=pp_group,
         has_last_stage=has_last_stage,
         forward_ctx=forward_ctx,
+        replicas=replicas,
     )
     mtp = _mtp_losses(loss, total.device, dp_group, pp_group)
+    if replicas is not None:
+        total = replicas.sum_gradients(total)
     params = [p for m in model_parts for p in m.parameters()]
     norm = clip_fn(params, max_norm)
     # One device-to-host copy for all the numbers (one host sync per step, not two).
@@ -163,6 +177,8 @@ def train_step(
         [torch.stack([total, torch.as_tensor(norm, dtype=torch.float64, device=total.device)]), mtp]
     ).tolist()
     finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+    if replicas is not None and not replicas.should_commit():
+        return StepResult(loss=loss_value, grad_norm=norm_value, tokens=int(tokens), skipped=True, committed=False)
     if finite:
         optimizer.step()
     if lr_scheduler is not None and finite:

@@ -210,6 +210,7 @@ class Trainer:
             except Float8UnavailableError as e:
                 raise ConfigError(str(e)) from None
         self._check_host_memory()
+        self._check_fault_tolerance()
         dump = Path(cfg.job.dump_folder)
         if dump.exists() and not dump.is_dir():
             raise ConfigError(f"job.dump_folder: '{dump}' is a file, not a folder; choose another job.dump_folder")
@@ -232,9 +233,38 @@ class Trainer:
             self._build()
             if self.distributed:
                 fault.bound_process_groups(self.timeout)  # the default, mesh, pipeline and checkpoint groups
+            self.replicas = self._replica_groups()
         except BaseException:
             self.release_lock()
             raise
+
+    def _check_fault_tolerance(self) -> None:
+        """[fault_tolerance]: every problem of the section in one line, torchft installed, the lighthouse reachable
+        (titanlike/training/fault_tolerance.py)."""
+        from titanlike.training import fault_tolerance
+
+        problems = fault_tolerance.config_problems(self.cfg)
+        if problems:
+            raise ConfigError("; ".join(problems))
+        if self.cfg.fault_tolerance.enable:
+            fault_tolerance.check_runtime(self.cfg)
+
+    def _replica_groups(self):
+        """This group's torchft manager (fault_tolerance.enable), else None."""
+        if not self.cfg.fault_tolerance.enable:
+            return None
+        from titanlike.training.fault_tolerance import ReplicaGroups
+
+        return ReplicaGroups(
+            self.cfg,
+            model_parts=self.model_parts,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            train_state=self.train_state,
+            dataloader=self.dataloader,
+            global_batch=self.global_batch,
+            rank=self.rank,
+        )
 
     def _lock_run_folders(self):
         """Rank 0 locks job.dump_folder (and checkpoint.folder when it writes checkpoints) before anything is
@@ -553,6 +583,8 @@ class Trainer:
             if self.checkpointer.maybe_create_seed_checkpoint():
                 return []
             self.checkpointer.load()
+        if self.replicas is not None:
+            self.replicas.load_checkpointed_position()
         logger = MetricsLogger(
             cfg.job.dump_folder,
             enabled=self.rank == 0,
@@ -577,8 +609,17 @@ class Trainer:
             maybe_profile(cfg, self.rank, cfg.job.dump_folder, global_step=self.step) as profiler,
         ):
             while self.step < cfg.training.steps:
+                if self.replicas is not None:  # the quorum (a group behind heals to the others' step), the data
+                    data_iter = self.replicas.begin_step(self.step)
+                    if self.step >= cfg.training.steps:
+                        break
                 self.step += 1
                 res, signum = self._run_step(data_iter, exit_signals)
+                if not res.committed:  # a replica group failed in the step: redone with the groups that are left
+                    self.step -= 1
+                    if signum:
+                        self._stop_on_exit_signal(signum, exit_signals, losses)
+                    continue
                 rate.throughput.add(res.tokens)
                 self.tokens_seen += res.tokens
                 losses.append(res.loss)
@@ -666,6 +707,7 @@ class Trainer:
                 has_last_stage=self.has_last_stage,
                 forward_ctx=self.forward_context,
                 moe=self.moe,
+                replicas=self.replicas,
             )
             signum = self._end_of_step(res, exit_signals)
             if self.float8_precompute:
@@ -736,6 +778,7 @@ class Trainer:
                 **data_metrics(seen),
                 **moe_metrics,
                 **mtp_metrics,
+                **(self.replicas.metrics() if self.replicas is not None else {}),
             },
             console=line,
         )
@@ -873,6 +916,8 @@ class Trainer:
 
     def close(self) -> None:
         self.release_lock()
+        if getattr(self, "replicas", None) is not None:
+            self.replicas.shutdown()
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
