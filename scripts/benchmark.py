@@ -238,8 +238,12 @@ def run_plain(a, args, batches, device: torch.device) -> tuple[float, float, flo
         inputs, labels = batch
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = model(inputs)
+            out = model(inputs)
+        logits, *depths = out if isinstance(out, tuple) else (out,)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        for k, d in enumerate(depths, 1):  # MTP depths (deepseek_v3): the labels k further, weight 0.3 / D
+            mtp = F.cross_entropy(d[:, :-k].flatten(0, 1).float(), labels[:, k:].flatten())
+            loss = loss + 0.3 / len(depths) * mtp
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

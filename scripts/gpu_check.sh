@@ -24,9 +24,19 @@
 #   muon_step        scripts/muon_bench.py: the 1B model's optimizer step, Muon (bf16 Newton-Schulz) vs AdamW, one GPU
 #                    (dry mode: 2 gloo ranks, tiny, with the naive every-rank Muon beside it)
 #   mask_bench       scripts/mask_bench.py: attention fwd+bwd, block_causal (FlexAttention block mask, compiled) vs
-#                    causal on the same batch, and the shipped corpus's skipped share ($OUT/mask_bench/mask.json; "mask")
+#                    causal on the same batch, a 128-token sliding window with and without sinks (FlexAttention's
+#                    window block mask, sinks from its log-sum-exp: the CUDA path CPU CI runs forward only), and the
+#                    shipped corpus's skipped share ($OUT/mask_bench/mask.json; "mask")
+#   train_gpt_oss    python train.py --model.name gpt_oss --model.flavor debugmodel, block_causal, 10 steps (window 32,
+#                    sinks, compiled blocks: flex's window + documents block mask and the sinks' backward on a GPU)
+#   deepseek_v3      benchmark.py --model deepseek_v3 (debugmodel: MLA, DeepSeek MoE, one MTP depth), titanlike vs
+#                    plain on CUDA: the MLA path (v head dim != q/k head dim) through SDPA and the grouped experts
+#                    ($OUT/deepseek_v3/deepseek_v3.json; "deepseek_v3" in summary.json)
+#   linear_bench     scripts/linear_attention_bench.py: Gated DeltaNet fwd+bwd, chunked vs recurrent (vs the
+#                    flash-linear-attention kernel when installed), Qwen3-Next's cp bytes per layer kind, the scan on 2
+#                    gloo ranks ($OUT/linear_bench/linear.json; "linear" in summary.json)
 # Writes $OUT/<row>.json (benchmark.py --json), $OUT/<row>.log, $OUT/train_1b/metrics.jsonl, $OUT/moe_bench/moe_bench.json,
-# $OUT/muon_step/muon.json, $OUT/mask_bench/mask.json, $OUT/env.json and $OUT/summary.json (every row's tokens/s, MFU,
+# $OUT/muon_step/muon.json, $OUT/mask_bench/mask.json, $OUT/linear_bench/linear.json, $OUT/env.json and $OUT/summary.json (every row's tokens/s, MFU,
 # memory and ratio to plain, the MoE ratio, Muon's step seconds against AdamW's, the mask ratio, and each step's exit
 # code).
 set -u
@@ -83,9 +93,14 @@ if [ "$DEVICE" = cuda ]; then
   MOE=(--device cuda --float8)
   MUON=(--world 1 --device cuda --flavor 1B --dim 0 --layers 0 --ns-dtype bfloat16 --steps 5); T_MUON=90
   MASK=(--device cuda)
+  DS=(--model deepseek_v3 --flavor debugmodel --seq-len 2048 --batch 8 --steps 10 --warmup 3 --compile --device cuda)
+  LINEAR=(--device cuda --seq 4096 --steps 2 --warmup 1)
   TRAIN=(--job.config_file configs/llama3_1b.toml --training.steps 30 --training.local_batch_size 4
          --training.global_batch_size 4 --training.seq_len 2048 --compile.enable true --metrics.log_freq 10
          --validation.enable false --checkpoint.enable false --metrics.enable_tensorboard false)
+  GPT_OSS=(--job.config_file configs/debug_model.toml --model.name gpt_oss --model.flavor debugmodel
+           --model.attn_mask_type block_causal --training.steps 10 --training.dtype bfloat16 --compile.enable true
+           --metrics.log_freq 1 --validation.enable false --checkpoint.enable false --metrics.enable_tensorboard false)
 else
   COMMON=(--flavor tiny --seq-len 32 --steps 2 --warmup 1 --loss-chunk 16 --device cpu)
   F8=(--float8-emulate)
@@ -93,9 +108,15 @@ else
   MOE=(--device cpu --tokens 64 --dim 16 --hidden 32 --experts 4 --steps 1 --warmup 0)
   MUON=(--world 2 --device cpu --flavor tiny --dim 0 --layers 0 --steps 1); T_MUON=300
   MASK=(--device cpu --seq-len 256 --batch 1 --heads 2 --head-dim 16 --doc-len 64 --steps 1 --warmup 0)
+  DS=(--model deepseek_v3 --flavor debugmodel --seq-len 32 --batch 2 --steps 2 --warmup 1 --device cpu)
+  LINEAR=(--device cpu --seq 48 --heads 2 --dk 8 --dv 8 --chunk 16 --steps 1 --warmup 0 --scan-reps 2)
   TRAIN=(--job.config_file configs/debug_model.toml --training.steps 3 --training.seq_len 32 --training.device cpu
          --training.local_batch_size 2 --metrics.log_freq 1 --validation.enable false
          --metrics.enable_tensorboard false)
+  GPT_OSS=(--job.config_file configs/debug_model.toml --model.name gpt_oss --model.flavor debugmodel
+           --model.attn_mask_type block_causal --training.steps 2 --training.seq_len 64 --training.device cpu
+           --training.local_batch_size 2 --metrics.log_freq 1 --validation.enable false
+           --metrics.enable_tensorboard false)
 fi
 
 declare -A RC
@@ -121,6 +142,11 @@ run moe_bench "$T_ROW" python scripts/moe_bench.py "${MOE[@]}" --json "$OUT/moe_
 mkdir -p "$OUT/muon_step"
 run muon_step "$T_MUON" python scripts/muon_bench.py "${MUON[@]}" --json "$OUT/muon_step/muon.json"
 run mask_bench "$T_ROW" python scripts/mask_bench.py "${MASK[@]}" --json "$OUT/mask_bench/mask.json"
+run train_gpt_oss "$T_ROW" python train.py "${GPT_OSS[@]}" --job.dump_folder "$OUT/train_gpt_oss"
+mkdir -p "$OUT/deepseek_v3"
+run deepseek_v3 "$T_ROW" python scripts/benchmark.py "${DS[@]}" --json "$OUT/deepseek_v3/deepseek_v3.json"
+mkdir -p "$OUT/linear_bench"
+run linear_bench "$T_ROW" python scripts/linear_attention_bench.py "${LINEAR[@]}" --json "$OUT/linear_bench/linear.json"
 
 rcs=""; for k in "${!RC[@]}"; do rcs="$rcs$k=${RC[$k]} "; done
 python - "$OUT" "$rcs" <<'EOF'
@@ -147,18 +173,24 @@ for f in sorted(out.glob("*.json")):
                      "fsdp": d["args"]["fsdp"], "ac": d["args"]["ac"], "tokens_per_s": r["tokens_per_s"],
                      "mfu": r["mfu"], "peak_mem_gib": r["peak_mem_gib"], "loss": r["loss"],
                      "plain_tokens_per_s": base, "ratio_to_plain": r["tokens_per_s"] / base if base else None})
-train = []
-m = out / "train_1b" / "metrics.jsonl"
-if m.exists():
-    train = [json.loads(line) for line in m.read_text().splitlines() if line.strip()]
+def metrics(run):
+    m = out / run / "metrics.jsonl"
+    return [json.loads(line) for line in m.read_text().splitlines() if line.strip()] if m.exists() else []
+train, gpt_oss = metrics("train_1b"), metrics("train_gpt_oss")
 moe = out / "moe_bench" / "moe_bench.json"
 muon = out / "muon_step" / "muon.json"
 muon = json.loads(muon.read_text()) if muon.exists() else None
 mask = out / "mask_bench" / "mask.json"
 mask = json.loads(mask.read_text()) if mask.exists() else None
+ds = out / "deepseek_v3" / "deepseek_v3.json"
+ds = json.loads(ds.read_text()) if ds.exists() else None
+linear = out / "linear_bench" / "linear.json"
+linear = json.loads(linear.read_text()) if linear.exists() else None
 summary = {"env": json.loads((out / "env.json").read_text()), "exit_codes": rcs, "rows": rows,
            "plain_tokens_per_s_by_batch": plain, "train_1b": [r for r in train if "loss" in r],
-           "moe": json.loads(moe.read_text()) if moe.exists() else None, "muon_step": muon, "mask": mask}
+           "moe": json.loads(moe.read_text()) if moe.exists() else None, "muon_step": muon, "mask": mask,
+           "train_gpt_oss": [r for r in gpt_oss if "loss" in r],
+           "deepseek_v3": ds, "linear": linear}
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
 print(f"{'row':<16} {'batch':>5} {'tokens/s':>10} {'MFU':>6} {'mem GiB':>8} {'x plain':>8}")
 for r in rows:
@@ -181,6 +213,13 @@ if muon:
 if mask:
     print(f"mask_bench: block_causal / causal {mask['ratio_block_causal_over_causal']:.3f} ({mask['backend']}),",
           f"corpus FLOPs skipped {mask['corpus']['flops_skipped']:.4%}" if mask["corpus"] else "")
+    print(f"mask_bench: window / causal {mask['ratio_window_over_causal']:.3f} (keeps "
+          f"{mask['window_pair_fraction']:.4f} of the pairs), with sinks {mask['ratio_window_sinks_over_causal']:.3f}")
+if summary["train_gpt_oss"]:
+    print("train_gpt_oss: losses", [round(r["loss"], 4) for r in summary["train_gpt_oss"]])
+if linear:
+    print("linear_bench: tokens/s", {k: round(v["tokens_per_s"]) for k, v in linear["forms"]["rows"].items()},
+          "max diff vs recurrent", linear["forms"]["max_output_diff_vs_recurrent"])
 print("exit codes:", rcs)
 EOF
 echo "== gpu_check done in $((SECONDS - START))s; results in $OUT"

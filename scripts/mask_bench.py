@@ -10,7 +10,12 @@ Both rows run the shared attention seam (``titanlike.models.decoder.AttentionCor
 
 * ``causal``: no mask (SDPA's causal kernel);
 * ``block_causal``: the ``DocumentMask`` of the batch (built every step, as every forward does: its time counts),
-  documents of the shipped corpus's kind cut at ``--doc-len`` tokens on average (exponential lengths, seeded).
+  documents of the shipped corpus's kind cut at ``--doc-len`` tokens on average (exponential lengths, seeded);
+* ``window``: a sliding window of ``--window`` positions (gpt-oss: 128), causal otherwise
+  (``AttentionCore(window=...)`` with the forward's causal ``DocumentMask``; the row's kept share of the causal pairs
+  printed beside it: the fraction of the scores a block-sparse kernel computes);
+* ``window_sinks``: the same with a learned sink per head (CPU: the exact explicit softmax; CUDA: FlexAttention's
+  log-sum-exp).
 
 The rows alternate step by step (``--steps`` timed of each after ``--warmup``), so drifting load on a shared machine
 hits both alike. Printed: ms per step of each row, the ratio block_causal / causal, the batch's kept share of the
@@ -49,6 +54,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--kv-heads", type=int, default=None)
     ap.add_argument("--head-dim", type=int, default=None)
     ap.add_argument("--doc-len", type=float, default=512.0, help="mean document length of the timed batch")
+    ap.add_argument("--window", type=int, default=128, help="the sliding window of the window rows")
     ap.add_argument("--block", type=int, default=128, help="FlexAttention's tile for the block fraction")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
@@ -97,35 +103,45 @@ def main(argv=None) -> dict:
     shapes = [(a.batch, a.seq_len, n, a.head_dim) for n in (a.heads, a.kv_heads, a.kv_heads)]
     q, k, v = (torch.randn(*s, generator=g).to(dev, dtype).requires_grad_() for s in shapes)
     starts = document_starts(packed_tokens(a.batch, a.seq_len, a.doc_len, a.seed), 0).to(dev)
-    core = AttentionCore()
+    cores = {"window": AttentionCore(window=a.window), "window_sinks": AttentionCore(window=a.window, sinks=True)}
+    sinks = torch.zeros(a.heads, device=dev, dtype=dtype).requires_grad_()
     positions = torch.arange(a.seq_len, device=dev)
 
-    def step(masked: bool) -> float:
+    def step(name: str) -> float:
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        mask = DocumentMask(starts, positions) if masked else None
-        out = core(q, k, v, mask)
+        if name in cores:
+            mask = DocumentMask.causal(a.batch, positions, (a.window,))
+            out = cores[name](q, k, v, mask, sinks=sinks if name == "window_sinks" else None)
+        else:
+            out = AttentionCore()(q, k, v, DocumentMask(starts, positions) if name == "block_causal" else None)
         out.float().square().mean().backward()
         if dev.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    times: dict[str, list[float]] = {"causal": [], "block_causal": []}
+    times: dict[str, list[float]] = {"causal": [], "block_causal": [], "window": [], "window_sinks": []}
     for i in range(a.warmup + a.steps):
         for name in times:
-            t = step(name == "block_causal")
+            t = step(name)
             if i >= a.warmup:
                 times[name].append(t)
     ms = {name: 1e3 * sum(t) / len(t) for name, t in times.items()}
     dense = DocumentMask(starts.cpu(), positions.cpu(), backend="sdpa").dense(0, a.seq_len, a.seq_len)
-    pairs = dense.sum().item() / (a.batch * a.seq_len * (a.seq_len + 1) / 2)
+    causal_pairs = a.batch * a.seq_len * (a.seq_len + 1) / 2
+    pairs = dense.sum().item() / causal_pairs
+    windowed = DocumentMask.causal(1, positions.cpu(), backend="sdpa").dense(0, a.seq_len, a.seq_len, a.window)
+    window_pairs = a.batch * windowed.sum().item() / causal_pairs
     result = {
         "args": vars(a),
         "backend": attention_backend(dev),
         "ms_per_step": ms,
         "ratio_block_causal_over_causal": ms["block_causal"] / ms["causal"],
         "batch_pair_fraction": pairs,
+        "ratio_window_over_causal": ms["window"] / ms["causal"],
+        "ratio_window_sinks_over_causal": ms["window_sinks"] / ms["causal"],
+        "window_pair_fraction": window_pairs,
         "corpus": None,
     }
     print(f"attention fwd+bwd, {a.batch} x {a.seq_len} tokens, {a.heads}/{a.kv_heads} heads of {a.head_dim}, {a.dtype}")
@@ -133,6 +149,9 @@ def main(argv=None) -> dict:
     print(f"  block_causal  {ms['block_causal']:9.2f} ms/step ({result['backend']}; the batch keeps {pairs:.4f} of")
     print(f"                the causal pairs, mean document {a.doc_len:.0f} tokens)")
     print(f"  ratio block_causal / causal: {result['ratio_block_causal_over_causal']:.3f}")
+    print(f"  window {a.window:<6d}  {ms['window']:9.2f} ms/step (keeps {window_pairs:.4f} of the causal pairs); ratio")
+    print(f"                {result['ratio_window_over_causal']:.3f}; with sinks {ms['window_sinks']:9.2f} ms/step")
+    print(f"                (ratio {result['ratio_window_sinks_over_causal']:.3f})")
     if not a.no_corpus:
         st = corpus_stats(a.seq_len, a.block)
         result["corpus"] = {**vars(st), "flops_skipped": 1 - st.pair_fraction}

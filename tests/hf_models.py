@@ -35,6 +35,20 @@ HF_CONFIGS = {
     ),
     # q/k/v biases, tied embeddings
     "hf_qwen2_tied": dict(_BASE, model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
+    # sliding-window attention (window 5 of the gates' 16 positions): Mistral's on every layer, Qwen2's
+    # use_sliding_window on the layers from max_window_layers on (layer 0 full, layer 1 sliding)
+    "hf_mistral_window": dict(
+        _BASE, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=5, tie_word_embeddings=False
+    ),
+    "hf_qwen2_window": dict(
+        _BASE,
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        use_sliding_window=True,
+        sliding_window=5,
+        max_window_layers=1,
+        tie_word_embeddings=False,
+    ),
 }
 
 

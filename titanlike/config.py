@@ -86,6 +86,12 @@ class Model:
     rope_original_max_seq_len: int = _override(0)  # llama3 scaling: the pre-training context length (0: the flavor's)
     num_experts: int = _override(0)  # routed experts per MoE block (0: the flavor's; models with experts)
     top_k: int = _override(0)  # experts per token (0: the flavor's; models with experts)
+    # the window of a model's sliding-window layers, in positions, the query included (0: the flavor's; gpt_oss)
+    sliding_window: int = _override(0)
+    attention_sinks: bool | None = _override(None)  # a learned sink logit per head (None: the flavor's; gpt_oss)
+    # multi-token prediction depths (-1: the flavor's; 0: off; models with MTP: deepseek_v3); the depths' losses
+    # weighted by training.mtp_loss_weight
+    mtp_layers: int = _override(-1)
     # model.name = "hf": a folder holding a transformers config.json (weights optional): that model, built by
     # transformers (docs/transformers.md)
     hf_config: str = _override("")
@@ -104,6 +110,9 @@ class Training:
     max_norm: float = 1.0  # gradient clipping by global norm; <= 0 disables clipping
     max_nonfinite_steps: int = 3  # the run stops at the N-th skipped step (non-finite loss or grad norm)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto | cpu | cuda
+    # the multi-token-prediction losses' weight (DeepSeek-V3's lambda: 0.3, then 0.1), their mean over the depths
+    # added to the next-token loss (a model with model.mtp_layers > 0; the logged loss stays the next-token one)
+    mtp_loss_weight: float = 0.3
 
 
 @dataclass
@@ -196,6 +205,11 @@ class Metrics:
     disable_color_printing: bool = False  # plain console lines (colors are used only on a terminal anyway)
     save_tb_folder: str = "tb"  # tensorboard folder under job.dump_folder
     enable_jsonl: bool = True  # write metrics.jsonl under job.dump_folder
+    # log every metric and the config to Weights & Biases (the [wandb] extra; WANDB_MODE=offline: no network)
+    enable_wandb: bool = False
+    wandb_project: str = ""  # "": $WANDB_PROJECT, else "titanlike"
+    wandb_entity: str = ""  # the team or user ("": your default)
+    wandb_run_name: str = ""  # "": job.description, else the dump folder's name
     peak_tflops: float = 0.0  # override the peak table (dense bf16 TFLOP/s of one device)
 
 
@@ -212,6 +226,17 @@ class Data:
     val_fraction: float = 0.05  # the held-out tail used for validation
     shuffle: bool = True  # shuffle the packed windows (seeded)
     num_workers: int = 0  # loader worker processes per rank
+
+
+@dataclass
+class Eval:
+    # run lm-evaluation-harness tasks during training, on the training layout (the [eval] extra)
+    enable: bool = False
+    freq: int = 1000  # steps between evaluations (and at the last step)
+    tasks: list[str] = field(default_factory=list)  # task names: the shipped ones (shakespeare_next_line), include's
+    include: list[str] = field(default_factory=list)  # folders of lm-eval task YAMLs whose data_files are local
+    limit: int = 0  # documents per task (0: all)
+    batch_size: int = 8  # sequences per forward
 
 
 @dataclass
@@ -265,6 +290,30 @@ class Profiling:
 
 
 @dataclass
+class FaultTolerance:
+    # Replica groups with torchft (docs/fault_tolerance.md): each group is its own torchrun job with the same layout
+    # inside; gradients are summed across the groups that take part in a step; a group that dies leaves and rejoins
+    # from a healthy group's live state. Needs the optional extra: pip install 'titanlike[ft]'.
+    # fault-tolerant replica groups through torchft's manager and lighthouse (pip install 'titanlike[ft]')
+    enable: bool = False
+    process_group: Literal["gloo", "nccl"] = "gloo"  # the process group across the groups: gloo | nccl (CUDA)
+    process_group_timeout_ms: int = 10000  # a collective across the groups that takes longer fails the step
+    replica_id: int = 0  # this group's id, 0 .. group_size - 1
+    group_size: int = 0  # the number of replica groups of the job (the most that take part in one step)
+    min_replica_size: int = 1  # a step commits only when at least this many groups took part
+    # the lighthouse's address, http://host:port ("": the TORCHFT_LIGHTHOUSE environment variable)
+    lighthouse: str = ""
+    connect_timeout_seconds: int = 10  # limit of reaching the lighthouse (at start) and the other groups' managers
+    # limit of a quorum (who takes part in a step), of waiting for min_replica_size groups or all at the start
+    quorum_timeout_seconds: int = 60
+    # none (gradients summed every step) | local_sgd (weights averaged every sync_steps) | diloco (outer SGD step)
+    semi_sync_method: Literal["none", "local_sgd", "diloco"] = "none"
+    sync_steps: int = 5  # local_sgd / diloco: steps between two synchronizations of the groups
+    outer_lr: float = 0.7  # diloco: the outer optimizer's learning rate (SGD, Nesterov momentum, as torchtitan)
+    outer_momentum: float = 0.9  # diloco: the outer optimizer's momentum
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -276,11 +325,13 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     data: Data = field(default_factory=Data)
     validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
     comm: Comm = field(default_factory=Comm)
     profiling: Profiling = field(default_factory=Profiling)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -318,6 +369,7 @@ MINIMUM = {
     "model.rope_original_max_seq_len": 0,
     "model.num_experts": 0,
     "model.top_k": 0,
+    "model.sliding_window": 0,
     "parallelism.data_parallel_replicate_degree": 1,
     "parallelism.tensor_parallel_degree": 1,
     "parallelism.context_parallel_degree": 1,
@@ -332,6 +384,9 @@ MINIMUM = {
     "checkpoint.keep_latest_k": 0,
     "metrics.log_freq": 1,
     "validation.freq": 1,
+    "eval.freq": 1,
+    "eval.limit": 0,
+    "eval.batch_size": 1,
     "validation.steps": -1,
     "data.num_workers": 0,
     "comm.timeout_seconds": 1,
@@ -340,6 +395,15 @@ MINIMUM = {
     "profiling.profile_freq": 1,
     "profiling.profile_warmup": 0,
     "profiling.profile_active": 1,
+    "fault_tolerance.process_group_timeout_ms": 1,
+    "fault_tolerance.replica_id": 0,
+    "fault_tolerance.group_size": 0,
+    "fault_tolerance.min_replica_size": 1,
+    "fault_tolerance.connect_timeout_seconds": 1,
+    "fault_tolerance.quorum_timeout_seconds": 1,
+    "fault_tolerance.sync_steps": 1,
+    "fault_tolerance.outer_lr": 0.0,
+    "fault_tolerance.outer_momentum": 0.0,
 }
 MAXIMUM = {
     "lr_scheduler.decay_ratio": 1.0,

@@ -39,6 +39,7 @@ from torch import nn
 
 __all__ = [
     "Init",
+    "log_uniform",
     "normal",
     "trunc_normal",
     "zeros",
@@ -63,7 +64,7 @@ class InitPlanError(ValueError):
 
 @dataclass(frozen=True)
 class Init:
-    kind: str  # normal | trunc_normal | zeros | ones | constant
+    kind: str  # normal | trunc_normal | zeros | ones | constant | log_uniform (log of uniform on [a, b])
     std: float = 1.0
     mean: float = 0.0
     a: float = -2.0  # trunc_normal bounds (absolute values, as nn.init.trunc_normal_)
@@ -72,7 +73,7 @@ class Init:
     key: str | None = None  # the FQN whose values these are (a tied copy names its owner); None: the parameter's own
 
     def __post_init__(self):
-        if self.kind not in ("normal", "trunc_normal", "zeros", "ones", "constant"):
+        if self.kind not in ("normal", "trunc_normal", "zeros", "ones", "constant", "log_uniform"):
             raise ValueError(f"Init: unknown kind '{self.kind}'")
 
     def tied_to(self, key: str) -> Init:
@@ -85,6 +86,11 @@ def normal(std: float, mean: float = 0.0) -> Init:
 
 def trunc_normal(std: float, a: float = -2.0, b: float = 2.0, mean: float = 0.0) -> Init:
     return Init("trunc_normal", std=std, mean=mean, a=a, b=b)
+
+
+def log_uniform(low: float, high: float) -> Init:
+    """``log(u)``, ``u`` uniform on ``[low, high]`` (Mamba's and Gated DeltaNet's ``A_log``)."""
+    return Init("log_uniform", a=low, b=high)
 
 
 def zeros() -> Init:
@@ -126,6 +132,8 @@ def _tile(init: Init, seed: int, key: str, shape: Sequence[int], coords: Sequenc
     if init.kind == "normal":
         # float32 draws (6x faster than float64 ones on the CPU), scaled in float64
         return torch.randn(size, generator=g, dtype=torch.float32).to(torch.float64).mul_(init.std).add_(init.mean)
+    if init.kind == "log_uniform":
+        return torch.rand(size, generator=g, dtype=torch.float64).mul_(init.b - init.a).add_(init.a).log_()
     # trunc_normal: nn.init.trunc_normal_'s method (uniform on [2l-1, 2u-1], erfinv), tile by tile
     lo, hi = _normal_cdf((init.a - init.mean) / init.std), _normal_cdf((init.b - init.mean) / init.std)
     t = torch.rand(size, generator=g, dtype=torch.float64).mul_(2 * hi - 2 * lo).add_(2 * lo - 1)

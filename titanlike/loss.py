@@ -17,6 +17,7 @@ peaks: docs/performance.md, "Memory-lean loss").
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -29,8 +30,10 @@ __all__ = [
     "compute_dtype",
     "cross_entropy_loss",
     "flatten_tokens",
+    "recording_paused",
     "reduce_loss",
     "row_chunks",
+    "shift_labels",
 ]
 
 IGNORE_INDEX = -100
@@ -39,14 +42,62 @@ REDUCTIONS = ("sum", "mean")
 
 class ScaledLoss:
     """``loss_fn(output, labels) / denominator``; the denominator is set once per step (pipeline schedules hold
-    on to the callable, so it is an object rather than a closure over a step-local value)."""
+    on to the callable, so it is an object rather than a closure over a step-local value).
 
-    def __init__(self, loss_fn: Callable[[Tensor, Tensor], Tensor]):
+    **Multi-token prediction**: an ``output`` that is a tuple ``(logits, depth-1 logits, ..., depth-D logits)`` (a
+    model with MTP depths in training mode: DeepSeek-V3) adds ``mtp_weight / D`` times each depth's loss, depth k
+    against the labels shifted left by k (the last k positions ignored), over the same global-token denominator
+    (DeepSeek-V3 eq. 24-25). The value returned stays the next-token loss exactly (``main + (mtp - mtp.detach())``:
+    the depths enter the gradient only), so the logged ``loss`` is the cross entropy; each depth's detached
+    ``loss_fn / denominator`` is added to ``mtp_losses`` (summed over the calls until :meth:`take_mtp_losses`)."""
+
+    def __init__(self, loss_fn: Callable[[Tensor, Tensor], Tensor], mtp_weight: float = 0.0, mtp_depths: int = 0):
         self.loss_fn = loss_fn
         self.denominator: Tensor | float = 1.0
+        self.mtp_weight = mtp_weight
+        self.mtp_depths = mtp_depths  # the model's MTP depths (what a rank that computed no loss reports: zeros)
+        self.mtp_losses: list[Tensor] = []
+        # the labels of MTP depth k (a swap point: context parallelism shifts the whole window's labels)
+        self.shift_labels: Callable[[Tensor, int], Tensor] = shift_labels
 
-    def __call__(self, output: Tensor, labels: Tensor) -> Tensor:
-        return self.loss_fn(output, labels) / self.denominator
+    def __call__(self, output: Tensor | tuple[Tensor, ...], labels: Tensor) -> Tensor:
+        if not isinstance(output, tuple):
+            return self.loss_fn(output, labels) / self.denominator
+        main = self.loss_fn(output[0], labels) / self.denominator
+        depths = [self.loss_fn(o, self.shift_labels(labels, k)) / self.denominator for k, o in enumerate(output[1:], 1)]
+        if not self.mtp_losses:
+            self.mtp_losses = [torch.zeros((), dtype=torch.float64, device=main.device) for _ in depths]
+        if not _RECORDING_PAUSED[0]:
+            for total, d in zip(self.mtp_losses, depths):
+                total += d.detach().to(torch.float64)
+        mtp = sum(depths) * (self.mtp_weight / max(len(depths), 1))
+        return main + (mtp - mtp.detach())
+
+    def take_mtp_losses(self) -> list[Tensor]:
+        """The depth losses summed since the last call (this rank's part), and reset."""
+        out, self.mtp_losses = self.mtp_losses, []
+        return out
+
+
+_RECORDING_PAUSED = [0]
+
+
+@contextlib.contextmanager
+def recording_paused():
+    """Loss calls that are not the step's (a pipeline stage's metadata inference at the first step) leave
+    ``ScaledLoss.mtp_losses`` alone."""
+    _RECORDING_PAUSED[0] += 1
+    try:
+        yield
+    finally:
+        _RECORDING_PAUSED[0] -= 1
+
+
+def shift_labels(labels: Tensor, k: int) -> Tensor:
+    """``labels`` (batch, seq) shifted left by ``k`` along the sequence, the last ``k`` positions ignored: the
+    targets of the MTP depth ``k``."""
+    pad = labels.new_full((*labels.shape[:-1], min(k, labels.shape[-1])), IGNORE_INDEX)
+    return torch.cat([labels[..., k:], pad], dim=-1)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

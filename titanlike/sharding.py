@@ -47,6 +47,8 @@ __all__ = [
     "FusedColwise",
     "Head",
     "HeadNorm",
+    "HeadParams",
+    "Latent",
     "Matrices",
     "Norm",
     "PositionTable",
@@ -214,6 +216,32 @@ class HeadNorm(Entry):
     that holds the heads ((batch, seq, heads, head_dim): 2)."""
 
     heads_dim: int = 2
+
+
+@dataclass(frozen=True)
+class HeadParams(Entry):
+    """A module whose parameters hold one slice per attention head along their dim 0, split over tp with the heads
+    the region's Colwise projections give each rank (``Shard(0)``, as a Colwise weight), running on this rank's heads:
+    its tensor inputs are local shards along ``heads_dim`` (the heads / channels dim: (batch, seq, heads): 2), its
+    outputs local tensors. gpt-oss's attention sinks (``weight`` (heads,), called with no input, returning this
+    rank's heads' values); a linear-attention layer's per-head decay parameters and its short conv's channels."""
+
+    heads_dim: int = 2
+
+    def tp_dim(self, leaf, ndim, *, tp, fsdp):
+        return 0
+
+
+@dataclass(frozen=True)
+class Latent(Entry):
+    """A module inside a ``Region`` that runs on the replicated input for every head, before the heads split (MLA's
+    latent down-projections ``wq_a`` / ``wkv_a`` and their norms): its parameters are replicated over tp, and since
+    each rank's heads use the whole output, their gradient covers only those heads and is summed over tp (a
+    ``Partial`` gradient, as ``HeadNorm``'s). Its input and output stay replicated DTensors, so the column-wise
+    projection after it splits the heads; ``local_output``: hand its output on as this rank's local tensor instead
+    (its gradient a partial sum over tp), for a tensor joined to per-head ones (MLA's shared RoPE key)."""
+
+    local_output: bool = False
 
 
 @dataclass(frozen=True)

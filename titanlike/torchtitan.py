@@ -5,7 +5,7 @@ A torchtitan key is either
 * **shared**: titanlike has the same key with the same meaning (``training.steps``); set as it is;
 * **mapped**: titanlike has the concept under another key or spelling (``comm.train_timeout_seconds`` ->
   ``comm.timeout_seconds``); set there, with a one-line note;
-* **inert**: it does not apply to titanlike (wandb, MoE, torchft, ...) and is accepted only at values that change
+* **inert**: it does not apply to titanlike (some MoE keys, torchft, ...) and is accepted only at values that change
   nothing (its torchtitan default, or "off"), with a note; any other value is refused, saying why;
 * **refused**: titanlike cannot honour it; the message names the titanlike equivalent or why it does not apply.
 
@@ -96,9 +96,7 @@ TORCHTITAN_KEYS: dict[str, Key] = {
     "metrics.save_for_all_ranks": Key(
         INERT, ok=(False,), note="titanlike logs global metrics (all-reduced) from rank 0 only"
     ),
-    "metrics.enable_wandb": Key(
-        INERT, ok=(False,), note="no Weights & Biases: titanlike writes tensorboard and <dump_folder>/metrics.jsonl"
-    ),
+    "metrics.enable_wandb": S(),
     # [model]
     "model.name": S(),
     "model.flavor": S(),
@@ -225,7 +223,9 @@ TORCHTITAN_KEYS: dict[str, Key] = {
     # [checkpoint]
     "checkpoint.enable": S(),
     "checkpoint.enable_ft_dataloader_checkpoints": Key(
-        INERT, ok=(True, False), note="fault tolerance (torchft) is not supported"
+        INERT,
+        ok=(True, False),
+        note="every checkpoint of a fault-tolerant replica group holds its data position (docs/fault_tolerance.md)",
     ),
     "checkpoint.folder": S(),
     "checkpoint.interval": S(),
@@ -349,19 +349,22 @@ TORCHTITAN_KEYS: dict[str, Key] = {
     # [memory_estimation]
     "memory_estimation.enable": Key(INERT, ok=(False,), note="use scripts/plan.py (memory per rank of any layout)"),
     "memory_estimation.disable_fake_mode": Key(INERT, ok=(False,), note="use scripts/plan.py"),
-    # [fault_tolerance]
-    **{
-        f"fault_tolerance.{k}": Key(INERT, ok=ok, note="fault tolerance (torchft) is not supported")
-        for k, ok in (
-            ("enable", (False,)),
-            ("process_group", ("gloo",)),
-            ("process_group_timeout_ms", (10000,)),
-            ("replica_id", (0,)),
-            ("group_size", (0,)),
-            ("min_replica_size", (1,)),
-            ("semi_sync_method", (None,)),
-        )
-    },
+    # [fault_tolerance]: replica groups through torchft (docs/fault_tolerance.md)
+    "fault_tolerance.enable": S(),
+    "fault_tolerance.process_group": S(),
+    "fault_tolerance.process_group_timeout_ms": S(),
+    "fault_tolerance.replica_id": S(),
+    # the same count of groups; their data differs from torchtitan's fixed shard per replica_id: each step's group
+    # batches follow the groups that take part, and training.global_batch_size is one group's batch
+    "fault_tolerance.group_size": S(),
+    "fault_tolerance.min_replica_size": S(),
+    "fault_tolerance.semi_sync_method": Key(
+        MAPPED,
+        "fault_tolerance.semi_sync_method",
+        "fault_tolerance.semi_sync_method (None: 'none'; torchft's LocalSGD and DiLoCo: 'local_sgd', 'diloco')",
+        convert=lambda v: {"fault_tolerance.semi_sync_method": "none" if v is None else v},
+        accept=_only(None, "local_sgd", "diloco", why="use None (synchronous), 'local_sgd' or 'diloco'"),
+    ),
     # [experimental]
     "experimental.custom_import": Key(INERT, ok=("",), note="titanlike has no plugin imports"),
     "experimental.custom_args_module": Key(INERT, ok=("",), note="titanlike's config is one fixed dataclass tree"),

@@ -296,10 +296,13 @@ def test_every_model_adapter_implements_the_protocol_and_hf_names_no_model():
     assert [n for n, ad in adapters.items() if getattr(ad, "ANY_MODEL_TYPE", False)] == ["hf"]
     adapters.pop("hf")
     assert {name: ad.MODEL_TYPE for name, ad in adapters.items()} == {
+        "deepseek_v3": "deepseek_v3",
         "gpt2": "gpt2",
+        "gpt_oss": "gpt_oss",
         "llama3": "llama",
         "qwen3": "qwen3",
         "qwen3_moe": "qwen3_moe",
+        "qwen3_next": "qwen3_next",
     }
     # titanlike/hf/ is model-independent: no registered model's name, model_type or class appears in it.
     words = {w.lower() for ad in adapters.values() for w in (ad.MODEL_TYPE, ad.ARCHITECTURE)} | set(adapters)
@@ -309,7 +312,10 @@ def test_every_model_adapter_implements_the_protocol_and_hf_names_no_model():
     # model_type picks the adapter; none or an unknown one is one line listing those titanlike imports.
     for config, message in (({}, "no model_type"), ({"model_type": "mistral"}, "model_type = 'mistral'")):
         with pytest.raises(
-            hf.HFConfigError, match=message + r" \(titanlike imports 'gpt2', 'llama', 'qwen3', 'qwen3_moe'\)"
+            hf.HFConfigError,
+            match=message
+            + r" \(titanlike imports 'deepseek_v3', 'gpt2', 'gpt_oss', 'llama', 'qwen3', 'qwen3_moe', "
+            + r"'qwen3_next'\)",
         ):
             hf.model_args_from_hf_config(config)
 

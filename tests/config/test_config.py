@@ -93,7 +93,8 @@ def test_value_forms():
         ),
         (
             ["--model.name", "gtp2"],
-            "model.name: unknown model 'gtp2'; registered: gpt2, hf, llama3, qwen3, qwen3_moe (did you mean 'gpt2'?)",
+            "model.name: unknown model 'gtp2'; registered: deepseek_v3, gpt2, gpt_oss, hf, llama3, qwen3, qwen3_moe, "
+            "qwen3_next (did you mean 'gpt2'?)",
         ),
         (["--model.name", "gpt2", "--model.rope_theta", "5e5"], "model.rope_theta: gpt2 has no such setting"),
         (["--model.name", "gpt2", "--model.n_kv_heads", "2"], "model.n_kv_heads: gpt2 has no such setting"),
@@ -143,7 +144,7 @@ def test_model_keys_are_derived_from_the_schema_and_the_args_dataclass():
     assert model_keys_read(tiny, section) == ("dim", "rope_theta")
     read = {k for name in registered() for k in model_keys_read(get_spec(name), section)}
     overrides = {f.name for f in dataclasses.fields(section) if f.metadata}
-    assert read == overrides and len(overrides) == 17  # no [model] override that no model reads
+    assert read == overrides and len(overrides) == 20  # no [model] override that no model reads
     assert model_overrides(section) == {}
     cfg = load_config(["--model.dim", "128", "--model.tie_embeddings", "false", "--model.rope_scaling", "none"])
     assert model_overrides(cfg.model) == {"tie_embeddings": False, "dim": 128, "rope_scaling": "none"}

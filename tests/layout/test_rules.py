@@ -64,6 +64,11 @@ CASES = {
     "tp_plan": (2, ["--model.name", "hf", "--model.hf_config", NO_PLAN, "--parallelism.tensor_parallel_degree", "2"]),
     "tp_heads": (8, ["--parallelism.tensor_parallel_degree", "8"]),
     "tp_kv_heads": (4, ["--parallelism.tensor_parallel_degree", "4"]),
+    # Qwen3-Next tiny: 2 Gated DeltaNet key heads, the attention's 4 heads / 4 kv heads split by 4
+    "tp_model": (
+        4,
+        ["--model.name", "qwen3_next", "--model.n_kv_heads", "4", "--parallelism.tensor_parallel_degree", "4"],
+    ),
     "tp_ffn": (2, ["--parallelism.tensor_parallel_degree", "2", "--model.ffn_hidden_dim", "91"]),
     "tp_vocab": (
         2,
@@ -125,6 +130,7 @@ CASES = {
     "ep_experts": (4, [*MOE, "--parallelism.expert_parallel_degree", "4", "--model.num_experts", "6"]),
     "moe_tp": (2, [*MOE, "--parallelism.tensor_parallel_degree", "2"]),
     "export_model": (1, [*MOE, "--checkpoint.enable", "--checkpoint.export_safetensors"]),
+    "mtp_layout": (1, ["--model.name", "deepseek_v3", "--training.mtp_loss_weight", "-1"]),
 }
 
 # further cases of a rule that guards several things

@@ -49,6 +49,41 @@ def test_export_loads_in_transformers_with_equal_logits_and_imports_back(key, tm
     assert file_args.config["model_type"] == HF_CONFIGS[key]["model_type"]
 
 
+def test_sliding_window_configs_follow_transformers_masks():
+    """Mistral (every layer) and Qwen2's use_sliding_window (from max_window_layers on): the wrapper hands each
+    sliding layer the window's boolean mask, equal to the library's own forward (its create_sliding_window_causal_mask)
+    in float64; the window acts (the same weights with the window off differ)."""
+    from titanlike.models.transformers_lm.model import hf_config_object, layer_windows
+
+    assert layer_windows(hf_config_object(HF_CONFIGS["hf_mistral_window"])) == [5, 5]
+    assert layer_windows(hf_config_object(HF_CONFIGS["hf_qwen2_window"])) == [None, 5]
+    assert layer_windows(hf_config_object(HF_CONFIGS["hf_qwen2_tied"])) == [None, None]
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    full = {"hf_mistral_window": dict(sliding_window=None), "hf_qwen2_window": dict(use_sliding_window=False)}
+    for key, off in full.items():
+        args, model = _model(key)
+        for changes, equal in (({}, True), (off, False)):
+            hf = transformers.AutoModelForCausalLM.from_config(
+                hf_config_object({**HF_CONFIGS[key], **changes}), dtype=torch.float64, attn_implementation="sdpa"
+            )
+            hf.load_state_dict(_hf_names(model))
+            with torch.no_grad():
+                diff = (hf(input_ids=tokens, use_cache=False).logits - model(tokens)).abs().max().item()
+            assert diff <= 1e-12 if equal else diff > 1e-4, (key, changes, diff)  # the window acts
+
+
+def _hf_names(model) -> dict:
+    """The wrapper's state dict in the library model's names."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if name.startswith(("embed_tokens", "norm")):
+            name = "model." + name
+        elif name.startswith("layers."):
+            name = "model." + name
+        out[name] = t
+    return out
+
+
 def test_roles_ties_and_init():
     args, model = _model("hf_qwen2_tied")
     assert [n for n, _ in model.named_children()] == ["embed_tokens", "layers", "norm", "lm_head"]
@@ -96,6 +131,8 @@ def _cfg(folder: str, *more: str):
             "transformers cannot build it (ValueError: Gemma2ForCausalLM does not support an attention",
         ),
         (dict(is_encoder_decoder=True), "is_encoder_decoder = true"),
+        (dict(layer_types=["chunked_attention"] * 2), "layer_types ['chunked_attention']"),
+        (dict(sliding_window=0), "sliding_window = 0"),
         # a mixture of experts, as transformers' Qwen3MoeConfig writes it: refused before its float64 forward check
         (
             dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=4, moe_intermediate_size=8),

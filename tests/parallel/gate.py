@@ -133,6 +133,28 @@ MODELS = {
         "--model.reset_position_ids",
         "true",
     ),
+    # gpt-oss (tiny: a sliding-window layer (window 4 of the 16 positions) and a full one, sinks, q/k/v/o biases,
+    # YaRN, 4 biased experts top-2 with the clamped SwiGLU (limit 0.1, so it acts)), causal and block_causal
+    "gpt_oss": ("--model.name", "gpt_oss"),
+    "gpt_oss_block": ("--model.name", "gpt_oss", "--model.attn_mask_type", "block_causal"),
+    # a window wider than a cp chunk (6 - 1 > 16 / 4): cp gathers every key and masks
+    "gpt_oss_wide": ("--model.name", "gpt_oss", "--model.sliding_window", "6"),
+    # DeepSeek-V3 (tiny: dim 64, MLA with the q low-rank path (4 heads, latent 32 + shared RoPE key 8, nope 16,
+    # v 16), a dense first layer then MoE (8 experts, sigmoid + the correction-bias update, 4 groups / top-2, route
+    # scale 2.5, one shared expert), one MTP depth (its block MoE) weighted 0.3): lite = a plain query projection and
+    # rotate-half RoPE
+    "ds": ("--model.name", "deepseek_v3"),
+    "ds_lite": ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel_lite", "--model.n_layers", "2"),
+    "ds_block": ("--model.name", "deepseek_v3", "--model.attn_mask_type", "block_causal"),
+    # context parallelism without MTP (the latent + RoPE key gathered, expanded locally:
+    # ContextParallelLatentAttention); with MTP: the "ds" layouts under cp
+    "ds_cp": ("--model.name", "deepseek_v3", "--model.mtp_layers", "0"),
+    "ds_cp_block": ("--model.name", "deepseek_v3", "--model.mtp_layers", "0", "--model.attn_mask_type", "block_causal"),
+    # Qwen3-Next (tiny: a Gated DeltaNet layer (2 key heads of 8, 4 value heads of 8, conv 4, chunk 4) then a gated
+    # attention one (4 heads of 16, 2 kv heads, RoPE on half of each head), MoE of 4 experts of 32, top-2, with the
+    # sigmoid-gated shared expert; no expert bias, as transformers' model); qnext_block: packed documents
+    "qnext": ("--model.name", "qwen3_next"),
+    "qnext_block": ("--model.name", "qwen3_next", "--model.attn_mask_type", "block_causal"),
     **HF_MODELS,
 }
 # Matrices Muon orthogonalizes per model (tiny, 2 blocks): Llama 7 per block; GPT-2 c_attn's q, k, v + 3.
@@ -323,6 +345,42 @@ LAYOUTS = [
         "MUT moe ep2 bias update from local loads", 2, _ep(2, *_dp(1, 2, 4)), model="moe", mutation="moe_local_loads"
     ),
     Layout("MUT moe ep2 aux loss per rank", 2, _ep(2, *_dp(1, 2, 4)), model="moe", mutation="moe_aux_per_rank"),
+    # DeepSeek-V3: MLA's latent projections replicated in the attention region (gradients summed over tp), MoE as
+    # qwen3_moe (ep borrowing dp_shard, or tp under SP), MTP on
+    Layout("ds fsdp2", 2, _dp(1, 2, 4), model="ds"),
+    Layout("ds ep2", 2, _ep(2, *_dp(1, 2, 4)), model="ds"),
+    Layout("ds tp2_sp_ep2", 2, _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="ds"),
+    Layout("ds_lite tp2_sp_ep2", 2, _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="ds_lite"),
+    Layout("ds_block tp2_sp_ep2", 2, _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="ds_block"),
+    Layout("ds_block ep2", 2, _ep(2, *_dp(1, 2, 4)), model="ds_block"),
+    Layout("ds_cp cp2_ep2", 2, _ep(2, *_cp(2, *_dp(1, 1, 8))), model="ds_cp"),
+    Layout("ds cp2_ep2", 2, _ep(2, *_cp(2, *_dp(1, 1, 8))), model="ds"),  # MTP: the window's ids gathered
+    Layout("ds_block cp2", 2, _cp(2, *_dp(1, 1, 8)), model="ds_block"),
+    Layout(
+        "MUT ds cp2 MTP labels shifted per rank", 2, _cp(2, *_dp(1, 1, 8)), model="ds", mutation="ds_cp_local_shift"
+    ),
+    Layout("ds_cp_block cp2", 2, _cp(2, *_dp(1, 1, 8)), model="ds_cp_block"),
+    Layout(
+        "MUT ds_cp cp2 latent without the RoPE key",
+        2,
+        _cp(2, *_dp(1, 1, 8)),
+        model="ds_cp",
+        mutation="ds_cp_latent_no_rope",
+    ),
+    Layout("MUT ds fsdp2 RoPE on the non-rope part", 2, _dp(1, 2, 4), model="ds", mutation="ds_rope_on_nope"),
+    Layout(
+        "MUT ds ep2 correction bias in the weights", 2, _ep(2, *_dp(1, 2, 4)), model="ds", mutation="ds_bias_in_weights"
+    ),
+    Layout("MUT ds ep2 group limiting skipped", 2, _ep(2, *_dp(1, 2, 4)), model="ds", mutation="ds_no_group_limit"),
+    Layout("MUT ds fsdp2 MTP targets shifted by one", 2, _dp(1, 2, 4), model="ds", mutation="ds_mtp_shift"),
+    Layout("MUT ds fsdp2 latent norm before the split", 2, _dp(1, 2, 4), model="ds", mutation="ds_latent_norm_unsplit"),
+    Layout(
+        "MUT ds tp2_sp_ep2 latent norm gradient not summed",
+        2,
+        _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))),
+        model="ds",
+        mutation="ds_latent_replicated",
+    ),
     # transformers models (model.name = "hf"): the plan translated from each config's base_model_tp_plan
     *[
         Layout(f"{m} {name}", 2, args, model=m)
@@ -357,6 +415,90 @@ LAYOUTS = [
         _tp(2, *SP, *_dp(1, 1, 8)),
         model="hf_qwen2_tied",
         mutation="tp_no_backward_reduce",
+    ),
+    # gpt-oss: the window and the sinks under every SPMD layout kind (tp + SP needs ep for the experts: rule moe_tp;
+    # cp2's windowed layer gathers only the last 3 keys / values of each chunk), causal and block_causal
+    *[
+        Layout(f"{m} {name}", 2, args, model=m)
+        for m in ("gpt_oss", "gpt_oss_block")
+        for name, args in (
+            ("tp2_sp_ep2", _ep(2, *_tp(2, *SP, *_dp(1, 1, 8)))),
+            ("fsdp2", _dp(1, 2, 4)),
+            ("cp2", _cp(2, *_dp(1, 1, 8))),
+            ("ep2", _ep(2, *_dp(1, 2, 4))),
+        )
+    ],
+    Layout("gpt_oss_wide cp2", 2, _cp(2, *_dp(1, 1, 8)), model="gpt_oss_wide"),
+    Layout("gpt_oss cp2 ac_full", 2, _cp(2, "--activation_checkpoint.mode", "full", *_dp(1, 1, 8)), model="gpt_oss"),
+    Layout(
+        "gpt_oss_block ep2 ac_selective_op",
+        2,
+        _ep(2, "--activation_checkpoint.mode", "selective", *_dp(1, 2, 4)),
+        model="gpt_oss_block",
+    ),
+    Layout("MUT gpt_oss fsdp2 window off by one", 2, _dp(1, 2, 4), model="gpt_oss", mutation="window_off_by_one"),
+    Layout(
+        "MUT gpt_oss cp2 window on local positions", 2, _cp(2, *_dp(1, 1, 8)), model="gpt_oss", mutation="window_local"
+    ),
+    Layout(
+        "MUT gpt_oss_block cp2 sinks dropped", 2, _cp(2, *_dp(1, 1, 8)), model="gpt_oss_block", mutation="sinks_dropped"
+    ),
+    Layout(
+        "MUT gpt_oss tp2_sp_ep2 sinks not split with their heads",
+        2,
+        _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))),
+        model="gpt_oss",
+        mutation="sinks_not_split",
+    ),
+    Layout(
+        "MUT hf_mistral_window fsdp2 window dropped",
+        2,
+        _dp(1, 2, 4),
+        model="hf_mistral_window",
+        mutation="hf_window_dropped",
+    ),
+    Layout("MUT gpt_oss ep2 clamp missing", 2, _ep(2, *_dp(1, 2, 4)), model="gpt_oss", mutation="clamp_missing"),
+    # Qwen3-Next: the linear-attention layer's cp by state passing, its heads over tp (ep borrows the tp ranks)
+    *[
+        Layout(f"{m} {name}", 2, args, model=m)
+        for m in ("qnext", "qnext_block")
+        for name, args in (
+            ("cp2", _cp(2, *_dp(1, 1, 8))),
+            ("tp2_sp_ep2", _ep(2, *_tp(2, *SP, *_dp(1, 1, 8)))),
+            ("fsdp2", _dp(1, 2, 4)),
+            ("ep2", _ep(2, *_dp(1, 2, 4))),
+        )
+    ],
+    Layout("qnext cp2 ac_full", 2, _cp(2, "--activation_checkpoint.mode", "full", *_dp(1, 1, 8)), model="qnext"),
+    Layout(
+        "qnext_block cp2 ac_selective_op",
+        2,
+        _cp(2, "--activation_checkpoint.mode", "selective", *_dp(1, 1, 8)),
+        model="qnext_block",
+    ),
+    Layout("MUT qnext cp2 state not passed", 2, _cp(2, *_dp(1, 1, 8)), model="qnext", mutation="cp_state_not_passed"),
+    Layout(
+        "MUT qnext cp2 scan in placement order", 2, _cp(2, *_dp(1, 1, 8)), model="qnext", mutation="cp_scan_rank_order"
+    ),
+    Layout("MUT qnext cp2 conv halo missing", 2, _cp(2, *_dp(1, 1, 8)), model="qnext", mutation="cp_no_conv_halo"),
+    Layout(
+        "MUT qnext_block cp2 state not reset at a document start",
+        2,
+        _cp(2, *_dp(1, 1, 8)),
+        model="qnext_block",
+        mutation="delta_no_reset",
+    ),
+    Layout("MUT qnext fsdp2 decay sign flipped", 2, _dp(1, 2, 4), model="qnext", mutation="delta_decay_sign"),
+    Layout("MUT qnext fsdp2 beta not a sigmoid", 2, _dp(1, 2, 4), model="qnext", mutation="delta_beta_raw"),
+    Layout(
+        "MUT qnext ep2 shared-expert gate missing", 2, _ep(2, *_dp(1, 2, 4)), model="qnext", mutation="no_shared_gate"
+    ),
+    Layout(
+        "MUT qnext tp2_sp_ep2 delta norm ReplicateParallel",
+        2,
+        _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))),
+        model="qnext",
+        mutation="qk_norm_replicated",
     ),
     # 4 ranks
     Layout("tp4_gqa", 4, _tp(4, *_dp(1, 1, 8)), model="gqa8"),
@@ -393,13 +535,33 @@ LAYOUTS = [
         model="moe",
         mutation="moe_expert_fsdp_average",
     ),
+    Layout("ds tp2_sp_fsdp2_ep2", 4, _ep(2, *_tp(2, *SP, *_dp(1, 2, 4))), model="ds"),
+    Layout("ds_cp_block cp2_tp2_sp_ep2", 4, _ep(2, *_cp(2, *_tp(2, *SP, *_dp(1, 1, 8)))), model="ds_cp_block"),
+    Layout("ds_block cp2_tp2_sp_ep2", 4, _ep(2, *_cp(2, *_tp(2, *SP, *_dp(1, 1, 8)))), model="ds_block"),
     *[Layout(f"{m} tp2_fsdp2", 4, _tp(2, *_dp(1, 2, 4)), model=m) for m in HF_CONFIGS if m != "hf_phi3_mha"],
     Layout("hf_qwen2_tied hsdp2x2", 4, _dp(2, 2, 2), model="hf_qwen2_tied"),  # HSDP, the tie across the groups
+    *[
+        Layout(f"{m} {name}", 4, args, model=m)
+        for m in ("qnext", "qnext_block")
+        for name, args in (
+            ("cp4", _cp(4, *_dp(1, 1, 8))),
+            ("cp2_tp2_sp_ep2", _ep(2, *_cp(2, *_tp(2, *SP, *_dp(1, 1, 8))))),
+        )
+    ],
+    Layout(
+        "MUT qnext_block cp4 scan in placement order",
+        4,
+        _cp(4, *_dp(1, 1, 8)),
+        model="qnext_block",
+        mutation="cp_scan_rank_order",
+    ),
+    Layout("MUT qnext cp4 conv halo missing", 4, _cp(4, *_dp(1, 1, 8)), model="qnext", mutation="cp_no_conv_halo"),
     # 8 ranks
     Layout("tp2_hsdp2x2", 8, _tp(2, *_dp(2, 2, 2))),
     Layout("tp2_sp_fsdp4", 8, _tp(2, *SP, *_dp(1, 4, 2))),
     Layout("cp2_tp2_fsdp2", 8, _cp(2, *_tp(2, *_dp(1, 2, 4)))),
     Layout("gpt2 tp2_sp_hsdp2x2", 8, _tp(2, *SP, *_dp(2, 2, 2)), model="gpt2"),
+    Layout("ds ep4_fsdp8", 8, _ep(4, *_dp(1, 8, 1)), model="ds"),
 ]
 
 
@@ -704,6 +866,93 @@ def _mask_cp_rank():
         yield
 
 
+@contextlib.contextmanager
+def _cp_state_not_passed():
+    """Linear attention under cp: every piece starts from the zero state (no scan over the cp ranks' maps)."""
+    import titanlike.parallel.state_passing as spm
+
+    def zeros(maps, dv, upto):
+        return [torch.zeros_like(maps[0, ..., :dv])] * (upto + 1)
+
+    with patched(spm, "entering_states", zeros):
+        yield
+
+
+@contextlib.contextmanager
+def _cp_scan_rank_order():
+    """Linear attention under cp: the gathered state maps scanned in placement (rank) order, not sequence order."""
+    import titanlike.parallel.state_passing as spm
+
+    with patched(spm, "true_order", lambda gathered, chunks_of_rank: gathered):
+        yield
+
+
+@contextlib.contextmanager
+def _cp_no_conv_halo():
+    """Linear attention under cp: each piece's short conv starts from zeros instead of the previous piece's inputs."""
+    import titanlike.parallel.state_passing as spm
+
+    with patched(spm, "halo_before", lambda tails, chunk, kernel: None):
+        yield
+
+
+@contextlib.contextmanager
+def _delta_no_reset():
+    """The gated delta rule's state is not reset at document starts (the conv still is)."""
+    import titanlike.models.linear_attention as la
+
+    original = la._doc_masks
+    with patched(la, "_doc_masks", lambda starts, *rest: original(torch.zeros_like(starts), *rest)):
+        yield
+
+
+@contextlib.contextmanager
+def _delta_decay_sign():
+    """Gated DeltaNet's decay with the wrong sign: g = +exp(A_log) softplus(a + dt_bias)."""
+    from titanlike.models.qwen3_next.model import DeltaDecay
+
+    original = DeltaDecay.forward
+
+    def flipped(self, b, a):
+        beta, g = original(self, b, a)
+        return beta, -g
+
+    with patched(DeltaDecay, "forward", flipped):
+        yield
+
+
+@contextlib.contextmanager
+def _delta_beta_raw():
+    """Gated DeltaNet's write strength without its sigmoid: beta = b."""
+    from titanlike.models.qwen3_next.model import DeltaDecay
+
+    original = DeltaDecay.forward
+
+    def raw(self, b, a):
+        return b, original(self, b, a)[1]
+
+    with patched(DeltaDecay, "forward", raw):
+        yield
+
+
+@contextlib.contextmanager
+def _no_shared_gate():
+    """The MoE block's shared expert added without its sigmoid gate."""
+    from titanlike.models.moe import MoE
+
+    original = MoE.forward
+
+    def ungated(self, x):
+        gate, self.shared_gate = self.shared_gate, None
+        try:
+            return original(self, x)
+        finally:
+            self.shared_gate = gate
+
+    with patched(MoE, "forward", ungated):
+        yield
+
+
 _RESET = {"apply": True}  # build_model sets model.reset_position_ids from the config unless a mutation says not
 
 
@@ -790,7 +1039,227 @@ def _moe_expert_fsdp_average():
         yield
 
 
+@contextlib.contextmanager
+def _window_off_by_one():
+    """The sliding window's exact mask keeps one key too many (``j >= p - w`` instead of ``j > p - w``)."""
+    from titanlike.models.masking import DocumentMask
+
+    original = DocumentMask.dense
+
+    def dense(self, lo, hi, n, window=None, key_start=0):
+        return original(self, lo, hi, n, None if window is None else window + 1, key_start)
+
+    with patched(DocumentMask, "dense", dense):
+        yield
+
+
+@contextlib.contextmanager
+def _ds_rope_on_nope():
+    """MLA turns the first qk_rope_head_dim dims of every q / k head (the non-rope part) instead of its rope part."""
+    from titanlike.models.deepseek_v3 import MLA
+
+    def forward(self, x, *, cos, sin, mask=None):
+        a, (b, s, _) = self.args, x.shape
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if a.q_lora_rank else self.wq(x)
+        q = q.view(b, s, -1, a.qk_head_dim)
+        latent, k_pe = self.wkv_a(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        r = a.qk_rope_head_dim
+
+        def expand(latent, k_pe):  # RoPE on the first r dims of each key (its non-rope part)
+            k, v = self.expand(latent, k_pe)
+            return torch.cat([self.rope(k[..., :r], cos, sin), k[..., r:]], dim=-1), v
+
+        q = torch.cat([self.rope(q[..., :r], cos, sin), q[..., r:]], dim=-1) * self.q_scale
+        return self.wo(
+            self.core(q, self.kv_norm(latent), self.k_rope(k_pe).unsqueeze(2), expand, mask).reshape(b, s, -1)
+        )
+
+    with patched(MLA, "forward", forward):
+        yield
+
+
+@contextlib.contextmanager
+def _window_local():
+    """Under cp the mask's query positions are the rank's local ones (0 .. s-1), not its chunks' global positions:
+    the window (and the causal bound) measured from the wrong place. (RoPE keeps its global positions.)"""
+    from titanlike.models.masking import DocumentMask
+
+    original = DocumentMask.__post_init__
+
+    def post_init(self):
+        self.positions = torch.arange(self.positions.shape[0], device=self.positions.device)
+        original(self)
+
+    with patched(DocumentMask, "__post_init__", post_init):
+        yield
+
+
+@contextlib.contextmanager
+def _ds_latent_norm_unsplit():
+    """MLA's latent RMSNorm computed over the whole down-projection (latent and RoPE key) before the split, instead
+    of over the latent after it."""
+    from titanlike.models.deepseek_v3 import MLA
+
+    def forward(self, x, *, cos, sin, mask=None):
+        a, (b, s, _) = self.args, x.shape
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if a.q_lora_rank else self.wq(x)
+        q_nope, q_pe = q.view(b, s, -1, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
+        kv = self.wkv_a(x)
+        kv = kv * torch.rsqrt(kv.pow(2).mean(-1, keepdim=True) + self.kv_norm.eps)
+        latent, k_pe = kv.split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        k_pe = self.rope(self.k_rope(k_pe).unsqueeze(2), cos, sin)
+        q = torch.cat([q_nope, self.rope(q_pe, cos, sin)], dim=-1) * self.q_scale
+        return self.wo(self.core(q, latent * self.kv_norm.weight, k_pe, self.expand, mask).reshape(b, s, -1))
+
+    with patched(MLA, "forward", forward):
+        yield
+
+
+@contextlib.contextmanager
+def _sinks_dropped():
+    """The context-parallel core drops the sinks it is given (plain softmax attention)."""
+    import titanlike.parallel.context_parallel as cpm
+
+    original = cpm.ContextParallelAttention.forward
+
+    def forward(self, q, k, v, mask=None, sinks=None):
+        return original(self, q, k, v, mask, None)
+
+    with patched(cpm.ContextParallelAttention, "forward", forward):
+        yield
+
+
+@contextlib.contextmanager
+def _ds_bias_in_weights():
+    """The correction bias added to the combine weights too (it must steer the selection only); zero at step 1, so
+    it shows once the first bias update has moved it."""
+    from titanlike.models.moe import Router
+
+    route = Router.forward
+
+    def forward(self, x, expert_bias=None):
+        scores, idx, weights = route(self, x, expert_bias)
+        if expert_bias is not None:
+            weights = weights + expert_bias.to(weights.dtype)[idx]
+        return scores, idx, weights
+
+    with patched(Router, "forward", forward):
+        yield
+
+
+@contextlib.contextmanager
+def _sinks_not_split():
+    """The sinks replicated over tp instead of split with their heads: every rank uses the first heads' sinks."""
+    import titanlike.parallel.tensor_parallel as tpm
+
+    def replicate(name, module, mesh):
+        for pname, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
+
+    class FirstHeads(tpm.ParallelStyle):
+        def _apply(self, module, mesh):
+            local = module.weight.shape[0] // mesh.size()
+            first = lambda mod, out, mesh: out.to_local()[:local]  # noqa: E731
+            return tpm.distribute_module(module, mesh, replicate, output_fn=first)
+
+    with patched(tpm, "_head_params_style", lambda entry: FirstHeads()):
+        yield
+
+
+@contextlib.contextmanager
+def _clamp_missing():
+    """gpt-oss's experts without the clamp of gate and up (the plain ``(up + 1) g sigmoid(alpha g)``)."""
+    import titanlike.models.moe as moe
+
+    with patched(moe, "clamped_swiglu", lambda g, u, alpha, limit: (u + 1) * g * torch.sigmoid(alpha * g)):
+        yield
+
+
+@contextlib.contextmanager
+def _ds_no_group_limit():
+    """Group-limited routing skipped: every token picks its top-k over all experts."""
+    import titanlike.models.moe as moe
+
+    with patched(moe, "_limit_to_top_groups", lambda choice, groups, topk: choice):
+        yield
+
+
+@contextlib.contextmanager
+def _hf_window_dropped():
+    """model.name = "hf": the sliding-window layers get no mask (the library's SDPA attention then runs full causal)."""
+    import titanlike.models.transformers_lm.model as lm
+
+    with patched(lm, "layer_windows", lambda config: [None] * config.num_hidden_layers):
+        yield
+
+
+@contextlib.contextmanager
+def _ds_mtp_shift():
+    """The MTP depth k trained against the labels shifted by k + 1 (one position too far)."""
+    import titanlike.loss as loss
+
+    shift = loss.shift_labels
+    with patched(loss, "shift_labels", lambda labels, k: shift(labels, k + 1)):
+        yield
+
+
+@contextlib.contextmanager
+def _ds_latent_replicated():
+    """MLA's latent projections and norms get ReplicateParallel (a module on the replicated stream) instead of the
+    Latent style: each rank's heads give them only a partial gradient, never summed over tp."""
+    import titanlike.parallel.tensor_parallel as tpm
+
+    with patched(tpm, "LatentParallel", lambda local_output=False: tpm.ReplicateParallel(check="never")):
+        yield
+
+
+@contextlib.contextmanager
+def _ds_cp_latent_no_rope():
+    """Context parallelism gathers MLA's latent but not the shared RoPE key: every rank's own keys stand in for the
+    other ranks' tokens."""
+    import titanlike.parallel.context_parallel as cpm
+
+    gather = cpm._gather_replicated
+
+    def latent_only(t, mesh):
+        return gather(t, mesh) if t.dim() == 3 else torch.cat([t] * mesh.size(), dim=1)
+
+    with patched(cpm, "_gather_replicated", latent_only):
+        yield
+
+
+@contextlib.contextmanager
+def _ds_cp_local_shift():
+    """Under context parallelism the MTP depths' labels shifted within each rank's own (non-contiguous) chunks."""
+    import titanlike.parallel.context_parallel as cpm
+    from titanlike.loss import shift_labels
+
+    with patched(cpm, "cp_shift_labels", lambda mesh: shift_labels):
+        yield
+
+
 MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "hf_window_dropped": _hf_window_dropped,
+    "window_off_by_one": _window_off_by_one,
+    "window_local": _window_local,
+    "sinks_dropped": _sinks_dropped,
+    "sinks_not_split": _sinks_not_split,
+    "clamp_missing": _clamp_missing,
+    "ds_latent_norm_unsplit": _ds_latent_norm_unsplit,
+    "ds_cp_local_shift": _ds_cp_local_shift,
+    "ds_cp_latent_no_rope": _ds_cp_latent_no_rope,
+    "ds_rope_on_nope": _ds_rope_on_nope,
+    "ds_bias_in_weights": _ds_bias_in_weights,
+    "ds_no_group_limit": _ds_no_group_limit,
+    "ds_mtp_shift": _ds_mtp_shift,
+    "ds_latent_replicated": _ds_latent_replicated,
+    "cp_state_not_passed": _cp_state_not_passed,
+    "cp_scan_rank_order": _cp_scan_rank_order,
+    "cp_no_conv_halo": _cp_no_conv_halo,
+    "delta_no_reset": _delta_no_reset,
+    "delta_decay_sign": _delta_decay_sign,
+    "delta_beta_raw": _delta_beta_raw,
+    "no_shared_gate": _no_shared_gate,
     "mask_cp_rank": _mask_cp_rank,
     "mask_no_reset": _mask_no_reset,
     "moe_local_loads": _moe_local_loads,
@@ -890,6 +1359,7 @@ class Record:
     grads: dict[str, torch.Tensor]
     weights: dict[str, torch.Tensor]
     biases: dict[str, torch.Tensor] = field(default_factory=dict)  # the MoE blocks' expert biases (buffers)
+    mtp: list[float] | None = None  # the MTP depths' losses (a model with MTP)
 
 
 def expert_biases(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -942,7 +1412,7 @@ class Context:
                     [ref],
                     opt,
                     [step_batch(cfg, step)],
-                    ScaledLoss(_plain_loss(cfg)),
+                    ScaledLoss(_plain_loss(cfg), mtp_weight=cfg.training.mtp_loss_weight),
                     max_norm=cfg.training.max_norm,
                     clip_fn=plain_clip_grad_norm_,
                     moe=moe,
@@ -955,6 +1425,7 @@ class Context:
                         {n: p.grad.detach().clone() for n, p in named.items()},
                         {n: p.detach().clone() for n, p in named.items()},
                         {n: b.detach().clone() for n, b in expert_biases(ref).items()},
+                        res.mtp,
                     )
                 )
             self.references[layout.model] = records
@@ -1147,6 +1618,8 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
                     **built.step_kwargs,
                 )
             loss_diff = abs(res.loss - ref.loss)
+            if res.mtp is not None or ref.mtp is not None:  # each MTP depth's logged loss too
+                loss_diff = max([loss_diff] + [abs(a - b) for a, b in zip(res.mtp or [math.inf], ref.mtp or [0.0])])
             diffs["loss"] = max(diffs["loss"], loss_diff)
             if step == 1:
                 diffs["loss_step1"] = loss_diff
@@ -1250,7 +1723,10 @@ def _counting_expert_comms(built: Built, counts: dict[str, int], on: bool) -> co
     ``counts``; a no-op otherwise."""
     # (not under a pipeline schedule: CommDebugMode's module tracker registers multi-grad hooks, which the stages'
     # autograd.grad backward refuses)
-    if not on or built.step_kwargs.get("moe") is None or built.step_kwargs.get("pp_schedule") is not None:
+    # (nor on a model with MTP depths: they call the embedding and the head a second time in the forward, which
+    # CommDebugMode's module tracker cannot follow, torch 2.13: IndexError in _fw_set_module_hook)
+    mtp = any(len(getattr(m, "mtp", None) or ()) for m in built.model_parts)
+    if not on or mtp or built.step_kwargs.get("moe") is None or built.step_kwargs.get("pp_schedule") is not None:
         return contextlib.nullcontext()
     from torch.distributed.tensor.debug import CommDebugMode
 

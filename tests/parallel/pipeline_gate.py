@@ -48,6 +48,16 @@ gate.MODELS.update(
         "block_deep": ("--model.n_layers", "8", *gate.MODELS["block_reset"]),
         # Qwen3-MoE (every block MoE, bias update and aux loss on): each stage updates its own blocks' biases
         "moe_deep": ("--model.n_layers", "4", *gate.MODELS["moe"]),
+        # gpt-oss (4 blocks: sliding, full, sliding, full; sinks; biased clamped experts), causal and block_causal
+        "gpt_oss_deep": ("--model.n_layers", "4", *gate.MODELS["gpt_oss"]),
+        "gpt_oss_block_deep": ("--model.n_layers", "4", *gate.MODELS["gpt_oss_block"]),
+        # DeepSeek-V3 (MLA, a dense first layer, then MoE with the bias update, block_causal), the MTP depth on the
+        # last stage (its embedding a tied copy of the first stage's table, the token ids passed to every stage)
+        "ds_deep": ("--model.n_layers", "4", *gate.MODELS["ds_block"]),
+        "ds_deep_nomtp": ("--model.n_layers", "4", *gate.MODELS["ds_cp_block"]),
+        # Qwen3-Next (linear, full, linear, full): ZBV's 4 stages of one block each hold both layer kinds
+        "qnext_deep": ("--model.n_layers", "4", *gate.MODELS["qnext"]),
+        "qnext_block_deep": ("--model.n_layers", "4", *gate.MODELS["qnext_block"]),
     }
 )
 gate.MUON_MATRICES["muon_deep"] = 7 * 8
@@ -258,12 +268,33 @@ LAYOUTS += [
 ]
 
 
+# gpt-oss stages: the sliding-window and full layers with their sinks on different stages, causal (the forward's
+# causal mask built per stage and microbatch) and block_causal (the starts travel with each microbatch)
+LAYOUTS += [
+    _layout(f"{m} pp2 {s}", 2, _pp(2, s, 8, 2), model=m)
+    for m in ("gpt_oss_deep", "gpt_oss_block_deep")
+    for s in ("1F1B", "ZBVZeroBubble", "DualPipeV")
+]
+
+
 # Qwen3-MoE stages: experts split over ep (borrowed from dp_shard) inside each stage, the trainer's bias update and
 # aux loss per stage; the 8-rank pp x ep x fsdp layout shards the experts with FSDP over the remaining 2 ranks.
 EP2 = ("--parallelism.expert_parallel_degree", "2")
 LAYOUTS += [
     _layout("moe pp2 1F1B", 2, _pp(2, "1F1B", 8, 2), model="moe_deep"),
     _layout("moe pp2 ZBVZeroBubble", 2, _pp(2, "ZBVZeroBubble", 8, 2), model="moe_deep"),
+    *[
+        _layout(f"{m} pp2 {s}", 2, _pp(2, s, 8, 2), model=f"{m}_deep")
+        for m in ("qnext", "qnext_block")
+        for s in ("1F1B", "ZBVZeroBubble")
+    ],
+    # the state passing inside every pipeline stage (each stage's linear layer scans over the cp group)
+    _layout(
+        "qnext_block cp2 pp2 1F1B",
+        4,
+        ("--parallelism.context_parallel_degree", "2", *_pp(2, "1F1B", 8, 2)),
+        model="qnext_block_deep",
+    ),
     _layout("moe pp2 ep2 1F1B", 4, (*EP2, *_pp(2, "1F1B", 4)), model="moe_deep"),
     _layout("moe pp2 ep2 Interleaved1F1B", 4, (*EP2, *_pp(2, "Interleaved1F1B", 4)), model="moe_deep"),
     _layout(
@@ -281,6 +312,10 @@ LAYOUTS += [
         mutation="pp_moe_inference_counted",
     ),
     _layout("moe pp2 ep2 fsdp4 1F1B", 8, (*EP2, *_pp(2, "1F1B", 2)), model="moe_deep"),
+    _layout("ds_block pp2 1F1B", 2, _pp(2, "1F1B", 8, 2), model="ds_deep"),
+    _layout("ds_block pp2 ZBVZeroBubble", 2, _pp(2, "ZBVZeroBubble", 8, 2), model="ds_deep"),
+    _layout("ds_block pp2 ep2 fsdp4 1F1B", 8, (*EP2, *_pp(2, "1F1B", 2)), model="ds_deep"),
+    _layout("ds_block no MTP pp2 1F1B", 2, _pp(2, "1F1B", 8, 2), model="ds_deep_nomtp"),
 ]
 
 

@@ -6,7 +6,8 @@ Each ``--run KIND=OUT`` is a worker's rank function (:data:`KINDS`) run in the s
 other, writing its JSON as its own launch would: the equality gates (gate.py, pipeline_gate.py), the 2-rank probes
 (tp_probe_worker.py), expert parallelism (moe_ep_worker.py), the vocab-parallel loss (loss_parallel_worker.py), AC
 under tp / FSDP (ac_parallel_worker.py), the sharded init (tests/init/init_worker.py), the README's example
-(tests/examples/nanogpt_example_worker.py) and the traps (traps_worker.py). One interpreter start, torch /
+(tests/examples/nanogpt_example_worker.py), the traps (traps_worker.py) and generation under tp
+(tests/generate/generate_worker.py). One interpreter start, torch /
 transformers import, fork and process group per launch instead of one per worker and world size.
 
 The tests read the results through :func:`results`: the first test that asks for a kind at a world size starts the
@@ -48,8 +49,9 @@ KINDS = {
         (8,),
     ),
     "traps": ("traps_worker", "rank_main", lambda out: (out,), "test_traps.py", (2,)),
+    "generate": ("generate_worker", "rank_main", lambda out: (out,), "test_generate.py", (2,)),
 }
-WORKER_DIRS = (HERE.parent / "init", HERE.parent / "examples")
+WORKER_DIRS = (HERE.parent / "init", HERE.parent / "examples", HERE.parent / "generate")
 # The launches of a world size: the pipeline gate alone, gate.py's layouts first in the other (so that nothing
 # another worker leaves in the ranks can touch their results). The two gates in the same ranks were measured slower
 # than apart (at 4 ranks the pipeline layouts after gate.py's took 77 s against 51 s alone); the small workers after
@@ -57,9 +59,9 @@ WORKER_DIRS = (HERE.parent / "init", HERE.parent / "examples")
 GROUPS = (("pipeline",), ("gate", *(k for k in KINDS if k not in ("gate", "pipeline"))))
 # per kind: the launch's time limit alone (seconds) and the gloo timeout it needs
 TIMEOUT_S = {"gate": 420, "pipeline": 480, "probes": 300, "ep": 420, "loss": 120, "ac": 240, "init": 240}
-TIMEOUT_S |= {"nanogpt": 400, "traps": 400}
+TIMEOUT_S |= {"nanogpt": 400, "traps": 400, "generate": 120}
 GLOO_TIMEOUT_S = {"gate": 60, "pipeline": 120, "probes": 60, "ep": 60, "loss": 30, "ac": 60, "init": 120}
-GLOO_TIMEOUT_S |= {"nanogpt": 120, "traps": 120}
+GLOO_TIMEOUT_S |= {"nanogpt": 120, "traps": 120, "generate": 60}
 
 
 def _run_all(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> None:

@@ -36,6 +36,31 @@ EXPECTED_BREAK = {
     "moe_expert_fsdp_average": ("grads", False),
     "moe_router_not_over_tp": ("grads", False),
     "moe_aux_counts_not_over_tp": ("grads", False),
+    # gpt-oss: the window's bound, the window's positions under cp, the sinks under cp and tp, the experts' clamp
+    "window_off_by_one": ("loss_step1", True),
+    "window_local": ("loss_step1", True),
+    "sinks_dropped": ("loss_step1", True),
+    "sinks_not_split": ("loss_step1", True),
+    "clamp_missing": ("loss_step1", True),
+    "hf_window_dropped": ("loss_step1", True),
+    # DeepSeek-V3: the bias in the weights shows after the first bias update (the validation between steps); the
+    # MTP shift leaves the logged loss (next-token) alone, its depth loss (compared with the loss) moves at step 1
+    "ds_rope_on_nope": ("loss_step1", True),
+    "ds_cp_latent_no_rope": ("loss_step1", True),
+    "ds_cp_local_shift": ("loss_step1", True),
+    "ds_latent_norm_unsplit": ("loss_step1", True),  # the depth loss (compared with the loss) at step 1
+    "ds_bias_in_weights": ("eval", False),  # the forward after step 1's bias update
+    "ds_no_group_limit": ("loss_step1", True),
+    "ds_mtp_shift": ("loss_step1", True),
+    "ds_latent_replicated": ("grads", False),
+    # Qwen3-Next: linear attention's cp by state passing and the Gated DeltaNet / shared-expert gates (forward)
+    "cp_state_not_passed": ("loss_step1", True),
+    "cp_scan_rank_order": ("loss_step1", True),
+    "cp_no_conv_halo": ("loss_step1", True),
+    "delta_no_reset": ("loss_step1", True),
+    "delta_decay_sign": ("loss_step1", True),
+    "delta_beta_raw": ("loss_step1", True),
+    "no_shared_gate": ("loss_step1", True),
 }
 BROKEN = gate.BROKEN  # a mutation must move its metric by at least this much (the tolerance is 1e-10)
 
@@ -137,6 +162,15 @@ def test_matrix_covers_the_required_layouts():
         "qwen3 fsdp2",
         "qwen3 hsdp2x2",
         "qwen3 cp2",
+        "qnext cp2",
+        "qnext cp4",
+        "qnext_block cp2",
+        "qnext_block cp4",
+        "qnext tp2_sp_ep2",
+        "qnext_block tp2_sp_ep2",
+        "qnext fsdp2",
+        "qnext ep2",
+        "qnext cp2_tp2_sp_ep2",
         "muon fsdp2",
         "muon tp2_sp",
         "muon cp2",
@@ -146,6 +180,7 @@ def test_matrix_covers_the_required_layouts():
         "moe ep2",
         "moe cp2_ep2",
         "moe ep2_fsdp4",
+        *[f"{m} {k}" for m in ("gpt_oss", "gpt_oss_block") for k in ("tp2_sp_ep2", "fsdp2", "cp2", "ep2")],
     ]
     assert all(n in by_name for n in required)
     assert {layout.mutation for layout in gate.LAYOUTS if layout.mutation} == set(EXPECTED_BREAK)

@@ -117,6 +117,12 @@ CASES = {
         "--activation_checkpoint.mode",
         "full",
     ],
+    # gpt-oss (a sliding-window layer, window 4 of 16 positions, and a full one): under cp2 the windowed layer
+    # all-gathers the last 3 keys / values of each chunk (2 cp x 3 tokens), the full one all 16
+    "gpt_oss_cp2_fsdp2": ["--parallelism.context_parallel_degree", "2"],
+    # Qwen3-Next (a Gated DeltaNet layer, a gated attention one, MoE): the state maps and conv halos on the cp group
+    # beside the attention layer's K/V, recomputed under full AC, FSDP over dp_shard x cp
+    "qnext_cp2_fsdp2_fullac": ["--parallelism.context_parallel_degree", "2", "--activation_checkpoint.mode", "full"],
     "pp2_moe_ep2_1f1b": [  # stage 0: the dense layer and an MoE one, stage 1: two MoE layers
         "--parallelism.expert_parallel_degree",
         "2",
@@ -127,6 +133,7 @@ CASES = {
     ],
 }
 MOE = ["--model.name", "qwen3_moe"]
+QNEXT = ["--model.name", "qwen3_next"]
 MODEL = [
     "--model.flavor",
     "tiny",
@@ -153,7 +160,11 @@ VOCAB = 250  # with vocab_multiple 2: 250 rows, uneven FSDP chunks under tp 2 x 
 def case_config(name: str):
     from titanlike.config import model_args_from_config, parse_config
 
-    cfg = parse_config((MOE if "moe" in name else []) + MODEL + ["--model.vocab_multiple", "2"] + CASES[name])
+    model = MODEL
+    if name.startswith("gpt_oss"):  # its own tiny shapes (window 4, biased clamped experts: no ffn_hidden_dim)
+        model = ["--model.name", "gpt_oss", *[a for a in MODEL if a not in ("--model.ffn_hidden_dim", "96")]]
+    extra = MOE if "moe" in name else QNEXT if "qnext" in name else []
+    cfg = parse_config(extra + model + ["--model.vocab_multiple", "2"] + CASES[name])
     return cfg, model_args_from_config(cfg, VOCAB)
 
 

@@ -10,9 +10,10 @@ Qwen3-MoE (a dense and an MoE layer, the sequence-wise aux loss on, routed round
 under ep 2 x FSDP 4 in bf16 (experts' own FSDP over dp_shard_mod_ep) and under TP+SP 2 x ep 4 x FSDP 2 with full AC
 (ep borrowing tp: no collectives around the MoE block, its router over dp_shard_cp_tp, the aux loss's counts over tp,
 per-head norm gradients over tp, the all-to-alls recomputed); Qwen3-MoE under PP 2 x ep 2 with 1F1B (a dense and an
-MoE layer on the first stage, two MoE layers on the second). Every MoE case ends with the step's balancing (the
-aux-loss terms and expert loads summed over dp x cp, x tp where ep borrows it; the log's table over the stages).
-The vocabulary (250 rows) splits unevenly under tp 2 x dp_shard 2, so the padded FSDP
+MoE layer on the first stage, two MoE layers on the second); Qwen3-Next (a Gated DeltaNet and a gated attention
+layer) under CP 2 x FSDP with full AC (the state maps and conv halos beside the K/V). Every MoE case ends with
+the step's balancing (the aux-loss terms and expert loads summed over dp x cp, x tp where ep borrows it; the log's
+table over the stages). The vocabulary (250 rows) splits unevenly under tp 2 x dp_shard 2, so the padded FSDP
 shards are exercised too.
 """
 
@@ -37,7 +38,7 @@ def test_planner_matches_gloo_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     cases = json.loads(out.read_text())["cases"]
-    assert len(cases) == 12
+    assert len(cases) == 13
     for name, ranks in cases.items():
         assert sorted(ranks) == ["0", "1", "2", "3"], name
         for rank, r in ranks.items():
@@ -103,5 +104,9 @@ def test_planner_matches_gloo_runs(tmp_path):
         m = r["measured"]
         assert m["cp all_gather forward"][0] == 4 and m["cp reduce_scatter backward"][0] == 4, (rank, m)
         assert "cp all_gather backward" not in m, (rank, m)
+    # gpt-oss: its sliding-window layer (window 4, chunks of 4) gathers 2 cp x 3 of the 16 positions, bounded by
+    # the window: K and V of (batch 2, 12 tokens, 2 kv heads, 16) float32 = 3072 bytes each, the full layer's 4096
+    for rank, r in cases["gpt_oss_cp2_fsdp2"].items():
+        assert r["measured"]["cp all_gather forward"] == [4, 2 * 3072 + 2 * 4096], (rank, r["measured"])
     for rank, r in cases["cp2_tp2_sp_fullac"].items():
         assert r["measured"]["cp all_gather backward"][0] == 4, (rank, r["measured"])

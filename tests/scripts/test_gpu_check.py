@@ -38,6 +38,9 @@ def test_gpu_check_dry_run_writes_every_row(tmp_path):
             "moe_bench",
             "muon_step",
             "mask_bench",
+            "train_gpt_oss",
+            "deepseek_v3",
+            "linear_bench",
         )
     }, proc.stdout
     rows = {r["row"]: r for r in summary["rows"]}
@@ -55,9 +58,15 @@ def test_gpu_check_dry_run_writes_every_row(tmp_path):
     assert set(muon) == {"adamw", "muon", "naive_muon"} and all(r["seconds"] > 0 for r in muon.values())
     assert [c["matrices"] for c in muon["muon"]["ranks"]] == [7, 7]
     assert [c["matrices"] for c in muon["naive_muon"]["ranks"]] == [14, 14]
+    ds = {r["name"]: r for r in summary["deepseek_v3"]["rows"]}  # MLA + DeepSeek MoE + MTP, titanlike vs plain
+    assert set(ds) == {"titanlike", "plain"} and all(r["tokens_per_s"] > 0 for r in ds.values())
     mask = summary["mask"]  # block_causal vs causal on one batch, and the shipped corpus's skipped share
     assert mask["backend"] == "sdpa" and mask["ratio_block_causal_over_causal"] > 0
     assert 0 < mask["batch_pair_fraction"] < 1 and 0 < mask["corpus"]["flops_skipped"] < 0.01
+    assert 0 < mask["window_pair_fraction"] < 1 and mask["ratio_window_sinks_over_causal"] > 0
+    assert [r["step"] for r in summary["train_gpt_oss"]] == [1, 2]  # gpt-oss: window, sinks, block_causal
+    linear = summary["linear"]  # Gated DeltaNet: chunked vs recurrent (no flash-linear-attention on CPU), the scan
+    assert set(linear["forms"]["rows"]) == {"chunked", "recurrent"} and linear["scan"]["sent_bytes"] > 0
 
 
 def test_gpu_check_bad_argument_is_one_line(tmp_path):

@@ -169,6 +169,9 @@ class CheckpointManager:
         self.distributed = world_size > 1
         self.optimizer_name = cfg.optimizer.name  # recorded by full saves; a resume needs the same optimizer's state
         self._tied_pairs = tied_pairs(model_args)  # (owner, copy) FQNs of the model's tied parameters
+        # What the run adds to every checkpoint.json it saves (the trainer: the Weights & Biases run id, so that a
+        # resume continues the same run); plain JSON values.
+        self.meta_extra: dict = {}
         # What a seed checkpoint records of how its weights were made (checkpoint.json): the initialisation seed, the
         # dtype of the weights and the layout that wrote it (any layout loads it).
         from titanlike.layout import Degrees, master_dtype
@@ -748,6 +751,7 @@ class CheckpointManager:
                     world_size=self.world_size,
                     dtype=self.cfg.export_dtype,
                     **tokenizer_meta(self.tokenizer),
+                    **self.meta_extra,
                 )
                 self._check_finite(state, step)
                 state = {"model": state["model"]}
@@ -766,6 +770,7 @@ class CheckpointManager:
                     data_position=train["data_position"],
                     nonfinite_steps=train["nonfinite_steps"],
                     **tokenizer_meta(self.tokenizer),
+                    **self.meta_extra,
                 )
             tmp = self.folder / f"step-{step}.tmp-{self.plan.run_id}"
             kwargs = {**self._dcp_kwargs(), "checkpoint_id": str(tmp)}

@@ -83,7 +83,8 @@ _MEMBERS = (
 )
 
 # Fields of a config.json that do not change what the weights compute (metadata, generation and inference options,
-# PretrainedConfig generics): taken out before the adapter reads the file.
+# PretrainedConfig generics): taken out before the adapter reads the file, except those an adapter names in its
+# optional READS_GENERIC (a hybrid model's layer_types: which layers are linear attention).
 GENERIC_FIELDS = frozenset(
     {
         "transformers_version",

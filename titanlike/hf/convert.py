@@ -29,6 +29,7 @@ from titanlike.hf.files import (
     read_hf_config,
     read_safetensors,
     resolve_weights,
+    safetensors_shapes,
     write_hf_folder,
 )
 from titanlike.models import spec_for
@@ -85,7 +86,7 @@ def hf_config(
     return adapter_for(args).hf_config(args, dtype, bos_id, eos_id, 5 if layout >= 5 else 4)
 
 
-def model_args_from_hf_config(config: dict, source: str = "config.json", like=None):
+def model_args_from_hf_config(config: dict, source: str = "config.json", like=None, weight_names=None):
     """The model args of a Hugging Face config.json (either layout), of the registered model its ``model_type``
     names. Raises :class:`HFConfigError` with one line naming every field titanlike cannot honour, with its value.
 
@@ -105,7 +106,9 @@ def model_args_from_hf_config(config: dict, source: str = "config.json", like=No
     arch = config.get("architectures")
     if ad is not None and arch not in (None, [ad.ARCHITECTURE]):
         problems.append(f"architectures = {arch!r} (titanlike imports [{ad.ARCHITECTURE!r}])")
-    if config.get("quantization_config") is not None:
+    quant = config.get("quantization_config")
+    accepted = getattr(ad, "QUANTIZATION_METHODS", ()) if ad is not None else ()
+    if quant is not None and not (isinstance(quant, dict) and quant.get("quant_method") in accepted):
         problems.append(
             f"quantization_config = {config['quantization_config']!r} (quantized weights are not "
             f"supported; give a float32/bfloat16/float16 checkpoint)"
@@ -115,10 +118,14 @@ def model_args_from_hf_config(config: dict, source: str = "config.json", like=No
         fields = {
             k: v
             for k, v in config.items()
-            if k not in GENERIC_FIELDS and k not in ("architectures", "model_type", "quantization_config")
+            if (k not in GENERIC_FIELDS or k in getattr(ad, "READS_GENERIC", ()))
+            and k not in ("architectures", "model_type", "quantization_config")
         }
         try:
             args = ad.model_args_from_hf_config(fields)
+            if weight_names is not None and hasattr(ad, "args_for_weights"):
+                # optional adapter member: the args of the weights the files hold (DeepSeek-V3: its MTP depths)
+                args = ad.args_for_weights(args, weight_names)
         except ValueError as e:
             problems.append(str(e))
     if problems:
@@ -175,13 +182,13 @@ def hf_architecture(path: str | os.PathLike):
     if not p.exists() or (p.is_dir() and (p / ".metadata").is_file()):
         return None
     try:
-        _, folder = resolve_weights(p)
+        files, folder = resolve_weights(p)
     except FileNotFoundError:
         return None
     config = read_hf_config(folder)
     if config is None:
         return None
-    return model_args_from_hf_config(config, str(folder / CONFIG_NAME))
+    return model_args_from_hf_config(config, str(folder / CONFIG_NAME), weight_names=safetensors_shapes(files))
 
 
 def load_hf(
@@ -193,7 +200,12 @@ def load_hf(
     args)."""
     files, folder = resolve_weights(path)
     config = read_hf_config(folder)
-    file_args = model_args_from_hf_config(config, str(folder / CONFIG_NAME), like=args) if config is not None else None
+    names = safetensors_shapes(files) if config is not None else None
+    file_args = (
+        model_args_from_hf_config(config, str(folder / CONFIG_NAME), like=args, weight_names=names)
+        if config is not None
+        else None
+    )
     if file_args is not None and args is not None:
         check_same_architecture(file_args, args, f"'{path}'")
     use = args if args is not None else file_args

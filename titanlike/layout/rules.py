@@ -73,6 +73,8 @@ RULES = {
     "tp_heads": "tp divides n_heads",
     "tp_kv_heads": "tp divides n_kv_heads",
     "tp_ffn": "tp divides the ffn hidden size",
+    "tp_model": "the model's own tensor-parallel rules (ModelSpec.tp_violations; Qwen3-Next: tp divides the "
+    "linear-attention key heads)",
     "tp_vocab": "tp divides the padded vocabulary",
     "sp_seq_len": "tp divides seq_len under sequence parallelism",
     "sp_needs_tp": "sequence parallelism needs tp > 1",
@@ -101,6 +103,7 @@ RULES = {
     "ep_model": "expert parallelism on models with experts (ModelSpec.num_experts)",
     "ep_experts": "expert_parallel_degree divides the number of experts",
     "moe_tp": "a model with experts under tp > 1 only with sequence parallelism and ep > 1 (ep borrows the tp ranks)",
+    "mtp_layout": "training.mtp_loss_weight >= 0 (the multi-token-prediction depths' weight)",
     "export_model": "checkpoint.export_safetensors on models with a Hugging Face adapter that can express them "
     "(ModelSpec.hf_adapter, hf_export_violations: Qwen3-MoE's expert bias)",
 }
@@ -109,6 +112,14 @@ RULES = {
 def layout_violations(cfg, world_size: int, args) -> list[str]:
     """Every violated rule of ``cfg`` on ``world_size`` ranks with model shape ``args``, one line each."""
     return [message for _, message in rule_violations(cfg, world_size, args)]
+
+
+def _mtp_violations(cfg) -> list[str]:
+    """Multi-token prediction: a weight >= 0 (the depths sit on the last pipeline stage, which gets the token ids;
+    context parallelism gathers them: the window seam)."""
+    if not cfg.training.mtp_loss_weight >= 0:
+        return [f"training.mtp_loss_weight {cfg.training.mtp_loss_weight} must be >= 0"]
+    return []
 
 
 def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
@@ -131,9 +142,11 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
         out += _expert_violations(cfg, spec, args, dps, cp, tp)
     if cp > 1:
         out += _context_parallel_violations(cfg, cp, tp)
+    out += [("mtp_layout", m) for m in _mtp_violations(cfg)]
     dp = p.data_parallel_replicate_degree * dps
     if tp > 1:
         out += _tensor_parallel_violations(cfg, args, tp)
+        out += [("tp_model", m) for m in spec.tp_violations(args, tp)]
     elif p.enable_sequence_parallel:
         out.append(
             (

@@ -35,9 +35,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from titanlike.init import Init, init_parameters
+from titanlike.models.kv_cache import CachedPositions, CachedSoftmaxAttention, DecodeState
 from titanlike.models.masking import DocumentMask
 
-__all__ = ["AttentionCore", "Decoder", "DecoderBlock", "Positions"]
+__all__ = [
+    "AttentionCore",
+    "Decoder",
+    "DecoderBlock",
+    "LatentAttentionCore",
+    "Positions",
+    "SequenceWindow",
+    "attention_windows",
+]
 
 
 class AttentionCore(nn.Module):
@@ -46,19 +55,79 @@ class AttentionCore(nn.Module):
     ``i`` uses kv head ``i // (heads / kv_heads)``); returns (batch, seq, heads, head_dim). No parameters. Every
     model calls its attention through one of these, so context parallelism replaces it from outside
     (``ContextParallelAttention``) without touching the projections. ``mask``: None (causal: SDPA's causal fast
-    path) or the forward's :class:`~titanlike.models.masking.DocumentMask` (block-causal)."""
+    path) or the forward's :class:`~titanlike.models.masking.DocumentMask` (block-causal).
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None = None):
+    Per-layer options (``titanlike.models.masking``): ``window`` (a sliding window of ``window`` positions, the query
+    itself included: transformers' convention; None: full attention), ``sinks`` (True: the layer is called with
+    ``core(q, k, v, mask, sinks=...)``, one learned logit per head, the attention module's parameter). A model whose
+    seams have either gets a causal ``DocumentMask`` from the forward even without documents."""
+
+    attention_seam = True  # the decoder's forward reads window / sinks off every module that says so
+
+    def __init__(self, window: int | None = None, sinks: bool = False):
+        super().__init__()
+        if window is not None and window < 1:
+            raise ValueError(f"AttentionCore: window must be >= 1 or None (full attention), got {window}")
+        self.window, self.sinks = window, sinks
+
+    def extra_repr(self) -> str:
+        return ", ".join(s for s in (f"window={self.window}" * (self.window is not None), "sinks" * self.sinks) if s)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: DocumentMask | None = None,
+        sinks: torch.Tensor | None = None,
+    ):
         n_rep = q.shape[2] // k.shape[2]
         if n_rep > 1:  # grouped-query attention: each kv head serves n_rep query heads
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if mask is None:
+        plain = self.window is None and sinks is None
+        if mask is None and not plain:  # called outside a decoder's forward: the causal mask, built here
+            mask = DocumentMask.causal(q.shape[0], torch.arange(q.shape[2], device=q.device), (self.window,))
+        if mask is None or (plain and not mask.documents):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            out = mask.attend(q, k, v)
+            out = mask.attend(q, k, v, window=self.window, sinks=sinks)
         return out.transpose(1, 2)
+
+    def kv_cache(self, state: DecodeState) -> nn.Module | None:
+        """This seam's cached counterpart for a decode of ``state`` (``titanlike.models.kv_cache``): the softmax
+        cache. A subclass that attends differently (a window, sinks, a latent or linear attention) returns its own
+        cache, or None ("cannot cache yet": generation then recomputes the sequence); one that overrides
+        ``forward`` without overriding this method gets None, never the softmax cache."""
+        if type(self).forward is not AttentionCore.forward:
+            return None
+        return CachedSoftmaxAttention(state)
+
+
+def attention_windows(model: nn.Module) -> tuple | None:
+    """The windows (None: full attention) of ``model``'s attention seams when some seam needs a mask without
+    documents (a window, sinks), else None (the causal fast path)."""
+    seams = [m for m in model.modules() if getattr(m, "attention_seam", False)]
+    if not any(m.window is not None or m.sinks for m in seams):
+        return None
+    return tuple(dict.fromkeys(m.window for m in seams))
+
+
+class LatentAttentionCore(nn.Module):
+    """The attention seam of a model whose keys and values are expanded from a compressed latent (multi-head latent
+    attention, DeepSeek-V2/V3): ``core(q, latent, k_rope, expand, mask=None)`` with ``latent`` (batch, seq, rank) and
+    the shared RoPE key ``k_rope`` (batch, seq, 1, rope dim), already rotated at the tokens' positions, and
+    ``expand(latent, k_rope) -> (k, v)`` the model's up-projection to per-head keys and values; then the causal
+    softmax attention of :class:`AttentionCore`. No parameters (``expand`` carries them). Context parallelism
+    replaces it from outside (``ContextParallelLatentAttention``), gathering the latent and the RoPE key, not the
+    per-head keys and values, and expanding them locally."""
+
+    window, sinks = None, False  # full attention without sinks: AttentionCore's causal path
+
+    def forward(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, expand, mask=None):
+        k, v = expand(latent, k_rope)
+        return AttentionCore.forward(self, q, k, v, mask)
 
 
 class Positions(nn.Module):
@@ -68,6 +137,20 @@ class Positions(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.arange(x.shape[1], device=x.device)
+
+    def kv_cache(self, state: DecodeState) -> nn.Module:
+        """During a cached decode: each row's positions of this step's tokens (after its left padding)."""
+        return CachedPositions(state)
+
+
+class SequenceWindow(nn.Module):
+    """The window seam: the whole window of a per-token tensor ``t`` (batch, seq), in sequence order, for a model that
+    looks other positions' token ids up (multi-token prediction: the tokens k ahead, read at the position seam's
+    positions + k). On one device ``t`` itself; under context parallelism every cp rank's part gathered
+    (``ContextParallelWindow``). No parameters, no gradient."""
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return t
 
 
 def _seed(seed: int | None) -> int:
@@ -151,9 +234,9 @@ class Decoder(nn.Module):
         """Token ids (or a stage's hidden states) -> logits (or hidden states). ``document_starts`` (batch, seq of
         the local tokens): the block-causal mask (``titanlike.models.masking``); None: causal."""
         positions = self.positions(x)
-        mask = None
+        mask, windows = None, attention_windows(self)
         if document_starts is not None:
-            mask = DocumentMask(document_starts, positions)
+            mask = DocumentMask(document_starts, positions, windows=windows or (None,))
             if self.reset_position_ids:
                 positions = positions - document_starts  # (batch, seq): restart at every document start
         elif self.reset_position_ids:
@@ -161,6 +244,8 @@ class Decoder(nn.Module):
                 f"{type(self).__name__}: reset_position_ids needs the batch's document_starts "
                 f"(model.attn_mask_type = 'block_causal')"
             )
+        if mask is None and windows is not None:  # windows / sinks: the causal mask, built here (outside the blocks)
+            mask = DocumentMask.causal(x.shape[0], positions, windows)
         h = self.embed(x, positions) if self._has_inputs() else x
         kwargs = self.block_kwargs(positions)
         if mask is not None:

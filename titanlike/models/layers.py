@@ -162,6 +162,11 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def _rotary_dim(args) -> int:
+    """The rotated dims of a head: ``args.rotary_dim`` (partial rotary embeddings, Qwen3-Next) or all of it."""
+    return getattr(args, "rotary_dim", None) or args.head_dim
+
+
 class RopeTables:
     """Mixed into a :class:`~titanlike.models.decoder.Decoder` whose blocks rotate q and k: the cos / sin tables of
     every position up to ``args.max_seq_len`` as non-persistent root buffers (every pipeline stage keeps them; never
@@ -173,7 +178,7 @@ class RopeTables:
         """The tables in float64 when the model is built in float64 (the default dtype at its construction, as
         the trainer builds a float64 run), float32 otherwise."""
         a = self.args
-        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a)
+        cos, sin = rope_tables(_rotary_dim(a), a.max_seq_len, a.rope_theta, a)
         dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
@@ -187,7 +192,7 @@ class RopeTables:
         float64 parameters, e.g. after ``.double()``, which casts the float32 tables' values)."""
         a = self.args
         device = device or self.rope_cos.device
-        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a)
+        cos, sin = rope_tables(_rotary_dim(a), a.max_seq_len, a.rope_theta, a)
         param = next(self.parameters(), None)
         float64 = self.rope_cos.dtype == torch.float64 or (param is not None and param.dtype == torch.float64)
         dtype = torch.float64 if float64 else torch.float32

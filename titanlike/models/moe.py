@@ -98,6 +98,7 @@ __all__ = [
     "MoEArgs",
     "Router",
     "GroupedExperts",
+    "clamped_swiglu",
     "MoE",
     "moe_modules",
     "expert_loads",
@@ -116,6 +117,7 @@ __all__ = [
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 EXPERTS_IMPLS = ("auto", "grouped", "loop")
+ACTIVATIONS = ("swiglu", "clamped_swiglu")
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # torch 2.13's _grouped_mm
 
 
@@ -127,6 +129,7 @@ class MoEArgs:
     top_k: int = 2
     num_shared_experts: int = 0
     shared_hidden_dim: int | None = None  # per shared expert (default: hidden_dim)
+    shared_gate: bool = False  # the shared experts' output scaled by sigmoid(x w), w (1, dim) (Qwen2-MoE, Qwen3-Next)
     score_func: str = "softmax"
     route_norm: bool = False
     route_scale: float = 1.0
@@ -135,6 +138,13 @@ class MoEArgs:
     load_balance_coeff: float | None = None  # aux-loss-free bias update speed (None: no bias)
     aux_loss_coeff: float = 0.0  # sequence-wise auxiliary loss coefficient alpha (0: off)
     experts_impl: str = "auto"
+    # gpt-oss's options: a bias on the router's logits and on every expert projection, and its clamped gated
+    # activation ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = clamp(gate, max=limit)``
+    router_bias: bool = False
+    expert_bias_terms: bool = False
+    activation: str = "swiglu"  # swiglu | clamped_swiglu
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self):
         problems = self.problems()
@@ -155,6 +165,8 @@ class MoEArgs:
             out.append(f"score_func must be one of {SCORE_FUNCS}, got {self.score_func!r}")
         if self.experts_impl not in EXPERTS_IMPLS:
             out.append(f"experts_impl must be one of {EXPERTS_IMPLS}, got {self.experts_impl!r}")
+        if self.activation not in ACTIVATIONS:
+            out.append(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if not self.route_scale > 0:
             out.append(f"route_scale must be > 0, got {self.route_scale}")
         if self.load_balance_coeff is not None and not self.load_balance_coeff > 0:
@@ -183,15 +195,21 @@ class MoEArgs:
     def replace(self, **changes) -> MoEArgs:
         return replace(self, **changes)
 
+    def _expert_params(self) -> int:
+        d, h = self.dim, self.hidden_dim
+        return 3 * d * h + (2 * h + d) * self.expert_bias_terms
+
     def num_params(self) -> int:
-        """Parameters of one block: router, every routed expert, the shared experts."""
-        d = self.dim
-        return d * self.num_experts + 3 * d * self.hidden_dim * self.num_experts + 3 * d * self.shared_width
+        """Parameters of one block: router, every routed expert, the shared experts (biases included) and their gate."""
+        d, e = self.dim, self.num_experts
+        gate = d if self.shared_gate and self.num_shared_experts else 0
+        return (d + self.router_bias) * e + self._expert_params() * e + 3 * d * self.shared_width + gate
 
     def active_params(self) -> int:
-        """Parameters one token uses: router, ``top_k`` routed experts, the shared experts."""
-        d = self.dim
-        return d * self.num_experts + 3 * d * self.hidden_dim * self.top_k + 3 * d * self.shared_width
+        """Parameters one token uses: router, ``top_k`` routed experts, the shared experts and their gate."""
+        d, e = self.dim, self.num_experts
+        gate = d if self.shared_gate and self.num_shared_experts else 0
+        return (d + self.router_bias) * e + self._expert_params() * self.top_k + 3 * d * self.shared_width + gate
 
 
 class Router(nn.Module):
@@ -201,7 +219,7 @@ class Router(nn.Module):
     def __init__(self, args: MoEArgs):
         super().__init__()
         self.args = args
-        self.gate = nn.Linear(args.dim, args.num_experts, bias=False)
+        self.gate = nn.Linear(args.dim, args.num_experts, bias=args.router_bias)
 
     def forward(self, x: Tensor, expert_bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         a = self.args
@@ -267,6 +285,24 @@ def _loop_swiglu(x: Tensor, counts: Tensor | list[int], w1: Tensor, w2: Tensor, 
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
 
+def clamped_swiglu(gate: Tensor, up: Tensor, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
+    """gpt-oss's gated activation: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g =
+    clamp(gate, max=limit)`` (transformers' ``GptOssExperts._apply_gate``)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def _loop_biased(x: Tensor, counts: Tensor | list[int], ws: tuple[Tensor, ...], act: Callable) -> Tensor:
+    """:func:`_loop_swiglu` with a bias on every projection and any gated activation ``act(gate, up)``: ``ws`` =
+    (w1, w2, w3, b1, b2, b3), biases (experts, out features)."""
+    outs = []
+    sizes = counts if isinstance(counts, list) else counts.tolist()
+    for rows, a, b, c, ba, bb, bc in zip(torch.split(x, sizes), *(w.unbind(0) for w in ws)):
+        outs.append(act(rows @ a.T + ba, rows @ c.T + bc) @ b.T + bb)
+    return torch.cat(outs) if outs else x.new_zeros(0, ws[1].shape[1])
+
+
 def _grouped_swiglu(
     x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, mm=None, align: int | None = None
 ) -> Tensor:
@@ -290,11 +326,29 @@ class GroupedExperts(nn.Module):
     (M, dim), ``counts[e]`` rows per expert, to their outputs (M, dim). The unit expert parallelism wraps: it
     dispatches the rows to the ranks holding their experts before, and combines them back after."""
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int, impl: str = "auto"):
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        hidden_dim: int,
+        impl: str = "auto",
+        *,
+        bias: bool = False,
+        activation: str = "swiglu",
+        alpha: float = 1.702,
+        limit: float = 7.0,
+    ):
         super().__init__()
         if impl not in EXPERTS_IMPLS:
             raise ValueError(f"GroupedExperts: impl must be one of {EXPERTS_IMPLS}, got {impl!r}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"GroupedExperts: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if impl == "grouped" and (bias or activation != "swiglu"):
+            raise ValueError(
+                "GroupedExperts impl 'grouped': biased / clamped experts run the loop; use 'loop' or 'auto'"
+            )
         self.num_experts, self.impl = num_experts, impl
+        self.activation, self.alpha, self.limit = activation, alpha, limit
         # A swap point for another grouped matmul with ``torch._grouped_mm``'s calling convention, ``mm(a, b_t,
         # offs=offs)`` (a: rows, row-major; b_t: (experts, in, out), column-major per expert; offs: int32 group
         # ends), e.g. torchao's float8 one (``titanlike.kernels.float8.convert_experts_to_float8``); each group is
@@ -304,6 +358,21 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        # gpt-oss: a bias per expert on each projection (experts on dim 0, so expert parallelism splits them alike)
+        self.b1 = nn.Parameter(torch.empty(num_experts, hidden_dim)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, dim)) if bias else None
+        self.b3 = nn.Parameter(torch.empty(num_experts, hidden_dim)) if bias else None
+
+    def _biases(self, w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The local (b1, b2, b3), zeros when the experts have none."""
+        if self.b1 is None:
+            return w1.new_zeros(w1.shape[:2]), w2.new_zeros(w2.shape[:2]), w1.new_zeros(w1.shape[:2])
+        return _local(self.b1), _local(self.b2), _local(self.b3)
+
+    def _act(self, gate: Tensor, up: Tensor) -> Tensor:
+        if self.activation == "clamped_swiglu":
+            return clamped_swiglu(gate, up, self.alpha, self.limit)
+        return F.silu(gate) * up
 
     def resolved_impl(self, x: Tensor) -> str:
         """``"grouped"`` or ``"loop"`` for input ``x`` (``auto``: grouped on CUDA in bf16/fp16 with aligned sizes;
@@ -311,7 +380,7 @@ class GroupedExperts(nn.Module):
         dim, hidden = self.w1.shape[2], self.w1.shape[1]
         if self.grouped_mm is not None:
             return "grouped"
-        if self.impl == "loop":
+        if self.impl == "loop" or self.b1 is not None or self.activation != "swiglu":
             return "loop"
         why = None
         if x.dtype not in GROUPED_MM_DTYPES:
@@ -331,6 +400,10 @@ class GroupedExperts(nn.Module):
                 f"GroupedExperts: got token counts for {counts.numel()} experts but computes {w1.shape[0]}; "
                 f"weights sharded over experts need the expert-parallel dispatch (titanlike.parallel.apply_ep)"
             )
+        if self.b1 is not None or self.activation != "swiglu":
+            ws = (w1, w2, w3, *self._biases(w1, w2))
+            sizes = [x.shape[0] // w1.shape[0]] * w1.shape[0] if _BALANCED[0] else counts
+            return _loop_biased(x, sizes, ws, self._act)
         if self.resolved_impl(x) == "grouped":
             return _grouped_swiglu(x, counts, w1, w2, w3, self.grouped_mm, self.grouped_mm_align)
         if _BALANCED[0]:  # every local expert the same rows, known from the shapes (no host read of the counts)
@@ -411,8 +484,19 @@ class MoE(nn.Module):
         super().__init__()
         self.args = args
         self.router = Router(args)
-        self.experts = GroupedExperts(args.num_experts, args.dim, args.hidden_dim, args.experts_impl)
+        self.experts = GroupedExperts(
+            args.num_experts,
+            args.dim,
+            args.hidden_dim,
+            args.experts_impl,
+            bias=args.expert_bias_terms,
+            activation=args.activation,
+            alpha=args.swiglu_alpha,
+            limit=args.swiglu_limit,
+        )
         self.shared_experts = FeedForward(args.dim, args.shared_width) if args.num_shared_experts else None
+        # Qwen3-Next's gate on the shared experts (sigmoid of one projection of the token)
+        self.shared_gate = nn.Linear(args.dim, 1, bias=False) if args.shared_gate and args.num_shared_experts else None
         if args.load_balance_coeff is not None:
             self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
         else:
@@ -440,7 +524,10 @@ class MoE(nn.Module):
         routed = self.experts(flat.index_select(0, order // k), counts)
         out = self.combine(routed, weights, order).view(bsz, seqlen, dim)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared
         if self.training and self.args.aux_loss_coeff > 0:
             aux = self.sequence_aux_loss(scores, idx, bsz)
             if _counting(self):
@@ -520,6 +607,7 @@ def param_init_patterns(prefix: str = "", depth: int | None = None) -> dict[str,
         prefix + r"experts\.(w2|w3)": residual,
         prefix + r"shared_experts\.w1\.weight": trunc_normal(0.02),
         prefix + r"shared_experts\.(w2|w3)\.weight": residual,
+        prefix + r"shared_gate\.weight": trunc_normal(0.02),
     }
 
 

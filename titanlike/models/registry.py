@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from torch import nn
 
+import titanlike.models.deepseek_v3  # noqa: F401
 import titanlike.models.gpt2  # noqa: F401
+import titanlike.models.gpt_oss  # noqa: F401
 import titanlike.models.llama  # noqa: F401
 import titanlike.models.qwen3  # noqa: F401
 import titanlike.models.qwen3_moe  # noqa: F401
+import titanlike.models.qwen3_next  # noqa: F401
 import titanlike.models.transformers_lm  # noqa: F401
 from titanlike.models.spec import _REGISTRY, ModelSpec, UnknownModelError, lookup
 

@@ -48,6 +48,13 @@ class ModelSpec:
     block_container: str | None = None
     # Extra shape rules of this model (one line with the fix per violation), on top of the shared ones.
     shape_violations: Callable[[object], list[str]] = lambda args: []
+    # The planner's view of a linear-attention layer (titanlike.models.linear_attention): linear_attention(args, i) ->
+    # (v_heads, dk, dv, conv_channels, conv_kernel) of block i, None when it attends with softmax (its cp messages are
+    # the K/V gathers; a linear one's the state maps and conv halos of titanlike.parallel.state_passing).
+    linear_attention: Callable[[object, int], tuple[int, int, int, int, int] | None] = lambda args, i: None
+    # Extra tensor-parallel rules of this model: tp_violations(args, tp) (Qwen3-Next: tp divides its linear-attention
+    # key heads), one line with the fix each; checked by the layout rules (rule tp_model) before any process starts.
+    tp_violations: Callable[[object, int], list[str]] = lambda args, tp: []
     # Hugging Face adapter: the module (titanlike/models/<name>/hf.py) implementing titanlike.hf.HFAdapter; its
     # MODEL_TYPE is the config.json model_type import picks it by.
     hf_adapter: str = ""

@@ -60,6 +60,18 @@ def _null_context() -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def mtp_loss(loss: ScaledLoss, model: nn.Module, cfg, dims: ParallelDims) -> ScaledLoss:
+    """``loss`` set up for a model with MTP depths (``args.mtp_layers``): ``training.mtp_loss_weight``, the depth
+    count, and under context parallelism the depths' labels shifted over the whole window."""
+    loss.mtp_weight = cfg.training.mtp_loss_weight
+    loss.mtp_depths = getattr(getattr(model, "args", None), "mtp_layers", 0) or 0
+    if dims.cp_enabled and loss.mtp_depths:
+        from titanlike.parallel.context_parallel import cp_shift_labels
+
+        loss.shift_labels = cp_shift_labels(dims.get_mesh("cp"))
+    return loss
+
+
 def build_parallel_model(
     model: nn.Module, cfg, dims: ParallelDims, device: torch.device, *, init_seed: int | None = None
 ) -> ParallelModel:
@@ -76,6 +88,7 @@ def build_parallel_model(
         blocks = moe_modules(model)  # the whole model's MoE blocks, before the stages are cut from it
         layers = [n for n, m in model.named_modules() if isinstance(m, MoE)]
         pp = apply_pp(model, dims, cfg, device, init_seed=init_seed)
+        mtp_loss(pp.loss, model, cfg, dims)
         moe = None
         if blocks:
             moe = ExpertBalancing(
@@ -96,7 +109,7 @@ def build_parallel_model(
         )
     on_meta = any(p.is_meta for p in model.parameters())
     model = parallelize_model(model, dims, cfg)
-    loss = ScaledLoss(build_loss_fn(cfg, dims))
+    loss = mtp_loss(ScaledLoss(build_loss_fn(cfg, dims)), model, cfg, dims)
     if on_meta:
         materialize(model, device, init_seed)
     else:

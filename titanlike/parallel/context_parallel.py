@@ -40,12 +40,18 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
-from titanlike.models.decoder import AttentionCore, Positions
-from titanlike.models.masking import DocumentMask
+from titanlike.loss import shift_labels
+from titanlike.models.decoder import AttentionCore, LatentAttentionCore, Positions, SequenceWindow
+from titanlike.models.linear_attention import GatedDeltaCore, ShortConvCore
+from titanlike.models.masking import DocumentMask, window_keys, window_tail
+from titanlike.parallel.state_passing import ContextParallelGatedDelta, ContextParallelShortConv
 
 __all__ = [
     "ContextParallelAttention",
+    "ContextParallelLatentAttention",
     "ContextParallelPositions",
+    "ContextParallelWindow",
+    "cp_shift_labels",
     "apply_cp",
     "chunk_attention",
     "chunk_ids",
@@ -140,7 +146,104 @@ class ContextParallelAttention(nn.Module):
     Same interface as the plain core: ``q (batch, s, heads, head_dim)``, ``k, v (batch, s, kv_heads, head_dim)``
     with ``s = seq_len / cp`` this rank's tokens (chunks ``r`` and ``2 cp - 1 - r``); returns ``(batch, s, heads,
     head_dim)``. Every cp rank of the mesh must call it (the all-gathers are collectives).
+
+    ``window`` / ``sinks``: the plain core's options (taken from it by :func:`apply_cp`). A sliding-window layer
+    whose window fits a chunk (``window - 1 <= C``) gathers only what the window can see: the last ``window - 1``
+    keys / values of every chunk (:meth:`_windowed`: ``2 cp (window - 1)`` tokens per layer instead of ``S``; exact,
+    the query positions global); a wider window gathers everything and masks.
     """
+
+    attention_seam = True
+
+    def __init__(self, cp_mesh: DeviceMesh, window: int | None = None, sinks: bool = False):
+        super().__init__()
+        self.cp_mesh = cp_mesh
+        self.cp = cp_mesh.size()
+        self.rank = cp_mesh.get_local_rank()
+        self.window, self.sinks = window, sinks
+
+    def extra_repr(self) -> str:
+        return f"cp={self.cp}, rank={self.rank}, chunks={chunk_ids(self.cp, self.rank)}, window={self.window}"
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask | None = None, sinks: Tensor | None = None
+    ) -> Tensor:
+        cp, c = self.cp, q.shape[1] // 2
+        if mask is None and (self.window is not None or sinks is not None):  # outside a decoder: the causal mask
+            positions = cp_positions(q.shape[1] * cp, cp, self.rank, q.device)
+            mask = DocumentMask.causal(q.shape[0], positions, (self.window,))
+        if window_tail(c, self.window) is not None:
+            return self._windowed(q, k, v, mask, sinks)
+        k_all = reorder_gathered(all_gather_sequence(k, self.cp_mesh), cp)
+        v_all = reorder_gathered(all_gather_sequence(v, self.cp_mesh), cp)
+        kt, vt = _repeat_kv(k_all, q).transpose(1, 2), _repeat_kv(v_all, q).transpose(1, 2)
+        plain = self.window is None and sinks is None
+        outs = []
+        for half, j in enumerate(chunk_ids(cp, self.rank)):
+            qj = q[:, half * c : (half + 1) * c].transpose(1, 2)
+            if mask is None or (plain and not mask.documents):
+                outs.append(chunk_attention(qj, kt[:, :, : (j + 1) * c], vt[:, :, : (j + 1) * c]).transpose(1, 2))
+                continue
+            # the chunk's rows of the mask (global positions, local document starts) against the keys it can see
+            k0, k1 = window_keys(j * c, (j + 1) * c - 1, self.window)
+            rows = (half * c, (half + 1) * c)
+            out = mask.attend(qj, kt[:, :, k0:k1], vt[:, :, k0:k1], rows, window=self.window, sinks=sinks, key_start=k0)
+            outs.append(out.transpose(1, 2))
+        return torch.cat(outs, dim=1)
+
+    def _windowed(self, q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask, sinks: Tensor | None) -> Tensor:
+        """Sliding-window attention gathering only the last ``t = window - 1`` keys / values of every chunk (one
+        all-gather each of ``2 t`` tokens per rank; their gradients reduce-scattered): global chunk ``j`` attends to
+        the tail of chunk ``j - 1`` and its own keys, the range :func:`window_keys` gives."""
+        cp, c = self.cp, q.shape[1] // 2
+        t = window_tail(c, self.window)
+        if t:
+            tails_k = torch.cat([k[:, (h + 1) * c - t : (h + 1) * c] for h in (0, 1)], dim=1)
+            tails_v = torch.cat([v[:, (h + 1) * c - t : (h + 1) * c] for h in (0, 1)], dim=1)
+            tails_k = reorder_gathered(all_gather_sequence(tails_k, self.cp_mesh), cp)  # (b, 2 cp t): chunk order
+            tails_v = reorder_gathered(all_gather_sequence(tails_v, self.cp_mesh), cp)
+        outs = []
+        for half, j in enumerate(chunk_ids(cp, self.rank)):
+            own = slice(half * c, (half + 1) * c)
+            kj, vj = k[:, own], v[:, own]
+            if t and j > 0:
+                kj = torch.cat([tails_k[:, (j - 1) * t : j * t], kj], dim=1)
+                vj = torch.cat([tails_v[:, (j - 1) * t : j * t], vj], dim=1)
+            k0, _ = window_keys(j * c, (j + 1) * c - 1, self.window)
+            qj = q[:, own].transpose(1, 2)
+            kj, vj = _repeat_kv(kj, q).transpose(1, 2), _repeat_kv(vj, q).transpose(1, 2)
+            out = mask.attend(qj, kj, vj, (own.start, own.stop), window=self.window, sinks=sinks, key_start=k0)
+            outs.append(out.transpose(1, 2))
+        return torch.cat(outs, dim=1)
+
+
+def _repeat_kv(kv: Tensor, q: Tensor) -> Tensor:
+    """Grouped-query attention, as the plain core does (after the gather: kv heads travel)."""
+    n_rep = q.shape[2] // kv.shape[2]
+    return kv.repeat_interleave(n_rep, dim=2) if n_rep > 1 else kv
+
+
+def _gather_replicated(t: Tensor, mesh: DeviceMesh) -> Tensor:
+    """:func:`all_gather_sequence` of ``t``, in global order; a tensor-parallel ``Replicate`` DTensor (MLA's latent
+    under tp) travels as its local tensor and comes back as one, its gradient kept a ``Partial`` sum over tp (each
+    rank's heads use it), as the ``Latent`` style hands it on."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    if not isinstance(t, DTensor):
+        return reorder_gathered(all_gather_sequence(t, mesh), mesh.size())
+    partial = (Partial(),) * t.device_mesh.ndim
+    local = reorder_gathered(all_gather_sequence(t.to_local(grad_placements=partial), mesh), mesh.size())
+    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, grad_placements=partial)
+
+
+class ContextParallelLatentAttention(nn.Module):
+    """Context-parallel :class:`~titanlike.models.decoder.LatentAttentionCore` over ``cp_mesh``: the latent
+    (``kv_lora_rank`` numbers per token) and the shared RoPE key (``qk_rope_head_dim``: 512 + 64 = 576 for
+    DeepSeek-V3) are all-gathered instead of the per-head keys and values (2 x 128 x 192 = 49152 for V3), and expanded
+    locally by the model's ``expand`` over the whole gathered sequence; then each local query chunk attends as in
+    :class:`ContextParallelAttention` (causal, or the block-causal mask). Backward: the gathered latent's and key's
+    gradients are reduce-scattered (the expansion's weight gradients stay local: FSDP / the data-parallel
+    reduction over ``dp x cp`` sums them). Every cp rank of the mesh must call it."""
 
     def __init__(self, cp_mesh: DeviceMesh):
         super().__init__()
@@ -149,16 +252,11 @@ class ContextParallelAttention(nn.Module):
         self.rank = cp_mesh.get_local_rank()
 
     def extra_repr(self) -> str:
-        return f"cp={self.cp}, rank={self.rank}, chunks={chunk_ids(self.cp, self.rank)}"
+        return f"cp={self.cp}, rank={self.rank}, chunks={chunk_ids(self.cp, self.rank)}, gathers the latent"
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask | None = None) -> Tensor:
+    def forward(self, q: Tensor, latent: Tensor, k_rope: Tensor, expand, mask: DocumentMask | None = None) -> Tensor:
         cp, c = self.cp, q.shape[1] // 2
-        k_all = reorder_gathered(all_gather_sequence(k, self.cp_mesh), cp)
-        v_all = reorder_gathered(all_gather_sequence(v, self.cp_mesh), cp)
-        n_rep = q.shape[2] // k.shape[2]
-        if n_rep > 1:  # grouped-query attention, as the plain core does (after the gather: kv heads travel)
-            k_all = k_all.repeat_interleave(n_rep, dim=2)
-            v_all = v_all.repeat_interleave(n_rep, dim=2)
+        k_all, v_all = expand(_gather_replicated(latent, self.cp_mesh), _gather_replicated(k_rope, self.cp_mesh))
         kt, vt = k_all.transpose(1, 2), v_all.transpose(1, 2)
         outs = []
         for half, j in enumerate(chunk_ids(cp, self.rank)):
@@ -166,7 +264,7 @@ class ContextParallelAttention(nn.Module):
             kj, vj = kt[:, :, : (j + 1) * c], vt[:, :, : (j + 1) * c]
             if mask is None:
                 outs.append(chunk_attention(qj, kj, vj).transpose(1, 2))
-            else:  # block-causal: the chunk's rows of the mask (global positions, local document starts)
+            else:
                 outs.append(mask.attend(qj, kj, vj, rows=(half * c, (half + 1) * c)).transpose(1, 2))
         return torch.cat(outs, dim=1)
 
@@ -177,12 +275,13 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
     * CUDA: SDPA with ``causal_lower_right`` (flash / memory-efficient kernels take the bottom-right alignment);
     * CPU: torch's flash kernel twice, the ``n - c`` earlier keys without a mask and the last ``c`` with the square
-      causal mask, merged by their log-sum-exps (:class:`_TwoBlockAttentionCPU`); anything else: the explicit mask.
+      causal mask, merged by their log-sum-exps (:class:`_TwoBlockAttentionCPU`); anything else (values of another
+      head dim than q / k, MLA's: the CPU flash kernel refuses them, torch 2.13): the explicit mask.
     """
     c, n = q.shape[2], k.shape[2]
     if q.device.type == "cuda":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(c, n))
-    if q.device.type == "cpu" and _cpu_flash is not None:
+    if q.device.type == "cpu" and _cpu_flash is not None and v.shape[-1] == q.shape[-1]:
         if n == c:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return _TwoBlockAttentionCPU.apply(q, k[:, :, : n - c], v[:, :, : n - c], k[:, :, n - c :], v[:, :, n - c :])
@@ -248,27 +347,68 @@ class ContextParallelPositions(nn.Module):
         return _global_positions(x.shape[1] * self.cp, self.cp, self.rank, x.device)  # x.shape: DTensor or not
 
 
+class ContextParallelWindow(nn.Module):
+    """The window seam under context parallelism: a per-token tensor (token ids) of every cp rank gathered and put
+    in global order, (batch, seq of the whole window). Integers, no gradient: one all-gather."""
+
+    def __init__(self, cp_mesh: DeviceMesh):
+        super().__init__()
+        self.cp_mesh = cp_mesh
+
+    def forward(self, t: Tensor) -> Tensor:
+        return gather_window(t, self.cp_mesh)
+
+
+def gather_window(t: Tensor, mesh: DeviceMesh) -> Tensor:
+    """Every cp rank's ``t`` (batch, local seq), no gradient, in global sequence order."""
+    return reorder_gathered(_gather_seq(t, mesh), mesh.size())
+
+
+def cp_shift_labels(cp_mesh: DeviceMesh):
+    """``ScaledLoss.shift_labels`` under context parallelism: the labels of MTP depth k are the whole window's
+    labels shifted by k (a rank's two chunks are not contiguous), cut back to this rank's chunks."""
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+
+    def shift(labels: Tensor, k: int) -> Tensor:
+        return cp_shard(shift_labels(gather_window(labels, cp_mesh), k), cp, rank)
+
+    return shift
+
+
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True) -> nn.Module:
     """Context parallelism over ``cp_mesh`` (1-D), in place; returns ``model``.
 
     Every attention seam (``titanlike.models.decoder.AttentionCore``, called as ``core(q, k, v)``) becomes a
-    :class:`ContextParallelAttention`, every position seam (``titanlike.models.decoder.Positions``) a
-    :class:`ContextParallelPositions`. A module without an attention seam is refused (its attention would see only
-    this rank's tokens); so is one without a position seam unless ``positions=False`` (the model has no positions,
-    or feeds ``cp_positions`` to its position lookups itself). Call after tensor parallelism and before activation
-    checkpointing / compile / FSDP; the batches must be cut with :func:`cp_shard`.
+    :class:`ContextParallelAttention` (a ``LatentAttentionCore``: a :class:`ContextParallelLatentAttention`), every
+    position seam (``titanlike.models.decoder.Positions``) a :class:`ContextParallelPositions`, every
+    linear-attention seam (``titanlike.models.linear_attention``: ``GatedDeltaCore``, ``ShortConvCore``) its
+    state-passing counterpart (``titanlike.parallel.state_passing``). A module without an attention seam is refused
+    (its attention would see only this rank's tokens); so is one without a position seam unless ``positions=False``
+    (the model has no positions, or feeds ``cp_positions`` to its position lookups itself). Call after tensor
+    parallelism and before activation checkpointing / compile / FSDP; the batches must be cut with :func:`cp_shard`.
     """
     if cp_mesh.ndim != 1:
         raise ValueError(f"apply_cp needs a 1-D cp mesh, got {cp_mesh}")
-    cores, seams = [], []
+    cores, seams, windows, linear = [], [], [], []
     for module in model.modules():
         for child_name, child in module.named_children():
-            if isinstance(child, AttentionCore):
+            if isinstance(child, (AttentionCore, LatentAttentionCore)):
                 cores.append((module, child_name))
             elif isinstance(child, Positions):
                 seams.append((module, child_name))
-    already = any(isinstance(m, (ContextParallelAttention, ContextParallelPositions)) for m in model.modules())
-    if not cores and not already:
+            elif isinstance(child, SequenceWindow):
+                windows.append((module, child_name))
+            elif isinstance(child, (GatedDeltaCore, ShortConvCore)):
+                linear.append((module, child_name, child))
+    done = (
+        ContextParallelAttention,
+        ContextParallelLatentAttention,
+        ContextParallelPositions,
+        ContextParallelGatedDelta,
+        ContextParallelShortConv,
+    )
+    already = any(isinstance(m, done) for m in model.modules())
+    if not cores and not linear and not already:
         raise ValueError(
             f"apply_cp: {type(model).__name__} has no attention seam (a titanlike.models.decoder.AttentionCore "
             f"module called as core(q, k, v)), so each cp rank would attend over its own tokens only; route its "
@@ -281,7 +421,18 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True) -
             f"pass positions=False if it has no positions or feeds cp_positions to them itself"
         )
     for owner, child_name in cores:
-        setattr(owner, child_name, ContextParallelAttention(cp_mesh))
+        core = getattr(owner, child_name)
+        if isinstance(core, LatentAttentionCore):
+            setattr(owner, child_name, ContextParallelLatentAttention(cp_mesh))
+        else:
+            setattr(owner, child_name, ContextParallelAttention(cp_mesh, window=core.window, sinks=core.sinks))
     for owner, child_name in seams:
         setattr(owner, child_name, ContextParallelPositions(cp_mesh))
+    for owner, child_name in windows:
+        setattr(owner, child_name, ContextParallelWindow(cp_mesh))
+    for owner, child_name, child in linear:  # linear attention: state passing (titanlike.parallel.state_passing)
+        if isinstance(child, GatedDeltaCore):
+            setattr(owner, child_name, ContextParallelGatedDelta(cp_mesh, child.chunk_size))
+        else:
+            setattr(owner, child_name, ContextParallelShortConv(cp_mesh))
     return model

@@ -14,6 +14,12 @@ The translation (``seq`` = ``Shard(1)`` under sequence parallelism, else ``Repli
                        :class:`ReplicateParallel` (runs on the replicated stream, returns a local tensor)
 ``HeadNorm``           SequenceParallel over the heads dim: runs on this rank's heads, weight replicated, its
                        gradient a ``Partial`` sum over tp (never ReplicateParallel: each rank sees other heads)
+``Latent``             :class:`LatentParallel`: replicated weight on the region's replicated input (MLA's latent
+                       down-projections and norms), its gradient a ``Partial`` sum over tp; ``local_output``:
+                       its output as the local tensor (a partial gradient)
+``HeadParams``         :class:`HeadParamsParallel`: parameters ``Shard(0)`` with the heads, inputs this rank's
+                       shards along the heads dim, outputs local (attention sinks, a linear-attention decay, its
+                       conv's channels)
 ``Region``             PrepareModuleInput ``seq`` -> Replicate of the first input (keyword arguments untouched):
                        the "f" operator, identity forward / all-reduce backward (SP: all-gather / reduce-scatter);
                        ``Region(keyword=k)``: of keyword argument ``k`` instead, positional inputs untouched
@@ -50,9 +56,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from functools import partial
 
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -71,6 +77,8 @@ __all__ = [
     "tp_plan",
     "apply_tp",
     "HeadNormParallel",
+    "HeadParamsParallel",
+    "LatentParallel",
     "ReplicateParallel",
     "PositionEmbeddingParallel",
     "TokenLocalParallel",
@@ -150,6 +158,46 @@ class HeadNormParallel(SequenceParallel):
         return f"{type(self).__name__}(heads_dim={self.heads_dim}, use_local_output={self.use_local_output})"
 
 
+class LatentParallel(ParallelStyle):
+    """A module inside a tensor-parallel region that runs on the replicated input before the heads split (MLA's
+    latent down-projections and their norms; the ``Latent`` sharding entry): its parameters ``Replicate`` DTensors,
+    its input kept (a DTensor from the region) or taken as the replicated local tensor, its output a ``Replicate``
+    DTensor for the column-wise projection that follows. Each rank's heads use the whole output, so autograd gives
+    its parameters (and its input) ``Partial`` gradients, summed over tp by :func:`apply_tp`'s gradient hook (and by
+    the region's f operator). ``local_output``: the output as the local tensor with a ``Partial`` gradient (a
+    tensor joined to per-head local ones: MLA's shared RoPE key). No forward communication."""
+
+    def __init__(self, *, local_output: bool = False):
+        super().__init__()
+        self.local_output = local_output
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(local_output={self.local_output})"
+
+    @staticmethod
+    def _input_fn(mod, inputs, device_mesh):
+        x, *rest = inputs
+        if not isinstance(x, DTensor):
+            replicate, partial = (Replicate(),) * device_mesh.ndim, (Partial(),) * device_mesh.ndim
+            x = DTensor.from_local(x, device_mesh, replicate, run_check=False, grad_placements=partial)
+        return (x, *rest)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        local = self.local_output
+
+        def output_fn(mod, outputs, mesh):
+            if local and isinstance(outputs, DTensor):
+                return outputs.to_local(grad_placements=(Partial(),) * mesh.ndim)
+            return outputs
+
+        def replicate_params(name, mod, mesh):
+            for key, param in list(mod.named_parameters(recurse=False)):
+                dist_param = nn.Parameter(distribute_tensor(param, mesh, [Replicate()] * mesh.ndim))
+                mod.register_parameter(key, dist_param)
+
+        return distribute_module(module, device_mesh, replicate_params, input_fn=self._input_fn, output_fn=output_fn)
+
+
 class PositionEmbeddingParallel(ReplicateParallel):
     """A replicated position table whose (seq, dim) output takes the residual stream's layout: ``Replicate``, or
     under sequence parallelism ``Shard(0)`` (this rank's positions), so that adding it to the token embedding's
@@ -204,6 +252,45 @@ class TokenLocalParallel(ParallelStyle):
         module.register_forward_pre_hook(lambda mod, inputs: self._prepare_input_fn(mod, inputs, device_mesh))
         module.register_forward_hook(lambda mod, inputs, out: self._prepare_output_fn(mod, out, device_mesh))
         return module
+
+
+class HeadParamsParallel(ParallelStyle):
+    """A module whose parameters are sharded with the heads (``Shard(0)``: attention sinks, a per-head decay, a
+    depthwise conv's channels) inside a tensor-parallel region: its tensor inputs are this rank's local shards along
+    ``heads_dim`` (taken as DTensors ``Shard(heads_dim)``, so the parameters broadcast against them shard by shard),
+    its outputs local tensors (a module called with no input returns this rank's part of its parameters). What the
+    ``HeadParams`` sharding entry translates to."""
+
+    def __init__(self, heads_dim: int = 2):
+        super().__init__()
+        self.heads_dim = heads_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        dim = self.heads_dim
+
+        def partition(name, mod, mesh):
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])))
+
+        def input_fn(mod, inputs, mesh):
+            return tuple(
+                DTensor.from_local(x, mesh, [Shard(dim)], run_check=False) if isinstance(x, Tensor) else x
+                for x in inputs
+            )
+
+        def output_fn(mod, outputs, mesh):
+            if isinstance(outputs, tuple):
+                return tuple(o.to_local() if isinstance(o, DTensor) else o for o in outputs)
+            return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+        return distribute_module(module, device_mesh, partition, input_fn, output_fn)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(heads_dim={self.heads_dim})"
+
+
+def _head_params_style(entry: sh.HeadParams) -> ParallelStyle:
+    return HeadParamsParallel(entry.heads_dim)
 
 
 # ------------------------------------------------------------------------------------------------- the translator
@@ -283,6 +370,10 @@ def tp_plan(
             return _norm_style(sequence_parallel)
         if isinstance(entry, sh.HeadNorm):
             return _head_norm_style(entry)
+        if isinstance(entry, sh.HeadParams):
+            return _head_params_style(entry)
+        if isinstance(entry, sh.Latent):
+            return LatentParallel(local_output=entry.local_output)
         if isinstance(entry, sh.Region):
             inner = any(p.startswith(pattern + ".") for p in f8_patterns)
             prepare = PrepareFloat8ModuleInput if inner else PrepareModuleInput

@@ -47,6 +47,7 @@ from functools import lru_cache
 from titanlike.layout import TOKEN_DIMS
 from titanlike.layout.timeline import schedule_timeline
 from titanlike.models import spec_for as get_spec_for
+from titanlike.models.masking import cp_gathered_tokens
 from titanlike.planner.hardware import Hardware
 from titanlike.planner.layout import Layout
 from titanlike.planner.memory import fsdp_units, moe_layers, rank_param_shards, unit_group, unit_reshards
@@ -207,12 +208,49 @@ def _loss_messages(tally: _Tally) -> None:
 
 
 def _cp_messages(tally: _Tally, ids: list[int]) -> None:
-    """Context parallel: every block's K and V all-gathers and their gradients' reduce-scatters."""
-    lo, add, kv, passes = tally.lo, tally.add, tally.kv_bytes, tally.passes
-    n, recomputed = len(ids), sum(lo.checkpointed(i) == "full" for i in ids)
-    add("cp", "all_gather", "forward", kv, lo.cp, "K and V of every block", 2 * n * passes)
-    add("cp", "reduce_scatter", "backward", kv, lo.cp, "K and V grads of every block", 2 * n * passes)
-    add("cp", "all_gather", "backward", kv, lo.cp, "recomputed K and V (full AC)", 2 * recomputed * passes)
+    """Context parallel: every softmax block's K and V all-gathers and their gradients' reduce-scatters (a
+    sliding-window layer: the window's reach only; MLA: the latent and the shared RoPE key instead,
+    ``args.cp_gathered``); a linear-attention block's state maps and conv halos instead
+    (:func:`_linear_cp_messages`)."""
+    lo, add, passes = tally.lo, tally.add, tally.passes
+    linear = {i: get_spec_for(tally.args).linear_attention(tally.args, i) for i in ids}
+    _linear_cp_messages(tally, {i: shape for i, shape in linear.items() if shape is not None})
+    ids = [i for i in ids if linear[i] is None]
+    latent = getattr(tally.args, "cp_gathered", None)  # MLA: the latent and the shared RoPE key, not K and V
+    if latent:
+        n, recomputed = len(ids), sum(lo.checkpointed(i) == "full" for i in ids)
+        per_head = tally.args.cp_per_head_numbers // tally.t
+        for what, width in latent:
+            size = tally.b * lo.seq_len * width * tally.a
+            note = f"{what} of every block ({width}/token; per-head K and V would be {per_head}/token)"
+            add("cp", "all_gather", "forward", size, lo.cp, note, n * passes)
+            add("cp", "reduce_scatter", "backward", size, lo.cp, f"{what} grads of every block", n * passes)
+            add("cp", "all_gather", "backward", size, lo.cp, f"recomputed {what} (full AC)", recomputed * passes)
+        return
+    window_of = getattr(tally.args, "window_of", lambda i: None)  # a sliding-window layer: the window's reach only
+    for i in ids:
+        kv = tally.kv_bytes * cp_gathered_tokens(lo.seq_len, lo.cp, window_of(i)) // lo.seq_len
+        add("cp", "all_gather", "forward", kv, lo.cp, "K and V of every block", 2 * passes)
+        add("cp", "reduce_scatter", "backward", kv, lo.cp, "K and V grads of every block", 2 * passes)
+        recomputed = lo.checkpointed(i) == "full"
+        add("cp", "all_gather", "backward", kv, lo.cp, "recomputed K and V (full AC)", 2 * recomputed * passes)
+
+
+def _linear_cp_messages(tally: _Tally, linear: dict) -> None:
+    """The cp messages of the linear-attention blocks (``titanlike.parallel.state_passing``), per block and
+    microbatch: the all-gather of every rank's two pieces' state maps ``(B, M)``, ``b x v_heads/tp x dk x (dv + dk)``
+    each in at least float32, and of their conv halos (the last ``kernel - 1`` inputs of each piece), both
+    reduce-scattered in the backward (again gathered when full AC recomputes the block): independent of seq_len."""
+    lo, add, passes = tally.lo, tally.add, tally.passes
+    b, t, a = lo.microbatch_size, lo.tp, lo.act_bytes
+    for i, (hv, dk, dv, channels, kernel) in linear.items():
+        state = lo.cp * 2 * b * (hv // t) * dk * (dv + dk) * lo.compute_bytes
+        halo = lo.cp * 2 * b * min(kernel - 1, lo.local_seq_len // 2) * (channels // t) * a
+        again = lo.checkpointed(i) == "full"
+        for nbytes, what in ((state, "linear-attention state maps"), (halo, "short-conv halos")):
+            add("cp", "all_gather", "forward", nbytes, lo.cp, f"{what} of every linear block", passes)
+            add("cp", "reduce_scatter", "backward", nbytes, lo.cp, f"{what} grads of every linear block", passes)
+            add("cp", "all_gather", "backward", nbytes, lo.cp, f"recomputed {what} (full AC)", again * passes)
 
 
 def _ep_messages(tally: _Tally, moe) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from titanlike.config import JobConfig, validate
 from titanlike.errors import ConfigError
 from titanlike.layout import FLATTENED, MESH_DIMS, layout_violations
+from titanlike.models.masking import cp_gathered_tokens
 from titanlike.planner.cost import StepCost, messages, step_cost
 from titanlike.planner.dryrun import DryRun, dry_run
 from titanlike.planner.hardware import GiB, Hardware
@@ -314,7 +315,7 @@ def _cp_ep_notes(plan: Plan) -> list[str]:
         out.append(
             f"  cp: per block 2 all-gathers (K, V) forward + 2 reduce-scatters backward of b S kv_dim/t a = "
             f"{fmt_bytes(kv)} each, {fmt_bytes(4 * kv * (lo.cp - 1) / lo.cp)} on the wire per block and "
-            f"microbatch; synchronous inside attention, so fully exposed"
+            f"microbatch; synchronous inside attention, so fully exposed{_window_note(plan.args, lo, kv)}"
         )
     if lo.ep > 1:
         moe = _rank_moe(plan)
@@ -496,3 +497,19 @@ def render_plan(plan: Plan) -> str:
         if plan.dry is not None:
             lines += _dry(plan)
     return "\n".join(lines)
+
+
+def _window_note(args, lo, kv: float) -> str:
+    """The cp line's sliding-window layers: their K / V gathers hold only the window's reach."""
+    window_of = getattr(args, "window_of", None)
+    if window_of is None:
+        return ""
+    windows = [window_of(i) for i in range(args.n_layers)]
+    sliding = [w for w in windows if w is not None]
+    if not sliding:
+        return ""
+    tokens = cp_gathered_tokens(lo.seq_len, lo.cp, sliding[0])
+    return (
+        f"; the {len(sliding)} sliding-window layers (window {sliding[0]}) gather {tokens:,} of the {lo.seq_len:,} "
+        f"positions ({fmt_bytes(kv * tokens / lo.seq_len)} each: bounded by the window)"
+    )

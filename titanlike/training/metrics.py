@@ -1,4 +1,5 @@
-"""Rank-0 metrics: a console line, tensorboard scalars and ``<dump_folder>/metrics.jsonl``."""
+"""Rank-0 metrics: a console line, tensorboard scalars, ``<dump_folder>/metrics.jsonl`` and the trackers
+(Weights & Biases: ``titanlike.training.trackers``), all fed the same values by :class:`MetricsLogger`."""
 
 from __future__ import annotations
 
@@ -135,11 +136,13 @@ class MetricsLogger:
         jsonl: bool,
         color: bool = False,
         start_step: int = 0,
+        trackers: tuple = (),
     ):
         self.enabled = enabled
         self.color = color
         self.writer = None
         self.jsonl = None
+        self.trackers = tuple(trackers)  # objects with log(step, values) and close(): every value logged goes there
         if not enabled:
             return
         folder = Path(dump_folder)
@@ -165,8 +168,12 @@ class MetricsLogger:
         if self.jsonl is not None:
             # repr-precision floats: json writes the shortest string that round-trips the float64 exactly.
             self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
+        for tracker in self.trackers:
+            tracker.log(step, values)
 
     def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
         if self.writer is not None:
             self.writer.close()
         if self.jsonl is not None:

@@ -55,6 +55,8 @@ class StepResult:
     tokens: int  # non-ignored tokens of the global batch
     skipped: bool  # True when loss or grad norm was not finite and the update was skipped
     moe: dict | None = None  # a model with MoE blocks: the aux loss per layer and the global expert loads
+    mtp: list[float] | None = None  # a model with MTP depths: each depth's loss over the global batch's tokens
+    committed: bool = True  # replica groups (fault_tolerance): False when the step failed and nothing was updated
     lr: float | None = None  # the learning rate of this step's update (read before the scheduler steps)
 
 
@@ -68,6 +70,7 @@ def forward_backward(
     pp_group=None,
     has_last_stage: bool = True,
     forward_ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    replicas=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run forward and backward over this rank's micro-batches; return (global mean loss, global token count).
 
@@ -75,8 +78,12 @@ def forward_backward(
     ``pp_schedule.step`` splits each micro-batch into the schedule's microbatches; only the last stage sees
     labels and losses. A micro-batch ``(inputs, labels, document_starts)`` runs the block-causal mask
     (:func:`model_kwargs`). ``forward_ctx`` (e.g. bf16 autocast) wraps the forward and loss, not the backward.
+    ``replicas`` (fault-tolerant replica groups, ``titanlike.training.fault_tolerance``): the token count is summed
+    over the groups that take part in the step.
     """
     tokens = count_tokens(micro_batches, dp_group)
+    if replicas is not None:
+        tokens = replicas.sum_tokens(tokens)
     loss.denominator = tokens
     device = micro_batches[0][0].device
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -90,6 +97,8 @@ def forward_backward(
         else:
             losses: list[torch.Tensor] = []
             targets = labels if has_last_stage else None
+            if any(getattr(m, "wants_token_ids", False) for m in model_parts):  # MTP depths on the last stage
+                kwargs["token_ids"] = inputs
             # keyword tensors are split by microbatch like the inputs: each microbatch keeps its document starts
             pp_schedule.step(inputs, target=targets, losses=losses, **kwargs)
             if has_last_stage:
@@ -116,6 +125,7 @@ def train_step(
     has_last_stage: bool = True,
     forward_ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     moe=None,
+    replicas=None,
 ) -> StepResult:
     """zero_grad -> forward/backward -> global grad norm (clip) -> finite check -> optimizer step.
 
@@ -130,6 +140,10 @@ def train_step(
     ``clip_fn(parameters, max_norm) -> total_norm`` must return the norm over every parameter of the model on
     every rank (the parallel layer supplies one that reduces across DTensor meshes and pipeline stages). A
     non-finite loss or norm, identical on every rank by construction, skips the update on every rank.
+
+    ``replicas`` (``titanlike.training.fault_tolerance.ReplicaGroups``): the token count, the gradients and the loss
+    are summed over the replica groups of the step before the norm, and the update waits for every group to commit
+    (a failed step updates nothing, not even the LR schedule: ``StepResult.committed`` is False).
     """
     if not isinstance(loss, ScaledLoss):
         raise TypeError(
@@ -152,15 +166,23 @@ def train_step(
         pp_group=pp_group,
         has_last_stage=has_last_stage,
         forward_ctx=forward_ctx,
+        replicas=replicas,
     )
+    mtp = _mtp_losses(loss, total.device, dp_group, pp_group)
+    if replicas is not None:
+        total = replicas.sum_gradients(total)
     params = [p for m in model_parts for p in m.parameters()]
     norm = clip_fn(params, max_norm)
-    # One device-to-host copy for both numbers (one host sync per step, not two).
-    loss_value, norm_value = torch.stack(
-        [total, torch.as_tensor(norm, dtype=torch.float64, device=total.device)]
+    # One device-to-host copy for all the numbers (one host sync per step, not two).
+    loss_value, norm_value, *mtp_values = torch.cat(
+        [torch.stack([total, torch.as_tensor(norm, dtype=torch.float64, device=total.device)]), mtp]
     ).tolist()
     finite = math.isfinite(loss_value) and math.isfinite(norm_value)
     lr = float(optimizer.param_groups[0]["lr"])  # the rate this update uses (the scheduler moves it on below)
+    if replicas is not None and not replicas.should_commit():
+        return StepResult(
+            loss=loss_value, grad_norm=norm_value, tokens=int(tokens), skipped=True, committed=False, lr=lr
+        )
     if finite:
         optimizer.step()
     if lr_scheduler is not None and finite:
@@ -174,8 +196,28 @@ def train_step(
             lr_scheduler.step()
     moe_stats = moe.end_step(update=finite) if moe is not None else None
     return StepResult(
-        loss=loss_value, grad_norm=norm_value, tokens=int(tokens), skipped=not finite, moe=moe_stats, lr=lr
+        loss=loss_value,
+        grad_norm=norm_value,
+        tokens=int(tokens),
+        skipped=not finite,
+        moe=moe_stats,
+        mtp=mtp_values or None,
+        lr=lr,
     )
+
+
+def _mtp_losses(loss: ScaledLoss, device, dp_group, pp_group) -> torch.Tensor:
+    """Each MTP depth's loss of this step (``ScaledLoss.take_mtp_losses``, summed over the last pipeline stage and
+    the data-parallel ranks, like the loss); empty for a model without MTP depths."""
+    parts = loss.take_mtp_losses()  # (a pipeline rank without the last stage: none, zeros of the depths)
+    if parts:
+        mtp = torch.stack(parts).to(torch.float64)
+    else:
+        mtp = torch.zeros(loss.mtp_depths, dtype=torch.float64, device=device)
+    for group in (pp_group, dp_group):
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(mtp, group=group)
+    return mtp
 
 
 def reshard_fsdp(module: nn.Module) -> None:

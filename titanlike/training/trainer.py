@@ -54,17 +54,26 @@ def resolve_device(cfg: JobConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def attention_note(cfg: JobConfig, device: torch.device, eos_id: int) -> str:
-    """The start-up line's mask and backend."""
-    if cfg.model.attn_mask_type == "causal":
-        return "causal mask (SDPA's causal kernel)"
+def attention_note(cfg: JobConfig, device: torch.device, eos_id: int, model_parts=()) -> str:
+    """The start-up line's mask and backend (and the seams' sliding windows and sinks)."""
     from titanlike.models.masking import attention_backend
 
     backend = {"flex": "FlexAttention with a block mask", "sdpa": "SDPA with an exact boolean mask"}
+    seams = [m for part in model_parts for m in part.modules() if getattr(m, "attention_seam", False)]
+    windowed = sorted({m.window for m in seams if m.window is not None})
+    local = ""
+    if windowed:
+        n = sum(m.window is not None for m in seams)
+        local += f"; sliding window {', '.join(map(str, windowed))} in {n} of {len(seams)} layers"
+    if any(m.sinks for m in seams):
+        local += "; a learned sink per head" + (" (explicit softmax)" if attention_backend(device) == "sdpa" else "")
+    if cfg.model.attn_mask_type == "causal":
+        kernel = "SDPA's causal kernel" if not local else backend[attention_backend(device)]
+        return f"causal mask ({kernel}){local}"
     reset = ", positions restart per document" if cfg.model.reset_position_ids else ""
     return (
         f"block_causal mask (documents end at EOS id {eos_id}), {backend[attention_backend(device)]} on "
-        f"{device.type}{reset}"
+        f"{device.type}{reset}{local}"
     )
 
 
@@ -185,6 +194,14 @@ class Trainer:
                 load_te()
             except TEUnavailableError as e:
                 raise ConfigError(str(e)) from None
+        from titanlike.training.eval_tasks import eval_problems
+        from titanlike.training.trackers import wandb_problem
+
+        problems = [p for p in (wandb_problem(cfg.metrics), *eval_problems(cfg)) if p]
+        if problems:
+            raise ConfigError(
+                problems[0] if len(problems) == 1 else f"{len(problems)} problems: " + "; ".join(problems)
+            )
         if cfg.float8.recipe and float8_backend(cfg) == "torchao":
             from titanlike.kernels.float8 import Float8UnavailableError, check_float8_runtime
 
@@ -193,6 +210,7 @@ class Trainer:
             except Float8UnavailableError as e:
                 raise ConfigError(str(e)) from None
         self._check_host_memory()
+        self._check_fault_tolerance()
         dump = Path(cfg.job.dump_folder)
         if dump.exists() and not dump.is_dir():
             raise ConfigError(f"job.dump_folder: '{dump}' is a file, not a folder; choose another job.dump_folder")
@@ -215,9 +233,38 @@ class Trainer:
             self._build()
             if self.distributed:
                 fault.bound_process_groups(self.timeout)  # the default, mesh, pipeline and checkpoint groups
+            self.replicas = self._replica_groups()
         except BaseException:
             self.release_lock()
             raise
+
+    def _check_fault_tolerance(self) -> None:
+        """[fault_tolerance]: every problem of the section in one line, torchft installed, the lighthouse reachable
+        (titanlike/training/fault_tolerance.py)."""
+        from titanlike.training import fault_tolerance
+
+        problems = fault_tolerance.config_problems(self.cfg)
+        if problems:
+            raise ConfigError("; ".join(problems))
+        if self.cfg.fault_tolerance.enable:
+            fault_tolerance.check_runtime(self.cfg)
+
+    def _replica_groups(self):
+        """This group's torchft manager (fault_tolerance.enable), else None."""
+        if not self.cfg.fault_tolerance.enable:
+            return None
+        from titanlike.training.fault_tolerance import ReplicaGroups
+
+        return ReplicaGroups(
+            self.cfg,
+            model_parts=self.model_parts,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            train_state=self.train_state,
+            dataloader=self.dataloader,
+            global_batch=self.global_batch,
+            rank=self.rank,
+        )
 
     def _lock_run_folders(self):
         """Rank 0 locks job.dump_folder (and checkpoint.folder when it writes checkpoints) before anything is
@@ -367,7 +414,7 @@ class Trainer:
             f"{self.device.type}, {cfg.training.dtype}",
             flush=True,
         )
-        print(f"attention: {attention_note(cfg, self.device, self.tokenizer.eos_id)}", flush=True)
+        print(f"attention: {attention_note(cfg, self.device, self.tokenizer.eos_id, self.model_parts)}", flush=True)
         f8 = float8_note(self.model_parts, cfg.float8.emulate)
         if f8:
             print(f"float8: {f8}", flush=True)
@@ -536,6 +583,8 @@ class Trainer:
             if self.checkpointer.maybe_create_seed_checkpoint():
                 return []
             self.checkpointer.load()
+        if self.replicas is not None:
+            self.replicas.load_checkpointed_position()
         logger = MetricsLogger(
             cfg.job.dump_folder,
             enabled=self.rank == 0,
@@ -544,6 +593,7 @@ class Trainer:
             tb_folder=cfg.metrics.save_tb_folder,
             jsonl=cfg.metrics.enable_jsonl,
             color=use_color(cfg.metrics.disable_color_printing),
+            trackers=self._trackers(),
         )
         from titanlike.data import loader_position
         from titanlike.training.profiling import maybe_profile
@@ -559,8 +609,17 @@ class Trainer:
             maybe_profile(cfg, self.rank, cfg.job.dump_folder, global_step=self.step) as profiler,
         ):
             while self.step < cfg.training.steps:
+                if self.replicas is not None:  # the quorum (a group behind heals to the others' step), the data
+                    data_iter = self.replicas.begin_step(self.step)
+                    if self.step >= cfg.training.steps:
+                        break
                 self.step += 1
                 res, signum = self._run_step(data_iter, exit_signals)
+                if not res.committed:  # a replica group failed in the step: redone with the groups that are left
+                    self.step -= 1
+                    if signum:
+                        self._stop_on_exit_signal(signum, exit_signals, losses)
+                    continue
                 rate.throughput.add(res.tokens)
                 self.tokens_seen += res.tokens
                 losses.append(res.loss)
@@ -578,6 +637,7 @@ class Trainer:
                         vals,
                         console=f"step {self.step:5d}  " + "  ".join(f"{k} {v:8.4f}" for k, v in vals.items()),
                     )
+                self._maybe_evaluate(logger)
                 if self.checkpointer is not None:
                     self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps)
                 profiler.step()
@@ -586,6 +646,34 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.finish()
         return losses
+
+    def _maybe_evaluate(self, logger) -> None:
+        """The [eval] tasks at every eval.freq-th step and the last, on the training layout; rank 0 logs them."""
+        cfg = self.cfg
+        if not cfg.eval.enable or (self.step % cfg.eval.freq and self.step != cfg.training.steps):
+            return
+        from titanlike.training.eval_tasks import run_eval
+
+        t0 = time.perf_counter()
+        with self._op(f"the evaluation at step {self.step}"):
+            scores = run_eval(cfg, self.model_parts[0], self.tokenizer, self.forward_context, cfg.training.seed)
+        shown = "  ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in scores.items())
+        logger.log(self.step, scores, console=f"step {self.step:5d}  eval  {shown}  ({time.perf_counter() - t0:.1f}s)")
+
+    def _trackers(self) -> tuple:
+        """Rank 0's trackers (metrics.enable_wandb): the run id comes from the checkpoint resumed, else is new, and
+        goes into every checkpoint this run saves."""
+        if self.rank != 0 or not self.cfg.metrics.enable_wandb:
+            return ()
+        from titanlike.checkpoint import read_meta
+        from titanlike.training.trackers import RUN_ID_KEY, WandbTracker, new_run_id
+
+        plan = self.checkpointer.plan if self.checkpointer is not None else None
+        resumed = read_meta(plan.path).get(RUN_ID_KEY) if plan is not None and plan.action == "resume" else None
+        run_id = resumed or new_run_id()
+        if self.checkpointer is not None:
+            self.checkpointer.meta_extra[RUN_ID_KEY] = run_id
+        return (WandbTracker(self.cfg, run_id, resumed=resumed is not None),)
 
     def _step_rate(self) -> _StepRate:
         """What the logged throughput and MFU of a step are measured against."""
@@ -619,6 +707,7 @@ class Trainer:
                 has_last_stage=self.has_last_stage,
                 forward_ctx=self.forward_context,
                 moe=self.moe,
+                replicas=self.replicas,
             )
             signum = self._end_of_step(res, exit_signals)
             if self.float8_precompute:
@@ -671,6 +760,10 @@ class Trainer:
             )
             if self.rank == 0:  # the layers x experts picture (every rank holds the global loads)
                 write_expert_load_picture(cfg.job.dump_folder, res.moe["loads"], self.step)
+        # each MTP depth's loss beside the next-token loss (the logged loss)
+        mtp_metrics = {f"mtp_loss_{k}": v for k, v in enumerate(res.mtp or [], 1)}
+        if mtp_metrics:
+            line += "  mtp " + " ".join(f"{v:.4f}" for v in mtp_metrics.values())
         logger.log(
             self.step,
             {
@@ -684,6 +777,8 @@ class Trainer:
                 "skipped": res.skipped,
                 **data_metrics(seen),
                 **moe_metrics,
+                **mtp_metrics,
+                **(self.replicas.metrics() if self.replicas is not None else {}),
             },
             console=line,
         )
@@ -815,6 +910,8 @@ class Trainer:
 
     def close(self) -> None:
         self.release_lock()
+        if getattr(self, "replicas", None) is not None:
+            self.replicas.shutdown()
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
 

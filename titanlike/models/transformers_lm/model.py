@@ -17,8 +17,10 @@ only non-persistent buffers; it is kept outside the module tree (every stage rec
 drops it, the state dict never holds it) and rebuilt on the device by :meth:`HFCausalLM.init_buffers`.
 
 **Checked, never trusted** (:func:`args_from_folder`, before any process group; one line naming every problem): the
-folder and its ``config.json``, a decoder-only ``*ForCausalLM`` (no encoder-decoder), dropout 0, full attention on
-every layer, a module tree of exactly those roles, and the forward: a small copy of the config (one layer, narrow) is
+folder and its ``config.json``, a decoder-only ``*ForCausalLM`` (no encoder-decoder), dropout 0, full causal or
+sliding-window attention on every layer (a sliding layer gets the window's boolean mask, as the library's mask
+functions build it: :func:`layer_windows`), a module tree of exactly those roles, and the forward: a small copy of
+the config (one layer, narrow, a window that acts) is
 built in float64 and the wrapper's logits must equal transformers' own forward, so a family whose forward does more
 than embed -> layers -> norm -> head (Gemma's scaled embeddings, a logit soft-cap) is refused, not trained wrong.
 
@@ -41,6 +43,7 @@ import torch
 from torch import nn
 
 from titanlike.init import Init, normal, ones, zeros
+from titanlike.models.masking import DocumentMask
 from titanlike.models.spec import importer_of
 
 CONFIG_NAME = "config.json"
@@ -147,9 +150,22 @@ def config_problems(config: dict) -> list[str]:
     for key in _DROPOUTS:
         if config.get(key) not in (None, 0, 0.0):
             out.append(f"{key} = {config[key]!r} (dropout differs per layout; set it to 0)")
-    kinds = {k for k in (config.get("layer_types") or []) if k != "full_attention"}
-    if kinds or config.get("use_sliding_window"):
-        out.append(f"layer_types {sorted(kinds) or ['sliding_attention']} (only full causal attention is wired)")
+    kinds = {k for k in (config.get("layer_types") or []) if k not in ("full_attention", "sliding_attention")}
+    linear = sorted(k for k in kinds if "linear" in k)
+    if linear:  # its recurrent state would see only this rank's tokens under cp, no document resets
+        out.append(
+            f"layer_types {linear}: linear attention (Gated DeltaNet) trains as titanlike's qwen3_next model "
+            "(model.name = 'qwen3_next', or its folder by checkpoint.initial_load_path with no --model.* flags: "
+            "docs/qwen3_next.md), not through model.name 'hf'"
+        )
+        kinds -= set(linear)
+    if kinds:
+        out.append(f"layer_types {sorted(kinds)} (full causal and sliding-window attention are wired)")
+    window = config.get("sliding_window")
+    if window is not None and not (isinstance(window, int) and not isinstance(window, bool) and window >= 1):
+        out.append(f"sliding_window = {window!r} (a window of at least 1 position, or null)")
+    elif window is None and "sliding_attention" in (config.get("layer_types") or []):
+        out.append("layer_types has sliding_attention layers but sliding_window = null")
     experts = [f"{k} = {config[k]}" for k in _EXPERT_COUNTS if config.get(k)]
     if experts:  # its experts would train with no expert axis, no load balancing, a TP plan with no titanlike style
         out.append(_experts_problem(config.get("model_type"), ", ".join(experts)))
@@ -232,6 +248,19 @@ class _nullcontext:
         return False
 
 
+def layer_windows(config) -> list[int | None]:
+    """The sliding window of every layer of a transformers config object (after its ``__post_init__``), as
+    transformers' mask functions apply it: ``layer_types`` naming the ``sliding_attention`` layers (Qwen2's
+    ``use_sliding_window`` / ``max_window_layers``, gpt-oss, Gemma), else every layer when ``sliding_window`` is set
+    (Mistral, Phi-3: ``create_sliding_window_causal_mask`` for the whole model); None: full causal attention. The
+    forward check (:func:`check_forward`, with a window that acts) holds the wrapper to it."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [window if t == "sliding_attention" else None for t in types]
+    return [window] * config.num_hidden_layers
+
+
 def _small_copy(config: dict) -> dict:
     """The same architecture, one layer, narrow (for the forward check): the head grouping, the head_dim rule, the
     tie and every flag kept."""
@@ -244,8 +273,14 @@ def _small_copy(config: dict) -> dict:
     small.update(hidden_size=16 * heads, intermediate_size=32, max_position_embeddings=64)
     if "head_dim" in config:
         small["head_dim"] = 16
-    if config.get("layer_types"):
-        small["layer_types"] = config["layer_types"][:1]
+    if config.get("layer_types"):  # the one layer sliding when any layer is, so the check covers the window
+        small["layer_types"] = [
+            "sliding_attention" if "sliding_attention" in config["layer_types"] else "full_attention"
+        ]
+    if config.get("sliding_window") is not None:
+        small["sliding_window"] = 3  # acts on the check's 9 tokens
+        if config.get("use_sliding_window"):
+            small["max_window_layers"] = 0
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         small[key] = None if key != "pad_token_id" else 0
     return small
@@ -369,9 +404,16 @@ class HFCausalLM(nn.Module):
         if document_starts is not None:
             raise ValueError("model 'hf': block_causal masking is not wired (model.attn_mask_type = 'causal')")
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
-        kwargs = self.block_kwargs(self.positions(x), like=h)
-        for layer in self.layers.values():
-            out = layer(h, **kwargs)
+        positions = self.positions(x)
+        kwargs = self.block_kwargs(positions, like=h)
+        windows = layer_windows(self.config)
+        masks = {}  # sliding-window layers: the boolean (batch, 1, s, s) mask (built once per window and forward)
+        if any(w is not None for w in windows):
+            causal = DocumentMask.causal(h.shape[0], positions, backend="sdpa")
+            masks = {w: causal.dense(0, x.shape[1], x.shape[1], w) for w in set(windows) if w is not None}
+        for key, layer in self.layers.items():
+            window = windows[int(key)]
+            out = layer(h, **{**kwargs, "attention_mask": masks[window] if window is not None else None})
             h = out[0] if isinstance(out, tuple) else out
         if self.norm is not None:
             h = self.norm(h)

@@ -35,7 +35,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from titanlike.layout import SCHEDULES, rank_of_stage, schedule_class, schedule_facts, stage_ids_for_rank
-from titanlike.loss import ScaledLoss
+from titanlike.loss import ScaledLoss, recording_paused
 from titanlike.models.moe import stats_paused
 from titanlike.parallel import clip
 from titanlike.parallel.pipeline.build import build_stage, module_owner
@@ -60,7 +60,7 @@ class _Stage(PipelineStage):
 
 def _not_a_training_forward(method: Callable) -> Callable:
     def paused(self, *args, **kwargs):
-        with stats_paused(), checks_paused():
+        with stats_paused(), checks_paused(), recording_paused():
             return method(self, *args, **kwargs)
 
     return paused
@@ -69,6 +69,20 @@ def _not_a_training_forward(method: Callable) -> Callable:
 for _name in ("_forward_metadata_inference", "_shape_inference"):
     if hasattr(PipelineStage, _name):
         setattr(_Stage, _name, _not_a_training_forward(getattr(PipelineStage, _name)))
+
+
+def _not_a_training_loss(method: Callable) -> Callable:
+    def paused(self, *args, **kwargs):
+        with recording_paused():
+            return method(self, *args, **kwargs)
+
+    return paused
+
+
+# torch 2.13's backward metadata inference calls the loss function on the last stage's real-shaped outputs: not a
+# loss of the step (the MTP depth losses would count one microbatch twice at the first step)
+if hasattr(PipelineStage, "_backward_metadata_inference"):
+    _Stage._backward_metadata_inference = _not_a_training_loss(PipelineStage._backward_metadata_inference)
 
 
 @dataclass

@@ -1,0 +1,135 @@
+"""Incremental decoding: a key/value cache per attention seam, and the positions of left-padded prompts.
+
+Generation (``titanlike.generate``) runs the unchanged model forward on a prompt, then on one token at a time. What
+changes is behind the two seams every built-in decoder already calls (``titanlike.models.decoder``), swapped from
+outside for the length of a generation as context parallelism swaps them for training:
+
+* each attention seam is asked for its cached counterpart, ``core.kv_cache(state)`` (a method of the seam, so a
+  new attention kind brings its own cache: a softmax seam keeps every key and value, a sliding window would keep
+  its window, linear attention its recurrent state); ``None`` means "this kind cannot cache yet", and generation
+  then says so and recomputes the whole sequence each step;
+* the position seam becomes :class:`CachedPositions`: the positions of the tokens of this step, per row (a prompt
+  left-padded by ``p`` tokens starts at position 0 after its padding).
+
+:class:`DecodeState` is the one place the step's geometry is decided (its positions and the key mask every cached
+seam of the step shares): where each row's padding ends, how many tokens the cache holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["CachedPositions", "CachedSoftmaxAttention", "DecodeState", "cache_blockers", "kv_cached"]
+
+
+class DecodeState:
+    """The geometry of an incremental decode of ``batch`` rows, the first ``pad[b]`` tokens of row ``b`` padding.
+
+    :meth:`begin` (before each forward over ``s`` new tokens) fixes the step's positions ``(batch, s)`` and its
+    boolean key mask ``(batch, 1, s, length + s)``: a token sees the tokens up to itself that are not padding (a
+    padding token sees only itself, so no row of the softmax is empty); :meth:`end` advances the length.
+    """
+
+    def __init__(self, pad: torch.Tensor):
+        self.pad = pad  # (batch,) left-padding tokens per row
+        self.length = 0  # tokens every cache holds
+        self.positions: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+
+    def begin(self, s: int) -> None:
+        device = self.pad.device
+        absolute = self.length + torch.arange(s, device=device)  # (s,) in the padded sequence
+        self.positions = (absolute[None, :] - self.pad[:, None]).clamp(min=0)  # (batch, s)
+        keys = torch.arange(self.length + s, device=device)
+        causal = keys[None, :] <= absolute[:, None]  # (s, keys)
+        not_pad = keys[None, :] >= self.pad[:, None]  # (batch, keys)
+        itself = keys[None, :] == absolute[:, None]
+        self.mask = (causal[None] & (not_pad[:, None, :] | itself[None]))[:, None]  # (batch, 1, s, keys)
+
+    def end(self, s: int) -> None:
+        self.length += s
+
+
+class CachedPositions(nn.Module):
+    """The position seam during a decode: the state's positions of this step's tokens, ``(batch, s)``."""
+
+    def __init__(self, state: DecodeState):
+        super().__init__()
+        self.state = state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = self.state.positions
+        if positions is None or positions.shape != x.shape[:2]:
+            raise RuntimeError("CachedPositions: DecodeState.begin(s) was not called for this forward")
+        return positions
+
+
+class CachedSoftmaxAttention(nn.Module):
+    """The softmax attention seam with a cache: this step's keys and values appended to those of the earlier
+    steps, then every query attends over all of them under the state's mask. Grouped-query heads as in
+    ``AttentionCore`` (kv head ``i // n_rep`` serves query head ``i``); the cache holds the kv heads only (the
+    local ones under tensor parallelism)."""
+
+    def __init__(self, state: DecodeState):
+        super().__init__()
+        self.state = state
+        self.k: torch.Tensor | None = None  # (batch, cached, kv_heads, head_dim)
+        self.v: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+        if mask is not None:
+            raise ValueError("a cached decode runs causal attention over padded prompts; no document mask")
+        if self.k is not None:
+            k, v = torch.cat((self.k, k), dim=1), torch.cat((self.v, v), dim=1)
+        self.k, self.v = k, v
+        n_rep = q.shape[2] // k.shape[2]
+        if n_rep > 1:
+            k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=self.state.mask
+        )
+        return out.transpose(1, 2)
+
+
+def _seams(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Module]]:
+    """(owner, attribute, module) of every module that has a ``kv_cache`` method (the seams)."""
+    for owner in model.modules():
+        for name, child in owner.named_children():
+            if callable(getattr(child, "kv_cache", None)):
+                yield owner, name, child
+
+
+def cache_blockers(model: nn.Module) -> list[str]:
+    """Why ``model`` cannot decode with a cache (empty: it can): no position seam or attention seam reached through
+    a ``kv_cache`` method, or a seam whose ``kv_cache`` returns None (its attention kind has no cache yet)."""
+    probe = DecodeState(torch.zeros(1, dtype=torch.long))
+    seams = [(f"{type(owner).__name__}.{name}", child, child.kv_cache(probe)) for owner, name, child in _seams(model)]
+    if not seams:
+        return [f"{type(model).__name__} calls its attention through no seam with a kv_cache method"]
+    problems = [f"{where} ({type(child).__name__}) has no cache" for where, child, cached in seams if cached is None]
+    if not any(isinstance(cached, CachedPositions) for _, _, cached in seams):
+        problems.append(f"{type(model).__name__} has no position seam (titanlike.models.decoder.Positions)")
+    return sorted(set(problems))
+
+
+@contextlib.contextmanager
+def kv_cached(model: nn.Module, state: DecodeState) -> Iterator[nn.Module]:
+    """``model`` with every seam replaced by its cached counterpart for ``state`` (restored on exit). Check
+    :func:`cache_blockers` first: a seam without a cache is an error here."""
+    swapped = []
+    try:
+        for owner, name, child in list(_seams(model)):
+            cached = child.kv_cache(state)
+            if cached is None:
+                raise ValueError(f"{type(owner).__name__}.{name} ({type(child).__name__}) has no kv cache")
+            setattr(owner, name, cached)
+            swapped.append((owner, name, child))
+        yield model
+    finally:
+        for owner, name, child in swapped:
+            setattr(owner, name, child)
