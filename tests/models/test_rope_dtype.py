@@ -10,13 +10,12 @@ inverse frequencies are checked against ours to float32 rounding."""
 
 import pytest
 import torch
+import transformers  # the [hf] extra, installed by CI: a missing one fails, never skips
 
 from titanlike.hf import hf_config, to_hf
 from titanlike.models import get_spec
 from titanlike.models.layers import rope_inv_freq, rope_tables
 from titanlike.parallel.materialize import materialize
-
-transformers = pytest.importorskip("transformers")  # the [hf] extra; CI installs it
 
 CASES = {
     # Llama with llama3 RoPE scaling (the scaled inverse frequencies too), Qwen3 (its half-split rotation)
