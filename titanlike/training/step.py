@@ -145,13 +145,7 @@ def train_step(
     are summed over the replica groups of the step before the norm, and the update waits for every group to commit
     (a failed step updates nothing, not even the LR schedule: ``StepResult.committed`` is False).
     """
-    if not isinstance(loss, ScaledLoss):
-        raise TypeError(
-            f"train_step: loss must be a ScaledLoss (it divides the summed loss by the global token count, which "
-            f"train_step sets as loss.denominator every step), got {type(loss).__name__}; pass "
-            f"ScaledLoss(loss_fn) with loss_fn(output, labels) returning the SUM over tokens (from titanlike.parallel "
-            f"import ScaledLoss), or the .loss of build_parallel_model / pipeline_module"
-        )
+    _check_loss(loss)
     check_dp_coverage(model_parts, dp_group)
     for m in model_parts:
         m.zero_grad(set_to_none=True)
@@ -183,6 +177,32 @@ def train_step(
         return StepResult(
             loss=loss_value, grad_norm=norm_value, tokens=int(tokens), skipped=True, committed=False, lr=lr
         )
+    _update(optimizer, lr_scheduler, finite)
+    moe_stats = moe.end_step(update=finite) if moe is not None else None
+    return StepResult(
+        loss=loss_value,
+        grad_norm=norm_value,
+        tokens=int(tokens),
+        skipped=not finite,
+        moe=moe_stats,
+        mtp=mtp_values or None,
+        lr=lr,
+    )
+
+
+def _check_loss(loss) -> None:
+    """``train_step``'s loss must divide by the global token count it sets: a :class:`ScaledLoss`, else one line."""
+    if not isinstance(loss, ScaledLoss):
+        raise TypeError(
+            f"train_step: loss must be a ScaledLoss (it divides the summed loss by the global token count, which "
+            f"train_step sets as loss.denominator every step), got {type(loss).__name__}; pass "
+            f"ScaledLoss(loss_fn) with loss_fn(output, labels) returning the SUM over tokens (from titanlike.parallel "
+            f"import ScaledLoss), or the .loss of build_parallel_model / pipeline_module"
+        )
+
+
+def _update(optimizer: torch.optim.Optimizer, lr_scheduler, finite: bool) -> None:
+    """The optimizer step (only when the loss and the norm are finite) and the LR schedule's (always)."""
     if finite:
         optimizer.step()
     if lr_scheduler is not None and finite:
@@ -194,16 +214,6 @@ def train_step(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
             lr_scheduler.step()
-    moe_stats = moe.end_step(update=finite) if moe is not None else None
-    return StepResult(
-        loss=loss_value,
-        grad_norm=norm_value,
-        tokens=int(tokens),
-        skipped=not finite,
-        moe=moe_stats,
-        mtp=mtp_values or None,
-        lr=lr,
-    )
 
 
 def _mtp_losses(loss: ScaledLoss, device, dp_group, pp_group) -> torch.Tensor:
