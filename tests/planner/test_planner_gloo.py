@@ -38,7 +38,7 @@ def test_planner_matches_gloo_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     cases = json.loads(out.read_text())["cases"]
-    assert len(cases) == 13
+    assert len(cases) == 14
     for name, ranks in cases.items():
         assert sorted(ranks) == ["0", "1", "2", "3"], name
         for rank, r in ranks.items():
