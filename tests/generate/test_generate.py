@@ -213,3 +213,22 @@ def test_a_transformers_model_cannot_cache_says_so_and_generates_transformers_to
     expected = hf_greedy(out, prompts)
     assert len({t for row in expected for t in row}) > 8, expected
     assert generate(model.eval(), prompts, NEW) == expected
+
+
+def test_windowed_or_sinked_seam_has_no_softmax_cache():
+    """gpt-oss's seams (a sliding window, sinks) are cache blockers: the softmax cache would keep every key and drop
+    the sinks, so generation recomputes the sequence instead (before, the cached decode raised a TypeError)."""
+    from titanlike.config import load_config, model_args_from_config
+
+    args = model_args_from_config(load_config(["--model.name", "gpt_oss", "--model.flavor", "tiny"]), vocab_size=64)
+    model = get_spec("gpt_oss").build(args)
+    model.init_weights(seed=0)
+    model.eval()
+    assert any("sdpa (AttentionCore) has no cache" in p for p in cache_blockers(model))
+    prompt = [[1, 2, 3, 4, 5]]
+    tokens = generate(model, prompt, max_new_tokens=6, vocab_size=64)
+    with torch.no_grad():  # greedy by hand: the argmax of the full forward at every step
+        seq = list(prompt[0])
+        for _ in range(6):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    assert tokens == [seq[len(prompt[0]) :]]

@@ -99,9 +99,10 @@ class AttentionCore(nn.Module):
         """This seam's cached counterpart for a decode of ``state`` (``titanlike.models.kv_cache``): the softmax
         cache. A subclass that attends differently (a window, sinks, a latent or linear attention) returns its own
         cache, or None ("cannot cache yet": generation then recomputes the sequence); one that overrides
-        ``forward`` without overriding this method gets None, never the softmax cache."""
-        if type(self).forward is not AttentionCore.forward:
-            return None
+        ``forward`` without overriding this method, or a windowed / sinked seam, gets None, never the softmax
+        cache."""
+        if type(self).forward is not AttentionCore.forward or self.window is not None or self.sinks:
+            return None  # the softmax cache keeps every key and applies neither a window nor sinks
         return CachedSoftmaxAttention(state)
 
 
