@@ -381,6 +381,13 @@ LAYOUTS = [
         model="ds",
         mutation="ds_latent_replicated",
     ),
+    Layout(
+        "MUT ds tp2_sp_ep2 MTP eh_proj gradient not summed",
+        2,
+        _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))),
+        model="ds",
+        mutation="ds_stream_linear_unsummed",
+    ),
     # transformers models (model.name = "hf"): the plan translated from each config's base_model_tp_plan
     *[
         Layout(f"{m} {name}", 2, args, model=m)
@@ -1214,6 +1221,23 @@ def _ds_latent_replicated():
 
 
 @contextlib.contextmanager
+def _ds_stream_linear_unsummed():
+    """Under SP, the MTP depths' ``eh_proj`` (a Linear on the stream: StreamParallel's local matmul) takes its
+    weight's local tensor with a ``Replicate`` gradient: each rank's gradient covers only its part of the sequence,
+    never summed over tp."""
+    import torch.nn.functional as F
+
+    import titanlike.parallel.tensor_parallel as tpm
+
+    def unsummed(module, mesh, x):
+        y = F.linear(x.to_local(), module.weight.to_local(), None)
+        return DTensor.from_local(y, mesh, (Shard(1),), run_check=False)
+
+    with patched(tpm, "_stream_linear", unsummed):
+        yield
+
+
+@contextlib.contextmanager
 def _ds_cp_latent_no_rope():
     """Context parallelism gathers MLA's latent but not the shared RoPE key: every rank's own keys stand in for the
     other ranks' tokens."""
@@ -1253,6 +1277,7 @@ MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "ds_no_group_limit": _ds_no_group_limit,
     "ds_mtp_shift": _ds_mtp_shift,
     "ds_latent_replicated": _ds_latent_replicated,
+    "ds_stream_linear_unsummed": _ds_stream_linear_unsummed,
     "cp_state_not_passed": _cp_state_not_passed,
     "cp_scan_rank_order": _cp_scan_rank_order,
     "cp_no_conv_halo": _cp_no_conv_halo,

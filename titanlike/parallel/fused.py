@@ -74,6 +74,7 @@ __all__ = [
     "is_strided",
     "prepare_fused_for_fsdp",
     "fsdp_placement",
+    "gather_strided",
 ]
 
 
@@ -217,9 +218,43 @@ def prepare_fused_for_fsdp(model: nn.Module) -> None:
     for module in model.modules():
         bias = module._parameters.get("bias") if hasattr(module, "_parameters") else None
         if bias is not None and bias.ndim == 1 and is_strided(bias):
-            placements = [Replicate() if isinstance(p, _StridedShard) else p for p in bias.placements]
-            new = nn.Parameter(bias.redistribute(bias.device_mesh, placements), requires_grad=bias.requires_grad)
+            new = nn.Parameter(gather_strided(bias.detach()), requires_grad=bias.requires_grad)
             module.register_parameter("bias", new)
+
+
+def gather_strided(t: DTensor) -> DTensor:
+    """The same global tensor with the tp dim's ``_StridedShard(d, split_factor=n)`` made ``Replicate`` (an
+    all-gather over tp); the other mesh dims keep their placements.
+
+    Not ``t.redistribute``: torch 2.11's redistribute planner refuses a ``_StridedShard`` whose split factor is no
+    product of mesh sizes ("use_strided_shard_as_shard_order is True, but placements ... is unable to be
+    interpreted into a corresponding shard_order"; 2.13 falls back to its greedy plan). The chunked layout is a plain
+    one in another view: with dim ``d`` unflattened into ``(n, size / n)``, this rank's local tensor is
+    ``Shard(d + 1)`` of the global tensor viewed the same way, which every torch redistributes."""
+    mesh, tp_dim = t.device_mesh, t.device_mesh.ndim - 1
+    strided = t.placements[tp_dim]
+    d, n = strided.dim, strided.split_factor
+    view = []
+    for p in t.placements[:tp_dim]:
+        if isinstance(p, _StridedShard) or (isinstance(p, Shard) and p.dim == d):
+            raise ValueError(f"gather_strided: placements {t.placements} shard the chunked dim {d} twice")
+        view.append(Shard(p.dim + 1) if isinstance(p, Shard) and p.dim > d else p)
+    shape = (*t.shape[:d], n, t.shape[d] // n, *t.shape[d + 1 :])
+    local = DTensor.from_local(
+        t.to_local().unflatten(d, (n, -1)),
+        mesh,
+        [*view, Shard(d + 1)],
+        run_check=False,
+        shape=shape,
+        stride=_contiguous(shape),
+    )
+    gathered = local.redistribute(mesh, [*view, Replicate()]).to_local().flatten(d, d + 1)
+    placements = [*t.placements[:tp_dim], Replicate()]
+    return DTensor.from_local(gathered, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta").stride()
 
 
 def fsdp_placement(param: nn.Parameter):
@@ -251,7 +286,7 @@ def contiguous_for_dcp(flat: dict) -> dict:
     out = {}
     for k, v in flat.items():
         if is_strided(v):
-            full = v.full_tensor()
+            full = gather_strided(v).full_tensor()
             out[k] = distribute_tensor(full, v.device_mesh, _contiguous_placements(v), src_data_rank=None)
         else:
             out[k] = v

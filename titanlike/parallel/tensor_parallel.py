@@ -10,7 +10,7 @@ The translation (``seq`` = ``Shard(1)`` under sequence parallelism, else ``Repli
 =====================  ==========================================================================================
 ``VocabEmbedding``     RowwiseParallel: vocab-sharded table, output ``seq`` (all-reduce, or reduce-scatter under SP)
 ``PositionTable``      :class:`PositionEmbeddingParallel`: replicated table, output in the stream's layout
-``Norm``               SP: SequenceParallel (runs on the local sequence shard, weight replicated); else
+``Norm``               SP: :class:`StreamParallel` (SequenceParallel: the local sequence shard, weight replicated); else
                        :class:`ReplicateParallel` (runs on the replicated stream, returns a local tensor)
 ``HeadNorm``           SequenceParallel over the heads dim: runs on this rank's heads, weight replicated, its
                        gradient a ``Partial`` sum over tp (never ReplicateParallel: each rank sees other heads)
@@ -56,6 +56,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from functools import partial
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
@@ -81,6 +82,7 @@ __all__ = [
     "LatentParallel",
     "ReplicateParallel",
     "PositionEmbeddingParallel",
+    "StreamParallel",
     "TokenLocalParallel",
 ]
 
@@ -140,6 +142,34 @@ class ReplicateParallel(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(use_local_output={self.use_local_output}, check={self.check!r})"
+
+
+class StreamParallel(SequenceParallel):
+    """``SequenceParallel`` for a module on the sequence-parallel residual stream (what the ``Norm`` entry translates
+    to under SP): parameters ``Replicate`` over tp, input and output the stream's ``Shard(1)`` DTensor. A norm runs
+    as DTensor ops, as torch's style runs it; an ``nn.Linear`` (DeepSeek-V3's MTP ``eh_proj``) runs as the local
+    matmul of this rank's shard with its parameters' local tensors, their gradients ``Partial`` over tp (what the
+    DTensor matmul gives them). Why: torch 2.11's DTensor refuses a Linear on a ``(batch, seq, dim)`` input sharded
+    on seq ("Attempted to flatten multiple dimensions, with dimension 1 being sharded"; 2.13 flattens it).
+    Same collectives as ``SequenceParallel``: none forward, the gradient all-reduce of the parameters."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        if type(module) is nn.Linear:  # a subclass (torchao's Float8Linear) keeps its own forward
+            module.forward = partial(_stream_linear, module, device_mesh)
+        return module
+
+
+def _stream_linear(module: nn.Linear, device_mesh: DeviceMesh, x: Tensor) -> Tensor:
+    # the input hook made it the stream's Shard(1) DTensor; the output hook keeps the returned DTensor
+    shard = (Shard(1),) * device_mesh.ndim
+    local = x.redistribute(device_mesh, shard).to_local() if tuple(x.placements) != shard else x.to_local()
+
+    def own(p):
+        return None if p is None else p.to_local(grad_placements=[*p.placements[:-1], Partial()])
+
+    y = F.linear(local, own(module.weight), own(module.bias))
+    return DTensor.from_local(y, device_mesh, shard, run_check=False)
 
 
 class HeadNormParallel(SequenceParallel):
@@ -297,7 +327,7 @@ def _head_params_style(entry: sh.HeadParams) -> ParallelStyle:
 def _norm_style(sequence_parallel: bool) -> ParallelStyle:
     """SP: the norm runs on the local sequence shard, weight replicated (SequenceParallel). Without SP it runs
     on the replicated stream and hands a local tensor to the next module's f operator."""
-    return SequenceParallel() if sequence_parallel else ReplicateParallel()
+    return StreamParallel() if sequence_parallel else ReplicateParallel()
 
 
 def _head_norm_style(entry: sh.HeadNorm) -> ParallelStyle:
