@@ -102,6 +102,11 @@ def test_fused_projections_keep_the_single_device_order_and_the_unfused_collecti
     fused = probes["fused"]
     assert fused["full_tensor_in_order"] and fused["local_is_chunk_slices"], fused
     assert "_StridedShard(dim=0, sf=3)" in fused["placements"]
+    # the strided gather (torch 2.11 refuses redistribute from _StridedShard): the whole tensor, Replicate over tp
+    assert fused["gather_strided_exact"], fused["gather_strided"]
+    strided = {f"{m}.{p}" for m in ("attn.qkv", "ffn.gate_up") for p in ("weight", "bias")}
+    assert set(fused["gather_strided"]) == strided
+    assert set(fused["gather_strided"].values()) == {"(Replicate(),)"}
     # One all-reduce per block half each way, exactly like separate q / k / v and gate / up projections.
     assert fused["comms"]["fused"] == fused["comms"]["split"], fused["comms"]
     assert fused["comms"]["fused"]["forward"] == {"all_reduce": [2, 2 * 4 * 6 * 16 * 8]}

@@ -441,7 +441,7 @@ def probe_fused() -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from titanlike.parallel.fused import contiguous_for_dcp_tree
+    from titanlike.parallel.fused import contiguous_for_dcp_tree, gather_strided, is_strided
 
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -464,6 +464,12 @@ def probe_fused() -> dict:
         torch.equal(_full(p), reference.get_parameter(n)) for n, p in model.named_parameters()
     )
     out["local_is_chunk_slices"] = torch.equal(w.to_local(), torch.cat([c.chunk(2)[rank] for c in ref_w.chunk(3)]))
+    # gather_strided (prepare_fused_for_fsdp's and the checkpoints' gather, through a plain Shard view on any torch)
+    gathered = {n: gather_strided(p) for n, p in model.named_parameters() if is_strided(p)}
+    out["gather_strided"] = {n: str(g.placements) for n, g in gathered.items()}
+    out["gather_strided_exact"] = all(
+        torch.equal(g.to_local(), reference.get_parameter(n)) for n, g in gathered.items()
+    )
     out["placements"] = str(w.placements)
     # Same collectives as the unfused plan (forward + backward of one step).
     x, y = batches[0]
