@@ -169,7 +169,13 @@ USER_PLAN = {"ln": ReplicateParallel(), "up": ColwiseParallel(), "gate": Colwise
 
 
 def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    """The whole tensor; a chunk-sharded one through titanlike's gather (torch 2.11's ``full_tensor()`` refuses its
+    ``_StridedShard``: probe_fused records that)."""
+    from titanlike.parallel.fused import gather_strided, is_strided
+
+    if not isinstance(t, DTensor):
+        return t
+    return (gather_strided(t) if is_strided(t) else t).full_tensor()
 
 
 def _train_user(model, batches, n_total, dp_group=None, steps=3, forward=None):
@@ -463,6 +469,13 @@ def probe_fused() -> dict:
     out["full_tensor_in_order"] = all(
         torch.equal(_full(p), reference.get_parameter(n)) for n, p in model.named_parameters()
     )
+    try:  # torch's own full_tensor() of the _StridedShard parameters
+        out["torch_full_tensor_in_order"] = all(
+            torch.equal(p.full_tensor(), reference.get_parameter(n)) for n, p in model.named_parameters()
+        )
+        out["torch_full_tensor_error"] = None
+    except ValueError as e:
+        out["torch_full_tensor_in_order"], out["torch_full_tensor_error"] = False, str(e).splitlines()[0]
     out["local_is_chunk_slices"] = torch.equal(w.to_local(), torch.cat([c.chunk(2)[rank] for c in ref_w.chunk(3)]))
     # gather_strided (prepare_fused_for_fsdp's and the checkpoints' gather, through a plain Shard view on any torch)
     gathered = {n: gather_strided(p) for n, p in model.named_parameters() if is_strided(p)}
