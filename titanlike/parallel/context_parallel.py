@@ -229,11 +229,13 @@ def _gather_replicated(t: Tensor, mesh: DeviceMesh) -> Tensor:
     rank's heads use it), as the ``Latent`` style hands it on."""
     from torch.distributed.tensor import DTensor, Partial
 
+    from titanlike.parallel.dtensor_grad import from_local
+
     if not isinstance(t, DTensor):
         return reorder_gathered(all_gather_sequence(t, mesh), mesh.size())
     partial = (Partial(),) * t.device_mesh.ndim
     local = reorder_gathered(all_gather_sequence(t.to_local(grad_placements=partial), mesh), mesh.size())
-    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, grad_placements=partial)
+    return from_local(local, t.device_mesh, t.placements, partial)
 
 
 class ContextParallelLatentAttention(nn.Module):

@@ -43,11 +43,18 @@ def _sum_gradients(module: FSDPModule) -> None:
 
 
 def _role_groups(model: nn.Module, spec) -> tuple[list[nn.Module], list[nn.Module]]:
-    """The input modules and the output modules this model (or stage) holds, by its spec's roles, less those that
-    own a parameter shared between the two (a tied embedding / head stays with the root: ONE group owns it)."""
+    """The input modules and the output modules with parameters this model (or stage) holds, by its spec's roles,
+    less those that own a parameter shared between the two (a tied embedding / head stays with the root: ONE group
+    owns it)."""
     if spec is None:
         return [], []
-    present = [n for n in (*spec.input_modules, *spec.output_modules) if getattr(model, n, None) is not None]
+    # a module without parameters gets no group: DeepSeek-V3's empty ``mtp`` ModuleDict (mtp_layers 0) never runs
+    # forward, and torch 2.11's FSDP then reduces its group's gradients wrong from step 2 on (2.13: a warning only)
+    present = [
+        n
+        for n in (*spec.input_modules, *spec.output_modules)
+        if getattr(model, n, None) is not None and any(True for _ in getattr(model, n).parameters())
+    ]
     # the owners of every parameter tied across the input and output modules (by identity: titanlike.parallel.ties)
     owners = [{name.split(".")[0] for name in names} & set(present) for names in tie_groups(model)]
     tied = set().union(*(o for o in owners if o & set(spec.input_modules) and o & set(spec.output_modules)))

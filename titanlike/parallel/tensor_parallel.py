@@ -70,6 +70,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titanlike import sharding as sh
+from titanlike.parallel.dtensor_grad import from_local
 from titanlike.parallel.fused import FusedColwiseParallel
 from titanlike.parallel.replica_check import ReplicaCheck, name_checks
 from titanlike.parallel.ties import retie, tie_groups
@@ -209,7 +210,7 @@ class LatentParallel(ParallelStyle):
         x, *rest = inputs
         if not isinstance(x, DTensor):
             replicate, partial = (Replicate(),) * device_mesh.ndim, (Partial(),) * device_mesh.ndim
-            x = DTensor.from_local(x, device_mesh, replicate, run_check=False, grad_placements=partial)
+            x = from_local(x, device_mesh, replicate, partial)
         return (x, *rest)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
