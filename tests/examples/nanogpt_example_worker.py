@@ -43,7 +43,13 @@ def reference(config) -> list[dict]:
 
 
 def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    """The whole tensor; the chunk-sharded c_attn through titanlike's gather (torch 2.11's ``full_tensor()`` refuses
+    its ``_StridedShard``; tests/parallel/test_parallel_probes.py checks torch's own on 2.13 and later)."""
+    from titanlike.parallel.fused import gather_strided, is_strided
+
+    if not hasattr(t, "full_tensor"):
+        return t
+    return (gather_strided(t) if is_strided(t) else t).full_tensor()
 
 
 def compare(parts, grads: dict, weights: dict) -> tuple[float, float, list[str]]:
@@ -67,7 +73,7 @@ def rank_main(rank: int, world_size: int, out: str, checkpoint: str) -> None:
     config = ex.GPTConfig()
     ref = reference(config)
     r = {}
-    # The fused c_attn (and every other weight) comes out of full_tensor() in the single-device order at build.
+    # The fused c_attn (and every other weight) comes out whole in the single-device order at build.
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     fresh, _ = ex.build(config, mesh, seed=0)
     torch.manual_seed(0)
