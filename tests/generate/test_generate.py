@@ -18,6 +18,7 @@ from titanlike.generate import Sampling, cache_blockers, generate, load_model, s
 from titanlike.hf import save_hf
 from titanlike.models import get_spec
 from titanlike.models.decoder import AttentionCore
+from titanlike.models.kv_cache import CachedSoftmaxAttention, DecodeState, kv_cached
 
 MODELS = ("llama3", "gpt2", "qwen3", "qwen3_moe")
 PROMPTS = [[5, 9, 33, 2, 7, 61], [100, 3], [8, 8, 8, 9, 10, 11, 12, 1, 77], [42]]
@@ -215,20 +216,36 @@ def test_a_transformers_model_cannot_cache_says_so_and_generates_transformers_to
     assert generate(model.eval(), prompts, NEW) == expected
 
 
-def test_windowed_or_sinked_seam_has_no_softmax_cache():
-    """gpt-oss's seams (a sliding window, sinks) are cache blockers: the softmax cache would keep every key and drop
-    the sinks, so generation recomputes the sequence instead (before, the cached decode raised a TypeError)."""
+@pytest.mark.parametrize("window", [1, 4])
+def test_windowed_and_sinked_seams_cache_what_their_window_reaches(window):
+    """gpt-oss's seams (a sliding window on every other layer, sinks on all) decode with a cache that keeps only the
+    last ``window - 1`` keys: batched prompts of different lengths, longer than the window, give the greedy tokens
+    of the full forward (the training seam's exact path, one prompt at a time)."""
     from titanlike.config import load_config, model_args_from_config
 
-    args = model_args_from_config(load_config(["--model.name", "gpt_oss", "--model.flavor", "tiny"]), vocab_size=64)
-    model = get_spec("gpt_oss").build(args)
+    flags = ["--model.name", "gpt_oss", "--model.flavor", "tiny", "--model.sliding_window", str(window)]
+    args = model_args_from_config(load_config(flags), vocab_size=64)
+    model = get_spec("gpt_oss").build(args).double()
     model.init_weights(seed=0)
     model.eval()
-    assert any("sdpa (AttentionCore) has no cache" in p for p in cache_blockers(model))
-    prompt = [[1, 2, 3, 4, 5]]
-    tokens = generate(model, prompt, max_new_tokens=6, vocab_size=64)
+    assert cache_blockers(model) == []
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
+    new = 6
+    expected = []
     with torch.no_grad():  # greedy by hand: the argmax of the full forward at every step
-        seq = list(prompt[0])
-        for _ in range(6):
-            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    assert tokens == [seq[len(prompt[0]) :]]
+        for p in prompts:
+            seq = list(p)
+            for _ in range(new):
+                seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+            expected.append(seq[len(p) :])
+    assert len({t for row in expected for t in row}) > 3, expected
+    assert generate(model, prompts, new) == expected
+    state = DecodeState(torch.tensor([0]))
+    with kv_cached(model, state):
+        caches = [m for m in model.modules() if isinstance(m, CachedSoftmaxAttention)]
+        for step in (torch.tensor([[1, 2, 3, 4, 5, 6]]), torch.tensor([[7]])):
+            state.begin(step.shape[1])
+            model(step)
+            state.end(step.shape[1])
+        assert sorted({m.k.shape[1] for m in caches if m.window}) == [window - 1]  # the window's keys only
+        assert sorted({m.k.shape[1] for m in caches if not m.window}) == [7]

@@ -97,13 +97,12 @@ class AttentionCore(nn.Module):
 
     def kv_cache(self, state: DecodeState) -> nn.Module | None:
         """This seam's cached counterpart for a decode of ``state`` (``titanlike.models.kv_cache``): the softmax
-        cache. A subclass that attends differently (a window, sinks, a latent or linear attention) returns its own
-        cache, or None ("cannot cache yet": generation then recomputes the sequence); one that overrides
-        ``forward`` without overriding this method, or a windowed / sinked seam, gets None, never the softmax
-        cache."""
-        if type(self).forward is not AttentionCore.forward or self.window is not None or self.sinks:
-            return None  # the softmax cache keeps every key and applies neither a window nor sinks
-        return CachedSoftmaxAttention(state)
+        cache, with this seam's window (and sinks, passed at call time). A subclass that attends differently (a
+        latent or linear attention) returns its own cache, or None ("cannot cache yet": generation then recomputes
+        the sequence); one that overrides ``forward`` without overriding this method gets None, never this cache."""
+        if type(self).forward is not AttentionCore.forward:
+            return None
+        return CachedSoftmaxAttention(state, window=self.window)
 
 
 def attention_windows(model: nn.Module) -> tuple | None:

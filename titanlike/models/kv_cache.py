@@ -5,9 +5,10 @@ changes is behind the two seams every built-in decoder already calls (``titanlik
 outside for the length of a generation as context parallelism swaps them for training:
 
 * each attention seam is asked for its cached counterpart, ``core.kv_cache(state)`` (a method of the seam, so a
-  new attention kind brings its own cache: a softmax seam keeps every key and value, a sliding window would keep
-  its window, linear attention its recurrent state); ``None`` means "this kind cannot cache yet", and generation
-  then says so and recomputes the whole sequence each step;
+  new attention kind brings its own cache: a softmax seam keeps every key and value, a sliding window only the
+  keys its window still reaches, with or without attention sinks; linear attention would keep its recurrent
+  state); ``None`` means "this kind cannot cache yet", and generation then says so and recomputes the whole
+  sequence each step;
 * the position seam becomes :class:`CachedPositions`: the positions of the tokens of this step, per row (a prompt
   left-padded by ``p`` tokens starts at position 0 after its padding).
 
@@ -23,6 +24,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from titanlike.models.masking import attention_with_sinks
 
 __all__ = ["CachedPositions", "CachedSoftmaxAttention", "DecodeState", "cache_blockers", "kv_cached"]
 
@@ -40,16 +43,26 @@ class DecodeState:
         self.length = 0  # tokens every cache holds
         self.positions: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
+        self.absolute: torch.Tensor | None = None  # (s,) this step's tokens' indices in the padded sequence
 
     def begin(self, s: int) -> None:
         device = self.pad.device
-        absolute = self.length + torch.arange(s, device=device)  # (s,) in the padded sequence
+        self.absolute = absolute = self.length + torch.arange(s, device=device)
         self.positions = (absolute[None, :] - self.pad[:, None]).clamp(min=0)  # (batch, s)
         keys = torch.arange(self.length + s, device=device)
         causal = keys[None, :] <= absolute[:, None]  # (s, keys)
         not_pad = keys[None, :] >= self.pad[:, None]  # (batch, keys)
         itself = keys[None, :] == absolute[:, None]
         self.mask = (causal[None] & (not_pad[:, None, :] | itself[None]))[:, None]  # (batch, 1, s, keys)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """The step's key mask for a sliding window of ``window`` positions (the query itself included), over the
+        step's keys and the last ``window - 1`` earlier ones (all a windowed cache keeps): ``p - window < j <= p``.
+        Left padding shifts a row's positions and keys alike, so the padded indices give the same differences."""
+        keys = torch.arange(self.length + self.absolute.shape[0], device=self.pad.device)
+        near = keys[None, :] > self.absolute[:, None] - window  # (s, keys)
+        kept = min(keys.shape[0], window - 1 + self.absolute.shape[0])
+        return (self.mask & near[None, None])[..., -kept:]
 
     def end(self, s: int) -> None:
         self.length += s
@@ -73,27 +86,31 @@ class CachedSoftmaxAttention(nn.Module):
     """The softmax attention seam with a cache: this step's keys and values appended to those of the earlier
     steps, then every query attends over all of them under the state's mask. Grouped-query heads as in
     ``AttentionCore`` (kv head ``i // n_rep`` serves query head ``i``); the cache holds the kv heads only (the
-    local ones under tensor parallelism)."""
+    local ones under tensor parallelism). ``window``: a sliding window of that many positions (the cache keeps
+    only the last ``window - 1`` keys and values); ``sinks`` (heads,) at call time: one sink logit per head joins
+    the softmax (``AttentionCore``'s options, the same formula as its exact path)."""
 
-    def __init__(self, state: DecodeState):
+    def __init__(self, state: DecodeState, window: int | None = None):
         super().__init__()
-        self.state = state
+        self.state, self.window = state, window
         self.k: torch.Tensor | None = None  # (batch, cached, kv_heads, head_dim)
         self.v: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, sinks=None) -> torch.Tensor:
         if mask is not None:
             raise ValueError("a cached decode runs causal attention over padded prompts; no document mask")
         if self.k is not None:
             k, v = torch.cat((self.k, k), dim=1), torch.cat((self.v, v), dim=1)
-        self.k, self.v = k, v
+        keep = self.state.mask if self.window is None else self.state.window_mask(self.window)
+        drop = 0 if self.window is None else max(0, k.shape[1] - (self.window - 1))  # what no later query reaches
+        self.k, self.v = k[:, drop:], v[:, drop:]
         n_rep = q.shape[2] // k.shape[2]
         if n_rep > 1:
             k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=self.state.mask
-        )
-        return out.transpose(1, 2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if sinks is not None:
+            return attention_with_sinks(q, k, v, keep, sinks).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2)
 
 
 def _seams(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Module]]:
