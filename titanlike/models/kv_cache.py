@@ -27,7 +27,27 @@ from torch import nn
 
 from titanlike.models.masking import attention_with_sinks
 
-__all__ = ["CachedPositions", "CachedSoftmaxAttention", "DecodeState", "cache_blockers", "kv_cached"]
+__all__ = [
+    "CachedLatentAttention",
+    "CachedPositions",
+    "CachedSoftmaxAttention",
+    "DecodeState",
+    "SequenceSeam",
+    "UnreadWindow",
+    "cache_blockers",
+    "kv_cached",
+]
+
+
+class SequenceSeam(nn.Module):
+    """Base of every parameter-free module through which a model mixes tokens across the sequence (attention,
+    latent attention, a short convolution, a linear-attention recurrence, a window of token ids): context
+    parallelism replaces them from outside, and generation asks each for its cached counterpart. The default is
+    None ("this kind cannot cache yet"), so a new kind that brings no cache is named by :func:`cache_blockers` and
+    recomputed, never decoded one token at a time as if it saw the whole sequence."""
+
+    def kv_cache(self, state: DecodeState) -> nn.Module | None:
+        return None
 
 
 class DecodeState:
@@ -67,6 +87,10 @@ class DecodeState:
     def end(self, s: int) -> None:
         self.length += s
 
+    def real(self) -> torch.Tensor:
+        """(batch, s) True at this step's tokens that are not left padding."""
+        return self.absolute[None, :] >= self.pad[:, None]
+
 
 class CachedPositions(nn.Module):
     """The position seam during a decode: the state's positions of this step's tokens, ``(batch, s)``."""
@@ -104,13 +128,49 @@ class CachedSoftmaxAttention(nn.Module):
         keep = self.state.mask if self.window is None else self.state.window_mask(self.window)
         drop = 0 if self.window is None else max(0, k.shape[1] - (self.window - 1))  # what no later query reaches
         self.k, self.v = k[:, drop:], v[:, drop:]
-        n_rep = q.shape[2] // k.shape[2]
-        if n_rep > 1:
-            k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if sinks is not None:
-            return attention_with_sinks(q, k, v, keep, sinks).transpose(1, 2)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2)
+        return _attend(q, k, v, keep, sinks)
+
+
+class CachedLatentAttention(nn.Module):
+    """The latent attention seam (``LatentAttentionCore``) with a cache: it keeps the compressed latent and the
+    shared RoPE key of every token (``kv_lora_rank + qk_rope_head_dim`` numbers a token: 576 for DeepSeek-V3, not
+    the per-head keys and values), expands them with the model's ``expand`` each step, then attends as the
+    softmax cache does."""
+
+    def __init__(self, state: DecodeState):
+        super().__init__()
+        self.state = state
+        self.latent: torch.Tensor | None = None  # (batch, cached, kv_lora_rank)
+        self.k_rope: torch.Tensor | None = None  # (batch, cached, 1, qk_rope_head_dim)
+
+    def forward(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, expand, mask=None):
+        if mask is not None:
+            raise ValueError("a cached decode runs causal attention over padded prompts; no document mask")
+        if self.latent is not None:
+            latent, k_rope = torch.cat((self.latent, latent), dim=1), torch.cat((self.k_rope, k_rope), dim=1)
+        self.latent, self.k_rope = latent, k_rope
+        k, v = expand(latent, k_rope)
+        return _attend(q, k, v, self.state.mask)
+
+
+class UnreadWindow(nn.Module):
+    """The window seam (``SequenceWindow``) during a decode: only training-mode modules read it (multi-token
+    prediction's tokens ahead), and a decode runs the model in eval mode; a call is an error, not a guess."""
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("SequenceWindow is read in training only (multi-token prediction); a decode runs eval()")
+
+
+def _attend(q, k, v, keep: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention of ``q`` (batch, s, heads, d) over the cached ``k``, ``v`` (batch, n, kv_heads, d) where
+    ``keep`` (batch, 1, s, n) allows, grouped-query heads as in ``AttentionCore``, sinks (heads,) as its exact path."""
+    n_rep = q.shape[2] // k.shape[2]
+    if n_rep > 1:
+        k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if sinks is not None:
+        return attention_with_sinks(q, k, v, keep, sinks).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2)
 
 
 def _seams(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Module]]:
