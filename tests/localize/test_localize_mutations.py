@@ -10,12 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch.distributed.pipelining import PipelineStage
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from dist_utils import run_script  # noqa: E402
 
+INFERENCE_RESTORES_BUFFERS = hasattr(PipelineStage, "_pre_metadata_inference_backup")
 # case -> (module, phase, step) of the first divergence, None: no divergence
 EXPECTED = {
     "tp2_sp": None,
@@ -51,7 +53,10 @@ EXPECTED = {
     "MUT moe ep2 bias update from local loads": ("layers.1.moe", "forward", 2),
     "MUT moe ep2 aux loss per rank": ("layers.1.moe", "backward", 1),
     "MUT fsdp2 validation leaves FSDP unsharded": ("norm", "gradient", 2),
-    "MUT moe pp2 1F1B metadata inference counted as routed tokens": ("layers.1.moe", "forward", 2),
+    # torch >= 2.15 restores the stage's buffers (the MoE loads) after its metadata inference: no bug there
+    "MUT moe pp2 1F1B metadata inference counted as routed tokens": None
+    if INFERENCE_RESTORES_BUFFERS
+    else ("layers.1.moe", "forward", 2),
     "moe pp2 1F1B": None,
     "pp2 1F1B tied": None,
     "pp2 ZBVZeroBubble": None,
