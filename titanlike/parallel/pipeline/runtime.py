@@ -79,6 +79,18 @@ def _not_a_training_loss(method: Callable) -> Callable:
     return paused
 
 
+def _init_ops_without_self(self) -> list:
+    """torch's warm-up p2p ops of the stage's neighbours, less those with this rank itself: a V schedule
+    (ZBVZeroBubble) holds two neighbouring stages on one rank, and torch 2.11's batched warm-up then sends to its own
+    rank, which gloo refuses ("Pair is not connected"); neighbours on one rank exchange tensors without p2p."""
+    me = dist.get_rank(self.group)
+    return [op for op in PipelineStage._get_init_p2p_neighbors_ops(self) if op.group_peer != me]
+
+
+if hasattr(PipelineStage, "_get_init_p2p_neighbors_ops"):
+    _Stage._get_init_p2p_neighbors_ops = _init_ops_without_self
+
+
 # torch 2.13's backward metadata inference calls the loss function on the last stage's real-shaped outputs: not a
 # loss of the step (the MTP depth losses would count one microbatch twice at the first step)
 if hasattr(PipelineStage, "_backward_metadata_inference"):
