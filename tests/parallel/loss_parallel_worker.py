@@ -66,7 +66,10 @@ def _torch_loss_parallel(logits, labels, mesh, ignore_index, reduction):
 def _ours(logits, labels, mesh, placements, **kw):
     """Our loss on a DTensor, backward from 1.7 * loss; returns (loss, full gradient gathered for the test,
     all-reduce log)."""
-    x = distribute_tensor(logits, mesh, placements).requires_grad_()
+    leaf = distribute_tensor(logits, mesh, placements).requires_grad_()
+    # Logits come out of an op (the head), never a leaf: torch 2.11 accumulates the gradient that to_local()'s backward
+    # hands a leaf DTensor with an uneven shard as Replicate (an all-gather more; 2.13 keeps the shard)
+    x = leaf * 1.0
     calls = {"forward": [], "backward": []}
     phase = "forward"
     real = lp._all_reduce
@@ -84,14 +87,14 @@ def _ours(logits, labels, mesh, placements, **kw):
             (1.7 * loss).backward()
     finally:
         lp._all_reduce = real
-    assert type(loss) is torch.Tensor and x.grad.placements == x.placements
+    assert type(loss) is torch.Tensor and leaf.grad.placements == leaf.placements, leaf.grad.placements
     log = {
         "forward": calls["forward"],
         "backward": calls["backward"],
         "forward_comm": fwd_comm.get_total_counts(),
         "backward_comm": bwd_comm.get_total_counts(),
     }
-    return loss.detach(), x.grad.full_tensor(), log
+    return loss.detach(), leaf.grad.full_tensor(), log
 
 
 def _spread(value: torch.Tensor) -> float:
