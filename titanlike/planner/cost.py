@@ -109,7 +109,7 @@ class _Tally:
         self.passes = lo.accum_steps * lo.n_microbatches  # microbatch forwards per stage per step
         self.sharding = get_spec_for(args).sharding_of(args)
         self.shards = rank_param_shards(lo, args, rank)
-        self.gb = lo.act_bytes if lo.fsdp else lo.param_bytes  # a replicated weight's gradient (bf16 under FSDP's mp)
+        self.gb = lo.replicated_grad_bytes  # a tp-replicated weight's gradient
 
     def add(self, dim, op, phase, nbytes, group, what, count):
         if group > 1 and count:
@@ -182,8 +182,7 @@ def _sp_messages(tally: _Tally, names, ids: list[int], moe, recomputed: int) -> 
     add("tp", "all_gather", "backward", A, t, what, (recomputed + ffn_recomputed) * passes)
     add("tp", "reduce_scatter", "backward", A, t, "recomputed output of wo (full AC)", recomputed * passes)
     n_norms = 2 * len(ids) + ("norm" in names)
-    norm_bytes = tally.h * tally.a if lo.fsdp else tally.h * lo.param_bytes
-    add("tp", "all_reduce", "backward", norm_bytes, t, "norm weight gradients (SP)", n_norms * passes)
+    add("tp", "all_reduce", "backward", tally.h * tally.gb, t, "norm weight gradients (SP)", n_norms * passes)
     if "tok_embeddings" in names:
         add("tp", "reduce_scatter", "forward", A, t, "embedding output", passes)
         add("tp", "all_gather", "backward", A, t, "embedding output grad", passes)

@@ -8,7 +8,7 @@ parallelize functions act on, so the plan prices the run that ``train.py`` would
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
 import numpy as np
 
@@ -34,6 +34,19 @@ from titanlike.models import get_spec
 __all__ = ["GroupMap", "Layout", "group_map"]
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}
+
+
+@cache
+def fsdp_reduces_replicated_grads_wide() -> bool:
+    """Whether this torch's FSDP2 gives a parameter it reduces outside the data-parallel dims (a tp-replicated norm
+    weight, whose gradient is ``Partial`` over tp) its gradient in the reduce dtype, so that the tp all-reduce runs in
+    float32 under mixed precision: torch 2.15 (measured; its ``FSDPParam.may_reduce_grad_outside_dp`` marks them);
+    2.11 and 2.13 all-reduce it in the compute dtype (bf16)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    except ImportError:
+        return False
+    return hasattr(FSDPParam, "may_reduce_grad_outside_dp")
 
 
 @dataclass(frozen=True)
@@ -209,6 +222,15 @@ class Layout:
     def reduce_bytes(self) -> int:
         """Bytes per element of FSDP's gradient reduce-scatter (float32 under mixed precision)."""
         return self.param_bytes
+
+    @property
+    def replicated_grad_bytes(self) -> int:
+        """Bytes per element of a tp-replicated weight's gradient, all-reduced over tp (a norm's under SP, a per-head
+        norm's): the stored dtype without FSDP; under FSDP the compute dtype, or the reduce dtype where FSDP has
+        autograd upcast it (:func:`fsdp_reduces_replicated_grads_wide`)."""
+        if not self.fsdp:
+            return self.param_bytes
+        return self.reduce_bytes if fsdp_reduces_replicated_grads_wide() else self.act_bytes
 
     @property
     def ns_bytes(self) -> int:
