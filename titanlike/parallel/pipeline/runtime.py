@@ -258,6 +258,21 @@ def _check_tied_layout(names: list[str], mine: list[nn.Parameter], group) -> Non
         )
 
 
+def _holders_group(holder_ranks: list[int]) -> dist.ProcessGroup | None:
+    """The group of the ranks holding copies of a tied parameter (some of the pp group's), made by every rank of the
+    job: each brings its own pp group's holders, and all make every pp group's in the same order. torch 2.15 names a
+    group after a count of the groups each rank made before: one made by its members alone
+    (``use_local_synchronization``) left the other ranks' count behind, and the next group of the job hung."""
+    sets: list = [None] * dist.get_world_size()
+    dist.all_gather_object(sets, holder_ranks)
+    mine = None
+    for ranks in sorted({tuple(r) for r in sets}):
+        group = dist.new_group(list(ranks))
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
 def _tied_across_stages(
     model: nn.Module,
     module_fqns_per_stage: Sequence[Sequence[str]],
@@ -268,7 +283,7 @@ def _tied_across_stages(
 ):
     """After parallelize, for :class:`PipelineParallel`: every parameter the full ``model`` shares by identity
     between stages (each stage holds its own copy), as (this rank's copies, the group of the ranks holding a copy:
-    None when this rank holds them all, the pp group when every pp rank does, else a group made by its members),
+    None when this rank holds them all, the pp group when every pp rank does, else :func:`_holders_group`),
     and the ids of the copies left out of the gradient norm (all but the lowest stage's)."""
     ranks = dist.get_process_group_ranks(pp_group)
     pp = len(ranks)
@@ -282,14 +297,14 @@ def _tied_across_stages(
                 if s != holders[0]:
                     excluded.add(id(p))
         holder_ranks = sorted({ranks[rank_of_stage(s, pp, schedule)] for s in holders})
-        if not mine:
-            continue
         if len(holder_ranks) == 1:
             group = None
         elif len(holder_ranks) == pp:
             group = pp_group
         else:
-            group = dist.new_group(holder_ranks, use_local_synchronization=True)
+            group = _holders_group(holder_ranks)
+        if not mine:
+            continue
         _check_tied_layout(names, mine, group)
         tied_sets.append((mine, group))
     return tied_sets, excluded
