@@ -42,6 +42,12 @@ def _sum_gradients(module: FSDPModule) -> None:
     module.set_force_sum_reduction_for_comms(True)
 
 
+def runs_forward(module: nn.Module) -> bool:
+    """Whether ``module`` is called itself (a container, ``ModuleDict`` / ``ModuleList``, only holds modules that are):
+    FSDP's hooks on a module that never runs forward never fire."""
+    return not isinstance(module, (nn.ModuleDict, nn.ModuleList))
+
+
 def _role_groups(model: nn.Module, spec) -> tuple[list[nn.Module], list[nn.Module]]:
     """The input modules and the output modules with parameters this model (or stage) holds, by its spec's roles,
     less those that own a parameter shared between the two (a tied embedding / head stays with the root: ONE group
@@ -58,6 +64,10 @@ def _role_groups(model: nn.Module, spec) -> tuple[list[nn.Module], list[nn.Modul
     # the owners of every parameter tied across the input and output modules (by identity: titanlike.parallel.ties)
     owners = [{name.split(".")[0] for name in names} & set(present) for names in tie_groups(model)]
     tied = set().union(*(o for o in owners if o & set(spec.input_modules) and o & set(spec.output_modules)))
+    # nor does a container (ModuleDict / ModuleList: DeepSeek-V3's ``mtp`` depths), which never runs forward itself:
+    # torch 2.11 runs a list group's post-forward once every module of the list has run forward, and the head group
+    # then stayed unsharded after an evaluation and trained wrong; the root group takes its parameters
+    present = [n for n in present if runs_forward(getattr(model, n))]
     inputs = [getattr(model, n) for n in spec.input_modules if n in present and n not in tied]
     if tied:  # the tied pair and everything grouped with it (the head's group) go to the root
         return inputs, []

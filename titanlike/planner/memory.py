@@ -77,6 +77,7 @@ class StageFacts:
     ties: list[list[str]]  # tied name groups
     experts: tuple[str, ...]  # FQNs of the routed experts' modules (GroupedExperts): sharded over ep when ep > 1
     moe: dict[str, object]  # FQN of every MoE block -> its MoEArgs
+    containers: tuple[str, ...] = ()  # the stage's direct children that never run forward (ModuleDict / ModuleList)
 
 
 def _meta_model(spec, args):
@@ -92,6 +93,7 @@ def _stage(args, names: tuple[str, ...]) -> StageFacts:
     """The facts of the stage holding ``names``: the model's own constructor on the meta device, cut by the
     pipeline's stage builder, ties found by identity, expert and MoE modules found by type."""
     from titanlike.models.moe import GroupedExperts, MoE
+    from titanlike.parallel.fsdp import runs_forward
     from titanlike.parallel.pipeline import build_stage
     from titanlike.parallel.ties import tie_groups
 
@@ -105,6 +107,7 @@ def _stage(args, names: tuple[str, ...]) -> StageFacts:
             tie_groups(stage),
             tuple(n for n, m in mods if isinstance(m, GroupedExperts)),
             {n: m.args for n, m in mods if isinstance(m, MoE)},
+            tuple(n for n, m in stage.named_children() if not runs_forward(m)),
         )
     return _STAGES[key]
 
@@ -199,12 +202,16 @@ def fsdp_units(
     ranks: :func:`unit_group`."""
     by_name = {p.name: p for p in shards}
     spec = _spec(args)
+    stage = _stage(args, tuple(names))
     inputs = [n for n in spec.input_modules if n in names]
     outputs = [n for n in spec.output_modules if n in names]
     # apply_fsdp leaves a parameter the input and output modules share (a tied embedding / head) to the root
-    owners = [{name.split(".")[0] for name in group} for group in _stage(args, tuple(names)).ties]
+    owners = [{name.split(".")[0] for name in group} for group in stage.ties]
     tied_owners = set().union(*(o for o in owners if o & set(inputs) and o & set(outputs)))
     tied = bool(tied_owners)
+    # and a container (no forward of its own: DeepSeek-V3's mtp depths)
+    inputs = [n for n in inputs if n not in stage.containers]
+    outputs = [n for n in outputs if n not in stage.containers]
     units: list[tuple[str, list[ParamShard]]] = []
     taken: set[str] = set()
 
