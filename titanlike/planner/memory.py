@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from titanlike.layout.timeline import schedule_timeline
+from titanlike.models.spec import ActivationSizes
 from titanlike.planner.layout import Layout
 from titanlike.sharding import HeadNorm, entry_for, param_dims
 
@@ -253,7 +254,7 @@ def unit_reshards(layout: Layout, kind: str) -> bool:
 
 # ------------------------------------------------------------------------------------------------- activations
 def block_activation_bytes(
-    layout: Layout, args, tokens: int, mode: str = "none", moe=None, *, probe: bool = False
+    layout: Layout, args, tokens: int, mode: str = "none", moe=None, *, probe: bool = False, layer_id: int = 0
 ) -> int:
     """Bytes one transformer block keeps for its backward, for ``tokens`` tokens of one microbatch.
 
@@ -271,6 +272,9 @@ def block_activation_bytes(
     gelu = spec.mlp_kind == "gelu"
     layer_norm = spec.norm_kind == "layer"
     qk_norm = any(isinstance(e, HeadNorm) for e in spec.sharding_of(args).values())
+    # a model's own attention (MLA's latents): its hook's bytes per token replace the softmax formula's below
+    sizes = ActivationSizes(mode, a, c, t, layout.local_seq_len, probe)
+    own = spec.attention_activations(args, layer_id, sizes) if mode != "full" else None
     # Context parallel (``tokens`` are the local ones): the attention kernel keeps K and V of the whole sequence,
     # repeated to all heads as its inputs (no AC: (cp - 1) more tokens' worth than the local K / V counted below);
     # selective op AC saves the all-gather outputs instead (kv heads) and recomputes the rest.
@@ -285,15 +289,15 @@ def block_activation_bytes(
     elif mode == "op":
         # the projections' outputs: q, k, v (GPT-2's fused c_attn alike), wo's local partial, the MLP's (SwiGLU: w1,
         # w3, w2's partial; GELU: c_fc, c_proj's partial)
-        mm = a * (q_w + 2 * kv_w) / t + a * h + (1 if gelu else 2) * a * H / t + a * h
-        sdpa = a * q_w / t + 4 * n / t
+        mm = (1 if gelu else 2) * a * H / t + a * h
+        attention = a * (q_w + 2 * kv_w) / t + a * h + a * q_w / t + 4 * n / t if own is None else own
         if t > 1 and layout.sequence_parallel:
             coll = 2 * a * h + 2 * a * h / t  # all-gathers before attention / ffn, reduce-scatters after
         elif t > 1:
             coll = 2 * a * h  # all-reduces after wo / w2
         else:
             coll = 0
-        per_token = a * h / tsp + mm + sdpa + coll
+        per_token = a * h / tsp + mm + attention + coll
     else:
         # a norm keeps its input and statistics (RMSNorm: the float32 upcast and rstd; LayerNorm: the input and
         # 4 bytes of statistics), its output (the projection's input, all-gathered under SP); q, k, v, the
@@ -304,7 +308,8 @@ def block_activation_bytes(
         attention = 2 * a * q_w + 2 * a * q_w + 4 * n  # q, repeated k and v, output; log-sum-exp
         if qk_norm:
             attention += (c + a) * (q_w + kv_w) + c * (n + kv_n)
-        per_token = norms + (attention + (2 if gelu else 4) * a * H) / t
+        attention = attention / t if own is None else own
+        per_token = norms + attention + (2 if gelu else 4) * a * H / t
     if moe is None:
         return round((per_token + gathered_kv) * tokens)
     # the dense feed-forward's share above out, the MoE block's in (it runs on this rank's own tokens: 1 / t_sp)
@@ -517,7 +522,9 @@ def rank_activation_memory(layout: Layout, args, rank: int = 0) -> list[MemoryIt
     for s, count in zip(stage_ids, counts):
         ids = [int(n.split(".")[1]) for n in layout.stages[s] if n.startswith("layers.")]
         moe = moe_layers(args, layout.stages[s])
-        per_mb = sum(block_activation_bytes(layout, args, tokens, layout.checkpointed(i), moe.get(i)) for i in ids)
+        per_mb = sum(
+            block_activation_bytes(layout, args, tokens, layout.checkpointed(i), moe.get(i), layer_id=i) for i in ids
+        )
         if "output" in layout.stages[s]:
             kept, tr = head_activation_bytes(layout, args, tokens)
             per_mb += kept
@@ -526,8 +533,8 @@ def rank_activation_memory(layout: Layout, args, rank: int = 0) -> list[MemoryIt
         detail.append(f"{count} x stage {s}" if layout.pp > 1 else "1 microbatch")
         if any(layout.checkpointed(i) != "none" for i in ids):
             recompute = max(
-                block_activation_bytes(layout, args, tokens, "none", moe.get(i))
-                - block_activation_bytes(layout, args, tokens, layout.checkpointed(i), moe.get(i))
+                block_activation_bytes(layout, args, tokens, "none", moe.get(i), layer_id=i)
+                - block_activation_bytes(layout, args, tokens, layout.checkpointed(i), moe.get(i), layer_id=i)
                 for i in ids
             )
             transient = max(transient, recompute)

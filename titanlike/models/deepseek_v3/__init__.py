@@ -1,5 +1,6 @@
 """DeepSeek-V3 (multi-head latent attention, DeepSeek MoE routing, multi-token prediction) and its model spec."""
 
+from titanlike.models.deepseek_v3.activations import attention_activations
 from titanlike.models.deepseek_v3.model import (
     FLAVORS,
     MLA,
@@ -55,6 +56,7 @@ SPEC = register(
         te_norm=RMSNorm,
         shape_violations=_shape_violations,
         num_experts=_num_experts,
+        attention_activations=attention_activations,
         hf_adapter="titanlike.models.deepseek_v3.hf",
     )
 )
