@@ -8,7 +8,9 @@ import pytest
 import shared_launch
 
 TOL = pipeline_gate.TOL
-FORWARD_BREAKS = {"pp_starts_other_microbatch"}  # the mutations that change the forward (the loss of step 1) too
+# the mutations that change the forward (the loss of step 1) too: the MTP one through its depth's logged loss, which
+# the gate compares with the loss
+FORWARD_BREAKS = {"pp_starts_other_microbatch", "pp_mtp_tokens_other_microbatch"}
 BROKEN = gate.BROKEN  # a mutation must move its metric by at least this much (the tolerance is 1e-10)
 # Where each mutation must show. None but FORWARD_BREAKS changes the loss of step 1: they only break gradients (or
 # the norm), which a loss-only test would miss.
@@ -21,6 +23,7 @@ EXPECTED_BREAK = {
     "pp_starts_other_microbatch": "loss",  # each microbatch masked with another's documents
     "moe_local_loads": "biases",  # each stage's bias update from this rank's loads only
     "pp_moe_inference_counted": "biases",  # torch's shape-inference forward counted as routed tokens
+    "pp_mtp_tokens_other_microbatch": "grads",  # DeepSeek-V3's MTP depths embed another microbatch's tokens
 }
 
 
