@@ -90,6 +90,11 @@ class ModelSpec:
     # tensors, the output projection's input; selective op AC: the matmul / kernel outputs), for a model whose
     # attention is no plain ``n_heads x head_dim`` softmax one (MLA's latents); None: the planner's softmax formula.
     attention_activations: Callable[[object, int, ActivationSizes], float | None] = lambda args, i, sizes: None
+    # prediction_blocks(args) -> {FQN: layer id} of the blocks the output modules run after the final norm
+    # (DeepSeek-V3's multi-token prediction depths ``mtp.K.block``), each after two norms and a projection of their
+    # concatenation, each followed by a norm and the shared head: the planner counts their activations and messages
+    # on the last stage.
+    prediction_blocks: Callable[[object], dict[str, int]] = lambda args: {}
     # Capabilities the layout rules check (titanlike.layout.rules), declared by the model, never inferred from its
     # name. context_parallel: attention through the shared seam and every position lookup through the position seam
     # (titanlike.models.decoder), so titanlike.parallel.context_parallel applies. te_norm: the norm class whose

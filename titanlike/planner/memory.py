@@ -46,6 +46,8 @@ __all__ = [
     "moe_activation_bytes",
     "moe_layers",
     "param_shapes",
+    "prediction_activation_bytes",
+    "prediction_blocks",
     "rank_activation_memory",
     "rank_memory",
     "rank_param_shards",
@@ -111,8 +113,22 @@ def _stage(args, names: tuple[str, ...]) -> StageFacts:
 
 
 def moe_layers(args, names: Sequence[str]) -> dict[int, object]:
-    """Layer id -> MoEArgs of every block among module ``names`` (a stage's) that holds an MoE block."""
-    return {int(fqn.split(".")[1]): a for fqn, a in _stage(args, tuple(names)).moe.items()}
+    """Layer id -> MoEArgs of every block among module ``names`` (a stage's) that holds an MoE block: the decoder
+    blocks (``layers.N``) and the blocks the output modules run (the spec's ``prediction_blocks``: MTP depths)."""
+    blocks = _spec(args).prediction_blocks(args)
+    out = {}
+    for fqn, a in _stage(args, tuple(names)).moe.items():
+        if fqn.startswith("layers."):
+            out[int(fqn.split(".")[1])] = a
+        else:
+            out[next(i for b, i in blocks.items() if fqn.startswith(b + "."))] = a
+    return out
+
+
+def prediction_blocks(args, names: Sequence[str]) -> dict[str, int]:
+    """FQN -> layer id of the prediction blocks (MTP depths, ``ModelSpec.prediction_blocks``) among the output
+    modules of ``names`` (a stage's)."""
+    return {b: i for b, i in _spec(args).prediction_blocks(args).items() if b.split(".")[0] in names}
 
 
 def param_shapes(args, names: Sequence[str]) -> dict[str, tuple[int, ...]]:
@@ -362,6 +378,31 @@ def moe_activation_bytes(layout: Layout, m, tokens: int, mode: str = "none", *, 
     return round(per_token * tokens) + constant
 
 
+def prediction_activation_bytes(layout: Layout, args, names: Sequence[str], tokens: int, *, probe: bool = False) -> int:
+    """Bytes the prediction depths (MTP, ``ModelSpec.prediction_blocks``) held by a stage of module ``names`` keep
+    for their backward, for ``tokens`` tokens. Per depth and token: the ids ahead (int64, saved by the embedding),
+    the embedding's and the hidden state's RMSNorms (the hidden state's input is the final norm's output, already
+    held, unless upcast to float32 or, under SP, the local part beside the head's gathered input), their
+    concatenation ``2 a h`` (saved by the projection), the depth's block (:func:`block_activation_bytes`; no AC
+    wraps it), its norm, the shared head's input and logits (:func:`head_activation_bytes`' kept part). Checked
+    against the saved tensors of a real forward (tests/planner/test_planner_mla.py)."""
+    blocks = prediction_blocks(args, names)
+    if not blocks:
+        return 0
+    a, c, h = layout.act_bytes, layout.compute_bytes, args.dim
+    tsp = layout.tp if layout.sequence_parallel else 1
+    h_in = c * h if a < c else (a * h if tsp > 1 else 0)
+    combine = 8 + ((c * h + c + a * h) + (h_in + c + a * h) + 2 * a * h) / tsp
+    kept, _ = head_activation_bytes(layout, args, tokens)
+    moe = moe_layers(args, names)
+    return sum(
+        round(combine * tokens)
+        + block_activation_bytes(layout, args, tokens, "none", moe.get(i), probe=probe, layer_id=i)
+        + kept
+        for i in blocks.values()
+    )
+
+
 def head_activation_bytes(layout: Layout, args, tokens: int) -> tuple[int, int]:
     """(kept until the backward, transient peak) of the final norm, the logits and the loss for ``tokens``."""
     h, V = args.dim, args.vocab_size
@@ -527,7 +568,7 @@ def rank_activation_memory(layout: Layout, args, rank: int = 0) -> list[MemoryIt
         )
         if "output" in layout.stages[s]:
             kept, tr = head_activation_bytes(layout, args, tokens)
-            per_mb += kept
+            per_mb += kept + prediction_activation_bytes(layout, args, layout.stages[s], tokens)
             transient = max(transient, tr)
         act += count * per_mb
         detail.append(f"{count} x stage {s}" if layout.pp > 1 else "1 microbatch")
