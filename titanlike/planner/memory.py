@@ -231,14 +231,19 @@ def fsdp_units(
         if params:
             units.append((kind, params))
 
+    def moe_units(block):  # apply_expert_fsdp's and apply_moe_token_fsdp's groups of every MoE block
+        for kind, group in (("experts", "dp_shard_mod_ep"), ("moe", "dp_shard_cp_tp")):
+            inside = [p for p in shards if p.group == group and p.name.startswith(block + ".")]
+            if inside:
+                taken.update(p.name for p in inside)
+                units.append((kind, inside))
+
     for name in names:
         if name.startswith("layers."):
-            for kind, group in (("experts", "dp_shard_mod_ep"), ("moe", "dp_shard_cp_tp")):
-                inside = [p for p in shards if p.group == group and p.name.startswith(name + ".")]
-                if inside:
-                    taken.update(p.name for p in inside)
-                    units.append((kind, inside))
+            moe_units(name)
             add("block", (name + ".",))
+    for block in prediction_blocks(args, names):  # an MTP depth's block: no group of its own, its MoE's groups
+        moe_units(block)
     if tied:  # apply_fsdp leaves the tied pair (and the head) to the root
         inputs, outputs = [n for n in inputs if n not in tied_owners], []
     if inputs:
