@@ -38,7 +38,9 @@ class ActivationSizes:
     hook: the AC mode of the block (``"none"`` or selective ``"op"``; full AC keeps the block input only), the
     activation and compute bytes per number (bf16: 2 and 4), the tp degree, the keys one query's sequence has (the
     microbatch's local sequence) and ``probe``: the kernels the dry run's probe runs (torch on CPU: SDPA's math path
-    where the query / key and value head widths differ) instead of CUDA's (the memory-efficient kernel takes them)."""
+    where the query / key and value head widths differ) instead of CUDA's (the memory-efficient kernel takes them);
+    ``batch``: the microbatch's sequences (for what a block keeps once, whatever the batch) and ``cp``: the context
+    parallel degree."""
 
     mode: str
     act_bytes: int
@@ -46,6 +48,8 @@ class ActivationSizes:
     tp: int
     seq: int
     probe: bool = False
+    batch: int = 1
+    cp: int = 1
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,8 @@ class ModelSpec:
     # shards from it; a tied copy names its owner (Init.key). The model class also has init_buffers(device).
     param_init: Callable[[object], Callable[[str], object]] | None = None
     # The block's structure, for the planner's activation-memory model (titanlike.planner.memory): its norms
-    # ("rms": RMSNorm computed in float32; "layer": LayerNorm) and its MLP ("swiglu": w1, w3, w2; "gelu": fc, proj).
+    # ("rms": RMSNorm computed in float32; "rms_zero_centred": the same scaled by ``1 + w`` in float32, keeping the
+    # float32 normalised input and ``1 + w``; "layer": LayerNorm) and its MLP ("swiglu": w1, w3, w2; "gelu": fc, proj).
     norm_kind: str = "rms"
     mlp_kind: str = "swiglu"
     # attention_activations(args, layer_id, ActivationSizes) -> bytes per token that block's attention keeps for its

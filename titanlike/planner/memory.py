@@ -292,9 +292,10 @@ def block_activation_bytes(
     spec = _spec(args)
     gelu = spec.mlp_kind == "gelu"
     layer_norm = spec.norm_kind == "layer"
+    zero_centred = spec.norm_kind == "rms_zero_centred"  # also keeps its float32 output and 1 + w (constant)
     qk_norm = any(isinstance(e, HeadNorm) for e in spec.sharding_of(args).values())
     # a model's own attention (MLA's latents): its hook's bytes per token replace the softmax formula's below
-    sizes = ActivationSizes(mode, a, c, t, layout.local_seq_len, probe)
+    sizes = ActivationSizes(mode, a, c, t, layout.local_seq_len, probe, layout.microbatch_size, layout.cp)
     own = spec.attention_activations(args, layer_id, sizes) if mode != "full" else None
     # Context parallel (``tokens`` are the local ones): the attention kernel keeps K and V of the whole sequence,
     # repeated to all heads as its inputs (no AC: (cp - 1) more tokens' worth than the local K / V counted below);
@@ -324,15 +325,16 @@ def block_activation_bytes(
         # 4 bytes of statistics), its output (the projection's input, all-gathered under SP); q, k, v, the
         # attention output and its log-sum-exp; the MLP's hidden activations (SwiGLU: 4, GELU: 2); per-head q / k
         # RMSNorms: their float32 input, one rstd per head and their output (for the weight's gradient)
-        norm = (a * h + 4) if layer_norm else (c * h + c + a * h)
+        norm = (a * h + 4) if layer_norm else (c * h + c + (c if zero_centred else a) * h)
         norms = 2 * (norm / tsp + a * h)
         attention = 2 * a * q_w + 2 * a * q_w + 4 * n  # q, repeated k and v, output; log-sum-exp
         if qk_norm:
             attention += (c + a) * (q_w + kv_w) + c * (n + kv_n)
         attention = attention / t if own is None else own
         per_token = norms + attention + (2 if gelu else 4) * a * H / t
+    constant = 2 * c * h if zero_centred and mode == "none" else 0  # the two norms' 1 + w
     if moe is None:
-        return round((per_token + gathered_kv) * tokens)
+        return round((per_token + gathered_kv) * tokens) + constant
     # the dense feed-forward's share above out, the MoE block's in (it runs on this rank's own tokens: 1 / t_sp)
     # (and under SP the feed-forward's input is not all-gathered, nor its output reduce-scattered: one collective
     # pair less for op AC, the norm's output kept at local length)
@@ -344,8 +346,10 @@ def block_activation_bytes(
         "none": (2 if gelu else 4) * a * H / t + ag,
     }[mode]
     routed = tokens // tsp
-    return round((per_token - ffn + gathered_kv) * tokens) + moe_activation_bytes(
-        layout, moe, routed, mode, probe=probe
+    return (
+        round((per_token - ffn + gathered_kv) * tokens)
+        + constant
+        + moe_activation_bytes(layout, moe, routed, mode, probe=probe)
     )
 
 
@@ -377,6 +381,7 @@ def moe_activation_bytes(layout: Layout, m, tokens: int, mode: str = "none", *, 
         experts = a * h * k + 4 * a * m.hidden_dim * k + (16 * k if ep else 0)
         per_token = c * E + 24 * k + c * k + (c * k + c if m.route_norm else 0) + busy * experts
         per_token += c * h * k + 4 * a * shared + (c if m.aux_loss_coeff > 0 else 0)
+        per_token += a + a * h if m.shared_gate and shared else 0  # sigmoid(x w) and the shared output it scales
     sequences = layout.microbatch_size
     aux = m.aux_loss_coeff > 0  # its running sum (a scalar), and per sequence the counts' coefficients
     constant = 8 * E + (c if aux else 0) + (c * E * sequences if aux and mode == "none" else 0)

@@ -1,0 +1,57 @@
+"""What a Gated DeltaNet layer keeps for its backward, for the planner's activation model
+(``titanlike.planner.memory``, through ``ModelSpec.attention_activations``), read off :class:`GatedDeltaNet`'s
+forward and the chunked rule (``titanlike.models.linear_attention.chunk_gated_delta_rule``), and checked against the
+dry run's FakeTensorMode probe (tests/planner/test_planner_qwen3_next.py).
+
+Per sequence of ``s`` tokens padded to ``P = n C`` (``n`` chunks of ``C``), this tp rank's ``h`` value heads and
+``n_k`` key heads (``r = h / n_k`` value heads per key head), the conv's ``CH = n_k (2 d_k) + h d_v`` channels and
+kernel ``K``, ``a`` / ``c`` the activation / compute bytes (bf16: 2 / 4), no AC:
+
+* the conv: its taps and its output (SiLU's input), ``(K + 1) s CH a``; the L2 norms' inputs (bf16: the float32
+  copies of q and k, ``2 s n_k d_k c``; float32: SiLU's output itself, ``s CH a``) and their rsqrt ``2 s n_k c``;
+  the decay's softplus input and output ``2 s h c`` and ``sigmoid(b)`` ``s h a``;
+* the chunked rule, all in ``c``: ``beta`` and the padded ``k``, ``v`` ``P h (1 + d_k + d_v)``; four ``C x C``
+  matrices per chunk (the decay pairs, ``k_beta k^T``, ``ut``, ``q k^T``) and the intra-chunk scores, ``5 n C^2 h``;
+  ``carry_q``, ``carry_k`` ``2 P h`` and the chunk decays ``n h``; ``k_beta``, ``k_cum``, the scaled ``q``,
+  ``q_dec``, ``k_dec`` ``5 P h d_k``; ``new_v`` ``P h d_v``; per chunk the state entering it and its corrected
+  values, ``n h d_k d_v + P h d_v``;
+* the gated output norm: its input (bf16: a float32 copy, ``s h d_v c``; float32: the padded output, ``P h d_v c``),
+  rstd ``s h c`` and normalised output ``s h d_v a``; the SiLU gate's input (bf16: a float32 copy of ``z``; float32:
+  ``z`` itself, a view of ``in_proj_qkvz``'s whole output ``s n_k (2 d_k + 2 r d_v) a`` when its heads fold, with
+  one key head or one value head per key head, else a copy ``s h d_v c``), its output and the norm's output as the
+  product saves them ``s h d_v (c + c)`` (bf16: ``c + a``); ``out_proj``'s input ``s h d_v a``;
+* per block, whatever the batch: ``A_log``'s exponential and its negation ``2 h c``, the chunk's causal mask
+  ``C^2`` bytes.
+
+The full-attention layers take the planner's softmax formula (None); selective op AC and context parallelism (the
+widened state-passing run) are not modelled here either (None).
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["attention_activations"]
+
+
+def attention_activations(args, layer_id: int, sizes) -> float | None:
+    """Bytes per token one Gated DeltaNet layer keeps (module docstring); ``sizes``: ``ActivationSizes``."""
+    if args.layer_type(layer_id) != "linear_attention" or sizes.mode != "none" or sizes.cp > 1:
+        return None
+    a, c, t, s, b = sizes.act_bytes, sizes.compute_bytes, sizes.tp, sizes.seq, sizes.batch
+    dk, dv, K, C = args.linear_k_head_dim, args.linear_v_head_dim, args.conv_kernel, args.linear_chunk_size
+    h, nk = args.linear_v_heads // t, args.linear_k_heads // t
+    rep, channels = h // nk, nk * 2 * dk + h * dv
+    n = math.ceil(s / C)
+    P = n * C
+    upcast = a < c
+    conv = (K + 1) * s * channels * a + (2 * s * nk * dk * c if upcast else s * channels * a) + 2 * s * nk * c
+    decay = 2 * s * h * c + s * h * a
+    rule = c * (P * h * (1 + dk + dv) + 5 * n * C * C * h + 2 * P * h + n * h + 5 * P * h * dk + P * h * dv)
+    rule += c * (n * h * dk * dv + P * h * dv)
+    z_view = not upcast and (nk == 1 or rep == 1)
+    z = s * nk * (2 * dk + 2 * rep * dv) * a if z_view else s * h * dv * c
+    norm = (s * h * dv * c if upcast else P * h * dv * c) + s * h * c + s * h * dv * a
+    gate = z + s * h * dv * c + (s * h * dv * a if upcast else s * h * dv * c) + s * h * dv * a
+    per_sequence = conv + decay + rule + norm + gate
+    return (b * per_sequence + 2 * h * c + C * C) / (b * s)
