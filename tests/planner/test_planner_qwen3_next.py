@@ -55,6 +55,15 @@ PROBE_CASES = {
     "tp2_sp_ep2_bf16": (2, [*TP_EP, "--training.dtype", "bfloat16"]),
     # 60 tokens: the chunked rule pads the last chunk of 8
     "padded_chunk_fp32": (1, ["--training.dtype", "float32", "--training.seq_len", "60"]),
+    # state passing (rank 0): two widened pieces, the scan of the gathered maps (before: 1.00 MiB against 3.40)
+    "cp2_bf16": (2, ["--training.dtype", "bfloat16", "--parallelism.context_parallel_degree", "2"]),
+    "cp4_fp32": (4, ["--training.dtype", "float32", "--parallelism.context_parallel_degree", "4"]),
+    "cp2_tp2_sp_ep2_bf16": (4, [*TP_EP, "--training.dtype", "bfloat16", "--parallelism.context_parallel_degree", "2"]),
+    # pieces of 12 tokens in chunks of 8: padded
+    "cp2_padded_bf16": (
+        2,
+        ["--training.dtype", "bfloat16", "--parallelism.context_parallel_degree", "2", "--training.seq_len", "48"],
+    ),
 }
 
 

@@ -302,9 +302,10 @@ def block_activation_bytes(
     # selective op AC saves the all-gather outputs instead (kv heads) and recomputes the rest.
     # Without AC the kernels of the two chunks also keep their outputs, besides the concatenated output (``a q_w``).
     gathered_kv = 0.0
-    if layout.cp > 1 and mode == "none":
+    linear = spec.linear_attention(args, layer_id) is not None  # state passing: no K / V (its hook counts the maps)
+    if layout.cp > 1 and mode == "none" and not linear:
         gathered_kv = 2 * a * q_w / t * (layout.cp - 1) + a * q_w / t
-    elif layout.cp > 1 and mode == "op":
+    elif layout.cp > 1 and mode == "op" and not linear:
         gathered_kv = 2 * a * kv_w / t * layout.cp
     if mode == "full":
         per_token = a * h / tsp

@@ -23,8 +23,15 @@ kernel ``K``, ``a`` / ``c`` the activation / compute bytes (bf16: 2 / 4), no AC:
 * per block, whatever the batch: ``A_log``'s exponential and its negation ``2 h c``, the chunk's causal mask
   ``C^2`` bytes.
 
-The full-attention layers take the planner's softmax formula (None); selective op AC and context parallelism (the
-widened state-passing run) are not modelled here either (None).
+Under context parallelism (``titanlike.parallel.state_passing``, as cp rank 0 runs it: the probe's rank) each of
+the two pieces runs the chunked rule from the state ``[0 | I]`` with the values widened to ``d_v + d_k``, the scan
+keeps the ``2 cp`` gathered maps ``h d_k (d_v + d_k)`` and the ``2 cp`` states entering the chunks ``h d_k d_v``,
+the correction of the second piece its run's output ``P h (d_v + d_k)`` (the first piece's entering state is zero:
+nothing saved; another rank keeps that one too, and one state less), the output norm the concatenated outputs
+``s h d_v c``; the pieces' causal masks and the conv's and maps' order indices (``2 x 2 cp`` int64) once.
+
+The full-attention layers take the planner's softmax formula (None); selective op AC is not modelled (None: the
+softmax formula stands in).
 """
 
 from __future__ import annotations
@@ -36,22 +43,36 @@ __all__ = ["attention_activations"]
 
 def attention_activations(args, layer_id: int, sizes) -> float | None:
     """Bytes per token one Gated DeltaNet layer keeps (module docstring); ``sizes``: ``ActivationSizes``."""
-    if args.layer_type(layer_id) != "linear_attention" or sizes.mode != "none" or sizes.cp > 1:
+    if args.layer_type(layer_id) != "linear_attention" or sizes.mode != "none":
         return None
-    a, c, t, s, b = sizes.act_bytes, sizes.compute_bytes, sizes.tp, sizes.seq, sizes.batch
+    a, c, t, s, b, cp = sizes.act_bytes, sizes.compute_bytes, sizes.tp, sizes.seq, sizes.batch, sizes.cp
     dk, dv, K, C = args.linear_k_head_dim, args.linear_v_head_dim, args.conv_kernel, args.linear_chunk_size
     h, nk = args.linear_v_heads // t, args.linear_k_heads // t
     rep, channels = h // nk, nk * 2 * dk + h * dv
-    n = math.ceil(s / C)
-    P = n * C
     upcast = a < c
     conv = (K + 1) * s * channels * a + (2 * s * nk * dk * c if upcast else s * channels * a) + 2 * s * nk * c
     decay = 2 * s * h * c + s * h * a
-    rule = c * (P * h * (1 + dk + dv) + 5 * n * C * C * h + 2 * P * h + n * h + 5 * P * h * dk + P * h * dv)
-    rule += c * (n * h * dk * dv + P * h * dv)
     z_view = not upcast and (nk == 1 or rep == 1)
     z = s * nk * (2 * dk + 2 * rep * dv) * a if z_view else s * h * dv * c
-    norm = (s * h * dv * c if upcast else P * h * dv * c) + s * h * c + s * h * dv * a
     gate = z + s * h * dv * c + (s * h * dv * a if upcast else s * h * dv * c) + s * h * dv * a
-    per_sequence = conv + decay + rule + norm + gate
-    return (b * per_sequence + 2 * h * c + C * C) / (b * s)
+    if cp == 1:
+        P = math.ceil(s / C) * C
+        core = _chunked_rule(h, P, C, dk, dv, c)
+        norm_in = s * h * dv * c if upcast else P * h * dv * c  # float32: the padded output itself
+        constant = C * C  # the causal mask
+    else:  # state passing on cp rank 0: two pieces widened to dv + dk, the scan of 2 cp maps, one correction
+        P, W = math.ceil(s / 2 / C) * C, dv + dk
+        core = 2 * _chunked_rule(h, P, C, dk, W, c) + c * (2 * cp * h * dk * W + 2 * cp * h * dk * dv + P * h * W)
+        norm_in = s * h * dv * c  # the pieces' concatenated outputs
+        constant = 2 * C * C + 2 * 2 * cp * 8  # the pieces' masks, the conv's and the maps' order
+    norm = norm_in + s * h * c + s * h * dv * a
+    per_sequence = conv + decay + core + norm + gate
+    return (b * per_sequence + 2 * h * c + constant) / (b * s)
+
+
+def _chunked_rule(h: int, P: int, C: int, dk: int, dv: int, c: int) -> int:
+    """Bytes one sequence's run of ``chunk_gated_delta_rule`` keeps, ``P`` tokens (padded) in chunks of ``C``, values
+    ``dv`` wide (module docstring)."""
+    n = P // C
+    per_token = 1 + dk + dv + 2 + 5 * dk + dv + dv  # beta, k, v; carry_q / carry_k; k_beta ... k_dec; new_v; v_new
+    return c * h * (P * per_token + 5 * n * C * C + n + n * dk * dv)
