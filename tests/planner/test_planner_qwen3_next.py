@@ -59,6 +59,19 @@ PROBE_CASES = {
     "cp2_bf16": (2, ["--training.dtype", "bfloat16", "--parallelism.context_parallel_degree", "2"]),
     "cp4_fp32": (4, ["--training.dtype", "float32", "--parallelism.context_parallel_degree", "4"]),
     "cp2_tp2_sp_ep2_bf16": (4, [*TP_EP, "--training.dtype", "bfloat16", "--parallelism.context_parallel_degree", "2"]),
+    "op_ac_bf16": (1, ["--training.dtype", "bfloat16", "--activation_checkpoint.mode", "selective"]),
+    "tp2_sp_ep2_op_ac_bf16": (2, [*TP_EP, "--training.dtype", "bfloat16", "--activation_checkpoint.mode", "selective"]),
+    "cp2_op_ac_fp32": (
+        2,
+        [
+            "--training.dtype",
+            "float32",
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "selective",
+        ],
+    ),
     # pieces of 12 tokens in chunks of 8: padded
     "cp2_padded_bf16": (
         2,
@@ -81,5 +94,7 @@ def test_gated_deltanet_block_activations_equal_the_probe(name):
     assert d.probe_layer == 0 and args.layer_type(0) == "linear_attention"
     moe = moe_layers(args, layout.stages[0]).get(0)
     tokens = layout.microbatch_size * layout.local_seq_len
-    analytic = block_activation_bytes(layout, args, tokens, "none", moe, probe=True, layer_id=0)
+    mode = layout.checkpointed(0)
+    assert mode == ("op" if "op_ac" in name else "none")
+    analytic = block_activation_bytes(layout, args, tokens, mode, moe, probe=True, layer_id=0)
     assert d.block_activation_bytes == analytic, (name, d.block_activation_bytes, analytic)

@@ -378,6 +378,7 @@ def moe_activation_bytes(layout: Layout, m, tokens: int, mode: str = "none", *, 
     elif mode == "op":
         experts = k * (2 * a * m.hidden_dim + a * h) + (a * h * k if ep else 0)  # + the dispatch's output
         per_token = a * E + busy * experts + (2 * a * shared + a * h if shared else 0) + (a * h * k if ep else 0)
+        per_token += a if m.shared_gate and shared else 0  # the gate's projection
     else:
         experts = a * h * k + 4 * a * m.hidden_dim * k + (16 * k if ep else 0)
         per_token = c * E + 24 * k + c * k + (c * k + c if m.route_norm else 0) + busy * experts

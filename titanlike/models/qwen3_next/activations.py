@@ -30,8 +30,8 @@ the correction of the second piece its run's output ``P h (d_v + d_k)`` (the fir
 nothing saved; another rank keeps that one too, and one state less), the output norm the concatenated outputs
 ``s h d_v c``; the pieces' causal masks and the conv's and maps' order indices (``2 x 2 cp`` int64) once.
 
-The full-attention layers take the planner's softmax formula (None); selective op AC is not modelled (None: the
-softmax formula stands in).
+Selective op AC keeps the matmul and collective outputs instead (:func:`_op_outputs`). The full-attention layers
+take the planner's softmax formula (None).
 """
 
 from __future__ import annotations
@@ -43,12 +43,14 @@ __all__ = ["attention_activations"]
 
 def attention_activations(args, layer_id: int, sizes) -> float | None:
     """Bytes per token one Gated DeltaNet layer keeps (module docstring); ``sizes``: ``ActivationSizes``."""
-    if args.layer_type(layer_id) != "linear_attention" or sizes.mode != "none":
+    if args.layer_type(layer_id) != "linear_attention" or sizes.mode not in ("none", "op"):
         return None
     a, c, t, s, b, cp = sizes.act_bytes, sizes.compute_bytes, sizes.tp, sizes.seq, sizes.batch, sizes.cp
     dk, dv, K, C = args.linear_k_head_dim, args.linear_v_head_dim, args.conv_kernel, args.linear_chunk_size
     h, nk = args.linear_v_heads // t, args.linear_k_heads // t
     rep, channels = h // nk, nk * 2 * dk + h * dv
+    if sizes.mode == "op":
+        return _op_outputs(args, sizes, h, nk, rep)
     upcast = a < c
     conv = (K + 1) * s * channels * a + (2 * s * nk * dk * c if upcast else s * channels * a) + 2 * s * nk * c
     decay = 2 * s * h * c + s * h * a
@@ -76,3 +78,28 @@ def _chunked_rule(h: int, P: int, C: int, dk: int, dv: int, c: int) -> int:
     n = P // C
     per_token = 1 + dk + dv + 2 + 5 * dk + dv + dv  # beta, k, v; carry_q / carry_k; k_beta ... k_dec; new_v; v_new
     return c * h * (P * per_token + 5 * n * C * C + n + n * dk * dv)
+
+
+def _op_outputs(args, sizes, h: int, nk: int, rep: int) -> float:
+    """Selective op AC: the matmul outputs it keeps per token: the fused input projections, the chunked rule's
+    ``k_beta k^T`` and ``q k^T`` per chunk and its per-chunk state products (three ``C x d_v``, one ``d_k x d_v``;
+    under cp with the widened values, plus the scan's ``d_k x d_v`` per map, the corrections and the all-gathered
+    maps and halos), ``out_proj``'s."""
+    a, c, s, cp = sizes.act_bytes, sizes.compute_bytes, sizes.seq, sizes.cp
+    dk, dv, C = args.linear_k_head_dim, args.linear_v_head_dim, args.linear_chunk_size
+    proj = s * nk * (2 * dk + 2 * rep * dv) * a + s * 2 * h * a + s * args.dim * a
+    if cp == 1:
+        P = math.ceil(s / C) * C
+        rule = _rule_products(h, P, C, dk, dv, c)
+    else:
+        P, W = math.ceil(s / 2 / C) * C, dv + dk
+        rule = 2 * _rule_products(h, P, C, dk, W, c) + c * h * (2 * cp * dk * dv + s * dv)
+        # the all-gathers' outputs (saved like every collective's): the maps, the conv's halos
+        channels = nk * 2 * dk + h * dv
+        rule += 2 * cp * h * dk * W * c + 2 * cp * min(args.conv_kernel - 1, s // 2) * channels * sizes.act_bytes
+    return (proj + rule) / s
+
+
+def _rule_products(h: int, P: int, C: int, dk: int, dv: int, c: int) -> int:
+    n = P // C
+    return c * h * (2 * n * C * C + 3 * P * dv + n * dk * dv)
