@@ -141,6 +141,9 @@ CASES = {
         "--parallelism.expert_parallel_degree",
         "4",
     ],
+    # DeepSeek-V3 tiny with one MTP depth under CP 2 x FSDP 2: the latent gathers of the three blocks, the window's
+    # token ids and the depth's labels gathered
+    "ds_mtp_cp2_fsdp2": ["--parallelism.context_parallel_degree", "2"],
 }
 MOE = ["--model.name", "qwen3_moe"]
 DS = [

@@ -14,7 +14,8 @@ MoE layer on the first stage, two MoE layers on the second); Qwen3-Next (a Gated
 layer) under CP 2 x FSDP with full AC (the state maps and conv halos beside the K/V); DeepSeek-V3 tiny with one MTP
 depth (MLA, a dense and an MoE layer, the depth's block MoE) under TP+SP 2 x ep 4 x FSDP 2 (the depth's embedding
 lookup, norms, projection, block, shared head and loss; MLA's latent weights' gradients summed over tp; the depth's
-MoE in its own FSDP groups, the rest of the depth in the root's). Every MoE case ends with
+MoE in its own FSDP groups, the rest of the depth in the root's), and under CP 2 x FSDP 2 (the latent gathers of
+the three blocks, the window's token ids and the depth's labels). Every MoE case ends with
 the step's balancing (the aux-loss terms and expert loads summed over dp x cp, x tp where ep borrows it; the log's
 table over the stages). The vocabulary (250 rows) splits unevenly under tp 2 x dp_shard 2, so the padded FSDP
 shards are exercised too.
@@ -41,7 +42,7 @@ def test_planner_matches_gloo_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     cases = json.loads(out.read_text())["cases"]
-    assert len(cases) == 15
+    assert len(cases) == 16
     for name, ranks in cases.items():
         assert sorted(ranks) == ["0", "1", "2", "3"], name
         for rank, r in ranks.items():
@@ -122,5 +123,8 @@ def test_planner_matches_gloo_runs(tmp_path):
         assert m["tp all_gather forward"][0] == 2 + 1 + 1 + 2 and m["tp reduce_scatter forward"][0] == 6, (rank, m)
         assert m["tp all_reduce forward"][0] == 2 * 3 and m["tp all_reduce backward"][0] == 23, (rank, m)
         assert m["dp_shard_cp_tp all_gather forward"][0] == 2, (rank, m)  # layers.1.moe and mtp.1.block.moe
+    # under cp: 3 blocks x (the latent, the RoPE key) + the window's ids + the depth's labels (2 x 16 int64 each)
+    for rank, r in cases["ds_mtp_cp2_fsdp2"].items():
+        assert r["measured"]["cp all_gather forward"][0] == 3 * 2 + 1 + 1, (rank, r["measured"])
     for rank, r in cases["cp2_tp2_sp_fullac"].items():
         assert r["measured"]["cp all_gather backward"][0] == 4, (rank, r["measured"])

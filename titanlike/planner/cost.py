@@ -245,6 +245,10 @@ def _cp_messages(tally: _Tally, ids: list[int], depths: list[int] = ()) -> None:
     ``args.cp_gathered``); a linear-attention block's state maps and conv halos instead
     (:func:`_linear_cp_messages`). ``depths``: the MTP depths' blocks (never checkpointed)."""
     lo, add, passes = tally.lo, tally.add, tally.passes
+    if depths:  # the MTP depths read the whole window's token ids and their labels shifted over it (int64)
+        window = tally.b * lo.seq_len * 8
+        add("cp", "all_gather", "forward", window, lo.cp, "MTP: the window's token ids", passes)
+        add("cp", "all_gather", "forward", window, lo.cp, "MTP: the labels of every depth", len(depths) * passes)
     ids = [*ids, *depths]
     linear = {i: get_spec_for(tally.args).linear_attention(tally.args, i) for i in ids}
     _linear_cp_messages(tally, {i: shape for i, shape in linear.items() if shape is not None})
