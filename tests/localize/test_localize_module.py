@@ -4,6 +4,7 @@ plan (exit 0) and two wrong ones for the attention output projection (exit 1 nam
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -75,3 +76,37 @@ def test_bad_module_file_exit_2(tmp_path):
     )
     r = localize("--nproc", "2", "--module", str(tmp_path / "missing.py"))
     assert r.returncode == 2 and "no such file" in r.stderr
+
+
+PIPELINE_SCRIPT = """
+import contextlib, io, json, sys
+from titanlike.localize.__main__ import main
+out = {}
+for f in sys.argv[1:]:
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["--nproc", "2", "--module", f])
+    out[f] = [code, buf.getvalue()]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_user_pipeline_tied_weight():
+    """A user's pipeline (``MESH = {"pp": 2}``, ``pipeline_module`` returned by ``parallelize``): NanoGPT split over
+    2 stages trains like one device; with the pipeline gate's ``pp_tied_not_summed`` planted, the first point is the
+    tied weight's gradient on the first stage (``wte``), the last stage's copy (``lm_head``) right after it."""
+    files = [str(HERE / "user_nanogpt_pp.py"), str(HERE / "user_nanogpt_pp_tied_not_summed.py")]
+    r = subprocess.run(
+        [sys.executable, "-c", PIPELINE_SCRIPT, *files], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert r.returncode == 0 and line, r.stdout[-3000:] + r.stderr[-3000:]
+    out = json.loads(line[0][len("RESULT ") :])
+    code, text = out[files[0]]
+    assert code == 0 and text.startswith("no divergence above 1e-10 in 2 steps ("), text
+    assert int(text.split("(")[1].split()[0]) > 500, text  # both stages' modules, microbatches, parameters
+    code, text = out[files[1]]
+    lines = text.splitlines()
+    assert code == 1, text
+    assert lines[0].startswith("divergence: wte gradient: step 1, microbatch 0, rank 0: max |diff| "), lines[0]
+    assert "lm_head (weight; local)" in lines[3], text

@@ -33,6 +33,7 @@ from torch import nn
 from titanlike.localize.cuts import DataCut
 from titanlike.localize.report import gather_outcome
 from titanlike.localize.trace import Reference, Tracer
+from titanlike.parallel.pipeline import PipelineParallel
 
 __all__ = ["load_user_module", "user_problems", "run_user_module"]
 
@@ -121,12 +122,45 @@ def _train(model, tracer: Tracer, mod, steps: int, lr: float, rows: slice, share
                 out = _call(model, _rows(inputs, rows, n_rows))
                 loss = loss_fn(out, _rows(labels, rows, n_rows)) * share
                 loss.backward()
+                if not tracer.compare:  # the norm a pipeline's clip function reports is compared with it
+                    tracer.norm_point(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
                 tracer.parameters_point("gradient")
                 opt.step()
                 tracer.parameters_point("update")
         except Exception as exc:  # noqa: BLE001 - a layout that raises is a divergence, reported as one
             if not tracer.compare:
                 raise
+            tracer.failed(exc)
+            return
+
+
+def _train_pipeline(pp, tracer: Tracer, mod, steps: int, lr: float) -> None:
+    """A user's :func:`~titanlike.parallel.pipeline.pipeline_module` (what ``parallelize`` returned): trained with
+    the trainer's ``train_step`` over its schedule, no clipping; gradients compared after the tied copies' sum
+    (``finalize_grads``), as the trainer's clip function makes it."""
+    from titanlike.localize.trainer import clip_then_compare, pause_stage_inference
+    from titanlike.training.step import train_step
+
+    pause_stage_inference(tracer, pp.stages)
+    opt = torch.optim.AdamW([p for m in pp.model_parts for p in m.parameters()], lr=lr, weight_decay=0.0)
+    for step in range(1, steps + 1):
+        tracer.begin_step(step)
+        inputs, labels = _batch(mod, step)
+        try:
+            with tracer.counter:
+                train_step(
+                    pp.model_parts,
+                    opt,
+                    [(inputs, labels)],
+                    pp.loss,
+                    max_norm=0.0,
+                    clip_fn=clip_then_compare(pp.finalize_grads_and_clip_, tracer),
+                    pp_schedule=pp.schedule,
+                    pp_group=pp.pp_group,
+                    has_last_stage=pp.has_last_stage,
+                )
+                tracer.parameters_point("update")
+        except Exception as exc:  # noqa: BLE001 - a layout that raises is a divergence, reported as one
             tracer.failed(exc)
             return
 
@@ -174,6 +208,8 @@ def run_user_module(
     mesh = init_device_mesh("cpu", tuple(mod.MESH.values()), mesh_dim_names=tuple(mod.MESH))
     parallel = mod.parallelize(parallel, mesh) or parallel
     coords, sizes, dp_dims = _mesh_info(mesh)
+    if isinstance(parallel, PipelineParallel):
+        return _compare_pipeline(parallel, mod, reference, rank, steps, tol, lr, n_rows, coords, sizes)
     rows, dp, dp_ranks = _dp_share(mesh, dp_dims, n_rows)
     model_dims = {n: (sizes[n], coords[n]) for n in sizes if n not in dp_dims}
     data = DataCut(global_rows=n_rows, rows_of=lambda micro: rows, model_dims=model_dims)
@@ -182,4 +218,20 @@ def run_user_module(
     tracer.close()
     uncovered = uncovered_parameters([parallel], dp_ranks) if dp > 1 else []
     outcome = gather_outcome(tracer, steps, tol, coords, sizes, uncovered)
+    return outcome.code, outcome.text
+
+
+def _compare_pipeline(pp, mod, reference, rank, steps, tol, lr, n_rows, coords, sizes) -> tuple[int, str]:
+    """A pipeline's stages against the one-device run: each microbatch's rows, every stage module by its name in
+    the full model (no hooks on the stages' roots)."""
+    n_micro = pp.schedule._n_microbatches
+    if n_rows % n_micro:
+        raise ValueError(f"the batch's {n_rows} rows do not split into the pipeline's {n_micro} microbatches")
+    per = n_rows // n_micro
+    model_dims = {n: (sizes[n], coords[n]) for n in sizes if n != "pp" and not n.startswith("dp")}
+    data = DataCut(n_rows, lambda micro: slice(micro * per, (micro + 1) * per), model_dims=model_dims)
+    tracer = Tracer(pp.model_parts, reference, compare=True, data=data, rank=rank, tol=tol, root=False)
+    _train_pipeline(pp, tracer, mod, steps, lr)
+    tracer.close()
+    outcome = gather_outcome(tracer, steps, tol, coords, sizes, [], n_micro)
     return outcome.code, outcome.text
