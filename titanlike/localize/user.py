@@ -6,13 +6,19 @@ The file defines
 * ``parallelize(model, mesh)``: the user's own use of titanlike's or torch's parallel API on ``model`` (in place, or
   returning the parallel model); ``mesh`` is a DeviceMesh with the dims of ``MESH``;
 * ``MESH``: the mesh as ``{"tp": 2}`` (dim name -> size; the product is ``--nproc``). Dims whose name starts with
-  ``dp`` split the batch's rows (each rank its contiguous share, in mesh order); every other dim sees the whole batch;
+  ``dp`` split the batch's rows (each rank its contiguous share, in mesh order); a dim ``cp`` splits the sequence (dim
+  1 of every batch tensor as long as the labels' dim 1) into the load-balanced chunks of
+  :func:`~titanlike.parallel.context_parallel.cp_shard` (``parallelize`` applies ``apply_cp`` over ``mesh["cp"]`` and
+  a sum of the gradients over the cp ranks); a dim ``pp``: ``parallelize`` returns
+  :func:`~titanlike.parallel.pipeline.pipeline_module`'s pipeline, trained by its schedule (each microbatch its rows);
+  every other dim sees the whole batch;
 * ``batch()`` (or ``batch(step)``): ``(inputs, labels)``; ``inputs`` a tensor, a tuple of tensors (positional) or a
   dict (keyword arguments); floating tensors are cast to float64;
 * optionally ``loss(output, labels)``: the mean over the batch it is given (default: cross entropy over the last dim,
-  labels -100 ignored). Each data-parallel rank's loss is weighted by its share of the rows, so the ranks' losses
-  sum to the one-device loss: gradients must be *summed* over the data-parallel ranks (``titanlike.parallel.apply_fsdp``
-  does; torch's averaging defaults show up as gradients 1/dp of the reference).
+  labels -100 ignored). Each data-parallel rank's loss is weighted by its share of the rows (and 1 / cp), so the
+  ranks' losses sum to the one-device loss (exactly when every rank holds as many counted labels): gradients must be
+  *summed* over the data-parallel (and cp) ranks (``titanlike.parallel.apply_fsdp`` does; torch's averaging defaults
+  show up as gradients 1/dp of the reference).
 
 Both models take ``steps`` AdamW steps (lr ``lr``, no weight decay, no clipping) on the same batches; every point is
 compared (:mod:`titanlike.localize.trace`).
@@ -24,6 +30,7 @@ import copy
 import importlib.util
 import inspect
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -78,14 +85,34 @@ def _f64(x):
     return x
 
 
-def _rows(x, rows: slice, n: int):
-    if isinstance(x, torch.Tensor):
-        return x[rows] if x.dim() and x.shape[0] == n else x
-    if isinstance(x, dict):
-        return {k: _rows(v, rows, n) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return type(x)(_rows(v, rows, n) for v in x)
-    return x
+@dataclass
+class _Share:
+    """This rank's share of a batch: its rows of ``n_rows``, and under ``cp`` its load-balanced sequence chunks."""
+
+    rows: slice
+    n_rows: int
+    cp: int = 1
+    cp_rank: int = 0
+    seq_len: int = 0
+
+    def weight(self) -> float:
+        """Of the one-device mean loss: this rank's share of the tokens."""
+        return (self.rows.stop - self.rows.start) / self.n_rows / self.cp
+
+    def __call__(self, x):
+        if isinstance(x, torch.Tensor):
+            if x.dim() and x.shape[0] == self.n_rows:
+                x = x[self.rows]
+            if self.cp > 1 and x.dim() > 1 and x.shape[1] == self.seq_len:
+                from titanlike.parallel.context_parallel import cp_shard
+
+                x = cp_shard(x, self.cp, self.cp_rank, dim=1)
+            return x
+        if isinstance(x, dict):
+            return {k: self(v) for k, v in x.items()}
+        if isinstance(x, (tuple, list)):
+            return type(x)(self(v) for v in x)
+        return x
 
 
 def _call(model: nn.Module, inputs):
@@ -110,7 +137,7 @@ def _batch(mod, step: int):
     return _f64(fn(step) if len(inspect.signature(fn).parameters) else fn())
 
 
-def _train(model, tracer: Tracer, mod, steps: int, lr: float, rows: slice, share: float, n_rows: int) -> None:
+def _train(model, tracer: Tracer, mod, steps: int, lr: float, share: _Share) -> None:
     loss_fn = getattr(mod, "loss", None) or _default_loss
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     for step in range(1, steps + 1):
@@ -119,8 +146,8 @@ def _train(model, tracer: Tracer, mod, steps: int, lr: float, rows: slice, share
         try:
             with tracer.counter:
                 opt.zero_grad(set_to_none=True)
-                out = _call(model, _rows(inputs, rows, n_rows))
-                loss = loss_fn(out, _rows(labels, rows, n_rows)) * share
+                out = _call(model, share(inputs))
+                loss = loss_fn(out, share(labels)) * share.weight()
                 loss.backward()
                 if not tracer.compare:  # the norm a pipeline's clip function reports is compared with it
                     tracer.norm_point(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
@@ -172,6 +199,12 @@ def _mesh_info(mesh) -> tuple[dict[str, int], dict[str, int], list[str]]:
     return coords, sizes, [n for n in names if n.startswith("dp")]
 
 
+def _reduction_ranks(mesh, dims: list[str]) -> list[int]:
+    """The ranks of this rank's sub-mesh over ``dims``."""
+    sub = mesh[tuple(dims)] if len(dims) > 1 else mesh[dims[0]]
+    return sub.mesh.flatten().tolist()
+
+
 def _dp_share(mesh, dp_dims: list[str], n_rows: int) -> tuple[slice, int, list[int]]:
     """This rank's rows, the data-parallel degree and the ranks of this rank's data-parallel group."""
     if not dp_dims:
@@ -202,7 +235,7 @@ def run_user_module(
     n_rows = labels.shape[0]
     reference = Reference()
     tracer = Tracer([model], reference, compare=False)
-    _train(model, tracer, mod, steps, lr, slice(0, n_rows), 1.0, n_rows)
+    _train(model, tracer, mod, steps, lr, _Share(slice(0, n_rows), n_rows))
     tracer.close()
 
     mesh = init_device_mesh("cpu", tuple(mod.MESH.values()), mesh_dim_names=tuple(mod.MESH))
@@ -211,12 +244,16 @@ def run_user_module(
     if isinstance(parallel, PipelineParallel):
         return _compare_pipeline(parallel, mod, reference, rank, steps, tol, lr, n_rows, coords, sizes)
     rows, dp, dp_ranks = _dp_share(mesh, dp_dims, n_rows)
-    model_dims = {n: (sizes[n], coords[n]) for n in sizes if n not in dp_dims}
-    data = DataCut(global_rows=n_rows, rows_of=lambda micro: rows, model_dims=model_dims)
+    cp, cp_rank = (sizes["cp"], coords["cp"]) if "cp" in sizes else (1, 0)
+    share = _Share(rows, n_rows, cp, cp_rank, labels.shape[1] if labels.dim() > 1 else 0)
+    model_dims = {n: (sizes[n], coords[n]) for n in sizes if n not in dp_dims and n != "cp"}
+    data = DataCut(n_rows, lambda micro: rows, share.seq_len if cp > 1 else 0, cp, cp_rank, model_dims)
     tracer = Tracer([parallel], reference, compare=True, data=data, rank=rank, tol=tol)
-    _train(parallel, tracer, mod, steps, lr, rows, (rows.stop - rows.start) / n_rows, n_rows)
+    _train(parallel, tracer, mod, steps, lr, share)
     tracer.close()
-    uncovered = uncovered_parameters([parallel], dp_ranks) if dp > 1 else []
+    if cp > 1:  # the parameters' gradients are owed a sum over the cp ranks too
+        dp_ranks = _reduction_ranks(mesh, [*dp_dims, "cp"])
+    uncovered = uncovered_parameters([parallel], dp_ranks) if dp * cp > 1 else []
     outcome = gather_outcome(tracer, steps, tol, coords, sizes, uncovered)
     return outcome.code, outcome.text
 
