@@ -160,6 +160,21 @@ def test_parent_hint(name, tmp_path_factory):
     assert r["hint"].endswith(f"the divergence arose before it, in {parent}'s forward code around its submodules")
 
 
+# the MTP depth's labels: the output head's second call of the step (the depth's logits), not the next-token one
+CALLS = {
+    "MUT ds fsdp2 MTP targets shifted by one": "input 0, call 2 of 2",
+    "MUT ds cp2 MTP labels shifted per rank": "input 0, call 2 of 2",
+}
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_mtp_call(name, tmp_path_factory):
+    from localize_worker import CASES
+
+    r = results(CASES[name][0], tmp_path_factory)[name]
+    assert r["first"]["what"] == CALLS[name], r["text"]
+
+
 def test_every_mutation_has_a_case():
     """Every planted mutation of the gates (gate.MUTATIONS, pipeline_gate's included) is localised by a case here,
     and every case has its expected first point."""
@@ -186,6 +201,8 @@ HINTS = {
     "MUT tp2_sp to_empty drops the gradient hooks": "the gradient's placement (tp: R) is not the "
     "parameter's (tp: S(0))",
     "MUT pp2 norm not reduced over stages": "every gradient agrees but the global gradient norm does not",
+    "MUT ds tp2_sp_ep2 latent norm gradient not summed": "the 2 tp ranks' gradients sum to the reference: a partial "
+    "sum never reduced over tp in mtp.1.block.attention.k_rope",
     "MUT qnext fsdp2 decay sign flipped": "layers.0.linear_attn.decay's forward tensor is -1 x the reference",
     "MUT qnext tp2_sp_ep2 delta norm ReplicateParallel": "the 2 tp ranks' gradients sum to the reference: a partial "
     "sum never reduced over tp in layers.0.linear_attn.norm",

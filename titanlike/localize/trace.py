@@ -287,6 +287,11 @@ class Tracer:
         per = self.record.calls.get(fqn, 1) or 1
         return j // per, j % per
 
+    def _call_of(self, fqn: str, occ: int) -> str:
+        """Which of a module's calls in a micro-batch (the output head of the next-token and of each MTP depth)."""
+        n = self.record.calls.get(fqn, 1)
+        return f", call {occ + 1} of {n}" if n > 1 else ""
+
     def _forward_point(self, fqn: str, state: dict, out, inputs: list[torch.Tensor]) -> None:
         j = state["j"]
         tensors = _float_tensors(out)
@@ -310,7 +315,7 @@ class Tracer:
             self._compare(
                 "forward",
                 fqn,
-                f"output {i}",
+                f"output {i}{self._call_of(fqn, occ)}",
                 micro,
                 self.record.forward_order[(fqn, occ)],
                 t,
@@ -361,7 +366,8 @@ class Tracer:
         comms = _since(state.get("bwd_comms", {}), self.counter.snapshot())
         order = self.record.backward_order[(fqn, occ, key)]
         inner = ", ".join(sorted(set(state.get("inner_in", []))))
-        self._compare("backward", fqn, f"input {key}", micro, order, grad, ref, state.get("weight"), comms, inner)
+        what = f"input {key}{self._call_of(fqn, occ)}"
+        self._compare("backward", fqn, what, micro, order, grad, ref, state.get("weight"), comms, inner)
 
     def _compare(self, phase, fqn, what, micro, order, t, ref, weight, comms, inner="") -> None:
         cut = cut_for(t, ref, self.data, micro, weight)
