@@ -18,6 +18,14 @@ from titanlike.generate import Sampling, cache_blockers, generate, load_model, s
 from titanlike.hf import save_hf
 from titanlike.models import get_spec
 from titanlike.models.decoder import AttentionCore
+from titanlike.models.kv_cache import (
+    CachedLatentAttention,
+    CachedSoftmaxAttention,
+    DecodeState,
+    SequenceSeam,
+    kv_cached,
+)
+from titanlike.models.linear_attention import CachedGatedDelta, CachedShortConv
 
 MODELS = ("llama3", "gpt2", "qwen3", "qwen3_moe")
 PROMPTS = [[5, 9, 33, 2, 7, 61], [100, 3], [8, 8, 8, 9, 10, 11, 12, 1, 77], [42]]
@@ -215,20 +223,123 @@ def test_a_transformers_model_cannot_cache_says_so_and_generates_transformers_to
     assert generate(model.eval(), prompts, NEW) == expected
 
 
-def test_windowed_or_sinked_seam_has_no_softmax_cache():
-    """gpt-oss's seams (a sliding window, sinks) are cache blockers: the softmax cache would keep every key and drop
-    the sinks, so generation recomputes the sequence instead (before, the cached decode raised a TypeError)."""
+def _seam_model(name: str, flavor: str, *flags: str):
     from titanlike.config import load_config, model_args_from_config
 
-    args = model_args_from_config(load_config(["--model.name", "gpt_oss", "--model.flavor", "tiny"]), vocab_size=64)
-    model = get_spec("gpt_oss").build(args)
+    args = model_args_from_config(load_config(["--model.name", name, "--model.flavor", flavor, *flags]), vocab_size=64)
+    model = get_spec(name).build(args).double()
     model.init_weights(seed=0)
-    model.eval()
-    assert any("sdpa (AttentionCore) has no cache" in p for p in cache_blockers(model))
-    prompt = [[1, 2, 3, 4, 5]]
-    tokens = generate(model, prompt, max_new_tokens=6, vocab_size=64)
-    with torch.no_grad():  # greedy by hand: the argmax of the full forward at every step
-        seq = list(prompt[0])
-        for _ in range(6):
-            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    assert tokens == [seq[len(prompt[0]) :]]
+    return model.eval()
+
+
+def _full_forward_greedy(model, prompts, new: int) -> list[list[int]]:
+    """Greedy by hand: the argmax of the full forward (the training seams' path) at every step, a prompt alone."""
+    rows = []
+    with torch.no_grad():
+        for p in prompts:
+            seq = list(p)
+            for _ in range(new):
+                seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+            rows.append(seq[len(p) :])
+    assert len({t for row in rows for t in row}) > 3, rows  # a comparison that can tell
+    return rows
+
+
+def _cache_after(model, steps) -> list[torch.nn.Module]:
+    """The cached seams after a decode of ``steps`` (token tensors of one row) from an empty cache."""
+    state = DecodeState(torch.tensor([0]))
+    with kv_cached(model, state):
+        caches = [m for m in model.modules() if hasattr(m, "state")]
+        for step in steps:
+            state.begin(step.shape[1])
+            model(step)
+            state.end(step.shape[1])
+    return caches
+
+
+def _assert_cached_logits_exact(model, prompts, follow=(11, 12, 13)):
+    """The cached decode's logits of a left-padded batch (the prompt, then the ``follow`` tokens one at a time) equal
+    the full forward's of each row alone, at float64 rounding: a padding token that leaks into a cache shows here
+    even where the greedy tokens do not change."""
+    longest = max(len(p) for p in prompts)
+    state = DecodeState(torch.tensor([longest - len(p) for p in prompts]))
+    tokens = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts])
+    with torch.no_grad(), kv_cached(model, state):
+        cached = []
+        for step in [tokens, *(torch.full((len(prompts), 1), t) for t in follow)]:
+            state.begin(step.shape[1])
+            cached.append(model(step)[:, -1])
+            state.end(step.shape[1])
+    with torch.no_grad():
+        for b, p in enumerate(prompts):
+            full = model(torch.tensor([list(p) + list(follow)]))[0, len(p) - 1 :]
+            torch.testing.assert_close(torch.stack([c[b] for c in cached]), full, rtol=0, atol=1e-12)
+
+
+PROMPTS_LONG = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [5, 1, 3, 3, 2]]
+STEPS = (torch.tensor([[1, 2, 3, 4, 5, 6]]), torch.tensor([[7]]))
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_windowed_and_sinked_seams_cache_what_their_window_reaches(window):
+    """gpt-oss's seams (a sliding window on every other layer, sinks on all) decode with a cache that keeps only the
+    last ``window - 1`` keys: batched prompts of different lengths, longer than the window, give the greedy tokens
+    of the full forward."""
+    model = _seam_model("gpt_oss", "tiny", "--model.sliding_window", str(window))
+    assert cache_blockers(model) == []
+    assert generate(model, PROMPTS_LONG, 6) == _full_forward_greedy(model, PROMPTS_LONG, 6)
+    _assert_cached_logits_exact(model, PROMPTS_LONG)
+    caches = [m for m in _cache_after(model, STEPS) if isinstance(m, CachedSoftmaxAttention)]
+    assert sorted({m.k.shape[1] for m in caches if m.window}) == [window - 1]  # the window's keys only
+    assert sorted({m.k.shape[1] for m in caches if not m.window}) == [7]
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_lite"])
+def test_latent_attention_caches_the_latent(flavor):
+    """DeepSeek-V3's multi-head latent attention (with and without the query's low-rank path) decodes batched
+    prompts with a cache of the compressed latent and the shared RoPE key (kv_lora_rank + qk_rope_head_dim numbers a
+    token), giving the full forward's greedy tokens (before, its seam was not swapped: the decode attended over the
+    new token only, silently)."""
+    model = _seam_model("deepseek_v3", flavor)
+    assert cache_blockers(model) == []
+    assert generate(model, PROMPTS_LONG, 6) == _full_forward_greedy(model, PROMPTS_LONG, 6)
+    _assert_cached_logits_exact(model, PROMPTS_LONG)
+    a = model.args
+    caches = [m for m in _cache_after(model, STEPS) if isinstance(m, CachedLatentAttention)]
+    assert len(caches) == a.n_layers + a.mtp_layers  # the MTP blocks' too, never run in eval
+    caches = [m for m in caches if m.latent is not None]
+    assert len(caches) == a.n_layers
+    assert {(m.latent.shape[1:], m.k_rope.shape[1:]) for m in caches} == {
+        ((7, a.kv_lora_rank), (7, 1, a.qk_rope_head_dim))
+    }
+
+
+def test_linear_attention_caches_its_state():
+    """Qwen3-Next's Gated DeltaNet layers decode with a fixed-size state (and the short conv's last kernel - 1
+    inputs), its attention layers with the softmax cache; left padding writes nothing into a row's state, so batched
+    prompts of different lengths give the full forward's greedy tokens (before, the linear seams were not swapped)."""
+    model = _seam_model("qwen3_next", "tiny")
+    assert cache_blockers(model) == []
+    assert generate(model, PROMPTS_LONG, 6) == _full_forward_greedy(model, PROMPTS_LONG, 6)
+    _assert_cached_logits_exact(model, PROMPTS_LONG)
+    caches = _cache_after(model, STEPS)
+    states = {tuple(m.S.shape) for m in caches if isinstance(m, CachedGatedDelta)}
+    halos = {m.halo.shape[1] for m in caches if isinstance(m, CachedShortConv)}
+    a = model.args
+    assert states == {(1, a.linear_v_heads, a.linear_k_head_dim, a.linear_v_head_dim)}
+    assert halos == {a.conv_kernel - 1}
+
+
+class _NewMixer(SequenceSeam):
+    """A new sequence-mixing seam that brings no cache."""
+
+    def forward(self, x):
+        return x.cumsum(1)
+
+
+def test_a_sequence_seam_without_a_cache_is_a_blocker():
+    """A seam kind that does not say how to cache is named (and generation recomputes), never decoded as if the
+    new token were the whole sequence."""
+    model = _seam_model("qwen3_next", "tiny")
+    model.layers["0"].linear_attn.conv_core = _NewMixer()
+    assert cache_blockers(model) == ["GatedDeltaNet.conv_core (_NewMixer) has no cache"]

@@ -35,7 +35,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from titanlike.init import Init, init_parameters
-from titanlike.models.kv_cache import CachedPositions, CachedSoftmaxAttention, DecodeState
+from titanlike.models.kv_cache import (
+    CachedLatentAttention,
+    CachedPositions,
+    CachedSoftmaxAttention,
+    DecodeState,
+    SequenceSeam,
+    UnreadWindow,
+)
 from titanlike.models.masking import DocumentMask
 
 __all__ = [
@@ -49,7 +56,7 @@ __all__ = [
 ]
 
 
-class AttentionCore(nn.Module):
+class AttentionCore(SequenceSeam):
     """The attention seam: causal softmax attention of ``q`` (batch, seq, heads, head_dim) over ``k``, ``v``
     (batch, seq, kv_heads, head_dim), kv heads shared by groups of query heads (``repeat_interleave``: query head
     ``i`` uses kv head ``i // (heads / kv_heads)``); returns (batch, seq, heads, head_dim). No parameters. Every
@@ -97,13 +104,12 @@ class AttentionCore(nn.Module):
 
     def kv_cache(self, state: DecodeState) -> nn.Module | None:
         """This seam's cached counterpart for a decode of ``state`` (``titanlike.models.kv_cache``): the softmax
-        cache. A subclass that attends differently (a window, sinks, a latent or linear attention) returns its own
-        cache, or None ("cannot cache yet": generation then recomputes the sequence); one that overrides
-        ``forward`` without overriding this method, or a windowed / sinked seam, gets None, never the softmax
-        cache."""
-        if type(self).forward is not AttentionCore.forward or self.window is not None or self.sinks:
-            return None  # the softmax cache keeps every key and applies neither a window nor sinks
-        return CachedSoftmaxAttention(state)
+        cache, with this seam's window (and sinks, passed at call time). A subclass that attends differently (a
+        latent or linear attention) returns its own cache, or None ("cannot cache yet": generation then recomputes
+        the sequence); one that overrides ``forward`` without overriding this method gets None, never this cache."""
+        if type(self).forward is not AttentionCore.forward:
+            return None
+        return CachedSoftmaxAttention(state, window=self.window)
 
 
 def attention_windows(model: nn.Module) -> tuple | None:
@@ -115,7 +121,7 @@ def attention_windows(model: nn.Module) -> tuple | None:
     return tuple(dict.fromkeys(m.window for m in seams))
 
 
-class LatentAttentionCore(nn.Module):
+class LatentAttentionCore(SequenceSeam):
     """The attention seam of a model whose keys and values are expanded from a compressed latent (multi-head latent
     attention, DeepSeek-V2/V3): ``core(q, latent, k_rope, expand, mask=None)`` with ``latent`` (batch, seq, rank) and
     the shared RoPE key ``k_rope`` (batch, seq, 1, rope dim), already rotated at the tokens' positions, and
@@ -129,6 +135,11 @@ class LatentAttentionCore(nn.Module):
     def forward(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, expand, mask=None):
         k, v = expand(latent, k_rope)
         return AttentionCore.forward(self, q, k, v, mask)
+
+    def kv_cache(self, state: DecodeState) -> nn.Module | None:
+        """The latent cache (``titanlike.models.kv_cache.CachedLatentAttention``: the latent and the RoPE key of
+        every token); None for a subclass that overrides ``forward``."""
+        return CachedLatentAttention(state) if type(self).forward is LatentAttentionCore.forward else None
 
 
 class Positions(nn.Module):
@@ -144,7 +155,7 @@ class Positions(nn.Module):
         return CachedPositions(state)
 
 
-class SequenceWindow(nn.Module):
+class SequenceWindow(SequenceSeam):
     """The window seam: the whole window of a per-token tensor ``t`` (batch, seq), in sequence order, for a model that
     looks other positions' token ids up (multi-token prediction: the tokens k ahead, read at the position seam's
     positions + k). On one device ``t`` itself; under context parallelism every cp rank's part gathered
@@ -152,6 +163,10 @@ class SequenceWindow(nn.Module):
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+    def kv_cache(self, state: DecodeState) -> nn.Module:
+        """Read by training-mode modules only (MTP): during a decode a module that refuses to be called."""
+        return UnreadWindow()
 
 
 def _seed(seed: int | None) -> int:

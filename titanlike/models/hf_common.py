@@ -2,14 +2,18 @@
 ``titanlike.hf``): the renaming of parameters between our FQNs and Hugging Face's by two tables. (The config.json
 fields that change no weights are ``titanlike.hf.GENERIC_FIELDS``, set aside before an adapter reads the file.) And
 the adapter protocol's ``describe`` / ``check_same_architecture`` for a model whose architecture is a list of args
-fields; and the config.json fields the Llama-style decoders (Llama, Qwen3) write alike."""
+fields; the config.json fields the Llama-style decoders (Llama, Qwen3) write alike; and the routed SwiGLU experts'
+layouts (:class:`Experts`: ours one stacked tensor per weight, Hugging Face's one tensor per expert or transformers
+5's fused in-memory pair), shared by the MoE adapters (Qwen3-MoE, Qwen3-Next, DeepSeek-V3)."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
 
-__all__ = ["Names", "check_same_fields", "decoder_hf_config", "describe_fields", "set_rope_and_dtype"]
+import torch
+
+__all__ = ["Experts", "Names", "check_same_fields", "decoder_hf_config", "describe_fields", "set_rope_and_dtype"]
 
 
 class Names:
@@ -101,3 +105,49 @@ def set_rope_and_dtype(config: dict, dtype, layout: int, rope_theta: float, rope
         config.update(layout4)
         config["torch_dtype"] = name
     return config
+
+
+class Experts:
+    """The routed SwiGLU experts between our layout (``<prefix>.moe.experts.w1 / w3 / w2``, each (E, ...) stacked)
+    and Hugging Face's, relative to a layer (``mlp.experts.<e>.gate_proj / up_proj / down_proj.weight``, or the
+    fused ``mlp.experts.gate_up_proj`` (E, 2 I, H) = ``w1`` then ``w3`` on dim 1 and ``mlp.experts.down_proj`` =
+    ``w2``). Import: :meth:`take` each layer tensor, then :meth:`stack_into` the output once (an expert missing from
+    ``0 .. E-1`` is an error)."""
+
+    HF = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    _BACK = {v: k for k, v in HF.items()}
+    _PER_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+    _FUSED = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)")
+
+    def __init__(self):
+        self._held: dict = {}  # (our prefix, w) -> {expert: tensor}
+
+    @classmethod
+    def hf_name(cls, hf_layer: str, w: str) -> str:
+        """The per-expert name pattern of our stacked weight ``w`` under the Hugging Face layer prefix."""
+        return f"{hf_layer}.mlp.experts.*.{cls.HF[w]}.weight"
+
+    @classmethod
+    def to_hf(cls, hf_layer: str, w: str, t) -> dict:
+        """Our stacked weight ``w`` (E, ...) -> one new tensor per expert under the Hugging Face layer prefix."""
+        return {f"{hf_layer}.mlp.experts.{e}.{cls.HF[w]}.weight": we.clone() for e, we in enumerate(t.unbind(0))}
+
+    def take(self, rest: str, t, prefix: str, out: dict) -> bool:
+        """``rest``: a Hugging Face name after its layer prefix; ``prefix``: our module of that layer
+        (``layers.3``). True (and held, or written to ``out`` when fused) if it is an expert tensor."""
+        if (m := self._PER_EXPERT.fullmatch(rest)) is not None:
+            self._held.setdefault((prefix, self._BACK[m.group(2)]), {})[int(m.group(1))] = t
+            return True
+        if (m := self._FUSED.fullmatch(rest)) is not None:
+            if m.group(1) == "down_proj":
+                out[f"{prefix}.moe.experts.w2"] = t
+            else:
+                out[f"{prefix}.moe.experts.w1"], out[f"{prefix}.moe.experts.w3"] = t.chunk(2, dim=1)
+            return True
+        return False
+
+    def stack_into(self, out: dict) -> None:
+        for (prefix, w), by_expert in self._held.items():
+            if sorted(by_expert) != list(range(len(by_expert))):
+                raise ValueError(f"{prefix}.moe.experts: experts {sorted(by_expert)} are not 0..E-1")
+            out[f"{prefix}.moe.experts.{w}"] = torch.stack([by_expert[e] for e in range(len(by_expert))])

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from titanlike.models.kv_cache import DecodeState, SequenceSeam
 from titanlike.models.masking import DocumentMask
 
 __all__ = [
@@ -86,7 +87,7 @@ def conv_taps(
     return torch.stack(taps, dim=-1)
 
 
-class ShortConvCore(nn.Module):
+class ShortConvCore(SequenceSeam):
     """The short-convolution seam (no parameters): ``core(x (batch, seq, channels), kernel, mask=None)`` -> taps
     ``(batch, seq, channels, kernel)`` (:func:`conv_taps`); under document masking no tap crosses a document start.
     Context parallelism replaces it (``titanlike.parallel.state_passing.ContextParallelShortConv``: the halo)."""
@@ -95,6 +96,30 @@ class ShortConvCore(nn.Module):
         if mask is None:
             return conv_taps(x, kernel)
         return conv_taps(x, kernel, mask.starts, mask.positions)
+
+    def kv_cache(self, state: DecodeState) -> nn.Module | None:
+        """During a decode: :class:`CachedShortConv` (the last ``kernel - 1`` inputs of each row)."""
+        return CachedShortConv(state) if type(self).forward is ShortConvCore.forward else None
+
+
+class CachedShortConv(nn.Module):
+    """The short-convolution seam during a decode: the taps of this step's tokens read the previous steps' last
+    ``kernel - 1`` inputs (the halo, as context parallelism's); a left-padding token's input is zero, so a row's
+    first real token reads zeros before it, as at the start of a sequence."""
+
+    def __init__(self, state: DecodeState):
+        super().__init__()
+        self.state = state
+        self.halo: Tensor | None = None  # (batch, kernel - 1, channels)
+
+    def forward(self, x: Tensor, kernel: int, mask: DocumentMask | None = None) -> Tensor:
+        if mask is not None:
+            raise ValueError("a cached decode runs causal attention over padded prompts; no document mask")
+        x = x * self.state.real()[..., None].to(x.dtype)
+        taps = conv_taps(x, kernel, halo=self.halo)
+        seen = x if self.halo is None else torch.cat([self.halo.to(x.dtype), x], dim=1)
+        self.halo = torch.cat([x.new_zeros(x.shape[0], kernel - 1, x.shape[2]), seen], dim=1)[:, -(kernel - 1) :]
+        return taps
 
 
 # ------------------------------------------------------------------------------------------------ the delta rule
@@ -237,7 +262,7 @@ def state_affine(
     return out[..., :dv].to(v.dtype), out[..., dv:], final[..., :dv], final[..., dv:]
 
 
-class GatedDeltaCore(nn.Module):
+class GatedDeltaCore(SequenceSeam):
     """The gated-delta-rule seam (no parameters): ``core(q, k, v, g, beta, mask=None)`` -> (batch, seq, v_heads, dv),
     from a zero state, reset at every document start under ``mask``. ``chunk_size``: the chunked form's chunk (64);
     ``form``: "chunked" (default) or "recurrent" (token by token, exact reference). On CUDA, with
@@ -265,6 +290,36 @@ class GatedDeltaCore(nn.Module):
         return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, starts=starts, positions=positions)[
             0
         ]
+
+    def kv_cache(self, state: DecodeState) -> nn.Module | None:
+        """During a decode: :class:`CachedGatedDelta` (each row's state, fixed size)."""
+        return (
+            CachedGatedDelta(state, self.chunk_size, self.form)
+            if type(self).forward is GatedDeltaCore.forward
+            else None
+        )
+
+
+class CachedGatedDelta(nn.Module):
+    """The gated-delta-rule seam during a decode: it keeps each row's state ``S`` (batch, v_heads, dk, dv) and runs
+    this step's tokens from it (the chunked or recurrent form of the seam). A left-padding token writes nothing and
+    decays nothing (``k = beta = g = 0``), so a row's state starts at zero at its first real token."""
+
+    def __init__(self, state: DecodeState, chunk_size: int, form: str):
+        super().__init__()
+        self.state, self.chunk_size, self.form = state, chunk_size, form
+        self.S: Tensor | None = None
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, mask: DocumentMask | None = None):
+        if mask is not None:
+            raise ValueError("a cached decode runs causal attention over padded prompts; no document mask")
+        real = self.state.real()[..., None]  # (batch, s, 1)
+        k, g, beta = k * real[..., None].to(k.dtype), g * real.to(g.dtype), beta * real.to(beta.dtype)
+        if self.form == "recurrent":
+            out, self.S = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=self.S)
+        else:
+            out, self.S = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=self.S)
+        return out
 
 
 def fla_kernel():

@@ -31,7 +31,7 @@ import re
 import torch
 
 from titanlike.models.deepseek_v3.model import DeepseekV3Args
-from titanlike.models.hf_common import check_same_fields, describe_fields
+from titanlike.models.hf_common import Experts, check_same_fields, describe_fields
 
 MODEL_TYPE = "deepseek_v3"
 ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -65,13 +65,9 @@ _MTP_COPIES = {"shared_head.head.weight": "output.weight"}  # the model shares t
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
 _TOP["output.weight"] = "lm_head.weight"
 _TOP_BACK = {v: k for k, v in _TOP.items()}
-_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_EXPERT_BACK = {v: k for k, v in _EXPERT.items()}
 _OURS = re.compile(r"(layers\.(\d+)|mtp\.(\d+)\.block)\.(.+)")
 _OURS_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
 _HF = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_PER_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-_FUSED = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)")
 
 
 def _hf_layer(fqn_match: re.Match, args: DeepseekV3Args) -> int:
@@ -88,7 +84,7 @@ def hf_name(fqn: str, args: DeepseekV3Args | None = None) -> str:
             layer = _hf_layer(m, args)
         rest = m.group(4)
         if rest.startswith("moe.experts."):
-            return f"model.layers.{layer}.mlp.experts.*.{_EXPERT[rest.rpartition('.')[2]]}.weight"
+            return Experts.hf_name(f"model.layers.{layer}", rest.rpartition(".")[2])
         if rest in _BLOCK:
             return f"model.layers.{layer}.{_BLOCK[rest]}"
     m = _OURS_MTP.fullmatch(fqn)
@@ -107,9 +103,7 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: DeepseekV3Args) -> dict[str
             continue
         m = _OURS.fullmatch(fqn)
         if m and m.group(4).startswith("moe.experts."):
-            layer, w = _hf_layer(m, args), m.group(4).rpartition(".")[2]
-            for e, we in enumerate(t.unbind(0)):
-                out[f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT[w]}.weight"] = we.clone()
+            out.update(Experts.to_hf(f"model.layers.{_hf_layer(m, args)}", m.group(4).rpartition(".")[2], t))
             continue
         out[hf_name(fqn, args)] = t.detach().clone().contiguous()
     for k in range(1, args.mtp_layers + 1):
@@ -123,7 +117,7 @@ def _our_layer(layer: int, args: DeepseekV3Args) -> str:
     return f"layers.{layer}" if layer < args.n_layers else f"mtp.{layer - args.n_layers + 1}.block"
 
 
-def _from_layer(name: str, t: torch.Tensor, args, out: dict, experts: dict, copies: dict) -> None:
+def _from_layer(name: str, t: torch.Tensor, args, out: dict, experts: Experts, copies: dict) -> None:
     m = _HF.fullmatch(name)
     if not m:
         raise ValueError(f"'{name}' is not a Hugging Face DeepSeek-V3 parameter this model has")
@@ -133,13 +127,8 @@ def _from_layer(name: str, t: torch.Tensor, args, out: dict, experts: dict, copi
         out[f"mtp.{layer - args.n_layers + 1}.{_MTP_BACK[rest]}"] = t
     elif layer >= args.n_layers and rest in _MTP_COPIES:
         copies[name] = (t, _MTP_COPIES[rest])
-    elif (e := _PER_EXPERT.fullmatch(rest)) is not None:
-        experts.setdefault((prefix, _EXPERT_BACK[e.group(2)]), {})[int(e.group(1))] = t
-    elif (f := _FUSED.fullmatch(rest)) is not None:
-        if f.group(1) == "down_proj":
-            out[f"{prefix}.moe.experts.w2"] = t
-        else:
-            out[f"{prefix}.moe.experts.w1"], out[f"{prefix}.moe.experts.w3"] = t.chunk(2, dim=1)
+    elif experts.take(rest, t, prefix, out):
+        pass
     elif rest in _BLOCK_BACK:
         out[f"{prefix}.{_BLOCK_BACK[rest]}"] = t
     else:
@@ -151,17 +140,14 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: DeepseekV3Args) -> dic
     layer) -> our FQNs; a correction bias the model does not keep (``load_balance_coeff`` None) must be zero, the
     MTP layers' embedding / head copies equal the model's. Whether it is exactly the model's state dict is the
     caller's check."""
-    out, experts, copies = {}, {}, {}
+    out, experts, copies = {}, Experts(), {}
     for name, t in hf_state_dict.items():
         if name in _TOP_BACK:
             if not (name == "lm_head.weight" and args.tie_embeddings):
                 out[_TOP_BACK[name]] = t
             continue
         _from_layer(name, t, args, out, experts, copies)
-    for (prefix, w), by_expert in experts.items():
-        if sorted(by_expert) != list(range(len(by_expert))):
-            raise ValueError(f"{prefix}.moe.experts: experts {sorted(by_expert)} are not 0..E-1")
-        out[f"{prefix}.moe.experts.{w}"] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    experts.stack_into(out)
     if args.tie_embeddings and "tok_embeddings.weight" in out:
         out.setdefault("output.weight", out["tok_embeddings.weight"])
     for k in range(1, args.mtp_layers + 1):  # tied to the token table: a stored copy must equal it

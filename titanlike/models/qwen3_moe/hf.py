@@ -27,17 +27,15 @@ import re
 
 import torch
 
-from titanlike.models.hf_common import check_same_fields, describe_fields
+from titanlike.models.hf_common import Experts, check_same_fields, describe_fields
 from titanlike.models.qwen3 import hf as qwen3_hf
 from titanlike.models.qwen3_moe.model import Qwen3MoeArgs
 
 MODEL_TYPE = "qwen3_moe"
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 
-_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _OURS_EXPERTS = re.compile(r"layers\.(\d+)\.moe\.experts\.(w1|w2|w3)")
-_PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _ROUTER = re.compile(r"layers\.(\d+)\.moe\.router\.gate\.weight")
 _HF_ROUTER = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.weight")
 _BIAS = re.compile(r"layers\.(\d+)\.moe\.expert_bias")
@@ -58,7 +56,7 @@ ARCH_FIELDS = (*qwen3_hf.ARCH_FIELDS, "moe_hidden_dim", "num_experts", "top_k", 
 def hf_name(fqn: str) -> str:
     m = _OURS_EXPERTS.fullmatch(fqn)
     if m:
-        return f"model.layers.{m.group(1)}.mlp.experts.*.{_EXPERT[m.group(2)]}.weight"
+        return Experts.hf_name(f"model.layers.{m.group(1)}", m.group(2))
     m = _ROUTER.fullmatch(fqn)
     if m:
         return f"model.layers.{m.group(1)}.mlp.gate.weight"
@@ -81,8 +79,7 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: Qwen3MoeArgs) -> dict[str, 
             continue
         m = _OURS_EXPERTS.fullmatch(fqn)
         if m:
-            for e, w in enumerate(t.unbind(0)):
-                out[f"model.layers.{m.group(1)}.mlp.experts.{e}.{_EXPERT[m.group(2)]}.weight"] = w.clone()
+            out.update(Experts.to_hf(f"model.layers.{m.group(1)}", m.group(2), t))
             continue
         m = _ROUTER.fullmatch(fqn)
         if m:
@@ -97,30 +94,17 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: Qwen3MoeArgs) -> dict[str, 
 def from_hf(hf_state_dict: dict[str, torch.Tensor], args: Qwen3MoeArgs) -> dict[str, torch.Tensor]:
     """A Hugging Face Qwen3-MoE state dict (per-expert or fused experts) -> our FQNs, the experts stacked, every
     expert bias zero; whether it is exactly the model's state dict is the caller's check."""
-    rest, experts, out = {}, {}, {}
+    rest, experts, out = {}, Experts(), {}
     for name, t in hf_state_dict.items():
-        m = _PER_EXPERT.fullmatch(name)
-        if m:
-            ours = {v: k for k, v in _EXPERT.items()}[m.group(3)]
-            experts.setdefault((int(m.group(1)), ours), {})[int(m.group(2))] = t
-            continue
-        m = _FUSED.fullmatch(name)
-        if m:
-            layer = f"layers.{m.group(1)}.moe.experts."
-            if m.group(2) == "down_proj":
-                out[layer + "w2"] = t
-            else:
-                out[layer + "w1"], out[layer + "w3"] = t.chunk(2, dim=1)
+        m = _HF_LAYER.fullmatch(name)
+        if m and experts.take(m.group(2), t, f"layers.{m.group(1)}", out):
             continue
         m = _HF_ROUTER.fullmatch(name)
         if m:
             out[f"layers.{m.group(1)}.moe.router.gate.weight"] = t
             continue
         rest[name] = t
-    for (layer, w), by_expert in experts.items():
-        if sorted(by_expert) != list(range(len(by_expert))):
-            raise ValueError(f"model.layers.{layer}.mlp.experts: experts {sorted(by_expert)} are not 0..E-1")
-        out[f"layers.{layer}.moe.experts.{w}"] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    experts.stack_into(out)
     out.update(qwen3_hf.from_hf(rest, args))
     if args.load_balance_coeff is not None:
         for i in range(args.n_dense_layers, args.n_layers):

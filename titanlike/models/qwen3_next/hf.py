@@ -32,7 +32,7 @@ import re
 
 import torch
 
-from titanlike.models.hf_common import Names, check_same_fields, describe_fields
+from titanlike.models.hf_common import Experts, Names, check_same_fields, describe_fields
 from titanlike.models.qwen3_next.model import LAYER_TYPES, Qwen3NextArgs
 
 MODEL_TYPE = "qwen3_next"
@@ -67,10 +67,8 @@ _LAYER = {
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
 _TOP["output.weight"] = "lm_head.weight"
 _NAMES = Names("Qwen3-Next", _TOP, _LAYER, "model.layers.")
-_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _OURS_EXPERTS = re.compile(r"layers\.(\d+)\.moe\.experts\.(w1|w2|w3)")
-_PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _CONV = re.compile(r"layers\.(\d+)\.linear_attn\.conv\.weight")
 _HF_CONV = re.compile(r"model\.layers\.(\d+)\.linear_attn\.conv1d\.weight")
 
@@ -78,7 +76,7 @@ _HF_CONV = re.compile(r"model\.layers\.(\d+)\.linear_attn\.conv1d\.weight")
 def hf_name(fqn: str) -> str:
     m = _OURS_EXPERTS.fullmatch(fqn)
     if m:
-        return f"model.layers.{m.group(1)}.mlp.experts.*.{_EXPERT[m.group(2)]}.weight"
+        return Experts.hf_name(f"model.layers.{m.group(1)}", m.group(2))
     return _NAMES.hf_name(fqn)
 
 
@@ -110,8 +108,7 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: Qwen3NextArgs) -> dict[str,
             continue  # none when imported (load_balance_coeff None); export_violations refuses a trained one
         m = _OURS_EXPERTS.fullmatch(fqn)
         if m:
-            for e, w in enumerate(t.unbind(0)):
-                out[f"model.layers.{m.group(1)}.mlp.experts.{e}.{_EXPERT[m.group(2)]}.weight"] = w.clone()
+            out.update(Experts.to_hf(f"model.layers.{m.group(1)}", m.group(2), t))
             continue
         if fqn == "output.weight" and args.tie_embeddings:
             continue
@@ -124,33 +121,16 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: Qwen3NextArgs) -> dict[str,
     return out
 
 
-def _stack_experts(experts: dict, out: dict) -> None:
-    for (layer, w), by_expert in experts.items():
-        if sorted(by_expert) != list(range(len(by_expert))):
-            raise ValueError(f"model.layers.{layer}.mlp.experts: experts {sorted(by_expert)} are not 0..E-1")
-        out[f"layers.{layer}.moe.experts.{w}"] = torch.stack([by_expert[e] for e in range(len(by_expert))])
-
-
 def from_hf(hf_state_dict: dict[str, torch.Tensor], args: Qwen3NextArgs) -> dict[str, torch.Tensor]:
     """A Hugging Face Qwen3-Next state dict -> our FQNs (experts stacked, the conv in our channel order, ``mtp.*``
     set aside); whether it is exactly the model's state dict is the caller's check."""
-    experts, out = {}, {}
+    experts, out = Experts(), {}
     order = _conv_order(args)
     for name, t in hf_state_dict.items():
         if name.startswith("mtp."):
             continue
-        m = _PER_EXPERT.fullmatch(name)
-        if m:
-            ours = {v: k for k, v in _EXPERT.items()}[m.group(3)]
-            experts.setdefault((int(m.group(1)), ours), {})[int(m.group(2))] = t
-            continue
-        m = _FUSED.fullmatch(name)
-        if m:
-            layer = f"layers.{m.group(1)}.moe.experts."
-            if m.group(2) == "down_proj":
-                out[layer + "w2"] = t
-            else:
-                out[layer + "w1"], out[layer + "w3"] = t.chunk(2, dim=1)
+        m = _HF_LAYER.fullmatch(name)
+        if m and experts.take(m.group(2), t, f"layers.{m.group(1)}", out):
             continue
         if name == "lm_head.weight" and args.tie_embeddings:
             continue
@@ -159,7 +139,7 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: Qwen3NextArgs) -> dict
             out[f"layers.{m.group(1)}.linear_attn.conv.weight"] = t.reshape(t.shape[0], -1)[order]
             continue
         out[_NAMES.our_name(name)] = t
-    _stack_experts(experts, out)
+    experts.stack_into(out)
     if args.tie_embeddings and "tok_embeddings.weight" in out:
         out.setdefault("output.weight", out["tok_embeddings.weight"])
     return out
