@@ -31,7 +31,9 @@ nothing saved; another rank keeps that one too, and one state less), the output 
 ``s h d_v c``; the pieces' causal masks and the conv's and maps' order indices (``2 x 2 cp`` int64) once.
 
 Selective op AC keeps the matmul and collective outputs instead (:func:`_op_outputs`). The full-attention layers
-take the planner's softmax formula (None).
+take the planner's softmax formula (None). This is torch's chunked path: what runs on CPU (the probe), under cp and
+under document masks (whose masks are not counted); on CUDA without a mask flash-linear-attention's kernel, when
+installed, keeps its own tensors instead (not modelled).
 """
 
 from __future__ import annotations
