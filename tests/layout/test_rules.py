@@ -136,6 +136,9 @@ CASES = {
 # further cases of a rule that guards several things
 MORE_CASES = [
     ("model_shape", (1, [*MOE, "--model.top_k", "9"])),  # the MoE block's own checks (8 experts)
+    # MTP: the weight set for a model without depths (read by nothing), depths beyond the sequence
+    ("mtp_layout", (1, ["--training.mtp_loss_weight", "0.5"])),
+    ("mtp_layout", (1, ["--model.name", "deepseek_v3", "--model.mtp_layers", "2", "--training.seq_len", "2"])),
     # tp with experts needs SP and ep > 1 (ep borrows the tp ranks): SP without ep is refused too
     ("moe_tp", (2, [*MOE, "--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel"])),
     (

@@ -18,11 +18,11 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent / "parallel")]
 
 # the gate's debug-model shape: tiny (dim 64, 2 layers, 4 heads, 2 kv heads), 16 tokens, 8 rows, clipping that acts
-BASE = (
-    "--model.flavor", "tiny", "--model.dim", "64", "--model.max_seq_len", "16", "--training.seq_len", "16",
-    "--training.global_batch_size", "8", "--training.max_norm", "0.05", "--optimizer.lr", "0.01",
-    "--optimizer.weight_decay", "0.1",
+TRAIN = (
+    "--training.seq_len", "16", "--training.global_batch_size", "8", "--training.max_norm", "0.05",
+    "--optimizer.lr", "0.01", "--optimizer.weight_decay", "0.1",
 )  # fmt: skip
+BASE = ("--model.flavor", "tiny", "--model.dim", "64", "--model.max_seq_len", "16", *TRAIN)
 TP = ("--parallelism.tensor_parallel_degree", "2")
 SP = ("--parallelism.enable_sequence_parallel", "true")
 CP = ("--parallelism.context_parallel_degree", "2")
@@ -44,6 +44,17 @@ MOE = ("--model.name", "qwen3_moe")
 EP = ("--parallelism.expert_parallel_degree", "2")
 DEEP = ("--model.n_layers", "8")
 DEEP_TIED = (*DEEP, "--model.tie_embeddings", "true")
+GPT_OSS = ("--model.name", "gpt_oss")
+DS = ("--model.name", "deepseek_v3")
+DS_NO_MTP = (*DS, "--model.mtp_layers", "0")
+QNEXT = ("--model.name", "qwen3_next")
+TP_SP_EP = (*EP, *TP, *SP, *dp(1, 1, 8))
+
+
+def hf(key: str, **changes) -> tuple[str, ...]:
+    from hf_models import hf_folder
+
+    return ("--model.name", "hf", "--model.hf_config", hf_folder(key, **changes))
 
 
 def pp(degree: int, schedule: str, local: int, microbatch: int = 1) -> tuple[str, ...]:
@@ -122,6 +133,50 @@ CASES = {
     "tp2_sp_fsdp2": (4, (*TP, *SP, *dp(1, 2, 4)), None),
     "cp2_tp2_sp": (4, (*CP, *TP, *SP, *dp(1, 1, 8)), None),
     "MUT hsdp2x2 gradients averaged": (4, dp(2, 2, 2), "fsdp_average"),
+    # gpt-oss: the sliding window, the sinks, the clamped experts
+    "gpt_oss tp2_sp_ep2": (2, (*GPT_OSS, *TP_SP_EP), None),
+    "gpt_oss_block cp2": (2, (*GPT_OSS, *BLOCK, *CP, *dp(1, 1, 8)), None),
+    "hf_mistral_window fsdp2": (2, dp(1, 2, 4), None),
+    "MUT gpt_oss fsdp2 window off by one": (2, (*GPT_OSS, *dp(1, 2, 4)), "window_off_by_one"),
+    "MUT gpt_oss cp2 window on local positions": (2, (*GPT_OSS, *CP, *dp(1, 1, 8)), "window_local"),
+    "MUT gpt_oss_block cp2 sinks dropped": (2, (*GPT_OSS, *BLOCK, *CP, *dp(1, 1, 8)), "sinks_dropped"),
+    "MUT gpt_oss tp2_sp_ep2 sinks not split with their heads": (2, (*GPT_OSS, *TP_SP_EP), "sinks_not_split"),
+    "MUT gpt_oss ep2 clamp missing": (2, (*GPT_OSS, *EP, *dp(1, 2, 4)), "clamp_missing"),
+    "MUT hf_mistral_window fsdp2 window dropped": (2, dp(1, 2, 4), "hf_window_dropped"),
+    # DeepSeek-V3: MLA's latent and RoPE key, the routing, the MTP depth
+    "ds ep2": (2, (*DS, *EP, *dp(1, 2, 4)), None),
+    "ds tp2_sp_ep2": (2, (*DS, *TP_SP_EP), None),
+    "ds cp2_ep2": (2, (*DS, *EP, *CP, *dp(1, 1, 8)), None),
+    "MUT ds fsdp2 RoPE on the non-rope part": (2, (*DS, *dp(1, 2, 4)), "ds_rope_on_nope"),
+    "MUT ds_cp cp2 latent without the RoPE key": (2, (*DS_NO_MTP, *CP, *dp(1, 1, 8)), "ds_cp_latent_no_rope"),
+    "MUT ds cp2 MTP labels shifted per rank": (2, (*DS, *CP, *dp(1, 1, 8)), "ds_cp_local_shift"),
+    "MUT ds fsdp2 latent norm before the split": (2, (*DS, *dp(1, 2, 4)), "ds_latent_norm_unsplit"),
+    "MUT ds ep2 correction bias in the weights": (2, (*DS, *EP, *dp(1, 2, 4)), "ds_bias_in_weights"),
+    "MUT ds ep2 group limiting skipped": (2, (*DS, *EP, *dp(1, 2, 4)), "ds_no_group_limit"),
+    "MUT ds fsdp2 MTP targets shifted by one": (2, (*DS, *dp(1, 2, 4)), "ds_mtp_shift"),
+    "MUT ds tp2_sp_ep2 latent norm gradient not summed": (2, (*DS, *TP_SP_EP), "ds_latent_replicated"),
+    # Qwen3-Next: the linear attention's cp state passing, the gated delta rule, the shared expert's gate
+    "qnext_block cp2": (2, (*QNEXT, *BLOCK, *CP, *dp(1, 1, 8)), None),
+    "qnext tp2_sp_ep2": (2, (*QNEXT, *TP_SP_EP), None),
+    "MUT qnext cp2 state not passed": (2, (*QNEXT, *CP, *dp(1, 1, 8)), "cp_state_not_passed"),
+    "MUT qnext cp2 scan in placement order": (2, (*QNEXT, *CP, *dp(1, 1, 8)), "cp_scan_rank_order"),
+    "MUT qnext cp2 conv halo missing": (2, (*QNEXT, *CP, *dp(1, 1, 8)), "cp_no_conv_halo"),
+    "MUT qnext_block cp2 state not reset at a document start": (
+        2,
+        (*QNEXT, *BLOCK, *CP, *dp(1, 1, 8)),
+        "delta_no_reset",
+    ),
+    "MUT qnext fsdp2 decay sign flipped": (2, (*QNEXT, *dp(1, 2, 4)), "delta_decay_sign"),
+    "MUT qnext fsdp2 beta not a sigmoid": (2, (*QNEXT, *dp(1, 2, 4)), "delta_beta_raw"),
+    "MUT qnext ep2 shared-expert gate missing": (2, (*QNEXT, *EP, *dp(1, 2, 4)), "no_shared_gate"),
+    "MUT qnext tp2_sp_ep2 delta norm ReplicateParallel": (2, (*QNEXT, *TP_SP_EP), "qk_norm_replicated"),
+}
+# mutations of the gates no case localises: name -> why (test_localize_mutations.test_every_mutation_has_a_case)
+NOT_LOCALISED: dict[str, str] = {}
+# transformers models: their shape from their config.json (written when the case runs), the gate's train flags
+HF_ARGS = {
+    name: lambda: hf("hf_mistral_window", vocab_size=2008)  # the test tokenizer's 2008 ids
+    for name in ("hf_mistral_window fsdp2", "MUT hf_mistral_window fsdp2 window dropped")
 }
 
 
@@ -173,8 +228,9 @@ def rank_main(rank: int, world_size: int, out: str, only: list[str] | None = Non
         if ws != world_size or (only and name not in only):
             continue
         t0 = time.perf_counter()
+        base = (*TRAIN, *HF_ARGS[name]()) if name in HF_ARGS else BASE
         outcome = localize_config(
-            [*BASE, *args], steps=2, dims_cache=dims_cache, around_layout=lambda: planted(gate, mutation)
+            [*base, *args], steps=2, dims_cache=dims_cache, around_layout=lambda: planted(gate, mutation)
         )
         results[name] = {
             "code": outcome.code,

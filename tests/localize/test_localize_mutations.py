@@ -50,13 +50,13 @@ EXPECTED = {
     "moe tp2_sp_ep2": None,
     "MUT moe tp2_sp_ep2 router not summed over tp": ("layers.1.moe.router.gate", "gradient", 1),
     "MUT moe tp2_sp_ep2 aux counts not over tp": ("layers.1.moe", "backward", 1),
-    "MUT moe ep2 bias update from local loads": ("layers.1.moe", "forward", 2),
-    "MUT moe ep2 aux loss per rank": ("layers.1.moe", "backward", 1),
+    "MUT moe ep2 bias update from local loads": ("layers.1.moe.router", "forward", 2),
+    "MUT moe ep2 aux loss per rank": ("layers.1.moe.router.gate", "backward", 1),
     "MUT fsdp2 validation leaves FSDP unsharded": ("norm", "gradient", 2),
     # torch >= 2.15 restores the stage's buffers (the MoE loads) after its metadata inference: no bug there
     "MUT moe pp2 1F1B metadata inference counted as routed tokens": None
     if INFERENCE_RESTORES_BUFFERS
-    else ("layers.1.moe", "forward", 2),
+    else ("layers.1.moe.router", "forward", 2),
     "moe pp2 1F1B": None,
     "pp2 1F1B tied": None,
     "pp2 ZBVZeroBubble": None,
@@ -74,11 +74,47 @@ EXPECTED = {
     "tp2_sp_fsdp2": None,
     "cp2_tp2_sp": None,
     "MUT hsdp2x2 gradients averaged": ("tok_embeddings", "gradient", 1),
+    "gpt_oss tp2_sp_ep2": None,
+    "gpt_oss_block cp2": None,  # the sinks' input gradient is each cp rank's partial sum: not compared
+    "hf_mistral_window fsdp2": None,
+    "MUT gpt_oss fsdp2 window off by one": ("layers.0.attention.sdpa", "forward", 1),
+    "MUT gpt_oss cp2 window on local positions": ("layers.0.attention.sdpa", "forward", 1),
+    "MUT gpt_oss_block cp2 sinks dropped": ("layers.0.attention.sdpa", "forward", 1),
+    "MUT gpt_oss tp2_sp_ep2 sinks not split with their heads": ("layers.0.attention.sdpa", "forward", 1),
+    "MUT gpt_oss ep2 clamp missing": ("layers.0.moe", "forward", 1),
+    "MUT hf_mistral_window fsdp2 window dropped": ("layers.0.self_attn.o_proj", "forward", 1),
+    "ds ep2": None,
+    "ds tp2_sp_ep2": None,  # MTP: the tuple output, the depth's loss weighted as the layout's
+    "ds cp2_ep2": None,  # the gathered latent's input gradient (wkv_b) is each cp rank's partial sum: not compared
+    "MUT ds fsdp2 RoPE on the non-rope part": ("layers.0.attention.core", "forward", 1),
+    "MUT ds_cp cp2 latent without the RoPE key": ("layers.0.attention.core", "forward", 1),
+    "MUT ds cp2 MTP labels shifted per rank": ("output", "backward", 1),
+    "MUT ds fsdp2 latent norm before the split": ("layers.0.attention.k_rope", "forward", 1),
+    "MUT ds ep2 correction bias in the weights": ("layers.1.moe.router", "forward", 2),
+    "MUT ds ep2 group limiting skipped": ("layers.1.moe.router", "forward", 1),
+    "MUT ds fsdp2 MTP targets shifted by one": ("output", "backward", 1),
+    "MUT ds tp2_sp_ep2 latent norm gradient not summed": ("mtp.1.block.attention.k_rope", "backward", 1),
+    "qnext_block cp2": None,
+    "qnext tp2_sp_ep2": None,
+    "MUT qnext cp2 state not passed": ("layers.0.linear_attn.core", "forward", 1),
+    "MUT qnext cp2 scan in placement order": ("layers.0.linear_attn.conv_core", "forward", 1),
+    "MUT qnext cp2 conv halo missing": ("layers.0.linear_attn.conv_core", "forward", 1),
+    "MUT qnext_block cp2 state not reset at a document start": ("layers.0.linear_attn.core", "forward", 1),
+    "MUT qnext fsdp2 decay sign flipped": ("layers.0.linear_attn.decay", "forward", 1),
+    "MUT qnext fsdp2 beta not a sigmoid": ("layers.0.linear_attn.decay", "forward", 1),
+    "MUT qnext ep2 shared-expert gate missing": ("layers.0.moe", "forward", 1),
+    "MUT qnext tp2_sp_ep2 delta norm ReplicateParallel": ("layers.0.linear_attn.norm", "gradient", 1),
 }
 # where each mutation acts, for the cases the first point is not that module itself: the loss (no module) shows in
 # the output projection's backward; the gradient norm is its own point; plain ColwiseParallel on the fused c_attn
 # keeps a contiguous shard (equal to the weight's cut), the heads mix in the attention core right after it; GPT-2's
-# positions are added in the model's forward, before layers.0.ln_1.
+# positions are added in the model's forward, before layers.0.ln_1. A mutation in a module's own forward code
+# between its submodules (MLA's RoPE and latent norm, transformers' attention mask) shows at the first submodule
+# whose input it changed, the hint naming the enclosing module (PARENT_HINTS). Loss mutations (the MTP depth's
+# labels) show in the output projection's backward. The MoE experts' permuted tokens have no cut of the one-device
+# tensor: the clamp inside them shows at the MoE block's output. The correction bias is zero at step 1: it acts in
+# step 2's routing. The router sees the batch's tokens flattened (rows x sequence), compared as this rank's rows'
+# tokens: a wrong expert-bias update shows in the next step's routing, the aux loss in the router's gate's backward.
 
 _RESULTS: dict[int, dict] = {}
 
@@ -109,6 +145,55 @@ def test_localised(name, tmp_path_factory):
     assert (r["first"]["fqn"], r["first"]["phase"], r["first"]["step"]) == want
 
 
+# mutations inside a module's own forward code: the first point is a submodule, the hint names the module
+PARENT_HINTS = {
+    "MUT hf_mistral_window fsdp2 window dropped": ("layers.0.self_attn.o_proj", "layers.0.self_attn"),
+    "MUT ds fsdp2 RoPE on the non-rope part": ("layers.0.attention.core", "layers.0.attention"),
+    "MUT ds fsdp2 latent norm before the split": ("layers.0.attention.k_rope", "layers.0.attention"),
+    "MUT cp2 RoPE local positions": ("layers.0.attention.sdpa", "layers.0.attention"),
+    "MUT gpt2 block fsdp2 positions not reset": ("layers.0.ln_1", "layers.0"),
+}
+
+
+@pytest.mark.parametrize("name", list(PARENT_HINTS))
+def test_parent_hint(name, tmp_path_factory):
+    from localize_worker import CASES
+
+    r = results(CASES[name][0], tmp_path_factory)[name]
+    fqn, parent = PARENT_HINTS[name]
+    assert r["hint"].startswith(f"{fqn}'s input 0 already differs (max |diff| "), r["hint"]
+    assert r["hint"].endswith(f"the divergence arose before it, in {parent}'s forward code around its submodules")
+
+
+# the MTP depth's labels: the output head's second call of the step (the depth's logits), not the next-token one
+CALLS = {
+    "MUT ds fsdp2 MTP targets shifted by one": "input 0, call 2 of 2",
+    "MUT ds cp2 MTP labels shifted per rank": "input 0, call 2 of 2",
+}
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_mtp_call(name, tmp_path_factory):
+    from localize_worker import CASES
+
+    r = results(CASES[name][0], tmp_path_factory)[name]
+    assert r["first"]["what"] == CALLS[name], r["text"]
+
+
+def test_every_mutation_has_a_case():
+    """Every planted mutation of the gates (gate.MUTATIONS, pipeline_gate's included) is localised by a case here,
+    and every case has its expected first point."""
+    sys.path.insert(0, str(HERE.parent / "parallel"))
+    import gate
+    import pipeline_gate  # noqa: F401 - registers the pipeline mutations
+    from localize_worker import CASES, NOT_LOCALISED
+
+    planted = {mutation for _, _, mutation in CASES.values() if mutation}
+    assert sorted(set(gate.MUTATIONS) - planted - set(NOT_LOCALISED)) == []
+    assert sorted(set(CASES) ^ set(EXPECTED)) == []
+    assert all((EXPECTED[name] is None) == (CASES[name][2] is None) for name in CASES)
+
+
 HINTS = {
     "MUT tp2 no f backward all-reduce": "the 2 tp ranks' gradients sum to the reference: a partial sum never reduced "
     "over tp in layers.1.feed_forward",
@@ -121,6 +206,11 @@ HINTS = {
     "MUT tp2_sp to_empty drops the gradient hooks": "the gradient's placement (tp: R) is not the "
     "parameter's (tp: S(0))",
     "MUT pp2 norm not reduced over stages": "every gradient agrees but the global gradient norm does not",
+    "MUT ds tp2_sp_ep2 latent norm gradient not summed": "the 2 tp ranks' gradients sum to the reference: a partial "
+    "sum never reduced over tp in mtp.1.block.attention.k_rope",
+    "MUT qnext fsdp2 decay sign flipped": "layers.0.linear_attn.decay's forward tensor is -1 x the reference",
+    "MUT qnext tp2_sp_ep2 delta norm ReplicateParallel": "the 2 tp ranks' gradients sum to the reference: a partial "
+    "sum never reduced over tp in layers.0.linear_attn.norm",
 }
 
 

@@ -316,6 +316,13 @@ LAYOUTS += [
     _layout("ds_block pp2 ZBVZeroBubble", 2, _pp(2, "ZBVZeroBubble", 8, 2), model="ds_deep"),
     _layout("ds_block pp2 ep2 fsdp4 1F1B", 8, (*EP2, *_pp(2, "1F1B", 2)), model="ds_deep"),
     _layout("ds_block no MTP pp2 1F1B", 2, _pp(2, "1F1B", 8, 2), model="ds_deep_nomtp"),
+    _layout(
+        "MUT ds_block pp2 1F1B MTP tokens of another microbatch",
+        2,
+        _pp(2, "1F1B", 8, 2),
+        model="ds_deep",
+        mutation="pp_mtp_tokens_other_microbatch",
+    ),
 ]
 
 
@@ -398,6 +405,26 @@ def _starts_other_microbatch():
 
 
 @contextlib.contextmanager
+def _mtp_tokens_other_microbatch():
+    """The last stage's MTP depths get another microbatch's token ids (the schedule's ``token_ids`` keyword split by
+    microbatch, then rotated by one; the document starts and targets stay): each depth embeds the wrong tokens
+    ahead. The logged loss is the next-token one, exact; the depths' gradients break."""
+    import torch.distributed.pipelining.schedules as schedules
+
+    original = schedules.split_args_kwargs_into_chunks
+
+    def rotated(*args, **kwargs):
+        args_split, kwargs_split = original(*args, **kwargs)
+        ids = [kw.get("token_ids") for kw in kwargs_split]
+        if ids and ids[0] is not None:
+            kwargs_split = [{**kw, "token_ids": t} for kw, t in zip(kwargs_split, ids[1:] + ids[:1])]
+        return args_split, kwargs_split
+
+    with patched(schedules, "split_args_kwargs_into_chunks", rotated):
+        yield
+
+
+@contextlib.contextmanager
 def _moe_inference_counted():
     """torch's first-step metadata inference forward (empty tensors) counted by the MoE blocks like a training
     forward: extra routed tokens in the loads, a wrong bias update."""
@@ -410,6 +437,7 @@ def _moe_inference_counted():
 gate.MUTATIONS.update(
     {
         "pp_moe_inference_counted": _moe_inference_counted,
+        "pp_mtp_tokens_other_microbatch": _mtp_tokens_other_microbatch,
         "pp_starts_other_microbatch": _starts_other_microbatch,
         "pp_tied_not_summed": _tied_not_summed,
         "pp_loss_over_microbatches": _loss_over_microbatches,

@@ -9,7 +9,9 @@ import shared_launch
 from torch.distributed.pipelining import PipelineStage
 
 TOL = pipeline_gate.TOL
-FORWARD_BREAKS = {"pp_starts_other_microbatch"}  # the mutations that change the forward (the loss of step 1) too
+# the mutations that change the forward (the loss of step 1) too: the MTP one through its depth's logged loss, which
+# the gate compares with the loss
+FORWARD_BREAKS = {"pp_starts_other_microbatch", "pp_mtp_tokens_other_microbatch"}
 BROKEN = gate.BROKEN  # a mutation must move its metric by at least this much (the tolerance is 1e-10)
 # torch >= 2.15 backs up the stage's buffers before its metadata inference and restores them after: the MoE loads
 # (buffers) are safe from it without titanlike's pause, so that mutation is no bug there and must train exactly
@@ -25,6 +27,7 @@ EXPECTED_BREAK = {
     "pp_starts_other_microbatch": "loss",  # each microbatch masked with another's documents
     "moe_local_loads": "biases",  # each stage's bias update from this rank's loads only
     "pp_moe_inference_counted": "biases",  # torch's shape-inference forward counted as routed tokens
+    "pp_mtp_tokens_other_microbatch": "grads",  # DeepSeek-V3's MTP depths embed another microbatch's tokens
 }
 
 

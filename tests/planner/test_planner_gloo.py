@@ -11,7 +11,11 @@ under ep 2 x FSDP 4 in bf16 (experts' own FSDP over dp_shard_mod_ep) and under T
 (ep borrowing tp: no collectives around the MoE block, its router over dp_shard_cp_tp, the aux loss's counts over tp,
 per-head norm gradients over tp, the all-to-alls recomputed); Qwen3-MoE under PP 2 x ep 2 with 1F1B (a dense and an
 MoE layer on the first stage, two MoE layers on the second); Qwen3-Next (a Gated DeltaNet and a gated attention
-layer) under CP 2 x FSDP with full AC (the state maps and conv halos beside the K/V). Every MoE case ends with
+layer) under CP 2 x FSDP with full AC (the state maps and conv halos beside the K/V); DeepSeek-V3 tiny with one MTP
+depth (MLA, a dense and an MoE layer, the depth's block MoE) under TP+SP 2 x ep 4 x FSDP 2 (the depth's embedding
+lookup, norms, projection, block, shared head and loss; MLA's latent weights' gradients summed over tp; the depth's
+MoE in its own FSDP groups, the rest of the depth in the root's), and under CP 2 x FSDP 2 (the latent gathers of
+the three blocks, the window's token ids and the depth's labels). Every MoE case ends with
 the step's balancing (the aux-loss terms and expert loads summed over dp x cp, x tp where ep borrows it; the log's
 table over the stages). The vocabulary (250 rows) splits unevenly under tp 2 x dp_shard 2, so the padded FSDP
 shards are exercised too.
@@ -38,7 +42,7 @@ def test_planner_matches_gloo_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     cases = json.loads(out.read_text())["cases"]
-    assert len(cases) == 14
+    assert len(cases) == 16
     for name, ranks in cases.items():
         assert sorted(ranks) == ["0", "1", "2", "3"], name
         for rank, r in ranks.items():
@@ -46,7 +50,9 @@ def test_planner_matches_gloo_runs(tmp_path):
             assert r["measured"] == r["planned"], (where, r["measured"], r["planned"])
             assert r["held"] == r["plan_memory"], (where, r["held"], r["plan_memory"])
             assert r["measured"], where
-            if not name.startswith("pp"):  # CommDebugMode itself counted exactly the recorded collectives
+            # CommDebugMode itself counted exactly the recorded collectives (it cannot follow a pipeline schedule,
+            # nor a module called twice in one forward: the shared head of an MTP depth)
+            if not name.startswith(("pp", "ds_mtp")):
                 assert r["comm_debug_total"] == r["recorded_total"] > 0, where
     # Exercised: every dimension, op and phase the planner prices.
     keys = {k for ranks in cases.values() for r in ranks.values() for k in r["measured"]}
@@ -108,5 +114,17 @@ def test_planner_matches_gloo_runs(tmp_path):
     # the window: K and V of (batch 2, 12 tokens, 2 kv heads, 16) float32 = 3072 bytes each, the full layer's 4096
     for rank, r in cases["gpt_oss_cp2_fsdp2"].items():
         assert r["measured"]["cp all_gather forward"] == [4, 2 * 3072 + 2 * 4096], (rank, r["measured"])
+    # DeepSeek-V3 with one MTP depth under TP+SP: the head's input gathered (and the vocab-parallel loss's three
+    # all-reduces) twice, the embedding's output reduce-scattered twice (tok_embeddings and the depth's tied
+    # lookup), the attention inputs of 3 blocks (the dense layer's ffn too; the MoE blocks are TokenLocal); 23
+    # gradient all-reduces: 10 norms, the depth's eh_proj, 4 latent weights (wq_a, q_norm, wkv_a, kv_norm) x 3 blocks
+    for rank, r in cases["ds_mtp_tp2_sp_ep4_fsdp2"].items():
+        m = r["measured"]
+        assert m["tp all_gather forward"][0] == 2 + 1 + 1 + 2 and m["tp reduce_scatter forward"][0] == 6, (rank, m)
+        assert m["tp all_reduce forward"][0] == 2 * 3 and m["tp all_reduce backward"][0] == 23, (rank, m)
+        assert m["dp_shard_cp_tp all_gather forward"][0] == 2, (rank, m)  # layers.1.moe and mtp.1.block.moe
+    # under cp: 3 blocks x (the latent, the RoPE key) + the window's ids + the depth's labels (2 x 16 int64 each)
+    for rank, r in cases["ds_mtp_cp2_fsdp2"].items():
+        assert r["measured"]["cp all_gather forward"][0] == 3 * 2 + 1 + 1, (rank, r["measured"])
     for rank, r in cases["cp2_tp2_sp_fullac"].items():
         assert r["measured"]["cp all_gather backward"][0] == 4, (rank, r["measured"])

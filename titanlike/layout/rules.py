@@ -103,7 +103,8 @@ RULES = {
     "ep_model": "expert parallelism on models with experts (ModelSpec.num_experts)",
     "ep_experts": "expert_parallel_degree divides the number of experts",
     "moe_tp": "a model with experts under tp > 1 only with sequence parallelism and ep > 1 (ep borrows the tp ranks)",
-    "mtp_layout": "training.mtp_loss_weight >= 0 (the multi-token-prediction depths' weight)",
+    "mtp_layout": "training.mtp_loss_weight >= 0 (the multi-token-prediction depths' weight), set only for a model "
+    "with MTP depths, and a sequence longer than the depths (depth k's targets are k tokens further ahead)",
     "export_model": "checkpoint.export_safetensors on models with a Hugging Face adapter that can express them "
     "(ModelSpec.hf_adapter, hf_export_violations: Qwen3-MoE's expert bias)",
 }
@@ -114,12 +115,28 @@ def layout_violations(cfg, world_size: int, args) -> list[str]:
     return [message for _, message in rule_violations(cfg, world_size, args)]
 
 
-def _mtp_violations(cfg) -> list[str]:
-    """Multi-token prediction: a weight >= 0 (the depths sit on the last pipeline stage, which gets the token ids;
-    context parallelism gathers them: the window seam)."""
-    if not cfg.training.mtp_loss_weight >= 0:
-        return [f"training.mtp_loss_weight {cfg.training.mtp_loss_weight} must be >= 0"]
-    return []
+def _mtp_violations(cfg, args) -> list[str]:
+    """Multi-token prediction: a weight >= 0, not set for a model without MTP depths (it would be ignored), and
+    every depth with targets inside the sequence (depth ``D`` of a ``seq_len`` window has ``seq_len - D`` of them).
+    The depths sit on the last pipeline stage, which gets the token ids; context parallelism gathers them (the
+    window seam), so any layout holds them."""
+    weight, depths = cfg.training.mtp_loss_weight, getattr(args, "mtp_layers", 0) or 0
+    default = next(f.default for f in dataclasses.fields(cfg.training) if f.name == "mtp_loss_weight")
+    out = []
+    if not weight >= 0:
+        out.append(f"training.mtp_loss_weight {weight} must be >= 0")
+    elif not depths and weight != default:
+        out.append(
+            f"training.mtp_loss_weight {weight}: {cfg.model.name} has no multi-token-prediction depths "
+            f"(model.mtp_layers), so nothing reads it; remove it"
+        )
+    if depths and cfg.training.seq_len <= depths:
+        out.append(
+            f"model.mtp_layers {depths} needs training.seq_len > {depths} (depth {depths} predicts {depths} tokens "
+            f"further ahead: no target left in a sequence of {cfg.training.seq_len}); lower model.mtp_layers or raise "
+            f"training.seq_len"
+        )
+    return out
 
 
 def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
@@ -142,7 +159,7 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
         out += _expert_violations(cfg, spec, args, dps, cp, tp)
     if cp > 1:
         out += _context_parallel_violations(cfg, cp, tp)
-    out += [("mtp_layout", m) for m in _mtp_violations(cfg)]
+    out += [("mtp_layout", m) for m in _mtp_violations(cfg, args)]
     dp = p.data_parallel_replicate_degree * dps
     if tp > 1:
         out += _tensor_parallel_violations(cfg, args, tp)

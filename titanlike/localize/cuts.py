@@ -5,7 +5,8 @@ the one-device run, cut the way this rank holds it:
 
 * **data**: the rows of this call's micro-batch (the data-parallel rank's rows, split into the step's micro-batches:
   gradient accumulation times pipeline microbatches) and, under context parallelism, the load-balanced sequence
-  chunks (:func:`titanlike.parallel.context_parallel.cp_shard`: chunks ``r`` and ``2 cp - 1 - r``);
+  chunks (:func:`titanlike.parallel.context_parallel.cp_shard`: chunks ``r`` and ``2 cp - 1 - r``); a tensor of the
+  batch's tokens flattened along dim 0 (``rows x seq``, as a router sees them): those rows' chunks' tokens;
 * **model-parallel**: a DTensor by its own placements (``Shard``, ``_StridedShard``, ``Replicate``: the reference cut
   as ``distribute_tensor`` cuts, a local split, no communication); a plain local tensor narrower than the reference
   along its last dim by the placement of the module's weight along the matching dim (a column-wise Linear's output,
@@ -13,6 +14,8 @@ the one-device run, cut the way this rank holds it:
   coordinate on the model-parallel mesh dim of that size (a sequence-parallel shard).
 
 A tensor whose shape no such cut explains (an expert's permuted tokens) is not compared; the report counts those.
+Neither is the input gradient of a tensor every data rank holds whole while the batch is split (a sink passed as an
+input, a latent gathered over the cp ranks): each rank holds its partial sum, reduced with the parameters' gradients.
 """
 
 from __future__ import annotations
@@ -53,9 +56,12 @@ class Cut:
     last: torch.Tensor | None = None  # index into the reference's last dim (a weight-derived cut)
     chunks: list[tuple[int, int, int]] = field(default_factory=list)  # (dim, parts, index) contiguous chunks
     dtensor: tuple | None = None  # (mesh, placements) of a DTensor
+    tokens: tuple[int, int] | None = None  # (rows, seq_len): dim 0 is the batch's tokens flattened (rows x sequence)
 
     def apply(self, ref: torch.Tensor) -> torch.Tensor:
         r = ref.detach()
+        if self.tokens is not None:
+            return self._tokens(r)
         if self.rows is not None:
             r = r[self.rows]
         if self.seq_dim is not None:
@@ -70,6 +76,31 @@ class Cut:
         for dim, parts, index in self.chunks:
             r = r.chunk(parts, dim=dim)[index]
         return r
+
+    def model_parallel(self) -> bool:
+        """Cut along a model-parallel dim (a weight-derived or contiguous chunk, a DTensor shard)."""
+        if self.dtensor is not None:
+            return any(isinstance(p, (Shard, _StridedShard)) for p in self.dtensor[1])
+        return self.last is not None or bool(self.chunks)
+
+    def whole_on_data_ranks(self, data: DataCut, micro: int) -> bool:
+        """The batch is split (rows, micro-batches, sequence chunks) but this tensor is not: every data rank holds
+        all of it."""
+        want = data.rows_of(micro)
+        split = data.cp > 1 or want.stop - want.start != data.global_rows
+        return split and self.rows is None and self.seq_dim is None and self.tokens is None
+
+    def _tokens(self, r: torch.Tensor) -> torch.Tensor:
+        """Flattened tokens (a router's or an MoE block's ``(rows x seq, ...)``): this call's rows and sequence
+        chunks, flattened again."""
+        r = r.unflatten(0, self.tokens)
+        if self.rows is not None:
+            r = r[self.rows]
+        if self.cp > 1:
+            from titanlike.parallel.context_parallel import cp_shard
+
+            r = cp_shard(r, self.cp, self.cp_rank, dim=1)
+        return r.flatten(0, 1)
 
 
 def describe_placement(t) -> str:
@@ -125,6 +156,10 @@ def cut_for(t: torch.Tensor, ref: torch.Tensor, data: DataCut, micro: int, weigh
     local = list(t.shape) if not isinstance(t, DTensor) else list(t.shape)
     want = data.rows_of(micro)
     n_rows = want.stop - want.start
+    if _flat_tokens(ref, local, data, n_rows):
+        if isinstance(t, DTensor) or local[1:] != shape[1:]:
+            return None
+        return Cut(want, None, data.cp, data.cp_rank, tokens=(data.global_rows, data.seq_len))
     if ref.dim() >= 1 and shape[0] == data.global_rows and (n_rows != data.global_rows) and local[:1] == [n_rows]:
         rows, shape[0] = want, n_rows
     seq_dim = None
@@ -158,6 +193,15 @@ def cut_for(t: torch.Tensor, ref: torch.Tensor, data: DataCut, micro: int, weigh
             return None
         cut.chunks.append((d, parts, dims[0]))
     return cut
+
+
+def _flat_tokens(ref: torch.Tensor, local: list[int], data: DataCut, n_rows: int) -> bool:
+    """Dim 0 of ``ref`` is the global batch's tokens flattened and the local tensor holds this call's share of them
+    (its rows, its context-parallel chunks), flattened the same way."""
+    if not data.seq_len or ref.dim() < 1 or not local:
+        return False
+    total = data.global_rows * data.seq_len
+    return ref.shape[0] == total and local[0] != total and local[0] == n_rows * data.seq_len // data.cp
 
 
 def max_diff(local: torch.Tensor, expected: torch.Tensor) -> float:

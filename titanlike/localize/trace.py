@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from titanlike.localize.cuts import PENDING, DataCut, cut_for, describe_placement, max_diff
+from titanlike.localize.cuts import PENDING, Cut, DataCut, cut_for, describe_placement, max_diff
 
 __all__ = ["PHASES", "Point", "Reference", "Tracer", "CollectiveCounter", "clean_fqn"]
 
@@ -104,6 +104,7 @@ class StepRecord:
     """One device's step: every point's tensors, in execution order."""
 
     forward: dict[tuple, list[torch.Tensor]] = field(default_factory=dict)  # (fqn, occ) -> output tensors
+    inputs: dict[tuple, list[torch.Tensor]] = field(default_factory=dict)  # (fqn, occ) -> float input tensors
     backward: dict[tuple, torch.Tensor] = field(default_factory=dict)  # (fqn, occ, input key) -> grad
     forward_order: dict[tuple, int] = field(default_factory=dict)
     backward_order: dict[tuple, int] = field(default_factory=dict)
@@ -223,6 +224,10 @@ class Tracer:
             state["weight"] = None
             self.stack.append(fqn)
             self.running[fqn] = (mod, [a for a in (*args, *kwargs.values()) if _is_float(a)])
+            if not self.compare:
+                self.record.inputs[(fqn, j)] = [t.detach().clone() for t in _to_local_full(self.running[fqn][1])]
+            else:
+                state["model_cut"] = self._model_cuts(fqn, j, args, kwargs)
             args = tuple(self._tap(fqn, j, str(i), a, state) for i, a in enumerate(args))
             kwargs = {k: self._tap(fqn, j, k, v, state) for k, v in kwargs.items()}
             return args, kwargs
@@ -241,8 +246,8 @@ class Tracer:
                 return None
             if self.stack and self.stack[-1] == fqn:
                 self.stack.pop()
-            self.running.pop(fqn, None)
-            self._forward_point(fqn, state, out)
+            _, inputs = self.running.pop(fqn, (None, []))
+            self._forward_point(fqn, state, out, inputs)
             return None
 
         self.handles += [
@@ -251,6 +256,18 @@ class Tracer:
             module.register_forward_hook(inner_post, with_kwargs=True, prepend=True),
             module.register_forward_hook(post, with_kwargs=True),
         ]
+
+    def _model_cuts(self, fqn: str, j: int, args: tuple, kwargs: dict) -> dict[str, bool]:
+        """Input key -> whether this call's input is cut along a model-parallel dim (a rank's heads, say)."""
+        keyed = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
+        floats = [(k, a) for k, a in keyed if _is_float(a)]
+        refs = self.record.inputs.get((fqn, self._occ(fqn, j)[1]), [])
+        micro = self._occ(fqn, j)[0]
+        out = {}
+        for (k, a), r in zip(floats, refs):
+            cut = cut_for(a, r, self.data, micro)
+            out[k] = isinstance(cut, Cut) and cut.model_parallel()
+        return out
 
     def _tap(self, fqn: str, j: int, key: str, a, state: dict):
         if not (_is_float(a) and a.requires_grad and torch.is_grad_enabled()):
@@ -270,7 +287,12 @@ class Tracer:
         per = self.record.calls.get(fqn, 1) or 1
         return j // per, j % per
 
-    def _forward_point(self, fqn: str, state: dict, out) -> None:
+    def _call_of(self, fqn: str, occ: int) -> str:
+        """Which of a module's calls in a micro-batch (the output head of the next-token and of each MTP depth)."""
+        n = self.record.calls.get(fqn, 1)
+        return f", call {occ + 1} of {n}" if n > 1 else ""
+
+    def _forward_point(self, fqn: str, state: dict, out, inputs: list[torch.Tensor]) -> None:
         j = state["j"]
         tensors = _float_tensors(out)
         for t in tensors:
@@ -287,12 +309,13 @@ class Tracer:
         if refs is None:
             return
         comms = _since(state["comms"], self.counter.snapshot())
+        before = len(self.points)
         for i, (t, r) in enumerate(zip(tensors, refs)):
             inner = state.get("inner_out", [])
             self._compare(
                 "forward",
                 fqn,
-                f"output {i}",
+                f"output {i}{self._call_of(fqn, occ)}",
                 micro,
                 self.record.forward_order[(fqn, occ)],
                 t,
@@ -301,6 +324,27 @@ class Tracer:
                 comms,
                 inner[i] if i < len(inner) else "",
             )
+        if len(self.points) > before == 0:  # this rank's first divergent point: did it arise before this module?
+            note = self._inputs_differ(fqn, occ, micro, inputs, state.get("weight"))
+            for p in self.points[before:]:
+                p.note = note
+
+    def _inputs_differ(self, fqn: str, occ: int, micro: int, inputs: list, weight) -> str:
+        """Where a module's output differs: whether its inputs already did (the divergence then arose before it, in
+        the enclosing module's own code between its submodules), in words; "" when its inputs agree."""
+        refs = self.record.inputs.get((fqn, occ), [])
+        for i, (t, r) in enumerate(zip(inputs, refs)):
+            cut = cut_for(t, r, self.data, micro, weight)
+            if cut == PENDING or cut is None:
+                continue
+            d = max_diff(t, cut.apply(r))
+            if d > self.tol:
+                parent = self.stack[-1] if self.stack else "the model"
+                return (
+                    f"{fqn}'s input {i} already differs (max |diff| {d:.1e}): the divergence arose before it, in "
+                    f"{parent}'s forward code around its submodules"
+                )
+        return ""
 
     def _backward_point(self, fqn: str, j: int, key: str, grad, like, state: dict) -> None:
         if not self.compare:
@@ -313,16 +357,28 @@ class Tracer:
         ref = self.record.backward.get((fqn, occ, key))
         if ref is None:
             return
+        cuts = state.get("model_cut", {})
+        if any(cuts.values()) and not cuts.get(key, True):
+            # an input whole on every model-parallel rank, used with another cut along that dim (MLA's shared RoPE
+            # key beside this rank's heads): its gradient here is this rank's partial sum, reduced further up
+            self.not_compared.add((fqn, "backward"))
+            return
         comms = _since(state.get("bwd_comms", {}), self.counter.snapshot())
         order = self.record.backward_order[(fqn, occ, key)]
         inner = ", ".join(sorted(set(state.get("inner_in", []))))
-        self._compare("backward", fqn, f"input {key}", micro, order, grad, ref, state.get("weight"), comms, inner)
+        what = f"input {key}{self._call_of(fqn, occ)}"
+        self._compare("backward", fqn, what, micro, order, grad, ref, state.get("weight"), comms, inner)
 
     def _compare(self, phase, fqn, what, micro, order, t, ref, weight, comms, inner="") -> None:
         cut = cut_for(t, ref, self.data, micro, weight)
         if cut == PENDING or cut is None:
             if cut is None:
                 self.not_compared.add((fqn, phase))
+            return
+        if phase == "backward" and cut.whole_on_data_ranks(self.data, micro):
+            # the gradient of an input every data-parallel / context-parallel rank holds whole (a sink passed as an
+            # input, a gathered latent): this rank's partial sum, reduced with the parameters' gradients
+            self.not_compared.add((fqn, phase))
             return
         expected = cut.apply(ref)
         d = max_diff(t, expected)

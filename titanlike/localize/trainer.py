@@ -28,7 +28,7 @@ from titanlike.localize.cuts import DataCut
 from titanlike.localize.report import Outcome, gather_outcome
 from titanlike.localize.trace import Reference, Tracer
 
-__all__ = ["trainer_problems", "run_trainer", "localize_config"]
+__all__ = ["trainer_problems", "run_trainer", "localize_config", "clip_then_compare", "pause_stage_inference"]
 
 
 def _config(argv: list[str], world: int):
@@ -86,7 +86,15 @@ def global_batch(cfg, vocab: int, eos: int | None, step: int) -> tuple[torch.Ten
 _INFERENCE = ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference")
 
 
-def _clip_then_compare(clip_fn: Callable, tracer: Tracer) -> Callable:
+def pause_stage_inference(tracer: Tracer, stages) -> None:
+    """No points while a pipeline stage infers its shapes (the first step's forward on placeholder tensors)."""
+    for stage in stages:
+        for name in _INFERENCE:
+            if hasattr(stage, name):
+                tracer.pause_during(stage, name)
+
+
+def clip_then_compare(clip_fn: Callable, tracer: Tracer) -> Callable:
     """``clip_fn`` that also hands every gradient, clipping factor divided out, to the tracer."""
 
     def clip(params, max_norm):
@@ -111,15 +119,18 @@ def _reference(cfg, args, eos, steps: int, build: Callable[[], nn.Module]) -> Re
     tracer = Tracer([model], reference, compare=False)
     opt = build_optimizer([model], cfg)
     moe = ExpertBalancing([model], None, 1) if experts_modules(model) else None
+    # the layout's loss as build_parallel_model sets it up: the MTP depths' losses weighted the same
+    loss = ScaledLoss(partial(cross_entropy_loss, reduction="sum"), mtp_weight=cfg.training.mtp_loss_weight)
+    loss.mtp_depths = getattr(args, "mtp_layers", 0) or 0
     for step in range(1, steps + 1):
         tracer.begin_step(step)
         train_step(
             [model],
             opt,
             [global_batch(cfg, args.vocab_size, eos, step)],
-            ScaledLoss(partial(cross_entropy_loss, reduction="sum")),
+            loss,
             max_norm=cfg.training.max_norm,
-            clip_fn=_clip_then_compare(plain_clip_grad_norm_, tracer),
+            clip_fn=clip_then_compare(plain_clip_grad_norm_, tracer),
             moe=moe,
         )
         tracer.parameters_point("update")
@@ -218,10 +229,7 @@ def _compare_layout(cfg, args, eos, dims, build, reference: Reference, steps: in
     data, micro_batches = _data_cut(cfg, dims, n_acc * n_pp)
     rank = dist.get_rank()
     tracer = Tracer(built.model_parts, reference, compare=True, data=data, rank=rank, tol=tol, root=built.pp is None)
-    for stage in built.pp.stages if built.pp else ():
-        for name in _INFERENCE:
-            if hasattr(stage, name):
-                tracer.pause_during(stage, name)
+    pause_stage_inference(tracer, built.pp.stages if built.pp else [])
     opt = build_optimizer(built.model_parts, cfg)
     group = loss_group(dims)
     for step in range(1, steps + 1):
@@ -234,7 +242,7 @@ def _compare_layout(cfg, args, eos, dims, build, reference: Reference, steps: in
                     micro_batches(*global_batch(cfg, args.vocab_size, eos, step)),
                     built.loss,
                     max_norm=cfg.training.max_norm,
-                    clip_fn=_clip_then_compare(built.clip_fn, tracer),
+                    clip_fn=clip_then_compare(built.clip_fn, tracer),
                     dp_group=group,
                     pp_schedule=built.pp_schedule,
                     pp_group=built.pp_group,

@@ -165,7 +165,8 @@ def chunk_gated_delta_rule(
     (s,): document resets. Returns the output (b, s, hv, dv) in ``v``'s dtype and the final state (compute dtype)."""
     out_dtype, dtype = v.dtype, _compute_dtype(v)
     q, k = _expand_heads(q, k, v)
-    q, k, v, beta, g = (x.transpose(1, 2).to(dtype) for x in (q, k, v, beta, g))  # (b, h, s, ...)
+    # (b, h, s, ...), contiguous: every later view folds without a copy, whether or not the chunks need padding
+    q, k, v, beta, g = (x.transpose(1, 2).to(dtype).contiguous() for x in (q, k, v, beta, g))
     b, h, s, dk = k.shape
     dv, C = v.shape[-1], chunk_size
     q = q * dk**-0.5

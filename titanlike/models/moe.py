@@ -84,15 +84,18 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from titanlike.init import Init, init_parameters, trunc_normal
-from titanlike.models.layers import FeedForward, compute_dtype
+from titanlike.models.decoder import DecoderBlock
+from titanlike.models.layers import FeedForward, RMSNorm, compute_dtype
 
 __all__ = [
+    "MoEDecoderBlock",
     "EXPERTS_IMPLS",
     "SCORE_FUNCS",
     "MoEArgs",
@@ -580,6 +583,29 @@ class MoE(nn.Module):
         self.init_buffers()
         plan = param_init_patterns(re.escape(prefix), depth=_depth_of(prefix))
         init_parameters(self, plan, torch.initial_seed() if seed is None else seed, prefix=prefix)
+
+
+class MoEDecoderBlock(DecoderBlock):
+    """``h = x + attention(attention_norm(x))``, then ``h + ffn(ffn_norm(h))``: the ``moe`` block in the layers
+    ``args.is_moe_layer`` names, a dense SwiGLU ``feed_forward`` in the others (``first_k_dense_replace``). A model
+    sets ``attention_class`` (built from its args: Qwen3's GQA attention, DeepSeek-V3's MLA) and ``param_init``."""
+
+    attention_class: ClassVar[Callable[[object], nn.Module]]
+
+    def __init__(self, layer_id: int, args):
+        super().__init__(layer_id, args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = type(self).attention_class(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        if args.is_moe_layer(layer_id):
+            self.moe = MoE(args.moe_args())
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), **kwargs)
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
 
 
 def _depth_of(prefix: str) -> int:

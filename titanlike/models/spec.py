@@ -25,11 +25,31 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["ModelSpec", "UnknownModelError", "importer_of", "lookup", "register"]
+__all__ = ["ActivationSizes", "ModelSpec", "UnknownModelError", "importer_of", "lookup", "register"]
 
 
 class UnknownModelError(ValueError):
     """``model.name`` is not a registered model (the message lists the registered ones)."""
+
+
+@dataclass(frozen=True)
+class ActivationSizes:
+    """What the planner's activation model (``titanlike.planner.memory``) hands a model's ``attention_activations``
+    hook: the AC mode of the block (``"none"`` or selective ``"op"``; full AC keeps the block input only), the
+    activation and compute bytes per number (bf16: 2 and 4), the tp degree, the keys one query's sequence has (the
+    microbatch's local sequence) and ``probe``: the kernels the dry run's probe runs (torch on CPU: SDPA's math path
+    where the query / key and value head widths differ) instead of CUDA's (the memory-efficient kernel takes them);
+    ``batch``: the microbatch's sequences (for what a block keeps once, whatever the batch) and ``cp``: the context
+    parallel degree."""
+
+    mode: str
+    act_bytes: int
+    compute_bytes: int
+    tp: int
+    seq: int
+    probe: bool = False
+    batch: int = 1
+    cp: int = 1
 
 
 @dataclass(frozen=True)
@@ -66,9 +86,20 @@ class ModelSpec:
     # shards from it; a tied copy names its owner (Init.key). The model class also has init_buffers(device).
     param_init: Callable[[object], Callable[[str], object]] | None = None
     # The block's structure, for the planner's activation-memory model (titanlike.planner.memory): its norms
-    # ("rms": RMSNorm computed in float32; "layer": LayerNorm) and its MLP ("swiglu": w1, w3, w2; "gelu": fc, proj).
+    # ("rms": RMSNorm computed in float32; "rms_zero_centred": the same scaled by ``1 + w`` in float32, keeping the
+    # float32 normalised input and ``1 + w``; "layer": LayerNorm) and its MLP ("swiglu": w1, w3, w2; "gelu": fc, proj).
     norm_kind: str = "rms"
     mlp_kind: str = "swiglu"
+    # attention_activations(args, layer_id, ActivationSizes) -> bytes per token that block's attention keeps for its
+    # backward between its norm's output and its output projection (projections, norms inside, the kernel's saved
+    # tensors, the output projection's input; selective op AC: the matmul / kernel outputs), for a model whose
+    # attention is no plain ``n_heads x head_dim`` softmax one (MLA's latents); None: the planner's softmax formula.
+    attention_activations: Callable[[object, int, ActivationSizes], float | None] = lambda args, i, sizes: None
+    # prediction_blocks(args) -> {FQN: layer id} of the blocks the output modules run after the final norm
+    # (DeepSeek-V3's multi-token prediction depths ``mtp.K.block``), each after two norms and a projection of their
+    # concatenation, each followed by a norm and the shared head: the planner counts their activations and messages
+    # on the last stage.
+    prediction_blocks: Callable[[object], dict[str, int]] = lambda args: {}
     # Capabilities the layout rules check (titanlike.layout.rules), declared by the model, never inferred from its
     # name. context_parallel: attention through the shared seam and every position lookup through the position seam
     # (titanlike.models.decoder), so titanlike.parallel.context_parallel applies. te_norm: the norm class whose

@@ -50,9 +50,16 @@ from titanlike.models import spec_for as get_spec_for
 from titanlike.models.masking import cp_gathered_tokens
 from titanlike.planner.hardware import Hardware
 from titanlike.planner.layout import Layout
-from titanlike.planner.memory import fsdp_units, moe_layers, rank_param_shards, unit_group, unit_reshards
+from titanlike.planner.memory import (
+    fsdp_units,
+    moe_layers,
+    prediction_blocks,
+    rank_param_shards,
+    unit_group,
+    unit_reshards,
+)
 from titanlike.planner.muon import muon_rank
-from titanlike.sharding import HeadNorm, entry_for
+from titanlike.sharding import HeadNorm, Latent, Norm, entry_for
 
 __all__ = ["Message", "StepCost", "bubble", "messages", "step_cost", "wire_factor"]
 
@@ -85,8 +92,10 @@ _PER_BLOCK = ("block", "experts", "moe")  # one FSDP group per block
 _DP_DIMS = ("dp_shard", "dp_shard_cp", "dp_shard_mod_ep", "dp_shard_cp_tp", "dp_replicate")
 
 
-def _is_head_norm(sharding, name: str) -> bool:
-    return isinstance(entry_for(sharding, name.rpartition(".")[0]), HeadNorm)
+def _tp_partial_grad(sharding, name: str) -> bool:
+    """A tp-replicated parameter whose gradient covers only this rank's heads (a per-head norm, MLA's latent
+    down-projections and norms): summed over tp once per pass."""
+    return isinstance(entry_for(sharding, name.rpartition(".")[0]), (HeadNorm, Latent))
 
 
 def _layer_ids(names) -> list[int]:
@@ -110,6 +119,15 @@ class _Tally:
         self.sharding = get_spec_for(args).sharding_of(args)
         self.shards = rank_param_shards(lo, args, rank)
         self.gb = lo.replicated_grad_bytes  # a tp-replicated weight's gradient
+        self.depth_ids = set(get_spec_for(args).prediction_blocks(args).values())  # MTP depths' blocks: no AC
+
+    def ac(self, i: int) -> str:
+        """How block ``i`` is checkpointed ("none" for an MTP depth's block: apply_ac wraps the decoder's only)."""
+        return "none" if i in self.depth_ids else self.lo.checkpointed(i)
+
+    def full_ac(self, i: int) -> bool:
+        """Whether block ``i`` reruns its forward in the backward (full AC)."""
+        return self.ac(i) == "full"
 
     def add(self, dim, op, phase, nbytes, group, what, count):
         if group > 1 and count:
@@ -128,11 +146,12 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
     for sid in tally.stage_ids:
         names = layout.stages[sid]
         ids = _layer_ids(names)
+        depths = prediction_blocks(args, names)  # the MTP depths' blocks, run by the output modules
         moe = moe_layers(args, names)
         if tally.t > 1:
-            _tp_messages(tally, sid, names, ids, moe)
+            _tp_messages(tally, sid, names, ids, moe, depths)
         if layout.cp > 1:
-            _cp_messages(tally, ids)
+            _cp_messages(tally, ids, list(depths.values()))
         if layout.ep > 1:
             _ep_messages(tally, moe)
         _aux_loss_messages(tally, moe)
@@ -144,36 +163,40 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
     return tally.messages()
 
 
-def _tp_messages(tally: _Tally, sid: int, names, ids: list[int], moe) -> None:
-    """Tensor parallel: the blocks' collectives, the embedding's, the head's and the loss's."""
+def _tp_messages(tally: _Tally, sid: int, names, ids: list[int], moe, depths: dict[str, int]) -> None:
+    """Tensor parallel: the blocks' collectives (the decoder's ``ids`` and the MTP ``depths``' blocks), the
+    embedding's, the head's and the loss's (once more per MTP depth: its embedding lookup, the shared head)."""
     lo, add, A, t, passes = tally.lo, tally.add, tally.A, tally.t, tally.passes
     # Blocks under full AC rerun their forward in the backward up to the last op whose saved tensors the
-    # backward needs (torch.utils.checkpoint's early stop): every forward collective but w2's.
-    recomputed = sum(lo.checkpointed(i) == "full" for i in ids)
-    # per-head norms (HeadNorm): replicated weights whose gradients are summed over tp
-    for p in tally.shards[sid]:
-        if _is_head_norm(tally.sharding, p.name):
-            add("tp", "all_reduce", "backward", p.tp_numel * tally.gb, t, "per-head norm weight gradients", passes)
+    # backward needs (torch.utils.checkpoint's early stop): every forward collective but w2's. No AC wraps an
+    # MTP depth's block.
+    recomputed = sum(map(tally.full_ac, ids))
+    embeds = ("tok_embeddings" in names) + len(depths)
+    heads = ("output" in names) * (1 + len(depths))
+    for p in tally.shards[sid]:  # per-head norms, MLA's latents: replicated weights whose gradients sum over tp
+        if _tp_partial_grad(tally.sharding, p.name):
+            what = "per-head norm / latent weight gradients"
+            add("tp", "all_reduce", "backward", p.tp_numel * tally.gb, t, what, passes)
+    blocks = [*ids, *depths.values()]
     if lo.sequence_parallel:
-        _sp_messages(tally, names, ids, moe, recomputed)
+        _sp_messages(tally, sid, names, blocks, moe, recomputed, (embeds, heads))
     else:
-        add("tp", "all_reduce", "forward", A, t, "block outputs of wo / w2", 2 * len(ids) * passes)
-        add("tp", "all_reduce", "backward", A, t, "block input grads of attention / ffn", 2 * len(ids) * passes)
+        add("tp", "all_reduce", "forward", A, t, "block outputs of wo / w2", 2 * len(blocks) * passes)
+        add("tp", "all_reduce", "backward", A, t, "block input grads of attention / ffn", 2 * len(blocks) * passes)
         add("tp", "all_reduce", "backward", A, t, "recomputed output of wo (full AC)", recomputed * passes)
-        if "tok_embeddings" in names:
-            add("tp", "all_reduce", "forward", A, t, "embedding output", passes)
-        if "output" in names:
-            add("tp", "all_reduce", "backward", A, t, "head input grad", passes)
-    if "output" in names:
-        _loss_messages(tally)
+        add("tp", "all_reduce", "forward", A, t, "embedding output", embeds * passes)
+        add("tp", "all_reduce", "backward", A, t, "head input grad", heads * passes)
+    if heads:
+        _loss_messages(tally, heads)
 
 
-def _sp_messages(tally: _Tally, names, ids: list[int], moe, recomputed: int) -> None:
-    """Sequence parallel's all-gathers and reduce-scatters in place of tp's all-reduces, and its norms' gradients."""
-    lo, add, A, t, passes = tally.lo, tally.add, tally.A, tally.t, tally.passes
+def _sp_messages(tally: _Tally, sid: int, names, ids: list[int], moe, recomputed: int, ends: tuple) -> None:
+    """Sequence parallel's all-gathers and reduce-scatters in place of tp's all-reduces, and its norms' gradients
+    (``ends``: the embedding lookups and head calls of the stage)."""
+    add, A, t, passes = tally.add, tally.A, tally.t, tally.passes
     # an MoE block runs on this rank's own tokens (TokenLocal): no all-gather / reduce-scatter around it
     n, local = len(ids), len(moe)
-    ffn_recomputed = sum(lo.checkpointed(i) == "full" for i in ids if i not in moe)
+    ffn_recomputed = sum(tally.full_ac(i) for i in ids if i not in moe)
     add("tp", "all_gather", "forward", A, t, "block inputs of attention / ffn", (2 * n - local) * passes)
     add("tp", "reduce_scatter", "forward", A, t, "block outputs of wo / w2", (2 * n - local) * passes)
     add("tp", "all_gather", "backward", A, t, "block outputs of wo / w2", (2 * n - local) * passes)
@@ -183,17 +206,26 @@ def _sp_messages(tally: _Tally, names, ids: list[int], moe, recomputed: int) -> 
     add("tp", "reduce_scatter", "backward", A, t, "recomputed output of wo (full AC)", recomputed * passes)
     n_norms = 2 * len(ids) + ("norm" in names)
     add("tp", "all_reduce", "backward", tally.h * tally.gb, t, "norm weight gradients (SP)", n_norms * passes)
-    if "tok_embeddings" in names:
-        add("tp", "reduce_scatter", "forward", A, t, "embedding output", passes)
-        add("tp", "all_gather", "backward", A, t, "embedding output grad", passes)
-    if "output" in names:
-        add("tp", "all_gather", "forward", A, t, "head input", passes)
-        add("tp", "reduce_scatter", "backward", A, t, "head input grad", passes)
+    # the MTP depths' own residual-stream weights (enorm, hnorm, eh_proj, norm: Norm entries outside their blocks)
+    depths = prediction_blocks(tally.args, names)
+    blocks, depth_modules = tuple(b + "." for b in depths), tuple(b.rpartition(".")[0] + "." for b in depths)
+    for p in tally.shards[sid]:
+        if p.name.startswith(depth_modules) and not p.name.startswith(blocks):
+            if isinstance(entry_for(tally.sharding, p.name.rpartition(".")[0]), Norm):
+                what = "MTP norm / projection weight gradients (SP)"
+                add("tp", "all_reduce", "backward", p.tp_numel * tally.gb, t, what, passes)
+    embeds, heads = ends
+    add("tp", "reduce_scatter", "forward", A, t, "embedding output", embeds * passes)
+    add("tp", "all_gather", "backward", A, t, "embedding output grad", embeds * passes)
+    add("tp", "all_gather", "forward", A, t, "head input", heads * passes)
+    add("tp", "reduce_scatter", "backward", A, t, "head input grad", heads * passes)
 
 
-def _loss_messages(tally: _Tally) -> None:
-    """The head's stage under tp: the vocab-parallel loss's all-reduces, or the logits' all-gather."""
-    lo, add, t, passes = tally.lo, tally.add, tally.t, tally.passes
+def _loss_messages(tally: _Tally, heads: int = 1) -> None:
+    """The head's stage under tp: the vocab-parallel loss's all-reduces, or the logits' all-gather (``heads``: the
+    loss's calls per microbatch, one per MTP depth more)."""
+    lo, add, t = tally.lo, tally.add, tally.t
+    passes = tally.passes * heads
     if lo.loss_parallel:
         rows = tally.b * tally.s
         chunk = lo.loss_chunk_size or rows
@@ -206,18 +238,23 @@ def _loss_messages(tally: _Tally) -> None:
         add("tp", "all_gather", "forward", logits, t, "logits", passes)
 
 
-def _cp_messages(tally: _Tally, ids: list[int]) -> None:
+def _cp_messages(tally: _Tally, ids: list[int], depths: list[int] = ()) -> None:
     """Context parallel: every softmax block's K and V all-gathers and their gradients' reduce-scatters (a
     sliding-window layer: the window's reach only; MLA: the latent and the shared RoPE key instead,
     ``args.cp_gathered``); a linear-attention block's state maps and conv halos instead
-    (:func:`_linear_cp_messages`)."""
+    (:func:`_linear_cp_messages`). ``depths``: the MTP depths' blocks (never checkpointed)."""
     lo, add, passes = tally.lo, tally.add, tally.passes
+    if depths:  # the MTP depths read the whole window's token ids and their labels shifted over it (int64)
+        window = tally.b * lo.seq_len * 8
+        add("cp", "all_gather", "forward", window, lo.cp, "MTP: the window's token ids", passes)
+        add("cp", "all_gather", "forward", window, lo.cp, "MTP: the labels of every depth", len(depths) * passes)
+    ids = [*ids, *depths]
     linear = {i: get_spec_for(tally.args).linear_attention(tally.args, i) for i in ids}
     _linear_cp_messages(tally, {i: shape for i, shape in linear.items() if shape is not None})
     ids = [i for i in ids if linear[i] is None]
     latent = getattr(tally.args, "cp_gathered", None)  # MLA: the latent and the shared RoPE key, not K and V
     if latent:
-        n, recomputed = len(ids), sum(lo.checkpointed(i) == "full" for i in ids)
+        n, recomputed = len(ids), sum(map(tally.full_ac, ids))
         per_head = tally.args.cp_per_head_numbers // tally.t
         for what, width in latent:
             size = tally.b * lo.seq_len * width * tally.a
@@ -231,7 +268,7 @@ def _cp_messages(tally: _Tally, ids: list[int]) -> None:
         kv = tally.kv_bytes * cp_gathered_tokens(lo.seq_len, lo.cp, window_of(i)) // lo.seq_len
         add("cp", "all_gather", "forward", kv, lo.cp, "K and V of every block", 2 * passes)
         add("cp", "reduce_scatter", "backward", kv, lo.cp, "K and V grads of every block", 2 * passes)
-        recomputed = lo.checkpointed(i) == "full"
+        recomputed = tally.full_ac(i)
         add("cp", "all_gather", "backward", kv, lo.cp, "recomputed K and V (full AC)", 2 * recomputed * passes)
 
 
@@ -245,7 +282,7 @@ def _linear_cp_messages(tally: _Tally, linear: dict) -> None:
     for i, (hv, dk, dv, channels, kernel) in linear.items():
         state = lo.cp * 2 * b * (hv // t) * dk * (dv + dk) * lo.compute_bytes
         halo = lo.cp * 2 * b * min(kernel - 1, lo.local_seq_len // 2) * (channels // t) * a
-        again = lo.checkpointed(i) == "full"
+        again = tally.full_ac(i)
         for nbytes, what in ((state, "linear-attention state maps"), (halo, "short-conv halos")):
             add("cp", "all_gather", "forward", nbytes, lo.cp, f"{what} of every linear block", passes)
             add("cp", "reduce_scatter", "backward", nbytes, lo.cp, f"{what} grads of every linear block", passes)
@@ -259,7 +296,7 @@ def _ep_messages(tally: _Tally, moe) -> None:
     off = (lo.ep - 1) / lo.ep
     for i, m in moe.items():
         rows = round(routed * m.top_k * off * lo.expert_imbalance)
-        repeat = 1 + (lo.checkpointed(i) == "full")  # full AC reruns the forward's three
+        repeat = 1 + tally.full_ac(i)  # full AC reruns the forward's three
         for phase, n, again in (("forward", passes, ""), ("backward", (repeat - 1) * passes, ", full AC")):
             counts = "MoE token counts per expert" + (" (recomputed)" if again else "")
             add("ep", "all_to_all", phase, m.num_experts * 8 * off, lo.ep, counts, n)
@@ -274,7 +311,7 @@ def _aux_loss_messages(tally: _Tally, moe) -> None:
     for i, m in moe.items() if split > 1 else ():
         if m.aux_loss_coeff > 0:
             dim = "tp" if lo.cp == 1 else ("cp" if lo.ep_tp == 1 else "cp_tp")
-            recomputed = lo.checkpointed(i) != "none"  # a c10d all-reduce: not among the saved ops
+            recomputed = tally.ac(i) != "none"  # a c10d all-reduce: not among the saved ops
             what = "MoE aux loss: expert counts per sequence"
             nbytes = tally.b * m.num_experts * lo.compute_bytes
             tally.add(dim, "all_reduce", "forward", nbytes, split, what, passes)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from titanlike.layout.timeline import schedule_timeline
+from titanlike.models.spec import ActivationSizes
 from titanlike.planner.layout import Layout
 from titanlike.sharding import HeadNorm, entry_for, param_dims
 
@@ -45,6 +46,8 @@ __all__ = [
     "moe_activation_bytes",
     "moe_layers",
     "param_shapes",
+    "prediction_activation_bytes",
+    "prediction_blocks",
     "rank_activation_memory",
     "rank_memory",
     "rank_param_shards",
@@ -113,8 +116,22 @@ def _stage(args, names: tuple[str, ...]) -> StageFacts:
 
 
 def moe_layers(args, names: Sequence[str]) -> dict[int, object]:
-    """Layer id -> MoEArgs of every block among module ``names`` (a stage's) that holds an MoE block."""
-    return {int(fqn.split(".")[1]): a for fqn, a in _stage(args, tuple(names)).moe.items()}
+    """Layer id -> MoEArgs of every block among module ``names`` (a stage's) that holds an MoE block: the decoder
+    blocks (``layers.N``) and the blocks the output modules run (the spec's ``prediction_blocks``: MTP depths)."""
+    blocks = _spec(args).prediction_blocks(args)
+    out = {}
+    for fqn, a in _stage(args, tuple(names)).moe.items():
+        if fqn.startswith("layers."):
+            out[int(fqn.split(".")[1])] = a
+        else:
+            out[next(i for b, i in blocks.items() if fqn.startswith(b + "."))] = a
+    return out
+
+
+def prediction_blocks(args, names: Sequence[str]) -> dict[str, int]:
+    """FQN -> layer id of the prediction blocks (MTP depths, ``ModelSpec.prediction_blocks``) among the output
+    modules of ``names`` (a stage's)."""
+    return {b: i for b, i in _spec(args).prediction_blocks(args).items() if b.split(".")[0] in names}
 
 
 def param_shapes(args, names: Sequence[str]) -> dict[str, tuple[int, ...]]:
@@ -221,14 +238,19 @@ def fsdp_units(
         if params:
             units.append((kind, params))
 
+    def moe_units(block):  # apply_expert_fsdp's and apply_moe_token_fsdp's groups of every MoE block
+        for kind, group in (("experts", "dp_shard_mod_ep"), ("moe", "dp_shard_cp_tp")):
+            inside = [p for p in shards if p.group == group and p.name.startswith(block + ".")]
+            if inside:
+                taken.update(p.name for p in inside)
+                units.append((kind, inside))
+
     for name in names:
         if name.startswith("layers."):
-            for kind, group in (("experts", "dp_shard_mod_ep"), ("moe", "dp_shard_cp_tp")):
-                inside = [p for p in shards if p.group == group and p.name.startswith(name + ".")]
-                if inside:
-                    taken.update(p.name for p in inside)
-                    units.append((kind, inside))
+            moe_units(name)
             add("block", (name + ".",))
+    for block in prediction_blocks(args, names):  # an MTP depth's block: no group of its own, its MoE's groups
+        moe_units(block)
     if tied:  # apply_fsdp leaves the tied pair (and the head) to the root
         inputs, outputs = [n for n in inputs if n not in tied_owners], []
     if inputs:
@@ -260,7 +282,7 @@ def unit_reshards(layout: Layout, kind: str) -> bool:
 
 # ------------------------------------------------------------------------------------------------- activations
 def block_activation_bytes(
-    layout: Layout, args, tokens: int, mode: str = "none", moe=None, *, probe: bool = False
+    layout: Layout, args, tokens: int, mode: str = "none", moe=None, *, probe: bool = False, layer_id: int = 0
 ) -> int:
     """Bytes one transformer block keeps for its backward, for ``tokens`` tokens of one microbatch.
 
@@ -277,43 +299,50 @@ def block_activation_bytes(
     spec = _spec(args)
     gelu = spec.mlp_kind == "gelu"
     layer_norm = spec.norm_kind == "layer"
+    zero_centred = spec.norm_kind == "rms_zero_centred"  # also keeps its float32 output and 1 + w (constant)
     qk_norm = any(isinstance(e, HeadNorm) for e in spec.sharding_of(args).values())
+    # a model's own attention (MLA's latents): its hook's bytes per token replace the softmax formula's below
+    sizes = ActivationSizes(mode, a, c, t, layout.local_seq_len, probe, layout.microbatch_size, layout.cp)
+    own = spec.attention_activations(args, layer_id, sizes) if mode != "full" else None
     # Context parallel (``tokens`` are the local ones): the attention kernel keeps K and V of the whole sequence,
     # repeated to all heads as its inputs (no AC: (cp - 1) more tokens' worth than the local K / V counted below);
     # selective op AC saves the all-gather outputs instead (kv heads) and recomputes the rest.
     # Without AC the kernels of the two chunks also keep their outputs, besides the concatenated output (``a q_w``).
     gathered_kv = 0.0
-    if layout.cp > 1 and mode == "none":
+    linear = spec.linear_attention(args, layer_id) is not None  # state passing: no K / V (its hook counts the maps)
+    if layout.cp > 1 and mode == "none" and not linear:
         gathered_kv = 2 * a * q_w / t * (layout.cp - 1) + a * q_w / t
-    elif layout.cp > 1 and mode == "op":
+    elif layout.cp > 1 and mode == "op" and not linear:
         gathered_kv = 2 * a * kv_w / t * layout.cp
     if mode == "full":
         per_token = a * h / tsp
     elif mode == "op":
         # the projections' outputs: q, k, v (GPT-2's fused c_attn alike), wo's local partial, the MLP's (SwiGLU: w1,
         # w3, w2's partial; GELU: c_fc, c_proj's partial)
-        mm = a * (q_w + 2 * kv_w) / t + a * h + (1 if gelu else 2) * a * H / t + a * h
-        sdpa = a * q_w / t + 4 * n / t
+        mm = (1 if gelu else 2) * a * H / t + a * h
+        attention = a * (q_w + 2 * kv_w) / t + a * h + a * q_w / t + 4 * n / t if own is None else own
         if t > 1 and layout.sequence_parallel:
             coll = 2 * a * h + 2 * a * h / t  # all-gathers before attention / ffn, reduce-scatters after
         elif t > 1:
             coll = 2 * a * h  # all-reduces after wo / w2
         else:
             coll = 0
-        per_token = a * h / tsp + mm + sdpa + coll
+        per_token = a * h / tsp + mm + attention + coll
     else:
         # a norm keeps its input and statistics (RMSNorm: the float32 upcast and rstd; LayerNorm: the input and
         # 4 bytes of statistics), its output (the projection's input, all-gathered under SP); q, k, v, the
         # attention output and its log-sum-exp; the MLP's hidden activations (SwiGLU: 4, GELU: 2); per-head q / k
         # RMSNorms: their float32 input, one rstd per head and their output (for the weight's gradient)
-        norm = (a * h + 4) if layer_norm else (c * h + c + a * h)
+        norm = (a * h + 4) if layer_norm else (c * h + c + (c if zero_centred else a) * h)
         norms = 2 * (norm / tsp + a * h)
         attention = 2 * a * q_w + 2 * a * q_w + 4 * n  # q, repeated k and v, output; log-sum-exp
         if qk_norm:
             attention += (c + a) * (q_w + kv_w) + c * (n + kv_n)
-        per_token = norms + (attention + (2 if gelu else 4) * a * H) / t
+        attention = attention / t if own is None else own
+        per_token = norms + attention + (2 if gelu else 4) * a * H / t
+    constant = 2 * c * h if zero_centred and mode == "none" else 0  # the two norms' 1 + w
     if moe is None:
-        return round((per_token + gathered_kv) * tokens)
+        return round((per_token + gathered_kv) * tokens) + constant
     # the dense feed-forward's share above out, the MoE block's in (it runs on this rank's own tokens: 1 / t_sp)
     # (and under SP the feed-forward's input is not all-gathered, nor its output reduce-scattered: one collective
     # pair less for op AC, the norm's output kept at local length)
@@ -325,8 +354,10 @@ def block_activation_bytes(
         "none": (2 if gelu else 4) * a * H / t + ag,
     }[mode]
     routed = tokens // tsp
-    return round((per_token - ffn + gathered_kv) * tokens) + moe_activation_bytes(
-        layout, moe, routed, mode, probe=probe
+    return (
+        round((per_token - ffn + gathered_kv) * tokens)
+        + constant
+        + moe_activation_bytes(layout, moe, routed, mode, probe=probe)
     )
 
 
@@ -354,14 +385,41 @@ def moe_activation_bytes(layout: Layout, m, tokens: int, mode: str = "none", *, 
     elif mode == "op":
         experts = k * (2 * a * m.hidden_dim + a * h) + (a * h * k if ep else 0)  # + the dispatch's output
         per_token = a * E + busy * experts + (2 * a * shared + a * h if shared else 0) + (a * h * k if ep else 0)
+        per_token += a if m.shared_gate and shared else 0  # the gate's projection
     else:
         experts = a * h * k + 4 * a * m.hidden_dim * k + (16 * k if ep else 0)
         per_token = c * E + 24 * k + c * k + (c * k + c if m.route_norm else 0) + busy * experts
         per_token += c * h * k + 4 * a * shared + (c if m.aux_loss_coeff > 0 else 0)
+        per_token += a + a * h if m.shared_gate and shared else 0  # sigmoid(x w) and the shared output it scales
     sequences = layout.microbatch_size
     aux = m.aux_loss_coeff > 0  # its running sum (a scalar), and per sequence the counts' coefficients
     constant = 8 * E + (c if aux else 0) + (c * E * sequences if aux and mode == "none" else 0)
     return round(per_token * tokens) + constant
+
+
+def prediction_activation_bytes(layout: Layout, args, names: Sequence[str], tokens: int, *, probe: bool = False) -> int:
+    """Bytes the prediction depths (MTP, ``ModelSpec.prediction_blocks``) held by a stage of module ``names`` keep
+    for their backward, for ``tokens`` tokens. Per depth and token: the ids ahead (int64, saved by the embedding),
+    the embedding's and the hidden state's RMSNorms (the hidden state's input is the final norm's output, already
+    held, unless upcast to float32 or, under SP, the local part beside the head's gathered input), their
+    concatenation ``2 a h`` (saved by the projection), the depth's block (:func:`block_activation_bytes`; no AC
+    wraps it), its norm, the shared head's input and logits (:func:`head_activation_bytes`' kept part). Checked
+    against the saved tensors of a real forward (tests/planner/test_planner_mla.py)."""
+    blocks = prediction_blocks(args, names)
+    if not blocks:
+        return 0
+    a, c, h = layout.act_bytes, layout.compute_bytes, args.dim
+    tsp = layout.tp if layout.sequence_parallel else 1
+    h_in = c * h if a < c else (a * h if tsp > 1 else 0)
+    combine = 8 + ((c * h + c + a * h) + (h_in + c + a * h) + 2 * a * h) / tsp
+    kept, _ = head_activation_bytes(layout, args, tokens)
+    moe = moe_layers(args, names)
+    return sum(
+        round(combine * tokens)
+        + block_activation_bytes(layout, args, tokens, "none", moe.get(i), probe=probe, layer_id=i)
+        + kept
+        for i in blocks.values()
+    )
 
 
 def head_activation_bytes(layout: Layout, args, tokens: int) -> tuple[int, int]:
@@ -524,17 +582,19 @@ def rank_activation_memory(layout: Layout, args, rank: int = 0) -> list[MemoryIt
     for s, count in zip(stage_ids, counts):
         ids = [int(n.split(".")[1]) for n in layout.stages[s] if n.startswith("layers.")]
         moe = moe_layers(args, layout.stages[s])
-        per_mb = sum(block_activation_bytes(layout, args, tokens, layout.checkpointed(i), moe.get(i)) for i in ids)
+        per_mb = sum(
+            block_activation_bytes(layout, args, tokens, layout.checkpointed(i), moe.get(i), layer_id=i) for i in ids
+        )
         if "output" in layout.stages[s]:
             kept, tr = head_activation_bytes(layout, args, tokens)
-            per_mb += kept
+            per_mb += kept + prediction_activation_bytes(layout, args, layout.stages[s], tokens)
             transient = max(transient, tr)
         act += count * per_mb
         detail.append(f"{count} x stage {s}" if layout.pp > 1 else "1 microbatch")
         if any(layout.checkpointed(i) != "none" for i in ids):
             recompute = max(
-                block_activation_bytes(layout, args, tokens, "none", moe.get(i))
-                - block_activation_bytes(layout, args, tokens, layout.checkpointed(i), moe.get(i))
+                block_activation_bytes(layout, args, tokens, "none", moe.get(i), layer_id=i)
+                - block_activation_bytes(layout, args, tokens, layout.checkpointed(i), moe.get(i), layer_id=i)
                 for i in ids
             )
             transient = max(transient, recompute)

@@ -403,12 +403,12 @@ def _memory(plan: Plan) -> list[str]:
     tokens = lo.microbatch_size * lo.local_seq_len
     alts = []
     moe = _rank_moe(plan)
-    block = next(iter(moe.values()), None)  # an MoE block's when the rank holds one
+    layer, block = next(iter(moe.items()), (0, None))  # an MoE block's when the rank holds one
     for mode in ("none", "op", "full"):
 
         def size(sp: bool) -> str:
             layout = _replace_layout(lo, sequence_parallel=sp)
-            return fmt_bytes(block_activation_bytes(layout, plan.args, tokens, mode, block))
+            return fmt_bytes(block_activation_bytes(layout, plan.args, tokens, mode, block, layer_id=layer))
 
         alts.append(f"AC {mode} {size(False)}" + (f" / SP {size(True)}" if lo.tp > 1 else ""))
     cp = f", cp {lo.cp}" if lo.cp > 1 else ""
@@ -474,7 +474,13 @@ def _dry(plan: Plan) -> list[str]:
         routing = ", experts balanced round-robin, without the ep dispatch" if d.probe_layer in moe else ""
         # the probe routes round-robin and cannot run the expert dispatch on fake tensors: compared without it
         analytic_act = block_activation_bytes(
-            lo, plan.args, tokens, lo.checkpointed(d.probe_layer), moe.get(d.probe_layer), probe=True
+            lo,
+            plan.args,
+            tokens,
+            lo.checkpointed(d.probe_layer),
+            moe.get(d.probe_layer),
+            probe=True,
+            layer_id=d.probe_layer,
         )
         same = (
             "equal"

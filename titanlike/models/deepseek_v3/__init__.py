@@ -1,5 +1,6 @@
 """DeepSeek-V3 (multi-head latent attention, DeepSeek MoE routing, multi-token prediction) and its model spec."""
 
+from titanlike.models.deepseek_v3.activations import attention_activations
 from titanlike.models.deepseek_v3.model import (
     FLAVORS,
     MLA,
@@ -39,6 +40,10 @@ def _shape_violations(args: DeepseekV3Args) -> list[str]:
     return out
 
 
+def _prediction_blocks(args: DeepseekV3Args) -> dict[str, int]:
+    return {f"mtp.{k}.block": args.n_layers + k - 1 for k in range(1, args.mtp_layers + 1)}
+
+
 def _num_experts(args: DeepseekV3Args) -> int:
     return args.num_experts if args.n_moe_layers or (args.mtp_layers and args.num_experts) else 0
 
@@ -55,6 +60,8 @@ SPEC = register(
         te_norm=RMSNorm,
         shape_violations=_shape_violations,
         num_experts=_num_experts,
+        attention_activations=attention_activations,
+        prediction_blocks=_prediction_blocks,
         hf_adapter="titanlike.models.deepseek_v3.hf",
     )
 )

@@ -41,10 +41,10 @@ import torch
 from torch import nn
 
 from titanlike.init import Init, normal, ones, plan_from_patterns
-from titanlike.models.decoder import Decoder, DecoderBlock, LatentAttentionCore, SequenceWindow
-from titanlike.models.layers import FeedForward, RMSNorm, RopeTables, apply_rope, yarn_mscale
+from titanlike.models.decoder import Decoder, LatentAttentionCore, SequenceWindow
+from titanlike.models.layers import RMSNorm, RopeTables, apply_rope, yarn_mscale
 from titanlike.models.masking import DocumentMask
-from titanlike.models.moe import MoE, MoEArgs, init_moe_buffers
+from titanlike.models.moe import MoEArgs, MoEDecoderBlock, init_moe_buffers
 from titanlike.models.qwen3 import apply_rope_half
 
 __all__ = ["FLAVORS", "MLA", "DeepseekV3", "DeepseekV3Args", "DeepseekV3Block", "MTPModule", "param_init"]
@@ -280,26 +280,12 @@ class MLA(nn.Module):
         return torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1), v
 
 
-class DeepseekV3Block(DecoderBlock):
+class DeepseekV3Block(MoEDecoderBlock):
     """``h = x + attention(attention_norm(x))``, then ``h + ffn(ffn_norm(h))``: a SwiGLU ``feed_forward`` in the
     first ``n_dense_layers`` layers, the ``moe`` block after."""
 
     param_init = staticmethod(param_init)
-
-    def __init__(self, layer_id: int, args: DeepseekV3Args):
-        super().__init__(layer_id, args)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = MLA(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        if args.is_moe_layer(layer_id):
-            self.moe = MoE(args.moe_args())
-        else:
-            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
-
-    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), **kwargs)
-        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
+    attention_class = MLA
 
 
 class MTPModule(nn.Module):

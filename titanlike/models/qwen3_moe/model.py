@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from titanlike.init import Init, normal, ones, plan_from_patterns
-from titanlike.models.decoder import Decoder, DecoderBlock
-from titanlike.models.layers import FeedForward, RMSNorm, RopeTables
-from titanlike.models.moe import MoE, MoEArgs, init_moe_buffers
+from titanlike.models.decoder import Decoder
+from titanlike.models.layers import RMSNorm, RopeTables
+from titanlike.models.moe import MoEArgs, MoEDecoderBlock, init_moe_buffers
 from titanlike.models.qwen3 import Attention, Qwen3Args
 
 
@@ -192,26 +192,12 @@ def param_init(args: Qwen3MoeArgs) -> Callable[[str], Init]:
     )
 
 
-class Qwen3MoeBlock(DecoderBlock):
+class Qwen3MoeBlock(MoEDecoderBlock):
     """``h = x + attention(attention_norm(x))``, then ``h + moe(ffn_norm(h))`` (a dense SwiGLU ``feed_forward`` in
     the first ``n_dense_layers`` layers)."""
 
     param_init = staticmethod(param_init)
-
-    def __init__(self, layer_id: int, args: Qwen3MoeArgs):
-        super().__init__(layer_id, args)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        if args.is_moe_layer(layer_id):
-            self.moe = MoE(args.moe_args())
-        else:
-            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
-
-    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), **kwargs)
-        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
+    attention_class = Attention
 
 
 class Qwen3Moe(RopeTables, Decoder):

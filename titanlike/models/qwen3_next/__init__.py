@@ -1,5 +1,6 @@
 """Qwen3-Next (Gated DeltaNet + gated attention hybrid, MoE with a gated shared expert) and its model spec."""
 
+from titanlike.models.qwen3_next.activations import attention_activations
 from titanlike.models.qwen3_next.hf import export_violations
 from titanlike.models.qwen3_next.model import FLAVORS, Qwen3Next, Qwen3NextArgs, Qwen3NextBlock, param_init
 from titanlike.models.qwen3_next.sharding import SHARDING, sharding_of
@@ -64,6 +65,8 @@ SPEC = register(
         shape_violations=_shape_violations,
         tp_violations=_tp_violations,
         linear_attention=_linear_attention,
+        attention_activations=attention_activations,
+        norm_kind="rms_zero_centred",  # ZeroCentredRMSNorm: x (1 + w) in float32
         num_experts=_num_experts,
         hf_adapter="titanlike.models.qwen3_next.hf",
         hf_export_violations=export_violations,
