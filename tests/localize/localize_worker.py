@@ -155,6 +155,12 @@ CASES = {
     "MUT ds ep2 group limiting skipped": (2, (*DS, *EP, *dp(1, 2, 4)), "ds_no_group_limit"),
     "MUT ds fsdp2 MTP targets shifted by one": (2, (*DS, *dp(1, 2, 4)), "ds_mtp_shift"),
     "MUT ds tp2_sp_ep2 latent norm gradient not summed": (2, (*DS, *TP_SP_EP), "ds_latent_replicated"),
+    "MUT ds tp2_sp_ep2 MTP eh_proj gradient not summed": (2, (*DS, *TP_SP_EP), "ds_stream_linear_unsummed"),
+    "MUT ds pp2 1F1B MTP tokens of another microbatch": (
+        2,
+        (*DS, "--model.n_layers", "4", *pp(2, "1F1B", 8, 2)),
+        "pp_mtp_tokens_other_microbatch",
+    ),
     # Qwen3-Next: the linear attention's cp state passing, the gated delta rule, the shared expert's gate
     "qnext_block cp2": (2, (*QNEXT, *BLOCK, *CP, *dp(1, 1, 8)), None),
     "qnext tp2_sp_ep2": (2, (*QNEXT, *TP_SP_EP), None),

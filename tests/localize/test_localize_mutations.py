@@ -94,6 +94,8 @@ EXPECTED = {
     "MUT ds ep2 group limiting skipped": ("layers.1.moe.router", "forward", 1),
     "MUT ds fsdp2 MTP targets shifted by one": ("output", "backward", 1),
     "MUT ds tp2_sp_ep2 latent norm gradient not summed": ("mtp.1.block.attention.k_rope", "backward", 1),
+    "MUT ds tp2_sp_ep2 MTP eh_proj gradient not summed": ("mtp.1.eh_proj", "gradient", 1),
+    "MUT ds pp2 1F1B MTP tokens of another microbatch": ("mtp.1.embed", "forward", 1),
     "qnext_block cp2": None,
     "qnext tp2_sp_ep2": None,
     "MUT qnext cp2 state not passed": ("layers.0.linear_attn.core", "forward", 1),
