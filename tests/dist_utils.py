@@ -289,7 +289,7 @@ def during_the_save_of(step: int, action: Callable[[], None], patch=setattr) -> 
     patch(FileSystemWriter, "write_data", planted)
 
 
-def _trainer_rank(rank: int, world_size: int, port: int, dump: Path, argv: list[str]) -> None:
+def _trainer_rank(rank: int, world_size: int, port: int, dump: Path, argv: list[str], setup=None) -> None:
     log = open(dump / f"rank{rank}.log", "w")
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
@@ -301,6 +301,8 @@ def _trainer_rank(rank: int, world_size: int, port: int, dump: Path, argv: list[
         from titanlike.training.trainer import main
 
         torch.set_num_threads(1)
+        if setup is not None:  # a fault planted in this rank (tests/fault/sentinel_worker.py)
+            setup(rank)
         code = main([*argv, "--job.dump_folder", str(dump)])
     except BaseException:  # noqa: BLE001 - the traceback is the report
         traceback.print_exc()
@@ -329,16 +331,19 @@ def run_jobs_then_single(out: Path, jobs: dict[str, list[str]], single: list[str
     return train_main([*single, "--job.dump_folder", str(out / "single")])
 
 
-def run_trainer_job(dump: Path, argv: list[str], world_size: int = 2) -> list[int]:
+def run_trainer_job(dump: Path, argv: list[str], world_size: int = 2, setup=None) -> list[int]:
     """``titanlike.training.trainer.main(argv)`` on ``world_size`` forked ranks, exactly as under torchrun (RANK,
     WORLD_SIZE, MASTER_ADDR / MASTER_PORT in the environment: the trainer creates the process group itself), with
     ``--job.dump_folder dump``; rank r's output goes to ``dump/rank<r>.log``. As torchrun does, a rank that fails
     ends the job (the others are killed). Returns the exit codes. Call it from a worker script that imported the
-    trainer before (one import for every job; never fork pytest itself)."""
+    trainer before (one import for every job; never fork pytest itself). ``setup(rank)`` runs in each rank before
+    the trainer (a planted fault)."""
     dump.mkdir(parents=True, exist_ok=True)
     port = unused_port()
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_trainer_rank, args=(r, world_size, port, dump, argv)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_trainer_rank, args=(r, world_size, port, dump, argv, setup)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     while any(p.exitcode is None for p in procs):

@@ -113,6 +113,10 @@ class Training:
     # the multi-token-prediction losses' weight (DeepSeek-V3's lambda: 0.3, then 0.1), their mean over the depths
     # added to the next-token loss (a model with model.mtp_layers > 0; the logged loss stays the next-token one)
     mtp_loss_weight: float = 0.3
+    # every N steps (and before every checkpoint save) the ranks holding identical state (HSDP replicas, tp-replicated
+    # norms, tied copies across pipeline stages, torchft replica groups) compare a fingerprint of it; a mismatch
+    # names the rank, the tensor and the step and stops the run unsaved (docs/fault_tolerance.md). 0: off
+    sdc_check_interval: int = 0
 
 
 @dataclass

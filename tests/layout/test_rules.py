@@ -131,6 +131,7 @@ CASES = {
     "moe_tp": (2, [*MOE, "--parallelism.tensor_parallel_degree", "2"]),
     "export_model": (1, [*MOE, "--checkpoint.enable", "--checkpoint.export_safetensors"]),
     "mtp_layout": (1, ["--model.name", "deepseek_v3", "--training.mtp_loss_weight", "-1"]),
+    "sdc": (1, ["--training.sdc_check_interval", "5"]),  # one process: nothing to compare
 }
 
 # further cases of a rule that guards several things
@@ -138,6 +139,9 @@ MORE_CASES = [
     ("model_shape", (1, [*MOE, "--model.top_k", "9"])),  # the MoE block's own checks (8 experts)
     # MTP: the weight set for a model without depths (read by nothing), depths beyond the sequence
     ("mtp_layout", (1, ["--training.mtp_loss_weight", "0.5"])),
+    ("sdc", (2, ["--parallelism.tensor_parallel_degree", "2", "--training.sdc_check_interval", "-1"])),
+    ("sdc", (4, ["--training.sdc_check_interval", "2"])),  # FSDP over 4: every shard held once
+    ("sdc", (2, ["--parallelism.pipeline_parallel_degree", "2", "--training.sdc_check_interval", "2"])),  # untied
     ("mtp_layout", (1, ["--model.name", "deepseek_v3", "--model.mtp_layers", "2", "--training.seq_len", "2"])),
     # tp with experts needs SP and ep > 1 (ep borrows the tp ranks): SP without ep is refused too
     ("moe_tp", (2, [*MOE, "--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel"])),

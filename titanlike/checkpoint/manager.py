@@ -711,11 +711,15 @@ class CheckpointManager:
     def maybe_save(self, step: int, last: bool = False) -> None:
         """Call after every step: commits a finished async save, saves at every ``interval`` and the last step."""
         self._poll()
-        if self.cfg.enable and (step % self.cfg.interval == 0 or last) and step != self.last_step:
+        if self.save_due(step, last):
             if last and self.cfg.last_save_model_only:
                 self.save(step, model_only=True)
             else:
                 self.save(step)
+
+    def save_due(self, step: int, last: bool = False) -> bool:
+        """Whether :meth:`maybe_save` saves step ``step`` (the silent-corruption sentinel checks such a step first)."""
+        return self.cfg.enable and (step % self.cfg.interval == 0 or last) and step != self.last_step
 
     def save_now(self, step: int) -> None:
         """Save step ``step`` now, synchronously (the job ends right after: an exit signal): a background save in

@@ -55,6 +55,7 @@ from titanlike.layout.schedules import (
     schedule_facts,
     stage_ids_for_rank,
 )
+from titanlike.layout.sentinel import redundant_state
 from titanlike.layout.stages import (
     parse_module_names,
     pipeline_stage_count,
@@ -64,6 +65,7 @@ from titanlike.layout.stages import (
 from titanlike.layout.timeline import Block, Timeline, bubble_formula, canonical_schedule_name, schedule_timeline
 
 __all__ = [
+    "redundant_state",
     "FLOAT8_RECIPES",
     "TE_FLOAT8_RECIPES",
     "TORCHAO_FLOAT8_RECIPES",

@@ -16,6 +16,7 @@ from titanlike.layout.float8 import float8_violations
 from titanlike.layout.muon import muon_violations
 from titanlike.layout.policy import batch_split, parse_ac_option
 from titanlike.layout.schedules import SCHEDULES, schedule_facts
+from titanlike.layout.sentinel import sdc_violations
 from titanlike.layout.stages import parse_module_names, pipeline_stage_count
 from titanlike.models import get_spec
 from titanlike.sharding import float8_patterns, muon_patterns
@@ -105,6 +106,9 @@ RULES = {
     "moe_tp": "a model with experts under tp > 1 only with sequence parallelism and ep > 1 (ep borrows the tp ranks)",
     "mtp_layout": "training.mtp_loss_weight >= 0 (the multi-token-prediction depths' weight), set only for a model "
     "with MTP depths, and a sequence longer than the depths (depth k's targets are k tokens further ahead)",
+    "sdc": "training.sdc_check_interval a positive integer (0: off), on a layout holding some state twice (HSDP "
+    "replicas, tp-replicated norms, a weight tied across pipeline stages, torchft replica groups): else nothing to "
+    "compare",
     "export_model": "checkpoint.export_safetensors on models with a Hugging Face adapter that can express them "
     "(ModelSpec.hf_adapter, hf_export_violations: Qwen3-MoE's expert bias)",
 }
@@ -160,6 +164,7 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
     if cp > 1:
         out += _context_parallel_violations(cfg, cp, tp)
     out += [("mtp_layout", m) for m in _mtp_violations(cfg, args)]
+    out += [("sdc", m) for m in sdc_violations(cfg, args)]
     dp = p.data_parallel_replicate_degree * dps
     if tp > 1:
         out += _tensor_parallel_violations(cfg, args, tp)

@@ -34,7 +34,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["CHECKS", "ReplicaCheck", "checks_paused", "name_checks"]
+__all__ = [
+    "CHECKS",
+    "FINGERPRINT",
+    "ReplicaCheck",
+    "checks_paused",
+    "disagreeing",
+    "fingerprint",
+    "gathered",
+    "name_checks",
+]
 
 CHECKS = ("first", "always", "never")
 RTOL = 1e-7
@@ -125,3 +134,54 @@ def name_checks(model: nn.Module) -> None:
         check = getattr(module, "_titanlike_replica_check", None)
         if check is not None:
             check.name = name or "<root>"
+
+
+FINGERPRINT = 5  # int64 numbers per tensor in :func:`fingerprint`
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Five int64 numbers that are equal for bitwise-equal tensors and differ when any single bit differs: the
+    number of elements, and the sums (in int64: exact, no overflow below 2**31 words) of the tensor's bytes read as
+    int32 words (int16 for 2-byte dtypes) over all words, the even words and every third word, and the bits of
+    the float64 sum of squares (two flips that cancel in the word sums rarely cancel there too). No copy of a
+    contiguous tensor: reductions over a view of its bytes."""
+    flat = t.detach().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    words = flat.view({1: torch.int8, 2: torch.int16}.get(flat.element_size(), torch.int32))
+    i64 = torch.int64
+    sq = torch.linalg.vector_norm(flat if flat.is_floating_point() else flat.to(torch.float64), 2, dtype=torch.float64)
+    return torch.stack(
+        [
+            torch.tensor(flat.numel(), dtype=i64, device=flat.device),
+            words.sum(dtype=i64),
+            words[::2].sum(dtype=i64),
+            words[::3].sum(dtype=i64),
+            (sq * sq).reshape(1).view(i64)[0],
+        ]
+    )
+
+
+def disagreeing(rows: torch.Tensor, group) -> list[bool]:
+    """``rows`` (n x FINGERPRINT int64, this rank's fingerprints of n tensors, the same n tensors on every member
+    of ``group``): whether each tensor differs anywhere in the group. One all-reduce (MAX) of ``[rows, ~rows]``
+    (``~`` is exact: no overflow, unlike negation), which gives every member the largest and the smallest value of
+    each number."""
+    both = torch.cat([rows, ~rows])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    n = rows.shape[0]
+    hi, lo = both[:n], ~both[n:]
+    return (hi != lo).any(dim=1).tolist()
+
+
+def gathered(rows: torch.Tensor, group, slot: int, size: int, allreduce=None) -> torch.Tensor:
+    """Every member's ``rows`` (size x n x FINGERPRINT): each member writes its own into slot ``slot`` of zeros and
+    one all-reduce (SUM, exact in int64) fills the rest; ``allreduce(tensor)`` replaces ``dist.all_reduce`` where the
+    group is not a torch process group (torchft's manager)."""
+    out = torch.zeros((size, *rows.shape), dtype=torch.int64, device=rows.device)
+    out[slot] = rows
+    if allreduce is not None:
+        allreduce(out)
+    else:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out

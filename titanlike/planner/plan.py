@@ -357,6 +357,16 @@ def _step_notes(plan: Plan) -> list[str]:
     out.append(
         f"  step = (compute + tp{cp}) x (1 + bubble) + pp + dp exposed ({hidden}){opt} = {fmt_seconds(c.step_time)}"
     )
+    n = plan.cfg.training.sdc_check_interval
+    if n:
+        from titanlike.planner.sentinel import sdc_price
+
+        sdc = sdc_price(plan.cfg, lo, plan.args, plan.rank)
+        shown = ", ".join(f"{what}: {k} tensors" for what, k in sdc.groups)
+        out.append(
+            f"  sdc sentinel (every {n} steps and before each save): {fmt_bytes(sdc.bytes)} per check from this rank "
+            f"({len(sdc.groups)} all-reduce(s) of fingerprints, {shown}; + 8 bytes over the job)"
+        )
     out.append(
         f"  MFU {c.mfu:.1%}; {c.tokens_per_s:,.0f} tokens/s ({c.tokens_per_s_per_gpu:,.0f} per GPU); "
         f"model FLOPs {_flops(c.model_flops)} per step"

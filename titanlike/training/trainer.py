@@ -234,6 +234,7 @@ class Trainer:
             if self.distributed:
                 fault.bound_process_groups(self.timeout)  # the default, mesh, pipeline and checkpoint groups
             self.replicas = self._replica_groups()
+            self.sentinel = self._build_sentinel()
         except BaseException:
             self.release_lock()
             raise
@@ -264,6 +265,50 @@ class Trainer:
             dataloader=self.dataloader,
             global_batch=self.global_batch,
             rank=self.rank,
+        )
+
+    def _build_sentinel(self):
+        """training.sdc_check_interval: the silent-corruption sentinel (titanlike/training/sentinel.py), else None."""
+        if not self.cfg.training.sdc_check_interval:
+            return None
+        from titanlike.training.sentinel import Sentinel
+
+        return Sentinel(
+            self.cfg.training.sdc_check_interval,
+            model_parts=self.model_parts,
+            optimizer=self.optimizer,
+            pp=self.pp,
+            replicas=self.replicas,
+            rank=self.rank,
+            device=self.device,
+        )
+
+    def _sdc_check(self, logger, saving: bool) -> None:
+        """The sentinel's check of this step (every sdc_check_interval steps and before a save): its cost logged; a
+        mismatch stops the run here, before the step is saved."""
+        from titanlike.training.sentinel import CorruptionError
+
+        if not self.sentinel.due(self.step, saving):
+            return
+        try:
+            with self._op(f"the silent-corruption check of step {self.step}"):
+                cost = self.sentinel.check(self.step)
+        except CorruptionError as e:
+            from titanlike.checkpoint import checkpoint_folder, committed_checkpoints
+
+            kept = list(committed_checkpoints(checkpoint_folder(self.cfg))) if self.cfg.checkpoint.enable else []
+            raise CorruptionError(
+                f"{e}; the run stops before saving step {self.step}"
+                + (f" (the newest checkpoint, step {kept[-1]}, is kept: resume from it" if kept else " (no checkpoint")
+                + " once the machine of the rank named is replaced or checked)"
+            ) from None
+        logger.log(
+            self.step,
+            {"sdc_check_seconds": cost.seconds, "sdc_check_bytes": cost.bytes, "sdc_check_tensors": cost.tensors},
+            console=None
+            if self.sentinel.checks > 1
+            else f"sdc: step {self.step}: {cost.tensors} tensors identical across {'; '.join(cost.groups)} "
+            f"({cost.seconds * 1e3:.1f} ms, {cost.bytes} bytes sent by this rank)",
         )
 
     def _lock_run_folders(self):
@@ -638,6 +683,11 @@ class Trainer:
                         console=f"step {self.step:5d}  " + "  ".join(f"{k} {v:8.4f}" for k, v in vals.items()),
                     )
                 self._maybe_evaluate(logger)
+                if self.sentinel is not None:  # before a save: a corrupt state is never written
+                    last = self.step == cfg.training.steps
+                    self._sdc_check(
+                        logger, bool(signum) or bool(self.checkpointer and self.checkpointer.save_due(self.step, last))
+                    )
                 if self.checkpointer is not None:
                     self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps)
                 profiler.step()
