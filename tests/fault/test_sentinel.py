@@ -258,3 +258,27 @@ def test_a_flipped_bit_in_one_torchft_replica_group_is_named_and_never_saved(tmp
         assert "replica group 2 differs from the other 2" in line, line
         assert checkpoints(tmp_path / f"group{g}") == [2], g
     print(line)
+
+
+# ---------------------------------------------------------------------------------------------- the fingerprint
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "int64"])
+def test_every_single_flipped_bit_changes_the_fingerprint(dtype):
+    import torch
+
+    from titanlike.parallel.replica_check import fingerprint
+
+    torch.manual_seed(0)
+    base = (torch.randn(7, 5) * 100).to(getattr(torch, dtype))
+    words = {8: torch.int64, 4: torch.int32, 2: torch.int16}[base.element_size()]
+    ref = fingerprint(base)
+    bits = base.element_size() * 8
+    for i in range(base.numel()):
+        for b in range(bits):
+            u = base.clone()
+            w = u.view(-1).view(words)
+            w[i] ^= (1 << b) if b < bits - 1 else -(1 << b)  # the sign bit too
+            assert not torch.equal(fingerprint(u), ref), (i, b)
+    # a view that starts between two int64 words, and one of an odd byte count: the same numbers as a copy
+    flat = base.reshape(-1)
+    for view in (flat[1:9], flat[1:4]):
+        assert torch.equal(fingerprint(view), fingerprint(view.clone()))

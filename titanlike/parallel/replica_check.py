@@ -141,23 +141,31 @@ FINGERPRINT = 5  # int64 numbers per tensor in :func:`fingerprint`
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
     """Five int64 numbers that are equal for bitwise-equal tensors and differ when any single bit differs: the
-    number of elements, and the sums (in int64: exact, no overflow below 2**31 words) of the tensor's bytes read as
-    int32 words (int16 for 2-byte dtypes) over all words, the even words and every third word, and the bits of
-    the float64 sum of squares (two flips that cancel in the word sums rarely cancel there too). No copy of a
-    contiguous tensor: reductions over a view of its bytes."""
+    number of elements; the sums of the tensor's bytes read as int64 words (wrapping sums: exact modulo 2**64, so a
+    flipped bit, which changes one word by 2**k, always changes them) over all words, the first half and the last
+    two thirds; and the bits of its 2-norm (two flips that cancel in the word sums rarely cancel there too). No
+    copy of a contiguous tensor: reductions over a view of its bytes, each at memory speed (an int64 sum reads at
+    4.4 GB/s on one CPU core here; the same sum over int32 words widened to int64, 0.3)."""
     flat = t.detach().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
-    words = flat.view({1: torch.int8, 2: torch.int16}.get(flat.element_size(), torch.int32))
     i64 = torch.int64
-    sq = torch.linalg.vector_norm(flat if flat.is_floating_point() else flat.to(torch.float64), 2, dtype=torch.float64)
+    if flat.numel() * flat.element_size() % 8 == 0:
+        raw = flat.view(torch.uint8)
+        if raw.storage_offset() % 8:  # a view that starts between two words: int64 words of a copy
+            raw = raw.clone()
+        words = raw.view(i64)
+    else:  # a small odd-sized tensor: one word per element
+        words = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[flat.element_size()]).to(i64)
+    n = words.numel()
+    norm = torch.linalg.vector_norm(flat if flat.is_floating_point() else flat.to(torch.float64))
     return torch.stack(
         [
             torch.tensor(flat.numel(), dtype=i64, device=flat.device),
-            words.sum(dtype=i64),
-            words[::2].sum(dtype=i64),
-            words[::3].sum(dtype=i64),
-            (sq * sq).reshape(1).view(i64)[0],
+            words.sum(),
+            words[: n // 2].sum(),
+            words[n // 3 :].sum(),
+            norm.to(torch.float64).reshape(1).view(i64)[0],
         ]
     )
 
