@@ -156,9 +156,11 @@ def first_line(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def operation(what: str, *, rank: int, world_size: int, timeout_s: float, enabled: bool = True):
+def operation(what: str, *, rank: int, world_size: int, timeout_s: float, enabled: bool = True, report=None):
     """Run a phase of a distributed job; a collective failure inside becomes one :class:`CollectiveFailure` line
-    naming this rank, ``what`` and the ranks that stopped answering. Other errors pass through unchanged."""
+    naming this rank, ``what`` and the ranks that stopped answering. Other errors pass through unchanged.
+    ``report(why, alive_ranks)`` (the trainer's hang report, titanlike/hang.py) writes this rank's record and, on the
+    first rank there, the verdict; its one-line summary ends the message."""
     try:
         yield
     except BaseException as e:
@@ -174,7 +176,14 @@ def operation(what: str, *, rank: int, world_size: int, timeout_s: float, enable
             who = "the job's store does not answer either (the rank hosting it is gone)"
         else:
             who = "every rank is still alive"
-        raise CollectiveFailure(f"rank {rank}: {what} failed: {who} ({type(e).__name__}: {first_line(e)})") from e
+        summary = None
+        if report is not None:
+            alive = None if missing is None else [r for r in range(world_size) if r not in missing]
+            summary = report(f"rank {rank}: {what} failed: {first_line(e)}", alive)
+        raise CollectiveFailure(
+            f"rank {rank}: {what} failed: {who} ({type(e).__name__}: {first_line(e)})"
+            + (f"; hang report {summary}" if summary else "")
+        ) from e
 
 
 def job_operation(job, what: str):
@@ -186,6 +195,7 @@ def job_operation(job, what: str):
         world_size=job.world_size,
         timeout_s=job.timeout.total_seconds(),
         enabled=job.distributed,
+        report=getattr(getattr(job, "hang_report", None), "report", None),
     )
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titanlike import fault
+from titanlike import fault, hang
 from titanlike.config import JobConfig, config_help, hf_architecture_of, load_config, model_args_from_config
 from titanlike.errors import ConfigError
 from titanlike.layout import batch_split, float8_backend, layout_violations, master_dtype
@@ -228,13 +228,24 @@ class Trainer:
                 # init_timeout_seconds bounds the start: the rendezvous and the creation of every group (ranks may
                 # reach it seconds or minutes apart) and the collectives of the build; once built, every collective
                 # on every group is bounded by timeout_seconds (bound_process_groups below).
+                hang.enable_flight_recorder()  # torch's record of every collective, for a hang report
                 fault.init_process_group(backend, datetime.timedelta(seconds=cfg.comm.init_timeout_seconds))
             self.rank = dist.get_rank() if self.distributed else 0
+            # a collective that times out (or SIGUSR2) writes a hang report into job.dump_folder/hang (hang.py)
+            self.hang_report = (
+                hang.HangReport(cfg.job.dump_folder, self.rank, self.world_size, cfg.comm.timeout_seconds)
+                if self.distributed
+                else None
+            )
             self._build()
             if self.distributed:
                 fault.bound_process_groups(self.timeout)  # the default, mesh, pipeline and checkpoint groups
             self.replicas = self._replica_groups()
             self.sentinel = self._build_sentinel()
+            if self.hang_report is not None:
+                self.hang_report.install(self.model_parts, self.optimizer)
+                if self.checkpointer is not None:  # its saves' failed collectives report too
+                    self.checkpointer.hang_report = self.hang_report
         except BaseException:
             self.release_lock()
             raise
@@ -291,7 +302,7 @@ class Trainer:
         if not self.sentinel.due(self.step, saving):
             return
         try:
-            with self._op(f"the silent-corruption check of step {self.step}"):
+            with self._op(f"the silent-corruption check of step {self.step}"), hang.phase("sdc check"):
                 cost = self.sentinel.check(self.step)
         except CorruptionError as e:
             from titanlike.checkpoint import checkpoint_folder, committed_checkpoints
@@ -675,7 +686,7 @@ class Trainer:
                 if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps or self.step == 1:
                     self._log_step(logger, res, rate, position)
                 if self.val_sources and (self.step % cfg.validation.freq == 0 or self.step == cfg.training.steps):
-                    with self._op(f"the validation at step {self.step}"):
+                    with self._op(f"the validation at step {self.step}"), hang.phase("validation"):
                         vals = self.validate()
                     logger.log(
                         self.step,
@@ -689,7 +700,8 @@ class Trainer:
                         logger, bool(signum) or bool(self.checkpointer and self.checkpointer.save_due(self.step, last))
                     )
                 if self.checkpointer is not None:
-                    self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps)
+                    with hang.phase("checkpoint"):
+                        self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps)
                 profiler.step()
                 if signum:
                     self._stop_on_exit_signal(signum, exit_signals, losses)
@@ -741,8 +753,10 @@ class Trainer:
     def _run_step(self, data_iter, exit_signals):
         """One optimizer step on every rank, its end-of-step check and float8 scales; returns (result, signal)."""
         cfg = self.cfg
+        hang.WHERE.step = self.step
         with self._op(f"training step {self.step}"):
-            micro_batches = self._next_micro_batches(data_iter)
+            with hang.phase("data", after="forward"):
+                micro_batches = self._next_micro_batches(data_iter)
             res = train_step(
                 self.model_parts,
                 self.optimizer,
@@ -759,6 +773,7 @@ class Trainer:
                 moe=self.moe,
                 replicas=self.replicas,
             )
+            hang.set_where("end of step", "")
             signum = self._end_of_step(res, exit_signals)
             if self.float8_precompute:
                 from titanlike.kernels.float8 import precompute_float8_scales
