@@ -65,7 +65,7 @@ class _Where:
     def __init__(self):
         self.phase, self.module, self.step, self.since = "start", "", 0, time.time()
         self.map: mmap.mmap | None = None
-        self.rank = 0
+        self.rank, self.pid = 0, os.getpid()
 
     def open(self, path: Path, rank: int) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,7 +76,7 @@ class _Where:
             self.map = mmap.mmap(fd, WHERE_BYTES)
         finally:
             os.close(fd)
-        self.rank = rank
+        self.rank, self.pid = rank, os.getpid()
         self.write()
 
     def set(self, phase: str, module: str | None = None) -> None:
@@ -90,17 +90,11 @@ class _Where:
                 self.write()
 
     def write(self) -> None:
-        data = json.dumps(
-            {
-                "rank": self.rank,
-                "pid": os.getpid(),
-                "step": self.step,
-                "phase": self.phase,
-                "module": self.module[:200],
-                "since": round(self.since, 3),
-            }
-        ).encode()[: WHERE_BYTES - 1]
-        self.map[:] = (data + b"\n").ljust(WHERE_BYTES)
+        """One line of fields (no JSON: this runs at every module change, 2 us): rank, pid, step, the time the phase
+        began, the phase and the module, tab-separated, padded to the file's size."""
+        data = f"{self.rank}\t{self.pid}\t{self.step}\t{self.since:.3f}\t{self.phase}\t{self.module[:300]}\n".encode()
+        self.map[: len(data)] = data
+        self.map[len(data) : len(data) + 1] = b"\n"
 
     def as_dict(self) -> dict:
         return {"step": self.step, "phase": self.phase, "module": self.module, "since": self.since}
@@ -127,8 +121,15 @@ def read_where(path: Path) -> dict | None:
     """Another rank's status file (None when it is not readable from here)."""
     for _ in range(3):  # a write may be under way: read again
         try:
-            text = path.read_bytes().split(b"\n", 1)[0]
-            return json.loads(text)
+            rank, pid, step, since, phase_, module = path.read_bytes().split(b"\n", 1)[0].decode().split("\t")
+            return {
+                "rank": int(rank),
+                "pid": int(pid),
+                "step": int(step),
+                "since": float(since),
+                "phase": phase_,
+                "module": module,
+            }
         except (OSError, ValueError):
             time.sleep(0.01)
     return None
