@@ -4,10 +4,12 @@ own checkpoint of step N, bitwise (every weight, optimizer moment, RNG state and
     python scripts/replay_step.py --checkpoint outputs/debug/checkpoint --step 6 -- <the run's train.py options>
     torchrun --nproc_per_node 4 scripts/replay_step.py --checkpoint ... --step 6 -- <options>   # the run's layout
 
-The replay starts from the newest committed checkpoint before step N (``--from`` picks another) and trains to N in a
-scratch folder (the run's folder is only read), with the run's own options (the same model, data, seed, batch and,
-under torchrun, layout). It prints one line: ``bitwise equal`` (exit 0), or the tensors that differ, largest
-difference first, and the loss of step N in both (exit 1). A healthy machine replays a step on the same layout
+The replay starts from the newest committed checkpoint before step N (``--from`` picks another) and trains to N in
+``replay-step-N`` beside the checkpoint folder (removed after; the run's folder is only read), with the run's own
+options; on another number of processes than the run's, with the run's global batch (accumulated) and, on one
+process, every parallel degree 1 (the same model, data, seed and global batch). It prints one line: ``bitwise
+equal`` (exit 0), or the tensors that differ, largest difference first, and the loss of step N in both (exit 1).
+A healthy machine replays a step on the same layout
 bitwise (CPU; on a GPU with ``training.deterministic``); a step whose saved state differs was computed or stored
 wrong (a flipped bit, a faulty chip), or the replay ran on another layout or machine, where reductions add in
 another order (differences of a few ulps, everywhere): then ``python -m titanlike.localize`` with the same options
@@ -21,7 +23,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -77,6 +78,8 @@ def compare(reference: dict[str, torch.Tensor], replay: dict[str, torch.Tensor])
     """(key, elements that differ, largest absolute difference) of every tensor not bitwise equal, largest first."""
     out = []
     for k in sorted(set(reference) | set(replay)):
+        if k.startswith("rng.rank") and not (k in reference and k in replay):
+            continue  # another layout: one RNG state per rank of each
         a, b = reference.get(k), replay.get(k)
         if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
             out.append((k, -1, float("inf")))
@@ -101,7 +104,7 @@ def loss_of(metrics: Path, step: int) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     opts, train_argv = parse(sys.argv[1:] if argv is None else argv)
-    from titanlike.checkpoint import committed_checkpoints
+    from titanlike.checkpoint import committed_checkpoints, read_meta
     from titanlike.config import load_config
     from titanlike.training.trainer import Trainer, _print_error
 
@@ -122,7 +125,33 @@ def main(argv: list[str] | None = None) -> int:
                 f"--from {start}: no committed checkpoint before step {opts.step} to start from (the run saved "
                 f"{sorted(steps)}); save more often (checkpoint.interval) around the step to replay"
             )
-        scratch = Path(opts.keep) if opts.keep else Path(tempfile.mkdtemp(prefix="replay_"))
+        # next to the run's folder (every rank of a torchrun replay finds it; the run's own files are only read)
+        scratch = Path(opts.keep) if opts.keep else folder.resolve().parent / f"replay-step-{opts.step}"
+        run_world = int(read_meta(steps[start]).get("world_size", world))
+        layout = []
+        if run_world != world:  # another layout: the run's global batch (accumulated), one process's degrees
+            from titanlike.layout import batch_split
+
+            t = load_config(train_argv, world_size=run_world).training
+            dp = int(read_meta(steps[start]).get("dp_degree", 1))
+            layout = [
+                "--training.global_batch_size",
+                str(batch_split(t.global_batch_size, t.local_batch_size, dp).global_batch),
+            ]
+            if world == 1:
+                layout += [
+                    f"--parallelism.{k}"
+                    for k in (
+                        "data_parallel_replicate_degree 1",
+                        "data_parallel_shard_degree -1",
+                        "tensor_parallel_degree 1",
+                        "context_parallel_degree 1",
+                        "pipeline_parallel_degree 1",
+                        "expert_parallel_degree 1",
+                        "enable_sequence_parallel false",
+                    )
+                ]
+                layout = [w for item in layout for w in item.split(" ")]
         if rank == 0:
             (scratch / "checkpoint").mkdir(parents=True, exist_ok=True)
             target = scratch / "checkpoint" / f"step-{start}"
@@ -136,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(
             [
                 *train_argv,
+                *layout,
                 "--training.steps",
                 str(opts.step),
                 "--checkpoint.enable",
