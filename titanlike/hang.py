@@ -524,7 +524,10 @@ class HangReport:
                 except OSError:
                     return
                 if signum in got:
-                    self.report(f"rank {self.rank}: {signal.Signals(signum).name} received", alive=None)
+                    try:
+                        self.report(f"rank {self.rank}: {signal.Signals(signum).name} received", kind="signal")
+                    except Exception as e:  # noqa: BLE001 - say so; the run goes on
+                        print(f"hang report on {signal.Signals(signum).name} failed: {e!r}", file=sys.stderr)
 
         threading.Thread(target=watch, name="titanlike-hang-report", daemon=True).start()
         return True
@@ -538,12 +541,11 @@ class HangReport:
         store.set_timeout(datetime.timedelta(seconds=self.grace_s))
         return store
 
-    def report(self, why: str, alive: list[int] | None = None) -> str | None:
+    def report(self, why: str, alive: list[int] | None = None, kind: str = "timeout") -> str | None:
         """Write this rank's record (file and store); the first rank here writes and prints the verdict once the
-        records of the ``alive`` ranks are in (at most ``grace_s``; ``alive`` None: every rank, on a signal), the
+        records of the ``alive`` ranks are in (at most ``grace_s``; None: every rank), the
         others wait for it as long, and the first waits until they have read it (rank 0 hosts the store: leaving
         would take it down). Returns the verdict's path and first line."""
-        kind = "timeout" if alive is not None else "signal"
         if kind in self.reported:
             return None
         self.reported.add(kind)
