@@ -60,9 +60,10 @@ def read_prompts(a: argparse.Namespace) -> list[str]:
 
 
 def tokenizer_for(a: argparse.Namespace, loaded):
+    from titanlike.checkpoint import recorded_tokenizer
     from titanlike.data import build_tokenizer
 
-    name = a.tokenizer or loaded.meta.get("tokenizer")
+    name = a.tokenizer or recorded_tokenizer(loaded.meta)
     if name is None and loaded.kind == "hf" and (loaded.path / "tokenizer.json").is_file():
         name = str(loaded.path)
     if name is None:

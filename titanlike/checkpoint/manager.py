@@ -915,6 +915,7 @@ class CheckpointManager:
                 self.folder / f"step-{self.last_step}",
                 out.with_name(f"final.new-{run_id}"),
                 dtype=getattr(torch, self.cfg.export_dtype),
+                tokenizer=self.tokenizer,
             )
             if out.exists():  # a previous run's export of an older step: replace it
                 remove_dir(out, run_id)

@@ -102,6 +102,7 @@ class HFTokenizer(SpecialTokens):
         tk.encode_special_tokens = True
         self._tk = tk
         self.path = str(folder)
+        self.source = str(folder.resolve())  # what build_tokenizer rebuilds it from
         self.name = folder.resolve().name or "tokenizer"
         self.fingerprint = hashlib.sha256(raw).hexdigest()[:16]
         vocab = tk.get_vocab(with_added_tokens=True)
