@@ -79,4 +79,4 @@ def model_args_of(path: str | os.PathLike):
         spec = get_spec(meta.get("model", DEFAULT_MODEL))
     except UnknownModelError as e:
         raise ConfigError(f"checkpoint '{path}': {e}") from None
-    return spec.args_cls(**meta["model_args"])
+    return spec.args_from_record(meta["model_args"])
