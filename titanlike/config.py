@@ -1028,7 +1028,9 @@ def _checkpoint_architecture(path: Path):
         spec = get_spec(meta.get("model", DEFAULT_MODEL))
         return spec.args_from_record(meta["model_args"])
     except (UnknownModelError, TypeError) as e:
-        raise ConfigError(f"checkpoint.initial_load_path: '{meta_file}' records a model titanlike cannot build ({e})")
+        raise ConfigError(
+            f"checkpoint.initial_load_path: '{meta_file}' records a model titanlike cannot build ({e})"
+        ) from None
 
 
 def _hf_model_args(cfg: JobConfig, hf_args, overrides: dict, vocab_size: int | None):
@@ -1039,6 +1041,12 @@ def _hf_model_args(cfg: JobConfig, hf_args, overrides: dict, vocab_size: int | N
             f"checkpoint.initial_load_path '{path}' is a {spec.name} model (its {record}), model.name is "
             f"{cfg.model.name}; set model.name = {spec.name}"
         )
+    importer = spec.hf() if spec is not None and spec.hf_adapter and record == "config.json" else None
+    if importer is not None and hasattr(importer, "import_overrides"):  # optional: options it honours over the file
+        try:
+            hf_args, overrides = importer.import_overrides(hf_args, overrides)
+        except ValueError as e:
+            raise ConfigError(f"checkpoint.initial_load_path '{path}': {e}") from None
     conflicts = []
     for key, value in overrides.items():
         theirs = hf_args.hidden_dim if key == "ffn_hidden_dim" else getattr(hf_args, key)

@@ -184,7 +184,9 @@ class Trainer:
             from titanlike.hf import describe_args
 
             self.architecture_from = f"{cfg.checkpoint.initial_load_path} {architecture_file(cfg)}"
-            unused = f" (model.flavor {cfg.model.flavor} not used)" if "model.flavor" in getattr(cfg, "explicit", ()) else ""
+            unused = (
+                f" (model.flavor {cfg.model.flavor} not used)" if "model.flavor" in getattr(cfg, "explicit", ()) else ""
+            )
             self.architecture_note = (
                 f"model: architecture from {self.architecture_from}{unused}: {describe_args(self.model_args)}"
             )

@@ -138,10 +138,16 @@ def _from_layer(name: str, t: torch.Tensor, args, out: dict, experts: Experts, c
 def from_hf(hf_state_dict: dict[str, torch.Tensor], args: DeepseekV3Args) -> dict[str, torch.Tensor]:
     """A Hugging Face DeepSeek-V3 state dict (per-expert or fused experts; MTP layers after the last decoder
     layer) -> our FQNs; a correction bias the model does not keep (``load_balance_coeff`` None) must be zero, the
-    MTP layers' embedding / head copies equal the model's. Whether it is exactly the model's state dict is the
-    caller's check."""
+    MTP layers' embedding / head copies equal the model's. MTP layers (those with an ``eh_proj``) beyond the model's
+    ``mtp_layers`` are dropped (``--model.mtp_layers 0`` trains without them). Whether it is exactly the model's
+    state dict is the caller's check."""
     out, experts, copies = {}, Experts(), {}
+    mtp_held = {int(m.group(1)) for n in hf_state_dict if (m := _HF.fullmatch(n)) and m.group(2) == "eh_proj.weight"}
+    dropped = {i for i in mtp_held if i >= args.n_layers + args.mtp_layers}
     for name, t in hf_state_dict.items():
+        m = _HF.fullmatch(name)
+        if m and int(m.group(1)) in dropped:
+            continue
         if name in _TOP_BACK:
             if not (name == "lm_head.weight" and args.tie_embeddings):
                 out[_TOP_BACK[name]] = t
@@ -179,6 +185,22 @@ def args_for_weights(args: DeepseekV3Args, names) -> DeepseekV3Args:
     while args.n_layers + depths in held and depths < args.mtp_layers:
         depths += 1
     return args.replace(mtp_layers=depths)
+
+
+def import_overrides(args: DeepseekV3Args, overrides: dict) -> tuple[DeepseekV3Args, dict]:
+    """The model.* options an import honours over config.json (optional adapter member): ``mtp_layers`` up to the
+    depths the weights hold (the others are dropped). Returns the args and the options left to compare; ValueError
+    for more depths than the weights hold."""
+    left = dict(overrides)
+    depths = left.pop("mtp_layers", None)
+    if depths is not None and depths > args.mtp_layers:
+        raise ValueError(
+            f"model.mtp_layers {depths}: its weights hold {args.mtp_layers} MTP depth(s) (config.json's "
+            f"num_nextn_predict_layers counts those a checkpoint may hold); set model.mtp_layers 0..{args.mtp_layers}"
+        )
+    if depths is not None:
+        args = args.replace(mtp_layers=depths)
+    return args, left
 
 
 def export_violations(args: DeepseekV3Args) -> list[str]:
