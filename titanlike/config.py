@@ -181,7 +181,7 @@ class Checkpoint:
     enable: bool = False  # save every interval steps and resume from the newest complete checkpoint
     folder: str = "checkpoint"  # relative to job.dump_folder unless absolute
     interval: int = 500  # steps between saves
-    keep_latest_k: int = 0  # 0: keep all
+    keep_latest_k: int = 10  # keep the newest k checkpoints, delete older ones once a newer is committed (0: all)
     load_step: int = -1  # -1: the newest complete checkpoint
     async_mode: Literal["disabled", "async"] = "disabled"  # disabled | async
     initial_load_path: str = ""  # a seed / step checkpoint folder, or a Hugging Face folder (its config.json sets the
