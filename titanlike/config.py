@@ -86,6 +86,14 @@ class Model:
     rope_original_max_seq_len: int = _override(0)  # llama3 scaling: the pre-training context length (0: the flavor's)
     num_experts: int = _override(0)  # routed experts per MoE block (0: the flavor's; models with experts)
     top_k: int = _override(0)  # experts per token (0: the flavor's; models with experts)
+    # MoE routing and balancing (models with experts; torchtitan's names; docs/moe.md). Router scores: softmax or
+    # sigmoid ("": the flavor's)
+    score_func: Literal["", "softmax", "sigmoid"] = _override("")
+    route_norm: bool | None = _override(None)  # renormalise each token's top-k weights to sum 1 (None: the flavor's)
+    route_scale: float = _override(0.0)  # multiply the routing weights by this (0: the flavor's)
+    # aux-loss-free balancing: the expert-bias update rate per step (-1: the flavor's; 0: off, no bias)
+    load_balance_coeff: float = _override(-1.0)
+    aux_loss_coeff: float = _override(-1.0)  # the sequence-wise auxiliary loss's coefficient (-1: the flavor's; 0: off)
     # the window of a model's sliding-window layers, in positions, the query included (0: the flavor's; gpt_oss)
     sliding_window: int = _override(0)
     attention_sinks: bool | None = _override(None)  # a learned sink logit per head (None: the flavor's; gpt_oss)
@@ -208,6 +216,10 @@ class Metrics:
     # log every metric and the config to Weights & Biases (the [wandb] extra; WANDB_MODE=offline: no network)
     enable_wandb: bool = False
     wandb_project: str = ""  # "": $WANDB_PROJECT, else "titanlike"
+    # models with experts: warn once when the busiest expert's tokens stay above this multiple of the mean for
+    # moe_imbalance_steps steps in a row (0: never)
+    moe_imbalance_warn: float = 2.0
+    moe_imbalance_steps: int = 50
     wandb_entity: str = ""  # the team or user ("": your default)
     wandb_run_name: str = ""  # "": job.description, else the dump folder's name
     peak_tflops: float = 0.0  # override the peak table (dense bf16 TFLOP/s of one device)
@@ -356,6 +368,8 @@ MINIMUM = {
     "lr_scheduler.decay_ratio": 0.0,
     "lr_scheduler.min_lr_factor": 0.0,
     "model.vocab_multiple": 1,
+    "metrics.moe_imbalance_warn": 0.0,
+    "metrics.moe_imbalance_steps": 1,
     "model.dim": 0,
     "model.n_layers": 0,
     "model.n_heads": 0,
@@ -948,6 +962,8 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int | None = None):
     # Overrides the model does not read are left out here and refused by the layout rule "model_keys".
     reads = model_keys_read(spec, m)
     overrides = {k: v for k, v in model_overrides(m).items() if k in reads}
+    if overrides.get("load_balance_coeff") == 0:
+        overrides["load_balance_coeff"] = None  # 0: off (the args' None: no expert bias)
     hf_args = initial_architecture_of(cfg)
     if hf_args is not None:
         return _hf_model_args(cfg, hf_args, overrides, vocab_size)
@@ -1033,6 +1049,9 @@ def _checkpoint_architecture(path: Path):
         ) from None
 
 
+_BALANCING_KEYS = ("load_balance_coeff", "aux_loss_coeff")  # training settings, not part of what the weights mean
+
+
 def _hf_model_args(cfg: JobConfig, hf_args, overrides: dict, vocab_size: int | None):
     path, record = cfg.checkpoint.initial_load_path, architecture_file(cfg)
     spec = spec_for(hf_args)
@@ -1047,6 +1066,10 @@ def _hf_model_args(cfg: JobConfig, hf_args, overrides: dict, vocab_size: int | N
             hf_args, overrides = importer.import_overrides(hf_args, overrides)
         except ValueError as e:
             raise ConfigError(f"checkpoint.initial_load_path '{path}': {e}") from None
+    # how training balances the experts is not the checkpoint's to say: those options apply over its record
+    balancing = {k: overrides.pop(k) for k in _BALANCING_KEYS if k in overrides}
+    if balancing:
+        hf_args = hf_args.replace(**balancing)
     conflicts = []
     for key, value in overrides.items():
         theirs = hf_args.hidden_dim if key == "ffn_hidden_dim" else getattr(hf_args, key)

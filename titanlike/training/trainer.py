@@ -33,6 +33,7 @@ from titanlike.loss import IGNORE_INDEX
 from titanlike.models import get_spec
 from titanlike.parallel import ParallelDims, build_parallel_model, describe_layout
 from titanlike.training.metrics import (
+    ImbalanceWatch,
     MetricsLogger,
     Throughput,
     data_metrics,
@@ -611,6 +612,7 @@ class Trainer:
         from titanlike.training.profiling import maybe_profile
 
         rate = self._step_rate()
+        imbalance = ImbalanceWatch(cfg.metrics.moe_imbalance_warn, cfg.metrics.moe_imbalance_steps)
         epochs = self.corpus.epochs(loader_position(self.dataloader))
         data_iter = iter(self.dataloader)
         losses: list[float] = []
@@ -635,6 +637,9 @@ class Trainer:
                 rate.throughput.add(res.tokens)
                 self.tokens_seen += res.tokens
                 losses.append(res.loss)
+                warning = imbalance.update(res.moe, self.step) if res.moe is not None else None
+                if warning and self.rank == 0:
+                    print(warning, flush=True)
                 position = loader_position(self.dataloader)
                 epochs = self._log_epochs(epochs, position)
                 if res.skipped:

@@ -20,7 +20,9 @@ export writes them). transformers' own ``DeepseekV3ForCausalLM`` ignores those l
 ``num_nextn_predict_layers`` says how many depths a checkpoint may have; the depths imported are those whose
 weights the files hold (:func:`args_for_weights`).
 
-Import takes the correction bias (``load_balance_coeff`` 1e-3: it keeps being updated in training); transformers 5's
+Import takes the correction bias, updated in training at ``load_balance_coeff`` 1e-3 (DeepSeek-V3's rate for most of
+its pre-training) unless ``model.load_balance_coeff`` sets another (0: frozen off, which a non-zero bias refuses);
+transformers 5's
 fused in-memory experts (``gate_up_proj``, ``down_proj``) import too; export writes every expert apart.
 """
 
