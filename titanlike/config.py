@@ -86,9 +86,8 @@ class Model:
     rope_original_max_seq_len: int = _override(0)  # llama3 scaling: the pre-training context length (0: the flavor's)
     num_experts: int = _override(0)  # routed experts per MoE block (0: the flavor's; models with experts)
     top_k: int = _override(0)  # experts per token (0: the flavor's; models with experts)
-    # MoE routing and balancing (models with experts; torchtitan's names; docs/moe.md). Router scores: softmax or
-    # sigmoid ("": the flavor's)
-    score_func: Literal["", "softmax", "sigmoid"] = _override("")
+    # MoE routing and balancing (models with experts; torchtitan's names; docs/moe.md)
+    score_func: Literal["", "softmax", "sigmoid"] = _override("")  # the router's scores ("": the flavor's)
     route_norm: bool | None = _override(None)  # renormalise each token's top-k weights to sum 1 (None: the flavor's)
     route_scale: float = _override(0.0)  # multiply the routing weights by this (0: the flavor's)
     # aux-loss-free balancing: the expert-bias update rate per step (-1: the flavor's; 0: off, no bias)
@@ -216,10 +215,9 @@ class Metrics:
     # log every metric and the config to Weights & Biases (the [wandb] extra; WANDB_MODE=offline: no network)
     enable_wandb: bool = False
     wandb_project: str = ""  # "": $WANDB_PROJECT, else "titanlike"
-    # models with experts: warn once when the busiest expert's tokens stay above this multiple of the mean for
-    # moe_imbalance_steps steps in a row (0: never)
+    # warn once when a MoE layer's busiest expert stays above this multiple of the mean load (0: never)
     moe_imbalance_warn: float = 2.0
-    moe_imbalance_steps: int = 50
+    moe_imbalance_steps: int = 50  # how many steps in a row above moe_imbalance_warn before the warning
     wandb_entity: str = ""  # the team or user ("": your default)
     wandb_run_name: str = ""  # "": job.description, else the dump folder's name
     peak_tflops: float = 0.0  # override the peak table (dense bf16 TFLOP/s of one device)
