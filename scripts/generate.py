@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -89,8 +89,7 @@ def _tp_mesh(device: torch.device):
     return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("tp",))
 
 
-@dataclass(frozen=True)
-class Result:
+class Result(NamedTuple):
     """One prompt's outcome: its continuation as text (an EOS that ended it left out, any other kept as its text),
     how many tokens were generated and whether EOS ended it."""
 

@@ -225,7 +225,9 @@ def test_an_mxfp4_folder_and_its_from_hf_seed_train_from_their_own_architecture(
     spec.loader.exec_module(convert)
     seed = tmp_path / "seed" / "step-0"
     assert convert.main(["from-hf", str(folder), str(seed)]) == 0
+    capsys.readouterr()
     again, seed_loss = run(seed, str(tmp_path / "b"))
+    assert "checksums verified while read" in capsys.readouterr().out  # the seed records its checksums
     assert again.model_args == trainer.model_args and seed_loss == loss
     args = again.model_args
     assert (args.moe_hidden_dim, args.swiglu_limit, args.rope_scaling) == (32, 0.5, "yarn")

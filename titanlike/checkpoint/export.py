@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from titanlike.checkpoint.checksums import ChecksummingWriter, merge_checksums
 from titanlike.checkpoint.files import quiet_dcp, write_json
 from titanlike.checkpoint.meta import (
     META_NAME,
@@ -32,8 +33,10 @@ def write_seed_checkpoint(
     if out_dir.exists():
         raise FileExistsError(f"'{out_dir}' already exists; not overwriting it")
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
-    quiet_dcp(dcp.save, {"model": state_dict}, checkpoint_id=str(tmp), no_dist=True)
+    writer = ChecksummingWriter(str(tmp))  # a CRC32C of every entry, verified when it is loaded, as a run's saves
+    quiet_dcp(dcp.save, {"model": state_dict}, checkpoint_id=str(tmp), no_dist=True, storage_writer=writer)
     write_json(tmp / META_NAME, checkpoint_meta(0, "seed", args, world_size=1, source=source, **extra))
+    merge_checksums(tmp)
     os.rename(tmp, out_dir)
     return out_dir
 
