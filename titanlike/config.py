@@ -215,12 +215,12 @@ class Metrics:
     # log every metric and the config to Weights & Biases (the [wandb] extra; WANDB_MODE=offline: no network)
     enable_wandb: bool = False
     wandb_project: str = ""  # "": $WANDB_PROJECT, else "titanlike"
-    # warn once when a MoE layer's busiest expert stays above this multiple of the mean load (0: never)
-    moe_imbalance_warn: float = 2.0
-    moe_imbalance_steps: int = 100  # how many steps in a row above moe_imbalance_warn before the warning
     wandb_entity: str = ""  # the team or user ("": your default)
     wandb_run_name: str = ""  # "": job.description, else the dump folder's name
     peak_tflops: float = 0.0  # override the peak table (dense bf16 TFLOP/s of one device)
+    # warn once when a MoE layer's busiest expert stays above this multiple of the mean load (0: never)
+    moe_imbalance_warn: float = 2.0
+    moe_imbalance_steps: int = 100  # how many steps in a row above moe_imbalance_warn before the warning
 
 
 @dataclass
