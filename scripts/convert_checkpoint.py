@@ -1,7 +1,8 @@
 """Convert between titanlike checkpoints (DCP, any layout) and Hugging Face weights (safetensors + config.json).
 
-    # a checkpoint step folder -> model.safetensors (or shards above --max-shard-size) + config.json
-    python scripts/convert_checkpoint.py to-hf outputs/debug/checkpoint/step-200 outputs/debug/hf
+    # a checkpoint (a step folder, or a checkpoint folder: its newest step) -> a folder transformers loads as it is:
+    # model.safetensors (or shards above --max-shard-size), config.json, generation_config.json, the tokenizer
+    python scripts/convert_checkpoint.py to-hf outputs/debug/checkpoint outputs/debug/hf
     python scripts/convert_checkpoint.py to-hf outputs/8b/checkpoint/step-1000 outputs/8b/hf --max-shard-size 5GB \
         --dtype bfloat16
 
@@ -27,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titanlike.checkpoint import export_hf, write_seed_checkpoint  # noqa: E402
+from titanlike.checkpoint import export_hf, resolve_step, write_seed_checkpoint  # noqa: E402
 from titanlike.errors import ConfigError  # noqa: E402
 from titanlike.hf import load_hf  # noqa: E402
 
@@ -43,9 +44,9 @@ def _models_line() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=_models_line())
     sub = parser.add_subparsers(dest="direction", required=True)
-    to_hf = sub.add_parser("to-hf", help="checkpoint step folder -> Hugging Face folder")
-    to_hf.add_argument("checkpoint", help="a step-N folder (DCP) written by titanlike")
-    to_hf.add_argument("out", help="new folder for model.safetensors and config.json")
+    to_hf = sub.add_parser("to-hf", help="checkpoint -> Hugging Face folder (weights, config, tokenizer)")
+    to_hf.add_argument("checkpoint", help="a step-N folder (DCP) written by titanlike, or a folder of them (newest)")
+    to_hf.add_argument("out", help="new folder for the weights, config.json and the tokenizer's files")
     to_hf.add_argument(
         "--max-shard-size",
         default="5GB",
@@ -57,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     to_hf.add_argument(
         "--tokenizer",
         default=None,
-        help="bos/eos ids from this tokenizer (default: the one recorded in the checkpoint)",
+        help="the tokenizer to write beside the weights, a name or folder (default: the one the checkpoint records)",
     )
+    to_hf.add_argument("--no-tokenizer", action="store_true", help="write the weights and config only")
     from_hf = sub.add_parser("from-hf", help="Hugging Face weights -> DCP seed checkpoint")
     from_hf.add_argument("weights", help="model.safetensors (config.json beside it) or the folder holding both")
     from_hf.add_argument("out", help="new checkpoint folder, e.g. <dump>/checkpoint/step-0")
@@ -70,13 +72,18 @@ def main(argv: list[str] | None = None) -> int:
             if args.tokenizer:
                 from titanlike.data import build_tokenizer
 
-                tokenizer = build_tokenizer(args.tokenizer)
+                try:
+                    tokenizer = build_tokenizer(args.tokenizer)
+                except ValueError as e:
+                    raise ConfigError(f"--tokenizer: {e}") from None
+            source = resolve_step(args.checkpoint)
             out = export_hf(
-                args.checkpoint,
+                source,
                 args.out,
                 max_shard_size=args.max_shard_size,
                 dtype=getattr(torch, args.dtype) if args.dtype else None,
                 tokenizer=tokenizer,
+                with_tokenizer=not args.no_tokenizer,
             )
         else:
             state_dict, model_args = load_hf(args.weights)
@@ -85,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    print(f"wrote {out} in {time.perf_counter() - t0:.2f}s")
+    what = f" from {source}" if args.direction == "to-hf" else ""
+    print(f"wrote {out}{what} in {time.perf_counter() - t0:.2f}s")
     return 0
 
 

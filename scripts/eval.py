@@ -34,7 +34,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _lm_eval_missing() -> str | None:
+    """The one line that names the extra when lm-evaluation-harness is not installed, else None."""
+    try:
+        import lm_eval.utils  # noqa: F401
+    except ModuleNotFoundError as e:
+        return (
+            f"scripts/eval.py needs lm-evaluation-harness ({e}); install the eval extra: "
+            f"pip install -e '.[eval]' (or pip install 'titanlike[eval]')"
+        )
+    return None
+
+
 def run(a: argparse.Namespace) -> dict:
+    missing = _lm_eval_missing()
+    if missing:
+        raise ConfigError(missing)
     from lm_eval.utils import simple_parse_args_string
 
     from titanlike.evaluation import TitanlikeLM, evaluate

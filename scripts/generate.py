@@ -7,9 +7,11 @@
     torchrun --nproc_per_node=2 scripts/generate.py --checkpoint outputs/8b/checkpoint --prompt "Hi"  # tensor parallel
 
 The tokenizer is the one the checkpoint recorded (checkpoint.json), or the Hugging Face folder's tokenizer.json, or
-``--tokenizer``. A row stops at the tokenizer's EOS (``--ignore-eos``: never). Under ``torchrun`` every rank holds
-its tensor-parallel shards (the model's own sharding entries) and rank 0 prints. Bad input: one line on stderr,
-exit code 2.
+``--tokenizer``. A row stops at the tokenizer's EOS (``--ignore-eos``: never, and each EOS generated is printed as
+its text). Each prompt prints under a ``--- prompt i ---`` line and its continuation under a ``--- continuation ---``
+line (how many tokens, whether EOS ended it), so where the model's text starts is never in doubt; ``--plain``: the
+prompt and continuation as one text. Under ``torchrun`` every rank holds its tensor-parallel shards (the model's own
+sharding entries) and rank 0 prints. Bad input: one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -42,7 +45,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tokenizer", default=None, help="tokenizer name or folder (default: the checkpoint's)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32")
     ap.add_argument("--bos", action="store_true", help="start every prompt with the tokenizer's BOS token")
-    ap.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    ap.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS (its text is printed)")
+    ap.add_argument("--plain", action="store_true", help="print prompt + continuation as one text, no headers")
     ap.add_argument("--no-cache", action="store_true", help="recompute the sequence every step (no KV cache)")
     return ap.parse_args(argv)
 
@@ -60,9 +64,10 @@ def read_prompts(a: argparse.Namespace) -> list[str]:
 
 
 def tokenizer_for(a: argparse.Namespace, loaded):
+    from titanlike.checkpoint import recorded_tokenizer
     from titanlike.data import build_tokenizer
 
-    name = a.tokenizer or loaded.meta.get("tokenizer")
+    name = a.tokenizer or recorded_tokenizer(loaded.meta)
     if name is None and loaded.kind == "hf" and (loaded.path / "tokenizer.json").is_file():
         name = str(loaded.path)
     if name is None:
@@ -84,7 +89,26 @@ def _tp_mesh(device: torch.device):
     return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("tp",))
 
 
-def run(a: argparse.Namespace) -> list[str]:
+class Result(NamedTuple):
+    """One prompt's outcome: its continuation as text (an EOS that ended it left out, any other kept as its text),
+    how many tokens were generated and whether EOS ended it."""
+
+    prompt: str
+    continuation: str
+    tokens: int
+    ended_at_eos: bool
+
+    def show(self, i: int, plain: bool) -> str:
+        if plain:
+            return self.prompt + self.continuation
+        why = "ended at EOS" if self.ended_at_eos else "no EOS"
+        return (
+            f"--- prompt {i} ---\n{self.prompt}\n--- continuation ({self.tokens} tokens, {why}) ---\n"
+            f"{self.continuation}"
+        )
+
+
+def run(a: argparse.Namespace) -> list[Result]:
     sampling = Sampling(a.temperature, a.top_k, a.top_p, a.seed)
     problems = sampling.problems() + ([] if a.max_new_tokens >= 1 else ["--max-new-tokens must be at least 1"])
     if problems:
@@ -106,7 +130,11 @@ def run(a: argparse.Namespace) -> list[str]:
         vocab_size=tok.vocab_size,
         use_cache=not a.no_cache,
     )
-    return [p + tok.decode([t for t in row if t != tok.eos_id]) for p, row in zip(prompts, new)]
+    out = []
+    for p, row in zip(prompts, new):
+        ended = not a.ignore_eos and bool(row) and row[-1] == tok.eos_id
+        out.append(Result(p, tok.decode(row[:-1] if ended else row), len(row), ended))
+    return out
 
 
 def _rank() -> int:
@@ -126,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     if _rank() == 0:
-        for i, text in enumerate(texts):
-            print(("" if i == 0 else "-" * 40 + "\n") + text, flush=True)
+        for i, result in enumerate(texts, 1):
+            print(result.show(i, a.plain), flush=True)
     return 0
 
 

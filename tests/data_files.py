@@ -95,3 +95,18 @@ def make_hf_tokenizer(
     if config_json is not None:
         (folder / "config.json").write_text(json.dumps(config_json))
     return folder
+
+
+def make_tokenizer_without_its_unknown_token(folder: Path) -> Path:
+    """A word-level BPE over the letters only whose tokenizer.json names an unknown token ``<unk>`` its vocabulary
+    lacks: the ``tokenizers`` library raises on any other character (a digit, punctuation)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)]
+    vocab = {t: i for i, t in enumerate([*letters, "</s>"])}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    folder.mkdir(parents=True, exist_ok=True)
+    tk.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return folder

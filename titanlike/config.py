@@ -86,6 +86,13 @@ class Model:
     rope_original_max_seq_len: int = _override(0)  # llama3 scaling: the pre-training context length (0: the flavor's)
     num_experts: int = _override(0)  # routed experts per MoE block (0: the flavor's; models with experts)
     top_k: int = _override(0)  # experts per token (0: the flavor's; models with experts)
+    # MoE routing and balancing (models with experts; torchtitan's names; docs/moe.md)
+    score_func: Literal["", "softmax", "sigmoid"] = _override("")  # the router's scores ("": the flavor's)
+    route_norm: bool | None = _override(None)  # renormalise each token's top-k weights to sum 1 (None: the flavor's)
+    route_scale: float = _override(0.0)  # multiply the routing weights by this (0: the flavor's)
+    # aux-loss-free balancing: the expert-bias update rate per step (-1: the flavor's; 0: off, no bias)
+    load_balance_coeff: float = _override(-1.0)
+    aux_loss_coeff: float = _override(-1.0)  # the sequence-wise auxiliary loss's coefficient (-1: the flavor's; 0: off)
     # the window of a model's sliding-window layers, in positions, the query included (0: the flavor's; gpt_oss)
     sliding_window: int = _override(0)
     attention_sinks: bool | None = _override(None)  # a learned sink logit per head (None: the flavor's; gpt_oss)
@@ -185,7 +192,7 @@ class Checkpoint:
     enable: bool = False  # save every interval steps and resume from the newest complete checkpoint
     folder: str = "checkpoint"  # relative to job.dump_folder unless absolute
     interval: int = 500  # steps between saves
-    keep_latest_k: int = 0  # 0: keep all
+    keep_latest_k: int = 10  # keep the newest k checkpoints, delete older ones once a newer is committed (0: all)
     load_step: int = -1  # -1: the newest complete checkpoint
     async_mode: Literal["disabled", "async"] = "disabled"  # disabled | async
     initial_load_path: str = ""  # a seed / step checkpoint folder, or a Hugging Face folder (its config.json sets the
@@ -215,6 +222,9 @@ class Metrics:
     wandb_entity: str = ""  # the team or user ("": your default)
     wandb_run_name: str = ""  # "": job.description, else the dump folder's name
     peak_tflops: float = 0.0  # override the peak table (dense bf16 TFLOP/s of one device)
+    # warn once when a MoE layer's busiest expert stays above this multiple of the mean load (0: never)
+    moe_imbalance_warn: float = 2.0
+    moe_imbalance_steps: int = 100  # how many steps in a row above moe_imbalance_warn before the warning
 
 
 @dataclass
@@ -360,6 +370,8 @@ MINIMUM = {
     "lr_scheduler.decay_ratio": 0.0,
     "lr_scheduler.min_lr_factor": 0.0,
     "model.vocab_multiple": 1,
+    "metrics.moe_imbalance_warn": 0.0,
+    "metrics.moe_imbalance_steps": 1,
     "model.dim": 0,
     "model.n_layers": 0,
     "model.n_heads": 0,
@@ -646,6 +658,7 @@ def parse_config(argv: list[str] | None = None, raise_problems: bool = True) -> 
             )
     problems += reading.problems + _validation_size_problems(cfg, reading)
     object.__setattr__(cfg, "notes", reading.notes)
+    object.__setattr__(cfg, "explicit", frozenset(explicit))  # the keys the file or the command line set
     object.__setattr__(cfg, "_problems", problems)
     if raise_problems:
         _raise_all(cfg, problems)
@@ -747,14 +760,14 @@ def _model_name_from_hf_config(cfg: JobConfig, reading) -> None:
     registered model's (its ``model_type``): that model, so that a ``save_pretrained`` folder trains with no
     ``--model.*`` option. A config.json titanlike cannot read is reported later, by the model arguments."""
     try:
-        hf_args = hf_architecture_of(cfg)
+        hf_args = initial_architecture_of(cfg)
     except ConfigError:
         return
     spec = spec_for(hf_args) if hf_args is not None else None
     if spec is not None and spec.name != cfg.model.name:
         cfg.model.name = spec.name
         reading.notes.append(
-            f"model.name = {spec.name!r}: the model of {cfg.checkpoint.initial_load_path}'s config.json"
+            f"model.name = {spec.name!r}: the model of {cfg.checkpoint.initial_load_path}'s {architecture_file(cfg)}"
         )
 
 
@@ -951,7 +964,9 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int | None = None):
     # Overrides the model does not read are left out here and refused by the layout rule "model_keys".
     reads = model_keys_read(spec, m)
     overrides = {k: v for k, v in model_overrides(m).items() if k in reads}
-    hf_args = hf_architecture_of(cfg)
+    if overrides.get("load_balance_coeff") == 0:
+        overrides["load_balance_coeff"] = None  # 0: off (the args' None: no expert bias)
+    hf_args = initial_architecture_of(cfg)
     if hf_args is not None:
         return _hf_model_args(cfg, hf_args, overrides, vocab_size)
     args = flavors[cfg.model.flavor].replace(**overrides)
@@ -993,11 +1008,15 @@ def _args_from_overrides(cfg: JobConfig, spec, vocab_size: int | None):
     return args
 
 
-def hf_architecture_of(cfg: JobConfig):
-    """ModelArgs from the config.json of a Hugging Face ``checkpoint.initial_load_path``, else None."""
+def initial_architecture_of(cfg: JobConfig):
+    """The ModelArgs that ``checkpoint.initial_load_path`` records, else None: a titanlike checkpoint's
+    checkpoint.json (a ``from-hf`` seed of any shape: head_dim, MoE sizes, YaRN) or a Hugging Face checkpoint's
+    config.json. Training starts from that architecture, not from the flavor."""
     path = cfg.checkpoint.initial_load_path
     if not path or _reads_its_own_config(cfg):
         return None
+    if (Path(path) / ".metadata").is_file():
+        return _checkpoint_architecture(Path(path))
     from titanlike.hf import hf_architecture
 
     try:
@@ -1006,27 +1025,66 @@ def hf_architecture_of(cfg: JobConfig):
         raise ConfigError(f"checkpoint.initial_load_path: {e}") from None
 
 
+def architecture_file(cfg: JobConfig) -> str:
+    """The file of ``checkpoint.initial_load_path`` that :func:`initial_architecture_of` reads."""
+    return "checkpoint.json" if (Path(cfg.checkpoint.initial_load_path) / ".metadata").is_file() else "config.json"
+
+
+def _checkpoint_architecture(path: Path):
+    """The model args of a titanlike checkpoint's checkpoint.json (None without one, or one that records none: a
+    checkpoint written by hand, checked by shapes at load). The file's format is titanlike.checkpoint.meta's."""
+    meta_file = path / "checkpoint.json"
+    if not meta_file.is_file():
+        return None
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"checkpoint.initial_load_path: '{meta_file}' is corrupted ({e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("model_args"), dict):
+        return None
+    try:
+        spec = get_spec(meta.get("model", DEFAULT_MODEL))
+        return spec.args_from_record(meta["model_args"])
+    except (UnknownModelError, TypeError) as e:
+        raise ConfigError(
+            f"checkpoint.initial_load_path: '{meta_file}' records a model titanlike cannot build ({e})"
+        ) from None
+
+
+_BALANCING_KEYS = ("load_balance_coeff", "aux_loss_coeff")  # training settings, not part of what the weights mean
+
+
 def _hf_model_args(cfg: JobConfig, hf_args, overrides: dict, vocab_size: int | None):
+    path, record = cfg.checkpoint.initial_load_path, architecture_file(cfg)
     spec = spec_for(hf_args)
     if spec is not None and spec.name != cfg.model.name:
         raise ConfigError(
-            f"checkpoint.initial_load_path '{cfg.checkpoint.initial_load_path}' is a {spec.name} model "
-            f"(its config.json), model.name is {cfg.model.name}; set model.name = {spec.name}"
+            f"checkpoint.initial_load_path '{path}' is a {spec.name} model (its {record}), model.name is "
+            f"{cfg.model.name}; set model.name = {spec.name}"
         )
+    importer = spec.hf() if spec is not None and spec.hf_adapter and record == "config.json" else None
+    if importer is not None and hasattr(importer, "import_overrides"):  # optional: options it honours over the file
+        try:
+            hf_args, overrides = importer.import_overrides(hf_args, overrides)
+        except ValueError as e:
+            raise ConfigError(f"checkpoint.initial_load_path '{path}': {e}") from None
+    # how training balances the experts is not the checkpoint's to say: those options apply over its record
+    balancing = {k: overrides.pop(k) for k in _BALANCING_KEYS if k in overrides}
+    if balancing:
+        hf_args = hf_args.replace(**balancing)
     conflicts = []
     for key, value in overrides.items():
         theirs = hf_args.hidden_dim if key == "ffn_hidden_dim" else getattr(hf_args, key)
         if value != theirs:
-            conflicts.append(f"model.{key} {value} (config.json has {theirs})")
+            conflicts.append(f"model.{key} {value} ({record} has {theirs})")
     if conflicts:
         raise ConfigError(
-            f"checkpoint.initial_load_path '{cfg.checkpoint.initial_load_path}' sets the architecture "
-            f"from its config.json, which disagrees with {', '.join(conflicts)}; drop those model.* "
-            f"options"
+            f"checkpoint.initial_load_path '{path}' sets the architecture from its {record}, which disagrees with "
+            f"{', '.join(conflicts)}; drop those model.* options"
         )
     if vocab_size is not None and vocab_size > hf_args.vocab_size:
         raise ConfigError(
-            f"model.tokenizer '{cfg.model.tokenizer}' has {vocab_size} ids but the Hugging Face model "
-            f"at '{cfg.checkpoint.initial_load_path}' only {hf_args.vocab_size}; use its tokenizer"
+            f"model.tokenizer '{cfg.model.tokenizer}' has {vocab_size} ids but the model at '{path}' ({record}) only "
+            f"{hf_args.vocab_size}; use its tokenizer"
         )
     return hf_args

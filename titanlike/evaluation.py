@@ -240,11 +240,12 @@ def _check_unused(unused: dict) -> None:
 
 
 def _tokenizer(tokenizer, meta: dict, folder: Path | None):
+    from titanlike.checkpoint import recorded_tokenizer
     from titanlike.data import build_tokenizer
 
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         return tokenizer  # a tokenizer object (the trainer's)
-    name = tokenizer or meta.get("tokenizer")
+    name = tokenizer or recorded_tokenizer(meta)
     if name is None and folder is not None and (folder / "tokenizer.json").is_file():
         name = str(folder)
     if name is None:

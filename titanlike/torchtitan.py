@@ -552,7 +552,6 @@ TORCHTITAN_DEFAULTS = {
     "parallelism.pipeline_parallel_first_stage_less_layers": 1,
     "parallelism.pipeline_parallel_last_stage_less_layers": 1,
     "checkpoint.last_save_model_only": True,
-    "checkpoint.keep_latest_k": 10,
     "comm.timeout_seconds": 100,
     "training.dtype": "bfloat16",  # torchtitan's mixed_precision_param = bfloat16 (bf16 parameters under FSDP)
     "parallelism.enable_sequence_parallel": True,  # torchtitan shards sequences whenever tp > 1 (no key)

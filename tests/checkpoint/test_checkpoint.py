@@ -107,6 +107,12 @@ def test_keep_latest_k_and_leftovers_of_killed_saves(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["notes.txt", "step-4", "step-6"]
 
 
+def test_keep_latest_k_keeps_the_newest_ten_by_default_as_torchtitan(tmp_path):
+    """No keep_latest_k set: the newest 10 checkpoints are kept (torchtitan's default), not every one."""
+    run(tmp_path, 12, "--checkpoint.enable", "--checkpoint.interval", "1")
+    assert sorted(committed_checkpoints(tmp_path / "checkpoint")) == list(range(3, 13))
+
+
 def test_seed_checkpoint_then_start_from_it_under_another_seed(tmp_path):
     seed_dump = tmp_path / "seed"
     trainer, losses = run(seed_dump, 4, "--checkpoint.create_seed_checkpoint")

@@ -97,6 +97,14 @@ def test_checkpoint_of_another_model_shape(dump, capsys):
         args(dump, "--checkpoint.enable", "--model.n_layers", "3"),
         "is for a different model: it has no 'layers.2.attention_norm.weight'",
     )
+    # another model altogether: named (checkpoint.json), not a shape mismatch
+    fails_with(
+        capsys,
+        dump,
+        args(dump, "--checkpoint.enable", "--model.name", "qwen3"),
+        "step-4' holds a llama3 model (its checkpoint.json) and this run builds qwen3 (model.name); set model.name "
+        "= llama3",
+    )
 
 
 def test_truncated_checkpoint(dump, capsys):
@@ -252,6 +260,32 @@ def test_bad_initial_load_path(dump, tmp_path, capsys):
     fails_with(
         capsys, dump, args(dump, "--checkpoint.initial_load_path", str(hf_dir)), "is not a readable safetensors file"
     )
+
+
+def test_a_checkpoint_as_initial_load_path_sets_the_architecture(dump, tmp_path, capsys):
+    """A titanlike checkpoint as checkpoint.initial_load_path: its checkpoint.json is the architecture (as a Hugging
+    Face folder's config.json is), whatever the flavor; a model.* option that disagrees, or another model.name, is
+    refused in one line."""
+    step = str(dump / "checkpoint" / "step-4")
+    fails_with(
+        capsys,
+        dump,
+        args(dump, "--checkpoint.initial_load_path", step, "--model.dim", "64"),
+        "sets the architecture from its checkpoint.json, which disagrees with model.dim 64 (checkpoint.json has 32)",
+    )
+    fails_with(
+        capsys,
+        dump,
+        args(dump, "--checkpoint.initial_load_path", step, "--model.name", "qwen3"),
+        "is a llama3 model (its checkpoint.json), model.name is qwen3; set model.name = llama3",
+    )
+    argv = args(tmp_path / "other", "--checkpoint.initial_load_path", step, "--training.steps", "1")
+    argv[argv.index("tiny")] = "debugmodel"  # another flavor: not used, and the start-up line says so
+    trainer = Trainer(load_config(argv, world_size=1))
+    out = capsys.readouterr().out
+    assert trainer.model_args == Trainer(load_config(args(tmp_path / "x"), world_size=1)).model_args
+    assert f"model: architecture from {step} checkpoint.json (model.flavor debugmodel not used): dim 32" in out
+    assert "model llama3: " in out and "llama3/" not in out
 
 
 def test_export_needs_checkpointing(tmp_path, capsys):

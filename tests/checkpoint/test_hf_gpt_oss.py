@@ -118,29 +118,38 @@ def _mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tenso
     return blocks, scales
 
 
+def _mxfp4_folder(theirs, folder):
+    """``theirs`` saved as the published checkpoints are: the experts as random MXFP4 blocks and scales (seeded
+    per layer and projection, as ``_mxfp4``), quantization_config mxfp4. Returns the folder and its config."""
+    from safetensors.torch import save_file
+
+    sd = {k: v.contiguous() for k, v in theirs.state_dict().items()}
+    config = {**theirs.config.to_dict(), "quantization_config": {"quant_method": "mxfp4"}}
+    for i in range(theirs.config.num_hidden_layers):
+        for j, proj in enumerate(("gate_up_proj", "down_proj")):
+            name = f"model.layers.{i}.mlp.experts.{proj}"
+            sd[name + "_blocks"], sd[name + "_scales"] = _mxfp4(tuple(sd.pop(name).shape), seed=10 * i + j)
+    folder.mkdir()
+    save_file(sd, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, config
+
+
 def test_mxfp4_folder_dequantizes_as_transformers_does(tmp_path):
     """An MXFP4 checkpoint (the published form: experts as E2M1 blocks with E8M0 scales, quantization_config mxfp4)
     imports into the training dtype equal, bit for bit, to transformers' own CPU dequantization; the model then
     computes what transformers computes with those weights."""
-    from safetensors.torch import save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     theirs = _theirs(seed=5)
-    sd = {k: v.contiguous() for k, v in theirs.state_dict().items()}
-    config = {**theirs.config.to_dict(), "quantization_config": {"quant_method": "mxfp4"}}
+    folder, config = _mxfp4_folder(theirs, tmp_path / "mxfp4")
     for i in range(CONFIG["num_hidden_layers"]):
         for j, proj in enumerate(("gate_up_proj", "down_proj")):
-            name = f"model.layers.{i}.mlp.experts.{proj}"
-            blocks, scales = _mxfp4(tuple(sd.pop(name).shape), seed=10 * i + j)
-            sd[name + "_blocks"], sd[name + "_scales"] = blocks, scales
+            blocks, scales = _mxfp4(tuple(getattr(theirs.model.layers[i].mlp.experts, proj).shape), seed=10 * i + j)
             want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
             assert torch.equal(gpt_oss_hf.dequantize_mxfp4(blocks, scales, torch.float32), want)
             with torch.no_grad():
                 getattr(theirs.model.layers[i].mlp.experts, proj).copy_(want)  # transformers' model, dequantized
-    folder = tmp_path / "mxfp4"
-    folder.mkdir()
-    save_file(sd, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(config))
     ours_sd, args = load_hf(folder, dtype=torch.float32)
     gate_up = theirs.model.layers[1].mlp.experts.gate_up_proj.transpose(1, 2)
     assert torch.equal(ours_sd["layers.1.moe.experts.w1"], gate_up[:, 0::2])
@@ -185,3 +194,44 @@ def test_training_starts_from_a_save_pretrained_folder_with_no_model_flags(tmp_p
     with torch.no_grad():
         hf_loss = F.cross_entropy(theirs(x).logits.flatten(0, 1), y.flatten()).item()
     assert abs(loss - hf_loss) <= 1e-5, (loss, hf_loss)
+
+
+def test_an_mxfp4_folder_and_its_from_hf_seed_train_from_their_own_architecture(tmp_path, capsys):
+    """checkpoint.initial_load_path an MXFP4 folder trains (the fit check sees the uint8 blocks as they are); its
+    ``from-hf`` seed, whose shape no model.* key expresses (moe_hidden_dim 32, head_dim 16, YaRN, clamp 0.5), starts
+    from its checkpoint.json with the same step-1 loss; a model.* option that disagrees with the seed is refused."""
+    import importlib.util
+    from pathlib import Path
+
+    from titanlike.errors import ConfigError
+
+    folder, _ = _mxfp4_folder(_theirs(seed=5, vocab_size=2048), tmp_path / "mxfp4")
+    argv = ["--training.steps", "1", "--training.local_batch_size", "2", "--training.seq_len", "32"]
+    argv += ["--data.path", str(asset_path("corpus", "tinyshakespeare.txt")), "--validation.enable", "false"]
+    argv += ["--metrics.enable_tensorboard", "false"]
+
+    def run(source, name, *extra):
+        cfg = load_config([*argv, "--checkpoint.initial_load_path", str(source), "--job.dump_folder", name, *extra])
+        trainer = Trainer(cfg)
+        return trainer, trainer.train()[0]
+
+    trainer, loss = run(folder, str(tmp_path / "a"))
+    printed = capsys.readouterr().out
+    assert f"model: architecture from {folder} config.json: dim 64" in printed and "model gpt_oss: " in printed
+    assert "flavor" not in printed  # the architecture did not come from one
+    script = Path(__file__).resolve().parents[2] / "scripts" / "convert_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", script)
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    seed = tmp_path / "seed" / "step-0"
+    assert convert.main(["from-hf", str(folder), str(seed)]) == 0
+    capsys.readouterr()
+    again, seed_loss = run(seed, str(tmp_path / "b"))
+    assert "checksums verified while read" in capsys.readouterr().out  # the seed records its checksums
+    assert again.model_args == trainer.model_args and seed_loss == loss
+    args = again.model_args
+    assert (args.moe_hidden_dim, args.swiglu_limit, args.rope_scaling) == (32, 0.5, "yarn")
+    with pytest.raises(ConfigError, match=r"disagrees with model.sliding_window 7 \(checkpoint.json has 5\)"):
+        run(seed, str(tmp_path / "c"), "--model.sliding_window", "7")
+    with pytest.raises(ConfigError, match="is a gpt_oss model \\(its checkpoint.json\\), model.name is llama3"):
+        run(seed, str(tmp_path / "d"), "--model.name", "llama3")

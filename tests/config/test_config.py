@@ -144,7 +144,7 @@ def test_model_keys_are_derived_from_the_schema_and_the_args_dataclass():
     assert model_keys_read(tiny, section) == ("dim", "rope_theta")
     read = {k for name in registered() for k in model_keys_read(get_spec(name), section)}
     overrides = {f.name for f in dataclasses.fields(section) if f.metadata}
-    assert read == overrides and len(overrides) == 20  # no [model] override that no model reads
+    assert read == overrides and len(overrides) == 25  # no [model] override that no model reads
     assert model_overrides(section) == {}
     cfg = load_config(["--model.dim", "128", "--model.tie_embeddings", "false", "--model.rope_scaling", "none"])
     assert model_overrides(cfg.model) == {"tie_embeddings": False, "dim": 128, "rope_scaling": "none"}

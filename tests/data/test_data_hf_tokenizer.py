@@ -10,9 +10,16 @@ import pickle
 
 import numpy as np
 import pytest
-from data_files import BOS, EOS, documents, make_hf_tokenizer
+from data_files import BOS, EOS, documents, make_hf_tokenizer, make_tokenizer_without_its_unknown_token
 
-from titanlike.data import HFTokenizer, build_tokenizer, load_token_stream, open_token_file, write_token_file
+from titanlike.data import (
+    HFTokenizer,
+    asset_path,
+    build_tokenizer,
+    load_token_stream,
+    open_token_file,
+    write_token_file,
+)
 
 TEXTS = [
     *documents(6, seed=1),
@@ -82,6 +89,26 @@ def test_bad_folders_are_one_line(tmp_path):
         build_tokenizer(str(tmp_path))
     with pytest.raises(ValueError, match="its pattern is in tokenizer.json"):
         build_tokenizer(str(tmp_path), pattern=r"\w+")
+
+
+def test_a_tokenizer_without_its_unknown_token_is_one_line_in_encode_and_in_train(tmp_path, capsys):
+    """tokenizer.json names an unknown token its vocabulary lacks: encoding a character outside the vocabulary is
+    one ValueError naming the token (the library raises a bare Exception), and train.py exits 2 with that line."""
+    from titanlike.training.trainer import main
+
+    folder = make_tokenizer_without_its_unknown_token(tmp_path / "tok")
+    tok = build_tokenizer(str(folder))
+    assert tok.encode("ab") == [0, 1]
+    for encode in (lambda: tok.encode("ROMEO: 1"), lambda: tok.encode_batch(["ab", "c, d"])):
+        with pytest.raises(ValueError, match="the unknown token '<unk>' that its tokenizer.json names is not in"):
+            encode()
+    argv = ["--model.flavor", "tiny", "--model.tokenizer", str(folder), "--training.steps", "1"]
+    argv += ["--job.dump_folder", str(tmp_path / "run"), "--metrics.enable_tensorboard", "false", "--data.path"]
+    argv += [str(asset_path("corpus", "tinyshakespeare.txt"))]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "'<unk>'" in err, err
 
 
 def test_a_bin_records_the_tokenizer_json_it_was_made_with(tmp_path, folders):

@@ -185,3 +185,19 @@ def test_script_on_a_run_checkpoint_prints_the_accuracy_of_lm_evals_hf_model_on_
     capsys.readouterr()
     assert script.main(["--checkpoint", str(tmp_path / "checkpoint"), "--tasks", "x", "--model_args", "bogus=1"]) == 2
     assert capsys.readouterr().err.startswith("error: titanlike LM: unknown model_args ['bogus']")
+
+
+def test_script_without_lm_eval_is_one_line_naming_the_extra(monkeypatch, capsys):
+    """lm-evaluation-harness not installed (simulated: its import fails as a missing module's does): scripts/eval.py
+    prints one line naming the eval extra and exits 2, before any checkpoint is read."""
+    import sys
+
+    import eval as script  # scripts/eval.py
+
+    for name in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval...` raises ModuleNotFoundError
+    assert script.main(["--checkpoint", "nowhere", "--tasks", "shakespeare_next_line"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: scripts/eval.py needs lm-evaluation-harness") and "\n" not in err, err
+    assert "pip install -e '.[eval]'" in err

@@ -169,7 +169,9 @@ def test_tp2_refuses_a_model_that_needs_sequence_parallelism(tp2):
 
 def test_script_prints_text_equal_to_transformers_on_the_export(tmp_path, capsys):
     """``scripts/generate.py --checkpoint <checkpoint folder> --prompt "ROMEO:"`` on a run's checkpoint (its newest
-    step, the tokenizer it recorded): the greedy text is transformers' on the exported folder, decoded."""
+    step, the tokenizer it recorded): the greedy continuation is transformers' on the exported folder, decoded,
+    printed under its own header after the prompt's; ``--plain`` prints the two as one text; ``--ignore-eos`` keeps
+    every EOS generated as its text."""
     import generate as script  # scripts/generate.py
 
     from titanlike.checkpoint import export_hf
@@ -180,6 +182,9 @@ def test_script_prints_text_equal_to_transformers_on_the_export(tmp_path, capsys
     args = spec.flavors["tiny"].replace(vocab_size=2048)
     model = spec.build(args)
     model.init_weights(seed=3)
+    torch.manual_seed(
+        0
+    )  # the same weights every run (seeds 3 and 4 greedy-pick a padded id >= 2008, which we never do)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -191,14 +196,49 @@ def test_script_prints_text_equal_to_transformers_on_the_export(tmp_path, capsys
     hf = export_hf(step, tmp_path / "hf")
     ids = tok.encode("ROMEO:")
     (expected,) = hf_greedy(hf, [ids], new=12, eos=tok.eos_id)
-    assert text == "ROMEO:" + tok.decode([t for t in expected if t != tok.eos_id])
-    assert len(text) > len("ROMEO:")
-    assert script.main(["--checkpoint", str(hf), "--tokenizer", "test", *short]) == 0
-    assert capsys.readouterr().out.removesuffix("\n") == text
+    ended = expected[-1] == tok.eos_id
+    continuation = tok.decode(expected[:-1] if ended else expected)
+    why = "ended at EOS" if ended else "no EOS"
+    assert text == f"--- prompt 1 ---\nROMEO:\n--- continuation ({len(expected)} tokens, {why}) ---\n{continuation}"
+    assert continuation
+    assert script.main(["--checkpoint", str(hf), "--tokenizer", "test", "--plain", *short]) == 0
+    assert capsys.readouterr().out.removesuffix("\n") == "ROMEO:" + continuation
+    # EOS as the model's likeliest next token: the row ends there; with --ignore-eos every EOS is printed as text
+    with torch.no_grad():  # the blocks add nothing, every embedding is ones: only EOS gets a positive logit
+        for name, p in model.named_parameters():
+            if name.endswith(("wo.weight", "w2.weight")):
+                p.zero_()
+        model.tok_embeddings.weight.fill_(1.0)
+        model.norm.weight.fill_(1.0)
+        model.output.weight.zero_()
+        model.output.weight[tok.eos_id] = 1.0
+    write_seed_checkpoint(dict(model.state_dict()), args, tmp_path / "eos" / "step-1", **meta)
+    eos_argv = ["--checkpoint", str(tmp_path / "eos"), "--prompt", "ROMEO:", "--max-new-tokens", "3"]
+    assert script.main(eos_argv) == 0
+    assert capsys.readouterr().out.endswith("--- continuation (1 tokens, ended at EOS) ---\n\n")
+    assert script.main([*eos_argv, "--ignore-eos"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("<|end_of_text|>") == 3 and "(3 tokens, no EOS)" in out, out
     assert script.main(["--checkpoint", str(tmp_path / "checkpoint"), "--top-p", "2"]) == 2
     assert capsys.readouterr().err.strip() == "error: top_p 2.0 is not in (0, 1]"
     assert script.main(["--checkpoint", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
     assert "neither a titanlike checkpoint" in capsys.readouterr().err
+
+
+def test_script_names_the_unknown_token_a_tokenizer_lacks(tmp_path, capsys):
+    """A tokenizer whose tokenizer.json names an unknown token its vocabulary lacks, given a prompt with a character
+    outside the vocabulary: one line naming the token, exit 2 (the library raises a bare Exception)."""
+    import generate as script  # scripts/generate.py
+    from data_files import make_tokenizer_without_its_unknown_token
+
+    folder = make_tokenizer_without_its_unknown_token(tmp_path / "tok")
+    model, args = tiny("llama3")
+    write_seed_checkpoint(dict(model.state_dict()), args, tmp_path / "step-0")
+    argv = ["--checkpoint", str(tmp_path / "step-0"), "--tokenizer", str(folder), "--prompt", "ROMEO: 1"]
+    capsys.readouterr()
+    assert script.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "the unknown token '<unk>'" in err, err
 
 
 def test_a_transformers_model_cannot_cache_says_so_and_generates_transformers_tokens(tmp_path):

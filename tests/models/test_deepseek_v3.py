@@ -267,3 +267,31 @@ def test_sharding_declares_every_module_of_each_flavor():
     for flavor, args in FLAVORS.items():
         model = SPEC.build_meta(args.replace(vocab_size=64 if args.vocab_size < 0 else args.vocab_size))
         assert check_sharding(SPEC.sharding_of(args), [n for n, _ in model.named_modules()]) == [], flavor
+
+
+def test_mtp_layers_below_the_weights_depths_drops_them_and_above_is_refused_naming_the_weights(tmp_path):
+    """``--model.mtp_layers 0`` on a Hugging Face folder whose weights hold an MTP depth trains without it (the main
+    model's step-1 loss as with it); more depths than the weights hold is refused naming what they hold, for our
+    export (1 depth) and for a save_pretrained folder (config.json says 1, the weights hold none)."""
+    from titanlike.errors import ConfigError
+
+    args = FLAVORS["tiny"].replace(vocab_size=2048)
+    model = SPEC.build(args)
+    model.init_weights(seed=2)
+    folder = save_hf(model.state_dict(), args, tmp_path / "hf")
+    argv = ["--training.steps", "1", "--training.local_batch_size", "2", "--training.seq_len", "32", "--data.path"]
+    argv += [str(asset_path("corpus", "tinyshakespeare.txt")), "--validation.enable", "false"]
+    argv += ["--metrics.enable_tensorboard", "false", "--checkpoint.initial_load_path"]
+
+    def run(source, dump, *extra):
+        return Trainer(load_config([*argv, str(source), "--job.dump_folder", str(tmp_path / dump), *extra]))
+
+    with_mtp, without = run(folder, "a"), run(folder, "b", "--model.mtp_layers", "0")
+    assert (with_mtp.model_args.mtp_layers, without.model_args.mtp_layers) == (1, 0)
+    assert not any(k.startswith("mtp.") for k in without.model_parts[0].state_dict())
+    assert with_mtp.train() == without.train()  # the main model's loss; the depth's is logged beside it
+    with pytest.raises(ConfigError, match=r"model.mtp_layers 2: its weights hold 1 MTP depth\(s\)"):
+        run(folder, "c", "--model.mtp_layers", "2")
+    _theirs(vocab_size=2048).save_pretrained(tmp_path / "theirs")
+    with pytest.raises(ConfigError, match=r"model.mtp_layers 1: its weights hold 0 MTP depth\(s\)"):
+        run(tmp_path / "theirs", "d", "--model.mtp_layers", "1")

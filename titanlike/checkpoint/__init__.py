@@ -36,7 +36,7 @@ from titanlike.checkpoint.checksums import (
     tensor_digest,
     verify_checksums,
 )
-from titanlike.checkpoint.export import export_hf, write_seed_checkpoint
+from titanlike.checkpoint.export import export_hf, resolve_step, write_seed_checkpoint
 from titanlike.checkpoint.files import (
     check_writable,
     checkpoint_folder,
@@ -44,7 +44,14 @@ from titanlike.checkpoint.files import (
     read_dcp_metadata,
 )
 from titanlike.checkpoint.manager import CheckpointManager, CheckpointSaveError, NonFiniteStateError, ResumePlan
-from titanlike.checkpoint.meta import FORMAT, META_NAME, model_args_of, read_meta, tokenizer_meta
+from titanlike.checkpoint.meta import (
+    FORMAT,
+    META_NAME,
+    model_args_of,
+    read_meta,
+    recorded_tokenizer,
+    tokenizer_meta,
+)
 from titanlike.checkpoint.parts import (
     ModelPartsView,
     check_model_fits,
@@ -82,9 +89,11 @@ __all__ = [
     "read_dcp_metadata",
     "read_meta",
     "read_model_state_dict",
+    "resolve_step",
     "save_parts",
     "tensor_digest",
     "tied_pairs",
+    "recorded_tokenizer",
     "tokenizer_meta",
     "verify_checksums",
     "write_seed_checkpoint",

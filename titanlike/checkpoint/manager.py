@@ -337,7 +337,7 @@ class CheckpointManager:
                 f"run from it with checkpoint.initial_load_path (in another checkpoint.folder), "
                 f"or move it away to resume from the checkpoint before it"
             )
-        check_model_fits(metadata, expected, path)
+        check_model_fits(metadata, expected, path, self.model_args)
         keys = metadata.state_dict_metadata
         saved_by = read_meta(path).get("optimizer", "AdamW")  # checkpoints from before Muon: AdamW
         if saved_by != self.optimizer_name and any(k.startswith("optimizer.") for k in keys):
@@ -453,11 +453,10 @@ class CheckpointManager:
         if not path.exists():
             raise ConfigError(f"checkpoint.initial_load_path: '{path}' does not exist")
         if path.is_dir() and (path / ".metadata").is_file():
-            check_model_fits(read_dcp_metadata(path), expected, path)
+            check_model_fits(read_dcp_metadata(path), expected, path, self.model_args)
             return dataclasses.replace(plan, action="initial_dcp", path=str(path))
         try:
             files, folder = hf.resolve_weights(path)
-            shapes = hf.safetensors_shapes(files)
             config = hf.read_hf_config(folder)
             if config is not None:
                 hf.check_same_architecture(
@@ -465,7 +464,7 @@ class CheckpointManager:
                     self.model_args,
                     f"'{path}'",
                 )
-            hf.from_hf({k: torch.empty(s, device="meta") for k, s in shapes.items()}, self.model_args)
+            hf.from_hf(hf.safetensors_placeholders(files), self.model_args)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(
                 f"checkpoint.initial_load_path: {e}; give a checkpoint step folder or a Hugging "
@@ -919,6 +918,7 @@ class CheckpointManager:
                 self.folder / f"step-{self.last_step}",
                 out.with_name(f"final.new-{run_id}"),
                 dtype=getattr(torch, self.cfg.export_dtype),
+                tokenizer=self.tokenizer,
             )
             if out.exists():  # a previous run's export of an older step: replace it
                 remove_dir(out, run_id)

@@ -51,8 +51,18 @@ def checkpoint_meta(step: int, kind: str, args, world_size: int, **extra) -> dic
 
 
 def tokenizer_meta(tokenizer) -> dict:
-    """What checkpoint.json records of the tokenizer (Hugging Face export writes bos/eos ids from it)."""
-    return {"tokenizer": tokenizer.name, "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id}
+    """What checkpoint.json records of the tokenizer (Hugging Face export writes bos/eos ids from it): its name and,
+    for one read from a file or folder, ``tokenizer_source``, the absolute path that rebuilds it."""
+    out = {"tokenizer": tokenizer.name, "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id}
+    source = getattr(tokenizer, "source", tokenizer.name)
+    if source != tokenizer.name:
+        out["tokenizer_source"] = source
+    return out
+
+
+def recorded_tokenizer(meta: dict) -> str | None:
+    """What ``build_tokenizer`` rebuilds the tokenizer a checkpoint.json records from (None: it records none)."""
+    return meta.get("tokenizer_source") or meta.get("tokenizer")
 
 
 def model_args_of(path: str | os.PathLike):
@@ -69,4 +79,4 @@ def model_args_of(path: str | os.PathLike):
         spec = get_spec(meta.get("model", DEFAULT_MODEL))
     except UnknownModelError as e:
         raise ConfigError(f"checkpoint '{path}': {e}") from None
-    return spec.args_cls(**meta["model_args"])
+    return spec.args_from_record(meta["model_args"])

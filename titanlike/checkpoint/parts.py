@@ -160,11 +160,14 @@ def verified_records(path: str | os.PathLike) -> dict | None:
 
 
 # ---------------------------------------------------------------------------------------------------- checks
-def check_model_fits(metadata, expected: dict[str, torch.Size], path: str | os.PathLike) -> None:
-    """ConfigError unless the checkpoint's ``model.*`` entries are exactly the model's FQNs with its shapes."""
+def check_model_fits(metadata, expected: dict[str, torch.Size], path: str | os.PathLike, args=None) -> None:
+    """ConfigError unless the checkpoint's ``model.*`` entries are exactly the model's FQNs with its shapes. With
+    ``args`` (this run's model), a checkpoint whose checkpoint.json records another model is refused naming it."""
     saved = {k[len("model.") :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
     if not saved:
         raise ConfigError(f"checkpoint '{path}' holds no model weights; is it a titanlike checkpoint?")
+    if args is not None:
+        _check_same_model(path, args)
     for fqn, shape in expected.items():
         if fqn not in saved:
             raise ConfigError(f"checkpoint '{path}' is for a different model: it has no '{fqn}'")
@@ -177,6 +180,19 @@ def check_model_fits(metadata, expected: dict[str, torch.Size], path: str | os.P
     if extra:
         raise ConfigError(
             f"checkpoint '{path}' is for a different model: it has '{extra[0]}', which this model has not"
+        )
+
+
+def _check_same_model(path, args) -> None:
+    """A checkpoint whose checkpoint.json names another registered model than ``args``': one line naming both."""
+    from titanlike.checkpoint.meta import read_meta
+    from titanlike.models import spec_for
+
+    theirs, ours = read_meta(path).get("model"), spec_for(args)
+    if theirs is not None and ours is not None and theirs != ours.name:
+        raise ConfigError(
+            f"checkpoint '{path}' holds a {theirs} model (its checkpoint.json) and this run builds {ours.name} "
+            f"(model.name); set model.name = {theirs}, or use another checkpoint.folder / job.dump_folder"
         )
 
 

@@ -102,6 +102,7 @@ class HFTokenizer(SpecialTokens):
         tk.encode_special_tokens = True
         self._tk = tk
         self.path = str(folder)
+        self.source = str(folder.resolve())  # what build_tokenizer rebuilds it from
         self.name = folder.resolve().name or "tokenizer"
         self.fingerprint = hashlib.sha256(raw).hexdigest()[:16]
         vocab = tk.get_vocab(with_added_tokens=True)
@@ -124,14 +125,33 @@ class HFTokenizer(SpecialTokens):
         return self._tk
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-        return self.wrap(self._tk.encode(text, add_special_tokens=False).ids, bos, eos)
+        try:
+            ids = self._tk.encode(text, add_special_tokens=False).ids
+        except Exception as e:  # noqa: BLE001 - the library raises plain Exceptions
+            raise self._encode_error(e) from None
+        return self.wrap(ids, bos, eos)
+
+    def _encode_error(self, e: Exception) -> ValueError:
+        """One line for what the library refuses to encode: a character outside the vocabulary whose unknown token
+        (named by tokenizer.json's model) the vocabulary does not hold, named."""
+        unk = getattr(self._tk.model, "unk_token", None)
+        if unk and self._tk.token_to_id(unk) is None:
+            return ValueError(
+                f"tokenizer {self.path}: the text holds a character outside its vocabulary, and the unknown token "
+                f"{unk!r} that its tokenizer.json names is not in the vocabulary; add {unk!r} to the vocabulary, set "
+                f"the model's unk_token to null (such characters are then dropped), or use another tokenizer"
+            )
+        return ValueError(f"tokenizer {self.path} cannot encode the text ({str(e).splitlines()[0] if str(e) else e!r})")
 
     def encode_batch(
         self, texts: Sequence[str], bos: bool = False, eos: bool = False, num_threads: int | None = None
     ) -> list[list[int]]:
         """`encode` over many documents in the library's thread pool (sized once per process by the
         RAYON_NUM_THREADS environment variable, all cores by default; ``num_threads`` is tiktoken's knob)."""
-        batch = self._tk.encode_batch_fast(list(texts), add_special_tokens=False)
+        try:
+            batch = self._tk.encode_batch_fast(list(texts), add_special_tokens=False)
+        except Exception as e:  # noqa: BLE001 - the library raises plain Exceptions
+            raise self._encode_error(e) from None
         return [self.wrap(e.ids, bos, eos) for e in batch]
 
     def decode(self, ids: Sequence[int]) -> str:

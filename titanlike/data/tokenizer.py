@@ -75,8 +75,16 @@ class Tokenizer(SpecialTokens):
     document is encoded as ordinary text, so user data can never inject control tokens.
     """
 
-    def __init__(self, name: str, encoding: tiktoken.Encoding, eos_token: str, bos_token: str | None = None):
+    def __init__(
+        self,
+        name: str,
+        encoding: tiktoken.Encoding,
+        eos_token: str,
+        bos_token: str | None = None,
+        source: str | None = None,
+    ):
         self.name = name
+        self.source = source or name  # what build_tokenizer rebuilds it from: the name, or the rank file's path
         self.encoding = encoding
         self.special_tokens: dict[str, int] = dict(
             sorted(((t, encoding.encode_single_token(t)) for t in encoding.special_tokens_set), key=lambda kv: kv[1])
@@ -134,7 +142,9 @@ def build_tokenizer(name_or_path: str, pattern: str | None = None):
             f"nor an existing .tiktoken rank file or Hugging Face tokenizer folder (tokenizer.json); use one of "
             f"those names or fix the path"
         )
-    return _build(path.stem, path, pattern or LLAMA3_PATTERN, None, END_OF_TEXT, BEGIN_OF_TEXT)
+    tok = _build(path.stem, path, pattern or LLAMA3_PATTERN, None, END_OF_TEXT, BEGIN_OF_TEXT)
+    tok.source = str(path.resolve())
+    return tok
 
 
 def _build(

@@ -24,6 +24,7 @@ __all__ = [
     "read_safetensors",
     "resolve_safetensors",
     "resolve_weights",
+    "safetensors_placeholders",
     "safetensors_shapes",
     "write_hf_folder",
 ]
@@ -164,6 +165,40 @@ def safetensors_shapes(weights: Path | list[Path]) -> dict[str, tuple[int, ...]]
                     if k in out:
                         raise ValueError(f"'{k}' is in more than one shard ('{w}' and another)")
                     out[k] = tuple(f.get_slice(k).get_shape())
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"'{w}' is not a readable safetensors file ({e})") from None
+    return out
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+def safetensors_placeholders(weights: Path | list[Path]) -> dict[str, torch.Tensor]:
+    """HF name -> a meta tensor of each tensor's shape and dtype (from the headers; no data is read): what a
+    conversion can run on to check a checkpoint fits before any weight is loaded (MXFP4 blocks stay uint8)."""
+    from safetensors import SafetensorError, safe_open
+
+    out = {}
+    for w in [weights] if isinstance(weights, Path) else weights:
+        try:
+            with safe_open(str(w), framework="pt") as f:
+                for k in f.keys():
+                    s = f.get_slice(k)
+                    dtype = getattr(torch, _SAFETENSORS_DTYPES.get(s.get_dtype(), "float32"))
+                    out[k] = torch.empty(tuple(s.get_shape()), dtype=dtype, device="meta")
         except (SafetensorError, OSError) as e:
             raise ValueError(f"'{w}' is not a readable safetensors file ({e})") from None
     return out

@@ -133,6 +133,14 @@ class ModelSpec:
                 object.__setattr__(self, name, tuple(value) if isinstance(value, list) else value)
 
     # -------------------------------------------------------------------- helpers used across the package
+    def args_from_record(self, record: dict):
+        """The args recorded as JSON (checkpoint.json's ``model_args``): JSON lists back to the tuples they were."""
+
+        def value(v):
+            return tuple(value(x) for x in v) if isinstance(v, list) else v
+
+        return self.args_cls(**{k: value(v) for k, v in record.items()})
+
     def build(self, args) -> nn.Module:
         """The whole model of ``args`` (pipeline stages are cut from it: titanlike.parallel.pipeline)."""
         return self.model_cls(args)

@@ -217,6 +217,34 @@ def expert_metrics(moe: dict) -> dict[str, float]:
 EXPERT_LOAD_PICTURE = "expert_load.svg"
 
 
+class ImbalanceWatch:
+    """Warns once when the busiest expert of some MoE layer keeps more than ``threshold`` x the mean tokens for
+    ``steps`` steps in a row (routing collapsing onto a few experts); ``threshold`` 0: never. :meth:`update` takes a
+    step's ``StepResult.moe`` and returns the warning line the first time the condition holds, else None."""
+
+    def __init__(self, threshold: float, steps: int):
+        self.threshold, self.steps = threshold, steps
+        self.run, self.warned = 0, False
+
+    def update(self, moe: dict, step: int) -> str | None:
+        if self.warned or not self.threshold:
+            return None
+        loads = moe["loads"].to(torch.float64)
+        ratio = loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-12)
+        worst = int(ratio.argmax())
+        self.run = self.run + 1 if float(ratio[worst]) > self.threshold else 0
+        if self.run < self.steps:
+            return None
+        self.warned = True
+        return (
+            f"warning: MoE load: the busiest expert has held more than {self.threshold:g}x the mean tokens for "
+            f"{self.steps} steps in a row (step {step}: MoE layer {worst} at {float(ratio[worst]):.2f}x); routing is "
+            f"collapsing onto a few experts: "
+            f"set model.load_balance_coeff (the expert-bias rate, e.g. 1e-3) or model.aux_loss_coeff (e.g. 1e-2) "
+            f"(docs/moe.md; metrics.moe_imbalance_warn 0 silences this)"
+        )
+
+
 def write_expert_load_picture(folder: str | Path, loads: torch.Tensor, step: int) -> Path:
     """``<folder>/expert_load.svg``: the step's tokens per expert, one row per MoE layer, one cell per expert,
     coloured by load / the layer's mean (white 0, blue 1 = balanced, red >= 2; the number of tokens in each cell's

@@ -19,13 +19,21 @@ import torch
 import torch.distributed as dist
 
 from titanlike import fault, hang
-from titanlike.config import JobConfig, config_help, hf_architecture_of, load_config, model_args_from_config
+from titanlike.config import (
+    JobConfig,
+    architecture_file,
+    config_help,
+    initial_architecture_of,
+    load_config,
+    model_args_from_config,
+)
 from titanlike.errors import ConfigError
 from titanlike.layout import batch_split, float8_backend, layout_violations, master_dtype
 from titanlike.loss import IGNORE_INDEX
 from titanlike.models import get_spec
 from titanlike.parallel import ParallelDims, build_parallel_model, describe_layout
 from titanlike.training.metrics import (
+    ImbalanceWatch,
     MetricsLogger,
     Throughput,
     data_metrics,
@@ -172,12 +180,16 @@ class Trainer:
             raise ConfigError(f"model.tokenizer: {e}") from None
         self.model_args = model_args_from_config(cfg, self.tokenizer.vocab_size)
         self.architecture_note = None
-        if hf_architecture_of(cfg) is not None:
+        self.architecture_from = None  # the file the architecture came from, instead of a flavor
+        if initial_architecture_of(cfg) is not None:
             from titanlike.hf import describe_args
 
+            self.architecture_from = f"{cfg.checkpoint.initial_load_path} {architecture_file(cfg)}"
+            unused = (
+                f" (model.flavor {cfg.model.flavor} not used)" if "model.flavor" in getattr(cfg, "explicit", ()) else ""
+            )
             self.architecture_note = (
-                f"model: architecture from {cfg.checkpoint.initial_load_path} config.json "
-                f"(overrides flavor {cfg.model.flavor}): {describe_args(self.model_args)}"
+                f"model: architecture from {self.architecture_from}{unused}: {describe_args(self.model_args)}"
             )
         self.spec = get_spec(cfg.model.name)
         if self.spec.args_from_overrides is not None and self.spec.hf_adapter:  # model.name = "hf": its config.json
@@ -461,8 +473,9 @@ class Trainer:
             print(f"data: mixture of {len(corpus.sources)} sources: {corpus.describe()}", flush=True)
         active = getattr(args, "num_active_params", None)  # a model with experts: what one token uses
         active_note = f" ({active() / 1e6:.2f}M active per token)" if active is not None else ""
+        flavor = f"/{cfg.model.flavor}" if self.spec.flavors and self.architecture_from is None else ""
         print(
-            f"model {cfg.model.name}{'/' + cfg.model.flavor if self.spec.flavors else ''}: "
+            f"model {cfg.model.name}{flavor}: "
             f"{self.num_params / 1e6:.2f}M parameters{active_note}, "
             f"vocab {args.vocab_size}; data: {n_train:,} train / {n_val:,} val tokens "
             f"(loaded in {self.data_seconds:.1f}s); global batch {self.global_batch} x {t.seq_len} "
@@ -655,6 +668,7 @@ class Trainer:
         from titanlike.training.profiling import maybe_profile
 
         rate = self._step_rate()
+        imbalance = ImbalanceWatch(cfg.metrics.moe_imbalance_warn, cfg.metrics.moe_imbalance_steps)
         epochs = self.corpus.epochs(loader_position(self.dataloader))
         data_iter = iter(self.dataloader)
         losses: list[float] = []
@@ -679,6 +693,9 @@ class Trainer:
                 rate.throughput.add(res.tokens)
                 self.tokens_seen += res.tokens
                 losses.append(res.loss)
+                warning = imbalance.update(res.moe, self.step) if res.moe is not None else None
+                if warning and self.rank == 0:
+                    print(warning, flush=True)
                 position = loader_position(self.dataloader)
                 epochs = self._log_epochs(epochs, position)
                 if res.skipped:

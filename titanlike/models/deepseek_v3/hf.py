@@ -20,7 +20,9 @@ export writes them). transformers' own ``DeepseekV3ForCausalLM`` ignores those l
 ``num_nextn_predict_layers`` says how many depths a checkpoint may have; the depths imported are those whose
 weights the files hold (:func:`args_for_weights`).
 
-Import takes the correction bias (``load_balance_coeff`` 1e-3: it keeps being updated in training); transformers 5's
+Import takes the correction bias, updated in training at ``load_balance_coeff`` 1e-3 (DeepSeek-V3's rate for most of
+its pre-training) unless ``model.load_balance_coeff`` sets another (0: frozen off, which a non-zero bias refuses);
+transformers 5's
 fused in-memory experts (``gate_up_proj``, ``down_proj``) import too; export writes every expert apart.
 """
 
@@ -138,10 +140,16 @@ def _from_layer(name: str, t: torch.Tensor, args, out: dict, experts: Experts, c
 def from_hf(hf_state_dict: dict[str, torch.Tensor], args: DeepseekV3Args) -> dict[str, torch.Tensor]:
     """A Hugging Face DeepSeek-V3 state dict (per-expert or fused experts; MTP layers after the last decoder
     layer) -> our FQNs; a correction bias the model does not keep (``load_balance_coeff`` None) must be zero, the
-    MTP layers' embedding / head copies equal the model's. Whether it is exactly the model's state dict is the
-    caller's check."""
+    MTP layers' embedding / head copies equal the model's. MTP layers (those with an ``eh_proj``) beyond the model's
+    ``mtp_layers`` are dropped (``--model.mtp_layers 0`` trains without them). Whether it is exactly the model's
+    state dict is the caller's check."""
     out, experts, copies = {}, Experts(), {}
+    mtp_held = {int(m.group(1)) for n in hf_state_dict if (m := _HF.fullmatch(n)) and m.group(2) == "eh_proj.weight"}
+    dropped = {i for i in mtp_held if i >= args.n_layers + args.mtp_layers}
     for name, t in hf_state_dict.items():
+        m = _HF.fullmatch(name)
+        if m and int(m.group(1)) in dropped:
+            continue
         if name in _TOP_BACK:
             if not (name == "lm_head.weight" and args.tie_embeddings):
                 out[_TOP_BACK[name]] = t
@@ -179,6 +187,22 @@ def args_for_weights(args: DeepseekV3Args, names) -> DeepseekV3Args:
     while args.n_layers + depths in held and depths < args.mtp_layers:
         depths += 1
     return args.replace(mtp_layers=depths)
+
+
+def import_overrides(args: DeepseekV3Args, overrides: dict) -> tuple[DeepseekV3Args, dict]:
+    """The model.* options an import honours over config.json (optional adapter member): ``mtp_layers`` up to the
+    depths the weights hold (the others are dropped). Returns the args and the options left to compare; ValueError
+    for more depths than the weights hold."""
+    left = dict(overrides)
+    depths = left.pop("mtp_layers", None)
+    if depths is not None and depths > args.mtp_layers:
+        raise ValueError(
+            f"model.mtp_layers {depths}: its weights hold {args.mtp_layers} MTP depth(s) (config.json's "
+            f"num_nextn_predict_layers counts those a checkpoint may hold); set model.mtp_layers 0..{args.mtp_layers}"
+        )
+    if depths is not None:
+        args = args.replace(mtp_layers=depths)
+    return args, left
 
 
 def export_violations(args: DeepseekV3Args) -> list[str]:
