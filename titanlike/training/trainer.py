@@ -940,8 +940,14 @@ def set_deterministic() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--help" in argv or "-h" in argv:
-        print(config_help(), end="")
+    if "--help" in argv or "-h" in argv:  # --help [SECTION]
+        i = max(i for i, a in enumerate(argv) if a in ("--help", "-h"))
+        section = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else None
+        try:
+            print(config_help(section), end="")
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 2
         return 0
     try:
         cfg = load_config(argv)
