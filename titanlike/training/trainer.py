@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import signal
 import sys
 import time
 import weakref
@@ -797,13 +798,11 @@ class Trainer:
         from titanlike.training.exit_signals import EXIT_PREEMPTED, Preempted, signal_name
 
         name = signal_name(signum)
-        if self.rank == 0:
-            print(f"checkpoint: {name} received: saving step {self.step} before exiting", flush=True)
         exit_signals.saving = True
         with self._op(f"the checkpoint save of step {self.step} on {name}"):
             self.checkpointer.save_now(self.step)
         raise Preempted(
-            f"checkpoint: stopped on {name} after saving step {self.step}; exit code {EXIT_PREEMPTED}: the same "
+            f"checkpoint: stopped on {name}{' (Ctrl-C)' if name == 'SIGINT' else ''} after saving step {self.step}; exit code {EXIT_PREEMPTED}: the same "
             f"command resumes at step {self.step} (nothing is recomputed)",
             step=self.step,
             signal_name=name,
@@ -960,6 +959,15 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         trainer.train()
+    except KeyboardInterrupt:  # Ctrl-C with nothing to save it into (checkpoint.enable off, or [] exit signals)
+        if trainer.rank == 0:
+            print(
+                f"interrupted (Ctrl-C) in step {trainer.step}: nothing saved (saving on Ctrl-C needs "
+                f"checkpoint.enable and SIGINT in checkpoint.exit_signals)",
+                file=sys.stderr,
+                flush=True,
+            )
+        code = 128 + signal.SIGINT
     except Preempted as e:  # an exit signal: the step is saved, the same command resumes it
         if trainer.rank == 0:
             print(e, flush=True)
