@@ -801,8 +801,9 @@ class Trainer:
         exit_signals.saving = True
         with self._op(f"the checkpoint save of step {self.step} on {name}"):
             self.checkpointer.save_now(self.step)
+        ctrl_c = " (Ctrl-C)" if name == "SIGINT" else ""
         raise Preempted(
-            f"checkpoint: stopped on {name}{' (Ctrl-C)' if name == 'SIGINT' else ''} after saving step {self.step}; exit code {EXIT_PREEMPTED}: the same "
+            f"checkpoint: stopped on {name}{ctrl_c} after saving step {self.step}; exit code {EXIT_PREEMPTED}: the same "
             f"command resumes at step {self.step} (nothing is recomputed)",
             step=self.step,
             signal_name=name,
