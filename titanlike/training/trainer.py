@@ -803,8 +803,8 @@ class Trainer:
             self.checkpointer.save_now(self.step)
         ctrl_c = " (Ctrl-C)" if name == "SIGINT" else ""
         raise Preempted(
-            f"checkpoint: stopped on {name}{ctrl_c} after saving step {self.step}; exit code {EXIT_PREEMPTED}: the same "
-            f"command resumes at step {self.step} (nothing is recomputed)",
+            f"checkpoint: stopped on {name}{ctrl_c} after saving step {self.step}; exit code {EXIT_PREEMPTED}: the "
+            f"same command resumes at step {self.step} (nothing is recomputed)",
             step=self.step,
             signal_name=name,
             losses=losses,
