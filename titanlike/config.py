@@ -29,7 +29,7 @@ from typing import Literal
 
 from titanlike.errors import ConfigError
 from titanlike.layout import FLOAT8_RECIPES, SCHEDULES, layout_violations
-from titanlike.layout.rules import OVERRIDE, model_keys_read, model_overrides
+from titanlike.layout.rules import OVERRIDE, model_keys_read, model_overrides, resolve_local_batch
 from titanlike.models import DEFAULT_MODEL, UnknownModelError, get_spec, pad_vocab, registered, spec_for
 
 
@@ -96,8 +96,13 @@ class Model:
 @dataclass
 class Training:
     steps: int = 1000  # optimizer steps to train for (a resumed run continues up to this step)
-    local_batch_size: int = 8  # sequences per data-parallel rank per forward-backward pass
-    global_batch_size: int = -1  # -1: local_batch_size x data-parallel degree (no accumulation)
+    # sequences per data-parallel rank per forward-backward pass (-1: global_batch_size / data-parallel degree, no
+    # accumulation; a smaller value accumulates)
+    local_batch_size: int = -1
+    # sequences per optimizer step, the same under every layout (-1: local_batch_size x data-parallel degree, which
+    # changes with the layout: torchtitan's meaning, and what a config that sets only local_batch_size gets); a
+    # resume that changes it is refused
+    global_batch_size: int = 8
     seq_len: int = 256  # tokens per sequence
     seed: int = 42  # model initialisation and data order
     deterministic: bool = False  # deterministic kernels (repeated runs match bitwise; an op without one raises)
@@ -194,6 +199,8 @@ class Checkpoint:
     # on one of these signals (any rank; SIGINT is Ctrl-C) the run finishes its step, saves it and exits with code 75
     # (a second one exits at once; [] to die at once)
     exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
+    # resume a checkpoint saved with another training.global_batch_size (refused by default: the run would change)
+    accept_global_batch_change: bool = False
 
 
 @dataclass
@@ -337,7 +344,6 @@ class JobConfig:
 # key -> (lowest allowed value, what it means)
 MINIMUM = {
     "training.steps": 1,
-    "training.local_batch_size": 1,
     "training.seq_len": 1,
     "training.max_nonfinite_steps": 1,
     "optimizer.lr": 0.0,
@@ -633,6 +639,7 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
     if problems:  # the values too, so that a file's every problem is in the one message
         problems = problems + value_problems(cfg)
     _raise_all(cfg, problems)
+    resolve_local_batch(cfg, world_size)
     validate(cfg, world_size)
     return cfg
 
@@ -667,6 +674,8 @@ def parse_config(argv: list[str] | None = None, raise_problems: bool = True) -> 
     # The command line wins before anything is read: a file's value it replaces is never checked.
     _apply_pairs(cfg, _not_on_the_command_line(file_pairs, cli_pairs), False, reading, problems, explicit)
     _apply_pairs(cfg, cli_pairs, True, reading, problems, explicit)
+    if "training.local_batch_size" in explicit and "training.global_batch_size" not in explicit:
+        cfg.training.global_batch_size = -1  # the per-rank batch is what was given: local x dp (torchtitan's)
     if "model.name" not in explicit and cfg.checkpoint.initial_load_path:
         _model_name_from_hf_config(cfg, reading)
     if torchtitan_file and "model.max_seq_len" not in explicit:

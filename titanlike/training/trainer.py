@@ -23,6 +23,7 @@ from titanlike import fault
 from titanlike.config import JobConfig, config_help, hf_architecture_of, load_config, model_args_from_config
 from titanlike.errors import ConfigError
 from titanlike.layout import batch_split, float8_backend, layout_violations, master_dtype
+from titanlike.layout.rules import resolve_local_batch
 from titanlike.loss import IGNORE_INDEX
 from titanlike.models import get_spec
 from titanlike.parallel import ParallelDims, build_parallel_model, describe_layout
@@ -185,6 +186,7 @@ class Trainer:
             from titanlike.hf import describe_args
 
             self.architecture_note = f"model: transformers {describe_args(self.model_args)}"
+        resolve_local_batch(cfg, self.world_size)  # training.local_batch_size -1: the global batch over dp
         problems = layout_violations(cfg, self.world_size, self.model_args)
         if problems:
             raise ConfigError(problems[0])
@@ -321,6 +323,8 @@ class Trainer:
             self._print_model()
         self.train_state = TrainState()
         self.checkpointer = self._build_checkpointer()
+        if self.checkpointer is not None:
+            self._check_global_batch_of_the_resume()
 
     def _build_mesh(self) -> tuple[int, int]:
         """The parallel dims and meshes (none on one process), the loss group, this rank's cp coordinates; returns
@@ -445,6 +449,33 @@ class Trainer:
             world_size=self.world_size,
             dp_degree=self.dp_degree,
         )
+
+    def _check_global_batch_of_the_resume(self) -> None:
+        """Every checkpoint records its global batch; a resume with another one is refused (the run would change
+        silently: another layout with training.global_batch_size -1, another batch on the command line) unless
+        checkpoint.accept_global_batch_change, which rank 0 announces."""
+        from titanlike.checkpoint import read_meta
+
+        self.checkpointer.meta_extra["global_batch_size"] = self.global_batch
+        plan = self.checkpointer.plan
+        if plan is None or plan.action != "resume":
+            return
+        saved = read_meta(plan.path).get("global_batch_size")
+        if saved is None or saved == self.global_batch:
+            return
+        if not self.cfg.checkpoint.accept_global_batch_change:
+            raise ConfigError(
+                f"checkpoint '{plan.path}' was trained with a global batch of {saved} sequences per step, this run's "
+                f"is {self.global_batch} (training.global_batch_size {self.cfg.training.global_batch_size}, local "
+                f"{self.cfg.training.local_batch_size} x {self.dp_degree} data-parallel); resume with "
+                f"--training.global_batch_size {saved}, or set checkpoint.accept_global_batch_change to change it"
+            )
+        if self.rank == 0:
+            print(
+                f"checkpoint: the global batch changes from {saved} to {self.global_batch} sequences per step at "
+                f"step {plan.step} (checkpoint.accept_global_batch_change)",
+                flush=True,
+            )
 
     def _report_init(self, seconds: float, init_seed: int | None) -> None:
         """Rank 0: how the weights started, the build's time and the largest peak host memory (RSS) of any rank."""
