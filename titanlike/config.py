@@ -635,6 +635,19 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
     cfg = parse_config(argv, raise_problems=False)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        p = cfg.parallelism
+        needed = (
+            p.tensor_parallel_degree
+            * p.pipeline_parallel_degree
+            * p.context_parallel_degree
+            * p.data_parallel_replicate_degree
+            * max(p.data_parallel_shard_degree, 1)
+        )
+        if "WORLD_SIZE" not in os.environ and needed > 1 and not cfg._problems:
+            raise ConfigError(
+                f"parallelism: this layout needs {needed} processes and python train.py is one; start it with "
+                f"torchrun --nproc_per_node={needed} train.py and the same options"
+            )
     problems = cfg._problems
     if problems:  # the values too, so that a file's every problem is in the one message
         problems = problems + value_problems(cfg)

@@ -406,6 +406,7 @@ class Trainer:
         cfg, args, corpus, t = self.cfg, self.model_args, self.corpus, self.cfg.training
         n_train = sum(len(s.train) for s in corpus.sources)
         n_val = sum(len(v) for _, v in corpus.validation)
+        print(f"data: {self._data_source()}", flush=True)
         if corpus.is_mixture:
             print(f"data: mixture of {len(corpus.sources)} sources: {corpus.describe()}", flush=True)
         active = getattr(args, "num_active_params", None)  # a model with experts: what one token uses
@@ -425,6 +426,19 @@ class Trainer:
             print(f"float8: {f8}", flush=True)
         if hasattr(self.optimizer, "describe"):  # Muon: what it orthogonalizes (rank 0's parameters)
             print(f"optimizer: {self.optimizer.describe()}", flush=True)
+
+    def _data_source(self) -> str:
+        """What the run reads: the shipped corpus, or each data.path entry's files used and skipped (and why)."""
+        from titanlike.data.corpus import entries
+        from titanlike.data.formats import describe_entries
+
+        d = self.cfg.data
+        if not entries(d.path):
+            return "the shipped corpus (tinyshakespeare.txt and 13 books of Project Gutenberg, titanlike/assets/corpus)"
+        text = describe_entries(entries(d.path))
+        if entries(self.cfg.validation.path):
+            text += f"; validation.path {describe_entries(entries(self.cfg.validation.path))}"
+        return text
 
     def _build_checkpointer(self):
         """The checkpoint manager, when anything loads, saves or exports weights (None otherwise)."""
@@ -520,7 +534,13 @@ class Trainer:
                 default=default_corpus(),
             )
         except ValueError as e:
-            raise ConfigError(str(e)) from None
+            from titanlike.data.corpus import entries
+            from titanlike.data.formats import describe_entries, skipped_files
+
+            skipped = any(skipped_files(p) for p in entries(d.path))
+            raise ConfigError(
+                str(e) + (f" (data.path {describe_entries(entries(d.path))})" if skipped else "")
+            ) from None
         self.data_seconds = time.perf_counter() - t0
 
     def _validation_sources(self, dp_degree: int) -> list:
@@ -948,11 +968,23 @@ class Trainer:
 
 
 def _print_error(e: ConfigError) -> None:
-    """The one line, from global rank 0 only: every rank finds the same problem (so a torchrun job prints it once).
-    The other ranks wait a moment before exiting: torchrun tears the job down at the first rank that exits non-zero,
-    and a rank that left at once could take rank 0 down before its line was out (seen under load)."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"error: {e}", file=sys.stderr, flush=True)
+    """The one line, from local rank 0 only: every rank finds the same problem (so a torchrun job prints it once per
+    node). Under torchrun it also goes into the worker's error file (``TORCHELASTIC_ERROR_FILE``), so that torchrun's
+    own failure report names it as the root cause instead of a link to its docs. The other ranks wait a moment
+    before exiting: torchrun tears the job down at the first rank that exits non-zero, and a rank that left at once
+    could take local rank 0 down before its line was out (seen under load); once local rank 0 has exited, torchrun
+    ends them at once."""
+    line = f"error: {e}"
+    if os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0":
+        print(line, file=sys.stderr, flush=True)
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if error_file and not os.path.exists(error_file):
+            import json
+
+            with contextlib.suppress(OSError):
+                # torchelastic's own format (errors/error_handler.py): its report prints py_callstack as the cause
+                info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+                Path(error_file).write_text(json.dumps({"message": {"message": line, "extraInfo": info}}))
     else:
         time.sleep(_ERROR_GRACE_SECONDS)
 
@@ -985,6 +1017,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg)
     except ConfigError as e:
         _print_error(e)
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: nothing to tear down; leave at once, so that
+            os._exit(2)  # local rank 0 is not ended by torchrun before it exits 2 itself
         return 2
     from titanlike.training.exit_signals import EXIT_PREEMPTED, Preempted
 
