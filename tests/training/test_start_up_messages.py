@@ -93,3 +93,43 @@ def test_python_train_py_with_a_layout_of_several_ranks_suggests_torchrun(tmp_pa
         "error: parallelism: this layout needs 4 processes and python train.py is one; start it with "
         "torchrun --nproc_per_node=4 train.py and the same options\n"
     )
+
+
+def test_the_step_line_the_summary_and_nothing_to_do(tmp_path, capsys):
+    """Each step line has tokens/s per device and the step time; the run ends with a summary; the same command on a
+    finished run says there is nothing to do."""
+    import json
+
+    argv = [*TINY, "--training.steps", "3", "--checkpoint.enable", "--job.dump_folder", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    steps = [ln for ln in out.splitlines() if ln.startswith("step ")]
+    assert steps and all(re.search(r"tok/s +\d+ \(\d+/device\)  step +\d+\.\d{3}s", ln) for ln in steps), out
+    last = out.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"done: steps 1-3 \(3\) in 0:\d\d, \d+\.\d{{3}}s per step, [\d,]+ tok/s \([\d,]+/device\); loss "
+        rf"\d\.\d{{4}} -> \d\.\d{{4}}; checkpoint {re.escape(str(tmp_path / 'checkpoint' / 'step-3'))}",
+        last,
+    ), last
+    rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["step_time_s"] > 0 for r in rows if "loss" in r)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "nothing to do: the run is at step 3 and training.steps is 3; raise training.steps to train further" in out
+    assert "done:" not in out
+
+
+def test_the_pipeline_line_names_the_schedule_stages_and_microbatches():
+    from types import SimpleNamespace
+
+    from titanlike.config import load_config
+    from titanlike.training.trainer import Trainer
+
+    argv = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule"]
+    cfg = load_config([*argv, "Interleaved1F1B", "--training.global_batch_size", "16"], world_size=4)
+    pp = SimpleNamespace(schedule_name="Interleaved1F1B", num_stages=4, stage_ids=[0, 2])
+    stub = SimpleNamespace(cfg=cfg, pp=pp, dims=SimpleNamespace(pp=2))
+    assert Trainer._pipeline_note(stub) == (
+        "Interleaved1F1B, 4 stages over pp 2 ranks (2 per rank; rank 0 holds stages 0, 2), 8 microbatches of 1 "
+        "sequence per pass"
+    )

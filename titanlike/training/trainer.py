@@ -416,16 +416,31 @@ class Trainer:
             f"{self.num_params / 1e6:.2f}M parameters{active_note}, "
             f"vocab {args.vocab_size}; data: {n_train:,} train / {n_val:,} val tokens "
             f"(loaded in {self.data_seconds:.1f}s); global batch {self.global_batch} x {t.seq_len} "
-            f"tokens, {self.accum_steps} accumulation step(s); {self.world_size} process(es) on "
+            f"tokens ({t.local_batch_size} per data-parallel rank and pass, {self.dp_degree} data-parallel), "
+            f"{self.accum_steps} accumulation step(s); {self.world_size} process(es) on "
             f"{self.device.type}, {cfg.training.dtype}",
             flush=True,
         )
+        if self.pp is not None:
+            print(f"pipeline: {self._pipeline_note()}", flush=True)
         print(f"attention: {attention_note(cfg, self.device, self.tokenizer.eos_id, self.model_parts)}", flush=True)
         f8 = float8_note(self.model_parts, cfg.float8.emulate)
         if f8:
             print(f"float8: {f8}", flush=True)
         if hasattr(self.optimizer, "describe"):  # Muon: what it orthogonalizes (rank 0's parameters)
             print(f"optimizer: {self.optimizer.describe()}", flush=True)
+
+    def _pipeline_note(self) -> str:
+        """The schedule, the stages and the microbatches of a pipeline-parallel run (rank 0's view)."""
+        p, pp = self.cfg.parallelism, self.pp
+        m = self.cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
+        per_rank = len(pp.stage_ids)
+        return (
+            f"{pp.schedule_name}, {pp.num_stages} stages over pp {self.dims.pp} ranks ({per_rank} per rank; rank 0 "
+            f"holds stage{'s' if per_rank > 1 else ''} {', '.join(map(str, pp.stage_ids))}), {m} microbatch"
+            f"{'es' if m != 1 else ''} of {p.pipeline_parallel_microbatch_size} sequence"
+            f"{'s' if p.pipeline_parallel_microbatch_size != 1 else ''} per pass"
+        )
 
     def _data_source(self) -> str:
         """What the run reads: the shipped corpus, or each data.path entry's files used and skipped (and why)."""
@@ -651,6 +666,13 @@ class Trainer:
         from titanlike.training.profiling import maybe_profile
 
         rate = self._step_rate()
+        if self.step >= cfg.training.steps and self.rank == 0:
+            print(
+                f"nothing to do: the run is at step {self.step} and training.steps is {cfg.training.steps}; raise "
+                f"training.steps to train further",
+                flush=True,
+            )
+        start_step, t_start, tokens_start = self.step, time.perf_counter(), self.tokens_seen
         epochs = self.corpus.epochs(loader_position(self.dataloader))
         data_iter = iter(self.dataloader)
         losses: list[float] = []
@@ -684,6 +706,7 @@ class Trainer:
                 if self.val_sources and (self.step % cfg.validation.freq == 0 or self.step == cfg.training.steps):
                     with self._op(f"the validation at step {self.step}"):
                         vals = self.validate()
+                    self.last_validation = vals
                     logger.log(
                         self.step,
                         vals,
@@ -697,7 +720,24 @@ class Trainer:
                     self._stop_on_exit_signal(signum, exit_signals, losses)
         if self.checkpointer is not None:
             self.checkpointer.finish()
+        if self.rank == 0 and self.step > start_step:
+            print(self._summary(start_step, time.perf_counter() - t_start, self.tokens_seen - tokens_start, losses))
         return losses
+
+    def _summary(self, start_step: int, seconds: float, tokens: int, losses: list[float]) -> str:
+        """Rank 0's last line: the steps of this run, their time and throughput, the loss, where the weights are."""
+        n = self.step - start_step
+        line = (
+            f"done: steps {start_step + 1}-{self.step} ({n}) in {format_eta(seconds)}, {seconds / n:.3f}s per step, "
+            f"{tokens / seconds:,.0f} tok/s ({tokens / seconds / self.world_size:,.0f}/device); loss "
+            f"{losses[0]:.4f} -> {losses[-1]:.4f}"
+        )
+        vals = getattr(self, "last_validation", None)
+        if vals:
+            line += f", val_loss {vals['val_loss']:.4f}"
+        if self.checkpointer is not None and self.cfg.checkpoint.enable and self.checkpointer.last_step is not None:
+            line += f"; checkpoint {self.checkpointer.folder / f'step-{self.checkpointer.last_step}'}"
+        return line
 
     def _maybe_evaluate(self, logger) -> None:
         """The [eval] tasks at every eval.freq-th step and the last, on the training layout; rank 0 logs them."""
@@ -790,7 +830,10 @@ class Trainer:
         from titanlike.training.mfu import mfu
 
         cfg = self.cfg
-        tps, eta = rate.throughput.measure(self.step - rate.last_logged, cfg.training.steps - self.step)
+        steps = self.step - rate.last_logged
+        elapsed = time.perf_counter() - rate.throughput.last
+        tps, eta = rate.throughput.measure(steps, cfg.training.steps - self.step)
+        step_time = elapsed / max(steps, 1)
         rate.last_logged = self.step
         tps_dev = tps / self.world_size
         util = mfu(tps_dev, rate.flops_per_token, rate.peak) if rate.peak else None
@@ -798,7 +841,7 @@ class Trainer:
         mem = peak_memory_gib(self.device)
         line = (
             f"step {self.step:5d}  loss {res.loss:8.4f}  lr {lr:.3e}  grad_norm {res.grad_norm:7.3f}"
-            f"  tok/s {tps:9.0f}"
+            f"  tok/s {tps:9.0f} ({tps_dev:.0f}/device)  step {step_time:6.3f}s"
             + (f"  mfu {100 * util:5.1f}%" if util is not None else "")
             + f"  mem {mem:6.2f}GiB  eta {format_eta(eta)}"
         )
@@ -824,6 +867,7 @@ class Trainer:
                 "grad_norm": res.grad_norm,
                 "tokens_per_s": tps,
                 "tokens_per_s_per_device": tps_dev,
+                "step_time_s": step_time,
                 "mfu": util,
                 "memory_gib": mem,
                 "skipped": res.skipped,
