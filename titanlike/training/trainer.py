@@ -894,12 +894,14 @@ class Trainer:
 
         name = signal_name(signum)
         exit_signals.saving = True
+        self.checkpointer.quiet_commit = True  # one line: this one
         with self._op(f"the checkpoint save of step {self.step} on {name}"):
             self.checkpointer.save_now(self.step)
         ctrl_c = " (Ctrl-C)" if name == "SIGINT" else ""
+        saved = f": {self.checkpointer.saved_note}" if self.checkpointer.saved_note else ""
         raise Preempted(
             f"checkpoint: stopped on {name}{ctrl_c} after saving step {self.step}; exit code {EXIT_PREEMPTED}: the "
-            f"same command resumes at step {self.step} (nothing is recomputed)",
+            f"same command resumes at step {self.step} (nothing is recomputed){saved}",
             step=self.step,
             signal_name=name,
             losses=losses,
