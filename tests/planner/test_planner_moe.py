@@ -167,6 +167,8 @@ def test_plan_text_shows_expert_memory_the_all_to_alls_and_the_ep_groups():
         "8",
         "--expert-imbalance",
         "1.25",
+        "--training.local_batch_size",  # 8 per rank (the default global batch, 8, does not split over dp 16)
+        "8",
     ]
     out = io.StringIO()
     with redirect_stdout(out):
