@@ -33,7 +33,7 @@ def test_the_local_batch_is_the_global_batch_over_the_data_parallel_ranks():
         load_config([], world_size=3)
     assert str(e.value) == (
         "training.global_batch_size 8 does not split over the data-parallel degree 3 (local batch = global / dp); "
-        "use a multiple of 3, or another layout"
+        "set training.global_batch_size to a multiple of 3, or training.local_batch_size for a batch per rank"
     )
     # accumulation: a local batch below the share
     t = load_config(["--training.local_batch_size", "2", "--training.global_batch_size", "8"], world_size=2).training

@@ -134,7 +134,8 @@ def batch_split(global_batch_size: int, local_batch_size: int, dp: int) -> Batch
                 gbs,
                 1,
                 f"training.global_batch_size {gbs} does not split over the data-parallel degree {dp} (local batch "
-                f"= global / dp); use a multiple of {dp}, or another layout",
+                f"= global / dp); set training.global_batch_size to a multiple of {dp}, or training.local_batch_size "
+                f"for a batch per rank",
             )
         return BatchSplit(gbs, 1, local_batch=gbs // dp)
     gbs = global_batch_size if global_batch_size != -1 else local_batch_size * dp
