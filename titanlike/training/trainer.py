@@ -1066,6 +1066,12 @@ def main(argv: list[str] | None = None) -> int:
         if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: nothing to tear down; leave at once, so that
             os._exit(2)  # local rank 0 is not ended by torchrun before it exits 2 itself
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before training started
+        if os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0":
+            print("interrupted (Ctrl-C) during the start-up: nothing trained", file=sys.stderr, flush=True)
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            os._exit(128 + signal.SIGINT)
+        return 128 + signal.SIGINT
     from titanlike.training.exit_signals import EXIT_PREEMPTED, Preempted
 
     code = 0
