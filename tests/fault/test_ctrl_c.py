@@ -138,3 +138,14 @@ def test_exit_signals_take_commas_and_semicolons():
             "SIGINT",
         ]
     assert load_config([], world_size=1).checkpoint.exit_signals == ["SIGTERM", "SIGUSR1", "SIGINT"]
+
+
+def test_ctrl_c_during_the_start_up_is_one_line(monkeypatch, capsys):
+    import titanlike.training.trainer as trainer_module
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer_module, "Trainer", interrupted)
+    assert trainer_module.main(["--model.flavor", "tiny"]) == 128 + signal.SIGINT
+    assert capsys.readouterr().err == "interrupted (Ctrl-C) during the start-up: nothing trained\n"
