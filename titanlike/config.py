@@ -526,7 +526,8 @@ def _type_name(tp) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+        item = typing.get_args(tp)[0]
+        return "a list of " + {int: "integers", float: "numbers", str: "strings"}.get(item, _type_name(item))
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "none"}.get(
         tp, str(tp)
     )
