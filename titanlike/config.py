@@ -20,6 +20,7 @@ import os
 import re
 import signal
 import sys
+import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -28,13 +29,8 @@ from typing import Literal
 
 from titanlike.errors import ConfigError
 from titanlike.layout import FLOAT8_RECIPES, SCHEDULES, layout_violations
-from titanlike.layout.rules import OVERRIDE, model_keys_read, model_overrides
+from titanlike.layout.rules import OVERRIDE, model_keys_read, model_overrides, resolve_local_batch
 from titanlike.models import DEFAULT_MODEL, UnknownModelError, get_spec, pad_vocab, registered, spec_for
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 
 @dataclass
@@ -57,8 +53,8 @@ def _override(default):
 
 @dataclass
 class Model:
-    name: str = DEFAULT_MODEL  # the model: a registered spec (llama3, gpt2; titanlike.models.registered())
-    flavor: str = "debugmodel"  # a size of the family (debugmodel, tiny, gpt2_small, 1B, 8B, 70B, 405B)
+    name: str = DEFAULT_MODEL  # the model: a registered spec (--help model lists them)
+    flavor: str = "debugmodel"  # a size of the family (--help model lists each model's)
     # "gpt2", "cl100k", "test" (2k ranks), a .tiktoken rank file, or a Hugging Face tokenizer folder / tokenizer.json
     tokenizer: str = "test"
     vocab_multiple: int = 64  # pad the vocabulary to a multiple of this (keeps vocab % tp == 0 and matmuls aligned)
@@ -107,8 +103,13 @@ class Model:
 @dataclass
 class Training:
     steps: int = 1000  # optimizer steps to train for (a resumed run continues up to this step)
-    local_batch_size: int = 8  # sequences per data-parallel rank per forward-backward pass
-    global_batch_size: int = -1  # -1: local_batch_size x data-parallel degree (no accumulation)
+    # sequences per data-parallel rank per forward-backward pass (-1: global_batch_size / data-parallel degree, no
+    # accumulation; a smaller value accumulates)
+    local_batch_size: int = -1
+    # sequences per optimizer step, the same under every layout (-1: local_batch_size x data-parallel degree, which
+    # changes with the layout: torchtitan's meaning, and what a config that sets only local_batch_size gets); a
+    # resume that changes it is refused
+    global_batch_size: int = 8
     seq_len: int = 256  # tokens per sequence
     seed: int = 42  # model initialisation and data order
     deterministic: bool = False  # deterministic kernels (repeated runs match bitwise; an op without one raises)
@@ -195,8 +196,9 @@ class Checkpoint:
     keep_latest_k: int = 10  # keep the newest k checkpoints, delete older ones once a newer is committed (0: all)
     load_step: int = -1  # -1: the newest complete checkpoint
     async_mode: Literal["disabled", "async"] = "disabled"  # disabled | async
-    initial_load_path: str = ""  # a seed / step checkpoint folder, or a Hugging Face folder (its config.json sets the
-    # architecture) or .safetensors file, to start from
+    # a seed / step checkpoint folder, or a Hugging Face folder (its config.json sets the architecture) or
+    # .safetensors file, to start from
+    initial_load_path: str = ""
     create_seed_checkpoint: bool = False  # write the initial weights as step-0 (each rank its shards, any layout), exit
     export_safetensors: bool = False  # write <folder>/final/model.safetensors + config.json at the end
     checksum: bool = True  # a CRC32C of every entry, computed while it is written and verified while it is read
@@ -205,8 +207,11 @@ class Checkpoint:
     last_save_model_only: bool = False  # the checkpoint of the last step holds the model weights only
     # dtype of a model-only last save and of export_safetensors
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    # on one of these signals (any rank) the run finishes its step, saves it and exits with code 75 ([] to die)
-    exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    # on one of these signals (any rank; SIGINT is Ctrl-C) the run finishes its step, saves it and exits with code 75
+    # (a second one exits at once; [] to die at once)
+    exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
+    # resume a checkpoint saved with another training.global_batch_size (refused by default: the run would change)
+    accept_global_batch_change: bool = False
 
 
 @dataclass
@@ -308,8 +313,7 @@ class FaultTolerance:
     # Replica groups with torchft (docs/fault_tolerance.md): each group is its own torchrun job with the same layout
     # inside; gradients are summed across the groups that take part in a step; a group that dies leaves and rejoins
     # from a healthy group's live state. Needs the optional extra: pip install 'titanlike[ft]'.
-    # fault-tolerant replica groups through torchft's manager and lighthouse (pip install 'titanlike[ft]')
-    enable: bool = False
+    enable: bool = False  # fault-tolerant replica groups through torchft's manager and lighthouse
     process_group: Literal["gloo", "nccl"] = "gloo"  # the process group across the groups: gloo | nccl (CUDA)
     process_group_timeout_ms: int = 10000  # a collective across the groups that takes longer fails the step
     replica_id: int = 0  # this group's id, 0 .. group_size - 1
@@ -354,7 +358,6 @@ class JobConfig:
 # key -> (lowest allowed value, what it means)
 MINIMUM = {
     "training.steps": 1,
-    "training.local_batch_size": 1,
     "training.seq_len": 1,
     "training.max_nonfinite_steps": 1,
     "optimizer.lr": 0.0,
@@ -451,39 +454,78 @@ def choices() -> dict[str, tuple]:
     }
 
 
-def field_docs(section_cls: type) -> dict[str, str]:
-    """The one-line doc of each field: the comment after it in the class body, or the comment line just above."""
-    docs, above = {}, ""
+def _comment_blocks(section_cls: type) -> tuple[dict[str, str], dict[str, str]]:
+    """(the doc of each field, the note before each field): a field's doc is the comment after it in the class body,
+    else the comment block just above it (every line of the block); a comment block above a field that has a doc of
+    its own is a note on the keys that follow (``--help`` prints it before that key)."""
+    docs, notes, above = {}, {}, []
     for line in inspect.getsource(section_cls).splitlines():
         m = re.match(r"\s+(\w+): [^#]*?(?:#\s*(.+))?$", line)
-        if m:
-            docs[m.group(1)] = (m.group(2) or above).strip()
         c = re.match(r"\s+#\s*(.+)$", line)
-        above = c.group(1) if c else ""
-    return docs
+        if m:
+            inline = (m.group(2) or "").strip()
+            docs[m.group(1)] = inline or " ".join(above)
+            if inline and above:
+                notes[m.group(1)] = " ".join(above)
+            above = []
+        elif c:
+            above.append(c.group(1).strip())
+        else:
+            above = []
+    return docs, notes
 
 
-def config_help() -> str:
-    """``python train.py --help``: every key with its type or choices, its default and its doc."""
+def field_docs(section_cls: type) -> dict[str, str]:
+    """The doc of each field: the comment after it in the class body, or the whole comment block just above."""
+    return _comment_blocks(section_cls)[0]
+
+
+def _dynamic_docs() -> dict[str, str]:
+    """Docs computed from the registry: every registered model, and each one's flavors."""
+    names = registered()
+    flavors = "; ".join(
+        f"{n}: {', '.join(get_spec(n).flavors)}" if get_spec(n).flavors else f"{n}: none (its own model.* keys)"
+        for n in names
+    )
+    return {
+        "model.name": f"the model, one of the registered: {', '.join(names)}",
+        "model.flavor": f"a size of the family; the flavors of each model: {flavors}",
+    }
+
+
+def config_help(section: str | None = None) -> str:
+    """``python train.py --help [SECTION]``: every key (of one section) with its type or choices, its default and
+    its doc; an unknown section is a ConfigError naming the valid ones."""
+    sections = _sections()
+    if section is not None and section not in sections:
+        raise ConfigError(
+            f"--help {section}: no such section{_suggest(section, sections)}; valid sections: {', '.join(sections)}"
+        )
     out = [
         "usage: python train.py [--job.config_file FILE] [--section.key VALUE ...]   (torchrun for several ranks)",
+        "       python train.py --help [SECTION]   (one section: " + ", ".join(sections) + ")",
         "Values: defaults < the TOML file < the command line (--section.key value, --section.key=value; a bare",
-        "--flag is true; lists: comma-separated, strings ';'-separated). Bad input exits 2 with one line.",
+        "--flag is true; lists: comma-separated, strings ';'-separated, signal names either). Bad input exits 2 with",
+        "one line.",
         "",
     ]
-    defaults = JobConfig()
-    for section, cls in _sections().items():
-        out.append(f"[{section}]")
-        docs = field_docs(cls)
+    defaults, dynamic = JobConfig(), _dynamic_docs()
+    for name, cls in sections.items():
+        if section is not None and name != section:
+            continue
+        out.append(f"[{name}]")
+        docs, notes = _comment_blocks(cls)
         for key, tp in _field_types(cls).items():
             kind = (
                 "{" + ", ".join(repr(c) for c in typing.get_args(tp)) + "}"
                 if typing.get_origin(tp) is Literal
                 else _type_name(tp)
             )
-            default = getattr(getattr(defaults, section), key)
-            out.append(f"  --{section}.{key}  {kind}, default {default!r}")
-            out.append(f"      {docs.get(key, '')}")
+            if key in notes:
+                out.append(f"  ({notes[key]})")
+            default = getattr(getattr(defaults, name), key)
+            out.append(f"  --{name}.{key}  {kind}, default {default!r}")
+            out.append(f"      {dynamic.get(f'{name}.{key}', docs.get(key, ''))}")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 
@@ -500,13 +542,17 @@ def _type_name(tp) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+        item = typing.get_args(tp)[0]
+        return "a list of " + {int: "integers", float: "numbers", str: "strings"}.get(item, _type_name(item))
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "none"}.get(
         tp, str(tp)
     )
 
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+# A list of strings is ';'-separated on the command line (an entry may hold commas: pipeline_parallel_module_names);
+# these keys take commas too.
+_LIST_SEPARATORS = {"checkpoint.exit_signals": ";,"}
 
 
 def _coerce(key: str, value, tp, from_cli: bool):
@@ -528,9 +574,8 @@ def _coerce(key: str, value, tp, from_cli: bool):
     if origin is list:
         (item,) = typing.get_args(tp)
         if from_cli and isinstance(value, str):
-            value = (
-                [v for v in (p.strip() for p in value.split(";" if item is str else ",")) if v] if value.strip() else []
-            )
+            separators = _LIST_SEPARATORS.get(key, ";" if item is str else ",")
+            value = [v for v in (p.strip() for p in re.split(f"[{separators}]", value)) if v]
         if not isinstance(value, list):
             raise bad
         return [_coerce(key, v, item, from_cli) for v in value]
@@ -607,10 +652,24 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
     cfg = parse_config(argv, raise_problems=False)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        p = cfg.parallelism
+        needed = (
+            p.tensor_parallel_degree
+            * p.pipeline_parallel_degree
+            * p.context_parallel_degree
+            * p.data_parallel_replicate_degree
+            * max(p.data_parallel_shard_degree, 1)
+        )
+        if "WORLD_SIZE" not in os.environ and needed > 1 and not cfg._problems:
+            raise ConfigError(
+                f"parallelism: this layout needs {needed} processes and python train.py is one; start it with "
+                f"torchrun --nproc_per_node={needed} train.py and the same options"
+            )
     problems = cfg._problems
     if problems:  # the values too, so that a file's every problem is in the one message
         problems = problems + value_problems(cfg)
     _raise_all(cfg, problems)
+    resolve_local_batch(cfg, world_size)
     validate(cfg, world_size)
     return cfg
 
@@ -645,6 +704,8 @@ def parse_config(argv: list[str] | None = None, raise_problems: bool = True) -> 
     # The command line wins before anything is read: a file's value it replaces is never checked.
     _apply_pairs(cfg, _not_on_the_command_line(file_pairs, cli_pairs), False, reading, problems, explicit)
     _apply_pairs(cfg, cli_pairs, True, reading, problems, explicit)
+    if "training.local_batch_size" in explicit and "training.global_batch_size" not in explicit:
+        cfg.training.global_batch_size = -1  # the per-rank batch is what was given: local x dp (torchtitan's)
     if "model.name" not in explicit and cfg.checkpoint.initial_load_path:
         _model_name_from_hf_config(cfg, reading)
     if torchtitan_file and "model.max_seq_len" not in explicit:
@@ -912,7 +973,7 @@ def value_problems(cfg: JobConfig) -> list[str]:
         if name not in CATCHABLE_SIGNALS
     ]
     if bad:
-        out.append(f"checkpoint.exit_signals: {'; '.join(bad)}; give names such as SIGTERM;SIGUSR1 (or '' for none)")
+        out.append(f"checkpoint.exit_signals: {'; '.join(bad)}; give names such as SIGTERM,SIGINT (or '' for none)")
     for dotted, hi in MAXIMUM.items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)

@@ -541,6 +541,8 @@ def lookup(dotted: str) -> Key | None:
 # leaves the key out (titanlike's own default is kept for titanlike's configs and the command line; see
 # docs/torchtitan.md for why each differs).
 TORCHTITAN_DEFAULTS = {
+    "training.local_batch_size": 8,
+    "training.global_batch_size": -1,
     "training.seq_len": 2048,
     "training.steps": 10000,
     "activation_checkpoint.mode": "selective",

@@ -46,6 +46,8 @@ def test_value_forms():
             "false",
             "--training.global_batch_size",
             "-1",
+            "--training.local_batch_size",
+            "4",
             "--profiling.ranks",
             "0,1",
             "--model.tie_embeddings",
@@ -80,7 +82,10 @@ def test_value_forms():
             "dim 100 is not divisible by n_heads 8",
         ),
         (["--training.seq_len", "4096"], "exceeds the model's max_seq_len"),
-        (["--training.global_batch_size", "12"], "global_batch_size 12 is not divisible by local_batch_size 8"),
+        (
+            ["--training.global_batch_size", "12", "--training.local_batch_size", "8"],
+            "global_batch_size 12 is not divisible by local_batch_size 8",
+        ),
         (["--parallelism.enable_sequence_parallel"], "enable_sequence_parallel needs tensor_parallel_degree > 1"),
         (
             ["--float8.recipe", "current"],

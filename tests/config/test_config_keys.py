@@ -105,3 +105,38 @@ def test_deterministic_float32_runs_repeat_bitwise(tmp_path):
     finally:
         torch.use_deterministic_algorithms(False)
     assert len(runs[0]) == 4 and runs[0] == runs[1]  # float equality: bitwise
+
+
+def test_help_shows_one_section_and_every_help_line_is_whole(capsys):
+    """``--help parallelism`` prints that section only; every comment line of every section's class body is in the
+    help (a doc spread over several comment lines is printed whole, a note above a documented key before it); an
+    unknown section is one line and exit 2. ``model.name`` / ``model.flavor`` list every registered model and its
+    flavors."""
+    import inspect
+
+    from titanlike.models import get_spec, registered
+    from titanlike.training.trainer import main
+
+    assert main(["--help", "parallelism"]) == 0
+    out = capsys.readouterr().out
+    keys = re.findall(r"^  --(\w+)\.", out, re.M)
+    assert keys and set(keys) == {"parallelism"}, set(keys)
+    assert out == config_help("parallelism")
+    assert main(["--help", "parallelsm"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --help parallelsm: no such section (did you mean 'parallelism'?)"), err
+    text = config_help()
+    joined = " ".join(text.split())
+    for section, cls in _sections().items():
+        for line in inspect.getsource(cls).splitlines():
+            m = re.match(r"\s+(?:\w+: [^#]*?)?#\s*(.+)$", line)
+            if m and not line.strip().startswith(("name:", "flavor:")):  # those two: from the registry
+                assert " ".join(m.group(1).split()) in joined, (section, m.group(1))
+    for docs in (field_docs(cls) for cls in _sections().values()):
+        for key, doc in docs.items():
+            assert doc.count("(") == doc.count(")"), (key, doc)
+    model = config_help("model")
+    for name in registered():
+        assert name in model.split("--model.name")[1].split("--model.flavor")[0]
+        for flavor in get_spec(name).flavors:
+            assert f"{flavor}" in model.split("--model.flavor")[1].split("--model.tokenizer")[0]

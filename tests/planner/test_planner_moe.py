@@ -165,6 +165,8 @@ def test_plan_text_shows_expert_memory_the_all_to_alls_and_the_ep_groups():
         "16",
         "--parallelism.expert_parallel_degree",
         "8",
+        "--training.local_batch_size",  # 8 per rank (the default global batch, 8, does not split over dp 16)
+        "8",
         "--expert-imbalance",
         "1.25",
     ]
@@ -185,6 +187,7 @@ def test_plan_text_shows_expert_memory_the_all_to_alls_and_the_ep_groups():
     assert "expert imbalance 0.5" in err.getvalue()
     # ep 16 over nodes of 8: every MoE layer's all-to-alls cross nodes, and the plan says so
     wide = ["--model.name", "qwen3_moe", "--model.flavor", "30B-A3B", "--model.n_layers", "4", "--world-size", "32"]
+    wide += ["--training.local_batch_size", "8"]
     out = io.StringIO()
     with redirect_stdout(out):
         plan_cli.main(wide + ["--parallelism.expert_parallel_degree", "16", "--no-dry-run"])

@@ -192,6 +192,7 @@ class CheckpointManager:
         self.pg = dist.new_group(backend="gloo", timeout=init_timeout) if self.distributed else None
         self.pending: tuple | None = None  # async save in flight: (future, step, tmp folder, start, meta)
         self.last_step: int | None = None  # newest step committed or loaded by this run
+        self.quiet_commit, self.saved_note = False, ""  # rank 0's line of the last commit, and whether it prints it
         self._corrupt: dict[str, str] = {}  # path -> why, of checkpoints whose checksums did not match (_verify)
         self.plan: ResumePlan = self._agree(self._make_plan)
         self._verify()
@@ -891,9 +892,9 @@ class CheckpointManager:
         os.rename(tmp, final)
         fsync_dir(self.folder)
         size = sum(f.stat().st_size for f in final.iterdir()) / 2**20
-        print(
-            f"checkpoint: saved step {step} to {final} ({size:.1f} MiB) in {time.perf_counter() - t0:.2f}s", flush=True
-        )
+        self.saved_note = f"saved step {step} to {final} ({size:.1f} MiB) in {time.perf_counter() - t0:.2f}s"
+        if not self.quiet_commit:  # the exit-signal save: the trainer's one line says it
+            print(f"checkpoint: {self.saved_note}", flush=True)
         self._purge()
 
     def _purge(self) -> None:

@@ -45,7 +45,7 @@ def checkpoint_meta(step: int, kind: str, args, world_size: int, **extra) -> dic
         "model_args": dataclasses.asdict(args),
         "world_size": world_size,
         "torch": torch.__version__,
-        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         **extra,
     }
 

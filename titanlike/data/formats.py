@@ -87,6 +87,53 @@ def expand_entry(entry: str | os.PathLike) -> tuple[list[Path], str | None]:
     return [], f"data path {p} does not exist"
 
 
+def skipped_files(entry: str | os.PathLike) -> list[tuple[Path, str]]:
+    """What a folder or glob entry holds that is not read, each with why: files of no known format (by their name's
+    ending), sub-folders (not recursed); a ``.bin``'s sidecar is part of the shard, not skipped."""
+    text = os.path.expanduser(os.fspath(entry))
+    if is_glob(text):
+        candidates = sorted(Path(m) for m in glob.glob(text))
+    elif Path(text).is_dir():
+        candidates = sorted(Path(text).iterdir())
+    else:
+        return []
+    names = {c.name for c in candidates}
+    out = []
+    for c in candidates:
+        if c.is_dir():
+            out.append((c, "a folder: not recursed"))
+        elif c.is_file() and file_kind(c) is None:
+            if c.name.endswith(".bin.json") and c.name[: -len(".json")] in names:
+                continue  # the sidecar of a .bin shard
+            ending = "".join(c.suffixes[-2:]) if c.suffixes else ""
+            out.append((c, f"{ending or 'no ending'}: no reader" if not c.name.startswith(".") else "hidden"))
+    return out
+
+
+def describe_entries(paths: Sequence[str | os.PathLike], limit: int = 4) -> str:
+    """One line of what a run reads: per entry, the files used and those skipped (with why), named up to ``limit``
+    each."""
+
+    def names(items: list[str]) -> str:
+        more = f" and {len(items) - limit} more" if len(items) > limit else ""
+        return ", ".join(items[:limit]) + more
+
+    parts = []
+    for entry in paths:
+        used, _ = expand_entry(entry)
+        skipped = skipped_files(entry)
+        part = f"{entry}: {len(used)} file{'s' if len(used) != 1 else ''}"
+        if is_glob(os.fspath(entry)) or Path(os.fspath(entry)).is_dir():
+            part += f" ({names([u.name for u in used])})"
+        if skipped:
+            part += f", {len(skipped)} skipped ({names([f'{p.name} ({why})' for p, why in skipped])})"
+        parts.append(part)
+    line = "; ".join(parts)
+    if any(skipped_files(e) for e in paths):
+        line += f"; read: {', '.join(SUFFIXES)} (rename a text file to .txt to train on it)"
+    return line
+
+
 def expand_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
     """Every data file of `paths` (one entry or a list), in order; a ValueError names the first bad entry."""
     if isinstance(paths, (str, os.PathLike)):

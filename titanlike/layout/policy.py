@@ -108,11 +108,36 @@ class BatchSplit:
     global_batch: int  # sequences per optimizer step
     accum_steps: int  # forward-backward passes per optimizer step on each data-parallel rank
     problem: str = ""  # why the split is impossible ("" when it is fine)
+    local_batch: int = 1  # sequences per data-parallel rank per forward-backward pass
 
 
 def batch_split(global_batch_size: int, local_batch_size: int, dp: int) -> BatchSplit:
-    """``training.global_batch_size`` (-1: ``local_batch_size x dp``) over ``dp`` data-parallel ranks reading
-    ``local_batch_size`` sequences per pass: the global batch and the number of accumulation steps."""
+    """``training.global_batch_size`` over ``dp`` data-parallel ranks reading ``local_batch_size`` sequences per pass:
+    the global batch, the number of accumulation steps and the local batch. ``local_batch_size = -1``: the global
+    batch split evenly over the ranks, no accumulation (the global batch, hence the run, is the same under every
+    layout); ``global_batch_size = -1``: ``local_batch_size x dp`` (torchtitan's meaning: it changes with dp)."""
+    if global_batch_size == -1 and local_batch_size == -1:
+        return BatchSplit(
+            1,
+            1,
+            "training.global_batch_size and training.local_batch_size are both -1 (each derived from the other); "
+            "set training.global_batch_size, the sequences per optimizer step",
+        )
+    if local_batch_size < 1 and local_batch_size != -1:
+        return BatchSplit(1, 1, f"training.local_batch_size: {local_batch_size} must be -1 (derived) or >= 1")
+    if local_batch_size == -1:
+        gbs = global_batch_size
+        if gbs < 1:
+            return BatchSplit(1, 1, f"training.global_batch_size: {gbs} must be -1 or >= 1")
+        if gbs % dp:
+            return BatchSplit(
+                gbs,
+                1,
+                f"training.global_batch_size {gbs} does not split over the data-parallel degree {dp} (local batch "
+                f"= global / dp); set training.global_batch_size to a multiple of {dp}, or training.local_batch_size "
+                f"for a batch per rank",
+            )
+        return BatchSplit(gbs, 1, local_batch=gbs // dp)
     gbs = global_batch_size if global_batch_size != -1 else local_batch_size * dp
     if gbs < 1:
         return BatchSplit(max(gbs, 1), 1, f"training.global_batch_size: {gbs} must be -1 or >= 1")
@@ -122,6 +147,8 @@ def batch_split(global_batch_size: int, local_batch_size: int, dp: int) -> Batch
             gbs,
             max(1, gbs // per_pass),
             f"training.global_batch_size {gbs} is not divisible by local_batch_size {local_batch_size} "
-            f"x data-parallel degree {dp}; use a multiple of {per_pass}",
+            f"x data-parallel degree {dp}; use a multiple of {per_pass} (or training.local_batch_size -1: the "
+            f"global batch split over the ranks)",
+            local_batch_size,
         )
-    return BatchSplit(gbs, gbs // per_pass)
+    return BatchSplit(gbs, gbs // per_pass, local_batch=local_batch_size)

@@ -21,7 +21,15 @@ from titanlike.layout.stages import parse_module_names, pipeline_stage_count
 from titanlike.models import get_spec
 from titanlike.sharding import float8_patterns, muon_patterns
 
-__all__ = ["OVERRIDE", "RULES", "layout_violations", "model_keys_read", "model_overrides", "rule_violations"]
+__all__ = [
+    "OVERRIDE",
+    "RULES",
+    "layout_violations",
+    "model_keys_read",
+    "model_overrides",
+    "resolve_local_batch",
+    "rule_violations",
+]
 
 # The metadata mark of a [model] field that overrides the flavor's value (titanlike.config.Model declares them; its
 # default means "the flavor's"). A model reads the overrides named like a field of its args dataclass.
@@ -183,12 +191,39 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
         out.append(("batch", split.problem))
     # Pipeline.
     if pp > 1:
-        out += _pipeline_violations(cfg, args, pp)
+        out += _pipeline_violations(_with_local_batch(cfg, split), args, pp)
     elif p.pipeline_parallel_module_names:
         out.append(
             ("pp_names_need_pp", "parallelism.pipeline_parallel_module_names needs pipeline_parallel_degree > 1")
         )
     return out + _feature_violations(cfg, spec, args, tp, cp)
+
+
+def _with_local_batch(cfg, split):
+    """``cfg`` with ``training.local_batch_size`` = -1 replaced by the split's local batch (the rules that read it)."""
+    if cfg.training.local_batch_size != -1 or split.problem:
+        return cfg
+    return dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, local_batch_size=split.local_batch))
+
+
+def resolve_local_batch(cfg, world_size: int) -> None:
+    """``training.local_batch_size = -1``: set it to ``training.global_batch_size`` over the data-parallel degree of
+    this world size, so that every reader sees the per-rank batch. Left at -1 when the degrees or the split are
+    refused (:func:`layout_violations` says why)."""
+    p, t = cfg.parallelism, cfg.training
+    if t.local_batch_size != -1:
+        return
+    problems, dps = degree_problems(
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        cp=p.context_parallel_degree,
+        tp=p.tensor_parallel_degree,
+        pp=p.pipeline_parallel_degree,
+        world_size=world_size,
+    )
+    split = batch_split(t.global_batch_size, -1, p.data_parallel_replicate_degree * dps)
+    if not problems and not split.problem:
+        t.local_batch_size = split.local_batch
 
 
 def _model_violations(cfg, spec, args) -> list[tuple[str, str]]:

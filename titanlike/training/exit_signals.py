@@ -1,16 +1,17 @@
-"""Exit signals (``checkpoint.exit_signals``, default SIGTERM and SIGUSR1): a scheduler's notice that the job is about
-to be stopped (Slurm's ``--signal``, a preemption, ``scancel``, a Kubernetes eviction) becomes a checkpoint of the
-step being trained instead of lost work.
+"""Exit signals (``checkpoint.exit_signals``, default SIGTERM, SIGUSR1 and SIGINT): a scheduler's notice that the
+job is about to be stopped (Slurm's ``--signal``, a preemption, ``scancel``, a Kubernetes eviction) or the user's
+Ctrl-C becomes a checkpoint of the step being trained instead of lost work.
 
 The handler only records the signal. At the end of every step the ranks agree whether any of them got one, in the
 all-reduce the step already does for its finite check (:meth:`Trainer._end_of_step`, no extra collective); then every
 rank has finished the same step, the job saves it synchronously (even with ``checkpoint.async_mode = "async"``) and
 exits with :data:`EXIT_PREEMPTED`, which a requeue script tests; the same command resumes at that step.
 
-A further signal while that save runs makes the process exit at once (code 128 + the signal's number), leaving the
-previous checkpoint as it was: the save writes into a temporary folder that only its final rename commits, exactly
-as under kill -9. Copies arriving within :data:`DUPLICATE_WINDOW_S` of the first are the same notice (a scheduler
-signals every process of a job, and torchrun forwards its own copy to its workers).
+A further signal (a second Ctrl-C) before the step ends or while that save runs makes the process exit at once (code
+128 + the signal's number), leaving the previous checkpoint as it was: the save writes into a temporary folder that
+only its final rename commits, exactly as under kill -9. Copies arriving within :data:`DUPLICATE_WINDOW_S` of the
+first are the same notice (a scheduler signals every process of a job, and torchrun forwards its own copy to its
+workers).
 """
 
 from __future__ import annotations
@@ -71,13 +72,16 @@ class ExitSignals:
         if not self.received:
             self.received, self.received_at = signum, time.monotonic()
             return
-        if self.saving and time.monotonic() - self.received_at >= DUPLICATE_WINDOW_S:
+        if time.monotonic() - self.received_at >= DUPLICATE_WINDOW_S:
             name = signal.Signals(signum).name
-            os.write(
-                2,
-                f"error: {name} again during the checkpoint save on an exit signal: exiting at once; the previous "
-                f"checkpoint is intact (the interrupted save is removed at the next start)\n".encode(),
-            )
+            if os.environ.get("RANK", "0") == "0":  # every rank gets it (Ctrl-C signals the whole job): one line
+                what = (
+                    "during the checkpoint save on an exit signal: exiting at once; the previous checkpoint is intact "
+                    "(the interrupted save is removed at the next start)"
+                    if self.saving
+                    else "before the step finished: exiting at once without saving; the previous checkpoint is intact"
+                )
+                os.write(2, f"error: {name} again {what}\n".encode())
             if self.on_exit is not None:
                 self.on_exit()
             os._exit(128 + signum)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import signal
 import sys
 import time
 import weakref
@@ -29,6 +30,7 @@ from titanlike.config import (
 )
 from titanlike.errors import ConfigError
 from titanlike.layout import batch_split, float8_backend, layout_violations, master_dtype
+from titanlike.layout.rules import resolve_local_batch
 from titanlike.loss import IGNORE_INDEX
 from titanlike.models import get_spec
 from titanlike.parallel import ParallelDims, build_parallel_model, describe_layout
@@ -196,6 +198,7 @@ class Trainer:
             from titanlike.hf import describe_args
 
             self.architecture_note = f"model: transformers {describe_args(self.model_args)}"
+        resolve_local_batch(cfg, self.world_size)  # training.local_batch_size -1: the global batch over dp
         problems = layout_violations(cfg, self.world_size, self.model_args)
         if problems:
             raise ConfigError(problems[0])
@@ -388,6 +391,8 @@ class Trainer:
             self._print_model()
         self.train_state = TrainState()
         self.checkpointer = self._build_checkpointer()
+        if self.checkpointer is not None:
+            self._check_global_batch_of_the_resume()
 
     def _build_mesh(self) -> tuple[int, int]:
         """The parallel dims and meshes (none on one process), the loss group, this rank's cp coordinates; returns
@@ -469,6 +474,7 @@ class Trainer:
         cfg, args, corpus, t = self.cfg, self.model_args, self.corpus, self.cfg.training
         n_train = sum(len(s.train) for s in corpus.sources)
         n_val = sum(len(v) for _, v in corpus.validation)
+        print(f"data: {self._data_source()}", flush=True)
         if corpus.is_mixture:
             print(f"data: mixture of {len(corpus.sources)} sources: {corpus.describe()}", flush=True)
         active = getattr(args, "num_active_params", None)  # a model with experts: what one token uses
@@ -479,16 +485,44 @@ class Trainer:
             f"{self.num_params / 1e6:.2f}M parameters{active_note}, "
             f"vocab {args.vocab_size}; data: {n_train:,} train / {n_val:,} val tokens "
             f"(loaded in {self.data_seconds:.1f}s); global batch {self.global_batch} x {t.seq_len} "
-            f"tokens, {self.accum_steps} accumulation step(s); {self.world_size} process(es) on "
+            f"tokens ({t.local_batch_size} per data-parallel rank and pass, {self.dp_degree} data-parallel), "
+            f"{self.accum_steps} accumulation step(s); {self.world_size} process(es) on "
             f"{self.device.type}, {cfg.training.dtype}",
             flush=True,
         )
+        if self.pp is not None:
+            print(f"pipeline: {self._pipeline_note()}", flush=True)
         print(f"attention: {attention_note(cfg, self.device, self.tokenizer.eos_id, self.model_parts)}", flush=True)
         f8 = float8_note(self.model_parts, cfg.float8.emulate)
         if f8:
             print(f"float8: {f8}", flush=True)
         if hasattr(self.optimizer, "describe"):  # Muon: what it orthogonalizes (rank 0's parameters)
             print(f"optimizer: {self.optimizer.describe()}", flush=True)
+
+    def _pipeline_note(self) -> str:
+        """The schedule, the stages and the microbatches of a pipeline-parallel run (rank 0's view)."""
+        p, pp = self.cfg.parallelism, self.pp
+        m = self.cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
+        per_rank = len(pp.stage_ids)
+        return (
+            f"{pp.schedule_name}, {pp.num_stages} stages over pp {self.dims.pp} ranks ({per_rank} per rank; rank 0 "
+            f"holds stage{'s' if per_rank > 1 else ''} {', '.join(map(str, pp.stage_ids))}), {m} microbatch"
+            f"{'es' if m != 1 else ''} of {p.pipeline_parallel_microbatch_size} sequence"
+            f"{'s' if p.pipeline_parallel_microbatch_size != 1 else ''} per pass"
+        )
+
+    def _data_source(self) -> str:
+        """What the run reads: the shipped corpus, or each data.path entry's files used and skipped (and why)."""
+        from titanlike.data.corpus import entries
+        from titanlike.data.formats import describe_entries
+
+        d = self.cfg.data
+        if not entries(d.path):
+            return "the shipped corpus (tinyshakespeare.txt and 13 books of Project Gutenberg, titanlike/assets/corpus)"
+        text = describe_entries(entries(d.path))
+        if entries(self.cfg.validation.path):
+            text += f"; validation.path {describe_entries(entries(self.cfg.validation.path))}"
+        return text
 
     def _build_checkpointer(self):
         """The checkpoint manager, when anything loads, saves or exports weights (None otherwise)."""
@@ -513,6 +547,33 @@ class Trainer:
             world_size=self.world_size,
             dp_degree=self.dp_degree,
         )
+
+    def _check_global_batch_of_the_resume(self) -> None:
+        """Every checkpoint records its global batch; a resume with another one is refused (the run would change
+        silently: another layout with training.global_batch_size -1, another batch on the command line) unless
+        checkpoint.accept_global_batch_change, which rank 0 announces."""
+        from titanlike.checkpoint import read_meta
+
+        self.checkpointer.meta_extra["global_batch_size"] = self.global_batch
+        plan = self.checkpointer.plan
+        if plan is None or plan.action != "resume":
+            return
+        saved = read_meta(plan.path).get("global_batch_size")
+        if saved is None or saved == self.global_batch:
+            return
+        if not self.cfg.checkpoint.accept_global_batch_change:
+            raise ConfigError(
+                f"checkpoint '{plan.path}' was trained with a global batch of {saved} sequences per step, this run's "
+                f"is {self.global_batch} (training.global_batch_size {self.cfg.training.global_batch_size}, local "
+                f"{self.cfg.training.local_batch_size} x {self.dp_degree} data-parallel); resume with "
+                f"--training.global_batch_size {saved}, or set checkpoint.accept_global_batch_change to change it"
+            )
+        if self.rank == 0:
+            print(
+                f"checkpoint: the global batch changes from {saved} to {self.global_batch} sequences per step at "
+                f"step {plan.step} (checkpoint.accept_global_batch_change)",
+                flush=True,
+            )
 
     def _report_init(self, seconds: float, init_seed: int | None) -> None:
         """Rank 0: how the weights started, the build's time and the largest peak host memory (RSS) of any rank."""
@@ -557,7 +618,13 @@ class Trainer:
                 default=default_corpus(),
             )
         except ValueError as e:
-            raise ConfigError(str(e)) from None
+            from titanlike.data.corpus import entries
+            from titanlike.data.formats import describe_entries, skipped_files
+
+            skipped = any(skipped_files(p) for p in entries(d.path))
+            raise ConfigError(
+                str(e) + (f" (data.path {describe_entries(entries(d.path))})" if skipped else "")
+            ) from None
         self.data_seconds = time.perf_counter() - t0
 
     def _validation_sources(self, dp_degree: int) -> list:
@@ -669,6 +736,13 @@ class Trainer:
 
         rate = self._step_rate()
         imbalance = ImbalanceWatch(cfg.metrics.moe_imbalance_warn, cfg.metrics.moe_imbalance_steps)
+        if self.step >= cfg.training.steps and self.rank == 0:
+            print(
+                f"nothing to do: the run is at step {self.step} and training.steps is {cfg.training.steps}; raise "
+                f"training.steps to train further",
+                flush=True,
+            )
+        start_step, t_start, tokens_start = self.step, time.perf_counter(), self.tokens_seen
         epochs = self.corpus.epochs(loader_position(self.dataloader))
         data_iter = iter(self.dataloader)
         losses: list[float] = []
@@ -705,6 +779,7 @@ class Trainer:
                 if self.val_sources and (self.step % cfg.validation.freq == 0 or self.step == cfg.training.steps):
                     with self._op(f"the validation at step {self.step}"), hang.phase("validation"):
                         vals = self.validate()
+                    self.last_validation = vals
                     logger.log(
                         self.step,
                         vals,
@@ -724,7 +799,24 @@ class Trainer:
                     self._stop_on_exit_signal(signum, exit_signals, losses)
         if self.checkpointer is not None:
             self.checkpointer.finish()
+        if self.rank == 0 and self.step > start_step:
+            print(self._summary(start_step, time.perf_counter() - t_start, self.tokens_seen - tokens_start, losses))
         return losses
+
+    def _summary(self, start_step: int, seconds: float, tokens: int, losses: list[float]) -> str:
+        """Rank 0's last line: the steps of this run, their time and throughput, the loss, where the weights are."""
+        n = self.step - start_step
+        line = (
+            f"done: steps {start_step + 1}-{self.step} ({n}) in {format_eta(seconds)}, {seconds / n:.3f}s per step, "
+            f"{tokens / seconds:,.0f} tok/s ({tokens / seconds / self.world_size:,.0f}/device); loss "
+            f"{losses[0]:.4f} -> {losses[-1]:.4f}"
+        )
+        vals = getattr(self, "last_validation", None)
+        if vals:
+            line += f", val_loss {vals['val_loss']:.4f}"
+        if self.checkpointer is not None and self.cfg.checkpoint.enable and self.checkpointer.last_step is not None:
+            line += f"; checkpoint {self.checkpointer.folder / f'step-{self.checkpointer.last_step}'}"
+        return line
 
     def _maybe_evaluate(self, logger) -> None:
         """The [eval] tasks at every eval.freq-th step and the last, on the training layout; rank 0 logs them."""
@@ -820,7 +912,10 @@ class Trainer:
         from titanlike.training.mfu import mfu
 
         cfg = self.cfg
-        tps, eta = rate.throughput.measure(self.step - rate.last_logged, cfg.training.steps - self.step)
+        steps = self.step - rate.last_logged
+        elapsed = time.perf_counter() - rate.throughput.last
+        tps, eta = rate.throughput.measure(steps, cfg.training.steps - self.step)
+        step_time = elapsed / max(steps, 1)
         rate.last_logged = self.step
         tps_dev = tps / self.world_size
         util = mfu(tps_dev, rate.flops_per_token, rate.peak) if rate.peak else None
@@ -828,7 +923,7 @@ class Trainer:
         mem = peak_memory_gib(self.device)
         line = (
             f"step {self.step:5d}  loss {res.loss:8.4f}  lr {lr:.3e}  grad_norm {res.grad_norm:7.3f}"
-            f"  tok/s {tps:9.0f}"
+            f"  tok/s {tps:9.0f} ({tps_dev:.0f}/device)  step {step_time:6.3f}s"
             + (f"  mfu {100 * util:5.1f}%" if util is not None else "")
             + f"  mem {mem:6.2f}GiB  eta {format_eta(eta)}"
         )
@@ -854,6 +949,7 @@ class Trainer:
                 "grad_norm": res.grad_norm,
                 "tokens_per_s": tps,
                 "tokens_per_s_per_device": tps_dev,
+                "step_time_s": step_time,
                 "mfu": util,
                 "memory_gib": mem,
                 "skipped": res.skipped,
@@ -879,14 +975,15 @@ class Trainer:
         from titanlike.training.exit_signals import EXIT_PREEMPTED, Preempted, signal_name
 
         name = signal_name(signum)
-        if self.rank == 0:
-            print(f"checkpoint: {name} received: saving step {self.step} before exiting", flush=True)
         exit_signals.saving = True
+        self.checkpointer.quiet_commit = True  # one line: this one
         with self._op(f"the checkpoint save of step {self.step} on {name}"):
             self.checkpointer.save_now(self.step)
+        ctrl_c = " (Ctrl-C)" if name == "SIGINT" else ""
+        saved = f": {self.checkpointer.saved_note}" if self.checkpointer.saved_note else ""
         raise Preempted(
-            f"checkpoint: stopped on {name} after saving step {self.step}; exit code {EXIT_PREEMPTED}: the same "
-            f"command resumes at step {self.step} (nothing is recomputed)",
+            f"checkpoint: stopped on {name}{ctrl_c} after saving step {self.step}; exit code {EXIT_PREEMPTED}: the "
+            f"same command resumes at step {self.step} (nothing is recomputed){saved}",
             step=self.step,
             signal_name=name,
             losses=losses,
@@ -999,11 +1096,23 @@ class Trainer:
 
 
 def _print_error(e: ConfigError) -> None:
-    """The one line, from global rank 0 only: every rank finds the same problem (so a torchrun job prints it once).
-    The other ranks wait a moment before exiting: torchrun tears the job down at the first rank that exits non-zero,
-    and a rank that left at once could take rank 0 down before its line was out (seen under load)."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"error: {e}", file=sys.stderr, flush=True)
+    """The one line, from local rank 0 only: every rank finds the same problem (so a torchrun job prints it once per
+    node). Under torchrun it also goes into the worker's error file (``TORCHELASTIC_ERROR_FILE``), so that torchrun's
+    own failure report names it as the root cause instead of a link to its docs. The other ranks wait a moment
+    before exiting: torchrun tears the job down at the first rank that exits non-zero, and a rank that left at once
+    could take local rank 0 down before its line was out (seen under load); once local rank 0 has exited, torchrun
+    ends them at once."""
+    line = f"error: {e}"
+    if os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0":
+        print(line, file=sys.stderr, flush=True)
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if error_file and not os.path.exists(error_file):
+            import json
+
+            with contextlib.suppress(OSError):
+                # torchelastic's own format (errors/error_handler.py): its report prints py_callstack as the cause
+                info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+                Path(error_file).write_text(json.dumps({"message": {"message": line, "extraInfo": info}}))
     else:
         time.sleep(_ERROR_GRACE_SECONDS)
 
@@ -1022,20 +1131,43 @@ def set_deterministic() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--help" in argv or "-h" in argv:
-        print(config_help(), end="")
+    if "--help" in argv or "-h" in argv:  # --help [SECTION]
+        i = max(i for i, a in enumerate(argv) if a in ("--help", "-h"))
+        section = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else None
+        try:
+            print(config_help(section), end="")
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 2
         return 0
     try:
         cfg = load_config(argv)
         trainer = Trainer(cfg)
     except ConfigError as e:
         _print_error(e)
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: nothing to tear down; leave at once, so that
+            os._exit(2)  # local rank 0 is not ended by torchrun before it exits 2 itself
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before training started
+        if os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0":
+            print("interrupted (Ctrl-C) during the start-up: nothing trained", file=sys.stderr, flush=True)
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            os._exit(128 + signal.SIGINT)
+        return 128 + signal.SIGINT
     from titanlike.training.exit_signals import EXIT_PREEMPTED, Preempted
 
     code = 0
     try:
         trainer.train()
+    except KeyboardInterrupt:  # Ctrl-C with nothing to save it into (checkpoint.enable off, or [] exit signals)
+        if trainer.rank == 0:
+            print(
+                f"interrupted (Ctrl-C) in step {trainer.step}: nothing saved (saving on Ctrl-C needs "
+                f"checkpoint.enable and SIGINT in checkpoint.exit_signals)",
+                file=sys.stderr,
+                flush=True,
+            )
+        code = 128 + signal.SIGINT
     except Preempted as e:  # an exit signal: the step is saved, the same command resumes it
         if trainer.rank == 0:
             print(e, flush=True)
