@@ -56,9 +56,11 @@ from titanlike.layout.schedules import (
     stage_ids_for_rank,
 )
 from titanlike.layout.stages import (
+    describe_split,
     parse_module_names,
     pipeline_stage_count,
     split_module_names,
+    split_problem,
     stage_module_names,
 )
 from titanlike.layout.timeline import Block, Timeline, bubble_formula, canonical_schedule_name, schedule_timeline
@@ -88,6 +90,7 @@ __all__ = [
     "batch_split",
     "degree_problems",
     "describe_layout",
+    "describe_split",
     "expert_degree_problem",
     "expert_groups",
     "layout_violations",
@@ -104,6 +107,7 @@ __all__ = [
     "schedule_class",
     "schedule_facts",
     "split_module_names",
+    "split_problem",
     "stage_ids_for_rank",
     "stage_module_names",
 ]

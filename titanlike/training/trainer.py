@@ -21,7 +21,14 @@ import torch.distributed as dist
 from titanlike import fault
 from titanlike.config import JobConfig, config_help, hf_architecture_of, load_config, model_args_from_config
 from titanlike.errors import ConfigError
-from titanlike.layout import batch_split, float8_backend, layout_violations, master_dtype
+from titanlike.layout import (
+    batch_split,
+    describe_split,
+    float8_backend,
+    layout_violations,
+    master_dtype,
+    stage_module_names,
+)
 from titanlike.loss import IGNORE_INDEX
 from titanlike.models import get_spec
 from titanlike.parallel import ParallelDims, build_parallel_model, describe_layout
@@ -415,6 +422,14 @@ class Trainer:
             flush=True,
         )
         print(f"attention: {attention_note(cfg, self.device, self.tokenizer.eos_id, self.model_parts)}", flush=True)
+        if self.pp is not None:  # the stages as split (torchtitan's split, or the module names listed)
+            p = cfg.parallelism
+            print(
+                f"pipeline: {p.pipeline_parallel_schedule}, {self.pp.num_stages} stages, "
+                f"{t.local_batch_size // p.pipeline_parallel_microbatch_size} microbatches; "
+                f"{describe_split(stage_module_names(cfg, args), spec=self.spec)}",
+                flush=True,
+            )
         f8 = float8_note(self.model_parts, cfg.float8.emulate)
         if f8:
             print(f"float8: {f8}", flush=True)
