@@ -347,6 +347,13 @@ LAYOUTS += [
         _pp(2, "InterleavedZeroBubble", 4, 1, *ENDS_1_1),
         model="five",
     ),
+    # DeepSeek-V3 (4 blocks, MTP) under DualPipeV with the head weighing a block: [emb, 0-1] [2] [3] [head + MTP alone]
+    _layout(
+        "ds_block pp2 DualPipeV uneven head and MTP alone",
+        2,
+        _pp(2, "DualPipeV", 8, 2, "--parallelism.pipeline_parallel_last_stage_less_layers", "1"),
+        model="ds_deep",
+    ),
     _layout(
         "MUT pp2 1F1B uneven split runs a boundary block twice",
         2,

@@ -136,4 +136,5 @@ def test_uneven_layouts_split_unevenly():
         "pp2 ZBVZeroBubble uneven 5 layers": [2, 1, 1, 1],
         "pp2 Interleaved1F1B uneven 5 layers 1+1": [1, 2, 2, 0],
         "pp2 fsdp2 InterleavedZeroBubble uneven 5 layers 1+1": [1, 2, 2, 0],
+        "ds_block pp2 DualPipeV uneven head and MTP alone": [2, 1, 1, 0],
     }
