@@ -15,6 +15,7 @@ head first (a patch of the seam here, for the comparison; the model itself has n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -37,6 +38,7 @@ COPIES = (
 MiB = 2**20
 
 
+@contextlib.contextmanager
 def _repeat_kv_seam():
     """AttentionCore.forward with k and v repeated to every query head before the attention (the former path)."""
     from titanlike.models.decoder import AttentionCore
@@ -50,6 +52,10 @@ def _repeat_kv_seam():
         return real(self, q, k, v, mask, sinks)
 
     AttentionCore.forward = forward
+    try:
+        yield
+    finally:
+        AttentionCore.forward = real
 
 
 def profile_step(argv: list[str], gqa: str = "sdpa"):
@@ -59,8 +65,6 @@ def profile_step(argv: list[str], gqa: str = "sdpa"):
     from titanlike.models import get_spec
     from titanlike.training.optim import build_optimizer
 
-    if gqa == "repeat":
-        _repeat_kv_seam()
     if not any(a.startswith("--job.config_file") for a in argv):
         argv = ["--job.config_file", str(Path(__file__).resolve().parents[1] / "configs" / "debug_model.toml"), *argv]
     cfg = load_config(argv, world_size=1)
@@ -78,9 +82,10 @@ def profile_step(argv: list[str], gqa: str = "sdpa"):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step()  # AdamW's state
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
+    with _repeat_kv_seam() if gqa == "repeat" else contextlib.nullcontext():
+        step()  # AdamW's state
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
     return cfg, args, prof.key_averages()
 
 
