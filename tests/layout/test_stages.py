@@ -8,6 +8,7 @@ import torch
 from titanlike.config import JobConfig
 from titanlike.errors import ConfigError
 from titanlike.layout import (
+    describe_split,
     layout_violations,
     parse_module_names,
     pipeline_stage_count,
@@ -59,6 +60,13 @@ def _torchtitan_split(num_stages, num_layers, input_weight, output_weight):
 def test_uneven_split_is_torchtitans():
     # DeepSeek-V3's 61 layers: the remainder on the first stages
     assert [len(_layers(s)) for s in split_module_names(61, 8)] == [8, 8, 8, 8, 8, 7, 7, 7]
+    assert describe_split(split_module_names(61, 8)) == (
+        "blocks per stage 8 8 8 8 8 7 7 7: [tok_embeddings, layers.0-7] [layers.8-15] [layers.16-23] [layers.24-31] "
+        "[layers.32-39] [layers.40-46] [layers.47-53] [layers.54-60, norm, output]"
+    )
+    assert describe_split(split_module_names(2, 4, 1, 1)) == (
+        "blocks per stage 0 1 1 0: [tok_embeddings] [layers.0] [layers.1] [norm, output]"
+    )
     assert [len(_layers(s)) for s in split_module_names(61, 16)] == [4] * 13 + [3] * 3
     assert [len(_layers(s)) for s in split_module_names(61, 16, 1, 1)] == [3] + [4] * 14 + [2]
     assert split_module_names(5, 2) == [

@@ -1,4 +1,4 @@
-"""How the model splits into pipeline stages: stage count, module names per stage (even split or by hand).
+"""How the model splits into pipeline stages: stage count, module names per stage (torchtitan's split or by hand).
 
 Stage ``s`` holds a contiguous slice of ``layers.*``; the first stage also the embedding, the last the final norm
 and the output head (and computes the loss). By default the blocks are split as torchtitan's
