@@ -117,9 +117,19 @@ CASES = {
         2,
         [*PP2, "--parallelism.pipeline_parallel_module_names", "tok_embeddings,layers.1;layers.0,norm,output"],
     ),
-    "pp_layers_per_stage": (2, [*PP2, "--parallelism.pipeline_parallel_layers_per_stage", "3"]),
-    "pp_even_split": (2, [*PP2, "--model.n_layers", "3"]),
-    "pp_stage_has_block": (2, [*PP2, "--parallelism.pipeline_parallel_first_stage_less_layers", "2"]),
+    "pp_layers_per_stage": (
+        2,
+        [
+            *PP2,
+            "--parallelism.pipeline_parallel_layers_per_stage",
+            "2",
+            "--parallelism.pipeline_parallel_stages_per_rank",
+            "1",
+        ],
+    ),
+    # 3 layers in DualPipeV's 2 x 2 stages: one stage would be empty
+    "pp_empty_stage": (2, [*PP2, "--model.n_layers", "3", "--parallelism.pipeline_parallel_schedule", "DualPipeV"]),
+    "pp_end_weights": (2, [*PP2, "--parallelism.pipeline_parallel_first_stage_less_layers", "3"]),
     "pp_microbatch_size": (2, [*PP2, "--parallelism.pipeline_parallel_microbatch_size", "3"]),
     "pp_microbatches": (2, [*PP2, "--parallelism.pipeline_parallel_microbatch_size", "4"]),
     "zb_reshard": (2, [*ZB, "--parallelism.fsdp_reshard_after_forward", "always"]),

@@ -8,10 +8,12 @@ import torch
 from titanlike.config import JobConfig
 from titanlike.errors import ConfigError
 from titanlike.layout import (
+    describe_split,
     layout_violations,
     parse_module_names,
     pipeline_stage_count,
     split_module_names,
+    split_problem,
     stage_ids_for_rank,
     stage_module_names,
 )
@@ -34,13 +36,74 @@ def test_even_split_and_weighted_ends():
     assert [_layers(s) for s in split_module_names(6, 4, 1, 1)] == [[0], [1, 2], [3, 4], [5]]
     # Weighted first stage only: 7 + 1 = 8 units over 4 stages.
     assert [_layers(s) for s in split_module_names(7, 4, 1, 0)] == [[0], [1, 2], [3, 4], [5, 6]]
-    with pytest.raises(ConfigError, match="do not split evenly"):
-        split_module_names(5, 2)
     # The embedding or the head alone can make a stage ...
     assert split_module_names(2, 4, 1, 1) == [["tok_embeddings"], ["layers.0"], ["layers.1"], ["norm", "output"]]
-    # ... but cannot weigh more than a stage.
-    with pytest.raises(ConfigError, match="cannot absorb"):
+    # ... but cannot weigh more than a stage's share.
+    with pytest.raises(ConfigError, match="first_stage_less_layers 3 weighs more than a stage's 2 layers"):
         split_module_names(1, 2, 3, 0)
+
+
+def _torchtitan_split(num_stages, num_layers, input_weight, output_weight):
+    """torchtitan's generate_llm_fqn_per_model_part (torchtitan/distributed/pipeline_parallel.py), its arithmetic
+    restated: blocks per stage."""
+    effective = num_layers + input_weight + output_weight
+    per, extra = divmod(effective, num_stages)
+    out, current = [], 0
+    for s in range(num_stages):
+        n = per + (s < extra) - (input_weight if s == 0 else 0) - (output_weight if s == num_stages - 1 else 0)
+        take = min(max(n, 0), num_layers - current)
+        out.append(list(range(current, current + take)))
+        current += take
+    return out
+
+
+def test_uneven_split_is_torchtitans():
+    # DeepSeek-V3's 61 layers: the remainder on the first stages
+    assert [len(_layers(s)) for s in split_module_names(61, 8)] == [8, 8, 8, 8, 8, 7, 7, 7]
+    assert describe_split(split_module_names(61, 8)) == (
+        "blocks per stage 8 8 8 8 8 7 7 7: [tok_embeddings, layers.0-7] [layers.8-15] [layers.16-23] [layers.24-31] "
+        "[layers.32-39] [layers.40-46] [layers.47-53] [layers.54-60, norm, output]"
+    )
+    assert describe_split(split_module_names(2, 4, 1, 1)) == (
+        "blocks per stage 0 1 1 0: [tok_embeddings] [layers.0] [layers.1] [norm, output]"
+    )
+    assert [len(_layers(s)) for s in split_module_names(61, 16)] == [4] * 13 + [3] * 3
+    assert [len(_layers(s)) for s in split_module_names(61, 16, 1, 1)] == [3] + [4] * 14 + [2]
+    assert split_module_names(5, 2) == [
+        ["tok_embeddings", "layers.0", "layers.1", "layers.2"],
+        ["layers.3", "layers.4", "norm", "output"],
+    ]
+    # 5 layers, 4 virtual stages, 1 + 1: the head alone makes the last stage
+    assert split_module_names(5, 4, 1, 1) == [
+        ["tok_embeddings", "layers.0"],
+        ["layers.1", "layers.2"],
+        ["layers.3", "layers.4"],
+        ["norm", "output"],
+    ]
+    for n_layers in range(1, 20):
+        for n_stages in range(1, 12):
+            for a in range(3):
+                for b in range(3):
+                    if split_problem(n_layers, n_stages, a, b):
+                        with pytest.raises(ConfigError):
+                            split_module_names(n_layers, n_stages, a, b)
+                        continue
+                    names = split_module_names(n_layers, n_stages, a, b)
+                    assert [_layers(s) for s in names] == _torchtitan_split(n_stages, n_layers, a, b)
+                    assert all(names), (n_layers, n_stages, a, b)  # no stage empty
+                    counts = [len(_layers(s)) + a * (i == 0) + b * (i == n_stages - 1) for i, s in enumerate(names)]
+                    assert max(counts) - min(counts) <= 1  # the weighted units differ by at most one
+
+
+def test_refusals_name_values_that_work():
+    # a stage would be empty: at most as many stages as weighted layers
+    message = split_problem(3, 4)
+    assert "leave a stage empty in 4 stages; use at most 3 stages" in message
+    assert split_problem(3, 3) is None
+    assert "use at most 1, or fewer stages" in split_problem(2, 3, 2, 0)
+    assert split_problem(2, 3, 1, 0) is None
+    with pytest.raises(ConfigError, match="leave a stage empty"):
+        split_module_names(60, 64)
 
 
 def test_module_names_by_hand():
@@ -165,9 +228,11 @@ def test_config_rules_for_the_schedules():
     cfg.training.local_batch_size = 5
     args = ModelArgs(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=2048, max_seq_len=512)
     assert any("rounds" in v for v in layout_violations(cfg, 2, args))
-    # layers_per_stage must divide the (weighted) layers: 4 layers in stages of 3 is not a layout.
-    assert "layers_per_stage 3" in _violations(
-        pipeline_parallel_degree=2, pipeline_parallel_layers_per_stage=3, pipeline_parallel_stages_per_rank=1
+    # layers_per_stage need not divide the layers (torchtitan's ceiling): 4 layers in stages of 3 -> 2 stages of 2;
+    # with stages_per_rank too, both must give the same number of stages.
+    assert _violations(pipeline_parallel_degree=2, pipeline_parallel_layers_per_stage=3) == ""
+    assert "layers_per_stage 2 makes 2" in _violations(
+        pipeline_parallel_degree=2, pipeline_parallel_layers_per_stage=1, pipeline_parallel_stages_per_rank=1
     )
     # FSDP resharding after forward gives wrong gradients with the zero-bubble schedules.
     assert "reshard" in _violations(

@@ -126,6 +126,11 @@ CASES = {
         (*DEEP, *pp(2, "ZBVZeroBubble", 4), *dp(1, 2, 4)),
         "pp_fsdp_reshard_after_forward",
     ),
+    "MUT pp2 1F1B uneven split runs a boundary block twice": (
+        2,
+        ("--model.n_layers", "5", *pp(2, "1F1B", 8, 2)),
+        "pp_split_block_twice",
+    ),
     "pp2 tp2_sp 1F1B": (4, (*DEEP, *TP, *SP, *pp(2, "1F1B", 8, 2)), None),
     "tp2_fsdp2": (4, (*TP, *dp(1, 2, 4)), None),
     "cp2_fsdp2": (4, (*CP, *dp(1, 2, 4)), None),

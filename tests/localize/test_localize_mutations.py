@@ -67,6 +67,7 @@ EXPECTED = {
     "MUT block pp2 ZBVZeroBubble microbatch given another's starts": ("layers.0.attention.sdpa", "forward", 1),
     "MUT moe ep2_fsdp4 expert FSDP averaging": ("layers.1.moe.experts", "gradient", 1),
     "MUT pp2 fsdp2 ZBVZeroBubble resharding after forward": ("layers.2.attention_norm", "gradient", 1),
+    "MUT pp2 1F1B uneven split runs a boundary block twice": ("layers.3.attention_norm", "forward", 1),
     "pp2 tp2_sp 1F1B": None,
     "tp2_fsdp2": None,
     "cp2_fsdp2": None,

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -189,3 +190,76 @@ def test_sinks_formula_by_lse_identity():
     plain = scores.softmax(-1) @ v
     got = _sinks_from_lse(plain, scores.logsumexp(-1), sinks)
     assert (got - attention_with_sinks(q, k, v, keep, sinks)).abs().max().item() <= TOL
+
+
+def _repeat_reference(core, q, k, v, mask, sinks):
+    """The seam as it was: k and v repeated to every query head, then the same attention (no grouped heads)."""
+    n_rep = q.shape[2] // k.shape[2]
+    return core(q, k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2), mask, sinks=sinks)
+
+
+def _ops(fn):
+    """The aten ops ``fn`` runs (forward and backward), by name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return seen
+
+
+GQA_CASES = [
+    ("causal", "sdpa"),  # no mask: SDPA's causal fast path, on every device
+    *[(c, b) for b in ("sdpa", "flex") for c in ("block_causal", "window", "sinks", "window_sinks_documents")],
+]
+
+
+@pytest.mark.parametrize("case,backend", GQA_CASES, ids=[f"{c}-{b}" for c, b in GQA_CASES])
+def test_grouped_query_heads_through_enable_gqa_equal_the_repeat(case, backend, monkeypatch):
+    """Grouped-query attention reads k and v in place (SDPA's / FlexAttention's ``enable_gqa``) under every mask the
+    seam uses, equal in float64 to repeating them to every query head: outputs, and on the exact (SDPA) path the
+    gradients of q, k, v and the sinks (FlexAttention has no backward on CPU). Only the explicit sinks path (its
+    scores cost more than the repeat) still repeats; elsewhere no op copies k or v."""
+    q, k, v, sinks = _qkv()
+    window = 5 if "window" in case else None
+    with_sinks = "sinks" in case
+    core = AttentionCore(window=window, sinks=with_sinks)
+    positions = torch.arange(S)
+    if case == "causal":
+        mask = None
+    elif case in ("block_causal", "window_sinks_documents"):
+        mask = DocumentMask(_starts(), positions, backend=backend, windows=(window,))
+    else:
+        mask = DocumentMask.causal(B, positions, (window,), backend=backend)
+    grad = backend == "sdpa"
+    outs, grads = [], []
+    for fn in (core, partial(_repeat_reference, core)):
+        leaves = [t.clone().requires_grad_(grad) for t in (q, k, v, sinks)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # flex's eager reference warns that it is not compiled
+            out = fn(*leaves[:3], mask, sinks=leaves[3] if with_sinks else None)
+        if grad:
+            out.square().sum().backward()
+            grads.append([t.grad for t in leaves[: 4 if with_sinks else 3]])
+        outs.append(out.detach())
+    assert (outs[0] - outs[1]).abs().max() <= TOL
+    for a, b in zip(*grads):
+        assert (a - b).abs().max() <= TOL
+    repeats = []
+    real = torch.Tensor.repeat_interleave
+    monkeypatch.setattr(
+        torch.Tensor, "repeat_interleave", lambda t, *a, **kw: repeats.append(t.shape) or real(t, *a, **kw)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        core(q, k, v, mask, sinks=sinks if with_sinks else None)
+    assert bool(repeats) == (with_sinks and backend == "sdpa"), repeats
+    if backend == "sdpa" and not with_sinks:  # the ops SDPA runs: none copies k or v to every query head
+        ops = _ops(lambda: core(q, k, v, mask))
+        assert not {"repeat_interleave", "expand", "clone", "repeat"} & set(ops), ops

@@ -35,6 +35,8 @@ gate.MODELS.update(
         "deep": ("--model.n_layers", "8"),
         "deep_tied": ("--model.n_layers", "8", "--model.tie_embeddings", "true"),
         "six": ("--model.n_layers", "6"),
+        # 5 blocks: no pp 2 split is even (torchtitan's split: the first stages one block more)
+        "five": ("--model.n_layers", "5"),
         # GPT-2 (tied embeddings across the first and last stage; fused c_attn; learned positions on the first stage).
         "gpt2_deep": ("--model.name", "gpt2", "--model.n_layers", "8"),
         # Qwen3 (per-head q/k norms, q wider than dim, tied embeddings across the first and last stage).
@@ -326,7 +328,60 @@ LAYOUTS += [
 ]
 
 
+# Uneven splits (5 blocks; titanlike.layout.split_module_names, torchtitan's arithmetic): 1F1B [emb, 0-2] [3-4, head];
+# ZBV's V [emb, 0-1] [2] [3] [4, head]; with the embedding and the head weighing a block each, 4 virtual stages
+# [emb, 0] [1-2] [3-4] [head alone] (Interleaved1F1B; InterleavedZeroBubble under FSDP).
+ENDS_1_1 = (
+    "--parallelism.pipeline_parallel_first_stage_less_layers",
+    "1",
+    "--parallelism.pipeline_parallel_last_stage_less_layers",
+    "1",
+)
+LAYOUTS += [
+    _layout("pp2 1F1B uneven 5 layers", 2, _pp(2, "1F1B", 8, 2), model="five"),
+    _layout("pp2 ZBVZeroBubble uneven 5 layers", 2, _pp(2, "ZBVZeroBubble", 8, 2), model="five"),
+    _layout("pp2 Interleaved1F1B uneven 5 layers 1+1", 2, _pp(2, "Interleaved1F1B", 8, 2, *ENDS_1_1), model="five"),
+    _layout(
+        "pp2 fsdp2 InterleavedZeroBubble uneven 5 layers 1+1",
+        4,
+        _pp(2, "InterleavedZeroBubble", 4, 1, *ENDS_1_1),
+        model="five",
+    ),
+    # DeepSeek-V3 (4 blocks, MTP) under DualPipeV with the head weighing a block: [emb, 0-1] [2] [3] [head + MTP alone]
+    _layout(
+        "ds_block pp2 DualPipeV uneven head and MTP alone",
+        2,
+        _pp(2, "DualPipeV", 8, 2, "--parallelism.pipeline_parallel_last_stage_less_layers", "1"),
+        model="ds_deep",
+    ),
+    _layout(
+        "MUT pp2 1F1B uneven split runs a boundary block twice",
+        2,
+        _pp(2, "1F1B", 8, 2),
+        model="five",
+        mutation="pp_split_block_twice",
+    ),
+]
+
+
 # ---------------------------------------------------------------------------------------------- mutations
+@contextlib.contextmanager
+def _split_block_twice():
+    """The split off by one at the first stage boundary: the second stage's first block also on the first stage
+    (its own copy), so the residual stream goes through it twice."""
+    import titanlike.parallel.pipeline.api as api
+
+    real = api.stage_module_names  # apply_pp reads the split through this name
+
+    def off_by_one(cfg, args):
+        stages = real(cfg, args)
+        block = next(n for n in stages[1] if n.startswith("layers."))
+        return [[*stages[0], block], *stages[1:]]
+
+    with patched(api, "stage_module_names", off_by_one):
+        yield
+
+
 @contextlib.contextmanager
 def _tied_not_summed():
     """The first and last stage keep their own gradient of the tied weight: the copies drift apart."""
@@ -436,6 +491,7 @@ def _moe_inference_counted():
 
 gate.MUTATIONS.update(
     {
+        "pp_split_block_twice": _split_block_twice,
         "pp_moe_inference_counted": _moe_inference_counted,
         "pp_mtp_tokens_other_microbatch": _mtp_tokens_other_microbatch,
         "pp_starts_other_microbatch": _starts_other_microbatch,

@@ -11,7 +11,7 @@ from torch.distributed.pipelining import PipelineStage
 TOL = pipeline_gate.TOL
 # the mutations that change the forward (the loss of step 1) too: the MTP one through its depth's logged loss, which
 # the gate compares with the loss
-FORWARD_BREAKS = {"pp_starts_other_microbatch", "pp_mtp_tokens_other_microbatch"}
+FORWARD_BREAKS = {"pp_starts_other_microbatch", "pp_mtp_tokens_other_microbatch", "pp_split_block_twice"}
 BROKEN = gate.BROKEN  # a mutation must move its metric by at least this much (the tolerance is 1e-10)
 # torch >= 2.15 backs up the stage's buffers before its metadata inference and restores them after: the MoE loads
 # (buffers) are safe from it without titanlike's pause, so that mutation is no bug there and must train exactly
@@ -28,6 +28,7 @@ EXPECTED_BREAK = {
     "moe_local_loads": "biases",  # each stage's bias update from this rank's loads only
     "pp_moe_inference_counted": "biases",  # torch's shape-inference forward counted as routed tokens
     "pp_mtp_tokens_other_microbatch": "grads",  # DeepSeek-V3's MTP depths embed another microbatch's tokens
+    "pp_split_block_twice": "loss",  # an uneven split off by one: a boundary block on two stages
 }
 
 
@@ -116,3 +117,24 @@ def test_moe_stages_split_their_experts_over_ep(gate_results):
         else:
             assert r["expert_mesh"] is None, (name, r["expert_mesh"])
         assert r["biases"] <= TOL, name
+
+
+def test_uneven_layouts_split_unevenly():
+    """The "uneven" layouts really split unevenly (torchtitan's split, titanlike.layout.stage_module_names), one with
+    a stage holding the head alone."""
+    from titanlike.config import model_args_from_config
+    from titanlike.layout import stage_module_names
+
+    splits = {}
+    for layout in pipeline_gate.LAYOUTS:
+        if "uneven" in layout.name and not layout.mutation:
+            cfg = gate.config(layout, layout.world_size)
+            stages = stage_module_names(cfg, model_args_from_config(cfg))
+            splits[layout.name] = [sum(n.startswith("layers.") for n in s) for s in stages]
+    assert splits == {
+        "pp2 1F1B uneven 5 layers": [3, 2],
+        "pp2 ZBVZeroBubble uneven 5 layers": [2, 1, 1, 1],
+        "pp2 Interleaved1F1B uneven 5 layers 1+1": [1, 2, 2, 0],
+        "pp2 fsdp2 InterleavedZeroBubble uneven 5 layers 1+1": [1, 2, 2, 0],
+        "ds_block pp2 DualPipeV uneven head and MTP alone": [2, 1, 1, 0],
+    }

@@ -48,6 +48,11 @@ def test_pipeline_training_matches_one_process(tmp_path):
     # one worker: the 4 ranks forked as torchrun starts them, then the single process (one import of the trainer)
     r = run_script(HERE / "pipeline_train_worker.py", str(tmp_path), "4", "--", *COMMON, "--", *PP)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    # the start-up line with the split (rank 0)
+    split = "[tok_embeddings, layers.0] [layers.1] [layers.2] [layers.3, norm, output]"
+    log = (tmp_path / "pp" / "rank0.log").read_text()
+    assert "pipeline: ZBVZeroBubble, 4 stages over pp 2 ranks" in log, log[:3000]
+    assert f"per pass; blocks per stage 1 1 1 1: {split}" in log, log[:3000]
     single, piped = _metrics(tmp_path / "single"), _metrics(tmp_path / "pp")
 
     def series(rows, key):

@@ -128,7 +128,7 @@ def test_every_violation_at_once_each_with_its_fix():
         "--parallelism.pipeline_parallel_degree",
         "2",
         "--model.n_layers",
-        "5",
+        "1",
         "--training.seq_len",
         "100",
         "--training.local_batch_size",
@@ -144,7 +144,7 @@ def test_every_violation_at_once_each_with_its_fix():
         "n_kv_heads 4",
         "the vocabulary 2048",
         "seq_len 100",
-        "split evenly",
+        "leave a stage empty",
         "fewer than pp",
         "global_batch_size 3",
     ):

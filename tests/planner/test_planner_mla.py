@@ -105,3 +105,33 @@ def test_mtp_depth_activations_equal_a_real_forward(dtype):
     # saved for the backward, which this measurement counts)
     assert prediction_activation_bytes(layout, args, names, 2 * 64, probe=True) == measured + 8 * args.num_experts
     assert prediction_activation_bytes(layout, args.replace(mtp_layers=0), names, 128) == 0
+
+
+@pytest.mark.parametrize(
+    "pp,ep,local,split",
+    [
+        (8, 32, 8, "blocks per stage 8 8 8 8 8 7 7 7: [tok_embeddings, layers.0-7] [layers.8-15]"),
+        (16, 16, 16, "blocks per stage " + " ".join(["4"] * 13 + ["3"] * 3) + ": [tok_embeddings, layers.0-3]"),
+    ],
+)
+def test_deepseek_v3_671b_pipelines_unevenly_and_is_priced(pp, ep, local, split, capsys):
+    """The 671B's 61 layers on pp 8 and pp 16 (torchtitan's split: the first stages one block more) validate on 256
+    ranks and are priced stage by stage: every pp rank's memory from its own blocks, the three dense ones on stage 0."""
+    import plan as plan_cli
+
+    argv = [
+        "--world-size", "256", "--job.config_file", "configs/debug_model.toml", "--model.name", "deepseek_v3",
+        "--model.flavor", "671B", "--parallelism.pipeline_parallel_degree", str(pp),
+        "--parallelism.expert_parallel_degree", str(ep), "--training.local_batch_size", str(local),
+        "--training.global_batch_size", "256", "--no-dry-run",
+    ]  # fmt: skip
+    rc = plan_cli.main(argv)
+    out = capsys.readouterr().out
+    assert rc in (0, 1) and "OK: every layout rule holds" in out, out[:2000]  # 1: legal, memory over an H100's
+    assert f"  pipeline split: {split}" in out
+    per_pp = next(line for line in out.splitlines() if line.startswith("  per pp rank (GiB): "))
+    blocks = [int(item.split(": ")[1].split()[0]) for item in per_pp.split("(GiB): ")[1].split(", ")]
+    assert blocks == [int(b) for b in split.split(":")[0].split()[3:]]
+    gib = [float(item.split()[-1]) for item in per_pp.split("(GiB): ")[1].split(", ")]
+    # stage 0 (the embedding and the three dense blocks) is lighter than the other stages of as many blocks
+    assert gib[0] < min(g for g, b in zip(gib[1:], blocks[1:]) if b == blocks[0])

@@ -57,9 +57,11 @@ from titanlike.layout.schedules import (
 )
 from titanlike.layout.sentinel import redundant_state
 from titanlike.layout.stages import (
+    describe_split,
     parse_module_names,
     pipeline_stage_count,
     split_module_names,
+    split_problem,
     stage_module_names,
 )
 from titanlike.layout.timeline import Block, Timeline, bubble_formula, canonical_schedule_name, schedule_timeline
@@ -90,6 +92,7 @@ __all__ = [
     "batch_split",
     "degree_problems",
     "describe_layout",
+    "describe_split",
     "expert_degree_problem",
     "expert_groups",
     "layout_violations",
@@ -106,6 +109,7 @@ __all__ = [
     "schedule_class",
     "schedule_facts",
     "split_module_names",
+    "split_problem",
     "stage_ids_for_rank",
     "stage_module_names",
 ]

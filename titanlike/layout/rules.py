@@ -17,7 +17,7 @@ from titanlike.layout.muon import muon_violations
 from titanlike.layout.policy import batch_split, parse_ac_option
 from titanlike.layout.schedules import SCHEDULES, schedule_facts
 from titanlike.layout.sentinel import sdc_violations
-from titanlike.layout.stages import parse_module_names, pipeline_stage_count
+from titanlike.layout.stages import parse_module_names, pipeline_stage_count, split_problem
 from titanlike.models import get_spec
 from titanlike.sharding import float8_patterns, muon_patterns
 
@@ -99,9 +99,9 @@ RULES = {
     "pp_v_two_stages": "V-placement schedules run exactly two stages per rank",
     "pp_multi_stage": "interleaved schedules run at least two stages per rank",
     "pp_module_names": "pipeline_parallel_module_names lists every module once, in order",
-    "pp_layers_per_stage": "layers_per_stage fits the layers into the stages",
-    "pp_even_split": "the layers split evenly into the stages",
-    "pp_stage_has_block": "the first and last stages keep a transformer block",
+    "pp_layers_per_stage": "layers_per_stage and stages_per_rank, both set, give the same number of stages",
+    "pp_empty_stage": "no stage is empty (at most as many stages as layers, the embedding / head weights included)",
+    "pp_end_weights": "the embedding / head weights (first/last_stage_less_layers) fit in a stage's share",
     "pp_microbatch_size": "microbatch size divides local_batch_size",
     "pp_microbatches": "at least pp microbatches unless breadth-first, one per stage where torch needs it, whole "
     "rounds of pp where torch runs rounds (ScheduleFacts)",
@@ -507,45 +507,34 @@ def _stage_count_violations(cfg, n_stages: int, pp: int) -> list[tuple[str, str]
 
 
 def _layer_split_violations(cfg, args, n_stages: int) -> list[tuple[str, str]]:
-    """The layers go into the stages: the module names listed per stage, or an even split with a block at each end."""
+    """The layers go into the stages: the module names listed per stage, or torchtitan's split (uneven allowed, the
+    first stages one block more) with no stage empty."""
     p = cfg.parallelism
-    eff = args.n_layers + p.pipeline_parallel_first_stage_less_layers + p.pipeline_parallel_last_stage_less_layers
+    first, last = p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers
+    eff = args.n_layers + first + last
     lps = p.pipeline_parallel_layers_per_stage
     if p.pipeline_parallel_module_names:
         try:
             parse_module_names(p.pipeline_parallel_module_names, args.n_layers, spec=get_spec(cfg.model.name))
         except ConfigError as e:
             return [("pp_module_names", str(e))]
-    elif lps and (eff % lps or (p.pipeline_parallel_stages_per_rank and eff != lps * n_stages)):
+        return []
+    if lps and p.pipeline_parallel_stages_per_rank and -(-eff // lps) != n_stages:
+        fits = [k for k in range(1, eff + 1) if -(-eff // k) == n_stages]
+        fix = f"layers_per_stage {fits[0]} makes {n_stages}" if fits else "drop layers_per_stage"
         return [
             (
                 "pp_layers_per_stage",
-                f"parallelism.pipeline_parallel_layers_per_stage {lps} does not fit {args.n_layers} layers "
-                f"(+{p.pipeline_parallel_first_stage_less_layers} for the embedding, "
-                f"+{p.pipeline_parallel_last_stage_less_layers} for the head) in {n_stages} stages; "
-                f"choose a divisor of {eff} (or drop pipeline_parallel_stages_per_rank)",
+                f"parallelism.pipeline_parallel_layers_per_stage {lps} makes {-(-eff // lps)} stages of "
+                f"{args.n_layers} layers (+{first} for the embedding, +{last} for the head), "
+                f"pipeline_parallel_stages_per_rank {p.pipeline_parallel_stages_per_rank} makes {n_stages}; set one "
+                f"of them ({fix})",
             )
         ]
-    elif eff % n_stages:
-        return [
-            (
-                "pp_even_split",
-                f"pipeline: {args.n_layers} layers (+{p.pipeline_parallel_first_stage_less_layers} for the "
-                f"embedding, +{p.pipeline_parallel_last_stage_less_layers} for the head) do not split evenly "
-                f"into {n_stages} stages; change n_layers or list pipeline_parallel_module_names per stage",
-            )
-        ]
-    elif eff // n_stages <= max(
-        p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers
-    ):
-        return [
-            (
-                "pp_stage_has_block",
-                f"pipeline: {n_stages} stages of {eff // n_stages} layers leave the first or last stage "
-                f"without a transformer block; use fewer stages",
-            )
-        ]
-    return []
+    problem = split_problem(args.n_layers, n_stages, first, last)
+    if problem is None:
+        return []
+    return [("pp_empty_stage" if eff < n_stages else "pp_end_weights", problem)]
 
 
 def _microbatch_violations(cfg, n_stages: int, pp: int) -> list[tuple[str, str]]:

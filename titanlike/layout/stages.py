@@ -1,9 +1,12 @@
-"""How the model splits into pipeline stages: stage count, module names per stage (even split or by hand).
+"""How the model splits into pipeline stages: stage count, module names per stage (torchtitan's split or by hand).
 
 Stage ``s`` holds a contiguous slice of ``layers.*``; the first stage also the embedding, the last the final norm
-and the output head (and computes the loss). By default the blocks are split evenly, the embedding / head counting
-as ``pipeline_parallel_first/last_stage_less_layers`` extra blocks; ``pipeline_parallel_module_names`` lists the
-modules of every stage by hand. Which stages a rank holds: ``titanlike.layout.schedules.stage_ids_for_rank``.
+and the output head (and computes the loss). By default the blocks are split as torchtitan's
+``generate_llm_fqn_per_model_part`` splits them: the embedding / head count as
+``pipeline_parallel_first/last_stage_less_layers`` blocks, each stage gets ``units // stages`` of the weighted units
+and the first ``units % stages`` stages one more (61 blocks over 8 stages: 8 8 8 8 8 7 7 7), so any layer count
+splits unless a stage would be empty; ``pipeline_parallel_module_names`` lists the modules of every stage by hand.
+Which stages a rank holds: ``titanlike.layout.schedules.stage_ids_for_rank``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,14 @@ from titanlike.errors import ConfigError
 from titanlike.layout.schedules import schedule_facts
 from titanlike.models import DEFAULT_MODEL, ModelSpec, get_spec
 
-__all__ = ["parse_module_names", "pipeline_stage_count", "split_module_names", "stage_module_names"]
+__all__ = [
+    "describe_split",
+    "parse_module_names",
+    "pipeline_stage_count",
+    "split_module_names",
+    "split_problem",
+    "stage_module_names",
+]
 
 
 def _spec(spec: ModelSpec | None) -> ModelSpec:
@@ -30,34 +40,55 @@ def pipeline_stage_count(cfg, args) -> int:
         return len(p.pipeline_parallel_module_names)
     if p.pipeline_parallel_stages_per_rank:
         return pp * p.pipeline_parallel_stages_per_rank
-    if p.pipeline_parallel_layers_per_stage:
+    if p.pipeline_parallel_layers_per_stage:  # torchtitan's count: the last stages may hold one block fewer
         eff = args.n_layers + p.pipeline_parallel_first_stage_less_layers + p.pipeline_parallel_last_stage_less_layers
-        return max(1, eff // p.pipeline_parallel_layers_per_stage)
+        return max(1, -(-eff // p.pipeline_parallel_layers_per_stage))
     return pp * schedule_facts(p.pipeline_parallel_schedule).default_stages_per_rank
+
+
+def split_problem(n_layers: int, n_stages: int, first_less: int = 0, last_less: int = 0) -> str | None:
+    """Why ``n_layers`` blocks cannot go into ``n_stages`` stages (None: they can): a stage would be empty, or the
+    embedding / head weighs more than a stage's share (torchtitan's two refusals), with values that work."""
+    eff = n_layers + first_less + last_less
+    what = f"{n_layers} layers (+{first_less} for the embedding, +{last_less} for the head)"
+    if n_stages < 1 or eff < n_stages:
+        return (
+            f"pipeline: {what} leave a stage empty in {n_stages} stages; use at most {eff} stages "
+            f"(pipeline_parallel_degree x stages per rank) or a model with at least {n_stages - first_less - last_less}"
+            f" layers"
+        )
+    per = eff // n_stages
+    heavy = [(k, w) for k, w in (("first", first_less), ("last", last_less)) if w > per]
+    if heavy:
+        keys = " and ".join(f"pipeline_parallel_{k}_stage_less_layers {w}" for k, w in heavy)
+        return (
+            f"pipeline: {keys} weigh{'s' * (len(heavy) == 1)} more than a stage's {per} layers ({what} in "
+            f"{n_stages} stages); use at most {per}, or fewer stages"
+        )
+    return None
 
 
 def split_module_names(
     n_layers: int, n_stages: int, first_less: int = 0, last_less: int = 0, *, spec: ModelSpec | None = None
 ) -> list[list[str]]:
-    """Module names of each of ``n_stages`` stages, the blocks split evenly.
+    """Module names of each of ``n_stages`` stages: torchtitan's ``generate_llm_fqn_per_model_part``.
 
-    The embedding counts as ``first_less`` blocks and the norm + head as ``last_less`` blocks, so the first and
-    last stage get that many fewer: 6 layers, 4 stages, 1 + 1 -> [emb, 0], [1, 2], [3, 4], [5, head].
+    The embedding counts as ``first_less`` blocks and the norm + head as ``last_less`` blocks; the ``n_layers +
+    first_less + last_less`` units split into ``n_stages`` shares of ``units // n_stages``, the first
+    ``units % n_stages`` stages one more; the end stages hold their share less their weight in blocks:
+    6 layers, 4 stages, 1 + 1 -> [emb, 0], [1, 2], [3, 4], [5, head]; 61 layers, 8 stages -> 8 8 8 8 8 7 7 7 blocks.
+    An end stage may hold no block (the embedding or the head alone); no stage is empty (:func:`split_problem`).
     """
+    problem = split_problem(n_layers, n_stages, first_less, last_less)
+    if problem:
+        raise ConfigError(problem)
     eff = n_layers + first_less + last_less
-    if n_stages < 1 or eff % n_stages:
-        raise ConfigError(
-            f"pipeline: {n_layers} layers (+{first_less} for the embedding, +{last_less} for the "
-            f"head) do not split evenly into {n_stages} stages; change n_layers or list "
-            f"pipeline_parallel_module_names per stage"
-        )
-    per = eff // n_stages
-    counts = [per - (first_less if s == 0 else 0) - (last_less if s == n_stages - 1 else 0) for s in range(n_stages)]
-    if min(counts) < 0:
-        raise ConfigError(
-            f"pipeline: {n_stages} stages of {per} layers cannot absorb the embedding weight "
-            f"{first_less} and head weight {last_less}; use fewer stages or lower the weights"
-        )
+    per, extra = divmod(eff, n_stages)
+    counts = [
+        per + (s < extra) - (first_less if s == 0 else 0) - (last_less if s == n_stages - 1 else 0)
+        for s in range(n_stages)
+    ]
+    assert sum(counts) == n_layers and min(counts) >= 0, counts
     spec = _spec(spec)
     names, start = [], 0
     for s, count in enumerate(counts):
@@ -68,6 +99,29 @@ def split_module_names(
             stage += list(spec.output_modules)
         names.append(stage)
     return names
+
+
+def describe_split(stages: Sequence[Sequence[str]], *, spec: ModelSpec | None = None) -> str:
+    """One line naming every stage's modules, the blocks as ranges: ``[tok_embeddings, layers.0-7] [layers.8-15]
+    ... [layers.54-60, norm, output]`` (the planner and the trainer's start-up print it)."""
+    spec = _spec(spec)
+    prefix = spec.block_container + "."
+    parts = []
+    for names in stages:
+        ids = [int(n[len(prefix) :]) for n in names if n.startswith(prefix) and n[len(prefix) :].isdigit()]
+        others = [n for n in names if not (n.startswith(prefix) and n[len(prefix) :].isdigit())]
+        first = [n for n in others if n in spec.input_modules]
+        rest = [n for n in others if n not in spec.input_modules]
+        blocks = []
+        if ids:
+            contiguous = ids == list(range(ids[0], ids[-1] + 1))
+            if contiguous:
+                blocks = [f"{prefix}{ids[0]}" + (f"-{ids[-1]}" if len(ids) > 1 else "")]
+            else:
+                blocks = [f"{prefix}{i}" for i in ids]
+        parts.append("[" + ", ".join([*first, *blocks, *rest]) + "]")
+    counts = [sum(n.startswith(prefix) for n in names) for names in stages]
+    return f"blocks per stage {' '.join(map(str, counts))}: {' '.join(parts)}"
 
 
 def parse_module_names(specs: Sequence[str], n_layers: int, *, spec: ModelSpec | None = None) -> list[list[str]]:

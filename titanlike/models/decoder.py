@@ -58,11 +58,12 @@ __all__ = [
 
 class AttentionCore(SequenceSeam):
     """The attention seam: causal softmax attention of ``q`` (batch, seq, heads, head_dim) over ``k``, ``v``
-    (batch, seq, kv_heads, head_dim), kv heads shared by groups of query heads (``repeat_interleave``: query head
-    ``i`` uses kv head ``i // (heads / kv_heads)``); returns (batch, seq, heads, head_dim). No parameters. Every
-    model calls its attention through one of these, so context parallelism replaces it from outside
-    (``ContextParallelAttention``) without touching the projections. ``mask``: None (causal: SDPA's causal fast
-    path) or the forward's :class:`~titanlike.models.masking.DocumentMask` (block-causal).
+    (batch, seq, kv_heads, head_dim), kv heads shared by groups of query heads (SDPA's ``enable_gqa``: query head
+    ``i`` uses kv head ``i // (heads / kv_heads)``, as ``repeat_interleave`` would pair them); returns (batch, seq,
+    heads, head_dim). No parameters. Every model calls its attention through one of these, so context parallelism
+    replaces it from outside (``ContextParallelAttention``) without touching the projections. ``mask``: None
+    (causal: SDPA's causal fast path) or the forward's :class:`~titanlike.models.masking.DocumentMask`
+    (block-causal).
 
     Per-layer options (``titanlike.models.masking``): ``window`` (a sliding window of ``window`` positions, the query
     itself included: transformers' convention; None: full attention), ``sinks`` (True: the layer is called with
@@ -88,16 +89,16 @@ class AttentionCore(SequenceSeam):
         mask: DocumentMask | None = None,
         sinks: torch.Tensor | None = None,
     ):
-        n_rep = q.shape[2] // k.shape[2]
-        if n_rep > 1:  # grouped-query attention: each kv head serves n_rep query heads
-            k = k.repeat_interleave(n_rep, dim=2)
-            v = v.repeat_interleave(n_rep, dim=2)
+        # Grouped-query attention (each kv head serves heads / kv_heads query heads) through SDPA's own
+        # ``enable_gqa`` (and FlexAttention's): k and v are read in place, never repeated to every query head
+        # (``DocumentMask.attend``: the explicit sinks path repeats them, where its scores cost far more anyway).
+        gqa = q.shape[2] != k.shape[2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         plain = self.window is None and sinks is None
         if mask is None and not plain:  # called outside a decoder's forward: the causal mask, built here
             mask = DocumentMask.causal(q.shape[0], torch.arange(q.shape[2], device=q.device), (self.window,))
         if mask is None or (plain and not mask.documents):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             out = mask.attend(q, k, v, window=self.window, sinks=sinks)
         return out.transpose(1, 2)

@@ -165,12 +165,12 @@ def _attend(q, k, v, keep: torch.Tensor, sinks: torch.Tensor | None = None) -> t
     """Softmax attention of ``q`` (batch, s, heads, d) over the cached ``k``, ``v`` (batch, n, kv_heads, d) where
     ``keep`` (batch, 1, s, n) allows, grouped-query heads as in ``AttentionCore``, sinks (heads,) as its exact path."""
     n_rep = q.shape[2] // k.shape[2]
-    if n_rep > 1:
+    if n_rep > 1 and sinks is not None:  # the explicit sinks path (its scores cost more than the repeat)
         k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if sinks is not None:
         return attention_with_sinks(q, k, v, keep, sinks).transpose(1, 2)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=n_rep > 1).transpose(1, 2)
 
 
 def _seams(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Module]]:

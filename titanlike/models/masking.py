@@ -110,17 +110,27 @@ def cp_gathered_tokens(seq_len: int, cp: int, window: int | None) -> int:
 _compiled_flex = None
 
 
-def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask, return_lse: bool = False, compiled: bool | None = None):
+def _flex(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    block_mask,
+    return_lse: bool = False,
+    compiled: bool | None = None,
+    enable_gqa: bool = False,
+):
     """FlexAttention: compiled on CUDA (``compiled`` None), its eager reference elsewhere (tests compare it with the
-    SDPA path on CPU, and run the compiled kernel on CPU with ``compiled=True``: float32, forward only)."""
+    SDPA path on CPU, and run the compiled kernel on CPU with ``compiled=True``: float32, forward only).
+    ``enable_gqa``: ``k``, ``v`` have fewer heads, each serving a group of query heads."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
+    kw = {"block_mask": block_mask, "return_lse": return_lse, "enable_gqa": enable_gqa}
     if not (q.device.type == "cuda" if compiled is None else compiled):
-        return flex_attention(q, k, v, block_mask=block_mask, return_lse=return_lse)
+        return flex_attention(q, k, v, **kw)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask, return_lse=return_lse)
+    return _compiled_flex(q, k, v, **kw)
 
 
 def attention_with_sinks(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, sinks: Tensor) -> Tensor:
@@ -211,18 +221,25 @@ class DocumentMask:
         key_start: int = 0,
     ) -> Tensor:
         """Block-causal attention of ``q`` (batch, heads, c, d), the local tokens ``rows`` (``[lo, hi)``, default
-        all), over ``k, v`` (batch, heads, n, d), the keys at window positions ``key_start .. key_start + n - 1``;
+        all), over ``k, v`` (batch, heads or kv heads, n, d: grouped-query heads are read in place), the keys at
+        window positions ``key_start .. key_start + n - 1``;
         ``window``: a sliding window (None: full); ``sinks`` (heads,): one sink logit per head."""
         lo, hi = rows if rows is not None else (0, self.positions.shape[0])
         mask = self._mask_for(lo, hi, k.shape[2], q.shape[0], q.device, window, key_start)
+        gqa = q.shape[1] != k.shape[1]  # grouped-query heads: k, v read in place by SDPA / FlexAttention
         if self.backend == "flex":
             if sinks is None:
-                return _flex(q, k, v, mask)
-            out, lse = _flex(q, k, v, mask, return_lse=True)
+                return _flex(q, k, v, mask, enable_gqa=gqa)
+            out, lse = _flex(q, k, v, mask, return_lse=True, enable_gqa=gqa)
             return _sinks_from_lse(out, lse, sinks)
         if sinks is not None:
+            # The explicit path materialises the (c x n) scores of every query head, heads / kv_heads times the
+            # size of the keys: repeating k and v to every head costs less than those, and keeps one matmul.
+            if gqa:
+                n_rep = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
             return attention_with_sinks(q, k, v, mask, sinks)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
     def dense(self, lo: int, hi: int, n: int, window: int | None = None, key_start: int = 0) -> Tensor:
         """(batch, 1, hi - lo, n) bool: query row ``i`` sees key ``j`` (at position ``key_start + j``) iff

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from titanlike.config import JobConfig, validate
 from titanlike.errors import ConfigError
-from titanlike.layout import FLATTENED, MESH_DIMS, layout_violations
+from titanlike.layout import FLATTENED, MESH_DIMS, describe_split, layout_violations
+from titanlike.models import get_spec
 from titanlike.models.masking import cp_gathered_tokens
 from titanlike.planner.cost import StepCost, messages, step_cost
 from titanlike.planner.dryrun import DryRun, dry_run
@@ -175,6 +176,8 @@ def _header(plan: Plan) -> list[str]:
             + f"; AC {_ac(lo)}; "
             f"FSDP reshard after forward: {lo.reshard_after_forward}"
         )
+        if lo.pp > 1:
+            lines.append(f"  pipeline split: {describe_split(lo.stages, spec=get_spec(cfg.model.name))}")
         lines.append(
             f"  batch: {lo.global_batch:,} x {lo.seq_len:,} = {lo.tokens_per_step:,} tokens per step; "
             f"{lo.global_batch // (lo.dp * lo.accum_steps)} sequences per dp rank per pass, microbatch "
@@ -410,6 +413,13 @@ def _memory(plan: Plan) -> list[str]:
             f"({hw.usable_memory / GiB:.1f} usable): {verdict}"
         )
     lo = plan.layout
+    if lo.pp > 1:  # every pipeline rank's total: the stages it holds, their blocks (the split) and their memory
+        per_pp, prefix = lo.world_size // lo.pp, get_spec(plan.cfg.model.name).block_container + "."
+        totals = []
+        for p in range(lo.pp):
+            blocks = sum(sum(n.startswith(prefix) for n in lo.stages[s]) for s in lo.stage_ids(p))
+            totals.append(f"{p}: {blocks} blocks {plan.total_memory(p * per_pp) / GiB:.1f}")
+        out.append(f"  per pp rank (GiB): {', '.join(totals)}")
     tokens = lo.microbatch_size * lo.local_seq_len
     alts = []
     moe = _rank_moe(plan)

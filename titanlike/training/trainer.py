@@ -29,7 +29,14 @@ from titanlike.config import (
     model_args_from_config,
 )
 from titanlike.errors import ConfigError
-from titanlike.layout import batch_split, float8_backend, layout_violations, master_dtype
+from titanlike.layout import (
+    batch_split,
+    describe_split,
+    float8_backend,
+    layout_violations,
+    master_dtype,
+    stage_module_names,
+)
 from titanlike.layout.rules import resolve_local_batch
 from titanlike.loss import IGNORE_INDEX
 from titanlike.models import get_spec
@@ -491,7 +498,8 @@ class Trainer:
             flush=True,
         )
         if self.pp is not None:
-            print(f"pipeline: {self._pipeline_note()}", flush=True)
+            split = describe_split(stage_module_names(cfg, args), spec=self.spec)  # the stages as split
+            print(f"pipeline: {self._pipeline_note()}; {split}", flush=True)
         print(f"attention: {attention_note(cfg, self.device, self.tokenizer.eos_id, self.model_parts)}", flush=True)
         f8 = float8_note(self.model_parts, cfg.float8.emulate)
         if f8:

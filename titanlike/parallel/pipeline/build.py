@@ -2,7 +2,8 @@
 
 torchtitan's ``module_fqns_per_model_part`` idea, for any ``nn.Module`` (titanlike's registered models and a
 user's own alike): the stage is the model with the other stages' modules removed, children set to ``None`` and
-entries of an ``nn.ModuleDict`` / ``nn.ModuleList`` deleted (their keys, hence the FQNs, are kept:
+entries of an ``nn.ModuleDict`` / ``nn.ModuleList`` deleted (a container left with no entries stays, empty; the
+other entries keep their keys, hence the FQNs:
 ``layers.5.attention.wq.weight`` on every layout, so checkpoints load across pipeline layouts). The model's forward
 must skip ``None`` modules and take hidden states when its input modules are gone (the contract
 ``titanlike.models.decoder.Decoder`` implements). Children that hold no parameters and no buffers (a dropout, an
@@ -96,7 +97,9 @@ def build_stage(model: nn.Module, fqns: Sequence[str], *, meta: bool = False) ->
             fqn = f"{prefix}{name}"
             if fqn in keep or _stateless(child):
                 continue
-            if any(k.startswith(fqn + ".") for k in keep):
+            # a container none of whose entries the stage keeps stays, empty (torchtitan's way): a stage of no block
+            # (the embedding or the head alone, an uneven split) still loops over its block container
+            if any(k.startswith(fqn + ".") for k in keep) or isinstance(child, (nn.ModuleDict, nn.ModuleList)):
                 drop(child, fqn + ".")
             else:
                 dropped.append((prefix[:-1], name))
