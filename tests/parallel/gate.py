@@ -184,6 +184,11 @@ def _cp(n, *more):
     return ("--parallelism.context_parallel_degree", str(n), *more)
 
 
+def _a2a(n, *more):
+    """Context parallelism by all-to-all over heads (Ulysses: parallelism.context_parallel_method alltoall)."""
+    return _cp(n, "--parallelism.context_parallel_method", "alltoall", *more)
+
+
 def _ep(n, *more):
     return ("--parallelism.expert_parallel_degree", str(n), *more)
 
@@ -488,6 +493,25 @@ LAYOUTS = [
         "MUT qnext cp2 scan in placement order", 2, _cp(2, *_dp(1, 1, 8)), model="qnext", mutation="cp_scan_rank_order"
     ),
     Layout("MUT qnext cp2 conv halo missing", 2, _cp(2, *_dp(1, 1, 8)), model="qnext", mutation="cp_no_conv_halo"),
+    # context parallelism by all-to-all over heads (Ulysses): every attention kind through the seam (causal,
+    # documents, window + sinks, MLA's expanded heads, Gated DeltaNet's state passing beside gated attention)
+    *[
+        Layout(f"a2a {m + ' ' if m != 'gqa' else ''}cp2", 2, _a2a(2, *_dp(1, 1, 8)), model=m)
+        for m in ("gqa", "block_reset", "gpt_oss", "gpt_oss_block", "ds_cp", "ds_cp_block", "qnext")
+    ],
+    Layout("a2a cp2 ac_full", 2, _a2a(2, "--activation_checkpoint.mode", "full", *_dp(1, 1, 8))),
+    Layout(
+        "MUT a2a cp2 heads scattered back in the wrong order", 2, _a2a(2, *_dp(1, 1, 8)), mutation="a2a_heads_order"
+    ),
+    Layout("MUT a2a cp2 chunks not put back in order", 2, _a2a(2, *_dp(1, 1, 8)), mutation="cp_chunks_wrong_order"),
+    Layout("MUT a2a cp2 reverse all-to-all skipped in backward", 2, _a2a(2, *_dp(1, 1, 8)), mutation="a2a_no_grad"),
+    Layout(
+        "MUT a2a gpt_oss cp2 every rank uses the first heads' sinks",
+        2,
+        _a2a(2, *_dp(1, 1, 8)),
+        model="gpt_oss",
+        mutation="a2a_sinks_heads",
+    ),
     Layout(
         "MUT qnext_block cp2 state not reset at a document start",
         2,
@@ -563,6 +587,20 @@ LAYOUTS = [
         mutation="cp_scan_rank_order",
     ),
     Layout("MUT qnext cp4 conv halo missing", 4, _cp(4, *_dp(1, 1, 8)), model="qnext", mutation="cp_no_conv_halo"),
+    # all-to-all over heads at cp 4 (Llama's 2 kv heads repeated to 4) and composed with tp + SP (the tp rank's
+    # heads split further over cp) and FSDP
+    *[
+        Layout(f"a2a {m + ' ' if m != 'gqa' else ''}cp4", 4, _a2a(4, *_dp(1, 1, 8)), model=m)
+        for m in ("gqa", "block_reset", "gpt_oss_block", "ds_cp")
+    ],
+    Layout("a2a cp2_tp2_sp", 4, _a2a(2, *_tp(2, *SP, *_dp(1, 1, 8)))),
+    Layout("a2a block cp2_tp2_sp", 4, _a2a(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="block_reset"),
+    Layout("a2a gpt_oss cp2_tp2_sp_ep2", 4, _ep(2, *_a2a(2, *_tp(2, *SP, *_dp(1, 1, 8)))), model="gpt_oss"),
+    Layout("a2a ds_cp_block cp2_tp2_sp_ep2", 4, _ep(2, *_a2a(2, *_tp(2, *SP, *_dp(1, 1, 8)))), model="ds_cp_block"),
+    Layout("a2a cp2_fsdp2", 4, _a2a(2, *_dp(1, 2, 4))),
+    Layout(
+        "MUT a2a cp4 heads scattered back in the wrong order", 4, _a2a(4, *_dp(1, 1, 8)), mutation="a2a_heads_order"
+    ),
     # 8 ranks
     Layout("tp2_hsdp2x2", 8, _tp(2, *_dp(2, 2, 2))),
     Layout("tp2_sp_fsdp4", 8, _tp(2, *SP, *_dp(1, 4, 2))),
@@ -725,6 +763,48 @@ def _cp_chunks_wrong_order():
     import titanlike.parallel.context_parallel as cpm
 
     with patched(cpm, "reorder_gathered", lambda t, cp: t):
+        yield
+
+
+@contextlib.contextmanager
+def _a2a_heads_order():
+    """Ulysses: the output's head groups joined back in the reverse order of the ranks they came from."""
+    import titanlike.parallel.context_parallel as cpm
+
+    original = cpm._join_heads
+    with patched(cpm, "_join_heads", lambda t: original(t.flip(0))):
+        yield
+
+
+class _NoExchangeBackward(torch.autograd.Function):
+    """The all-to-all in forward; in backward the gradient kept where it is (no reverse all-to-all)."""
+
+    @staticmethod
+    def forward(ctx, t, mesh, exchange):
+        return exchange(t.detach(), mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+@contextlib.contextmanager
+def _a2a_no_grad():
+    """Ulysses: the all-to-alls' backward skipped (each rank keeps the gradient of the pieces it received as if it
+    were its own): the forward is exact, the gradients of q, k, v go to the wrong tokens and heads."""
+    import titanlike.parallel.context_parallel as cpm
+
+    original = cpm._all_to_all
+    with patched(cpm, "_all_to_all", lambda t, mesh: _NoExchangeBackward.apply(t, mesh, original)):
+        yield
+
+
+@contextlib.contextmanager
+def _a2a_sinks_heads():
+    """Ulysses: every cp rank takes the sinks of the first head group instead of its own."""
+    import titanlike.parallel.context_parallel as cpm
+
+    with patched(cpm, "_head_slice", lambda t, cp, rank: t[: t.shape[0] // cp]):
         yield
 
 
@@ -1302,6 +1382,9 @@ MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "eval_keeps_unsharded": _eval_keeps_unsharded,
     "cp_kv_grad_not_reduced": _cp_kv_grad_not_reduced,
     "cp_chunks_wrong_order": _cp_chunks_wrong_order,
+    "a2a_heads_order": _a2a_heads_order,
+    "a2a_no_grad": _a2a_no_grad,
+    "a2a_sinks_heads": _a2a_sinks_heads,
     "cp_rope_local": _cp_rope_local,
     "cp_tokens_per_rank": _cp_tokens_per_rank,
     "tp_no_backward_reduce": _tp_no_backward_reduce,
