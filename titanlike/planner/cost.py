@@ -51,6 +51,7 @@ from titanlike.models.masking import cp_gathered_tokens
 from titanlike.planner.hardware import Hardware
 from titanlike.planner.layout import Layout
 from titanlike.planner.memory import (
+    cp_head_widths,
     fsdp_units,
     moe_layers,
     prediction_blocks,
@@ -252,6 +253,9 @@ def _cp_messages(tally: _Tally, ids: list[int], depths: list[int] = ()) -> None:
     linear = {i: get_spec_for(tally.args).linear_attention(tally.args, i) for i in ids}
     _linear_cp_messages(tally, {i: shape for i, shape in linear.items() if shape is not None})
     ids = [i for i in ids if linear[i] is None]
+    if lo.cp_method == "alltoall":
+        _all_to_all_cp_messages(tally, ids)
+        return
     latent = getattr(tally.args, "cp_gathered", None)  # MLA: the latent and the shared RoPE key, not K and V
     if latent:
         n, recomputed = len(ids), sum(map(tally.full_ac, ids))
@@ -270,6 +274,26 @@ def _cp_messages(tally: _Tally, ids: list[int], depths: list[int] = ()) -> None:
         add("cp", "reduce_scatter", "backward", kv, lo.cp, "K and V grads of every block", 2 * passes)
         recomputed = tally.full_ac(i)
         add("cp", "all_gather", "backward", kv, lo.cp, "recomputed K and V (full AC)", 2 * recomputed * passes)
+
+
+def _all_to_all_cp_messages(tally: _Tally, ids: list[int]) -> None:
+    """Context parallel by all-to-all over heads (Ulysses), per softmax block and pass: q, k, v turned from this
+    rank's tokens of every head into every token of ``heads / cp`` heads (3 all-to-alls) and the output back (1);
+    the backward the reverse four (again the forward's under full AC). A message is the bytes a rank sends away:
+    ``(cp - 1) / cp`` of its local tensor. Under block_causal the document starts of the whole sequence (int64) are
+    all-gathered once per forward (every block reuses them)."""
+    lo, add, passes = tally.lo, tally.add, tally.passes
+    if not ids:
+        return
+    local = tally.b * lo.local_seq_len * tally.a
+    n, recomputed = len(ids), sum(map(tally.full_ac, ids))
+    for what, width in cp_head_widths(lo, tally.args).items():
+        size = local * width * (lo.cp - 1) // lo.cp
+        add("cp", "all_to_all", "forward", size, lo.cp, f"{what} heads of every block", n * passes)
+        add("cp", "all_to_all", "backward", size, lo.cp, f"{what} head grads of every block", n * passes)
+        add("cp", "all_to_all", "backward", size, lo.cp, f"recomputed {what} heads (full AC)", recomputed * passes)
+    if lo.documents:
+        add("cp", "all_gather", "forward", tally.b * lo.seq_len * 8, lo.cp, "document starts", passes)
 
 
 def _linear_cp_messages(tally: _Tally, linear: dict) -> None:

@@ -281,6 +281,18 @@ def unit_reshards(layout: Layout, kind: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------- activations
+def cp_head_widths(layout: Layout, args) -> dict[str, int]:
+    """Numbers per token of one tp rank's query, key, value and output heads as an all-to-all over heads moves them
+    (``titanlike.parallel.context_parallel.UlyssesAttention``): the kv heads repeated to a multiple of cp where cp
+    does not divide them; MLA's per-head keys / values after the up-projection (qk_head_dim / v_head_dim wide)."""
+    from titanlike.parallel.context_parallel import ulysses_kv_heads
+
+    heads = args.n_heads // layout.tp
+    kv = ulysses_kv_heads(heads, args.n_kv_heads // layout.tp, layout.cp)
+    qk, vd = getattr(args, "qk_head_dim", args.head_dim), getattr(args, "v_head_dim", args.head_dim)
+    return {"q": heads * qk, "k": kv * qk, "v": kv * vd, "out": heads * vd}
+
+
 def block_activation_bytes(
     layout: Layout, args, tokens: int, mode: str = "none", moe=None, *, probe: bool = False, layer_id: int = 0
 ) -> int:
@@ -310,7 +322,13 @@ def block_activation_bytes(
     # Without AC the kernels of the two chunks also keep their outputs, besides the concatenated output (``a q_w``).
     gathered_kv = 0.0
     linear = spec.linear_attention(args, layer_id) is not None  # state passing: no K / V (its hook counts the maps)
-    if layout.cp > 1 and mode == "none" and not linear:
+    # All-to-all over heads instead (Ulysses): the kernel holds the whole sequence of heads / cp heads, the size of
+    # the local tokens of every head, so no extra K / V; selective op AC saves the four all-to-alls' outputs.
+    if layout.cp > 1 and layout.cp_method == "alltoall" and not linear:
+        gathered_kv = a * (
+            q_w / t if mode == "none" else sum(cp_head_widths(layout, args).values()) if mode == "op" else 0
+        )
+    elif layout.cp > 1 and mode == "none" and not linear:
         gathered_kv = 2 * a * q_w / t * (layout.cp - 1) + a * q_w / t
     elif layout.cp > 1 and mode == "op" and not linear:
         gathered_kv = 2 * a * kv_w / t * layout.cp
