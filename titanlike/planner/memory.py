@@ -293,6 +293,17 @@ def cp_head_widths(layout: Layout, args) -> dict[str, int]:
     return {"q": heads * qk, "k": kv * qk, "v": kv * vd, "out": heads * vd}
 
 
+def cp_kv_bytes(layout: Layout, args, method: str | None = None) -> int:
+    """Bytes of keys and values one softmax layer's attention kernel reads on a rank for one microbatch under
+    context-parallel ``method`` (default: the layout's), as the cores run it (kv heads repeated to the query heads;
+    MLA's per-head keys and values expanded): ``allgather`` the whole sequence's K and V of this tp rank's heads;
+    ``alltoall`` the whole sequence's of ``heads / cp`` of them (1 / cp of that)."""
+    heads = args.n_heads // layout.tp
+    qk, vd = getattr(args, "qk_head_dim", args.head_dim), getattr(args, "v_head_dim", args.head_dim)
+    whole = layout.microbatch_size * layout.seq_len * heads * (qk + vd) * layout.act_bytes
+    return whole // layout.cp if (method or layout.cp_method) == "alltoall" else whole
+
+
 def block_activation_bytes(
     layout: Layout, args, tokens: int, mode: str = "none", moe=None, *, probe: bool = False, layer_id: int = 0
 ) -> int:
