@@ -44,6 +44,7 @@ from titanlike.loss import shift_labels
 from titanlike.models.decoder import AttentionCore, LatentAttentionCore, Positions, SequenceWindow
 from titanlike.models.linear_attention import GatedDeltaCore, ShortConvCore
 from titanlike.models.masking import DocumentMask, window_keys, window_tail
+from titanlike.parallel.ring_attention import RingAttention, RingLatentAttention
 from titanlike.parallel.state_passing import ContextParallelGatedDelta, ContextParallelShortConv
 
 __all__ = [
@@ -275,7 +276,7 @@ class ContextParallelLatentAttention(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------- all-to-all (Ulysses)
-METHODS = ("allgather", "alltoall")  # parallelism.context_parallel_method: the ones implemented (rules refuse others)
+METHODS = ("allgather", "alltoall", "ring")  # parallelism.context_parallel_method (what is implemented)
 
 
 def ulysses_kv_heads(n_heads: int, n_kv_heads: int, cp: int) -> int:
@@ -529,9 +530,10 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True, m
     state-passing counterpart (``titanlike.parallel.state_passing``). A module without an attention seam is refused
     (its attention would see only this rank's tokens); so is one without a position seam unless ``positions=False``
     (the model has no positions, or feeds ``cp_positions`` to its position lookups itself). ``method``
-    (``parallelism.context_parallel_method``): "allgather" (K/V all-gathered, the cores above) or "alltoall" (the
-    softmax seams become :class:`UlyssesAttention` / :class:`UlyssesLatentAttention`: all-to-all over heads); the
-    linear-attention seams pass state whatever the method. Call after tensor
+    (``parallelism.context_parallel_method``): "allgather" (K/V all-gathered, the cores above), "alltoall" (the
+    softmax seams become :class:`UlyssesAttention` / :class:`UlyssesLatentAttention`: all-to-all over heads) or
+    "ring" (``titanlike.parallel.ring_attention``: K/V blocks passed around the cp group); the linear-attention
+    seams pass state whatever the method. Call after tensor
     parallelism and before activation checkpointing / compile / FSDP; the batches must be cut with :func:`cp_shard`.
     """
     if cp_mesh.ndim != 1:
@@ -554,6 +556,8 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True, m
         ContextParallelLatentAttention,
         UlyssesAttention,
         UlyssesLatentAttention,
+        RingAttention,
+        RingLatentAttention,
         ContextParallelPositions,
         ContextParallelGatedDelta,
         ContextParallelShortConv,
@@ -576,6 +580,12 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True, m
         latent = isinstance(core, LatentAttentionCore)
         if method == "alltoall":
             new = UlyssesLatentAttention(cp_mesh) if latent else UlyssesAttention(cp_mesh, core.window, core.sinks)
+        elif method == "ring":
+            new = (
+                RingLatentAttention(cp_mesh, chunk_ids)
+                if latent
+                else RingAttention(cp_mesh, chunk_ids, core.window, core.sinks)
+            )
         elif latent:
             new = ContextParallelLatentAttention(cp_mesh)
         else:
