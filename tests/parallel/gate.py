@@ -510,8 +510,9 @@ LAYOUTS = [
         for m in ("gqa", "block_reset", "gpt_oss", "gpt_oss_block", "ds_cp", "ds_cp_block", "qnext")
     ],
     *[
-        Layout(f"{meth} cp2 ac_full", 2, cp_of(2, "--activation_checkpoint.mode", "full", *_dp(1, 1, 8)))
+        Layout(f"{meth} cp2 ac_{ac}", 2, cp_of(2, "--activation_checkpoint.mode", mode, *_dp(1, 1, 8)))
         for meth, cp_of in CP_METHODS
+        for ac, mode in (("full", "full"), ("selective_op", "selective"))
     ],
     Layout(
         "MUT a2a cp2 heads scattered back in the wrong order", 2, _a2a(2, *_dp(1, 1, 8)), mutation="a2a_heads_order"

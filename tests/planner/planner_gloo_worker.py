@@ -169,6 +169,28 @@ CASES = {
         "--model.attn_mask_type",
         "block_causal",
     ],
+    # ring attention: K and V (then dK, dV) blocks sent to the next cp rank; at cp 4, under tp 2 + SP with op AC
+    # (the ring rerun in the recomputation), and MLA's expanded heads
+    "ring_cp4": ["--parallelism.context_parallel_degree", "4", "--parallelism.context_parallel_method", "ring"],
+    "ring_cp2_tp2_sp_opac": [
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.context_parallel_method",
+        "ring",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.enable_sequence_parallel",
+        "--activation_checkpoint.mode",
+        "selective",
+    ],
+    "ds_ring_cp2_fsdp2": [
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.context_parallel_method",
+        "ring",
+        "--model.mtp_layers",
+        "0",
+    ],
     "ds_mtp_a2a_cp2_fsdp2": [
         "--parallelism.context_parallel_degree",
         "2",
@@ -401,6 +423,8 @@ def run_case(rank: int, name: str) -> dict:
                 continue
             dims_here = [named[ranks]] if ranks in (named or {}) else dim_of[ranks]
             dim = dims_here[0] if len(dims_here) == 1 else ("cp" if functional else dims_here[-1])
+            if op == "send" and "cp" in dims_here:  # ring attention's blocks (FSDP sends nothing point to point)
+                dim = "cp"
             key = _key(dim, op, phase or is_phase, pp is not None)
             measured[key][0] += 1
             measured[key][1] += nbytes

@@ -56,7 +56,7 @@ def test_suggest_tries_every_cp_method_and_ranks_them():
     plan = _plan(64, "allgather", *LONG)
     found, stats = suggest_layouts(plan.cfg, 64, H100, plan.args, global_batch=8)
     assert found and all(c.cp == 8 for c in found)
-    assert {c.cp_method for c in found} == {"allgather", "alltoall"}
+    assert {c.cp_method for c in found} == {"allgather", "alltoall", "ring"}
     assert [c.step_time for c in found] == sorted(c.step_time for c in found)
     # the same layout both ways: the all-to-all holds less without AC (its K / V are 1 / cp of the whole
     # sequence's), the same under full AC (the block input only)
@@ -64,34 +64,37 @@ def test_suggest_tries_every_cp_method_and_ranks_them():
     for c in found:
         key = (c.tp, c.pp, c.dp_shard, c.schedule, c.stages_per_rank, c.microbatch, c.ac)
         pairs.setdefault(key, {})[c.cp_method] = c
-    both = [p for p in pairs.values() if len(p) == 2]
+    both = [p for p in pairs.values() if {"allgather", "alltoall"} <= set(p)]
     assert all(p["alltoall"].memory < p["allgather"].memory for p in both if p["alltoall"].ac == "none")
     assert any(p["alltoall"].ac == "none" for p in both)
     a2a = next(c for c in found if c.cp_method == "alltoall")
     assert "--parallelism.context_parallel_method alltoall" in " ".join(a2a.overrides)
     text = plan_cli.render_suggestions(plan, top=len(found))
     assert "cp 8 alltoall" in text and "cp 8 allgather" in text
-    # a head count cp cannot split: the all-to-all is illegal (rule cp_heads), only the all-gather is ranked
+    # a head count cp cannot split: the all-to-all is illegal (rule cp_heads), the all-gather and the ring are ranked
     odd = _plan(64, "allgather", *LONG, "--model.n_heads", "36", "--model.n_kv_heads", "4", "--model.dim", "4608")
     found, _ = suggest_layouts(odd.cfg, 64, H100, odd.args, global_batch=8)
-    assert found and {c.cp_method for c in found} == {"allgather"}
+    assert found and {c.cp_method for c in found} == {"allgather", "ring"}
 
 
-def test_all_to_all_block_activations_equal_the_dry_run_probe():
-    """One Qwen3 0.6B block (16 heads, 8 kv heads, q/k norms) at tp 2 x cp 4 under the all-to-all core, as the dry
-    run's FakeTensorMode probe measures it: no gathered K / V without AC (the kernel holds the whole sequence of
-    heads / cp heads: the size of the local tokens of every head), the four all-to-alls' outputs under op AC."""
+def test_all_to_all_and_ring_block_activations_equal_the_dry_run_probe():
+    """One Qwen3 0.6B block (16 heads, 8 kv heads, q/k norms) at tp 2 x cp 4 under the all-to-all and the ring
+    cores, as the dry run's FakeTensorMode probe measures it: no gathered K / V without AC (the all-to-all kernel
+    holds the whole sequence of heads / cp heads: the size of the local tokens of every head; the ring its own
+    chunks' q, k, v), under op AC the four all-to-alls' outputs, or the ring's block scores and outputs."""
     from titanlike.planner.dryrun import dry_run
     from titanlike.planner.layout import Layout
     from titanlike.planner.memory import block_activation_bytes
 
-    for ac, mode in (("none", "none"), ("selective", "op")):
+    for method, ac, mode in [
+        (m, ac, mode) for m in ("alltoall", "ring") for ac, mode in (("none", "none"), ("selective", "op"))
+    ]:
         cfg = parse_config(
             [
                 *("--model.name", "qwen3", "--model.flavor", "0.6B", "--training.seq_len", "512"),
                 *("--training.dtype", "bfloat16", "--training.local_batch_size", "1"),
                 *("--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree", "4"),
-                *("--parallelism.context_parallel_method", "alltoall", "--activation_checkpoint.mode", ac),
+                *("--parallelism.context_parallel_method", method, "--activation_checkpoint.mode", ac),
             ]
         )
         args = model_args_from_config(cfg)
@@ -99,4 +102,18 @@ def test_all_to_all_block_activations_equal_the_dry_run_probe():
         d = dry_run(cfg, layout, args, rank=0)
         assert layout.checkpointed(d.probe_layer) == mode
         tokens = layout.microbatch_size * layout.local_seq_len
-        assert d.block_activation_bytes == block_activation_bytes(layout, args, tokens, mode), ac
+        assert d.block_activation_bytes == block_activation_bytes(layout, args, tokens, mode), (method, ac)
+
+
+def test_ring_sends_k_and_v_blocks_and_hides_them_under_the_attention():
+    ring, ag = _plan(64, "ring", *LONG), _plan(64, "allgather", *LONG)
+    sends = [m for m in messages(ring.layout, ring.args) if m.dim == "cp"]
+    assert {m.op for m in sends} == {"send"}
+    k = 131072 // 8 * 8 * 128 * 2  # this rank's K: 16k tokens of 8 kv heads x 128, bf16
+    fwd = sum(m.count for m in sends if m.phase == "forward" and m.nbytes == k)
+    assert fwd == 2 * 7 * 32  # K and V, cp - 1 hops, 32 blocks
+    # K/V held: one visiting pair of every head (1/cp of the all-gather's) and the next pair arriving (kv heads)
+    assert cp_kv_bytes(ring.layout, ring.args) == cp_kv_bytes(ag.layout, ag.args) // 8 + 2 * k
+    d = ring.cost.dims["cp"]
+    assert d.exposed < d.seconds  # the transfers overlap the attention compute
+    assert "cp (ring): per block this rank's K and V" in render_plan(ring)

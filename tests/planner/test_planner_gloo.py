@@ -42,7 +42,7 @@ def test_planner_matches_gloo_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     cases = json.loads(out.read_text())["cases"]
-    assert len(cases) == 20
+    assert len(cases) == 23
     for name, ranks in cases.items():
         assert sorted(ranks) == ["0", "1", "2", "3"], name
         for rank, r in ranks.items():
@@ -72,6 +72,7 @@ def test_planner_matches_gloo_runs(tmp_path):
         "cp all_gather backward",
         "cp all_to_all forward",
         "cp all_to_all backward",
+        "cp send any",
         "dp_shard_cp reduce_scatter backward",
         "ep all_to_all forward",
         "ep all_to_all backward",
@@ -144,3 +145,8 @@ def test_planner_matches_gloo_runs(tmp_path):
     # MLA (3 blocks: 2 decoder blocks and the MTP depth's): no latent gathered, the expanded heads exchanged
     for rank, r in cases["ds_mtp_a2a_cp2_fsdp2"].items():
         assert r["measured"]["cp all_to_all forward"][0] == 3 * 4, (rank, r["measured"])
+    # ring attention at cp 4 (2 blocks, batch 2, 4 local tokens of 2 kv heads x 16, float32: 1024 bytes per K or V):
+    # forward 3 hops of K and V, backward 4 of dK / dV and 3 of K / V: (2 x 3 + 2 x 4 + 2 x 3) x 2 blocks sends
+    for rank, r in cases["ring_cp4"].items():
+        assert r["measured"]["cp send any"] == [40, 40 * 1024], (rank, r["measured"])
+        assert not any(k.startswith("cp all_") for k in r["measured"]), (rank, r["measured"])

@@ -329,6 +329,15 @@ def _cp_ep_notes(plan: Plan) -> list[str]:
             f"numbers per token); K/V held per layer: {fmt_bytes(cp_kv_bytes(lo, plan.args))} (all-gather: "
             f"{fmt_bytes(cp_kv_bytes(lo, plan.args, 'allgather'))}); synchronous, so fully exposed"
         )
+    elif lo.cp > 1 and lo.cp_method == "ring":
+        k = lo.microbatch_size * lo.local_seq_len * plan.args.n_kv_heads // t * plan.args.head_dim * lo.act_bytes
+        out.append(
+            f"  cp (ring): per block this rank's K and V ({fmt_bytes(k)} each) sent to the next cp rank {lo.cp - 1} "
+            f"times forward; backward dK, dV {lo.cp} times (home) and K, V {lo.cp - 1} times again; K/V held per "
+            f"layer: {fmt_bytes(cp_kv_bytes(lo, plan.args))} (all-gather: "
+            f"{fmt_bytes(cp_kv_bytes(lo, plan.args, 'allgather'))}); each transfer overlaps the previous block's "
+            f"attention: exposed only beyond the attention compute"
+        )
     elif lo.cp > 1:
         kv = lo.seq_len * plan.args.n_kv_heads // t * plan.args.head_dim * lo.act_bytes * lo.microbatch_size
         out.append(
