@@ -21,6 +21,11 @@ query chunk ``j`` attends to keys ``[0, (j + 1) * C)`` with the causal mask alig
 (``torch.nn.attention.bias.causal_lower_right``): on CUDA that is the flash / memory-efficient kernel, no
 ``S x S`` mask is built; on CPU torch builds the ``C x (j + 1) C`` boolean mask of the chunk.
 
+Other methods (``parallelism.context_parallel_method``, :func:`apply_cp`'s ``method``): "alltoall" (DeepSpeed-Ulysses,
+:class:`UlyssesAttention`: an all-to-all turns the sequence split of q, k, v into a head split, the plain seam attends
+over the whole sequence for ``heads / cp`` heads, an all-to-all turns the output back) and "ring"
+(``titanlike.parallel.ring_attention``: K/V blocks passed around the cp group, merged by log-sum-exp).
+
 Around it: the data loader hands each cp rank its two chunks of the same samples (:func:`cp_shard`, the inputs
 and the labels alike); the loss counts tokens over ``dp x cp`` (the ``dp_cp`` mesh); FSDP shards parameters and
 sums gradients over ``dp_shard x cp`` (``dp_shard_cp``), which is where the weight gradients of the different
