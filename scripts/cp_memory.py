@@ -2,6 +2,7 @@
 
     python scripts/cp_memory.py                       # debug model, 1 x 8192 tokens, cp 1 2 4
     python scripts/cp_memory.py --seq-len 16384 --cps 1,2,4,8
+    python scripts/cp_memory.py --methods allgather,alltoall,ring   # each cp method; + the bytes sent per layer
 
 For each cp degree, ``cp`` processes each build the same debug model (float32), apply ``apply_cp`` (cp > 1), run
 the forward and the loss on their ``seq_len / cp`` tokens of one sequence, and count the bytes autograd holds for
@@ -12,6 +13,11 @@ the activation memory, which peaks there). The bytes are split by where they wer
 * ``attention core``: what the attention kernel keeps. Under CP that includes the all-gathered K and V of the
   whole sequence (kv heads only: they do not shrink with cp) and, on CPU, the boolean causal mask of each query
   chunk over its keys (CUDA uses a mask-free ``CausalBias``, so that part is a CPU artefact).
+
+With ``--methods`` (parallelism.context_parallel_method) one row per method and cp, and a column of the bytes a rank
+sent per layer for the cp collectives over the forward and the backward (counted as they dispatch: an all-gather
+sends ``(cp - 1)`` x its input, a reduce-scatter or an all-to-all ``(cp - 1) / cp`` of it, a point-to-point send
+its tensor; max over ranks).
 
 Prints one row per cp and the ratio to cp 1. Parameters and optimizer states are not activations (FSDP shards
 them over dp_shard x cp anyway); the peak of transient buffers inside one op is not counted.
@@ -36,8 +42,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(flavor: str, seq_len: int, vocab: int, cp: int, rank: int) -> dict[str, int]:
-    """This rank's saved-for-backward bytes at the end of the forward: {"outside": ..., "core": ...}."""
+def _sent_counter():
+    """A dispatch mode adding up the bytes this rank sends in the cp collectives (module docstring)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sent(TorchDispatchMode):
+        def __init__(self, cp: int):
+            super().__init__()
+            self.cp, self.bytes = cp, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._overloadpacket.__name__
+            if name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "send"):
+                t = args[0][0] if name == "send" else args[0]
+                n = t.numel() * t.element_size()
+                self.bytes += {
+                    "all_gather_into_tensor": n * (self.cp - 1),
+                    "send": n,
+                }.get(name, n * (self.cp - 1) // self.cp)
+            return func(*args, **(kwargs or {}))
+
+    del torch
+    return Sent
+
+
+def measure(flavor: str, seq_len: int, vocab: int, cp: int, rank: int, method: str = "allgather") -> dict[str, int]:
+    """This rank's saved-for-backward bytes at the end of the forward: {"outside": ..., "core": ...}, and the bytes
+    it sent for cp per layer ("sent")."""
     import torch
 
     from titanlike.loss import cross_entropy_loss
@@ -55,11 +87,17 @@ def measure(flavor: str, seq_len: int, vocab: int, cp: int, rank: int) -> dict[s
     if cp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from titanlike.parallel.context_parallel import ContextParallelAttention, apply_cp, cp_shard
+        from titanlike.parallel.context_parallel import (
+            ContextParallelAttention,
+            UlyssesAttention,
+            apply_cp,
+            cp_shard,
+        )
+        from titanlike.parallel.ring_attention import RingAttention
 
-        apply_cp(model, init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",)))
+        apply_cp(model, init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",)), method=method)
         x, y = cp_shard(x, cp, rank), cp_shard(y, cp, rank)
-        core_types = (ContextParallelAttention,)
+        core_types = (ContextParallelAttention, UlyssesAttention, RingAttention)
     inside = [0]
     for m in model.modules():
         if isinstance(m, core_types):
@@ -75,16 +113,19 @@ def measure(flavor: str, seq_len: int, vocab: int, cp: int, rank: int) -> dict[s
             seen[key] = "core" if inside[0] else "outside"
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    sent = _sent_counter()(cp)
+    with sent, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = cross_entropy_loss(model(x), y, reduction="sum")
     out = {"outside": 0, "core": 0}
     for (_, nbytes), where in seen.items():
         out[where] += nbytes
-    loss.backward()  # the backward runs (collectives match on every rank), and frees what was counted
+    with sent:
+        loss.backward()  # the backward runs (collectives match on every rank), and frees what was counted
+    out["sent"] = sent.bytes // args.n_layers
     return out
 
 
-def _rank(rank: int, world: int, port: int, flavor: str, seq_len: int, vocab: int, queue) -> None:
+def _rank(rank: int, world: int, port: int, flavor: str, seq_len: int, vocab: int, queue, method: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -93,13 +134,13 @@ def _rank(rank: int, world: int, port: int, flavor: str, seq_len: int, vocab: in
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        queue.put((rank, measure(flavor, seq_len, vocab, world, rank)))
+        queue.put((rank, measure(flavor, seq_len, vocab, world, rank, method)))
     finally:
         if world > 1:
             dist.destroy_process_group()
 
 
-def run(cp: int, flavor: str, seq_len: int, vocab: int) -> list[dict[str, int]]:
+def run(cp: int, flavor: str, seq_len: int, vocab: int, method: str = "allgather") -> list[dict[str, int]]:
     """Every rank's numbers for one cp degree (cp processes)."""
     import torch.multiprocessing as mp
 
@@ -108,7 +149,7 @@ def run(cp: int, flavor: str, seq_len: int, vocab: int) -> list[dict[str, int]]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, cp, port, flavor, seq_len, vocab, queue)) for r in range(cp)]
+    procs = [ctx.Process(target=_rank, args=(r, cp, port, flavor, seq_len, vocab, queue, method)) for r in range(cp)]
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=600) for _ in procs)
@@ -125,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--cps", default="1,2,4")
+    ap.add_argument("--methods", default="", help="comma-separated cp methods, one row each (allgather,alltoall,ring)")
     a = ap.parse_args(argv)
+    methods = [m for m in a.methods.split(",") if m]
     cps = [int(c) for c in a.cps.split(",")]
     for cp in cps:
         if a.seq_len % (2 * cp):
@@ -136,21 +179,25 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens, float32, vocab {a.vocab}, CPU / gloo; max over ranks"
     )
     print(
-        f"{'cp':>3} {'outside attn MiB':>17} {'ratio':>6} {'attn core MiB':>14} {'ratio':>6} {'total MiB':>10} "
-        f"{'ratio':>6}"
+        f"{'cp':>3} {'method':<10}" * bool(methods) + f"{'' if methods else 'cp':>3} {'outside attn MiB':>17} "
+        f"{'ratio':>6} {'attn core MiB':>14} {'ratio':>6} {'total MiB':>10} {'ratio':>6}"
+        + f" {'sent/layer MiB':>15}"
+        * bool(methods)
     )
     base = None
     for cp in cps:
-        ranks = run(cp, a.flavor, a.seq_len, a.vocab)
-        row = {k: max(r[k] for r in ranks) for k in ("outside", "core")}
-        row["total"] = max(r["outside"] + r["core"] for r in ranks)
-        base = base or row
-        print(
-            f"{cp:>3} {row['outside'] / MiB:17.1f} {row['outside'] / base['outside']:6.3f} "
-            f"{row['core'] / MiB:14.1f} {row['core'] / base['core']:6.3f} {row['total'] / MiB:10.1f} "
-            f"{row['total'] / base['total']:6.3f}",
-            flush=True,
-        )
+        for method in (methods if cp > 1 else methods[:1]) or [None]:
+            ranks = run(cp, a.flavor, a.seq_len, a.vocab, method or "allgather")
+            row = {k: max(r[k] for r in ranks) for k in ("outside", "core", "sent")}
+            row["total"] = max(r["outside"] + r["core"] for r in ranks)
+            base = base or row
+            head = f"{cp:>3} {method:<10}    " if method else f"{cp:>3}"
+            print(
+                f"{head} {row['outside'] / MiB:17.1f} {row['outside'] / base['outside']:6.3f} "
+                f"{row['core'] / MiB:14.1f} {row['core'] / base['core']:6.3f} {row['total'] / MiB:10.1f} "
+                f"{row['total'] / base['total']:6.3f}" + f" {row['sent'] / MiB:15.2f}" * bool(method),
+                flush=True,
+            )
     return 0
 
 

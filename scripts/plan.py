@@ -169,12 +169,15 @@ def render_suggestions(plan, top: int) -> str:
         f"  {'#':>3} {'tp':>3} {'pp':>3} {'dp_sh':>6} {'dp_rep':>6} {'schedule':<19}{'mb':>3}{'acc':>4}  "
         f"{'AC':<13}{'memory':>11}  {'step':>9}  {'MFU':>6}  {'bubble':>6}",
     ]
+    if cfg.parallelism.context_parallel_degree > 1:  # each layout with every cp method: which one is shown
+        lines[-1] += f"  {'cp method':<10}"
     for i, c in enumerate(found[:top], 1):
         sched = f"{c.schedule} v{c.stages_per_rank}" if c.pp > 1 else "-"
         lines.append(
             f"  {i:>3} {c.tp:>3} {c.pp:>3} {c.dp_shard:>6} {c.dp_replicate:>6} {sched:<19}{c.microbatch:>3}"
             f"{c.accum_steps:>4}  {c.ac:<13}{fmt_bytes(c.memory):>11}  {fmt_seconds(c.step_time):>9}  "
-            f"{c.mfu:>6.1%}  {c.bubble:>6.3f}{'  TP ACROSS NODES' if c.tp_spans_nodes else ''}"
+            f"{c.mfu:>6.1%}  {c.bubble:>6.3f}{f'  cp {c.cp} {c.cp_method:<10}' if c.cp > 1 else ''}"
+            f"{'  TP ACROSS NODES' if c.tp_spans_nodes else ''}"
         )
     crossing = [c for c in found if c.tp_spans_nodes]
     if crossing and all(c.tp_spans_nodes is False for c in found[:top]):

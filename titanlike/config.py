@@ -174,7 +174,10 @@ class Parallelism:
     enable_sequence_parallel: bool = False  # shard norms and residuals over the sequence under TP
     disable_loss_parallel: bool = False  # gather the logits instead of the vocab-parallel cross entropy
     loss_chunk_size: int = 0  # tokens per chunk of the cross entropy (0: all at once)
-    context_parallel_degree: int = 1  # ranks splitting each sequence (load-balanced chunks; K/V all-gathered)
+    context_parallel_degree: int = 1  # ranks splitting each sequence (load-balanced chunks)
+    # allgather: K/V all-gathered | alltoall: Ulysses, the sequence split turned into a head split around attention |
+    # ring: K/V blocks passed around the cp group, merged by log-sum-exp
+    context_parallel_method: Literal["allgather", "alltoall", "ring"] = "allgather"
     pipeline_parallel_degree: int = 1  # pipeline ranks (outermost)
     # ranks splitting the routed experts (borrowed from dp_shard x cp; tokens moved by all-to-all; MoE models only)
     expert_parallel_degree: int = 1

@@ -215,7 +215,9 @@ TORCHTITAN_KEYS: dict[str, Key] = {
         note="titanlike's context parallelism always balances head-tail (chunks r and 2cp-1-r)",
     ),
     "parallelism.context_parallel_rotate_method": Key(
-        INERT, ok=("allgather",), note="titanlike's context parallelism all-gathers K/V"
+        INERT,
+        ok=("allgather",),
+        note="titanlike chooses its cp attention by parallelism.context_parallel_method (allgather | alltoall | ring)",
     ),
     "parallelism.expert_parallel_degree": S(),
     "parallelism.expert_tensor_parallel_degree": Key(INERT, ok=(1,), note=NO_MOE),

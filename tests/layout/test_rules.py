@@ -54,6 +54,19 @@ CASES = {
     ),
     "mask_reset": (1, ["--model.reset_position_ids", "true"]),
     "cp_kernels": (2, [*CP2, "--model.kernels", "te"]),
+    "cp_method_needs_cp": (1, ["--parallelism.context_parallel_method", "alltoall"]),
+    # the 2 heads of a tp rank (4 / tp 2) cannot split over cp 4
+    "cp_heads": (
+        8,
+        [
+            "--parallelism.context_parallel_degree",
+            "4",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.context_parallel_method",
+            "alltoall",
+        ],
+    ),
     "cp_float8": (2, [*CP2, "--float8.recipe", "tensorwise"]),
     "cp_schedule": (4, [*CP2, *ZB]),
     "cp_model": (2, ["--model.name", NO_CP.name, *CP2]),

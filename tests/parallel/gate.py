@@ -184,6 +184,19 @@ def _cp(n, *more):
     return ("--parallelism.context_parallel_degree", str(n), *more)
 
 
+def _a2a(n, *more):
+    """Context parallelism by all-to-all over heads (Ulysses: parallelism.context_parallel_method alltoall)."""
+    return _cp(n, "--parallelism.context_parallel_method", "alltoall", *more)
+
+
+def _ring(n, *more):
+    """Context parallelism by a ring of key / value blocks (parallelism.context_parallel_method ring)."""
+    return _cp(n, "--parallelism.context_parallel_method", "ring", *more)
+
+
+CP_METHODS = (("a2a", _a2a), ("ring", _ring))
+
+
 def _ep(n, *more):
     return ("--parallelism.expert_parallel_degree", str(n), *more)
 
@@ -488,6 +501,41 @@ LAYOUTS = [
         "MUT qnext cp2 scan in placement order", 2, _cp(2, *_dp(1, 1, 8)), model="qnext", mutation="cp_scan_rank_order"
     ),
     Layout("MUT qnext cp2 conv halo missing", 2, _cp(2, *_dp(1, 1, 8)), model="qnext", mutation="cp_no_conv_halo"),
+    # context parallelism by all-to-all over heads (Ulysses) and by a ring of key / value blocks: every attention kind
+    # through the seam (causal, documents, window + sinks, MLA's expanded heads, Gated DeltaNet's state passing
+    # beside gated attention)
+    *[
+        Layout(f"{meth} {m + ' ' if m != 'gqa' else ''}cp2", 2, cp_of(2, *_dp(1, 1, 8)), model=m)
+        for meth, cp_of in CP_METHODS
+        for m in ("gqa", "block_reset", "gpt_oss", "gpt_oss_block", "ds_cp", "ds_cp_block", "qnext")
+    ],
+    *[
+        Layout(f"{meth} cp2 ac_{ac}", 2, cp_of(2, "--activation_checkpoint.mode", mode, *_dp(1, 1, 8)))
+        for meth, cp_of in CP_METHODS
+        for ac, mode in (("full", "full"), ("selective_op", "selective"))
+    ],
+    Layout(
+        "MUT a2a cp2 heads scattered back in the wrong order", 2, _a2a(2, *_dp(1, 1, 8)), mutation="a2a_heads_order"
+    ),
+    Layout("MUT a2a cp2 chunks not put back in order", 2, _a2a(2, *_dp(1, 1, 8)), mutation="cp_chunks_wrong_order"),
+    Layout("MUT a2a cp2 reverse all-to-all skipped in backward", 2, _a2a(2, *_dp(1, 1, 8)), mutation="a2a_no_grad"),
+    Layout("MUT ring cp2 a ring step skipped", 2, _ring(2, *_dp(1, 1, 8)), mutation="ring_step_skipped"),
+    Layout("MUT ring cp2 log-sum-exps merged by max", 2, _ring(2, *_dp(1, 1, 8)), mutation="ring_merge_max"),
+    Layout("MUT ring cp2 dK / dV not passed home", 2, _ring(2, *_dp(1, 1, 8)), mutation="ring_grads_kept"),
+    Layout(
+        "MUT ring gpt_oss_block cp2 sinks dropped",
+        2,
+        _ring(2, *_dp(1, 1, 8)),
+        model="gpt_oss_block",
+        mutation="ring_no_sinks",
+    ),
+    Layout(
+        "MUT a2a gpt_oss cp2 every rank uses the first heads' sinks",
+        2,
+        _a2a(2, *_dp(1, 1, 8)),
+        model="gpt_oss",
+        mutation="a2a_sinks_heads",
+    ),
     Layout(
         "MUT qnext_block cp2 state not reset at a document start",
         2,
@@ -563,6 +611,35 @@ LAYOUTS = [
         mutation="cp_scan_rank_order",
     ),
     Layout("MUT qnext cp4 conv halo missing", 4, _cp(4, *_dp(1, 1, 8)), model="qnext", mutation="cp_no_conv_halo"),
+    # all-to-all over heads (Llama's 2 kv heads repeated to 4 at cp 4) and the ring at cp 4, and composed with tp +
+    # SP (the all-to-all splits a tp rank's heads further over cp) and FSDP
+    *[
+        Layout(f"{meth} {m + ' ' if m != 'gqa' else ''}cp4", 4, cp_of(4, *_dp(1, 1, 8)), model=m)
+        for meth, cp_of in CP_METHODS
+        for m in ("gqa", "block_reset", "gpt_oss_block", "ds_cp")
+    ],
+    *[
+        layout
+        for meth, cp_of in CP_METHODS
+        for layout in (
+            Layout(f"{meth} cp2_tp2_sp", 4, cp_of(2, *_tp(2, *SP, *_dp(1, 1, 8)))),
+            Layout(f"{meth} block cp2_tp2_sp", 4, cp_of(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="block_reset"),
+            Layout(
+                f"{meth} gpt_oss cp2_tp2_sp_ep2", 4, _ep(2, *cp_of(2, *_tp(2, *SP, *_dp(1, 1, 8)))), model="gpt_oss"
+            ),
+            Layout(
+                f"{meth} ds_cp_block cp2_tp2_sp_ep2",
+                4,
+                _ep(2, *cp_of(2, *_tp(2, *SP, *_dp(1, 1, 8)))),
+                model="ds_cp_block",
+            ),
+            Layout(f"{meth} cp2_fsdp2", 4, cp_of(2, *_dp(1, 2, 4))),
+        )
+    ],
+    Layout("MUT ring cp4 a ring step skipped", 4, _ring(4, *_dp(1, 1, 8)), mutation="ring_step_skipped"),
+    Layout(
+        "MUT a2a cp4 heads scattered back in the wrong order", 4, _a2a(4, *_dp(1, 1, 8)), mutation="a2a_heads_order"
+    ),
     # 8 ranks
     Layout("tp2_hsdp2x2", 8, _tp(2, *_dp(2, 2, 2))),
     Layout("tp2_sp_fsdp4", 8, _tp(2, *SP, *_dp(1, 4, 2))),
@@ -725,6 +802,95 @@ def _cp_chunks_wrong_order():
     import titanlike.parallel.context_parallel as cpm
 
     with patched(cpm, "reorder_gathered", lambda t, cp: t):
+        yield
+
+
+@contextlib.contextmanager
+def _a2a_heads_order():
+    """Ulysses: the output's head groups joined back in the reverse order of the ranks they came from."""
+    import titanlike.parallel.context_parallel as cpm
+
+    original = cpm._join_heads
+    with patched(cpm, "_join_heads", lambda t: original(t.flip(0))):
+        yield
+
+
+class _NoExchangeBackward(torch.autograd.Function):
+    """The all-to-all in forward; in backward the gradient kept where it is (no reverse all-to-all)."""
+
+    @staticmethod
+    def forward(ctx, t, mesh, exchange):
+        return exchange(t.detach(), mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+@contextlib.contextmanager
+def _a2a_no_grad():
+    """Ulysses: the all-to-alls' backward skipped (each rank keeps the gradient of the pieces it received as if it
+    were its own): the forward is exact, the gradients of q, k, v go to the wrong tokens and heads."""
+    import titanlike.parallel.context_parallel as cpm
+
+    original = cpm._all_to_all
+    with patched(cpm, "_all_to_all", lambda t, mesh: _NoExchangeBackward.apply(t, mesh, original)):
+        yield
+
+
+@contextlib.contextmanager
+def _a2a_sinks_heads():
+    """Ulysses: every cp rank takes the sinks of the first head group instead of its own."""
+    import titanlike.parallel.context_parallel as cpm
+
+    with patched(cpm, "_head_slice", lambda t, cp, rank: t[: t.shape[0] // cp]):
+        yield
+
+
+@contextlib.contextmanager
+def _ring_step_skipped():
+    """Ring attention: the last ring step skipped (each rank never sees one rank's keys and values)."""
+    import titanlike.parallel.ring_attention as ra
+
+    with patched(ra, "ring_steps", lambda cp: range(cp - 1)):
+        yield
+
+
+@contextlib.contextmanager
+def _ring_merge_max():
+    """Ring attention: the blocks' log-sum-exps merged by their maximum instead of logaddexp (the weights of the
+    outputs then sum to more than one)."""
+    import titanlike.parallel.ring_attention as ra
+
+    def merge(out, lse, out_b, lse_b):
+        new = torch.maximum(lse, lse_b)
+        return torch.exp(lse - new).unsqueeze(-1) * out + torch.exp(lse_b - new).unsqueeze(-1) * out_b, new
+
+    with patched(ra, "merge", merge):
+        yield
+
+
+@contextlib.contextmanager
+def _ring_grads_kept():
+    """Ring attention's backward: the key / value gradients stay on the rank that computed them instead of
+    travelling with their keys back home (the forward is exact)."""
+    import titanlike.parallel.ring_attention as ra
+
+    with patched(ra, "passed_on", lambda kept, arrived: kept):
+        yield
+
+
+@contextlib.contextmanager
+def _ring_no_sinks():
+    """Ring attention: the sinks not merged into the final log-sum-exp."""
+    import titanlike.parallel.ring_attention as ra
+
+    original = ra.ring_attention
+
+    def ring_attention(q, k, v, mesh, layout, starts=None, window=None, sinks=None):
+        return original(q, k, v, mesh, layout, starts, window, None)
+
+    with patched(ra, "ring_attention", ring_attention):
         yield
 
 
@@ -1302,6 +1468,13 @@ MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "eval_keeps_unsharded": _eval_keeps_unsharded,
     "cp_kv_grad_not_reduced": _cp_kv_grad_not_reduced,
     "cp_chunks_wrong_order": _cp_chunks_wrong_order,
+    "a2a_heads_order": _a2a_heads_order,
+    "a2a_no_grad": _a2a_no_grad,
+    "a2a_sinks_heads": _a2a_sinks_heads,
+    "ring_step_skipped": _ring_step_skipped,
+    "ring_merge_max": _ring_merge_max,
+    "ring_grads_kept": _ring_grads_kept,
+    "ring_no_sinks": _ring_no_sinks,
     "cp_rope_local": _cp_rope_local,
     "cp_tokens_per_rank": _cp_tokens_per_rank,
     "tp_no_backward_reduce": _tp_no_backward_reduce,

@@ -297,6 +297,19 @@ LAYOUTS += [
         ("--parallelism.context_parallel_degree", "2", *_pp(2, "1F1B", 8, 2)),
         model="qnext_block_deep",
     ),
+    # context parallelism by all-to-all over heads and by ring inside every stage: causal (tied), documents, window +
+    # sinks, MLA
+    *[
+        _layout(
+            f"{name} {m} cp2 pp2 1F1B",
+            4,
+            ("--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", method)
+            + _pp(2, "1F1B", 8, 2),
+            model=m,
+        )
+        for name, method in (("a2a", "alltoall"), ("ring", "ring"))
+        for m in ("deep_tied", "block_deep", "gpt_oss_block_deep", "ds_deep_nomtp")
+    ],
     _layout("moe pp2 ep2 1F1B", 4, (*EP2, *_pp(2, "1F1B", 4)), model="moe_deep"),
     _layout("moe pp2 ep2 Interleaved1F1B", 4, (*EP2, *_pp(2, "Interleaved1F1B", 4)), model="moe_deep"),
     _layout(

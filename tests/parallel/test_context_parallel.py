@@ -160,3 +160,100 @@ def test_apply_cp_swaps_the_shared_seams_of_every_model_and_refuses_a_module_wit
         assert isinstance(apply_cp(SeamNoPositions(), mesh, positions=False).core, ContextParallelAttention)
     finally:
         dist.destroy_process_group()
+
+
+def test_context_parallel_method_swaps_the_softmax_seams_and_keeps_state_passing():
+    """``method="alltoall"`` / ``"ring"``: every softmax seam (the plain one with its window / sinks, the latent one)
+    becomes its counterpart, the linear-attention seams keep state passing, the positions stay global; a method that
+    is not implemented is refused; kv heads cp does not divide are repeated up to a multiple of cp (all-to-all)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from titanlike.models import get_spec
+    from titanlike.parallel.context_parallel import (
+        ContextParallelAttention,
+        UlyssesAttention,
+        UlyssesLatentAttention,
+        apply_cp,
+        ulysses_kv_heads,
+    )
+    from titanlike.parallel.ring_attention import RingAttention, RingLatentAttention
+    from titanlike.parallel.state_passing import ContextParallelGatedDelta
+
+    assert ulysses_kv_heads(4, 2, 2) == 2 and ulysses_kv_heads(4, 2, 4) == 4 and ulysses_kv_heads(8, 2, 4) == 4
+    assert ulysses_kv_heads(12, 4, 3) == 12 and ulysses_kv_heads(8, 1, 4) == 4
+    with pytest.raises(ValueError, match=r"^context_parallel_method alltoall: the 2 query heads .* by cp 4"):
+        ulysses_kv_heads(2, 2, 4)
+    dist.init_process_group("fake", rank=1, world_size=2, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+        kinds = {}
+        for name in ("llama3", "gpt_oss", "deepseek_v3", "qwen3_next"):
+            spec = get_spec(name)
+            model = apply_cp(spec.build_meta(spec.flavors["tiny"].replace(vocab_size=64)), mesh, method="alltoall")
+            kinds[name] = [type(m) for m in model.modules()]
+            assert ContextParallelAttention not in kinds[name]
+        assert kinds["llama3"].count(UlyssesAttention) == 2
+        assert UlyssesLatentAttention in kinds["deepseek_v3"]
+        assert UlyssesAttention in kinds["qwen3_next"] and ContextParallelGatedDelta in kinds["qwen3_next"]
+        tiny = {n: get_spec(n).flavors["tiny"].replace(vocab_size=64) for n in ("gpt_oss", "llama3")}
+        oss = apply_cp(get_spec("gpt_oss").build_meta(tiny["gpt_oss"]), mesh, method="alltoall")
+        cores = [m for m in oss.modules() if isinstance(m, UlyssesAttention)]
+        assert {c.window for c in cores} == {4, None} and all(c.sinks for c in cores)  # the seam's options kept
+        ring = apply_cp(get_spec("gpt_oss").build_meta(tiny["gpt_oss"]), mesh, method="ring")
+        cores = [m for m in ring.modules() if isinstance(m, RingAttention)]
+        assert {c.window for c in cores} == {4, None} and all(c.sinks for c in cores)
+        spec = get_spec("deepseek_v3")
+        ds = apply_cp(spec.build_meta(spec.flavors["tiny"].replace(vocab_size=64)), mesh, method="ring")
+        assert any(isinstance(m, RingLatentAttention) for m in ds.modules())
+        with pytest.raises(ValueError, match=r"^apply_cp: context_parallel_method 'hybrid' is not one of"):
+            apply_cp(get_spec("llama3").build_meta(tiny["llama3"]), mesh, method="hybrid")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_to_all_and_ring_layouts_are_in_the_shared_gate_launches():
+    """The all-to-all and ring methods' equality layouts run in the gate launches shared with every other layout
+    (one launch per world size: tests/parallel/shared_launch.py; checked by test_parallel_gate.py and
+    test_pipeline_gate.py): llama (causal, documents), gpt-oss (window + sinks), DeepSeek-V3 (MLA) and Qwen3-Next at
+    cp 2 and cp 4, with tp 2 + SP, FSDP and pp 2, and their planted mutations."""
+    import gate
+    import pipeline_gate
+
+    names = {lo.name for lo in gate.LAYOUTS + pipeline_gate.LAYOUTS if "context_parallel_method" in " ".join(lo.args)}
+    for method in ("a2a", "ring"):
+        for name in (
+            "cp2",
+            "block_reset cp2",
+            "gpt_oss cp2",
+            "gpt_oss_block cp2",
+            "ds_cp cp2",
+            "ds_cp_block cp2",
+            "qnext cp2",
+            "cp4",
+            "block_reset cp4",
+            "gpt_oss_block cp4",
+            "ds_cp cp4",
+            "cp2_tp2_sp",
+            "block cp2_tp2_sp",
+            "gpt_oss cp2_tp2_sp_ep2",
+            "ds_cp_block cp2_tp2_sp_ep2",
+            "cp2_fsdp2",
+            "deep_tied cp2 pp2 1F1B",
+            "block_deep cp2 pp2 1F1B",
+            "gpt_oss_block_deep cp2 pp2 1F1B",
+            "ds_deep_nomtp cp2 pp2 1F1B",
+        ):
+            assert f"{method} {name}" in names, f"{method} {name}"
+    mutations = {lo.mutation for lo in gate.LAYOUTS if lo.name in names and lo.mutation}
+    assert mutations == {
+        "a2a_heads_order",
+        "cp_chunks_wrong_order",
+        "a2a_no_grad",
+        "a2a_sinks_heads",
+        "ring_step_skipped",
+        "ring_merge_max",
+        "ring_grads_kept",
+        "ring_no_sinks",
+    }

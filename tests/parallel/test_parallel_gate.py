@@ -23,6 +23,16 @@ EXPECTED_BREAK = {
     "cp_chunks_wrong_order": ("loss_step1", True),
     "cp_rope_local": ("loss_step1", True),
     "cp_tokens_per_rank": ("loss_step1", True),
+    # all-to-all over heads (Ulysses): head groups joined in the wrong order, the reverse exchange skipped in the
+    # backward, the sinks of another rank's heads
+    "a2a_heads_order": ("loss_step1", True),
+    "a2a_no_grad": ("grads", False),
+    "a2a_sinks_heads": ("loss_step1", True),
+    # ring attention: a step skipped, the log-sum-exps merged by max, dK / dV kept where computed, the sinks dropped
+    "ring_step_skipped": ("loss_step1", True),
+    "ring_merge_max": ("loss_step1", True),
+    "ring_grads_kept": ("grads", False),
+    "ring_no_sinks": ("loss_step1", True),
     # document masking: a cp rank attending across documents, positions running on across documents
     "mask_cp_rank": ("loss_step1", True),
     "mask_no_reset": ("loss_step1", True),

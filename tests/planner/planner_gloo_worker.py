@@ -144,6 +144,59 @@ CASES = {
     # DeepSeek-V3 tiny with one MTP depth under CP 2 x FSDP 2: the latent gathers of the three blocks, the window's
     # token ids and the depth's labels gathered
     "ds_mtp_cp2_fsdp2": ["--parallelism.context_parallel_degree", "2"],
+    # context parallelism by all-to-all over heads (Ulysses): q, k, v and the output of every block through 4
+    # all-to-alls forward and 4 backward; at cp 4 Llama's 2 kv heads repeated to 4; under full AC with tp 2 + SP
+    # (a tp rank's 2 heads split over cp 2, its one kv head repeated to 2) the forward's 4 again in the backward;
+    # gpt-oss under block_causal (the document starts gathered once per forward); DeepSeek-V3 (MLA: the expanded
+    # heads travel, q and k 24 wide, v 16) with its MTP depth's block
+    "a2a_cp4": ["--parallelism.context_parallel_degree", "4", "--parallelism.context_parallel_method", "alltoall"],
+    "a2a_cp2_tp2_sp_fullac": [
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.context_parallel_method",
+        "alltoall",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.enable_sequence_parallel",
+        "--activation_checkpoint.mode",
+        "full",
+    ],
+    "gpt_oss_a2a_block_cp2_fsdp2": [
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.context_parallel_method",
+        "alltoall",
+        "--model.attn_mask_type",
+        "block_causal",
+    ],
+    # ring attention: K and V (then dK, dV) blocks sent to the next cp rank; at cp 4, under tp 2 + SP with op AC
+    # (the ring rerun in the recomputation), and MLA's expanded heads
+    "ring_cp4": ["--parallelism.context_parallel_degree", "4", "--parallelism.context_parallel_method", "ring"],
+    "ring_cp2_tp2_sp_opac": [
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.context_parallel_method",
+        "ring",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.enable_sequence_parallel",
+        "--activation_checkpoint.mode",
+        "selective",
+    ],
+    "ds_ring_cp2_fsdp2": [
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.context_parallel_method",
+        "ring",
+        "--model.mtp_layers",
+        "0",
+    ],
+    "ds_mtp_a2a_cp2_fsdp2": [
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.context_parallel_method",
+        "alltoall",
+    ],
 }
 MOE = ["--model.name", "qwen3_moe"]
 DS = [
@@ -362,7 +415,7 @@ def run_case(rank: int, name: str) -> dict:
             with recorder, balanced_routing():
                 fn()
         for op, nbytes, ranks, is_phase, functional in recorder.records:
-            if op == "all_to_all":  # expert parallelism's dispatch, combine and counts
+            if op == "all_to_all" and dims.ep > 1:  # expert parallelism's dispatch, combine and counts
                 measured[f"ep all_to_all {phase or is_phase}"][0] += 1
                 measured[f"ep all_to_all {phase or is_phase}"][1] += nbytes
                 continue
@@ -370,6 +423,8 @@ def run_case(rank: int, name: str) -> dict:
                 continue
             dims_here = [named[ranks]] if ranks in (named or {}) else dim_of[ranks]
             dim = dims_here[0] if len(dims_here) == 1 else ("cp" if functional else dims_here[-1])
+            if op == "send" and "cp" in dims_here:  # ring attention's blocks (FSDP sends nothing point to point)
+                dim = "cp"
             key = _key(dim, op, phase or is_phase, pp is not None)
             measured[key][0] += 1
             measured[key][1] += nbytes
@@ -383,7 +438,12 @@ def run_case(rank: int, name: str) -> dict:
         x = torch.randint(0, args.vocab_size, shape, generator=g)
         y = torch.randint(0, args.vocab_size, shape, generator=g)
         if pp is None:
-            run(lambda: loss_fn(parts[0](cut(x)), cut(y)).backward())
+            docs = {}
+            if cfg.model.attn_mask_type == "block_causal":  # packed documents: token 1 ends one
+                from titanlike.models.masking import document_starts
+
+                docs = {"document_starts": cut(document_starts(x, 1))}
+            run(lambda: loss_fn(parts[0](cut(x), **docs), cut(y)).backward())
         else:
             run(lambda: pp.schedule.step(x, target=y if pp.has_last_stage else None, losses=[]))
     if pp is not None:

@@ -42,7 +42,7 @@ def test_planner_matches_gloo_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     cases = json.loads(out.read_text())["cases"]
-    assert len(cases) == 16
+    assert len(cases) == 23
     for name, ranks in cases.items():
         assert sorted(ranks) == ["0", "1", "2", "3"], name
         for rank, r in ranks.items():
@@ -70,6 +70,9 @@ def test_planner_matches_gloo_runs(tmp_path):
         "cp all_gather forward",
         "cp reduce_scatter backward",
         "cp all_gather backward",
+        "cp all_to_all forward",
+        "cp all_to_all backward",
+        "cp send any",
         "dp_shard_cp reduce_scatter backward",
         "ep all_to_all forward",
         "ep all_to_all backward",
@@ -128,3 +131,22 @@ def test_planner_matches_gloo_runs(tmp_path):
         assert r["measured"]["cp all_gather forward"][0] == 3 * 2 + 1 + 1, (rank, r["measured"])
     for rank, r in cases["cp2_tp2_sp_fullac"].items():
         assert r["measured"]["cp all_gather backward"][0] == 4, (rank, r["measured"])
+    # CP by all-to-all over heads: per block and pass q, k, v and the output, 4 forward and 4 backward (2 blocks);
+    # full AC: the forward's 4 again in the backward. Llama at cp 4, batch 2: a rank's 4 tokens of 4 heads x 16 (q,
+    # out) and of 2 kv heads repeated to 4 (k, v), float32 (2048 bytes each), 3/4 sent away: 4 x 1536 per block
+    for rank, r in cases["a2a_cp4"].items():
+        m = r["measured"]
+        assert m["cp all_to_all forward"] == [8, 8 * 1536] and m["cp all_to_all backward"] == [8, 8 * 1536], m
+        assert not any(k.startswith("cp all_gather") for k in m), (rank, m)
+    for rank, r in cases["a2a_cp2_tp2_sp_fullac"].items():
+        assert r["measured"]["cp all_to_all backward"][0] == 16, (rank, r["measured"])
+    for rank, r in cases["gpt_oss_a2a_block_cp2_fsdp2"].items():
+        assert r["measured"]["cp all_gather forward"] == [1, 2 * 16 * 8], (rank, r["measured"])  # the starts
+    # MLA (3 blocks: 2 decoder blocks and the MTP depth's): no latent gathered, the expanded heads exchanged
+    for rank, r in cases["ds_mtp_a2a_cp2_fsdp2"].items():
+        assert r["measured"]["cp all_to_all forward"][0] == 3 * 4, (rank, r["measured"])
+    # ring attention at cp 4 (2 blocks, batch 2, 4 local tokens of 2 kv heads x 16, float32: 1024 bytes per K or V):
+    # forward 3 hops of K and V, backward 4 of dK / dV and 3 of K / V: (2 x 3 + 2 x 4 + 2 x 3) x 2 blocks sends
+    for rank, r in cases["ring_cp4"].items():
+        assert r["measured"]["cp send any"] == [40, 40 * 1024], (rank, r["measured"])
+        assert not any(k.startswith("cp all_") for k in r["measured"]), (rank, r["measured"])

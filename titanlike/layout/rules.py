@@ -71,6 +71,9 @@ RULES = {
     "mask_model": "model.attn_mask_type = block_causal on models that declare it (ModelSpec.block_causal: the mask "
     "through the attention seam)",
     "cp_kernels": "context parallelism with model.kernels=torch",
+    "cp_method_needs_cp": "parallelism.context_parallel_method other than allgather needs context_parallel_degree > 1",
+    "cp_heads": "context_parallel_method alltoall: cp divides the query heads of a tp rank (kv heads cp does not "
+    "divide are repeated)",
     "cp_float8": "context parallelism without float8",
     "cp_schedule": "context parallelism without split-backward pipeline schedules",
     "cp_model": "context parallelism on models that declare it (ModelSpec.context_parallel: the shared attention and "
@@ -170,7 +173,15 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
     if not problems:
         out += _expert_violations(cfg, spec, args, dps, cp, tp)
     if cp > 1:
-        out += _context_parallel_violations(cfg, cp, tp)
+        out += _context_parallel_violations(cfg, cp, tp, args)
+    elif p.context_parallel_method != "allgather":
+        out.append(
+            (
+                "cp_method_needs_cp",
+                f"parallelism.context_parallel_method {p.context_parallel_method} needs context_parallel_degree > 1 "
+                f"(cp 1 splits no sequence); remove it or raise the cp degree",
+            )
+        )
     out += [("mtp_layout", m) for m in _mtp_violations(cfg, args)]
     out += [("sdc", m) for m in sdc_violations(cfg, args)]
     dp = p.data_parallel_replicate_degree * dps
@@ -406,9 +417,20 @@ def _expert_violations(cfg, spec, args, dp_shard: int, cp: int, tp: int) -> list
     return out
 
 
-def _context_parallel_violations(cfg, cp: int, tp: int) -> list[tuple[str, str]]:
+def _context_parallel_violations(cfg, cp: int, tp: int, args) -> list[tuple[str, str]]:
     p, t = cfg.parallelism, cfg.training
     out: list[tuple[str, str]] = []
+    heads = getattr(args, "n_heads", None)
+    if p.context_parallel_method == "alltoall" and heads and heads % tp == 0 and (heads // tp) % cp:
+        out.append(
+            (
+                "cp_heads",
+                f"parallelism.context_parallel_method alltoall: the {heads // tp} query heads of a tp rank "
+                f"(n_heads {heads} / tp {tp}) are not divisible by context_parallel_degree {cp} (the all-to-all "
+                f"hands each cp rank heads / cp of them); use context_parallel_method allgather or a cp degree "
+                f"that divides {heads // tp}",
+            )
+        )
     if t.seq_len % (2 * cp):
         out.append(
             (

@@ -21,6 +21,11 @@ query chunk ``j`` attends to keys ``[0, (j + 1) * C)`` with the causal mask alig
 (``torch.nn.attention.bias.causal_lower_right``): on CUDA that is the flash / memory-efficient kernel, no
 ``S x S`` mask is built; on CPU torch builds the ``C x (j + 1) C`` boolean mask of the chunk.
 
+Other methods (``parallelism.context_parallel_method``, :func:`apply_cp`'s ``method``): "alltoall" (DeepSpeed-Ulysses,
+:class:`UlyssesAttention`: an all-to-all turns the sequence split of q, k, v into a head split, the plain seam attends
+over the whole sequence for ``heads / cp`` heads, an all-to-all turns the output back) and "ring"
+(``titanlike.parallel.ring_attention``: K/V blocks passed around the cp group, merged by log-sum-exp).
+
 Around it: the data loader hands each cp rank its two chunks of the same samples (:func:`cp_shard`, the inputs
 and the labels alike); the loss counts tokens over ``dp x cp`` (the ``dp_cp`` mesh); FSDP shards parameters and
 sums gradients over ``dp_shard x cp`` (``dp_shard_cp``), which is where the weight gradients of the different
@@ -44,6 +49,7 @@ from titanlike.loss import shift_labels
 from titanlike.models.decoder import AttentionCore, LatentAttentionCore, Positions, SequenceWindow
 from titanlike.models.linear_attention import GatedDeltaCore, ShortConvCore
 from titanlike.models.masking import DocumentMask, window_keys, window_tail
+from titanlike.parallel.ring_attention import RingAttention, RingLatentAttention
 from titanlike.parallel.state_passing import ContextParallelGatedDelta, ContextParallelShortConv
 
 __all__ = [
@@ -51,6 +57,9 @@ __all__ = [
     "ContextParallelLatentAttention",
     "ContextParallelPositions",
     "ContextParallelWindow",
+    "METHODS",
+    "UlyssesAttention",
+    "UlyssesLatentAttention",
     "cp_shift_labels",
     "apply_cp",
     "chunk_attention",
@@ -271,6 +280,145 @@ class ContextParallelLatentAttention(nn.Module):
         return torch.cat(outs, dim=1)
 
 
+# ---------------------------------------------------------------------------------------------- all-to-all (Ulysses)
+METHODS = ("allgather", "alltoall", "ring")  # parallelism.context_parallel_method (what is implemented)
+
+
+def ulysses_kv_heads(n_heads: int, n_kv_heads: int, cp: int) -> int:
+    """The kv heads an all-to-all layer sends: ``n_kv_heads`` when cp divides them, else each repeated to
+    ``lcm(n_kv_heads, cp)`` (a multiple of cp that divides ``n_heads``: every query head group keeps its kv head).
+    ``n_heads`` (this tp rank's) must be divisible by cp (the layout rule ``cp_heads``)."""
+    import math
+
+    if n_heads % cp:
+        raise ValueError(
+            f"context_parallel_method alltoall: the {n_heads} query heads of a tp rank are not divisible by cp {cp}; "
+            f"use context_parallel_method allgather, or a cp degree that divides them"
+        )
+    return n_kv_heads if n_kv_heads % cp == 0 else math.lcm(n_kv_heads, cp)
+
+
+def _split_heads(x: Tensor, cp: int) -> Tensor:
+    """(batch, s, heads, d) -> (cp, batch, s, heads / cp, d): head group g (contiguous heads) goes to cp rank g."""
+    b, s, h, d = x.shape
+    return x.reshape(b, s, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+
+
+def _join_heads(t: Tensor) -> Tensor:
+    """(cp, batch, s, heads / cp, d), index = the head group (the cp rank it came from) -> (batch, s, heads, d)."""
+    cp, b, s, hc, d = t.shape
+    return t.permute(1, 2, 0, 3, 4).reshape(b, s, cp * hc, d)
+
+
+def _all_to_all(t: Tensor, mesh: DeviceMesh) -> Tensor:
+    """Equal-split all-to-all along dim 0 over ``mesh`` (autograd: the backward is the reverse all-to-all)."""
+    shape = t.shape
+    out = _wait(funcol.all_to_all_single_autograd(t.reshape(shape[0] * shape[1], *shape[2:]), None, None, mesh))
+    return out.view(shape)
+
+
+def seq_to_heads(x: Tensor, mesh: DeviceMesh) -> Tensor:
+    """Ulysses' first all-to-all: this rank's tokens of every head (batch, s, heads, d) -> every token of this rank's
+    head group (batch, cp s, heads / cp, d), in natural sequence order (the load-balanced chunks put back)."""
+    cp = mesh.size()
+    got = _all_to_all(_split_heads(x, cp), mesh)  # (cp, b, s, hc, d): index = the source rank (its two chunks)
+    cp_, b, s, hc, d = got.shape
+    return reorder_gathered(got.permute(1, 0, 2, 3, 4).reshape(b, cp * s, hc, d), cp)
+
+
+def heads_to_seq(y: Tensor, mesh: DeviceMesh) -> Tensor:
+    """Ulysses' second all-to-all, the inverse of :func:`seq_to_heads`: (batch, S, heads / cp, d) in natural order
+    -> this rank's chunks of every head (batch, S / cp, heads, d)."""
+    cp = mesh.size()
+    b, n, hc, d = y.shape
+    ranked = torch.cat([cp_shard(y, cp, r) for r in range(cp)], dim=1)  # rank r's chunks at [r s, (r + 1) s)
+    send = ranked.view(b, cp, n // cp, hc, d).transpose(0, 1).contiguous()  # (cp, b, s, hc, d): to rank r
+    return _join_heads(_all_to_all(send, mesh))
+
+
+def _whole_mask(mask: DocumentMask | None, mesh: DeviceMesh, seq_len: int, batch: int) -> DocumentMask | None:
+    """The mask of the whole sequence (every position a query) from this rank's ``mask``: its documents' starts
+    all-gathered once per forward (kept on ``mask``: every layer and the recomputation of AC reuse it); a causal
+    mask of the whole sequence where the seam needs one without documents (a window, sinks)."""
+    if mask is None:
+        return None
+    key = ("cp_whole_sequence", seq_len)
+    if key not in mask._cache:
+        positions = torch.arange(seq_len, device=mask.starts.device)
+        if mask.documents:
+            starts = gather_window(mask.starts, mesh)
+            whole = DocumentMask(starts, positions, backend=mask.backend, windows=mask.windows)
+        else:
+            whole = DocumentMask.causal(batch, positions, mask.windows, backend=mask.backend)
+        mask._cache[key] = whole
+    return mask._cache[key]
+
+
+def _head_slice(t: Tensor, cp: int, rank: int) -> Tensor:
+    """This cp rank's head group of a per-head tensor (the sinks, (heads,))."""
+    n = t.shape[0] // cp
+    return t[rank * n : (rank + 1) * n]
+
+
+class UlyssesAttention(nn.Module):
+    """Context-parallel attention by all-to-all over heads (DeepSpeed-Ulysses), same interface as
+    :class:`ContextParallelAttention`: ``q (batch, s, heads, d)``, ``k, v (batch, s, kv_heads, d)`` of this rank's
+    ``s = S / cp`` tokens (its two load-balanced chunks). One all-to-all each turns the sequence split of q, k, v
+    into a head split (every token of ``heads / cp`` heads, in natural order); the plain seam's attention runs over
+    the whole sequence (causal, the document mask, the window, this head group's sinks); one all-to-all turns the
+    output back. Backward: the reverse all-to-alls (autograd). Kv heads that cp does not divide are repeated first
+    (:func:`ulysses_kv_heads`). Every cp rank of the mesh must call it."""
+
+    attention_seam = True
+
+    def __init__(self, cp_mesh: DeviceMesh, window: int | None = None, sinks: bool = False):
+        super().__init__()
+        self.cp_mesh = cp_mesh
+        self.cp = cp_mesh.size()
+        self.rank = cp_mesh.get_local_rank()
+        self.window, self.sinks = window, sinks
+
+    def extra_repr(self) -> str:
+        return f"cp={self.cp}, rank={self.rank}, all-to-all over heads, window={self.window}"
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask | None = None, sinks: Tensor | None = None
+    ) -> Tensor:
+        kv_heads = ulysses_kv_heads(q.shape[2], k.shape[2], self.cp)
+        if kv_heads != k.shape[2]:
+            k = k.repeat_interleave(kv_heads // k.shape[2], dim=2)
+            v = v.repeat_interleave(kv_heads // v.shape[2], dim=2)
+        qh, kh, vh = (seq_to_heads(t, self.cp_mesh) for t in (q, k, v))
+        whole = _whole_mask(mask, self.cp_mesh, qh.shape[1], q.shape[0])
+        own_sinks = None if sinks is None else _head_slice(sinks, self.cp, self.rank)
+        out = AttentionCore.forward(self, qh, kh, vh, whole, own_sinks)
+        return heads_to_seq(out, self.cp_mesh)
+
+
+class UlyssesLatentAttention(nn.Module):
+    """:class:`UlyssesAttention` for the latent seam (multi-head latent attention): the latent is expanded locally
+    by the model's up-projection (this rank's tokens), then the per-head queries, keys and values travel by
+    all-to-all as for any attention (an all-to-all cannot split a latent shared by every head)."""
+
+    window, sinks = None, False
+
+    def __init__(self, cp_mesh: DeviceMesh):
+        super().__init__()
+        self.cp_mesh = cp_mesh
+        self.cp = cp_mesh.size()
+        self.rank = cp_mesh.get_local_rank()
+
+    def extra_repr(self) -> str:
+        return f"cp={self.cp}, rank={self.rank}, all-to-all over heads of the expanded latent"
+
+    def forward(self, q: Tensor, latent: Tensor, k_rope: Tensor, expand, mask: DocumentMask | None = None) -> Tensor:
+        k, v = expand(latent, k_rope)
+        ulysses_kv_heads(q.shape[2], k.shape[2], self.cp)  # every head its own key and value: the check only
+        qh, kh, vh = (seq_to_heads(t, self.cp_mesh) for t in (q, k, v))
+        whole = _whole_mask(mask, self.cp_mesh, qh.shape[1], q.shape[0])
+        return heads_to_seq(AttentionCore.forward(self, qh, kh, vh, whole), self.cp_mesh)
+
+
 def chunk_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Causal attention of ``q`` (batch, heads, c, d), the last ``c`` positions, over ``k, v`` (batch, heads, n, d),
     positions ``0 .. n-1`` (the causal mask aligned to the bottom right). No ``c x n`` mask is materialised:
@@ -377,7 +525,7 @@ def cp_shift_labels(cp_mesh: DeviceMesh):
     return shift
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True) -> nn.Module:
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True, method: str = "allgather") -> nn.Module:
     """Context parallelism over ``cp_mesh`` (1-D), in place; returns ``model``.
 
     Every attention seam (``titanlike.models.decoder.AttentionCore``, called as ``core(q, k, v)``) becomes a
@@ -386,11 +534,17 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True) -
     linear-attention seam (``titanlike.models.linear_attention``: ``GatedDeltaCore``, ``ShortConvCore``) its
     state-passing counterpart (``titanlike.parallel.state_passing``). A module without an attention seam is refused
     (its attention would see only this rank's tokens); so is one without a position seam unless ``positions=False``
-    (the model has no positions, or feeds ``cp_positions`` to its position lookups itself). Call after tensor
+    (the model has no positions, or feeds ``cp_positions`` to its position lookups itself). ``method``
+    (``parallelism.context_parallel_method``): "allgather" (K/V all-gathered, the cores above), "alltoall" (the
+    softmax seams become :class:`UlyssesAttention` / :class:`UlyssesLatentAttention`: all-to-all over heads) or
+    "ring" (``titanlike.parallel.ring_attention``: K/V blocks passed around the cp group); the linear-attention
+    seams pass state whatever the method. Call after tensor
     parallelism and before activation checkpointing / compile / FSDP; the batches must be cut with :func:`cp_shard`.
     """
     if cp_mesh.ndim != 1:
         raise ValueError(f"apply_cp needs a 1-D cp mesh, got {cp_mesh}")
+    if method not in METHODS:
+        raise ValueError(f"apply_cp: context_parallel_method {method!r} is not one of {', '.join(METHODS)}")
     cores, seams, windows, linear = [], [], [], []
     for module in model.modules():
         for child_name, child in module.named_children():
@@ -405,6 +559,10 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True) -
     done = (
         ContextParallelAttention,
         ContextParallelLatentAttention,
+        UlyssesAttention,
+        UlyssesLatentAttention,
+        RingAttention,
+        RingLatentAttention,
         ContextParallelPositions,
         ContextParallelGatedDelta,
         ContextParallelShortConv,
@@ -424,10 +582,20 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True) -
         )
     for owner, child_name in cores:
         core = getattr(owner, child_name)
-        if isinstance(core, LatentAttentionCore):
-            setattr(owner, child_name, ContextParallelLatentAttention(cp_mesh))
+        latent = isinstance(core, LatentAttentionCore)
+        if method == "alltoall":
+            new = UlyssesLatentAttention(cp_mesh) if latent else UlyssesAttention(cp_mesh, core.window, core.sinks)
+        elif method == "ring":
+            new = (
+                RingLatentAttention(cp_mesh, chunk_ids)
+                if latent
+                else RingAttention(cp_mesh, chunk_ids, core.window, core.sinks)
+            )
+        elif latent:
+            new = ContextParallelLatentAttention(cp_mesh)
         else:
-            setattr(owner, child_name, ContextParallelAttention(cp_mesh, window=core.window, sinks=core.sinks))
+            new = ContextParallelAttention(cp_mesh, window=core.window, sinks=core.sinks)
+        setattr(owner, child_name, new)
     for owner, child_name in seams:
         setattr(owner, child_name, ContextParallelPositions(cp_mesh))
     for owner, child_name in windows:

@@ -51,6 +51,7 @@ from titanlike.models.masking import cp_gathered_tokens
 from titanlike.planner.hardware import Hardware
 from titanlike.planner.layout import Layout
 from titanlike.planner.memory import (
+    cp_head_widths,
     fsdp_units,
     moe_layers,
     prediction_blocks,
@@ -252,6 +253,12 @@ def _cp_messages(tally: _Tally, ids: list[int], depths: list[int] = ()) -> None:
     linear = {i: get_spec_for(tally.args).linear_attention(tally.args, i) for i in ids}
     _linear_cp_messages(tally, {i: shape for i, shape in linear.items() if shape is not None})
     ids = [i for i in ids if linear[i] is None]
+    if lo.cp_method == "alltoall":
+        _all_to_all_cp_messages(tally, ids)
+        return
+    if lo.cp_method == "ring":
+        _ring_cp_messages(tally, ids)
+        return
     latent = getattr(tally.args, "cp_gathered", None)  # MLA: the latent and the shared RoPE key, not K and V
     if latent:
         n, recomputed = len(ids), sum(map(tally.full_ac, ids))
@@ -270,6 +277,62 @@ def _cp_messages(tally: _Tally, ids: list[int], depths: list[int] = ()) -> None:
         add("cp", "reduce_scatter", "backward", kv, lo.cp, "K and V grads of every block", 2 * passes)
         recomputed = tally.full_ac(i)
         add("cp", "all_gather", "backward", kv, lo.cp, "recomputed K and V (full AC)", 2 * recomputed * passes)
+
+
+def _ring_cp_messages(tally: _Tally, ids: list[int]) -> None:
+    """Context parallel by a ring of K/V blocks (``titanlike.parallel.ring_attention``), per softmax block and pass:
+    this rank's K and V (its two chunks, kv heads; MLA: the expanded per-head keys and values) sent to the next cp
+    rank ``cp - 1`` times forward; backward the K / V gradients ``cp`` times (home again) and K and V ``cp - 1``
+    times; recomputation (full or selective op AC: the ring function is rerun, its sends are not saved outputs)
+    repeats the forward's."""
+    lo, add, passes = tally.lo, tally.add, tally.passes
+    if not ids:
+        return
+    local = tally.b * lo.local_seq_len * tally.a
+    n = len(ids)
+    again = sum(tally.ac(i) != "none" for i in ids)
+    for what in ("k", "v"):
+        size = local * _ring_width(tally, what)
+        add("cp", "send", "forward", size, lo.cp, f"{what.upper()} blocks around the ring", (lo.cp - 1) * n * passes)
+        add("cp", "send", "backward", size, lo.cp, f"{what.upper()} blocks again (backward)", (lo.cp - 1) * n * passes)
+        add("cp", "send", "backward", size, lo.cp, f"d{what.upper()} blocks home", lo.cp * n * passes)
+        add(
+            "cp",
+            "send",
+            "backward",
+            size,
+            lo.cp,
+            f"recomputed {what.upper()} blocks (AC)",
+            (lo.cp - 1) * again * passes,
+        )
+
+
+def _ring_width(tally: _Tally, what: str) -> int:
+    """Numbers per token of this tp rank's keys (``k``) or values (``v``) as the ring moves them: kv heads x the
+    head dim (MLA: every head, qk_head_dim / v_head_dim wide)."""
+    args = tally.args
+    dim = getattr(args, "qk_head_dim", args.head_dim) if what == "k" else getattr(args, "v_head_dim", args.head_dim)
+    return args.n_kv_heads // tally.t * dim
+
+
+def _all_to_all_cp_messages(tally: _Tally, ids: list[int]) -> None:
+    """Context parallel by all-to-all over heads (Ulysses), per softmax block and pass: q, k, v turned from this
+    rank's tokens of every head into every token of ``heads / cp`` heads (3 all-to-alls) and the output back (1);
+    the backward the reverse four (again the forward's under full AC). A message is the bytes a rank sends away:
+    ``(cp - 1) / cp`` of its local tensor. Under block_causal the document starts of the whole sequence (int64) are
+    all-gathered once per forward (every block reuses them)."""
+    lo, add, passes = tally.lo, tally.add, tally.passes
+    if not ids:
+        return
+    local = tally.b * lo.local_seq_len * tally.a
+    n, recomputed = len(ids), sum(map(tally.full_ac, ids))
+    for what, width in cp_head_widths(lo, tally.args).items():
+        size = local * width * (lo.cp - 1) // lo.cp
+        add("cp", "all_to_all", "forward", size, lo.cp, f"{what} heads of every block", n * passes)
+        add("cp", "all_to_all", "backward", size, lo.cp, f"{what} head grads of every block", n * passes)
+        add("cp", "all_to_all", "backward", size, lo.cp, f"recomputed {what} heads (full AC)", recomputed * passes)
+    if lo.documents:
+        add("cp", "all_gather", "forward", tally.b * lo.seq_len * 8, lo.cp, "document starts", passes)
 
 
 def _linear_cp_messages(tally: _Tally, linear: dict) -> None:
@@ -499,6 +562,8 @@ def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
     tp_s = dims["tp"].seconds if "tp" in dims else 0.0
     # synchronous inside attention (and the MoE aux loss's counts over cp x tp): on the critical path
     cp_s = sum(dims[d].seconds for d in ("cp", "cp_tp") if d in dims)
+    if lo.cp_method == "ring" and "cp" in dims:  # the next block's transfer runs under this block's attention
+        cp_s = max(0.0, cp_s - _ring_attention_seconds(lo, args, hw))
     ep_s = dims["ep"].seconds if "ep" in dims else 0.0  # the MoE blocks wait for their tokens: on the critical path
     pp_s = dims["pp"].seconds if "pp" in dims else 0.0
     dp = [d for d in _DP_DIMS if d in dims]
@@ -516,7 +581,7 @@ def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
     step += sum(dims[d].seconds for d in balance)
     for d, exposed in (
         ("tp", tp_s * (1 + bub)),
-        ("cp", dims["cp"].seconds * (1 + bub) if "cp" in dims else 0.0),
+        ("cp", (cp_s - (dims["cp_tp"].seconds if "cp_tp" in dims else 0.0)) * (1 + bub) if "cp" in dims else 0.0),
         ("cp_tp", dims["cp_tp"].seconds * (1 + bub) if "cp_tp" in dims else 0.0),
         ("ep", ep_s * (1 + bub)),
         ("pp", pp_s),
@@ -542,6 +607,22 @@ def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
         optimizer_flops=ns,
         optimizer=optimizer,
     )
+
+
+def _ring_attention_seconds(lo: Layout, args, hw: Hardware) -> float:
+    """The attention compute of the busiest pipeline rank's softmax blocks in one step (forward, backward and any
+    recomputation: 3 x the forward's ``4 q_w S / 2`` FLOPs per token under the causal mask, x the mask's attention
+    fraction), which a ring's transfers overlap (``titanlike.parallel.ring_attention`` posts the next block's send
+    before computing with the current one)."""
+    spec = get_spec_for(args)
+    q_w = args.n_heads * getattr(args, "qk_head_dim", args.head_dim) // lo.tp
+    per_token = 3 * 4 * q_w * lo.seq_len / 2 * lo.attention_fraction
+    tokens = lo.tokens_per_step // (lo.dp * lo.cp)
+    blocks = max(
+        sum(1 for sid in lo.stage_ids(p) for i in _layer_ids(lo.stages[sid]) if spec.linear_attention(args, i) is None)
+        for p in range(lo.pp)
+    )
+    return per_token * tokens * blocks / (hw.peak_flops * hw.compute_efficiency)
 
 
 def _replace(d: DimCost, exposed: float) -> DimCost:

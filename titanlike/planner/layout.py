@@ -80,6 +80,10 @@ class Layout:
     # mean (1: perfectly balanced, what the bias balancing steers to); scales that rank's all-to-all bytes and its
     # expert FLOPs
     expert_imbalance: float = 1.0
+    # parallelism.context_parallel_method (allgather | alltoall) and whether attention masks documents (block_causal:
+    # the all-to-all method gathers the document starts once per forward)
+    cp_method: str = "allgather"
+    documents: bool = False
 
     @classmethod
     def from_config(
@@ -143,6 +147,8 @@ class Layout:
             muon_bucket_mb=cfg.optimizer.muon_bucket_mb,
             attention_fraction=attention_fraction,
             expert_imbalance=expert_imbalance,
+            cp_method=p.context_parallel_method,
+            documents=cfg.model.attn_mask_type == "block_causal",
         )
 
     # ----------------------------------------------------------------------------------------- degrees

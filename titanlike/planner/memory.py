@@ -282,6 +282,34 @@ def unit_reshards(layout: Layout, kind: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------- activations
+def cp_head_widths(layout: Layout, args) -> dict[str, int]:
+    """Numbers per token of one tp rank's query, key, value and output heads as an all-to-all over heads moves them
+    (``titanlike.parallel.context_parallel.UlyssesAttention``): the kv heads repeated to a multiple of cp where cp
+    does not divide them; MLA's per-head keys / values after the up-projection (qk_head_dim / v_head_dim wide)."""
+    from titanlike.parallel.context_parallel import ulysses_kv_heads
+
+    heads = args.n_heads // layout.tp
+    kv = ulysses_kv_heads(heads, args.n_kv_heads // layout.tp, layout.cp)
+    qk, vd = getattr(args, "qk_head_dim", args.head_dim), getattr(args, "v_head_dim", args.head_dim)
+    return {"q": heads * qk, "k": kv * qk, "v": kv * vd, "out": heads * vd}
+
+
+def cp_kv_bytes(layout: Layout, args, method: str | None = None) -> int:
+    """Bytes of keys and values one softmax layer's attention kernel reads on a rank for one microbatch under
+    context-parallel ``method`` (default: the layout's), as the cores run it (kv heads repeated to the query heads;
+    MLA's per-head keys and values expanded): ``allgather`` the whole sequence's K and V of this tp rank's heads;
+    ``alltoall`` the whole sequence's of ``heads / cp`` of them (1 / cp of that); ``ring`` one visiting pair of
+    chunks of every head (1 / cp) and the next pair arriving meanwhile (kv heads)."""
+    heads = args.n_heads // layout.tp
+    qk, vd = getattr(args, "qk_head_dim", args.head_dim), getattr(args, "v_head_dim", args.head_dim)
+    whole = layout.microbatch_size * layout.seq_len * heads * (qk + vd) * layout.act_bytes
+    method = method or layout.cp_method
+    if method == "ring":  # one visiting pair of chunks (repeated to the heads) and the next pair arriving (kv heads)
+        arriving = layout.microbatch_size * layout.local_seq_len * (args.n_kv_heads // layout.tp) * (qk + vd)
+        return whole // layout.cp + arriving * layout.act_bytes
+    return whole // layout.cp if method == "alltoall" else whole
+
+
 def block_activation_bytes(
     layout: Layout, args, tokens: int, mode: str = "none", moe=None, *, probe: bool = False, layer_id: int = 0
 ) -> int:
@@ -311,7 +339,23 @@ def block_activation_bytes(
     # Without AC the kernels of the two chunks also keep their outputs, besides the concatenated output (``a q_w``).
     gathered_kv = 0.0
     linear = spec.linear_attention(args, layer_id) is not None  # state passing: no K / V (its hook counts the maps)
-    if layout.cp > 1 and mode == "none" and not linear:
+    # All-to-all over heads instead (Ulysses): the kernel holds the whole sequence of heads / cp heads, the size of
+    # the local tokens of every head, so no extra K / V; selective op AC saves the four all-to-alls' outputs.
+    # A ring (CPU math path): its function keeps q, k, v (kv heads, not repeated), the output and a log-sum-exp in the
+    # activation dtype: the float32 log-sum-exp's excess only. Under selective op AC the checkpoint saves the matmul
+    # outputs inside it instead of an attention kernel's output: every visible block pair's scores and output (2 cp + 1
+    # pairs of C x (C + v) per head under the causal mask; fewer under a window, not counted).
+    if layout.cp > 1 and layout.cp_method == "ring" and not linear:
+        c_len, vd = layout.local_seq_len // 2, getattr(args, "v_head_dim", args.head_dim)
+        if mode == "none":
+            gathered_kv = (a - 4) * n / t
+        elif mode == "op":
+            gathered_kv = (2 * layout.cp + 1) / 2 * a * n / t * (c_len + vd) - (a * q_w / t + 4 * n / t)
+    elif layout.cp > 1 and layout.cp_method == "alltoall" and not linear:
+        gathered_kv = a * (
+            q_w / t if mode == "none" else sum(cp_head_widths(layout, args).values()) if mode == "op" else 0
+        )
+    elif layout.cp > 1 and mode == "none" and not linear:
         gathered_kv = 2 * a * q_w / t * (layout.cp - 1) + a * q_w / t
     elif layout.cp > 1 and mode == "op" and not linear:
         gathered_kv = 2 * a * kv_w / t * layout.cp

@@ -15,7 +15,15 @@ from titanlike.planner.cost import StepCost, messages, step_cost
 from titanlike.planner.dryrun import DryRun, dry_run
 from titanlike.planner.hardware import GiB, Hardware
 from titanlike.planner.layout import Layout
-from titanlike.planner.memory import MemoryItem, block_activation_bytes, moe_layers, rank_memory, rank_param_shards
+from titanlike.planner.memory import (
+    MemoryItem,
+    block_activation_bytes,
+    cp_head_widths,
+    cp_kv_bytes,
+    moe_layers,
+    rank_memory,
+    rank_param_shards,
+)
 from titanlike.planner.muon import muon_rank
 
 __all__ = ["Plan", "make_plan", "render_plan", "fmt_bytes", "fmt_seconds"]
@@ -313,7 +321,27 @@ def _cp_ep_notes(plan: Plan) -> list[str]:
     """What cp's and ep's messages are per block and microbatch (synchronous: fully exposed)."""
     lo, t = plan.layout, plan.layout.tp
     out = []
-    if lo.cp > 1:
+    if lo.cp > 1 and lo.cp_method == "alltoall":
+        widths = cp_head_widths(lo, plan.args)
+        local = lo.microbatch_size * lo.local_seq_len * lo.act_bytes
+        sent = sum(widths.values()) * local * (lo.cp - 1) // lo.cp
+        out.append(
+            f"  cp (all-to-all over heads): per block 4 all-to-alls forward (q, k, v to heads / cp heads of the "
+            f"whole sequence, the output back) + 4 backward, {fmt_bytes(sent)} sent per direction per block and "
+            f"microbatch ((cp-1)/cp of q {widths['q']}, k {widths['k']}, v {widths['v']}, out {widths['out']} "
+            f"numbers per token); K/V held per layer: {fmt_bytes(cp_kv_bytes(lo, plan.args))} (all-gather: "
+            f"{fmt_bytes(cp_kv_bytes(lo, plan.args, 'allgather'))}); synchronous, so fully exposed"
+        )
+    elif lo.cp > 1 and lo.cp_method == "ring":
+        k = lo.microbatch_size * lo.local_seq_len * plan.args.n_kv_heads // t * plan.args.head_dim * lo.act_bytes
+        out.append(
+            f"  cp (ring): per block this rank's K and V ({fmt_bytes(k)} each) sent to the next cp rank {lo.cp - 1} "
+            f"times forward; backward dK, dV {lo.cp} times (home) and K, V {lo.cp - 1} times again; K/V held per "
+            f"layer: {fmt_bytes(cp_kv_bytes(lo, plan.args))} (all-gather: "
+            f"{fmt_bytes(cp_kv_bytes(lo, plan.args, 'allgather'))}); each transfer overlaps the previous block's "
+            f"attention: exposed only beyond the attention compute"
+        )
+    elif lo.cp > 1:
         kv = lo.seq_len * plan.args.n_kv_heads // t * plan.args.head_dim * lo.act_bytes * lo.microbatch_size
         out.append(
             f"  cp: per block 2 all-gathers (K, V) forward + 2 reduce-scatters backward of b S kv_dim/t a = "

@@ -5,6 +5,9 @@ every candidate trains the same tokens per step and step times compare directly.
 (tp, pp, dp_shard, dp_replicate, schedule, microbatch) the candidate takes the least activation checkpointing that
 fits in memory (none, then selective op-level, then full) and, without pipelining, the fewest gradient
 accumulation steps that fit. Sequence parallelism is on whenever tp > 1 (same bytes as plain TP, less memory).
+The context-parallel degree is the configuration's (the ranks left for the others are ``world / cp``); under
+cp > 1 every layout is tried with each context-parallel method (all-gather K/V, all-to-all over heads) the rules
+allow, and the faster one that fits is ranked.
 Layouts whose tp groups span nodes are kept but marked: the ranking shows what they cost.
 """
 
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 from titanlike.config import JobConfig
 from titanlike.layout import layout_violations, schedule_facts
+from titanlike.parallel.context_parallel import METHODS as CP_METHODS
 from titanlike.planner.cost import step_cost
 from titanlike.planner.hardware import Hardware
 from titanlike.planner.layout import Layout
@@ -46,6 +50,8 @@ class Candidate:
     bubble: float
     tp_spans_nodes: bool
     overrides: tuple[str, ...]  # command-line options that turn the base config into this layout
+    cp: int = 1  # the configuration's context-parallel degree
+    cp_method: str = "allgather"  # parallelism.context_parallel_method
 
 
 def _divisors(n: int) -> list[int]:
@@ -81,6 +87,9 @@ def suggest_layouts(
     memory even with full activation checkpointing."""
     stats = {"layouts": 0, "illegal": 0, "out of memory": 0}
     found: list[Candidate] = []
+    cp = cfg.parallelism.context_parallel_degree
+    cp_methods = [{"parallelism.context_parallel_method": m} for m in (CP_METHODS if cp > 1 else ("allgather",))]
+    world_size, full_world = world_size // cp, world_size  # the ranks the other degrees divide
     tps = [
         t
         for t in _divisors(world_size)
@@ -99,28 +108,33 @@ def suggest_layouts(
             for dp_shard in shards:
                 for schedule, v in _SCHEDULES if pp > 1 else (("1F1B", 1),):
                     for mbs in (1, 2, 4) if pp > 1 else (1,):
-                        c = _best(
-                            cfg,
-                            world_size,
-                            hardware,
-                            args,
-                            global_batch,
-                            tp,
-                            pp,
-                            dp_shard,
-                            dp // dp_shard,
-                            schedule,
-                            v,
-                            mbs,
-                            stats,
-                        )
-                        if c is not None:
-                            found.append(c)
+                        tried = [
+                            _best(
+                                cfg,
+                                full_world,
+                                hardware,
+                                args,
+                                global_batch,
+                                tp,
+                                pp,
+                                dp_shard,
+                                dp // dp_shard,
+                                schedule,
+                                v,
+                                mbs,
+                                stats,
+                                {"parallelism.context_parallel_degree": cp, **method},
+                            )
+                            for method in cp_methods
+                        ]
+                        found += [c for c in tried if c is not None]
     found.sort(key=lambda c: c.step_time)
     return found, stats
 
 
-def _layout_sets(tp, pp, dp_shard, dp_replicate, local, global_batch, ac, option, schedule, mbs, v, ends) -> dict:
+def _layout_sets(
+    tp, pp, dp_shard, dp_replicate, local, global_batch, ac, option, schedule, mbs, v, ends, cp_sets
+) -> dict:
     """The config keys that make the candidate layout (the pipeline's only under pp)."""
     sets = {
         "parallelism.tensor_parallel_degree": tp,
@@ -128,11 +142,11 @@ def _layout_sets(tp, pp, dp_shard, dp_replicate, local, global_batch, ac, option
         "parallelism.pipeline_parallel_degree": pp,
         "parallelism.data_parallel_shard_degree": dp_shard,
         "parallelism.data_parallel_replicate_degree": dp_replicate,
-        "parallelism.context_parallel_degree": 1,
         "training.local_batch_size": local,
         "training.global_batch_size": global_batch,
         "activation_checkpoint.mode": ac,
         "activation_checkpoint.selective_ac_option": option,
+        **cp_sets,  # the context-parallel degree and method
     }
     if pp > 1:
         sets.update(
@@ -150,7 +164,7 @@ def _layout_sets(tp, pp, dp_shard, dp_replicate, local, global_batch, ac, option
 
 
 def _best(
-    cfg, world_size, hw: Hardware, args, global_batch, tp, pp, dp_shard, dp_replicate, schedule, v, mbs, stats
+    cfg, world_size, hw: Hardware, args, global_batch, tp, pp, dp_shard, dp_replicate, schedule, v, mbs, stats, cp_sets
 ) -> Candidate | None:
     stats["layouts"] += 1
     dp = dp_shard * dp_replicate
@@ -175,7 +189,9 @@ def _best(
     for accum in accums:
         local = global_batch // (dp * accum)
         for ac, option in _AC:
-            sets = _layout_sets(tp, pp, dp_shard, dp_replicate, local, global_batch, ac, option, schedule, mbs, v, ends)
+            sets = _layout_sets(
+                tp, pp, dp_shard, dp_replicate, local, global_batch, ac, option, schedule, mbs, v, ends, cp_sets
+            )
             cand_cfg = _configure(cfg, sets)
             if layout_violations(cand_cfg, world_size, args):  # e.g. op-level AC under a zero-bubble schedule
                 continue
@@ -203,6 +219,8 @@ def _best(
                 cost.bubble,
                 lo.groups["tp"].crosses_nodes,
                 _overrides(cfg, sets),
+                lo.cp,
+                lo.cp_method,
             )
     stats["out of memory" if legal else "illegal"] += 1
     return None

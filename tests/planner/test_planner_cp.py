@@ -1,0 +1,119 @@
+"""The planner's context-parallel methods side by side: the K/V a layer holds per rank, the messages per block, and
+``--suggest`` choosing the method. The messages themselves are pinned against gloo runs (CommDebugMode's counts) in
+test_planner_gloo.py, the activation terms against the dry run's probe in test_planner_dryrun.py."""
+
+from __future__ import annotations
+
+import plan as plan_cli
+
+from titanlike.config import model_args_from_config, parse_config
+from titanlike.planner import hardware_for, make_plan, messages, render_plan, suggest_layouts
+from titanlike.planner.memory import cp_head_widths, cp_kv_bytes
+
+H100 = hardware_for("H100", gpus_per_node=8)
+
+
+def _plan(world: int, method: str, *argv: str):
+    cfg = parse_config(
+        [
+            "--job.config_file",
+            "configs/llama3_8b.toml",
+            "--training.local_batch_size",
+            "1",
+            "--training.global_batch_size",
+            "-1",
+            "--parallelism.context_parallel_method",
+            method,
+            *argv,
+        ]
+    )
+    return make_plan(cfg, world, H100, model_args_from_config(cfg, 128256), run_dry=False)
+
+
+LONG = ("--training.seq_len", "131072", "--model.max_seq_len", "131072", "--parallelism.context_parallel_degree", "8")
+
+
+def test_all_to_all_holds_one_cpth_of_the_keys_and_values_and_moves_q_k_v_and_the_output():
+    ag, a2a = _plan(64, "allgather", *LONG), _plan(64, "alltoall", *LONG)
+    assert ag.legal and a2a.legal
+    # Llama 3 8B, one 128k sequence: 32 heads x 128 of K and of V, bf16, whole sequence: 2 GiB; / cp 8
+    assert cp_kv_bytes(ag.layout, ag.args) == 2 * 131072 * 32 * 128 * 2 == 8 * cp_kv_bytes(a2a.layout, a2a.args)
+    assert cp_head_widths(a2a.layout, a2a.args) == {"q": 4096, "k": 1024, "v": 1024, "out": 4096}
+    by = {m.what: m for m in messages(a2a.layout, a2a.args) if m.dim == "cp"}
+    local = 131072 // 8 * 2  # bytes per number of this rank's tokens
+    assert by["q heads of every block"].nbytes == local * 4096 * 7 // 8 and by["q heads of every block"].count == 32
+    assert by["k heads of every block"].nbytes == local * 1024 * 7 // 8
+    assert {m.op for m in messages(a2a.layout, a2a.args) if m.dim == "cp"} == {"all_to_all"}
+    # the all-to-all's bytes (q and out are h wide, k and v kv_dim) against the all-gather's 4 x (cp-1)/cp K or V
+    ag_wire = sum(m.wire_bytes for m in messages(ag.layout, ag.args) if m.dim == "cp")
+    a2a_wire = sum(m.wire_bytes for m in messages(a2a.layout, a2a.args) if m.dim == "cp")
+    assert a2a_wire / ag_wire == (2 * (2 * 4096 + 2 * 1024) * local) / (4 * 131072 * 1024 * 2) == 0.625
+    text = render_plan(a2a)
+    assert "cp (all-to-all over heads): per block 4 all-to-alls forward" in text and "all-gather: 2.00 GiB" in text
+
+
+def test_suggest_tries_every_cp_method_and_ranks_them():
+    plan = _plan(64, "allgather", *LONG)
+    found, stats = suggest_layouts(plan.cfg, 64, H100, plan.args, global_batch=8)
+    assert found and all(c.cp == 8 for c in found)
+    assert {c.cp_method for c in found} == {"allgather", "alltoall", "ring"}
+    assert [c.step_time for c in found] == sorted(c.step_time for c in found)
+    # the same layout both ways: the all-to-all holds less without AC (its K / V are 1 / cp of the whole
+    # sequence's), the same under full AC (the block input only)
+    pairs = {}
+    for c in found:
+        key = (c.tp, c.pp, c.dp_shard, c.schedule, c.stages_per_rank, c.microbatch, c.ac)
+        pairs.setdefault(key, {})[c.cp_method] = c
+    both = [p for p in pairs.values() if {"allgather", "alltoall"} <= set(p)]
+    assert all(p["alltoall"].memory < p["allgather"].memory for p in both if p["alltoall"].ac == "none")
+    assert any(p["alltoall"].ac == "none" for p in both)
+    a2a = next(c for c in found if c.cp_method == "alltoall")
+    assert "--parallelism.context_parallel_method alltoall" in " ".join(a2a.overrides)
+    text = plan_cli.render_suggestions(plan, top=len(found))
+    assert "cp 8 alltoall" in text and "cp 8 allgather" in text
+    # a head count cp cannot split: the all-to-all is illegal (rule cp_heads), the all-gather and the ring are ranked
+    odd = _plan(64, "allgather", *LONG, "--model.n_heads", "36", "--model.n_kv_heads", "4", "--model.dim", "4608")
+    found, _ = suggest_layouts(odd.cfg, 64, H100, odd.args, global_batch=8)
+    assert found and {c.cp_method for c in found} == {"allgather", "ring"}
+
+
+def test_all_to_all_and_ring_block_activations_equal_the_dry_run_probe():
+    """One Qwen3 0.6B block (16 heads, 8 kv heads, q/k norms) at tp 2 x cp 4 under the all-to-all and the ring
+    cores, as the dry run's FakeTensorMode probe measures it: no gathered K / V without AC (the all-to-all kernel
+    holds the whole sequence of heads / cp heads: the size of the local tokens of every head; the ring its own
+    chunks' q, k, v), under op AC the four all-to-alls' outputs, or the ring's block scores and outputs."""
+    from titanlike.planner.dryrun import dry_run
+    from titanlike.planner.layout import Layout
+    from titanlike.planner.memory import block_activation_bytes
+
+    for method, ac, mode in [
+        (m, ac, mode) for m in ("alltoall", "ring") for ac, mode in (("none", "none"), ("selective", "op"))
+    ]:
+        cfg = parse_config(
+            [
+                *("--model.name", "qwen3", "--model.flavor", "0.6B", "--training.seq_len", "512"),
+                *("--training.dtype", "bfloat16", "--training.local_batch_size", "1"),
+                *("--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree", "4"),
+                *("--parallelism.context_parallel_method", method, "--activation_checkpoint.mode", ac),
+            ]
+        )
+        args = model_args_from_config(cfg)
+        layout = Layout.from_config(cfg, 16, args, gpus_per_node=8)
+        d = dry_run(cfg, layout, args, rank=0)
+        assert layout.checkpointed(d.probe_layer) == mode
+        tokens = layout.microbatch_size * layout.local_seq_len
+        assert d.block_activation_bytes == block_activation_bytes(layout, args, tokens, mode), (method, ac)
+
+
+def test_ring_sends_k_and_v_blocks_and_hides_them_under_the_attention():
+    ring, ag = _plan(64, "ring", *LONG), _plan(64, "allgather", *LONG)
+    sends = [m for m in messages(ring.layout, ring.args) if m.dim == "cp"]
+    assert {m.op for m in sends} == {"send"}
+    k = 131072 // 8 * 8 * 128 * 2  # this rank's K: 16k tokens of 8 kv heads x 128, bf16
+    fwd = sum(m.count for m in sends if m.phase == "forward" and m.nbytes == k)
+    assert fwd == 2 * 7 * 32  # K and V, cp - 1 hops, 32 blocks
+    # K/V held: one visiting pair of every head (1/cp of the all-gather's) and the next pair arriving (kv heads)
+    assert cp_kv_bytes(ring.layout, ring.args) == cp_kv_bytes(ag.layout, ag.args) // 8 + 2 * k
+    d = ring.cost.dims["cp"]
+    assert d.exposed < d.seconds  # the transfers overlap the attention compute
+    assert "cp (ring): per block this rank's K and V" in render_plan(ring)
