@@ -45,6 +45,7 @@ from titanlike.layout.policy import (
     parse_ac_option,
     precision_policy,
     reshard_after_forward,
+    virtual_dp_degree,
 )
 from titanlike.layout.rules import RULES, layout_violations
 from titanlike.layout.schedules import (
@@ -101,6 +102,7 @@ __all__ = [
     "rank_of_stage",
     "rank_of",
     "reshard_after_forward",
+    "virtual_dp_degree",
     "schedule_class",
     "schedule_facts",
     "split_module_names",

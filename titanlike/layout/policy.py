@@ -18,22 +18,25 @@ __all__ = [
     "parse_ac_option",
     "precision_policy",
     "reshard_after_forward",
+    "virtual_dp_degree",
 ]
 
 Precision = Literal["fsdp", "autocast", "none"]
 
 
-def precision_policy(dtype: str, degrees) -> Precision:
+def precision_policy(dtype: str, degrees, layout_invariant: bool = False) -> Precision:
     """How ``training.dtype`` is realised on a layout.
 
     ``"fsdp"``: bfloat16 through FSDP2's mixed precision (bf16 parameter copies for compute, float32 gradient
     reduction, float32 master weights), whenever FSDP wraps the model (``degrees.fsdp_wraps``);
-    ``"autocast"``: bfloat16 without FSDP: ``torch.autocast`` around each forward over float32 weights;
+    ``"autocast"``: bfloat16 without FSDP: ``torch.autocast`` around each forward over float32 weights, and under
+    ``training.layout_invariant`` on every layout (FSDP then gathers the float32 weights: the forward is the one
+    process's, op for op);
     ``"none"``: float32 or float64 throughout.
     """
     if dtype != "bfloat16":
         return "none"
-    return "fsdp" if degrees.fsdp_wraps else "autocast"
+    return "fsdp" if degrees.fsdp_wraps and not layout_invariant else "autocast"
 
 
 def loss_parallel_enabled(cfg, degrees) -> bool:
@@ -110,10 +113,16 @@ class BatchSplit:
     problem: str = ""  # why the split is impossible ("" when it is fine)
 
 
-def batch_split(global_batch_size: int, local_batch_size: int, dp: int) -> BatchSplit:
-    """``training.global_batch_size`` (-1: ``local_batch_size x dp``) over ``dp`` data-parallel ranks reading
-    ``local_batch_size`` sequences per pass: the global batch and the number of accumulation steps."""
-    gbs = global_batch_size if global_batch_size != -1 else local_batch_size * dp
+def virtual_dp_degree(training) -> int:
+    """The virtual data-parallel degree V of a layout-invariant run (``training.layout_invariant``), 0 otherwise."""
+    return training.virtual_dp_degree if training.layout_invariant else 0
+
+
+def batch_split(global_batch_size: int, local_batch_size: int, dp: int, virtual_dp: int = 0) -> BatchSplit:
+    """``training.global_batch_size`` (-1: ``local_batch_size x dp``, or ``local_batch_size x virtual_dp`` in a
+    layout-invariant run: the same under every layout) over ``dp`` data-parallel ranks reading ``local_batch_size``
+    sequences per pass: the global batch and the number of accumulation steps."""
+    gbs = global_batch_size if global_batch_size != -1 else local_batch_size * (virtual_dp or dp)
     if gbs < 1:
         return BatchSplit(max(gbs, 1), 1, f"training.global_batch_size: {gbs} must be -1 or >= 1")
     per_pass = local_batch_size * dp

@@ -14,7 +14,7 @@ from titanlike.errors import ConfigError
 from titanlike.layout.degrees import degree_problems, expert_degree_problem
 from titanlike.layout.float8 import float8_violations
 from titanlike.layout.muon import muon_violations
-from titanlike.layout.policy import batch_split, parse_ac_option
+from titanlike.layout.policy import batch_split, parse_ac_option, virtual_dp_degree
 from titanlike.layout.schedules import SCHEDULES, schedule_facts
 from titanlike.layout.stages import parse_module_names, pipeline_stage_count
 from titanlike.models import get_spec
@@ -105,6 +105,12 @@ RULES = {
     "moe_tp": "a model with experts under tp > 1 only with sequence parallelism and ep > 1 (ep borrows the tp ranks)",
     "mtp_layout": "training.mtp_loss_weight >= 0 (the multi-token-prediction depths' weight), set only for a model "
     "with MTP depths, and a sequence longer than the depths (depth k's targets are k tokens further ahead)",
+    "invariant_virtual_dp": "training.layout_invariant: virtual_dp_degree a power of two that the data-parallel degree "
+    "divides (set only with layout_invariant)",
+    "invariant_batch": "training.layout_invariant: the global batch cut into virtual_dp_degree x canonical "
+    "microbatches of local_batch_size",
+    "invariant_layout": "training.layout_invariant on the layouts and features shown invariant (one process, FSDP, "
+    "HSDP; no tp / cp / pp / ep, experts, MTP, Muon, torchft, float8, compile, AC or TE kernels yet)",
     "export_model": "checkpoint.export_safetensors on models with a Hugging Face adapter that can express them "
     "(ModelSpec.hf_adapter, hf_export_violations: Qwen3-MoE's expert bias)",
 }
@@ -173,9 +179,10 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
             )
         )
     # Batch.
-    split = batch_split(t.global_batch_size, t.local_batch_size, dp)
+    split = batch_split(t.global_batch_size, t.local_batch_size, dp, virtual_dp_degree(t))
     if split.problem:
         out.append(("batch", split.problem))
+    out += _invariant_violations(cfg, spec, args, dp, split)
     # Pipeline.
     if pp > 1:
         out += _pipeline_violations(cfg, args, pp)
@@ -184,6 +191,71 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
             ("pp_names_need_pp", "parallelism.pipeline_parallel_module_names needs pipeline_parallel_degree > 1")
         )
     return out + _feature_violations(cfg, spec, args, tp, cp)
+
+
+def _invariant_violations(cfg, spec, args, dp: int, split) -> list[tuple[str, str]]:
+    """``training.layout_invariant``: V a power of two that dp divides, the batch in whole canonical microbatches, and
+    only what is shown invariant (docs/layout_invariance.md); one line per problem, each naming what works."""
+    t, p = cfg.training, cfg.parallelism
+    v = t.virtual_dp_degree
+    default_v = next(f.default for f in dataclasses.fields(t) if f.name == "virtual_dp_degree")
+    if not t.layout_invariant:
+        if v != default_v:
+            return [
+                (
+                    "invariant_virtual_dp",
+                    f"training.virtual_dp_degree {v} is read only by a layout-invariant run; set "
+                    f"training.layout_invariant = true or remove it",
+                )
+            ]
+        return []
+    out = []
+    if v < 1 or v & (v - 1):
+        out.append(
+            ("invariant_virtual_dp", f"training.virtual_dp_degree {v} must be a power of two (1, 2, 4, 8, 16, ...)")
+        )
+    elif v % dp:
+        out.append(
+            (
+                "invariant_virtual_dp",
+                f"training.layout_invariant: the data-parallel degree {dp} does not divide training.virtual_dp_degree "
+                f"{v}; use a power-of-two dp up to {v}, or raise virtual_dp_degree to a power of two >= {dp}",
+            )
+        )
+    elif not split.problem and split.global_batch % (v * t.local_batch_size):
+        out.append(
+            (
+                "invariant_batch",
+                f"training.layout_invariant: global batch {split.global_batch} does not split into "
+                f"virtual_dp_degree {v} x canonical microbatches of local_batch_size {t.local_batch_size}; use a "
+                f"multiple of {v * t.local_batch_size} (or global_batch_size -1: {v * t.local_batch_size})",
+            )
+        )
+    not_yet = [
+        (p.tensor_parallel_degree > 1, "tensor parallelism"),
+        (p.context_parallel_degree > 1, "context parallelism"),
+        (p.pipeline_parallel_degree > 1, "pipeline parallelism"),
+        (p.expert_parallel_degree > 1, "expert parallelism"),
+        (spec.num_experts(args) > 0, f"a model with experts ({cfg.model.name}: load counts and the aux loss)"),
+        ((getattr(args, "mtp_layers", 0) or 0) > 0, "multi-token prediction depths"),
+        (cfg.optimizer.name == "Muon", "Muon"),
+        (cfg.fault_tolerance.enable, "torchft replica groups"),
+        (bool(cfg.float8.recipe), "float8"),
+        (cfg.compile.enable, "torch.compile"),
+        (cfg.activation_checkpoint.mode != "none", "activation checkpointing"),
+        (cfg.model.kernels != "torch", f"model.kernels={cfg.model.kernels}"),
+    ]
+    named = [what for bad, what in not_yet if bad]
+    if named:
+        out.append(
+            (
+                "invariant_layout",
+                f"training.layout_invariant: not invariant yet with {', '.join(named)}; it works on one process, "
+                f"FSDP and HSDP (AdamW, clipping, float32 / bfloat16 / float64, models without experts or MTP): "
+                f"turn those off or training.layout_invariant off",
+            )
+        )
+    return out
 
 
 def _model_violations(cfg, spec, args) -> list[tuple[str, str]]:

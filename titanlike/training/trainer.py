@@ -21,7 +21,7 @@ import torch.distributed as dist
 from titanlike import fault
 from titanlike.config import JobConfig, config_help, hf_architecture_of, load_config, model_args_from_config
 from titanlike.errors import ConfigError
-from titanlike.layout import batch_split, float8_backend, layout_violations, master_dtype
+from titanlike.layout import batch_split, float8_backend, layout_violations, master_dtype, virtual_dp_degree
 from titanlike.loss import IGNORE_INDEX
 from titanlike.models import get_spec
 from titanlike.parallel import ParallelDims, build_parallel_model, describe_layout
@@ -216,7 +216,7 @@ class Trainer:
             raise ConfigError(f"job.dump_folder: '{dump}' is a file, not a folder; choose another job.dump_folder")
         self._load_data()
 
-        if cfg.training.deterministic:
+        if cfg.training.deterministic or cfg.training.layout_invariant:
             set_deterministic()
         self.distributed = self.world_size > 1
         self.run_lock = self._lock_run_folders()
@@ -308,6 +308,7 @@ class Trainer:
         self.pp_schedule, self.pp_group, self.has_last_stage = built.pp_schedule, built.pp_group, built.has_last_stage
         self.clip_fn, self.forward_context = built.clip_fn, built.forward_context
         self.moe = built.moe  # a model with MoE blocks: the aux-loss denominator and the expert-bias update
+        self.reduction = built.reduction  # training.layout_invariant: the step's sums in the canonical tree
 
         self.optimizer = build_optimizer(self.model_parts, cfg)
         # torchao float8 all-gather: every weight's float8 scale in one all-reduce after each optimizer step.
@@ -377,7 +378,7 @@ class Trainer:
         from titanlike.data import build_dataloader
 
         cfg, t = self.cfg, self.cfg.training
-        split = batch_split(t.global_batch_size, t.local_batch_size, dp_degree)
+        split = batch_split(t.global_batch_size, t.local_batch_size, dp_degree, virtual_dp_degree(t))
         self.global_batch, self.accum_steps = split.global_batch, split.accum_steps
         self.dataloader = build_dataloader(
             self.corpus.windows(t.seed, cfg.data.shuffle),
@@ -708,6 +709,7 @@ class Trainer:
                 forward_ctx=self.forward_context,
                 moe=self.moe,
                 replicas=self.replicas,
+                reduction=self.reduction,
             )
             signum = self._end_of_step(res, exit_signals)
             if self.float8_precompute:
