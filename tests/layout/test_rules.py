@@ -143,7 +143,8 @@ MORE_CASES = [
     ("invariant_virtual_dp", (4, [*INV, "--training.virtual_dp_degree", "2"])),
     ("invariant_virtual_dp", (1, ["--training.virtual_dp_degree", "16"])),
     ("invariant_layout", (1, [*INV, "--optimizer.name", "Muon"])),
-    ("invariant_layout", (2, [*INV, *PP2])),
+    ("invariant_layout", (4, [*INV, *PP2])),  # pp 2 x dp 2
+    ("invariant_layout", (2, [*INV, *ZB])),  # a split-backward schedule
     ("model_shape", (1, [*MOE, "--model.top_k", "9"])),  # the MoE block's own checks (8 experts)
     # MTP: the weight set for a model without depths (read by nothing), depths beyond the sequence
     ("mtp_layout", (1, ["--training.mtp_loss_weight", "0.5"])),

@@ -2,10 +2,11 @@
 
 The debug-shaped Llama (tiny: dim 64, 2 layers, GQA), 5 AdamW steps with clipping acting every step, float32 and
 bfloat16 (autocast over float32 master weights), V = 8 virtual ranks of M = 2 canonical microbatches of one sequence:
-one process against FSDP 2 (2 ranks), FSDP 4 and HSDP 2x2 (4 ranks): every loss, every gradient norm and every
-weight after every step equal bit for bit (max |diff| exactly 0). Planted mutations must each break it: a rank's
-micro-batches accumulated linearly, the ranks' partial sums in another order (a ring reduce-scatter's rotation), the
-clipping norm summed per FSDP shard. The default reduction (layout_invariant off) is run beside for the record.
+one process against FSDP 2 and pp 2 1F1B (2 ranks), FSDP 4 and HSDP 2x2 (4 ranks): every loss, every gradient norm
+and every weight after every step equal bit for bit (max |diff| exactly 0). Planted mutations must each break it: a
+rank's micro-batches accumulated linearly, the ranks' partial sums in another order (a ring reduce-scatter's
+rotation), the clipping norm summed per FSDP shard. The default reduction (layout_invariant off) is run beside
+for the record.
 
     python tests/parallel/shared_launch.py --world-size 2 --run invariant=out.json
 """
@@ -55,8 +56,9 @@ BASE = (
     "--optimizer.lr",
     "0.01",
 )
-# name -> (world size, data-parallel replicate, shard)
-LAYOUTS = {"fsdp2": (2, 1, 2), "fsdp4": (4, 1, 4), "hsdp2x2": (4, 2, 2)}
+# name -> (world size, data-parallel replicate, shard, pipeline degree)
+LAYOUTS = {"fsdp2": (2, 1, 2, 1), "pp2_1f1b": (2, 1, 1, 2), "fsdp4": (4, 1, 4, 1), "hsdp2x2": (4, 2, 2, 1)}
+PP_LOCAL_BATCH = 8  # under pp: micro-batches of 8 sequences, each 8 pipeline microbatches of one (the canonical)
 DTYPES = ("float32", "bfloat16")
 
 
@@ -64,12 +66,13 @@ class _Linear:
     """Mutation: a rank's micro-batches accumulated one after the other (what autograd's += does)."""
 
     def __init__(self):
-        self.value, self.held = None, 1
+        self.value, self.held, self.pushed = None, 1, 0
 
     def push(self, leaf):
         from titanlike.parallel.invariant import _add
 
         self.value = leaf if self.value is None else _add(self.value, leaf)
+        self.pushed += 1
 
     def result(self):
         return self.value
@@ -99,13 +102,17 @@ def _per_shard(reduction):
 
 MUTATIONS = {
     "linear_microbatches": ("fsdp2", lambda red: setattr(red, "local_tree", _Linear)),
+    "linear_pipeline_microbatches": ("pp2_1f1b", lambda red: setattr(red, "local_tree", _Linear)),
     "rank_order_changed": ("fsdp4", lambda red: setattr(red, "cross_order", _rotate(red))),
     "norm_per_shard": ("fsdp2", lambda red: setattr(red, "norm_blocks", _per_shard(red))),
 }
 
 
-def config(dtype: str, world: int, replicate: int, shard: int, invariant: bool = True):
+def config(dtype: str, world: int, replicate: int, shard: int, pp: int = 1, invariant: bool = True):
     args = [*BASE, "--training.dtype", dtype]
+    if pp > 1:
+        args += ["--parallelism.pipeline_parallel_degree", str(pp), "--parallelism.pipeline_parallel_schedule", "1F1B"]
+        args += ["--training.local_batch_size", str(PP_LOCAL_BATCH)]
     args += ["--parallelism.data_parallel_replicate_degree", str(replicate)]
     args += ["--parallelism.data_parallel_shard_degree", str(shard)]
     if invariant:
@@ -123,13 +130,13 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return inputs, labels
 
 
-def micro_batches(step: int, dp_rank: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def micro_batches(step: int, dp_rank: int, dp: int, local: int = L) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Data-parallel rank ``dp_rank``'s micro-batches of the step, as the loader cuts them: its contiguous slice of
-    the global batch (virtual ranks dp_rank V/dp ..), in canonical microbatches of L sequences."""
+    the global batch (virtual ranks dp_rank V/dp ..), in micro-batches of ``local`` sequences."""
     inputs, labels = batch(step)
     rows = GLOBAL // dp
     mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
-    return list(zip(inputs[mine].split(L), labels[mine].split(L)))
+    return list(zip(inputs[mine].split(local), labels[mine].split(local)))
 
 
 def build(cfg, dims):
@@ -152,17 +159,20 @@ def train(cfg, dims, dp_rank: int, dp: int, mutate=None):
         res = train_step(
             built.model_parts,
             opt,
-            micro_batches(step, dp_rank, dp),
+            micro_batches(step, dp_rank, dp, cfg.training.local_batch_size),
             built.loss,
             max_norm=cfg.training.max_norm,
             clip_fn=built.clip_fn,
             dp_group=dp_group,
+            pp_schedule=built.pp_schedule,
+            pp_group=built.pp_group,
+            has_last_stage=built.has_last_stage,
             forward_ctx=built.forward_context,
             reduction=built.reduction,
         )
         if built.reduction is not None:
             held = max(held, built.reduction.max_held)
-        weights = {n: p.detach().clone() for n, p in built.model_parts[0].named_parameters()}
+        weights = {n: p.detach().clone() for part in built.model_parts for n, p in part.named_parameters()}
         out.append((res.loss, res.grad_norm, weights))
     return out, held
 
@@ -234,14 +244,14 @@ def rank_main(rank: int, world_size: int, out: str) -> None:
         t0 = time.perf_counter()
         refs[dtype], _ = train(config(dtype, 1, 1, 1), one, 0, 1)
         results.setdefault("reference_seconds", {})[dtype] = round(time.perf_counter() - t0, 2)
-    for name, (world, replicate, shard) in LAYOUTS.items():
+    for name, (world, replicate, shard, pp) in LAYOUTS.items():
         if world != world_size:
             continue
         for dtype in DTYPES:
             t0 = time.perf_counter()
-            cfg = config(dtype, world, replicate, shard)
+            cfg = config(dtype, world, replicate, shard, pp)
             dims = dims_for(cfg)
-            dp_rank, dp = dims.get_mesh("dp").get_local_rank(), dims.dp
+            dp_rank, dp = (dims.get_mesh("dp").get_local_rank(), dims.dp) if dims.dp_enabled else (0, 1)
             run, held = train(cfg, dims, dp_rank, dp)
             r = reduce_max(compare(run, refs[dtype]))
             r["held"], r["seconds"] = held, round(time.perf_counter() - t0, 2)
@@ -251,17 +261,18 @@ def rank_main(rank: int, world_size: int, out: str) -> None:
                 print(f"[invariant ws={world_size}] {name} {dtype}: {r}", flush=True)
             # the default reduction on the same layout, for the record (float32): within rounding, not bitwise
             if dtype == "float32":
-                cfg = config(dtype, world, replicate, shard, invariant=False)
+                cfg = config(dtype, world, replicate, shard, pp, invariant=False)
                 base_ref = refs.setdefault("default", train(config(dtype, 1, 1, 1, invariant=False), one, 0, 1)[0])
                 run, _ = train(cfg, dims_for(cfg), dp_rank, dp)
                 results["default"][name] = reduce_max(compare(run, base_ref))
     for mname, (layout, mutate) in MUTATIONS.items():
-        world, replicate, shard = LAYOUTS[layout]
+        world, replicate, shard, pp = LAYOUTS[layout]
         if world != world_size:
             continue
-        cfg = config("float32", world, replicate, shard)
+        cfg = config("float32", world, replicate, shard, pp)
         dims = dims_for(cfg)
-        run, _ = train(cfg, dims, dims.get_mesh("dp").get_local_rank(), dims.dp, mutate=mutate)
+        dp_rank, dp = (dims.get_mesh("dp").get_local_rank(), dims.dp) if dims.dp_enabled else (0, 1)
+        run, _ = train(cfg, dims, dp_rank, dp, mutate=mutate)
         results["mutations"][mname] = reduce_max(compare(run, refs["float32"]))
         if rank == 0:
             print(f"[invariant ws={world_size}] MUT {mname} on {layout}: {results['mutations'][mname]}", flush=True)

@@ -12,6 +12,7 @@ from titanlike.parallel.invariant import CanonicalTree, canonical_row_blocks, tr
 # round to the same value, so the weights can stay equal: the reported norm is part of the bitwise check)
 EXPECTED_BREAK = {
     "linear_microbatches": ("loss", "grad_norm", "weights"),
+    "linear_pipeline_microbatches": ("loss", "grad_norm", "weights"),
     "rank_order_changed": ("loss", "grad_norm", "weights"),
     "norm_per_shard": ("grad_norm",),
 }
@@ -36,7 +37,7 @@ def test_every_layout_is_bitwise_one_process(invariant_results):
     world, results = invariant_results
     expected = {
         f"{name} {dtype}"
-        for name, (w, _, _) in invariant_worker.LAYOUTS.items()
+        for name, (w, _, _, _) in invariant_worker.LAYOUTS.items()
         if w == world
         for dtype in invariant_worker.DTYPES
     }
@@ -53,8 +54,8 @@ def test_the_accumulation_holds_log2_partial_sums(invariant_results):
     the leaf itself), never all of them."""
     world, results = invariant_results
     for name, r in results["layouts"].items():
-        dp = invariant_worker.LAYOUTS[name.split()[0]][1] * invariant_worker.LAYOUTS[name.split()[0]][2]
-        leaves = invariant_worker.V // dp * invariant_worker.M
+        _, replicate, shard, pp = invariant_worker.LAYOUTS[name.split()[0]]
+        leaves = invariant_worker.V // (replicate * shard) * invariant_worker.M
         assert r["held"] <= leaves.bit_length(), (name, r["held"], leaves)
 
 

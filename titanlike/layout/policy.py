@@ -13,6 +13,7 @@ __all__ = [
     "BatchSplit",
     "ac_block_mode",
     "batch_split",
+    "canonical_microbatch_size",
     "loss_parallel_enabled",
     "master_dtype",
     "parse_ac_option",
@@ -116,6 +117,14 @@ class BatchSplit:
 def virtual_dp_degree(training) -> int:
     """The virtual data-parallel degree V of a layout-invariant run (``training.layout_invariant``), 0 otherwise."""
     return training.virtual_dp_degree if training.layout_invariant else 0
+
+
+def canonical_microbatch_size(cfg) -> int:
+    """Sequences per canonical microbatch of a layout-invariant run (the tokens of one forward, the same under every
+    layout): ``training.local_batch_size``, or under pipeline parallelism ``pipeline_parallel_microbatch_size`` (the
+    schedule's microbatch). Keep it the same on the layouts you compare."""
+    p = cfg.parallelism
+    return p.pipeline_parallel_microbatch_size if p.pipeline_parallel_degree > 1 else cfg.training.local_batch_size
 
 
 def batch_split(global_batch_size: int, local_batch_size: int, dp: int, virtual_dp: int = 0) -> BatchSplit:

@@ -14,7 +14,7 @@ from titanlike.errors import ConfigError
 from titanlike.layout.degrees import degree_problems, expert_degree_problem
 from titanlike.layout.float8 import float8_violations
 from titanlike.layout.muon import muon_violations
-from titanlike.layout.policy import batch_split, parse_ac_option, virtual_dp_degree
+from titanlike.layout.policy import batch_split, canonical_microbatch_size, parse_ac_option, virtual_dp_degree
 from titanlike.layout.schedules import SCHEDULES, schedule_facts
 from titanlike.layout.stages import parse_module_names, pipeline_stage_count
 from titanlike.models import get_spec
@@ -110,7 +110,8 @@ RULES = {
     "invariant_batch": "training.layout_invariant: the global batch cut into virtual_dp_degree x canonical "
     "microbatches of local_batch_size",
     "invariant_layout": "training.layout_invariant on the layouts and features shown invariant (one process, FSDP, "
-    "HSDP; no tp / cp / pp / ep, experts, MTP, Muon, torchft, float8, compile, AC or TE kernels yet)",
+    "HSDP, pp alone with 1F1B / GPipe; no tp / cp / ep, pp x dp, experts, MTP, Muon, torchft, float8, compile, AC "
+    "or TE kernels yet)",
     "export_model": "checkpoint.export_safetensors on models with a Hugging Face adapter that can express them "
     "(ModelSpec.hf_adapter, hf_export_violations: Qwen3-MoE's expert bias)",
 }
@@ -193,6 +194,10 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
     return out + _feature_violations(cfg, spec, args, tp, cp)
 
 
+# the pipeline schedules whose backward runs each stage's microbatches in order (the gradient leaves' order)
+INVARIANT_SCHEDULES = ("1F1B", "GPipe")
+
+
 def _invariant_violations(cfg, spec, args, dp: int, split) -> list[tuple[str, str]]:
     """``training.layout_invariant``: V a power of two that dp divides, the batch in whole canonical microbatches, and
     only what is shown invariant (docs/layout_invariance.md); one line per problem, each naming what works."""
@@ -222,19 +227,26 @@ def _invariant_violations(cfg, spec, args, dp: int, split) -> list[tuple[str, st
                 f"{v}; use a power-of-two dp up to {v}, or raise virtual_dp_degree to a power of two >= {dp}",
             )
         )
-    elif not split.problem and split.global_batch % (v * t.local_batch_size):
+    elif not split.problem and split.global_batch % (v * canonical_microbatch_size(cfg)):
+        c = canonical_microbatch_size(cfg)
+        what = "pipeline_parallel_microbatch_size" if p.pipeline_parallel_degree > 1 else "local_batch_size"
         out.append(
             (
                 "invariant_batch",
                 f"training.layout_invariant: global batch {split.global_batch} does not split into "
-                f"virtual_dp_degree {v} x canonical microbatches of local_batch_size {t.local_batch_size}; use a "
-                f"multiple of {v * t.local_batch_size} (or global_batch_size -1: {v * t.local_batch_size})",
+                f"virtual_dp_degree {v} x canonical microbatches of {what} {c}; use a multiple of {v * c}",
             )
         )
+    pp = p.pipeline_parallel_degree > 1
     not_yet = [
         (p.tensor_parallel_degree > 1, "tensor parallelism"),
         (p.context_parallel_degree > 1, "context parallelism"),
-        (p.pipeline_parallel_degree > 1, "pipeline parallelism"),
+        (pp and dp > 1, "pipeline parallelism x data parallelism"),
+        (
+            pp and p.pipeline_parallel_schedule not in INVARIANT_SCHEDULES,
+            f"the pipeline schedule {p.pipeline_parallel_schedule}",
+        ),
+        (pp and bool(getattr(args, "tie_embeddings", False)), "embeddings tied across pipeline stages"),
         (p.expert_parallel_degree > 1, "expert parallelism"),
         (spec.num_experts(args) > 0, f"a model with experts ({cfg.model.name}: load counts and the aux loss)"),
         ((getattr(args, "mtp_layers", 0) or 0) > 0, "multi-token prediction depths"),
@@ -251,8 +263,9 @@ def _invariant_violations(cfg, spec, args, dp: int, split) -> list[tuple[str, st
             (
                 "invariant_layout",
                 f"training.layout_invariant: not invariant yet with {', '.join(named)}; it works on one process, "
-                f"FSDP and HSDP (AdamW, clipping, float32 / bfloat16 / float64, models without experts or MTP): "
-                f"turn those off or training.layout_invariant off",
+                f"FSDP, HSDP and pipeline parallelism alone with {' / '.join(INVARIANT_SCHEDULES)} (AdamW, clipping, "
+                f"float32 / bfloat16 / float64, models without experts or MTP): turn those off or "
+                f"training.layout_invariant off",
             )
         )
     return out

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from titanlike.layout import batch_split, precision_policy, virtual_dp_degree
+from titanlike.layout import batch_split, canonical_microbatch_size, precision_policy, virtual_dp_degree
 from titanlike.loss import ScaledLoss
 from titanlike.models.moe import MoE, moe_modules
 from titanlike.parallel.clip import clip_grad_norm_, plain_clip_grad_norm_
@@ -102,13 +102,17 @@ def build_parallel_model(
                 num_experts=blocks[0].args.num_experts,
                 pp_group=pp.pp_group,
             )
+        reduction = invariant_reduction(pp.model_parts, cfg, dims, pp_group=pp.pp_group)
+        if reduction is not None and pp.tied_sets:
+            raise ValueError("layout_invariant: parameters tied across pipeline stages are not invariant yet")
         return ParallelModel(
             model_parts=pp.model_parts,
             loss=pp.loss,
-            clip_fn=pp.finalize_grads_and_clip_,
+            clip_fn=pp.finalize_grads_and_clip_ if reduction is None else reduction.clip_grad_norm_,
             forward_context=_null_context,
             pp=pp,
             moe=moe,
+            reduction=reduction,
         )
     on_meta = any(p.is_meta for p in model.parameters())
     model = parallelize_model(model, dims, cfg)
@@ -135,15 +139,22 @@ def build_parallel_model(
     )
 
 
-def invariant_reduction(model: nn.Module, cfg, dims: ParallelDims) -> InvariantReduction | None:
+def invariant_reduction(model_parts, cfg, dims: ParallelDims, pp_group=None) -> InvariantReduction | None:
     """The canonical tree of a layout-invariant run (``training.layout_invariant``; None otherwise): V virtual ranks
-    of M canonical microbatches of ``local_batch_size`` sequences, over the data-parallel group."""
+    of M canonical microbatches (``canonical_microbatch_size`` sequences), over the data-parallel group (and the
+    pipeline group's stages)."""
     t = cfg.training
     if not t.layout_invariant:
         return None
     v = virtual_dp_degree(t)
+    c = canonical_microbatch_size(cfg)
     split = batch_split(t.global_batch_size, t.local_batch_size, dims.dp, v)
     dp_group = dims.get_mesh("dp").get_group() if dims.built and dims.dp_enabled else None
     return InvariantReduction(
-        model, microbatches=split.global_batch // (v * t.local_batch_size), virtual=v, dp_group=dp_group
+        model_parts,
+        microbatches=split.global_batch // (v * c),
+        virtual=v,
+        canonical_size=c,
+        dp_group=dp_group,
+        pp_group=pp_group,
     )

@@ -171,29 +171,63 @@ def _shard_geometry(p: DTensor) -> tuple[int, int, object, object]:
 class InvariantReduction:
     """The step's reductions in the canonical order (module docstring); ``train_step(..., reduction=this)``.
 
-    ``microbatches`` is M (canonical microbatches per virtual rank), ``virtual`` V. ``dp_group`` (None: one process)
-    is the data-parallel group, its ranks in dp-index order. Planted mutations in the tests swap ``cross_order``
-    (the ranks' subtrees in another order), ``local_tree`` (the accumulation of a rank's leaves) or
-    ``norm_blocks`` (the clipping norm's blocks)."""
+    ``model_parts``: the model, or this rank's pipeline stages. ``microbatches`` is M (canonical microbatches per
+    virtual rank), ``virtual`` V, ``canonical_size`` the sequences of a canonical microbatch (the local batch; under
+    pipeline parallelism the pipeline microbatch). ``dp_group`` (None: one process) is the data-parallel group, its
+    ranks in dp-index order; ``pp_group`` the pipeline group (stages: each parameter's gradient of each pipeline
+    microbatch is taken by a post-accumulate-grad hook, the schedule's backward order being microbatch order).
+    Planted mutations in the tests swap ``cross_order`` (the ranks' subtrees in another order), ``local_tree`` (the
+    accumulation of a rank's leaves) or ``norm_blocks`` (the clipping norm's blocks)."""
 
-    def __init__(self, model: nn.Module, *, microbatches: int, virtual: int, dp_group=None):
-        self.model, self.m, self.virtual, self.dp_group = model, microbatches, virtual, dp_group
+    def __init__(
+        self,
+        model_parts: nn.Module | Sequence[nn.Module],
+        *,
+        microbatches: int,
+        virtual: int,
+        canonical_size: int,
+        dp_group=None,
+        pp_group=None,
+    ):
+        parts = [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
+        self.parts, self.m, self.virtual, self.dp_group = parts, microbatches, virtual, dp_group
+        self.canonical_size, self.pp_group = canonical_size, pp_group
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
         if virtual & (virtual - 1) or virtual < 1 or virtual % self.dp:
             raise ValueError(f"layout_invariant: virtual_dp_degree {virtual} must be a power of two divisible by dp")
-        self.fsdp = _fsdp_params(model)
+        self.fsdp = {k: v for part in parts for k, v in _fsdp_params(part).items()}
+        named = [(n, p) for part in parts for n, p in part.named_parameters() if p.requires_grad]
         if self.dp > 1:
-            uncovered = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in self.fsdp]
+            uncovered = [n for n, p in named if id(p) not in self.fsdp]
             if uncovered:
                 raise ValueError(f"layout_invariant: parameters outside FSDP under dp {self.dp}: {uncovered[:4]}")
-        for m in model.modules():
-            if hasattr(m, "set_requires_gradient_sync"):
-                m.set_requires_gradient_sync(False, recurse=False)  # the gradients are reduced here, after backward
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        if pp_group is not None and (self.fsdp or self.dp > 1):
+            raise ValueError("layout_invariant: pipeline stages under FSDP are not invariant yet")
+        for part in parts:
+            for m in part.modules():
+                if hasattr(m, "set_requires_gradient_sync"):
+                    m.set_requires_gradient_sync(False, recurse=False)  # the gradients are reduced here
+        self.params = [p for _, p in named]
         self.local_tree: Callable[[], object] = lambda: CanonicalTree(self.m)
         self.cross_order: Callable[[list], list] = lambda received: received
         self.norm_blocks: Callable[[int], list[int]] = lambda rows: canonical_row_blocks(rows, self.virtual)
         self.max_held = 0  # the most partial gradient sums held at once in a step (the accumulation's extra buffers)
+        self._layout_norm(named)
+        self._trees: list | None = None
+        if pp_group is not None:
+            for i, p in enumerate(self.params):
+                p.register_post_accumulate_grad_hook(lambda p, i=i: self._hooked_leaf(i, p))
+
+    def _layout_norm(self, named: list[tuple[str, Tensor]]) -> None:
+        """The clipping norm's parameter order, by name (every stage's parameters under pipeline parallelism: the
+        names and row counts gathered over the pp group once): ``self.norm_order`` = [(name, rows)]."""
+        mine = [(n, p.shape[0] if p.dim() else 1) for n, p in named]
+        if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
+            every: list = [None] * dist.get_world_size(self.pp_group)
+            dist.all_gather_object(every, mine, group=self.pp_group)
+            mine = [x for stage in every for x in stage]
+        self.norm_order = sorted(dict(mine).items())
+        self.names = {id(p): n for n, p in named}
 
     # ---------------------------------------------------------------------------------------- the token count, loss
     def _leaves_tree(self, leaves: Tensor) -> Tensor:
@@ -209,14 +243,26 @@ class InvariantReduction:
         return tree.result()
 
     def tokens(self, micro_batches: Sequence[Sequence[Tensor]], ignore_index: int) -> Tensor:
-        """The global batch's non-ignored label tokens (float64), summed in the canonical tree."""
-        self._check_leaves(len(micro_batches))
-        counts = torch.stack([(mb[1] != ignore_index).sum() for mb in micro_batches]).to(torch.float64)
+        """The global batch's non-ignored label tokens (float64), summed in the canonical tree (one leaf per
+        canonical microbatch: a pipeline micro-batch holds several)."""
+        labels = [c for mb in micro_batches for c in mb[1].split(self.canonical_size)]
+        self._check_leaves(len(labels))
+        self.leaves = len(labels)
+        counts = torch.stack([(c != ignore_index).sum() for c in labels]).to(torch.float64)
         return self._leaves_tree(counts)
 
     def loss(self, leaf_losses: Sequence[Tensor]) -> Tensor:
-        """The step's loss: the micro-batches' ``sum(CE) / tokens`` (float64) in the canonical tree."""
-        return self._leaves_tree(torch.stack([x.detach().to(torch.float64) for x in leaf_losses]))
+        """The step's loss: the canonical microbatches' ``sum(CE) / tokens`` (float64) in the canonical tree; under
+        pipeline parallelism only the last stage has them (the others pass none: zeros, summed over the pp group,
+        exactly)."""
+        device = next(iter(self.params)).device if self.params else torch.device("cpu")
+        if leaf_losses:
+            values = torch.stack([x.detach().to(torch.float64) for x in leaf_losses])
+        else:
+            values = torch.zeros(self.leaves, dtype=torch.float64, device=device)
+        if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
+            dist.all_reduce(values, group=self.pp_group)
+        return self._leaves_tree(values)
 
     def _check_leaves(self, n: int) -> None:
         want = self.virtual // self.dp * self.m
@@ -230,6 +276,16 @@ class InvariantReduction:
     def begin_step(self) -> None:
         self._tree = self.local_tree()
         self.max_held = 0
+        if self.pp_group is not None:
+            self._trees = [self.local_tree() for _ in self.params]
+
+    def _hooked_leaf(self, i: int, p: Tensor) -> None:
+        """Pipeline stages: parameter ``i``'s gradient of one pipeline microbatch, a leaf of its own tree."""
+        if self._trees is None:
+            return  # a backward outside train_step (a user's): left in .grad
+        self._trees[i].push(p.grad.detach())
+        p.grad = None
+        self.max_held = max(self.max_held, self._trees[i].held)
 
     def _take_leaf(self) -> list[Tensor | None]:
         """This micro-batch's gradient of every parameter (unsharded under FSDP), taken out of autograd's buffers."""
@@ -253,6 +309,16 @@ class InvariantReduction:
 
     def finish_gradients(self) -> None:
         """This rank's subtree, then across the ranks: every parameter's ``.grad`` set (sharded like the parameter)."""
+        if self._trees is not None:  # pipeline stages: one tree per parameter
+            trees, self._trees = self._trees, None
+            for p, tree in zip(self.params, trees):
+                if tree.pushed != self.leaves:
+                    raise ValueError(
+                        f"layout_invariant: {self.names[id(p)]} got {tree.pushed} gradients of the {self.leaves} "
+                        f"canonical microbatches (a parameter without a gradient in some microbatch)"
+                    )
+                p.grad = tree.result()
+            return
         local = self._tree.result()
         self._tree = None
         if not self.fsdp:
@@ -311,16 +377,19 @@ class InvariantReduction:
 
     # ------------------------------------------------------------------------------------------ the clipping norm
     def norm_squared(self, params: Sequence[Tensor]) -> Tensor:
-        """The sum of squared gradient entries over the whole model (float64), in canonical blocks."""
+        """The sum of squared gradient entries over the whole model (float64), in canonical blocks, parameters in
+        name order (every stage's under pipeline parallelism)."""
         blocks: list[tuple[Tensor, int, int]] = []  # (local rows, first local row, last local row) per block owned
         index = []  # per block of every parameter: position in the exchanged vector, or -1 when not held here
         group = None
-        for p in params:
-            g = p.grad
-            if g is None:
-                continue
-            rows = g.shape[0] if g.dim() else 1
+        by_name = {self.names[id(p)]: p for p in params if id(p) in self.names}
+        for name, rows in self.norm_order:
+            p = by_name.get(name)
             bounds = self.norm_blocks(rows)
+            g = None if p is None else p.grad
+            if g is None:
+                index += [-1] * (len(bounds) - 1)
+                continue
             if isinstance(g, DTensor):
                 shards, me, group, _ = _shard_geometry(g)
                 chunk = -(-rows // shards)
@@ -342,8 +411,9 @@ class InvariantReduction:
                 # a fresh contiguous float64 copy of the block's rows: the same shape, values and alignment under
                 # every layout (squares of float32 are exact in float64)
                 values[pos] = t[a:b].to(torch.float64, copy=True).square().sum()
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(values, group=group)  # each block non-zero on one rank of the shard group: exact
+        for g in (group, self.pp_group):  # each block non-zero on one rank of the group: adding zeros is exact
+            if g is not None and dist.get_world_size(g) > 1:
+                dist.all_reduce(values, group=g)
         return tree_sum(list(values.unbind(0))) if len(values) else values.sum()
 
     def clip_grad_norm_(self, parameters, max_norm: float) -> Tensor:

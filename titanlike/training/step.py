@@ -90,7 +90,9 @@ def forward_backward(
     over the groups that take part in the step. ``reduction`` (an ``InvariantReduction``): every sum in its tree.
     """
     if reduction is not None:
-        return _invariant_forward_backward(model_parts, micro_batches, loss, forward_ctx, reduction)
+        return _invariant_forward_backward(
+            model_parts, micro_batches, loss, forward_ctx, reduction, pp_schedule, has_last_stage
+        )
     tokens = count_tokens(micro_batches, dp_group)
     if replicas is not None:
         tokens = replicas.sum_tokens(tokens)
@@ -120,16 +122,22 @@ def forward_backward(
     return total, tokens
 
 
-def _invariant_forward_backward(model_parts, micro_batches, loss: ScaledLoss, forward_ctx, reduction):
-    """``forward_backward`` of a layout-invariant run: the token count, each micro-batch's gradients (a leaf of the
-    tree, taken after its backward) and the loss summed by ``reduction`` (``titanlike.parallel.invariant``)."""
-    if len(model_parts) != 1:
-        raise ValueError("layout_invariant: pipeline stages are not invariant yet (one model part expected)")
+def _invariant_forward_backward(
+    model_parts, micro_batches, loss: ScaledLoss, forward_ctx, reduction, pp_schedule=None, has_last_stage=True
+):
+    """``forward_backward`` of a layout-invariant run: the token count, each canonical microbatch's gradients (a
+    leaf of the tree, taken after its backward; under a pipeline schedule each pipeline microbatch's, by the
+    reduction's gradient hooks) and the loss summed by ``reduction`` (``titanlike.parallel.invariant``)."""
     tokens = reduction.tokens(micro_batches, IGNORE_INDEX)
     loss.denominator = tokens
     reduction.begin_step()
     leaves = []
     for mb in micro_batches:
+        if pp_schedule is not None:
+            losses: list[torch.Tensor] = []
+            pp_schedule.step(mb[0], target=mb[1] if has_last_stage else None, losses=losses, **model_kwargs(mb))
+            leaves += [x.detach() for x in losses] if has_last_stage else []
+            continue
         with forward_ctx():
             out = loss(model_parts[0](mb[0], **model_kwargs(mb)), mb[1])
         out.backward()
