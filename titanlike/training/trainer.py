@@ -419,6 +419,14 @@ class Trainer:
         f8 = float8_note(self.model_parts, cfg.float8.emulate)
         if f8:
             print(f"float8: {f8}", flush=True)
+        if self.reduction is not None:  # training.layout_invariant: the decomposition to keep across layouts
+            r = self.reduction
+            print(
+                f"layout invariant: {r.virtual} virtual ranks x {r.m} canonical microbatch(es) of {r.canonical_size} "
+                f"sequence(s), {r.virtual // max(self.dp_degree, 1)} virtual rank(s) per data-parallel rank; "
+                f"deterministic algorithms, {torch.get_num_threads()} thread(s) per rank",
+                flush=True,
+            )
         if hasattr(self.optimizer, "describe"):  # Muon: what it orthogonalizes (rank 0's parameters)
             print(f"optimizer: {self.optimizer.describe()}", flush=True)
 
