@@ -113,6 +113,12 @@ class Training:
     seq_len: int = 256  # tokens per sequence
     seed: int = 42  # model initialisation and data order
     deterministic: bool = False  # deterministic kernels (repeated runs match bitwise; an op without one raises)
+    # the same bits under every data-parallel layout, float32 and bfloat16 (docs/layout_invariance.md): the batch cut
+    # into virtual_dp_degree virtual ranks of canonical microbatches of local_batch_size, every sum in one fixed tree
+    layout_invariant: bool = False
+    # V of a layout-invariant run: a power of two, at least the largest data-parallel degree to run (each dp rank
+    # hosts V/dp virtual ranks); global_batch_size -1 is local_batch_size x V
+    virtual_dp_degree: int = 8
     # float32 | bfloat16 (mixed precision over float32 master weights) | float64
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     max_norm: float = 1.0  # gradient clipping by global norm; <= 0 disables clipping

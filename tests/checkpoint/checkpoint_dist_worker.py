@@ -106,6 +106,19 @@ CASES = [
     ("muon_single", 1, MUON, None),
     ("muon_single_from_muon_tp2_fsdp2", 1, MUON, "muon_tp2_fsdp2"),
 ]
+# Layout-invariant training (float32 and bfloat16, V 4 virtual ranks of one microbatch of 2): fsdp4 trains bit for
+# bit like one process, and its step-3 resumed on fsdp2 and on one process continues the same bits.
+INV = ["--training.layout_invariant", "true", "--training.virtual_dp_degree", "4", "--training.dtype", "float32"]
+INV_BF16 = [*INV[:-1], "bfloat16"]
+CASES += [
+    ("inv_fsdp4", 4, INV, None),
+    ("inv_single", 1, INV, None),
+    ("inv_fsdp2_from_inv_fsdp4", 2, INV, "inv_fsdp4"),
+    ("inv_single_from_inv_fsdp4", 1, INV, "inv_fsdp4"),
+    ("inv_bf16_fsdp4", 4, INV_BF16, None),
+    ("inv_bf16_single", 1, INV_BF16, None),
+    ("inv_bf16_fsdp2_from_inv_bf16_fsdp4", 2, INV_BF16, "inv_bf16_fsdp4"),
+]
 # case -> (the step during which the signal arrives, the ranks that get it)
 SIGNALS = {"sig_tp2_fsdp2": (2, (3,)), "sig_pp2_fsdp2": (4, (0, 1, 2, 3))}
 

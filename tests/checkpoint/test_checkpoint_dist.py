@@ -61,7 +61,7 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     out = tmp_path_factory.mktemp("reshard")
-    proc = _run([sys.executable, str(WORKER), str(out)], timeout=400)
+    proc = _run([sys.executable, str(WORKER), str(out)], timeout=480)
     errors = "".join(p.read_text() for p in sorted(out.glob("error_rank*.txt")))
     assert proc.returncode == 0, f"worker failed (rc {proc.returncode}):\n{errors}\n{proc.stderr[-3000:]}"
     results = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
@@ -89,6 +89,23 @@ def test_resume_under_another_layout_continues_the_loss_curve(cases, resumed, re
     b = read_model_state_dict(out / reference / "checkpoint" / "step-6")
     assert a.keys() == b.keys()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= TOL
+
+
+@pytest.mark.parametrize("dtype", ["", "bf16_"])
+def test_layout_invariant_resume_on_fewer_ranks_continues_bitwise(cases, dtype):
+    """training.layout_invariant through the real trainer (float32 and bfloat16): fsdp4's 6 losses equal one
+    process's bit for bit; its step-3 resumed on fsdp2 (and, float32, on one process) continues the same bits, and
+    the final weights are equal (max |diff| exactly 0)."""
+    out, results = cases
+    full, single = results[f"inv_{dtype}fsdp4"], results[f"inv_{dtype}single"]
+    assert len(full["losses"]) == 6 and full["losses"] == single["losses"]
+    resumed = [f"inv_{dtype}fsdp2_from_inv_{dtype}fsdp4"] + ([] if dtype else ["inv_single_from_inv_fsdp4"])
+    b = read_model_state_dict(out / f"inv_{dtype}fsdp4" / "checkpoint" / "step-6")
+    for name in resumed:
+        assert results[name]["resumed_at"] == SAVE_STEP
+        assert results[name]["losses"] == full["losses"][SAVE_STEP:], name
+        a = read_model_state_dict(out / name / "checkpoint" / "step-6")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
 
 
 def test_muon_under_tp2_fsdp2_trains_like_one_process_and_checkpoints_its_momentum(cases):

@@ -26,6 +26,7 @@ MOE = ["--model.name", "qwen3_moe"]
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
 HF_MODEL = hf_folder("hf_qwen2_tied", vocab_size=2048)
 NO_PLAN = hf_folder("hf_qwen2_tied", vocab_size=2048, base_model_tp_plan={})
+INV = ["--training.layout_invariant", "true"]
 ZB = [*PP2, "--model.n_layers", "4", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
 
 # rule -> (world size, the bad options on top of TINY)
@@ -155,10 +156,19 @@ CASES = {
     "export_model": (1, [*MOE, "--checkpoint.enable", "--checkpoint.export_safetensors"]),
     "mtp_layout": (1, ["--model.name", "deepseek_v3", "--training.mtp_loss_weight", "-1"]),
     "sdc": (1, ["--training.sdc_check_interval", "5"]),  # one process: nothing to compare
+    "invariant_virtual_dp": (1, [*INV, "--training.virtual_dp_degree", "6"]),
+    "invariant_batch": (1, [*INV, "--training.global_batch_size", "16"]),  # V 8 x local batch 4 = 32 per step
+    "invariant_layout": (2, [*INV, "--parallelism.tensor_parallel_degree", "2"]),
 }
 
 # further cases of a rule that guards several things
 MORE_CASES = [
+    # layout invariance: dp 4 does not divide V 2; V set without layout_invariant (read by nothing); Muon, pp
+    ("invariant_virtual_dp", (4, [*INV, "--training.virtual_dp_degree", "2"])),
+    ("invariant_virtual_dp", (1, ["--training.virtual_dp_degree", "16"])),
+    ("invariant_layout", (1, [*INV, "--optimizer.name", "Muon"])),
+    ("invariant_layout", (4, [*INV, *PP2])),  # pp 2 x dp 2
+    ("invariant_layout", (2, [*INV, *ZB])),  # a split-backward schedule
     ("model_shape", (1, [*MOE, "--model.top_k", "9"])),  # the MoE block's own checks (8 experts)
     # MTP: the weight set for a model without depths (read by nothing), depths beyond the sequence
     ("mtp_layout", (1, ["--training.mtp_loss_weight", "0.5"])),
@@ -216,3 +226,10 @@ def test_each_rule_fires_and_train_py_exits_2_with_one_line(rule, case, monkeypa
 def test_a_good_configuration_breaks_no_rule():
     cfg = parse_config(TINY)
     assert rule_violations(cfg, 1, model_args_from_config(cfg)) == []
+
+
+@pytest.mark.parametrize("world,extra", [(1, []), (2, []), (4, ["--parallelism.data_parallel_replicate_degree", "2"])])
+def test_a_layout_invariant_configuration_breaks_no_rule(world, extra):
+    """One process, FSDP 2 and HSDP 2x2 with the default V 8: global batch -1 is local batch x V on every layout."""
+    cfg = parse_config([*TINY, *INV, *extra])
+    assert rule_violations(cfg, world, model_args_from_config(cfg)) == []

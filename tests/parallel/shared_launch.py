@@ -6,8 +6,8 @@ Each ``--run KIND=OUT`` is a worker's rank function (:data:`KINDS`) run in the s
 other, writing its JSON as its own launch would: the equality gates (gate.py, pipeline_gate.py), the 2-rank probes
 (tp_probe_worker.py), expert parallelism (moe_ep_worker.py), the vocab-parallel loss (loss_parallel_worker.py), AC
 under tp / FSDP (ac_parallel_worker.py), the sharded init (tests/init/init_worker.py), the README's example
-(tests/examples/nanogpt_example_worker.py), the traps (traps_worker.py) and generation under tp
-(tests/generate/generate_worker.py). One interpreter start, torch /
+(tests/examples/nanogpt_example_worker.py), the traps (traps_worker.py), generation under tp
+(tests/generate/generate_worker.py) and layout-invariant training (invariant_worker.py). One interpreter start, torch /
 transformers import, fork and process group per launch instead of one per worker and world size.
 
 The tests read the results through :func:`results`: the first test that asks for a kind at a world size starts the
@@ -50,6 +50,7 @@ KINDS = {
     ),
     "traps": ("traps_worker", "rank_main", lambda out: (out,), "test_traps.py", (2,)),
     "generate": ("generate_worker", "rank_main", lambda out: (out,), "test_generate.py", (2,)),
+    "invariant": ("invariant_worker", "rank_main", lambda out: (out,), "test_layout_invariance.py", (2, 4)),
 }
 WORKER_DIRS = (HERE.parent / "init", HERE.parent / "examples", HERE.parent / "generate")
 # The launches of a world size: the pipeline gate alone, gate.py's layouts first in the other (so that nothing
@@ -59,9 +60,9 @@ WORKER_DIRS = (HERE.parent / "init", HERE.parent / "examples", HERE.parent / "ge
 GROUPS = (("pipeline",), ("gate", *(k for k in KINDS if k not in ("gate", "pipeline"))))
 # per kind: the launch's time limit alone (seconds) and the gloo timeout it needs
 TIMEOUT_S = {"gate": 420, "pipeline": 480, "probes": 300, "ep": 420, "loss": 120, "ac": 240, "init": 240}
-TIMEOUT_S |= {"nanogpt": 400, "traps": 400, "generate": 120}
+TIMEOUT_S |= {"nanogpt": 400, "traps": 400, "generate": 120, "invariant": 240}
 GLOO_TIMEOUT_S = {"gate": 60, "pipeline": 120, "probes": 60, "ep": 60, "loss": 30, "ac": 60, "init": 120}
-GLOO_TIMEOUT_S |= {"nanogpt": 120, "traps": 120, "generate": 60}
+GLOO_TIMEOUT_S |= {"nanogpt": 120, "traps": 120, "generate": 60, "invariant": 60}
 
 
 def _run_all(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> None:

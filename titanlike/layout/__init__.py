@@ -40,11 +40,13 @@ from titanlike.layout.policy import (
     BatchSplit,
     ac_block_mode,
     batch_split,
+    canonical_microbatch_size,
     loss_parallel_enabled,
     master_dtype,
     parse_ac_option,
     precision_policy,
     reshard_after_forward,
+    virtual_dp_degree,
 )
 from titanlike.layout.rules import RULES, layout_violations
 from titanlike.layout.schedules import (
@@ -90,6 +92,7 @@ __all__ = [
     "ScheduleFacts",
     "ac_block_mode",
     "batch_split",
+    "canonical_microbatch_size",
     "degree_problems",
     "describe_layout",
     "describe_split",
@@ -106,6 +109,7 @@ __all__ = [
     "rank_of_stage",
     "rank_of",
     "reshard_after_forward",
+    "virtual_dp_degree",
     "schedule_class",
     "schedule_facts",
     "split_module_names",

@@ -13,27 +13,31 @@ __all__ = [
     "BatchSplit",
     "ac_block_mode",
     "batch_split",
+    "canonical_microbatch_size",
     "loss_parallel_enabled",
     "master_dtype",
     "parse_ac_option",
     "precision_policy",
     "reshard_after_forward",
+    "virtual_dp_degree",
 ]
 
 Precision = Literal["fsdp", "autocast", "none"]
 
 
-def precision_policy(dtype: str, degrees) -> Precision:
+def precision_policy(dtype: str, degrees, layout_invariant: bool = False) -> Precision:
     """How ``training.dtype`` is realised on a layout.
 
     ``"fsdp"``: bfloat16 through FSDP2's mixed precision (bf16 parameter copies for compute, float32 gradient
     reduction, float32 master weights), whenever FSDP wraps the model (``degrees.fsdp_wraps``);
-    ``"autocast"``: bfloat16 without FSDP: ``torch.autocast`` around each forward over float32 weights;
+    ``"autocast"``: bfloat16 without FSDP: ``torch.autocast`` around each forward over float32 weights, and under
+    ``training.layout_invariant`` on every layout (FSDP then gathers the float32 weights: the forward is the one
+    process's, op for op);
     ``"none"``: float32 or float64 throughout.
     """
     if dtype != "bfloat16":
         return "none"
-    return "fsdp" if degrees.fsdp_wraps else "autocast"
+    return "fsdp" if degrees.fsdp_wraps and not layout_invariant else "autocast"
 
 
 def loss_parallel_enabled(cfg, degrees) -> bool:
@@ -111,11 +115,27 @@ class BatchSplit:
     local_batch: int = 1  # sequences per data-parallel rank per forward-backward pass
 
 
-def batch_split(global_batch_size: int, local_batch_size: int, dp: int) -> BatchSplit:
+def virtual_dp_degree(training) -> int:
+    """The virtual data-parallel degree V of a layout-invariant run (``training.layout_invariant``), 0 otherwise."""
+    return training.virtual_dp_degree if training.layout_invariant else 0
+
+
+def canonical_microbatch_size(cfg) -> int:
+    """Sequences per canonical microbatch of a layout-invariant run (the tokens of one forward, the same under every
+    layout): ``training.local_batch_size``, or under pipeline parallelism ``pipeline_parallel_microbatch_size`` (the
+    schedule's microbatch). Keep it the same on the layouts you compare."""
+    p = cfg.parallelism
+    return p.pipeline_parallel_microbatch_size if p.pipeline_parallel_degree > 1 else cfg.training.local_batch_size
+
+
+def batch_split(global_batch_size: int, local_batch_size: int, dp: int, virtual_dp: int = 0) -> BatchSplit:
     """``training.global_batch_size`` over ``dp`` data-parallel ranks reading ``local_batch_size`` sequences per pass:
     the global batch, the number of accumulation steps and the local batch. ``local_batch_size = -1``: the global
     batch split evenly over the ranks, no accumulation (the global batch, hence the run, is the same under every
-    layout); ``global_batch_size = -1``: ``local_batch_size x dp`` (torchtitan's meaning: it changes with dp)."""
+    layout); in a layout-invariant run (``virtual_dp`` V > 0) split over the V virtual ranks instead, one canonical
+    microbatch each (the same tokens per forward under every layout), V / dp passes per rank.
+    ``global_batch_size = -1``: ``local_batch_size x dp`` (torchtitan's meaning: it changes with dp), or
+    ``local_batch_size x V`` in a layout-invariant run."""
     if global_batch_size == -1 and local_batch_size == -1:
         return BatchSplit(
             1,
@@ -137,8 +157,18 @@ def batch_split(global_batch_size: int, local_batch_size: int, dp: int) -> Batch
                 f"= global / dp); set training.global_batch_size to a multiple of {dp}, or training.local_batch_size "
                 f"for a batch per rank",
             )
-        return BatchSplit(gbs, 1, local_batch=gbs // dp)
-    gbs = global_batch_size if global_batch_size != -1 else local_batch_size * dp
+        if not virtual_dp:
+            return BatchSplit(gbs, 1, local_batch=gbs // dp)
+        if gbs % virtual_dp:
+            return BatchSplit(
+                gbs,
+                1,
+                f"training.global_batch_size {gbs} does not split over training.virtual_dp_degree {virtual_dp} (one "
+                f"canonical microbatch per virtual rank); set training.global_batch_size to a multiple of "
+                f"{virtual_dp}, or training.local_batch_size for the canonical microbatch",
+            )
+        local_batch_size = gbs // virtual_dp
+    gbs = global_batch_size if global_batch_size != -1 else local_batch_size * (virtual_dp or dp)
     if gbs < 1:
         return BatchSplit(max(gbs, 1), 1, f"training.global_batch_size: {gbs} must be -1 or >= 1")
     per_pass = local_batch_size * dp

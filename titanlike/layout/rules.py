@@ -14,7 +14,7 @@ from titanlike.errors import ConfigError
 from titanlike.layout.degrees import degree_problems, expert_degree_problem
 from titanlike.layout.float8 import float8_violations
 from titanlike.layout.muon import muon_violations
-from titanlike.layout.policy import batch_split, parse_ac_option
+from titanlike.layout.policy import batch_split, canonical_microbatch_size, parse_ac_option, virtual_dp_degree
 from titanlike.layout.schedules import SCHEDULES, schedule_facts
 from titanlike.layout.sentinel import sdc_violations
 from titanlike.layout.stages import parse_module_names, pipeline_stage_count, split_problem
@@ -120,6 +120,13 @@ RULES = {
     "sdc": "training.sdc_check_interval a positive integer (0: off), on a layout holding some state twice (HSDP "
     "replicas, tp-replicated norms, a weight tied across pipeline stages, torchft replica groups): else nothing to "
     "compare",
+    "invariant_virtual_dp": "training.layout_invariant: virtual_dp_degree a power of two that the data-parallel degree "
+    "divides (set only with layout_invariant)",
+    "invariant_batch": "training.layout_invariant: the global batch cut into virtual_dp_degree x canonical "
+    "microbatches of local_batch_size",
+    "invariant_layout": "training.layout_invariant on the layouts and features shown invariant (one process, FSDP, "
+    "HSDP, pp alone with 1F1B / GPipe; no tp / cp / ep, pp x dp, experts, MTP, Muon, torchft, float8, compile, AC "
+    "or TE kernels yet)",
     "export_model": "checkpoint.export_safetensors on models with a Hugging Face adapter that can express them "
     "(ModelSpec.hf_adapter, hf_export_violations: Qwen3-MoE's expert bias)",
 }
@@ -197,9 +204,10 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
             )
         )
     # Batch.
-    split = batch_split(t.global_batch_size, t.local_batch_size, dp)
+    split = batch_split(t.global_batch_size, t.local_batch_size, dp, virtual_dp_degree(t))
     if split.problem:
         out.append(("batch", split.problem))
+    out += _invariant_violations(cfg, spec, args, dp, split)
     # Pipeline.
     if pp > 1:
         out += _pipeline_violations(_with_local_batch(cfg, split), args, pp)
@@ -232,9 +240,86 @@ def resolve_local_batch(cfg, world_size: int) -> None:
         pp=p.pipeline_parallel_degree,
         world_size=world_size,
     )
-    split = batch_split(t.global_batch_size, -1, p.data_parallel_replicate_degree * dps)
+    split = batch_split(t.global_batch_size, -1, p.data_parallel_replicate_degree * dps, virtual_dp_degree(t))
     if not problems and not split.problem:
         t.local_batch_size = split.local_batch
+
+
+# the pipeline schedules whose backward runs each stage's microbatches in order (the gradient leaves' order)
+INVARIANT_SCHEDULES = ("1F1B", "GPipe")
+
+
+def _invariant_violations(cfg, spec, args, dp: int, split) -> list[tuple[str, str]]:
+    """``training.layout_invariant``: V a power of two that dp divides, the batch in whole canonical microbatches, and
+    only what is shown invariant (docs/layout_invariance.md); one line per problem, each naming what works."""
+    t, p = cfg.training, cfg.parallelism
+    v = t.virtual_dp_degree
+    default_v = next(f.default for f in dataclasses.fields(t) if f.name == "virtual_dp_degree")
+    if not t.layout_invariant:
+        if v != default_v:
+            return [
+                (
+                    "invariant_virtual_dp",
+                    f"training.virtual_dp_degree {v} is read only by a layout-invariant run; set "
+                    f"training.layout_invariant = true or remove it",
+                )
+            ]
+        return []
+    out = []
+    if v < 1 or v & (v - 1):
+        out.append(
+            ("invariant_virtual_dp", f"training.virtual_dp_degree {v} must be a power of two (1, 2, 4, 8, 16, ...)")
+        )
+    elif v % dp:
+        out.append(
+            (
+                "invariant_virtual_dp",
+                f"training.layout_invariant: the data-parallel degree {dp} does not divide training.virtual_dp_degree "
+                f"{v}; use a power-of-two dp up to {v}, or raise virtual_dp_degree to a power of two >= {dp}",
+            )
+        )
+    elif not split.problem and split.global_batch % (v * canonical_microbatch_size(cfg)):
+        c = canonical_microbatch_size(cfg)
+        what = "pipeline_parallel_microbatch_size" if p.pipeline_parallel_degree > 1 else "local_batch_size"
+        out.append(
+            (
+                "invariant_batch",
+                f"training.layout_invariant: global batch {split.global_batch} does not split into "
+                f"virtual_dp_degree {v} x canonical microbatches of {what} {c}; use a multiple of {v * c}",
+            )
+        )
+    pp = p.pipeline_parallel_degree > 1
+    not_yet = [
+        (p.tensor_parallel_degree > 1, "tensor parallelism"),
+        (p.context_parallel_degree > 1, "context parallelism"),
+        (pp and dp > 1, "pipeline parallelism x data parallelism"),
+        (
+            pp and p.pipeline_parallel_schedule not in INVARIANT_SCHEDULES,
+            f"the pipeline schedule {p.pipeline_parallel_schedule}",
+        ),
+        (pp and bool(getattr(args, "tie_embeddings", False)), "embeddings tied across pipeline stages"),
+        (p.expert_parallel_degree > 1, "expert parallelism"),
+        (spec.num_experts(args) > 0, f"a model with experts ({cfg.model.name}: load counts and the aux loss)"),
+        ((getattr(args, "mtp_layers", 0) or 0) > 0, "multi-token prediction depths"),
+        (cfg.optimizer.name == "Muon", "Muon"),
+        (cfg.fault_tolerance.enable, "torchft replica groups"),
+        (bool(cfg.float8.recipe), "float8"),
+        (cfg.compile.enable, "torch.compile"),
+        (cfg.activation_checkpoint.mode != "none", "activation checkpointing"),
+        (cfg.model.kernels != "torch", f"model.kernels={cfg.model.kernels}"),
+    ]
+    named = [what for bad, what in not_yet if bad]
+    if named:
+        out.append(
+            (
+                "invariant_layout",
+                f"training.layout_invariant: not invariant yet with {', '.join(named)}; it works on one process, "
+                f"FSDP, HSDP and pipeline parallelism alone with {' / '.join(INVARIANT_SCHEDULES)} (AdamW, clipping, "
+                f"float32 / bfloat16 / float64, models without experts or MTP): turn those off or "
+                f"training.layout_invariant off",
+            )
+        )
+    return out
 
 
 def _model_violations(cfg, spec, args) -> list[tuple[str, str]]:

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from titanlike.layout import precision_policy
+from titanlike.layout import batch_split, canonical_microbatch_size, precision_policy, virtual_dp_degree
 from titanlike.loss import ScaledLoss
 from titanlike.models.moe import MoE, moe_modules
 from titanlike.parallel.clip import clip_grad_norm_, plain_clip_grad_norm_
 from titanlike.parallel.dims import ParallelDims
 from titanlike.parallel.expert_parallel import ExpertBalancing, experts_modules
+from titanlike.parallel.invariant import InvariantReduction
 from titanlike.parallel.materialize import keeping_grad_hooks, materialize, to_empty_keeping_ties
 from titanlike.parallel.parallelize import build_loss_fn, parallelize_model
 from titanlike.parallel.pipeline import PipelineParallel, apply_pp
@@ -42,6 +43,8 @@ class ParallelModel:
     pp: PipelineParallel | None = None  # the stages and the schedule under pipeline parallelism
     # a model with MoE blocks: the aux-loss denominator before, the expert-bias update after each step (train_step)
     moe: ExpertBalancing | None = None
+    # training.layout_invariant: the step's sums in the canonical tree (train_step's reduction; clip_fn is its norm)
+    reduction: InvariantReduction | None = None
 
     @property
     def pp_schedule(self):
@@ -99,13 +102,17 @@ def build_parallel_model(
                 num_experts=blocks[0].args.num_experts,
                 pp_group=pp.pp_group,
             )
+        reduction = invariant_reduction(pp.model_parts, cfg, dims, pp_group=pp.pp_group)
+        if reduction is not None and pp.tied_sets:
+            raise ValueError("layout_invariant: parameters tied across pipeline stages are not invariant yet")
         return ParallelModel(
             model_parts=pp.model_parts,
             loss=pp.loss,
-            clip_fn=pp.finalize_grads_and_clip_,
+            clip_fn=pp.finalize_grads_and_clip_ if reduction is None else reduction.clip_grad_norm_,
             forward_context=_null_context,
             pp=pp,
             moe=moe,
+            reduction=reduction,
         )
     on_meta = any(p.is_meta for p in model.parameters())
     model = parallelize_model(model, dims, cfg)
@@ -114,7 +121,7 @@ def build_parallel_model(
         materialize(model, device, init_seed)
     else:
         keeping_grad_hooks(model, lambda: model.to(device))
-    if precision_policy(cfg.training.dtype, dims) == "autocast":
+    if precision_policy(cfg.training.dtype, dims, cfg.training.layout_invariant) == "autocast":
 
         def forward_context() -> contextlib.AbstractContextManager:
             return torch.autocast(device.type, dtype=torch.bfloat16)
@@ -124,4 +131,30 @@ def build_parallel_model(
     moe = None
     if experts_modules(model):
         moe = ExpertBalancing([model], dims.expert_load_group() if dims.built else None, dims.dp)
-    return ParallelModel(model_parts=[model], loss=loss, clip_fn=clip_fn, forward_context=forward_context, moe=moe)
+    reduction = invariant_reduction(model, cfg, dims)
+    if reduction is not None:
+        clip_fn = reduction.clip_grad_norm_
+    return ParallelModel(
+        model_parts=[model], loss=loss, clip_fn=clip_fn, forward_context=forward_context, moe=moe, reduction=reduction
+    )
+
+
+def invariant_reduction(model_parts, cfg, dims: ParallelDims, pp_group=None) -> InvariantReduction | None:
+    """The canonical tree of a layout-invariant run (``training.layout_invariant``; None otherwise): V virtual ranks
+    of M canonical microbatches (``canonical_microbatch_size`` sequences), over the data-parallel group (and the
+    pipeline group's stages)."""
+    t = cfg.training
+    if not t.layout_invariant:
+        return None
+    v = virtual_dp_degree(t)
+    c = canonical_microbatch_size(cfg)
+    split = batch_split(t.global_batch_size, t.local_batch_size, dims.dp, v)
+    dp_group = dims.get_mesh("dp").get_group() if dims.built and dims.dp_enabled else None
+    return InvariantReduction(
+        model_parts,
+        microbatches=split.global_batch // (v * c),
+        virtual=v,
+        canonical_size=c,
+        dp_group=dp_group,
+        pp_group=pp_group,
+    )

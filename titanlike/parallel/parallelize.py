@@ -131,7 +131,7 @@ def _apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg, has_experts:
     """FSDP / HSDP (bf16 parameters over float32 master weights under mixed precision); the experts' own groups
     first, and under ep borrowing tp each MoE block's token-local parameters over the ranks routing their own."""
     p = cfg.parallelism
-    mixed = precision_policy(cfg.training.dtype, dims) == "fsdp"
+    mixed = precision_policy(cfg.training.dtype, dims, cfg.training.layout_invariant) == "fsdp"
     expert_fsdp = dict(
         param_dtype=torch.bfloat16 if mixed else None,
         reduce_dtype=torch.float32 if mixed else None,

@@ -28,6 +28,7 @@ from titanlike.layout import (
     schedule_facts,
     stage_ids_for_rank,
     stage_module_names,
+    virtual_dp_degree,
 )
 from titanlike.models import get_spec
 
@@ -123,7 +124,7 @@ class Layout:
                 + spec.output_modules,
             )
         )
-        split = batch_split(t.global_batch_size, t.local_batch_size, dims.dp)
+        split = batch_split(t.global_batch_size, t.local_batch_size, dims.dp, virtual_dp_degree(t))
         return cls(
             dims=dims,
             gpus_per_node=gpus_per_node,

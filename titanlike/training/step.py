@@ -10,6 +10,13 @@ The loss contract that makes every layout train like one device:
 * the reported loss is the sum of those contributions over the data-parallel ranks (and taken from the last
   pipeline stage), identical on every rank.
 
+Every sum of a step across micro-batches and ranks — the token count, the loss, the gradients, the gradient norm's
+sum of squares — goes through ONE seam: ``reduction``. Without one (the default) the token count and the loss are
+all-reduced here, FSDP reduce-scatters each micro-batch's gradients and ``clip_fn`` all-reduces the norm: sums whose
+order depends on the layout (equal to one device within float64 rounding). With a
+:class:`~titanlike.parallel.invariant.InvariantReduction` (``training.layout_invariant``) every one of them is summed
+in the canonical tree that no layout changes: the same bits under every layout.
+
 This module is used by the trainer and, unchanged, by the numerics tests.
 """
 
@@ -71,6 +78,7 @@ def forward_backward(
     has_last_stage: bool = True,
     forward_ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     replicas=None,
+    reduction=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run forward and backward over this rank's micro-batches; return (global mean loss, global token count).
 
@@ -79,8 +87,12 @@ def forward_backward(
     labels and losses. A micro-batch ``(inputs, labels, document_starts)`` runs the block-causal mask
     (:func:`model_kwargs`). ``forward_ctx`` (e.g. bf16 autocast) wraps the forward and loss, not the backward.
     ``replicas`` (fault-tolerant replica groups, ``titanlike.training.fault_tolerance``): the token count is summed
-    over the groups that take part in the step.
+    over the groups that take part in the step. ``reduction`` (an ``InvariantReduction``): every sum in its tree.
     """
+    if reduction is not None:
+        return _invariant_forward_backward(
+            model_parts, micro_batches, loss, forward_ctx, reduction, pp_schedule, has_last_stage
+        )
     tokens = count_tokens(micro_batches, dp_group)
     if replicas is not None:
         tokens = replicas.sum_tokens(tokens)
@@ -110,6 +122,31 @@ def forward_backward(
     return total, tokens
 
 
+def _invariant_forward_backward(
+    model_parts, micro_batches, loss: ScaledLoss, forward_ctx, reduction, pp_schedule=None, has_last_stage=True
+):
+    """``forward_backward`` of a layout-invariant run: the token count, each canonical microbatch's gradients (a
+    leaf of the tree, taken after its backward; under a pipeline schedule each pipeline microbatch's, by the
+    reduction's gradient hooks) and the loss summed by ``reduction`` (``titanlike.parallel.invariant``)."""
+    tokens = reduction.tokens(micro_batches, IGNORE_INDEX)
+    loss.denominator = tokens
+    reduction.begin_step()
+    leaves = []
+    for mb in micro_batches:
+        if pp_schedule is not None:
+            losses: list[torch.Tensor] = []
+            pp_schedule.step(mb[0], target=mb[1] if has_last_stage else None, losses=losses, **model_kwargs(mb))
+            leaves += [x.detach() for x in losses] if has_last_stage else []
+            continue
+        with forward_ctx():
+            out = loss(model_parts[0](mb[0], **model_kwargs(mb)), mb[1])
+        out.backward()
+        reduction.microbatch_done()
+        leaves.append(out.detach())
+    reduction.finish_gradients()
+    return reduction.loss(leaves), tokens
+
+
 def train_step(
     model_parts: list[nn.Module],
     optimizer: torch.optim.Optimizer,
@@ -126,6 +163,7 @@ def train_step(
     forward_ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     moe=None,
     replicas=None,
+    reduction=None,
 ) -> StepResult:
     """zero_grad -> forward/backward -> global grad norm (clip) -> finite check -> optimizer step.
 
@@ -144,6 +182,9 @@ def train_step(
     ``replicas`` (``titanlike.training.fault_tolerance.ReplicaGroups``): the token count, the gradients and the loss
     are summed over the replica groups of the step before the norm, and the update waits for every group to commit
     (a failed step updates nothing, not even the LR schedule: ``StepResult.committed`` is False).
+
+    ``reduction`` (``ParallelModel.reduction``, a layout-invariant run): the token count, the loss and the gradients
+    summed in its canonical tree (its ``clip_grad_norm_`` is then ``clip_fn``).
     """
     _check_loss(loss)
     check_dp_coverage(model_parts, dp_group)
@@ -161,6 +202,7 @@ def train_step(
         has_last_stage=has_last_stage,
         forward_ctx=forward_ctx,
         replicas=replicas,
+        reduction=reduction,
     )
     mtp = _mtp_losses(loss, total.device, dp_group, pp_group)
     if replicas is not None:

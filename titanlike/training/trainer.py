@@ -36,6 +36,7 @@ from titanlike.layout import (
     layout_violations,
     master_dtype,
     stage_module_names,
+    virtual_dp_degree,
 )
 from titanlike.layout.rules import resolve_local_batch
 from titanlike.loss import IGNORE_INDEX
@@ -238,7 +239,7 @@ class Trainer:
             raise ConfigError(f"job.dump_folder: '{dump}' is a file, not a folder; choose another job.dump_folder")
         self._load_data()
 
-        if cfg.training.deterministic:
+        if cfg.training.deterministic or cfg.training.layout_invariant:
             set_deterministic()
         self.distributed = self.world_size > 1
         self.run_lock = self._lock_run_folders()
@@ -386,6 +387,7 @@ class Trainer:
         self.pp_schedule, self.pp_group, self.has_last_stage = built.pp_schedule, built.pp_group, built.has_last_stage
         self.clip_fn, self.forward_context = built.clip_fn, built.forward_context
         self.moe = built.moe  # a model with MoE blocks: the aux-loss denominator and the expert-bias update
+        self.reduction = built.reduction  # training.layout_invariant: the step's sums in the canonical tree
 
         self.optimizer = build_optimizer(self.model_parts, cfg)
         # torchao float8 all-gather: every weight's float8 scale in one all-reduce after each optimizer step.
@@ -457,7 +459,7 @@ class Trainer:
         from titanlike.data import build_dataloader
 
         cfg, t = self.cfg, self.cfg.training
-        split = batch_split(t.global_batch_size, t.local_batch_size, dp_degree)
+        split = batch_split(t.global_batch_size, t.local_batch_size, dp_degree, virtual_dp_degree(t))
         self.global_batch, self.accum_steps = split.global_batch, split.accum_steps
         self.dataloader = build_dataloader(
             self.corpus.windows(t.seed, cfg.data.shuffle),
@@ -504,6 +506,14 @@ class Trainer:
         f8 = float8_note(self.model_parts, cfg.float8.emulate)
         if f8:
             print(f"float8: {f8}", flush=True)
+        if self.reduction is not None:  # training.layout_invariant: the decomposition to keep across layouts
+            r = self.reduction
+            print(
+                f"layout invariant: {r.virtual} virtual ranks x {r.m} canonical microbatch(es) of {r.canonical_size} "
+                f"sequence(s), {r.virtual // max(self.dp_degree, 1)} virtual rank(s) per data-parallel rank; "
+                f"deterministic algorithms, {torch.get_num_threads()} thread(s) per rank",
+                flush=True,
+            )
         if hasattr(self.optimizer, "describe"):  # Muon: what it orthogonalizes (rank 0's parameters)
             print(f"optimizer: {self.optimizer.describe()}", flush=True)
 
@@ -889,6 +899,7 @@ class Trainer:
                 forward_ctx=self.forward_context,
                 moe=self.moe,
                 replicas=self.replicas,
+                reduction=self.reduction,
             )
             hang.set_where("end of step", "")
             signum = self._end_of_step(res, exit_signals)
