@@ -38,7 +38,7 @@ def args(dump: Path, *extra: str) -> list[str]:
         "tiny",
         "--training.steps",
         "3",
-        "--training.local_batch_size",
+        "--training.global_batch_size",  # the same run on one process and on 2 ranks (local batch derived)
         "2",
         "--training.seq_len",
         "16",
