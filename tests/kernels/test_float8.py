@@ -257,11 +257,18 @@ def test_float8_composes_with_fsdp2_and_tp2_like_one_process(tmp_path):
         assert lay["float8_linear"], name
         # FSDP: each rank casts its own micro-batch (tensorwise activation scales are per local batch), so the
         # reference is one process accumulating the same two halves: bitwise equal, float8 all-gather included.
-        # TP: row-parallel partial sums add in another order (float32, ~1e-7 relative), which can move a value
-        # across a float8 rounding boundary; measured <= 2.4e-6 on losses of ~5.3 over 4 steps: bar 1e-5.
+        # TP: row-parallel partial sums add in another order (float32, ~1e-7 relative). Step 1's loss (no update
+        # yet) sees only that: bar 1e-5. A sum that crosses a float8 rounding boundary changes a gradient element
+        # by one float8 step, and AdamW (lr 1e-2) turns a near-zero element's changed sign into a full-lr update:
+        # the later losses part by up to 1.8e-3 (qwen3 tensorwise, step 3, on an AVX2 Xeon; 2.4e-6 on another
+        # CPU) - a dropped or doubled TP reduction moves step 1 by far more than 1e-5: bar 1e-2 after step 1.
         want = ref[lay["reference"]]
-        tol = 0.0 if lay["dp"] > 1 else 1e-5
-        assert max(abs(a - b) for a, b in zip(lay["losses"], want)) <= tol, (name, lay["losses"], want)
+        diffs = [abs(a - b) for a, b in zip(lay["losses"], want)]
+        assert len(diffs) == len(want) == 4, (name, lay["losses"], want)
+        if lay["dp"] > 1:
+            assert max(diffs) == 0.0, (name, lay["losses"], want)
+        else:
+            assert diffs[0] <= 1e-5 and max(diffs[1:]) <= 1e-2, (name, lay["losses"], want)
     lays = res["layouts"]
     assert lays["fsdp2_tensorwise_f8allgather"]["weight_kind"] == "WeightWithDynamicFloat8CastTensor"
     assert lays["fsdp2_tensorwise"]["weight_kind"] == "Tensor"

@@ -26,6 +26,8 @@ BASE = ("--model.flavor", "tiny", "--model.dim", "64", "--model.max_seq_len", "1
 TP = ("--parallelism.tensor_parallel_degree", "2")
 SP = ("--parallelism.enable_sequence_parallel", "true")
 CP = ("--parallelism.context_parallel_degree", "2")
+A2A = (*CP, "--parallelism.context_parallel_method", "alltoall")
+RING = (*CP, "--parallelism.context_parallel_method", "ring")
 
 
 def dp(replicate: int, shard: int, local: int) -> tuple[str, ...]:
@@ -166,6 +168,20 @@ CASES = {
         (*DS, "--model.n_layers", "4", *pp(2, "1F1B", 8, 2)),
         "pp_mtp_tokens_other_microbatch",
     ),
+    # context parallelism by all-to-all (Ulysses) and by ring: the heads' order, the reverse all-to-all, the ring steps
+    "a2a cp2": (2, (*A2A, *dp(1, 1, 8)), None),
+    "ring cp2": (2, (*RING, *dp(1, 1, 8)), None),
+    "MUT a2a cp2 heads scattered back in the wrong order": (2, (*A2A, *dp(1, 1, 8)), "a2a_heads_order"),
+    "MUT a2a cp2 reverse all-to-all skipped in backward": (2, (*A2A, *dp(1, 1, 8)), "a2a_no_grad"),
+    "MUT a2a gpt_oss cp2 every rank uses the first heads' sinks": (
+        2,
+        (*GPT_OSS, *A2A, *dp(1, 1, 8)),
+        "a2a_sinks_heads",
+    ),
+    "MUT ring cp2 a ring step skipped": (2, (*RING, *dp(1, 1, 8)), "ring_step_skipped"),
+    "MUT ring cp2 log-sum-exps merged by max": (2, (*RING, *dp(1, 1, 8)), "ring_merge_max"),
+    "MUT ring cp2 dK / dV not passed home": (2, (*RING, *dp(1, 1, 8)), "ring_grads_kept"),
+    "MUT ring gpt_oss_block cp2 sinks dropped": (2, (*GPT_OSS, *BLOCK, *RING, *dp(1, 1, 8)), "ring_no_sinks"),
     # Qwen3-Next: the linear attention's cp state passing, the gated delta rule, the shared expert's gate
     "qnext_block cp2": (2, (*QNEXT, *BLOCK, *CP, *dp(1, 1, 8)), None),
     "qnext tp2_sp_ep2": (2, (*QNEXT, *TP_SP_EP), None),

@@ -16,8 +16,9 @@ and checked against the saved tensors of real runs (tests/planner/test_planner.p
 
 * each RMSNorm: its float32 input copy and rstd, its bf16 normalised input ``(c h + c + a h) / t_sp``, and its
   output as saved by the next matmuls, ``a h`` (all-gathered to full length under SP);
-* attention: q, k and v (kv heads: grouped-query attention reads them in place; repeated to every head under
-  context parallelism), the output and the log-sum-exp (``4 n / t``);
+* attention: q, k and v (kv heads: grouped-query attention reads them in place; repeated to every head by the
+  all-gather and ring context-parallel cores, to a multiple of cp by the all-to-all), the output and the
+  log-sum-exp (``4 n / t``);
 * SwiGLU: w1 and w3 outputs, SiLU output, their product (``4 a H / t``).
 
 Activation checkpointing keeps, per block, ``full``: the block input ``a h / t_sp``; selective ``op``: the input
@@ -380,9 +381,14 @@ def block_activation_bytes(
         # RMSNorms: their float32 input, one rstd per head and their output (for the weight's gradient)
         norm = (a * h + 4) if layer_norm else (c * h + c + (c if zero_centred else a) * h)
         norms = 2 * (norm / tsp + a * h)
-        # q, k and v as SDPA keeps them (grouped-query heads read in place: kv width; context parallelism's ring
-        # repeats them to every head), the output; the log-sum-exp
-        kv_kept = q_w if layout.cp > 1 else kv_w
+        # q, k and v as SDPA keeps them (grouped-query heads read in place: kv width; the all-gather and the ring
+        # cores repeat them to every head, the all-to-all only to the kv heads cp divides), the output; the
+        # log-sum-exp
+        kv_kept = kv_w
+        if layout.cp > 1 and layout.cp_method == "alltoall":
+            kv_kept = cp_head_widths(layout, args)["k"] * t
+        elif layout.cp > 1:
+            kv_kept = q_w
         attention = 2 * a * q_w + 2 * a * kv_kept + 4 * n
         if qk_norm:
             attention += (c + a) * (q_w + kv_w) + c * (n + kv_n)
