@@ -164,6 +164,15 @@ def _report_failure(procs, killed: set[int], errors: Path) -> None:
     print(f"=== spawn: a rank failed; exit codes {codes}; {first}", file=sys.stderr, flush=True)
 
 
+def tiny_run_args(corpus: str) -> list[str]:
+    """The fault tests' quiet small run: 2 rows of 32 tokens of ``corpus`` per rank and step, no validation, no
+    TensorBoard, a log line every step."""
+    return [
+        *("--training.local_batch_size", "2", "--training.seq_len", "32", "--data.path", corpus),
+        *("--validation.enable", "false", "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1"),
+    ]
+
+
 def run_script(script: str | Path, *args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
     """Run ``python script *args`` from the repository root (one thread per process), capturing its output. Past
     ``timeout`` (or on an interrupt) the script **and every process it forked** (a launch's ranks) are killed, then

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_utils import worker_env
+from dist_utils import tiny_run_args, worker_env
 
 from titanlike.data import asset_path
 
@@ -30,18 +30,7 @@ COMMON = [
     "cpu",
     "--training.steps",
     "4",
-    "--training.local_batch_size",
-    "2",
-    "--training.seq_len",
-    "32",
-    "--data.path",
-    CORPUS,
-    "--validation.enable",
-    "false",
-    "--metrics.enable_tensorboard",
-    "false",
-    "--metrics.log_freq",
-    "1",
+    *tiny_run_args(CORPUS),
     "--comm.timeout_seconds",
     str(TIMEOUT),
 ]

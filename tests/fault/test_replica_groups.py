@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import unused_port, worker_env
+from dist_utils import tiny_run_args, unused_port, worker_env
 
 from titanlike.data import asset_path
 
@@ -53,18 +53,7 @@ def train_args(dump: Path, lighthouse: str, replica_id: int) -> list[str]:
         "cpu",
         "--training.steps",
         str(STEPS),
-        "--training.local_batch_size",
-        "2",
-        "--training.seq_len",
-        "32",
-        "--data.path",
-        CORPUS,
-        "--validation.enable",
-        "false",
-        "--metrics.enable_tensorboard",
-        "false",
-        "--metrics.log_freq",
-        "1",
+        *tiny_run_args(CORPUS),
         "--lr_scheduler.warmup_steps",
         "2",
         "--optimizer.lr",

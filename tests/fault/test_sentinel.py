@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_utils import unused_port, worker_env
+from dist_utils import tiny_run_args, unused_port, worker_env
 
 from titanlike.checkpoint import committed_checkpoints
 from titanlike.config import load_config
@@ -35,18 +35,7 @@ COMMON = [
     "cpu",
     "--training.steps",
     "6",
-    "--training.local_batch_size",
-    "2",
-    "--training.seq_len",
-    "32",
-    "--data.path",
-    CORPUS,
-    "--validation.enable",
-    "false",
-    "--metrics.enable_tensorboard",
-    "false",
-    "--metrics.log_freq",
-    "1",
+    *tiny_run_args(CORPUS),
     "--checkpoint.enable",
     "--checkpoint.interval",
     "2",

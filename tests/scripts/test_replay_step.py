@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import tiny_run_args
 
 import titanlike.training.trainer as trainer_module
 from titanlike.config import load_config
@@ -19,18 +20,7 @@ CORPUS = str(asset_path("corpus", "tinyshakespeare.txt"))
 OPTS = [
     "--model.flavor",
     "tiny",
-    "--training.local_batch_size",
-    "2",
-    "--training.seq_len",
-    "32",
-    "--data.path",
-    CORPUS,
-    "--validation.enable",
-    "false",
-    "--metrics.enable_tensorboard",
-    "false",
-    "--metrics.log_freq",
-    "1",
+    *tiny_run_args(CORPUS),
     "--training.device",
     "cpu",
     "--lr_scheduler.warmup_steps",
