@@ -64,9 +64,8 @@ def test_empty_ranks_means_every_rank_and_bad_window_is_an_error(tmp_path):
         )
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA path; with CUDA: test_memory_snapshot_on_cuda")
 def test_memory_snapshot_without_cuda_writes_nothing(tmp_path):
-    if torch.cuda.is_available():
-        pytest.skip("this checks the no-CUDA path; the CUDA path is test_memory_snapshot_on_cuda")
     pcfg = Profiling(enable_memory_snapshot=True, profile_freq=1)
     with maybe_profile(pcfg, 0, str(tmp_path)) as prof:
         _work()
