@@ -525,6 +525,20 @@ def cp_shift_labels(cp_mesh: DeviceMesh):
     return shift
 
 
+# what apply_cp puts in place of the seams: a model holding any of them has been given context parallelism already
+_CP_MODULES = (
+    ContextParallelAttention,
+    ContextParallelLatentAttention,
+    UlyssesAttention,
+    UlyssesLatentAttention,
+    RingAttention,
+    RingLatentAttention,
+    ContextParallelPositions,
+    ContextParallelGatedDelta,
+    ContextParallelShortConv,
+)
+
+
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True, method: str = "allgather") -> nn.Module:
     """Context parallelism over ``cp_mesh`` (1-D), in place; returns ``model``.
 
@@ -556,18 +570,7 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True, m
                 windows.append((module, child_name))
             elif isinstance(child, (GatedDeltaCore, ShortConvCore)):
                 linear.append((module, child_name, child))
-    done = (
-        ContextParallelAttention,
-        ContextParallelLatentAttention,
-        UlyssesAttention,
-        UlyssesLatentAttention,
-        RingAttention,
-        RingLatentAttention,
-        ContextParallelPositions,
-        ContextParallelGatedDelta,
-        ContextParallelShortConv,
-    )
-    already = any(isinstance(m, done) for m in model.modules())
+    already = any(isinstance(m, _CP_MODULES) for m in model.modules())
     if not cores and not linear and not already:
         raise ValueError(
             f"apply_cp: {type(model).__name__} has no attention seam (a titanlike.models.decoder.AttentionCore "
@@ -581,28 +584,32 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True, m
             f"pass positions=False if it has no positions or feeds cp_positions to them itself"
         )
     for owner, child_name in cores:
-        core = getattr(owner, child_name)
-        latent = isinstance(core, LatentAttentionCore)
-        if method == "alltoall":
-            new = UlyssesLatentAttention(cp_mesh) if latent else UlyssesAttention(cp_mesh, core.window, core.sinks)
-        elif method == "ring":
-            new = (
-                RingLatentAttention(cp_mesh, chunk_ids)
-                if latent
-                else RingAttention(cp_mesh, chunk_ids, core.window, core.sinks)
-            )
-        elif latent:
-            new = ContextParallelLatentAttention(cp_mesh)
-        else:
-            new = ContextParallelAttention(cp_mesh, window=core.window, sinks=core.sinks)
-        setattr(owner, child_name, new)
+        setattr(owner, child_name, _cp_attention_core(getattr(owner, child_name), cp_mesh, method))
     for owner, child_name in seams:
         setattr(owner, child_name, ContextParallelPositions(cp_mesh))
     for owner, child_name in windows:
         setattr(owner, child_name, ContextParallelWindow(cp_mesh))
     for owner, child_name, child in linear:  # linear attention: state passing (titanlike.parallel.state_passing)
-        if isinstance(child, GatedDeltaCore):
-            setattr(owner, child_name, ContextParallelGatedDelta(cp_mesh, child.chunk_size))
-        else:
-            setattr(owner, child_name, ContextParallelShortConv(cp_mesh))
+        stateful = isinstance(child, GatedDeltaCore)
+        setattr(
+            owner,
+            child_name,
+            ContextParallelGatedDelta(cp_mesh, child.chunk_size) if stateful else ContextParallelShortConv(cp_mesh),
+        )
     return model
+
+
+def _cp_attention_core(core: nn.Module, cp_mesh: DeviceMesh, method: str) -> nn.Module:
+    """The context-parallel counterpart of one softmax attention seam (a ``LatentAttentionCore``: of the latent
+    seam) under ``method``, keeping its window and sinks."""
+    if isinstance(core, LatentAttentionCore):
+        if method == "alltoall":
+            return UlyssesLatentAttention(cp_mesh)
+        if method == "ring":
+            return RingLatentAttention(cp_mesh, chunk_ids)
+        return ContextParallelLatentAttention(cp_mesh)
+    if method == "alltoall":
+        return UlyssesAttention(cp_mesh, core.window, core.sinks)
+    if method == "ring":
+        return RingAttention(cp_mesh, chunk_ids, core.window, core.sinks)
+    return ContextParallelAttention(cp_mesh, window=core.window, sinks=core.sinks)

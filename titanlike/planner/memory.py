@@ -311,6 +311,47 @@ def cp_kv_bytes(layout: Layout, args, method: str | None = None) -> int:
     return whole // layout.cp if method == "alltoall" else whole
 
 
+def _kept_kv_width(layout: Layout, args) -> int:
+    """The K (and V) width per token, over every tp rank, that SDPA keeps for its backward: the kv heads (grouped-
+    query attention reads them in place); every head's under the all-gather and ring context-parallel cores, which
+    repeat them; a multiple of cp of them under the all-to-all."""
+    if layout.cp > 1 and layout.cp_method == "alltoall":
+        return cp_head_widths(layout, args)["k"] * layout.tp
+    return args.n_heads * args.head_dim if layout.cp > 1 else args.n_kv_heads * args.head_dim
+
+
+def _cp_kernel_bytes(layout: Layout, args, mode: str) -> float:
+    """Bytes per local token a softmax attention kernel keeps under context parallelism beyond the one-device
+    formula of :func:`block_activation_bytes`, by ``layout.cp_method``.
+
+    All-gather: the kernel keeps K and V of the whole sequence, repeated to all heads as its inputs (no AC:
+    (cp - 1) more tokens' worth than the local K / V); the kernels of the two chunks also keep their outputs,
+    besides the concatenated output (``a q_w``); selective op AC saves the all-gather outputs instead (kv heads)
+    and recomputes the rest. All-to-all over heads (Ulysses): the kernel holds the whole sequence of heads / cp
+    heads, the size of the local tokens of every head, so no extra K / V; selective op AC saves the four
+    all-to-alls' outputs. A ring (CPU math path): its function keeps q, k, v (kv heads, not repeated), the output
+    and a log-sum-exp in the activation dtype: the float32 log-sum-exp's excess only. Under selective op AC the
+    checkpoint saves the matmul outputs inside it instead of an attention kernel's output: every visible block
+    pair's scores and output (2 cp + 1 pairs of C x (C + v) per head under the causal mask; fewer under a window,
+    not counted)."""
+    n, a, t = args.n_heads, layout.act_bytes, layout.tp
+    q_w, kv_w = n * args.head_dim, args.n_kv_heads * args.head_dim
+    if layout.cp_method == "ring":
+        c_len, vd = layout.local_seq_len // 2, getattr(args, "v_head_dim", args.head_dim)
+        if mode == "none":
+            return (a - 4) * n / t
+        if mode == "op":
+            return (2 * layout.cp + 1) / 2 * a * n / t * (c_len + vd) - (a * q_w / t + 4 * n / t)
+        return 0.0
+    if layout.cp_method == "alltoall":
+        return a * (q_w / t if mode == "none" else sum(cp_head_widths(layout, args).values()) if mode == "op" else 0)
+    if mode == "none":
+        return 2 * a * q_w / t * (layout.cp - 1) + a * q_w / t
+    if mode == "op":
+        return 2 * a * kv_w / t * layout.cp
+    return 0.0
+
+
 def block_activation_bytes(
     layout: Layout, args, tokens: int, mode: str = "none", moe=None, *, probe: bool = False, layer_id: int = 0
 ) -> int:
@@ -334,32 +375,8 @@ def block_activation_bytes(
     # a model's own attention (MLA's latents): its hook's bytes per token replace the softmax formula's below
     sizes = ActivationSizes(mode, a, c, t, layout.local_seq_len, probe, layout.microbatch_size, layout.cp)
     own = spec.attention_activations(args, layer_id, sizes) if mode != "full" else None
-    # Context parallel (``tokens`` are the local ones): the attention kernel keeps K and V of the whole sequence,
-    # repeated to all heads as its inputs (no AC: (cp - 1) more tokens' worth than the local K / V counted below);
-    # selective op AC saves the all-gather outputs instead (kv heads) and recomputes the rest.
-    # Without AC the kernels of the two chunks also keep their outputs, besides the concatenated output (``a q_w``).
-    gathered_kv = 0.0
     linear = spec.linear_attention(args, layer_id) is not None  # state passing: no K / V (its hook counts the maps)
-    # All-to-all over heads instead (Ulysses): the kernel holds the whole sequence of heads / cp heads, the size of
-    # the local tokens of every head, so no extra K / V; selective op AC saves the four all-to-alls' outputs.
-    # A ring (CPU math path): its function keeps q, k, v (kv heads, not repeated), the output and a log-sum-exp in the
-    # activation dtype: the float32 log-sum-exp's excess only. Under selective op AC the checkpoint saves the matmul
-    # outputs inside it instead of an attention kernel's output: every visible block pair's scores and output (2 cp + 1
-    # pairs of C x (C + v) per head under the causal mask; fewer under a window, not counted).
-    if layout.cp > 1 and layout.cp_method == "ring" and not linear:
-        c_len, vd = layout.local_seq_len // 2, getattr(args, "v_head_dim", args.head_dim)
-        if mode == "none":
-            gathered_kv = (a - 4) * n / t
-        elif mode == "op":
-            gathered_kv = (2 * layout.cp + 1) / 2 * a * n / t * (c_len + vd) - (a * q_w / t + 4 * n / t)
-    elif layout.cp > 1 and layout.cp_method == "alltoall" and not linear:
-        gathered_kv = a * (
-            q_w / t if mode == "none" else sum(cp_head_widths(layout, args).values()) if mode == "op" else 0
-        )
-    elif layout.cp > 1 and mode == "none" and not linear:
-        gathered_kv = 2 * a * q_w / t * (layout.cp - 1) + a * q_w / t
-    elif layout.cp > 1 and mode == "op" and not linear:
-        gathered_kv = 2 * a * kv_w / t * layout.cp
+    gathered_kv = 0.0 if linear or layout.cp == 1 else _cp_kernel_bytes(layout, args, mode)
     if mode == "full":
         per_token = a * h / tsp
     elif mode == "op":
@@ -384,12 +401,7 @@ def block_activation_bytes(
         # q, k and v as SDPA keeps them (grouped-query heads read in place: kv width; the all-gather and the ring
         # cores repeat them to every head, the all-to-all only to the kv heads cp divides), the output; the
         # log-sum-exp
-        kv_kept = kv_w
-        if layout.cp > 1 and layout.cp_method == "alltoall":
-            kv_kept = cp_head_widths(layout, args)["k"] * t
-        elif layout.cp > 1:
-            kv_kept = q_w
-        attention = 2 * a * q_w + 2 * a * kv_kept + 4 * n
+        attention = 2 * a * q_w + 2 * a * _kept_kv_width(layout, args) + 4 * n
         if qk_norm:
             attention += (c + a) * (q_w + kv_w) + c * (n + kv_n)
         attention = attention / t if own is None else own

@@ -208,11 +208,7 @@ def train_step(
     if replicas is not None:
         total = replicas.sum_gradients(total)
     params = [p for m in model_parts for p in m.parameters()]
-    norm = clip_fn(params, max_norm)
-    # One device-to-host copy for all the numbers (one host sync per step, not two).
-    loss_value, norm_value, *mtp_values = torch.cat(
-        [torch.stack([total, torch.as_tensor(norm, dtype=torch.float64, device=total.device)]), mtp]
-    ).tolist()
+    loss_value, norm_value, mtp_values = _read_step_numbers(total, clip_fn(params, max_norm), mtp)
     finite = math.isfinite(loss_value) and math.isfinite(norm_value)
     lr = float(optimizer.param_groups[0]["lr"])  # the rate this update uses (the scheduler moves it on below)
     if replicas is not None and not replicas.should_commit():
@@ -230,6 +226,15 @@ def train_step(
         mtp=mtp_values or None,
         lr=lr,
     )
+
+
+def _read_step_numbers(total: torch.Tensor, norm, mtp: torch.Tensor) -> tuple[float, float, list[float]]:
+    """The step's loss, gradient norm and MTP depth losses on the host: one device-to-host copy for all of them (one
+    host sync per step, not two)."""
+    loss_value, norm_value, *mtp_values = torch.cat(
+        [torch.stack([total, torch.as_tensor(norm, dtype=torch.float64, device=total.device)]), mtp]
+    ).tolist()
+    return loss_value, norm_value, mtp_values
 
 
 def _check_loss(loss) -> None:

@@ -189,6 +189,50 @@ class Trainer:
         except (ValueError, OSError) as e:
             raise ConfigError(f"model.tokenizer: {e}") from None
         self.model_args = model_args_from_config(cfg, self.tokenizer.vocab_size)
+        self.spec = get_spec(cfg.model.name)
+        self._describe_architecture()
+        resolve_local_batch(cfg, self.world_size)  # training.local_batch_size -1: the global batch over dp
+        problems = layout_violations(cfg, self.world_size, self.model_args)
+        if problems:
+            raise ConfigError(problems[0])
+        self._check_runtime_requirements()
+        self._check_host_memory()
+        self._check_fault_tolerance()
+        dump = Path(cfg.job.dump_folder)
+        if dump.exists() and not dump.is_dir():
+            raise ConfigError(f"job.dump_folder: '{dump}' is a file, not a folder; choose another job.dump_folder")
+        self._load_data()
+
+        if cfg.training.deterministic or cfg.training.layout_invariant:
+            set_deterministic()
+        self.distributed = self.world_size > 1
+        self.run_lock = self._lock_run_folders()
+        try:
+            self._init_process_group()
+            self.rank = dist.get_rank() if self.distributed else 0
+            # a collective that times out (or SIGUSR2) writes a hang report into job.dump_folder/hang (hang.py)
+            self.hang_report = (
+                hang.HangReport(cfg.job.dump_folder, self.rank, self.world_size, cfg.comm.timeout_seconds)
+                if self.distributed
+                else None
+            )
+            self._build()
+            if self.distributed:
+                fault.bound_process_groups(self.timeout)  # the default, mesh, pipeline and checkpoint groups
+            self.replicas = self._replica_groups()
+            self.sentinel = self._build_sentinel()
+            if self.hang_report is not None:
+                self.hang_report.install(self.model_parts, self.optimizer)
+                if self.checkpointer is not None:  # its saves' failed collectives report too
+                    self.checkpointer.hang_report = self.hang_report
+        except BaseException:
+            self.release_lock()
+            raise
+
+    def _describe_architecture(self) -> None:
+        """The start-up line saying where the model's architecture came from (an initial checkpoint's file, a
+        transformers config.json) when it is not a flavor."""
+        cfg = self.cfg
         self.architecture_note = None
         self.architecture_from = None  # the file the architecture came from, instead of a flavor
         if initial_architecture_of(cfg) is not None:
@@ -201,15 +245,15 @@ class Trainer:
             self.architecture_note = (
                 f"model: architecture from {self.architecture_from}{unused}: {describe_args(self.model_args)}"
             )
-        self.spec = get_spec(cfg.model.name)
         if self.spec.args_from_overrides is not None and self.spec.hf_adapter:  # model.name = "hf": its config.json
             from titanlike.hf import describe_args
 
             self.architecture_note = f"model: transformers {describe_args(self.model_args)}"
-        resolve_local_batch(cfg, self.world_size)  # training.local_batch_size -1: the global batch over dp
-        problems = layout_violations(cfg, self.world_size, self.model_args)
-        if problems:
-            raise ConfigError(problems[0])
+
+    def _check_runtime_requirements(self) -> None:
+        """What the config needs installed or reachable: Transformer Engine, W&B and lm-eval, torchao's float8 on
+        this device; one line (every problem of W&B and lm-eval in it), exit 2."""
+        cfg = self.cfg
         if cfg.model.kernels == "te":
             from titanlike.kernels import TEUnavailableError, load_te
 
@@ -232,46 +276,21 @@ class Trainer:
                 check_float8_runtime(cfg.float8.recipe, cfg.float8.emulate, self.device)
             except Float8UnavailableError as e:
                 raise ConfigError(str(e)) from None
-        self._check_host_memory()
-        self._check_fault_tolerance()
-        dump = Path(cfg.job.dump_folder)
-        if dump.exists() and not dump.is_dir():
-            raise ConfigError(f"job.dump_folder: '{dump}' is a file, not a folder; choose another job.dump_folder")
-        self._load_data()
 
-        if cfg.training.deterministic or cfg.training.layout_invariant:
-            set_deterministic()
-        self.distributed = self.world_size > 1
-        self.run_lock = self._lock_run_folders()
-        try:
-            if self.distributed:
-                backend = "nccl" if self.device.type == "cuda" else "gloo"
-                if self.device.type == "cuda":
-                    torch.cuda.set_device(self.device)
-                # init_timeout_seconds bounds the start: the rendezvous and the creation of every group (ranks may
-                # reach it seconds or minutes apart) and the collectives of the build; once built, every collective
-                # on every group is bounded by timeout_seconds (bound_process_groups below).
-                hang.enable_flight_recorder()  # torch's record of every collective, for a hang report
-                fault.init_process_group(backend, datetime.timedelta(seconds=cfg.comm.init_timeout_seconds))
-            self.rank = dist.get_rank() if self.distributed else 0
-            # a collective that times out (or SIGUSR2) writes a hang report into job.dump_folder/hang (hang.py)
-            self.hang_report = (
-                hang.HangReport(cfg.job.dump_folder, self.rank, self.world_size, cfg.comm.timeout_seconds)
-                if self.distributed
-                else None
-            )
-            self._build()
-            if self.distributed:
-                fault.bound_process_groups(self.timeout)  # the default, mesh, pipeline and checkpoint groups
-            self.replicas = self._replica_groups()
-            self.sentinel = self._build_sentinel()
-            if self.hang_report is not None:
-                self.hang_report.install(self.model_parts, self.optimizer)
-                if self.checkpointer is not None:  # its saves' failed collectives report too
-                    self.checkpointer.hang_report = self.hang_report
-        except BaseException:
-            self.release_lock()
-            raise
+    def _init_process_group(self) -> None:
+        """The default process group (nccl on CUDA, gloo otherwise) with the flight recorder on; a single process
+        starts none.
+
+        ``comm.init_timeout_seconds`` bounds the start: the rendezvous and the creation of every group (ranks may
+        reach it seconds or minutes apart) and the collectives of the build; once built, every collective on every
+        group is bounded by ``comm.timeout_seconds`` (``fault.bound_process_groups``)."""
+        if not self.distributed:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        hang.enable_flight_recorder()  # torch's record of every collective, for a hang report
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        fault.init_process_group(backend, datetime.timedelta(seconds=self.cfg.comm.init_timeout_seconds))
 
     def _check_fault_tolerance(self) -> None:
         """[fault_tolerance]: every problem of the section in one line, torchft installed, the lighthouse reachable
@@ -739,16 +758,7 @@ class Trainer:
             self.checkpointer.load()
         if self.replicas is not None:
             self.replicas.load_checkpointed_position()
-        logger = MetricsLogger(
-            cfg.job.dump_folder,
-            enabled=self.rank == 0,
-            tensorboard=cfg.metrics.enable_tensorboard,
-            start_step=self.step,
-            tb_folder=cfg.metrics.save_tb_folder,
-            jsonl=cfg.metrics.enable_jsonl,
-            color=use_color(cfg.metrics.disable_color_printing),
-            trackers=self._trackers(),
-        )
+        logger = self._metrics_logger()
         from titanlike.data import loader_position
         from titanlike.training.profiling import maybe_profile
 
@@ -794,15 +804,7 @@ class Trainer:
                     self._count_skipped_step(res)
                 if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps or self.step == 1:
                     self._log_step(logger, res, rate, position)
-                if self.val_sources and (self.step % cfg.validation.freq == 0 or self.step == cfg.training.steps):
-                    with self._op(f"the validation at step {self.step}"), hang.phase("validation"):
-                        vals = self.validate()
-                    self.last_validation = vals
-                    logger.log(
-                        self.step,
-                        vals,
-                        console=f"step {self.step:5d}  " + "  ".join(f"{k} {v:8.4f}" for k, v in vals.items()),
-                    )
+                self._maybe_validate(logger)
                 self._maybe_evaluate(logger)
                 if self.sentinel is not None:  # before a save: a corrupt state is never written
                     last = self.step == cfg.training.steps
@@ -820,6 +822,31 @@ class Trainer:
         if self.rank == 0 and self.step > start_step:
             print(self._summary(start_step, time.perf_counter() - t_start, self.tokens_seen - tokens_start, losses))
         return losses
+
+    def _metrics_logger(self) -> MetricsLogger:
+        """Rank 0's console / TensorBoard / JSONL / tracker logger, from this run's step on; silent elsewhere."""
+        m = self.cfg.metrics
+        return MetricsLogger(
+            self.cfg.job.dump_folder,
+            enabled=self.rank == 0,
+            tensorboard=m.enable_tensorboard,
+            start_step=self.step,
+            tb_folder=m.save_tb_folder,
+            jsonl=m.enable_jsonl,
+            color=use_color(m.disable_color_printing),
+            trackers=self._trackers(),
+        )
+
+    def _maybe_validate(self, logger: MetricsLogger) -> None:
+        """The validation losses every ``validation.freq`` steps and at the last step, logged and kept."""
+        cfg = self.cfg
+        if not self.val_sources or (self.step % cfg.validation.freq and self.step != cfg.training.steps):
+            return
+        with self._op(f"the validation at step {self.step}"), hang.phase("validation"):
+            vals = self.validate()
+        self.last_validation = vals
+        console = f"step {self.step:5d}  " + "  ".join(f"{k} {v:8.4f}" for k, v in vals.items())
+        logger.log(self.step, vals, console=console)
 
     def _summary(self, start_step: int, seconds: float, tokens: int, losses: list[float]) -> str:
         """Rank 0's last line: the steps of this run, their time and throughput, the loss, where the weights are."""
