@@ -846,12 +846,7 @@ def _raise_all(cfg: JobConfig, problems: list[str]) -> None:
     if not problems:
         return
     where = cfg.job.config_file
-    if len(problems) == 1:
-        raise ConfigError(f"{where}: {problems[0]}" if where else problems[0])
-    raise ConfigError(
-        f"{where or 'the command line'}: {len(problems)} problems: "
-        + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
-    )
+    raise ConfigError.of(problems, where if where or len(problems) == 1 else "the command line")
 
 
 def format_config(cfg: JobConfig) -> str:
@@ -992,10 +987,10 @@ def value_problems(cfg: JobConfig) -> list[str]:
 
 
 def validate(cfg: JobConfig, world_size: int = 1) -> None:
-    """Per-key ranges and choices, then every cross-field rule; raise the first problem as a ConfigError."""
+    """Per-key ranges and choices, then every cross-field rule: a ConfigError with all of a stage's problems."""
     problems = value_problems(cfg)
     if problems:
-        raise ConfigError(problems[0])
+        raise ConfigError.of(problems)
     if cfg.validation.steps == 0:
         raise ConfigError(
             "validation.steps: 0 batches validates nothing; use -1 (the whole held-out tail), a "
@@ -1007,7 +1002,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
         )
     problems = layout_violations(cfg, world_size, model_args_from_config(cfg))
     if problems:
-        raise ConfigError(problems[0])
+        raise ConfigError.of(problems)
 
 
 def model_args_from_config(cfg: JobConfig, vocab_size: int | None = None):

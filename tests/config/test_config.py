@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from titanlike.config import ConfigError, JobConfig, load_config, model_args_from_config
+from titanlike.config import ConfigError, JobConfig, load_config, model_args_from_config, parse_config
 from titanlike.layout import layout_violations
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -199,3 +199,21 @@ def test_train_py_exits_2_with_one_line_before_anything_starts(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip() == "error: unknown config key 'training.stesp' (did you mean 'training.steps'?)"
     assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_train_py_reports_every_layout_problem_in_one_line(tmp_path):
+    """A layout with several problems names all of them in the one refusal line (numbered), not just the first."""
+    argv = ["--model.n_kv_heads", "3", "--training.layout_invariant", "true", "--training.virtual_dp_degree", "3"]
+    cfg = parse_config(argv)
+    problems = layout_violations(cfg, 1, model_args_from_config(cfg))
+    assert len(problems) == 3  # kv heads, a batch V does not split, V not a power of two
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *argv, "--job.dump_folder", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    listed = "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
+    assert r.stderr.strip() == f"error: 3 problems: {listed}", r.stderr
+    assert not (tmp_path / "out").exists()

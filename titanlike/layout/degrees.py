@@ -112,7 +112,7 @@ class Degrees:
             world_size=self.world_size,
         )
         if problems:
-            raise ConfigError(problems[0])
+            raise ConfigError.of(problems)
         problem = expert_degree_problem(self.ep, self.dp_shard, self.cp, self.tp if self.ep > 1 else 1)
         if problem:
             raise ConfigError(problem)

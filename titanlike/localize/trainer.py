@@ -45,7 +45,7 @@ def _config(argv: list[str], world: int):
     args = model_args_from_config(cfg, tokenizer.vocab_size)
     problems = layout_violations(cfg, world, args)
     if problems:
-        raise ConfigError(problems[0])
+        raise ConfigError.of(problems)
     return cfg, args, tokenizer.eos_id
 
 

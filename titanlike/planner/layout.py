@@ -101,7 +101,7 @@ class Layout:
         ``expert_imbalance``: the busiest expert-parallel rank's load over the mean (>= 1)."""
         problems = layout_violations(cfg, world_size, args)
         if problems:
-            raise ConfigError(problems[0])
+            raise ConfigError.of(problems)
         if not 0 < attention_fraction <= 1 or (cfg.model.attn_mask_type == "causal" and attention_fraction != 1):
             raise ConfigError(
                 f"attention fraction {attention_fraction}: the share of causal attention a mask computes is in (0, 1], "

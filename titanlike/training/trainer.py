@@ -194,7 +194,7 @@ class Trainer:
         resolve_local_batch(cfg, self.world_size)  # training.local_batch_size -1: the global batch over dp
         problems = layout_violations(cfg, self.world_size, self.model_args)
         if problems:
-            raise ConfigError(problems[0])
+            raise ConfigError.of(problems)
         self._check_runtime_requirements()
         self._check_host_memory()
         self._check_fault_tolerance()
@@ -266,9 +266,7 @@ class Trainer:
 
         problems = [p for p in (wandb_problem(cfg.metrics), *eval_problems(cfg)) if p]
         if problems:
-            raise ConfigError(
-                problems[0] if len(problems) == 1 else f"{len(problems)} problems: " + "; ".join(problems)
-            )
+            raise ConfigError.of(problems)
         if cfg.float8.recipe and float8_backend(cfg) == "torchao":
             from titanlike.kernels.float8 import Float8UnavailableError, check_float8_runtime
 
