@@ -986,21 +986,28 @@ def value_problems(cfg: JobConfig) -> list[str]:
     return out
 
 
-def validate(cfg: JobConfig, world_size: int = 1) -> None:
-    """Per-key ranges and choices, then every cross-field rule: a ConfigError with all of a stage's problems."""
+def setting_problems(cfg: JobConfig) -> list[str]:
+    """Every problem of the settings themselves (per-key ranges and choices, then the keys that refuse a value on their
+    own), before any layout rule: one line each."""
     problems = value_problems(cfg)
     if problems:
-        raise ConfigError.of(problems)
+        return problems
     if cfg.validation.steps == 0:
-        raise ConfigError(
+        problems.append(
             "validation.steps: 0 batches validates nothing; use -1 (the whole held-out tail), a "
             "positive count, or validation.enable = false"
         )
     if cfg.lr_scheduler.total_steps is not None and cfg.lr_scheduler.total_steps < 1:
-        raise ConfigError(
+        problems.append(
             f"lr_scheduler.total_steps: {cfg.lr_scheduler.total_steps} must be >= 1 (or unset: training.steps)"
         )
-    problems = layout_violations(cfg, world_size, model_args_from_config(cfg))
+    return problems
+
+
+def validate(cfg: JobConfig, world_size: int = 1) -> None:
+    """The settings (:func:`setting_problems`), then every cross-field rule: a ConfigError with all of a stage's
+    problems."""
+    problems = setting_problems(cfg) or layout_violations(cfg, world_size, model_args_from_config(cfg))
     if problems:
         raise ConfigError.of(problems)
 

@@ -219,7 +219,11 @@ def test_each_rule_fires_and_train_py_exits_2_with_one_line(rule, case, monkeypa
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
-    assert err[0].removeprefix("error: ") in [m for _, m in fired]
+    messages = [m for _, m in fired]  # every problem of the input in the one line (numbered when several)
+    listed = "; ".join(f"({i}) {m}" for i, m in enumerate(messages, 1))
+    assert err[0].removeprefix("error: ") == (
+        messages[0] if len(messages) == 1 else f"{len(messages)} problems: {listed}"
+    )
     assert not dist.is_initialized()
 
 

@@ -34,9 +34,10 @@ def test_bad_config_exit_2():
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip() == "error: unknown config key 'training.stesp' (did you mean 'training.steps'?)"
     r = localize("--nproc", "4", *TINY, "--parallelism.tensor_parallel_degree", "3")
-    assert r.returncode == 2 and r.stderr.startswith("error: parallelism: world size 4 is not divisible by tp 3"), (
-        r.stderr
-    )
+    # every problem of the layout in the one line: the degrees, then what tp 3 cannot split
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("error: 4 problems: (1) parallelism: world size 4 is not divisible by tp 3"), r.stderr
+    assert "(2) parallelism.tensor_parallel_degree 3 does not divide n_heads 4" in r.stderr
     r = localize("--nproc", "2", "--steps", "0", "--module", "x.py", "--training.steps", "3")
     assert r.returncode == 2
     assert (

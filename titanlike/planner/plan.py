@@ -6,8 +6,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from titanlike.config import JobConfig, validate
-from titanlike.errors import ConfigError
+from titanlike.config import JobConfig, setting_problems
 from titanlike.layout import FLATTENED, MESH_DIMS, describe_split, layout_violations
 from titanlike.models import get_spec
 from titanlike.models.masking import cp_gathered_tokens
@@ -75,12 +74,7 @@ def make_plan(
     ``attention_fraction``: under ``block_causal`` the share of the causal attention the mask computes on the corpus
     (``titanlike.data.documents.document_stats``); ``expert_imbalance``: the busiest expert-parallel rank's load over
     the mean (>= 1; 1 is the balance the bias update steers to)."""
-    violations = layout_violations(cfg, world_size, args)
-    try:
-        validate(cfg, world_size)  # per-key ranges and choices come first there; keep any the layout rules lack
-    except ConfigError as e:
-        if str(e) not in violations:
-            violations.insert(0, str(e))
+    violations = setting_problems(cfg) + layout_violations(cfg, world_size, args)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, {world_size})")
     plan = Plan(cfg, args, hardware, world_size, violations, rank=rank)
