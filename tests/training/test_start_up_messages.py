@@ -73,8 +73,10 @@ def test_a_refusal_under_torchrun_is_our_line_once_and_the_root_cause_of_its_rep
     )
     seconds = time.monotonic() - t0
     line = (
-        "error: parallelism: world size 2 is not divisible by tp 3 x pp 1 x cp 1 x dp_replicate 1 = 3; change the "
-        "degrees or the number of processes"
+        "error: 3 problems: (1) parallelism: world size 2 is not divisible by tp 3 x pp 1 x cp 1 x dp_replicate 1 = 3; "
+        "change the degrees or the number of processes; (2) parallelism.tensor_parallel_degree 3 does not divide "
+        "n_heads 4; choose a tp degree dividing 4; (3) parallelism.tensor_parallel_degree 3 does not divide n_kv_heads "
+        "2; choose a tp degree dividing 2"
     )
     text = proc.stdout + proc.stderr
     assert proc.returncode == 1, text  # torchrun's own code for a failed worker
@@ -84,6 +86,45 @@ def test_a_refusal_under_torchrun_is_our_line_once_and_the_root_cause_of_its_rep
     assert re.search(r"exitcode\s*: 2 ", root) and f"traceback : {line}" in root, text
     assert "To enable traceback" not in root
     print(f"torchrun refusal: {len(text.splitlines())} lines, {seconds:.1f}s")
+
+
+def test_the_launcher_ends_with_our_line_and_the_worker_exit_code(tmp_path):
+    """python train.py --nproc_per_node N: a layout refusal before any worker starts, a refusal a worker finds (a
+    latin-1 data file) and a good run: our line only, exit 2 / 2 / 0 (torchrun itself: its report and exit 1)."""
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\xe9 au lait\n".encode("latin-1") * 200)
+    runs = {}
+    for name, extra in {
+        "layout": ["--parallelism.tensor_parallel_degree", "3"],
+        "data": ["--data.path", str(latin)],
+        "good": ["--training.steps", "2"],
+    }.items():
+        runs[name] = subprocess.run(
+            [
+                sys.executable,
+                "train.py",
+                "--nproc_per_node",
+                "2",
+                *TINY,
+                *extra,
+                "--job.dump_folder",
+                str(tmp_path / name),
+            ],
+            cwd=REPO,
+            env=worker_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    layout, data, good = runs["layout"], runs["data"], runs["good"]
+    assert layout.returncode == 2 and layout.stdout == "", layout.stderr
+    assert layout.stderr.splitlines() == [layout.stderr.strip()] and layout.stderr.startswith("error: 3 problems: (1)")
+    assert not (tmp_path / "layout").exists()  # nothing started
+    assert data.returncode == 2, data.stdout + data.stderr
+    assert data.stderr.strip().splitlines() == [data.stderr.strip()], data.stderr  # the worker's line, nothing else
+    assert data.stderr.startswith("error: data.path: 1 bad input:") and "is not UTF-8" in data.stderr
+    assert good.returncode == 0, good.stderr[-3000:]
+    assert "step     2" in good.stdout and "ChildFailedError" not in good.stdout + good.stderr
 
 
 def test_python_train_py_with_a_layout_of_several_ranks_suggests_torchrun(tmp_path, capsys):

@@ -1185,6 +1185,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     try:
+        from titanlike.training.launch import launch, split_launch_flag
+
+        nproc, argv = split_launch_flag(argv) if "TORCHELASTIC_RUN_ID" not in os.environ else (None, argv)
+        if nproc is not None:  # python train.py --nproc_per_node N: torchrun's agent, our checks and exit codes
+            return launch(nproc, argv, sys.argv[0])
         cfg = load_config(argv)
         trainer = Trainer(cfg)
     except ConfigError as e:
