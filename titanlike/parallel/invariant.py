@@ -17,6 +17,10 @@ A step's every sum that a layout could split runs here, in one fixed order that 
   all-to-all: the bytes of a ring reduce-scatter) and sums what it receives in a balanced tree in rank order; under
   HSDP the replicas' partial sums are all-gathered and summed the same way (dp index = replicate x shard degree +
   shard: HSDP 2x2 and FSDP 4 build the same tree).
+* **Pipeline stages** (every schedule, alone or x FSDP / HSDP): a stage's backward pass of a pipeline microbatch
+  (or, under the zero-bubble schedules, its separate weight-gradient pass) hands each of its parameters' gradients
+  to the parameter's own tree with the microbatch's index, before FSDP would reduce-scatter them; leaves that come
+  early wait for their turn, so the tree sees microbatch order whatever order the schedule runs.
 * **The clipping norm**: each parameter's rows are cut at the union over every ``dp`` dividing ``V`` of FSDP's chunk
   boundaries (canonical blocks: each lies inside one shard under every layout); each block's sum of squares is taken
   by the same kernel on the same contiguous float64 rows under every layout, the blocks are exchanged by one
@@ -244,8 +248,11 @@ class InvariantReduction:
     ``model_parts``: the model, or this rank's pipeline stages. ``microbatches`` is M (canonical microbatches per
     virtual rank), ``virtual`` V, ``canonical_size`` the sequences of a canonical microbatch (the local batch; under
     pipeline parallelism the pipeline microbatch). ``dp_group`` (None: one process) is the data-parallel group, its
-    ranks in dp-index order; ``pp_group`` the pipeline group (stages: each parameter's gradient of each pipeline
-    microbatch is taken by a post-accumulate-grad hook, the schedule's backward order being microbatch order).
+    ranks in dp-index order; ``pp_group`` the pipeline group and ``stages`` this rank's ``PipelineStage`` objects:
+    each stage's backward and weight-gradient passes hand over each parameter's gradient of each pipeline microbatch
+    (FSDP's unsharded gradient under pp x FSDP) with the microbatch's index, a leaf of that parameter's own tree in
+    microbatch order whatever order the schedule runs them in (:func:`_watch_stage`, :class:`InOrder`); the stages'
+    subtrees then go through the same dp reduction. A mutation may also swap ``stage_tree`` (the in-order buffer).
     Planted mutations in the tests swap ``cross_order`` (the ranks' subtrees in another order), ``local_tree`` (the
     accumulation of a rank's leaves) or ``norm_blocks`` (the clipping norm's blocks)."""
 
