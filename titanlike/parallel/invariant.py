@@ -168,8 +168,8 @@ def _watch_stage(reduction: InvariantReduction, stage, indices: list[int]) -> No
     have nothing to reduce. torch's schedules call ``backward_one_chunk`` (a full backward, or the input-gradient
     half of a split one: no weight gradients) and ``backward_weight_one_chunk`` (the weight-gradient half, by
     ``torch.autograd.grad``: no gradient hook fires) per microbatch, then ``perform_reduce_grad`` (FSDP's
-    reduce-scatter): the methods are wrapped on this stage object. Before each pass the stage's gradients are
-    cleared (the first step's metadata inference leaves some under torch 2.13)."""
+    reduce-scatter): the methods are wrapped on this stage object. In train_step, before each pass the stage's
+    gradients are cleared (the first step's metadata inference leaves some under torch 2.13)."""
     backward, weight = stage.backward_one_chunk, stage.backward_weight_one_chunk
 
     def backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
@@ -197,8 +197,10 @@ def _watch_stage(reduction: InvariantReduction, stage, indices: list[int]) -> No
 
 
 def _clear(reduction: InvariantReduction, indices: list[int]) -> None:
-    for i in indices:
-        reduction._take(i)
+    """In train_step only (a user's backward outside it accumulates in ``.grad`` as usual)."""
+    if reduction._trees is not None:
+        for i in indices:
+            reduction._take(i)
 
 
 def canonical_row_blocks(rows: int, virtual: int) -> list[int]:
