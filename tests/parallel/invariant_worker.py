@@ -2,10 +2,13 @@
 
 The debug-shaped Llama (tiny: dim 64, 2 layers, GQA), 5 AdamW steps with clipping acting every step, float32 and
 bfloat16 (autocast over float32 master weights), V = 8 virtual ranks of M = 2 canonical microbatches of one sequence:
-one process against FSDP 2 and pp 2 1F1B (2 ranks), FSDP 4 and HSDP 2x2 (4 ranks): every loss, every gradient norm
-and every weight after every step equal bit for bit (max |diff| exactly 0). Planted mutations must each break it: a
-rank's micro-batches accumulated linearly, the ranks' partial sums in another order (a ring reduce-scatter's
-rotation), the clipping norm summed per FSDP shard. The default reduction (layout_invariant off) is run beside
+one process against FSDP 2, pp 2 1F1B, pp 2 LoopedBFS (each stage's backwards in reverse microbatch order) and pp 2
+InterleavedZeroBubble (split backward) on 2 ranks, FSDP 4, HSDP 2x2 and pp 2 ZBVZeroBubble x FSDP 2 on 4 ranks: every
+loss, every gradient norm and every weight after every step equal bit for bit (max |diff| exactly 0). Planted
+mutations must each break it: a rank's micro-batches accumulated linearly (also per stage parameter, and FSDP's
+unsharded leaves under pp x FSDP), the ranks' partial sums in another order (a ring reduce-scatter's rotation), a
+stage's leaves in a rotated microbatch order, FSDP's own reduce-scatter left on under pp x FSDP, the clipping norm
+summed per FSDP shard. The default reduction (layout_invariant off) is run beside
 for the record.
 
     python tests/parallel/shared_launch.py --world-size 2 --run invariant=out.json

@@ -1,6 +1,6 @@
 """Layout-invariant training (tests/parallel/invariant_worker.py, in the shared launches of 2 and 4 ranks): one
-process, FSDP 2, FSDP 4 and HSDP 2x2 train bit for bit alike in float32 and bfloat16, and each planted mutation of the
-canonical tree breaks that."""
+process, FSDP 2, pp 2 (1F1B, LoopedBFS, InterleavedZeroBubble), FSDP 4, HSDP 2x2 and pp 2 ZBVZeroBubble x FSDP 2 train
+bit for bit alike in float32 and bfloat16, and each planted mutation of the canonical tree breaks that."""
 
 import invariant_worker
 import pytest
