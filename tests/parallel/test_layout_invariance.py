@@ -6,7 +6,7 @@ import invariant_worker
 import pytest
 import shared_launch
 
-from titanlike.parallel.invariant import CanonicalTree, canonical_row_blocks, tree_sum
+from titanlike.parallel.invariant import CanonicalTree, InOrder, canonical_row_blocks, tree_sum
 
 # mutation -> what must break (the norm summed per shard moves the norm by an ulp; its float32 clip coefficient may
 # round to the same value, so the weights can stay equal: the reported norm is part of the bitwise check)
@@ -102,6 +102,24 @@ def test_canonical_tree_shapes():
         t = CanonicalTree(2, add=add)
         t.push("a")
         t.result()
+
+
+def test_leaves_enter_the_tree_in_microbatch_order_whatever_their_arrival():
+    """A pipeline stage's leaves carry their microbatch index: out of order they wait, the tree sees index order."""
+    add = lambda a, b: f"({a}+{b})"  # noqa: E731
+    ordered = InOrder(CanonicalTree(2, add=add))
+    for i in (1, 3, 0, 2):
+        ordered.push(i, "abcd"[i])
+        assert ordered.held <= 3
+    assert ordered.result() == "((a+b)+(c+d))"
+    with pytest.raises(ValueError, match="came twice"):
+        ordered = InOrder(CanonicalTree(2, add=add))
+        ordered.push(0, "a")
+        ordered.push(0, "a")
+    with pytest.raises(ValueError, match="never came"):
+        ordered = InOrder(CanonicalTree(2, add=add))
+        ordered.push(1, "b")
+        ordered.result()
 
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 10, 64, 128, 176, 1000])
