@@ -254,9 +254,9 @@ class InvariantReduction:
     each stage's backward and weight-gradient passes hand over each parameter's gradient of each pipeline microbatch
     (FSDP's unsharded gradient under pp x FSDP) with the microbatch's index, a leaf of that parameter's own tree in
     microbatch order whatever order the schedule runs them in (:func:`_watch_stage`, :class:`InOrder`); the stages'
-    subtrees then go through the same dp reduction. A mutation may also swap ``stage_tree`` (the in-order buffer).
-    Planted mutations in the tests swap ``cross_order`` (the ranks' subtrees in another order), ``local_tree`` (the
-    accumulation of a rank's leaves) or ``norm_blocks`` (the clipping norm's blocks)."""
+    subtrees then go through the same dp reduction. Planted mutations in the tests swap ``cross_order`` (the ranks'
+    subtrees in another order), ``local_tree`` (the accumulation of a rank's leaves), ``stage_tree`` (a stage
+    parameter's in-order buffer) or ``norm_blocks`` (the clipping norm's blocks)."""
 
     def __init__(
         self,
