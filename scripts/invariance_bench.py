@@ -4,6 +4,7 @@
     python scripts/invariance_bench.py                          # fsdp 2 on 2 gloo ranks, debug model, float32
     python scripts/invariance_bench.py --world 1                # one process
     python scripts/invariance_bench.py --dtype bfloat16 --local-batch 4
+    python scripts/invariance_bench.py --world 4 --pp 2 --schedule ZBVZeroBubble --local-batch 1   # pp 2 x fsdp 2
     python scripts/invariance_bench.py --world 8 --device cuda --flavor 1B --seq-len 2048   # GPUs (gpu_check.sh)
 
 Each rank builds the model the trainer's way (``build_parallel_model``: meta device, sharded init) twice, once per
@@ -12,7 +13,9 @@ sequences (the canonical decomposition: V virtual ranks of M microbatches of the
 the same batch into the same micro-batches). The settings alternate step by step (A B A B ...) after one untimed
 step each, so that a shared machine's load falls on both alike; the slowest rank's median step time is reported,
 with the ratio. Printed too: the collectives' bytes per rank and step from the sizes (FSDP's per-micro-batch ring
-reduce-scatter against one all-to-all per step; bf16 all-gathers against float32 ones under invariance).
+reduce-scatter against one all-to-all per step; bf16 all-gathers against float32 ones under invariance; not printed
+under pipeline parallelism). With ``--pp`` each data-parallel rank runs its share of the batch as one schedule
+step of pipeline microbatches of ``--local-batch`` sequences (the canonical microbatch).
 On a shared CPU the absolute numbers are noise; the ratio is the measurement.
 """
 
@@ -43,8 +46,14 @@ def _config(a, invariant: bool):
     from titanlike.config import load_config
 
     args = ["--model.flavor", a.flavor, "--training.seq_len", str(a.seq_len), "--training.dtype", a.dtype]
-    args += ["--training.local_batch_size", str(a.local_batch)]
-    args += ["--training.global_batch_size", str(a.virtual * a.microbatches * a.local_batch)]
+    global_batch = a.virtual * a.microbatches * a.local_batch
+    if a.pp > 1:  # one schedule step per rank and step: its share of the batch, in pipeline microbatches
+        args += ["--parallelism.pipeline_parallel_degree", str(a.pp), "--parallelism.pipeline_parallel_schedule"]
+        args += [a.schedule, "--parallelism.pipeline_parallel_microbatch_size", str(a.local_batch)]
+        args += ["--training.local_batch_size", str(global_batch * a.pp // a.world)]
+    else:
+        args += ["--training.local_batch_size", str(a.local_batch)]
+    args += ["--training.global_batch_size", str(global_batch)]
     if invariant:
         args += ["--training.layout_invariant", "true", "--training.virtual_dp_degree", str(a.virtual)]
     return load_config(args, world_size=a.world)
@@ -73,14 +82,15 @@ def measure(a, rank: int) -> dict:
         built = build_parallel_model(model, cfg, dims, device, init_seed=0)
         runs[name] = (cfg, built, build_optimizer(built.model_parts, cfg))
         vocab = margs.vocab_size
-    dp = dims.dp if dims.built else 1
+    dp = dims.dp if dims.built and dims.dp_enabled else 1
     dp_rank = dims.get_mesh("dp").get_local_rank() if dims.built and dims.dp_enabled else 0
     group = loss_group(dims) if dims.built else None
     per_rank = a.virtual * a.microbatches * a.local_batch // dp
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (per_rank * dp, a.seq_len + 1), generator=g)
     mine = tokens[dp_rank * per_rank : (dp_rank + 1) * per_rank].to(device)
-    micro = list(zip(mine[:, :-1].split(a.local_batch), mine[:, 1:].split(a.local_batch)))
+    size = per_rank if a.pp > 1 else a.local_batch  # a train_step micro-batch: under pp one schedule step
+    micro = list(zip(mine[:, :-1].split(size), mine[:, 1:].split(size)))
     times: dict[str, list[float]] = {name: [] for name in runs}
     for step in range(a.steps + 1):
         for name, (cfg, built, opt) in runs.items():
@@ -96,6 +106,9 @@ def measure(a, rank: int) -> dict:
                 max_norm=cfg.training.max_norm,
                 clip_fn=built.clip_fn,
                 dp_group=group,
+                pp_schedule=built.pp_schedule,
+                pp_group=built.pp_group,
+                has_last_stage=built.has_last_stage,
                 forward_ctx=built.forward_context,
                 reduction=built.reduction,
             )
@@ -143,7 +156,9 @@ def _rank(rank: int, a, port: int, queue) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world", type=int, default=2, help="ranks, all FSDP (1: one process)")
+    ap.add_argument("--world", type=int, default=2, help="ranks: pp x FSDP (1: one process)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline degree (the other ranks FSDP)")
+    ap.add_argument("--schedule", default="1F1B", help="pipeline schedule under --pp")
     ap.add_argument("--flavor", default="debugmodel")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -180,17 +195,19 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
     for p in procs:
         p.join(timeout=120)
-    b = _bytes(a, out["params"], out["dp"])
+    b = _bytes(a, out["params"], out["dp"]) if a.pp == 1 else {"default": float("nan"), "invariant": float("nan")}
     tokens = a.virtual * a.microbatches * a.local_batch * a.seq_len
     print(
-        f"{a.flavor} ({out['params'] / 1e6:.2f}M parameters), {a.world} rank(s) on {a.device}, {a.dtype}, global batch "
+        f"{a.flavor} ({out['params'] / 1e6:.2f}M parameters{' in this stage' if a.pp > 1 else ''}), {a.world} "
+        f"rank(s) on {a.device}{f', pp {a.pp} {a.schedule}' if a.pp > 1 else ''}, {a.dtype}, global batch "
         f"V {a.virtual} x M {a.microbatches} x {a.local_batch} sequences of {a.seq_len} ({tokens} tokens)"
     )
     print("| setting | s/step | steps/s | tokens/s | collective MiB per rank and step |")
     print("| --- | --- | --- | --- | --- |")
     for name in ("default", "invariant"):
         s = out[name]
-        print(f"| {name} | {s:.3f} | {1 / s:.2f} | {tokens / s:,.0f} | {b[name] / 2**20:.2f} |")
+        mib = "-" if b[name] != b[name] else f"{b[name] / 2**20:.2f}"  # not counted under pp (nan)
+        print(f"| {name} | {s:.3f} | {1 / s:.2f} | {tokens / s:,.0f} | {mib} |")
     print(f"invariant / default step time: {out['invariant'] / out['default']:.2f}x")
     if a.json:
         Path(a.json).write_text(json.dumps({**out, "bytes": b}, indent=1))

@@ -113,7 +113,8 @@ class Training:
     seq_len: int = 256  # tokens per sequence
     seed: int = 42  # model initialisation and data order
     deterministic: bool = False  # deterministic kernels (repeated runs match bitwise; an op without one raises)
-    # the same bits under every data-parallel layout, float32 and bfloat16 (docs/layout_invariance.md): the batch cut
+    # the same bits under every data-parallel and pipeline layout (one process, FSDP, HSDP, pp with any schedule, pp x
+    # FSDP), float32 and bfloat16 (docs/layout_invariance.md): the batch cut
     # into virtual_dp_degree virtual ranks of canonical microbatches of local_batch_size, every sum in one fixed tree
     layout_invariant: bool = False
     # V of a layout-invariant run: a power of two, at least the largest data-parallel degree to run (each dp rank

@@ -163,12 +163,11 @@ CASES = {
 
 # further cases of a rule that guards several things
 MORE_CASES = [
-    # layout invariance: dp 4 does not divide V 2; V set without layout_invariant (read by nothing); Muon, pp
+    # layout invariance: dp 4 does not divide V 2; V set without layout_invariant (read by nothing); Muon, pp x tp
     ("invariant_virtual_dp", (4, [*INV, "--training.virtual_dp_degree", "2"])),
     ("invariant_virtual_dp", (1, ["--training.virtual_dp_degree", "16"])),
     ("invariant_layout", (1, [*INV, "--optimizer.name", "Muon"])),
-    ("invariant_layout", (4, [*INV, *PP2])),  # pp 2 x dp 2
-    ("invariant_layout", (2, [*INV, *ZB])),  # a split-backward schedule
+    ("invariant_layout", (4, [*INV, *PP2, "--parallelism.tensor_parallel_degree", "2"])),
     ("model_shape", (1, [*MOE, "--model.top_k", "9"])),  # the MoE block's own checks (8 experts)
     # MTP: the weight set for a model without depths (read by nothing), depths beyond the sequence
     ("mtp_layout", (1, ["--training.mtp_loss_weight", "0.5"])),
@@ -232,8 +231,12 @@ def test_a_good_configuration_breaks_no_rule():
     assert rule_violations(cfg, 1, model_args_from_config(cfg)) == []
 
 
-@pytest.mark.parametrize("world,extra", [(1, []), (2, []), (4, ["--parallelism.data_parallel_replicate_degree", "2"])])
+@pytest.mark.parametrize(
+    "world,extra",
+    [(1, []), (2, []), (4, ["--parallelism.data_parallel_replicate_degree", "2"]), (4, PP2), (4, ZB), (2, ZB)],
+)
 def test_a_layout_invariant_configuration_breaks_no_rule(world, extra):
-    """One process, FSDP 2 and HSDP 2x2 with the default V 8: global batch -1 is local batch x V on every layout."""
+    """One process, FSDP 2, HSDP 2x2, pp 2 x FSDP 2 (1F1B, ZBVZeroBubble) and pp 2 alone with a split-backward V
+    schedule, with the default V 8: global batch -1 is local batch x V on every layout."""
     cfg = parse_config([*TINY, *INV, *extra])
     assert rule_violations(cfg, world, model_args_from_config(cfg)) == []

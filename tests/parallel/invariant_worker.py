@@ -2,10 +2,13 @@
 
 The debug-shaped Llama (tiny: dim 64, 2 layers, GQA), 5 AdamW steps with clipping acting every step, float32 and
 bfloat16 (autocast over float32 master weights), V = 8 virtual ranks of M = 2 canonical microbatches of one sequence:
-one process against FSDP 2 and pp 2 1F1B (2 ranks), FSDP 4 and HSDP 2x2 (4 ranks): every loss, every gradient norm
-and every weight after every step equal bit for bit (max |diff| exactly 0). Planted mutations must each break it: a
-rank's micro-batches accumulated linearly, the ranks' partial sums in another order (a ring reduce-scatter's
-rotation), the clipping norm summed per FSDP shard. The default reduction (layout_invariant off) is run beside
+one process against FSDP 2, pp 2 1F1B, pp 2 LoopedBFS (each stage's backwards in reverse microbatch order) and pp 2
+InterleavedZeroBubble (split backward) on 2 ranks, FSDP 4, HSDP 2x2 and pp 2 ZBVZeroBubble x FSDP 2 on 4 ranks: every
+loss, every gradient norm and every weight after every step equal bit for bit (max |diff| exactly 0). Planted
+mutations must each break it: a rank's micro-batches accumulated linearly (also per stage parameter, and FSDP's
+unsharded leaves under pp x FSDP), the ranks' partial sums in another order (a ring reduce-scatter's rotation), a
+stage's leaves in a rotated microbatch order, FSDP's own reduce-scatter left on under pp x FSDP, the clipping norm
+summed per FSDP shard. The default reduction (layout_invariant off) is run beside
 for the record.
 
     python tests/parallel/shared_launch.py --world-size 2 --run invariant=out.json
@@ -24,10 +27,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanlike.config import load_config, model_args_from_config
+from titanlike.layout import schedule_facts
 from titanlike.loss import IGNORE_INDEX
 from titanlike.models import get_spec
 from titanlike.parallel import ParallelDims, build_parallel_model, loss_group
-from titanlike.parallel.invariant import CanonicalTree, tree_sum
+from titanlike.parallel.invariant import CanonicalTree, InOrder, tree_sum
 from titanlike.training.optim import build_optimizer
 from titanlike.training.step import train_step
 
@@ -56,8 +60,19 @@ BASE = (
     "--optimizer.lr",
     "0.01",
 )
-# name -> (world size, data-parallel replicate, shard, pipeline degree)
-LAYOUTS = {"fsdp2": (2, 1, 2, 1), "pp2_1f1b": (2, 1, 1, 2), "fsdp4": (4, 1, 4, 1), "hsdp2x2": (4, 2, 2, 1)}
+# name -> (world size, data-parallel replicate, shard, pipeline degree, pipeline schedule)
+LAYOUTS = {
+    "fsdp2": (2, 1, 2, 1, None),
+    "pp2_1f1b": (2, 1, 1, 2, "1F1B"),
+    "fsdp4": (4, 1, 4, 1, None),
+    "hsdp2x2": (4, 2, 2, 1, None),
+    "pp2_loopedbfs": (2, 1, 1, 2, "LoopedBFS"),  # each stage's backwards in reverse microbatch order
+    "pp2_izb": (2, 1, 1, 2, "InterleavedZeroBubble"),  # split backward: the weight gradients by autograd.grad
+    "pp2_zbv_fsdp2": (4, 1, 2, 2, "ZBVZeroBubble"),  # pp x FSDP, the V schedule with split backward
+}
+# the schedules whose stages run their backwards out of microbatch order: leaves that wait for their turn (LoopedBFS
+# runs each schedule step's in reverse: all but one of its pipeline microbatches)
+WAITING = {"LoopedBFS": 7}
 PP_LOCAL_BATCH = 8  # under pp: micro-batches of 8 sequences, each 8 pipeline microbatches of one (the canonical)
 DTYPES = ("float32", "bfloat16")
 
@@ -76,6 +91,40 @@ class _Linear:
 
     def result(self):
         return self.value
+
+
+class _Rotated:
+    """Mutation: a stage's pipeline-microbatch leaves summed in a rotated order (the last microbatch's first: what
+    pushing in arrival order gives under a schedule that runs one weight-gradient pass late). Pushing LoopedBFS's
+    leaves in its arrival order (each schedule step's in reverse) is no mutation: a balanced tree over a reversed
+    power-of-two block is its mirror image, and each addition is commutative: the same bits."""
+
+    def __init__(self, reduction):
+        self.reduction, self.ordered = reduction, InOrder(reduction.local_tree())
+
+    def push(self, index, leaf):
+        self.ordered.push((index + 1) % self.reduction.leaves, leaf)
+
+    def result(self):
+        return self.ordered.result()
+
+    @property
+    def pushed(self):
+        return self.ordered.pushed
+
+    @property
+    def held(self):
+        return self.ordered.held
+
+
+def _fsdp_reduces(reduction):
+    """Mutation: FSDP's own reduce-scatter left on under pp x FSDP: the stages' backward passes no longer hand their
+    gradients to the tree (autograd accumulates FSDP's unsharded gradients over the pipeline microbatches, FSDP
+    reduce-scatters them at the schedule's end)."""
+    for stage in reduction.stages:
+        for method in ("backward_one_chunk", "backward_weight_one_chunk", "perform_reduce_grad"):
+            vars(stage).pop(method, None)  # the reduction's wrappers off: torch's own methods
+    reduction.finish_gradients = lambda: setattr(reduction, "_trees", None)
 
 
 def _rotate(reduction):
@@ -104,15 +153,26 @@ MUTATIONS = {
     "linear_microbatches": ("fsdp2", lambda red: setattr(red, "local_tree", _Linear)),
     "linear_pipeline_microbatches": ("pp2_1f1b", lambda red: setattr(red, "local_tree", _Linear)),
     "rank_order_changed": ("fsdp4", lambda red: setattr(red, "cross_order", _rotate(red))),
+    "stage_leaves_rotated": ("pp2_loopedbfs", lambda red: setattr(red, "stage_tree", lambda: _Rotated(red))),
+    "linear_stage_microbatches_fsdp": ("pp2_zbv_fsdp2", lambda red: setattr(red, "local_tree", _Linear)),
+    "fsdp_reduce_scatter_on": ("pp2_zbv_fsdp2", _fsdp_reduces),
     "norm_per_shard": ("fsdp2", lambda red: setattr(red, "norm_blocks", _per_shard(red))),
 }
 
 
-def config(dtype: str, world: int, replicate: int, shard: int, pp: int = 1, invariant: bool = True):
+def config(dtype: str, world, replicate, shard, pp=1, schedule=None, invariant: bool = True):
     args = [*BASE, "--training.dtype", dtype]
     if pp > 1:
-        args += ["--parallelism.pipeline_parallel_degree", str(pp), "--parallelism.pipeline_parallel_schedule", "1F1B"]
-        args += ["--training.local_batch_size", str(PP_LOCAL_BATCH)]
+        args += [
+            "--parallelism.pipeline_parallel_degree",
+            str(pp),
+            "--parallelism.pipeline_parallel_schedule",
+            schedule,
+        ]
+        args += ["--training.local_batch_size", str(PP_LOCAL_BATCH // replicate // shard)]
+        if not schedule_facts(schedule).single_stage:  # 4 stages of 2 layers: the embedding and the head one each
+            args += ["--parallelism.pipeline_parallel_first_stage_less_layers", "1"]
+            args += ["--parallelism.pipeline_parallel_last_stage_less_layers", "1"]
     args += ["--parallelism.data_parallel_replicate_degree", str(replicate)]
     args += ["--parallelism.data_parallel_shard_degree", str(shard)]
     if invariant:
@@ -244,12 +304,12 @@ def rank_main(rank: int, world_size: int, out: str) -> None:
         t0 = time.perf_counter()
         refs[dtype], _ = train(config(dtype, 1, 1, 1), one, 0, 1)
         results.setdefault("reference_seconds", {})[dtype] = round(time.perf_counter() - t0, 2)
-    for name, (world, replicate, shard, pp) in LAYOUTS.items():
+    for name, (world, *layout) in LAYOUTS.items():
         if world != world_size:
             continue
         for dtype in DTYPES:
             t0 = time.perf_counter()
-            cfg = config(dtype, world, replicate, shard, pp)
+            cfg = config(dtype, world, *layout)
             dims = dims_for(cfg)
             dp_rank, dp = (dims.get_mesh("dp").get_local_rank(), dims.dp) if dims.dp_enabled else (0, 1)
             run, held = train(cfg, dims, dp_rank, dp)
@@ -261,15 +321,15 @@ def rank_main(rank: int, world_size: int, out: str) -> None:
                 print(f"[invariant ws={world_size}] {name} {dtype}: {r}", flush=True)
             # the default reduction on the same layout, for the record (float32): within rounding, not bitwise
             if dtype == "float32":
-                cfg = config(dtype, world, replicate, shard, pp, invariant=False)
+                cfg = config(dtype, world, *layout, invariant=False)
                 base_ref = refs.setdefault("default", train(config(dtype, 1, 1, 1, invariant=False), one, 0, 1)[0])
                 run, _ = train(cfg, dims_for(cfg), dp_rank, dp)
                 results["default"][name] = reduce_max(compare(run, base_ref))
     for mname, (layout, mutate) in MUTATIONS.items():
-        world, replicate, shard, pp = LAYOUTS[layout]
+        world, *parallel = LAYOUTS[layout]
         if world != world_size:
             continue
-        cfg = config("float32", world, replicate, shard, pp)
+        cfg = config("float32", world, *parallel)
         dims = dims_for(cfg)
         dp_rank, dp = (dims.get_mesh("dp").get_local_rank(), dims.dp) if dims.dp_enabled else (0, 1)
         run, _ = train(cfg, dims, dp_rank, dp, mutate=mutate)

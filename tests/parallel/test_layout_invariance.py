@@ -1,12 +1,12 @@
 """Layout-invariant training (tests/parallel/invariant_worker.py, in the shared launches of 2 and 4 ranks): one
-process, FSDP 2, FSDP 4 and HSDP 2x2 train bit for bit alike in float32 and bfloat16, and each planted mutation of the
-canonical tree breaks that."""
+process, FSDP 2, pp 2 (1F1B, LoopedBFS, InterleavedZeroBubble), FSDP 4, HSDP 2x2 and pp 2 ZBVZeroBubble x FSDP 2 train
+bit for bit alike in float32 and bfloat16, and each planted mutation of the canonical tree breaks that."""
 
 import invariant_worker
 import pytest
 import shared_launch
 
-from titanlike.parallel.invariant import CanonicalTree, canonical_row_blocks, tree_sum
+from titanlike.parallel.invariant import CanonicalTree, InOrder, canonical_row_blocks, tree_sum
 
 # mutation -> what must break (the norm summed per shard moves the norm by an ulp; its float32 clip coefficient may
 # round to the same value, so the weights can stay equal: the reported norm is part of the bitwise check)
@@ -15,6 +15,9 @@ EXPECTED_BREAK = {
     "linear_pipeline_microbatches": ("loss", "grad_norm", "weights"),
     "rank_order_changed": ("loss", "grad_norm", "weights"),
     "norm_per_shard": ("grad_norm",),
+    "stage_leaves_rotated": ("loss", "grad_norm", "weights"),
+    "linear_stage_microbatches_fsdp": ("loss", "grad_norm", "weights"),
+    "fsdp_reduce_scatter_on": ("loss", "grad_norm", "weights"),
 }
 
 
@@ -37,7 +40,7 @@ def test_every_layout_is_bitwise_one_process(invariant_results):
     world, results = invariant_results
     expected = {
         f"{name} {dtype}"
-        for name, (w, _, _, _) in invariant_worker.LAYOUTS.items()
+        for name, (w, *_) in invariant_worker.LAYOUTS.items()
         if w == world
         for dtype in invariant_worker.DTYPES
     }
@@ -51,12 +54,14 @@ def test_every_layout_is_bitwise_one_process(invariant_results):
 
 def test_the_accumulation_holds_log2_partial_sums(invariant_results):
     """A rank's V/dp x M leaves are summed pairwise: at most log2(leaves) + 1 partial gradient sums at once (one is
-    the leaf itself), never all of them."""
+    the leaf itself), never all of them; plus, under a schedule running a stage's backwards out of microbatch order,
+    the leaves waiting for their turn."""
     world, results = invariant_results
     for name, r in results["layouts"].items():
-        _, replicate, shard, pp = invariant_worker.LAYOUTS[name.split()[0]]
+        _, replicate, shard, _, schedule = invariant_worker.LAYOUTS[name.split()[0]]
         leaves = invariant_worker.V // (replicate * shard) * invariant_worker.M
-        assert r["held"] <= leaves.bit_length(), (name, r["held"], leaves)
+        waiting = invariant_worker.WAITING.get(schedule, 0)
+        assert r["held"] <= leaves.bit_length() + waiting, (name, r["held"], leaves)
 
 
 def test_mutations_break_the_bitwise_check(invariant_results):
@@ -97,6 +102,24 @@ def test_canonical_tree_shapes():
         t = CanonicalTree(2, add=add)
         t.push("a")
         t.result()
+
+
+def test_leaves_enter_the_tree_in_microbatch_order_whatever_their_arrival():
+    """A pipeline stage's leaves carry their microbatch index: out of order they wait, the tree sees index order."""
+    add = lambda a, b: f"({a}+{b})"  # noqa: E731
+    ordered = InOrder(CanonicalTree(2, add=add))
+    for i in (1, 3, 0, 2):
+        ordered.push(i, "abcd"[i])
+        assert ordered.held <= 3
+    assert ordered.result() == "((a+b)+(c+d))"
+    with pytest.raises(ValueError, match="came twice"):
+        ordered = InOrder(CanonicalTree(2, add=add))
+        ordered.push(0, "a")
+        ordered.push(0, "a")
+    with pytest.raises(ValueError, match="never came"):
+        ordered = InOrder(CanonicalTree(2, add=add))
+        ordered.push(1, "b")
+        ordered.result()
 
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 10, 64, 128, 176, 1000])

@@ -125,8 +125,8 @@ RULES = {
     "invariant_batch": "training.layout_invariant: the global batch cut into virtual_dp_degree x canonical "
     "microbatches of local_batch_size",
     "invariant_layout": "training.layout_invariant on the layouts and features shown invariant (one process, FSDP, "
-    "HSDP, pp alone with 1F1B / GPipe; no tp / cp / ep, pp x dp, experts, MTP, Muon, torchft, float8, compile, AC "
-    "or TE kernels yet)",
+    "HSDP, pp with every schedule, alone or x FSDP; no tp / cp / ep, embeddings tied across stages, experts, MTP, "
+    "Muon, torchft, float8, compile, AC or TE kernels yet)",
     "export_model": "checkpoint.export_safetensors on models with a Hugging Face adapter that can express them "
     "(ModelSpec.hf_adapter, hf_export_violations: Qwen3-MoE's expert bias)",
 }
@@ -245,10 +245,6 @@ def resolve_local_batch(cfg, world_size: int) -> None:
         t.local_batch_size = split.local_batch
 
 
-# the pipeline schedules whose backward runs each stage's microbatches in order (the gradient leaves' order)
-INVARIANT_SCHEDULES = ("1F1B", "GPipe")
-
-
 def _invariant_violations(cfg, spec, args, dp: int, split) -> list[tuple[str, str]]:
     """``training.layout_invariant``: V a power of two that dp divides, the batch in whole canonical microbatches, and
     only what is shown invariant (docs/layout_invariance.md); one line per problem, each naming what works."""
@@ -292,11 +288,6 @@ def _invariant_violations(cfg, spec, args, dp: int, split) -> list[tuple[str, st
     not_yet = [
         (p.tensor_parallel_degree > 1, "tensor parallelism"),
         (p.context_parallel_degree > 1, "context parallelism"),
-        (pp and dp > 1, "pipeline parallelism x data parallelism"),
-        (
-            pp and p.pipeline_parallel_schedule not in INVARIANT_SCHEDULES,
-            f"the pipeline schedule {p.pipeline_parallel_schedule}",
-        ),
         (pp and bool(getattr(args, "tie_embeddings", False)), "embeddings tied across pipeline stages"),
         (p.expert_parallel_degree > 1, "expert parallelism"),
         (spec.num_experts(args) > 0, f"a model with experts ({cfg.model.name}: load counts and the aux loss)"),
@@ -314,7 +305,7 @@ def _invariant_violations(cfg, spec, args, dp: int, split) -> list[tuple[str, st
             (
                 "invariant_layout",
                 f"training.layout_invariant: not invariant yet with {', '.join(named)}; it works on one process, "
-                f"FSDP, HSDP and pipeline parallelism alone with {' / '.join(INVARIANT_SCHEDULES)} (AdamW, clipping, "
+                f"FSDP, HSDP and pipeline parallelism (every schedule), alone or x FSDP (AdamW, clipping, "
                 f"float32 / bfloat16 / float64, models without experts or MTP): turn those off or "
                 f"training.layout_invariant off",
             )

@@ -102,7 +102,7 @@ def build_parallel_model(
                 num_experts=blocks[0].args.num_experts,
                 pp_group=pp.pp_group,
             )
-        reduction = invariant_reduction(pp.model_parts, cfg, dims, pp_group=pp.pp_group)
+        reduction = invariant_reduction(pp.model_parts, cfg, dims, pp=pp)
         if reduction is not None and pp.tied_sets:
             raise ValueError("layout_invariant: parameters tied across pipeline stages are not invariant yet")
         return ParallelModel(
@@ -139,10 +139,10 @@ def build_parallel_model(
     )
 
 
-def invariant_reduction(model_parts, cfg, dims: ParallelDims, pp_group=None) -> InvariantReduction | None:
+def invariant_reduction(model_parts, cfg, dims: ParallelDims, pp=None) -> InvariantReduction | None:
     """The canonical tree of a layout-invariant run (``training.layout_invariant``; None otherwise): V virtual ranks
-    of M canonical microbatches (``canonical_microbatch_size`` sequences), over the data-parallel group (and the
-    pipeline group's stages)."""
+    of M canonical microbatches (``canonical_microbatch_size`` sequences), over the data-parallel group (and, with
+    ``pp`` the :class:`PipelineParallel`, its stages, whose backward passes hand over each microbatch's gradients)."""
     t = cfg.training
     if not t.layout_invariant:
         return None
@@ -156,5 +156,6 @@ def invariant_reduction(model_parts, cfg, dims: ParallelDims, pp_group=None) -> 
         virtual=v,
         canonical_size=c,
         dp_group=dp_group,
-        pp_group=pp_group,
+        pp_group=None if pp is None else pp.pp_group,
+        stages=() if pp is None else pp.stages,
     )

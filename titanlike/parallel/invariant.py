@@ -17,6 +17,10 @@ A step's every sum that a layout could split runs here, in one fixed order that 
   all-to-all: the bytes of a ring reduce-scatter) and sums what it receives in a balanced tree in rank order; under
   HSDP the replicas' partial sums are all-gathered and summed the same way (dp index = replicate x shard degree +
   shard: HSDP 2x2 and FSDP 4 build the same tree).
+* **Pipeline stages** (every schedule, alone or x FSDP / HSDP): a stage's backward pass of a pipeline microbatch
+  (or, under the zero-bubble schedules, its separate weight-gradient pass) hands each of its parameters' gradients
+  to the parameter's own tree with the microbatch's index, before FSDP would reduce-scatter them; leaves that come
+  early wait for their turn, so the tree sees microbatch order whatever order the schedule runs.
 * **The clipping norm**: each parameter's rows are cut at the union over every ``dp`` dividing ``V`` of FSDP's chunk
   boundaries (canonical blocks: each lies inside one shard under every layout); each block's sum of squares is taken
   by the same kernel on the same contiguous float64 rows under every layout, the blocks are exchanged by one
@@ -127,6 +131,78 @@ class CanonicalTree:
         return self.inner.held + self.outer.held
 
 
+class InOrder:
+    """A tree's leaves pushed with their index (a pipeline stage's gradient of pipeline microbatch ``index``): each
+    goes into ``tree`` in index order, whatever order they arrive in; a leaf that comes early waits in a buffer
+    (the schedules run a stage's backward or weight-gradient passes in microbatch order: none waits; LoopedBFS runs
+    them in reverse: up to all of a schedule step's leaves wait)."""
+
+    def __init__(self, tree):
+        self.tree, self.next, self.waiting = tree, 0, {}
+
+    def push(self, index: int, leaf) -> None:
+        if index < self.next or index in self.waiting:
+            raise ValueError(f"layout_invariant: the gradient of pipeline microbatch {index} came twice")
+        self.waiting[index] = leaf
+        while self.next in self.waiting:
+            self.tree.push(self.waiting.pop(self.next))
+            self.next += 1
+
+    def result(self):
+        if self.waiting:
+            raise ValueError(f"layout_invariant: microbatch {self.next}'s gradient never came")
+        return self.tree.result()
+
+    @property
+    def pushed(self) -> int:
+        return self.tree.pushed + len(self.waiting)
+
+    @property
+    def held(self) -> int:
+        return self.tree.held + len(self.waiting)
+
+
+def _watch_stage(reduction: InvariantReduction, stage, indices: list[int]) -> None:
+    """A pipeline stage's backward passes report their parameters' gradients, with the pipeline microbatch's index,
+    to ``reduction`` (:meth:`InvariantReduction.stage_leaves`), and its end-of-step gradient reduction is checked to
+    have nothing to reduce. torch's schedules call ``backward_one_chunk`` (a full backward, or the input-gradient
+    half of a split one: no weight gradients) and ``backward_weight_one_chunk`` (the weight-gradient half, by
+    ``torch.autograd.grad``: no gradient hook fires) per microbatch, then ``perform_reduce_grad`` (FSDP's
+    reduce-scatter): the methods are wrapped on this stage object. In train_step, before each pass the stage's
+    gradients are cleared (the first step's metadata inference leaves some under torch 2.13)."""
+    backward, weight = stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+    def backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        _clear(reduction, indices)
+        backward(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        reduction.stage_leaves(indices, bwd_chunk_id)
+
+    def backward_weight_one_chunk(bwd_chunk_id, last_backward=False):
+        _clear(reduction, indices)
+        weight(bwd_chunk_id, last_backward=last_backward)
+        reduction.stage_leaves(indices, bwd_chunk_id)
+
+    stage.backward_one_chunk, stage.backward_weight_one_chunk = backward_one_chunk, backward_weight_one_chunk
+    if hasattr(stage, "perform_reduce_grad"):
+        reduce = stage.perform_reduce_grad
+
+        def perform_reduce_grad(grad_scale_factor):
+            if reduction._trees is not None:  # in train_step: FSDP must find no gradient to reduce-scatter
+                left = [reduction.names[id(reduction.params[i])] for i in indices if reduction._take(i) is not None]
+                if left:
+                    raise ValueError(f"layout_invariant: gradients left for FSDP to reduce: {left[:4]}")
+            reduce(grad_scale_factor)
+
+        stage.perform_reduce_grad = perform_reduce_grad
+
+
+def _clear(reduction: InvariantReduction, indices: list[int]) -> None:
+    """In train_step only (a user's backward outside it accumulates in ``.grad`` as usual)."""
+    if reduction._trees is not None:
+        for i in indices:
+            reduction._take(i)
+
+
 def canonical_row_blocks(rows: int, virtual: int) -> list[int]:
     """The row boundaries of a parameter's canonical blocks: the union, over every ``dp`` dividing ``virtual``, of
     FSDP's chunk boundaries (``torch.chunk``: chunks of ``ceil(rows / dp)`` rows), so that every block lies within one
@@ -174,10 +250,13 @@ class InvariantReduction:
     ``model_parts``: the model, or this rank's pipeline stages. ``microbatches`` is M (canonical microbatches per
     virtual rank), ``virtual`` V, ``canonical_size`` the sequences of a canonical microbatch (the local batch; under
     pipeline parallelism the pipeline microbatch). ``dp_group`` (None: one process) is the data-parallel group, its
-    ranks in dp-index order; ``pp_group`` the pipeline group (stages: each parameter's gradient of each pipeline
-    microbatch is taken by a post-accumulate-grad hook, the schedule's backward order being microbatch order).
-    Planted mutations in the tests swap ``cross_order`` (the ranks' subtrees in another order), ``local_tree`` (the
-    accumulation of a rank's leaves) or ``norm_blocks`` (the clipping norm's blocks)."""
+    ranks in dp-index order; ``pp_group`` the pipeline group and ``stages`` this rank's ``PipelineStage`` objects:
+    each stage's backward and weight-gradient passes hand over each parameter's gradient of each pipeline microbatch
+    (FSDP's unsharded gradient under pp x FSDP) with the microbatch's index, a leaf of that parameter's own tree in
+    microbatch order whatever order the schedule runs them in (:func:`_watch_stage`, :class:`InOrder`); the stages'
+    subtrees then go through the same dp reduction. Planted mutations in the tests swap ``cross_order`` (the ranks'
+    subtrees in another order), ``local_tree`` (the accumulation of a rank's leaves), ``stage_tree`` (a stage
+    parameter's in-order buffer) or ``norm_blocks`` (the clipping norm's blocks)."""
 
     def __init__(
         self,
@@ -188,6 +267,7 @@ class InvariantReduction:
         canonical_size: int,
         dp_group=None,
         pp_group=None,
+        stages: Sequence = (),
     ):
         parts = [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
         self.parts, self.m, self.virtual, self.dp_group = parts, microbatches, virtual, dp_group
@@ -201,22 +281,24 @@ class InvariantReduction:
             uncovered = [n for n, p in named if id(p) not in self.fsdp]
             if uncovered:
                 raise ValueError(f"layout_invariant: parameters outside FSDP under dp {self.dp}: {uncovered[:4]}")
-        if pp_group is not None and (self.fsdp or self.dp > 1):
-            raise ValueError("layout_invariant: pipeline stages under FSDP are not invariant yet")
         for part in parts:
             for m in part.modules():
                 if hasattr(m, "set_requires_gradient_sync"):
                     m.set_requires_gradient_sync(False, recurse=False)  # the gradients are reduced here
         self.params = [p for _, p in named]
         self.local_tree: Callable[[], object] = lambda: CanonicalTree(self.m)
+        self.stage_tree: Callable[[], object] = lambda: InOrder(self.local_tree())
         self.cross_order: Callable[[list], list] = lambda received: received
         self.norm_blocks: Callable[[int], list[int]] = lambda rows: canonical_row_blocks(rows, self.virtual)
         self.max_held = 0  # the most partial gradient sums held at once in a step (the accumulation's extra buffers)
         self._layout_norm(named)
         self._trees: list | None = None
+        self._offset, self._call, self._sizes = 0, 0, []
+        self.stages = list(stages)
         if pp_group is not None:
-            for i, p in enumerate(self.params):
-                p.register_post_accumulate_grad_hook(lambda p, i=i: self._hooked_leaf(i, p))
+            index = {id(p): i for i, p in enumerate(self.params)}
+            for stage in stages:
+                _watch_stage(self, stage, [index[id(p)] for p in stage.submod.parameters() if id(p) in index])
 
     def _layout_norm(self, named: list[tuple[str, Tensor]]) -> None:
         """The clipping norm's parameter order, by name (every stage's parameters under pipeline parallelism: the
@@ -245,6 +327,7 @@ class InvariantReduction:
     def tokens(self, micro_batches: Sequence[Sequence[Tensor]], ignore_index: int) -> Tensor:
         """The global batch's non-ignored label tokens (float64), summed in the canonical tree (one leaf per
         canonical microbatch: a pipeline micro-batch holds several)."""
+        self._sizes = [len(mb[1].split(self.canonical_size)) for mb in micro_batches]
         labels = [c for mb in micro_batches for c in mb[1].split(self.canonical_size)]
         self._check_leaves(len(labels))
         self.leaves = len(labels)
@@ -276,51 +359,58 @@ class InvariantReduction:
     def begin_step(self) -> None:
         self._tree = self.local_tree()
         self.max_held = 0
+        self._offset, self._call = 0, 0
         if self.pp_group is not None:
-            self._trees = [self.local_tree() for _ in self.params]
+            self._trees = [self.stage_tree() for _ in self.params]
 
-    def _hooked_leaf(self, i: int, p: Tensor) -> None:
-        """Pipeline stages: parameter ``i``'s gradient of one pipeline microbatch, a leaf of its own tree."""
+    def stage_leaves(self, indices: Sequence[int], chunk: int) -> None:
+        """Pipeline stages: after a stage's backward (or weight-gradient) pass of pipeline microbatch ``chunk`` of the
+        current schedule step, each of its parameters' gradients (unsharded under FSDP) is the leaf ``offset + chunk``
+        of that parameter's own tree, pushed in microbatch order whatever order the schedule ran it in."""
         if self._trees is None:
             return  # a backward outside train_step (a user's): left in .grad
-        self._trees[i].push(p.grad.detach())
-        p.grad = None
-        self.max_held = max(self.max_held, self._trees[i].held)
+        for i in indices:
+            g = self._take(i)
+            if g is not None:
+                self._trees[i].push(self._offset + chunk, g)
+                self.max_held = max(self.max_held, self._trees[i].held)
+
+    def _take(self, i: int) -> Tensor | None:
+        """Parameter ``i``'s gradient (unsharded under FSDP), taken out of autograd's buffers."""
+        p = self.params[i]
+        fp = self.fsdp.get(id(p))
+        if fp is None:
+            g, p.grad = p.grad, None
+        elif getattr(fp, "unsharded_accumulated_grad", None) is not None:
+            g, fp.unsharded_accumulated_grad = fp.unsharded_accumulated_grad, None
+        elif hasattr(fp, "_unsharded_param"):
+            u = fp.unsharded_param
+            g, u.grad = u.grad, None
+        else:
+            g = None  # not gathered yet: no gradient
+        return None if g is None else g.detach()
 
     def _take_leaf(self) -> list[Tensor | None]:
         """This micro-batch's gradient of every parameter (unsharded under FSDP), taken out of autograd's buffers."""
-        leaf = []
-        for p in self.params:
-            fp = self.fsdp.get(id(p))
-            if fp is None:
-                g, p.grad = p.grad, None
-            elif getattr(fp, "unsharded_accumulated_grad", None) is not None:
-                g, fp.unsharded_accumulated_grad = fp.unsharded_accumulated_grad, None
-            else:
-                u = fp.unsharded_param
-                g, u.grad = u.grad, None
-            leaf.append(None if g is None else g.detach())
-        return leaf
+        return [self._take(i) for i in range(len(self.params))]
 
     def microbatch_done(self) -> None:
-        """After each micro-batch's backward: its gradients become a leaf of the tree."""
+        """After each micro-batch's backward: its gradients become a leaf of the tree (under pipeline parallelism
+        the stages pushed each pipeline microbatch's already: the next schedule step's leaves come after them)."""
+        if self._trees is not None:
+            self._offset += self._sizes[self._call]
+            self._call += 1
+            return
         self._tree.push(self._take_leaf())
         self.max_held = max(self.max_held, self._tree.held)
 
     def finish_gradients(self) -> None:
         """This rank's subtree, then across the ranks: every parameter's ``.grad`` set (sharded like the parameter)."""
         if self._trees is not None:  # pipeline stages: one tree per parameter
-            trees, self._trees = self._trees, None
-            for p, tree in zip(self.params, trees):
-                if tree.pushed != self.leaves:
-                    raise ValueError(
-                        f"layout_invariant: {self.names[id(p)]} got {tree.pushed} gradients of the {self.leaves} "
-                        f"canonical microbatches (a parameter without a gradient in some microbatch)"
-                    )
-                p.grad = tree.result()
-            return
-        local = self._tree.result()
-        self._tree = None
+            local = self._stage_results()
+        else:
+            local = self._tree.result()
+            self._tree = None
         if not self.fsdp:
             for p, g in zip(self.params, local):
                 p.grad = g
@@ -330,6 +420,18 @@ class InvariantReduction:
             by_mesh.setdefault((p.device_mesh, tuple(p.placements)), []).append(i)
         for indices in by_mesh.values():
             self._reduce(indices, local)
+
+    def _stage_results(self) -> list[Tensor]:
+        trees, self._trees = self._trees, None
+        local = []
+        for p, tree in zip(self.params, trees):
+            if tree.pushed != self.leaves:
+                raise ValueError(
+                    f"layout_invariant: {self.names[id(p)]} got {tree.pushed} gradients of the {self.leaves} "
+                    f"canonical microbatches (a parameter without a gradient in some microbatch)"
+                )
+            local.append(tree.result())
+        return local
 
     def _reduce(self, indices: list[int], local: list[Tensor | None]) -> None:
         """The fixed-order reduce-scatter of one mesh's parameters: one all-to-all over the shard group, the received

@@ -126,8 +126,9 @@ def _invariant_forward_backward(
     model_parts, micro_batches, loss: ScaledLoss, forward_ctx, reduction, pp_schedule=None, has_last_stage=True
 ):
     """``forward_backward`` of a layout-invariant run: the token count, each canonical microbatch's gradients (a
-    leaf of the tree, taken after its backward; under a pipeline schedule each pipeline microbatch's, by the
-    reduction's gradient hooks) and the loss summed by ``reduction`` (``titanlike.parallel.invariant``)."""
+    leaf of the tree, taken after its backward; under a pipeline schedule each pipeline microbatch's, taken by the
+    stages' backward passes with its microbatch index) and the loss summed by ``reduction``
+    (``titanlike.parallel.invariant``)."""
     tokens = reduction.tokens(micro_batches, IGNORE_INDEX)
     loss.denominator = tokens
     reduction.begin_step()
@@ -137,12 +138,12 @@ def _invariant_forward_backward(
             losses: list[torch.Tensor] = []
             pp_schedule.step(mb[0], target=mb[1] if has_last_stage else None, losses=losses, **model_kwargs(mb))
             leaves += [x.detach() for x in losses] if has_last_stage else []
-            continue
-        with forward_ctx():
-            out = loss(model_parts[0](mb[0], **model_kwargs(mb)), mb[1])
-        out.backward()
+        else:
+            with forward_ctx():
+                out = loss(model_parts[0](mb[0], **model_kwargs(mb)), mb[1])
+            out.backward()
+            leaves.append(out.detach())
         reduction.microbatch_done()
-        leaves.append(out.detach())
     reduction.finish_gradients()
     return reduction.loss(leaves), tokens
 

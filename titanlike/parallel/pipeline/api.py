@@ -63,7 +63,7 @@ def apply_pp(model: nn.Module, dims, cfg, device: torch.device, *, init_seed: in
     p = cfg.parallelism
     on_meta = next(model.parameters()).is_meta
     tp_mesh = dims.get_mesh("tp") if dims.tp_enabled else None
-    autocast = precision_policy(cfg.training.dtype, dims) == "autocast"
+    autocast = precision_policy(cfg.training.dtype, dims, cfg.training.layout_invariant) == "autocast"
 
     def parallelize_stage(stage: nn.Module, is_first: bool, is_last: bool) -> nn.Module:
         if tp_mesh is not None and not is_first:
