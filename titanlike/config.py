@@ -131,6 +131,10 @@ class Training:
     # norms, tied copies across pipeline stages, torchft replica groups) compare a fingerprint of it; a mismatch
     # names the rank, the tensor and the step and stops the run unsaved (docs/fault_tolerance.md). 0: off
     sdc_check_interval: int = 0
+    # FSDP2's CPUOffloadPolicy: the sharded parameters, their gradients and the optimizer state live in host memory,
+    # the optimizer steps on the CPU, each group's parameters are copied to the device for its all-gather (needs
+    # FSDP / HSDP: data_parallel_shard_degree or data_parallel_replicate_degree > 1)
+    enable_cpu_offload: bool = False
 
 
 @dataclass
@@ -280,6 +284,9 @@ class Validation:
 class ActivationCheckpoint:
     mode: Literal["none", "full", "selective"] = "none"  # none | full | selective
     selective_ac_option: str = "op"  # "op" (save matmul/attention outputs) or an integer N (every N-th block)
+    # the tensors the blocks AC leaves alone save for the backward are copied to host memory in the forward and back
+    # to the device in the backward (torch's save_on_cpu, per block); not with tensor parallelism
+    offload: bool = False
 
 
 @dataclass

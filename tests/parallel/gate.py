@@ -202,6 +202,9 @@ def _ep(n, *more):
 
 
 SP = ("--parallelism.enable_sequence_parallel", "true")
+CPU_OFFLOAD = ("--training.enable_cpu_offload", "true")
+ACT_OFFLOAD = ("--activation_checkpoint.offload", "true")
+AC_EVERY_2 = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2")
 NO_LP = ("--parallelism.disable_loss_parallel", "true")
 
 
@@ -232,6 +235,17 @@ LAYOUTS = [
     Layout("fsdp2_tied", 2, _dp(1, 2, 4), model="tied"),
     Layout("fsdp2_reshard_never", 2, ("--parallelism.fsdp_reshard_after_forward", "never", *_dp(1, 2, 4))),
     Layout("ddp2", 2, _dp(2, 1, 4)),
+    Layout("fsdp2_cpu_offload", 2, (*CPU_OFFLOAD, *_dp(1, 2, 4))),
+    Layout("ddp2_cpu_offload_accum2", 2, (*CPU_OFFLOAD, *_dp(2, 1, 2))),
+    Layout("fsdp2_act_offload", 2, (*ACT_OFFLOAD, *_dp(1, 2, 4))),
+    Layout("fsdp2_act_offload_ac_every2", 2, (*ACT_OFFLOAD, *AC_EVERY_2, *_dp(1, 2, 2))),
+    Layout(
+        "MUT fsdp2 offload stale device copy",
+        2,
+        (*CPU_OFFLOAD, *_dp(1, 2, 4)),
+        mutation="cpu_offload_stale_device_copy",
+    ),
+    Layout("MUT fsdp2 act offload stale tensor", 2, (*ACT_OFFLOAD, *_dp(1, 2, 4)), mutation="act_offload_stale"),
     Layout("tp2_sp_ac_selective_op", 2, _tp(2, *SP, "--activation_checkpoint.mode", "selective", *_dp(1, 1, 8))),
     Layout("MUT tp2 no f backward all-reduce", 2, _tp(2, *_dp(1, 1, 8)), mutation="tp_no_backward_reduce"),
     Layout("MUT tp2_sp no f backward reduce-scatter", 2, _tp(2, *SP, *_dp(1, 1, 8)), mutation="tp_no_backward_reduce"),
@@ -758,6 +772,42 @@ def _fsdp_average():
     import titanlike.parallel.fsdp as fsdp
 
     with patched(fsdp, "_sum_gradients", lambda module: None):
+        yield
+
+
+@contextlib.contextmanager
+def _act_offload_stale():
+    """The activation offload hands the backward a stale host copy: the first tensor packed with the same shape and
+    dtype (an earlier block's, or an earlier step's) instead of this one; the forward is untouched."""
+    import titanlike.parallel.activation_offload as ao
+
+    first: dict = {}
+
+    def stale(packed):
+        device, host = packed
+        return first.setdefault((tuple(host.shape), host.dtype), host).to(device)
+
+    with patched(ao, "_unpack", stale):
+        yield
+
+
+@contextlib.contextmanager
+def _cpu_offload_stale_device_copy():
+    """FSDP's CPU offload all-gathers a stale copy of the host shards: the updated shards are not moved to the
+    device again after the optimizer step (each group's first all-gather input is kept), so step 1 is right and
+    step 2 computes with the initial weights."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    prop = FSDPParam.all_gather_inputs
+    kept: dict = {}
+
+    def stale(self):
+        inputs = prop.fget(self)
+        if not self.offload_to_cpu:
+            return inputs
+        return kept.setdefault(id(self), [t.clone() for t in inputs])
+
+    with patched(FSDPParam, "all_gather_inputs", property(stale)):
         yield
 
 
@@ -1465,6 +1515,8 @@ MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "init_ignores_shards": _init_ignores_shards,
     "init_strided_as_shard": _init_strided_as_shard,
     "fused_plain_colwise": _fused_plain_colwise,
+    "act_offload_stale": _act_offload_stale,
+    "cpu_offload_stale_device_copy": _cpu_offload_stale_device_copy,
     "eval_keeps_unsharded": _eval_keeps_unsharded,
     "cp_kv_grad_not_reduced": _cp_kv_grad_not_reduced,
     "cp_chunks_wrong_order": _cp_chunks_wrong_order,

@@ -18,6 +18,9 @@ EXPECTED_BREAK = {
     "loss_mean_per_rank": ("loss_step1", True),
     "fsdp_average": ("grad_norm", False),
     "fused_plain_colwise": ("loss_step1", True),
+    # offload: a stale saved tensor breaks only the backward; a stale device copy of the host shards, step 2 on
+    "act_offload_stale": ("grads", False),
+    "cpu_offload_stale_device_copy": ("eval", False),
     "eval_keeps_unsharded": ("grad_norm", False),
     "cp_kv_grad_not_reduced": ("grads", False),
     "cp_chunks_wrong_order": ("loss_step1", True),

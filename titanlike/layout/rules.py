@@ -127,6 +127,9 @@ RULES = {
     "invariant_layout": "training.layout_invariant on the layouts and features shown invariant (one process, FSDP, "
     "HSDP, pp alone with 1F1B / GPipe; no tp / cp / ep, pp x dp, experts, MTP, Muon, torchft, float8, compile, AC "
     "or TE kernels yet)",
+    "cpu_offload": "training.enable_cpu_offload on a layout FSDP wraps (dp_shard x cp or dp_replicate > 1), without "
+    "pipeline parallelism, experts, float8 or layout_invariant",
+    "act_offload": "activation_checkpoint.offload without tensor parallelism (its saved tensors are DTensors)",
     "export_model": "checkpoint.export_safetensors on models with a Hugging Face adapter that can express them "
     "(ModelSpec.hf_adapter, hf_export_violations: Qwen3-MoE's expert bias)",
 }
@@ -191,6 +194,8 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
         )
     out += [("mtp_layout", m) for m in _mtp_violations(cfg, args)]
     out += [("sdc", m) for m in sdc_violations(cfg, args)]
+    if not problems:
+        out += _offload_violations(cfg, spec, args, p.data_parallel_replicate_degree * dps * cp, tp, pp)
     dp = p.data_parallel_replicate_degree * dps
     if tp > 1:
         out += _tensor_parallel_violations(cfg, args, tp)
@@ -414,6 +419,39 @@ def _tensor_parallel_violations(cfg, args, tp: int) -> list[tuple[str, str]]:
             "te_tp",
             f"model.kernels=te does not combine with tensor_parallel_degree {tp} (TE modules are not "
             f"nn.Linear, so the TP plan cannot shard them); use model.kernels=torch or tp 1",
+        )
+    return out
+
+
+def _offload_violations(cfg, spec, args, fsdp_ranks: int, tp: int, pp: int) -> list[tuple[str, str]]:
+    """CPU offload (FSDP2's CPUOffloadPolicy) and activation offload: where they are wired and checked."""
+    out = []
+    if cfg.training.enable_cpu_offload:
+        fix = "turn training.enable_cpu_offload off"
+        if fsdp_ranks < 2:
+            out.append(
+                (
+                    "cpu_offload",
+                    f"training.enable_cpu_offload offloads FSDP's shards, and this layout has no "
+                    f"FSDP (data-parallel degree 1); raise data_parallel_shard_degree or {fix}",
+                )
+            )
+        elif pp > 1 or spec.num_experts(args) or cfg.float8.recipe or cfg.training.layout_invariant:
+            what = (
+                "pipeline parallelism"
+                if pp > 1
+                else "a model with experts"
+                if spec.num_experts(args)
+                else ("float8" if cfg.float8.recipe else "training.layout_invariant")
+            )
+            out.append(("cpu_offload", f"training.enable_cpu_offload is not wired with {what} yet; {fix}"))
+    if cfg.activation_checkpoint.offload and tp > 1:
+        out.append(
+            (
+                "act_offload",
+                "activation_checkpoint.offload does not offload the DTensors tensor parallelism "
+                "saves; set tensor_parallel_degree 1 or turn activation_checkpoint.offload off",
+            )
         )
     return out
 
