@@ -180,6 +180,9 @@ class Parallelism:
     data_parallel_replicate_degree: int = 1  # model copies (HSDP replicas); gradients all-reduced between them
     data_parallel_shard_degree: int = -1  # -1: whatever is left of the world size
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"  # default | always | never
+    # ZeRO-1 (Megatron's --use-distributed-optimizer): parameters and gradients replicated over the
+    # data_parallel_replicate_degree ranks (shard degree 1), AdamW's moments sharded over them
+    distributed_optimizer: bool = False
     tensor_parallel_degree: int = 1  # ranks splitting every matmul (innermost, keep within a node)
     enable_sequence_parallel: bool = False  # shard norms and residuals over the sequence under TP
     disable_loss_parallel: bool = False  # gather the logits instead of the vocab-parallel cross entropy

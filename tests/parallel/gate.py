@@ -202,6 +202,7 @@ def _ep(n, *more):
 
 
 SP = ("--parallelism.enable_sequence_parallel", "true")
+ZERO1 = ("--parallelism.distributed_optimizer", "true")
 CPU_OFFLOAD = ("--training.enable_cpu_offload", "true")
 ACT_OFFLOAD = ("--activation_checkpoint.offload", "true")
 AC_EVERY_2 = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2")
@@ -235,6 +236,9 @@ LAYOUTS = [
     Layout("fsdp2_tied", 2, _dp(1, 2, 4), model="tied"),
     Layout("fsdp2_reshard_never", 2, ("--parallelism.fsdp_reshard_after_forward", "never", *_dp(1, 2, 4))),
     Layout("ddp2", 2, _dp(2, 1, 4)),
+    Layout("ddp2_zero1", 2, (*ZERO1, *_dp(2, 1, 4))),
+    Layout("ddp2_zero1_accum2", 2, (*ZERO1, *_dp(2, 1, 2))),
+    Layout("MUT ddp2_zero1 shards not all-gathered", 2, (*ZERO1, *_dp(2, 1, 4)), mutation="zero1_not_all_gathered"),
     Layout("fsdp2_cpu_offload", 2, (*CPU_OFFLOAD, *_dp(1, 2, 4))),
     Layout("ddp2_cpu_offload_accum2", 2, (*CPU_OFFLOAD, *_dp(2, 1, 2))),
     Layout("fsdp2_act_offload", 2, (*ACT_OFFLOAD, *_dp(1, 2, 4))),
@@ -809,6 +813,46 @@ def _cpu_offload_stale_device_copy():
 
     with patched(FSDPParam, "all_gather_inputs", property(stale)):
         yield
+
+
+@contextlib.contextmanager
+def _zero1_not_all_gathered():
+    """ZeRO-1 without the all-gather after the step: each rank keeps the update of its own rows of every parameter
+    (the rows whose moments it holds) and the old values of the others."""
+    import titanlike.parallel.zero as zero
+
+    original = zero.shard_optimizer_state
+
+    def local_rows_only(optimizer, mesh_dim=0):
+        original(optimizer, mesh_dim)
+        step = optimizer.step
+
+        def stepped(*args, **kwargs):
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.ndim]
+            before = [p.to_local().clone() for p in params]
+            out = step(*args, **kwargs)
+            with torch.no_grad():
+                for p, old in zip(params, before):
+                    mine = optimizer.state[p]["exp_avg"]
+                    rows = mine.to_local().shape[0]
+                    keep = torch.ones(p.shape[0], dtype=torch.bool)
+                    offset = _row_offset(mine, mesh_dim)
+                    keep[offset : offset + rows] = False
+                    p.to_local()[keep] = old[keep]
+            return out
+
+        optimizer.step = stepped
+        return optimizer
+
+    with patched(zero, "shard_optimizer_state", local_rows_only):
+        yield
+
+
+def _row_offset(sharded, mesh_dim: int) -> int:
+    """The first row of this rank's slice of a DTensor sharded on dim 0 over ``mesh_dim`` (torch.chunk's cut)."""
+    n, world = sharded.shape[0], sharded.device_mesh.size(mesh_dim)
+    per = -(-n // world)
+    return min(per * sharded.device_mesh.get_local_rank(mesh_dim), n)
 
 
 @contextlib.contextmanager
@@ -1516,6 +1560,7 @@ MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "init_strided_as_shard": _init_strided_as_shard,
     "fused_plain_colwise": _fused_plain_colwise,
     "act_offload_stale": _act_offload_stale,
+    "zero1_not_all_gathered": _zero1_not_all_gathered,
     "cpu_offload_stale_device_copy": _cpu_offload_stale_device_copy,
     "eval_keeps_unsharded": _eval_keeps_unsharded,
     "cp_kv_grad_not_reduced": _cp_kv_grad_not_reduced,
@@ -1654,7 +1699,9 @@ class Context:
         model = CUSTOM_MODELS[layout.model]() if layout.model in CUSTOM_MODELS else build_model(cfg)
         if layout.model not in self.references:
             ref = copy.deepcopy(model)
-            opt = build_optimizer([ref], cfg)
+            # one device: the same optimizer, its state unsharded (parallelism.distributed_optimizer is a layout)
+            one = dataclasses.replace(cfg.parallelism, distributed_optimizer=False)
+            opt = build_optimizer([ref], dataclasses.replace(cfg, parallelism=one))
             records = []
             moe = moe_balancing(ref)
             for step in range(1, STEPS + 1):
@@ -1908,6 +1955,7 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
         "mutation": layout.mutation,
         "model": layout.model,
         "muon_stats": muon_stats if stats is not None else None,
+        "zero1": _zero1_report(built.optimizer, muon_comms),
         "expert_comms": expert_comms,
         "expert_mesh": _expert_mesh(built),
         **diffs,
@@ -1989,11 +2037,27 @@ def _counting_expert_comms(built: Built, counts: dict[str, int], on: bool) -> co
     return counting()
 
 
+def _zero1(optimizer) -> bool:
+    """An AdamW whose moments are sharded DTensors (parallelism.distributed_optimizer)."""
+    moments = [s.get("exp_avg") for s in optimizer.state.values()]
+    return any(isinstance(m, DTensor) and any(isinstance(pl, Shard) for pl in m.placements) for m in moments)
+
+
+def _zero1_report(optimizer, comms: dict[str, int]) -> dict | None:
+    """ZeRO-1: the fraction of the moments' elements this rank holds, the parameters, the last step's collectives."""
+    if not _zero1(optimizer):
+        return None
+    moments = [m for s in optimizer.state.values() for k, m in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    held = sum(m.to_local().numel() for m in moments) / sum(m.numel() for m in moments)
+    params = sum(1 for g in optimizer.param_groups for p in g["params"] if p.ndim)
+    return {"held": held, "params": params, "comms": dict(comms)}
+
+
 def _count_optimizer_comms(optimizer) -> dict[str, int]:
-    """For Muon (an optimizer with ``stats``): every collective of each ``step`` call, counted by CommDebugMode
-    (the dict is refilled at each step, so after training it holds the last step's)."""
+    """For Muon (an optimizer with ``stats``) and ZeRO-1: every collective of each ``step`` call, counted by
+    CommDebugMode (the dict is refilled at each step, so after training it holds the last step's)."""
     counts: dict[str, int] = {}
-    if getattr(optimizer, "stats", None) is None:
+    if getattr(optimizer, "stats", None) is None and not _zero1(optimizer):
         return counts
     from torch.distributed.tensor.debug import CommDebugMode
 
