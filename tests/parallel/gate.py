@@ -1699,9 +1699,7 @@ class Context:
         model = CUSTOM_MODELS[layout.model]() if layout.model in CUSTOM_MODELS else build_model(cfg)
         if layout.model not in self.references:
             ref = copy.deepcopy(model)
-            # one device: the same optimizer, its state unsharded (parallelism.distributed_optimizer is a layout)
-            one = dataclasses.replace(cfg.parallelism, distributed_optimizer=False)
-            opt = build_optimizer([ref], dataclasses.replace(cfg, parallelism=one))
+            opt = build_optimizer([ref], cfg)
             records = []
             moe = moe_balancing(ref)
             for step in range(1, STEPS + 1):

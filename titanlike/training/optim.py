@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titanlike.config import JobConfig
 
@@ -31,7 +32,9 @@ def build_optimizer(
     o = cfg.optimizer
     params = list({id(p): p for m in model_parts for p in m.parameters() if p.requires_grad}.values())
     impl = o.implementation
-    zero1 = cfg.parallelism.distributed_optimizer
+    # ZeRO-1 shards the moments of a layout's DTensor parameters; the one-device copy of such a layout (the gate's and
+    # titanlike.localize's reference) runs the same AdamW unsharded
+    zero1 = cfg.parallelism.distributed_optimizer and any(isinstance(p, DTensor) for p in params)
     if impl == "auto":  # (the distributed optimizer's sharded moments go through DTensor's foreach ops)
         impl = "fused" if params and params[0].device.type == "cuda" and not zero1 else "foreach"
     kwargs = {"fused": impl == "fused", "foreach": impl == "foreach"} if impl != "for-loop" else {"foreach": False}
