@@ -1898,7 +1898,8 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
         for part in built.model_parts:
             for name, p in part.named_parameters():
                 diffs["init"] = max(diffs["init"], _diff(p, start[name]))
-        muon_comms = _count_optimizer_comms(built.optimizer)  # Muon: what its last step sent (CommDebugMode)
+        zero1 = cfg.parallelism.distributed_optimizer
+        muon_comms = _count_optimizer_comms(built.optimizer, zero1)  # Muon: what its last step sent (CommDebugMode)
         expert_comms: dict[str, int] = {}
         for step in range(1, STEPS + 1):
             ref = records[step - 1]
@@ -1953,7 +1954,7 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
         "mutation": layout.mutation,
         "model": layout.model,
         "muon_stats": muon_stats if stats is not None else None,
-        "zero1": _zero1_report(built.optimizer, muon_comms),
+        "zero1": _zero1_report(built.optimizer, muon_comms, zero1),
         "expert_comms": expert_comms,
         "expert_mesh": _expert_mesh(built),
         **diffs,
@@ -2035,15 +2036,9 @@ def _counting_expert_comms(built: Built, counts: dict[str, int], on: bool) -> co
     return counting()
 
 
-def _zero1(optimizer) -> bool:
-    """An AdamW whose moments are sharded DTensors (parallelism.distributed_optimizer)."""
-    moments = [s.get("exp_avg") for s in optimizer.state.values()]
-    return any(isinstance(m, DTensor) and any(isinstance(pl, Shard) for pl in m.placements) for m in moments)
-
-
-def _zero1_report(optimizer, comms: dict[str, int]) -> dict | None:
+def _zero1_report(optimizer, comms: dict[str, int], zero1: bool) -> dict | None:
     """ZeRO-1: the fraction of the moments' elements this rank holds, the parameters, the last step's collectives."""
-    if not _zero1(optimizer):
+    if not zero1:
         return None
     moments = [m for s in optimizer.state.values() for k, m in s.items() if k in ("exp_avg", "exp_avg_sq")]
     held = sum(m.to_local().numel() for m in moments) / sum(m.numel() for m in moments)
@@ -2051,11 +2046,11 @@ def _zero1_report(optimizer, comms: dict[str, int]) -> dict | None:
     return {"held": held, "params": params, "comms": dict(comms)}
 
 
-def _count_optimizer_comms(optimizer) -> dict[str, int]:
+def _count_optimizer_comms(optimizer, zero1: bool = False) -> dict[str, int]:
     """For Muon (an optimizer with ``stats``) and ZeRO-1: every collective of each ``step`` call, counted by
     CommDebugMode (the dict is refilled at each step, so after training it holds the last step's)."""
     counts: dict[str, int] = {}
-    if getattr(optimizer, "stats", None) is None and not _zero1(optimizer):
+    if getattr(optimizer, "stats", None) is None and not zero1:
         return counts
     from torch.distributed.tensor.debug import CommDebugMode
 
