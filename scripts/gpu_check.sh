@@ -35,6 +35,12 @@
 #   linear_bench     scripts/linear_attention_bench.py: Gated DeltaNet fwd+bwd, chunked vs recurrent (vs the
 #                    flash-linear-attention kernel when installed), Qwen3-Next's cp bytes per layer kind, the scan on 2
 #                    gloo ranks ($OUT/linear_bench/linear.json; "linear" in summary.json)
+#   memory_modes     scripts/memory_modes.py: peak memory per rank of fsdp2 / ddp2 / ZeRO-1 / fsdp2 + CPU offload / fsdp2
+#                    + activation offload on 2 gloo ranks (the host's CPU on every machine: one GPU holds no two NCCL
+#                    ranks), beside the planner's device / host figures ($OUT/memory_modes/modes.json)
+#   act_offload      scripts/memory_modes.py --one-device cuda: one process, the 1B model in bf16 at 1 x 2048, the CUDA
+#                    allocator's peak with no offload / activation offload / full AC / offload + AC every 2
+#                    ($OUT/memory_modes/one_device.json; "memory_modes" in summary.json)
 # Writes $OUT/<row>.json (benchmark.py --json), $OUT/<row>.log, $OUT/train_1b/metrics.jsonl, $OUT/moe_bench/moe_bench.json,
 # $OUT/muon_step/muon.json, $OUT/mask_bench/mask.json, $OUT/linear_bench/linear.json, $OUT/env.json and $OUT/summary.json (every row's tokens/s, MFU,
 # memory and ratio to plain, the MoE ratio, Muon's step seconds against AdamW's, the mask ratio, and each step's exit
@@ -95,6 +101,9 @@ if [ "$DEVICE" = cuda ]; then
   MASK=(--device cuda)
   DS=(--model deepseek_v3 --flavor debugmodel --seq-len 2048 --batch 8 --steps 10 --warmup 3 --compile --device cuda)
   LINEAR=(--device cuda --seq 4096 --steps 2 --warmup 1)
+  MODES=(--seq-len 256 --local-batch 4 --steps 2)
+  ONE_DEV=(--one-device cuda --config configs/llama3_1b.toml --seq-len 2048 --local-batch 1 --steps 2 --dtype bfloat16
+           --vocab 128256)
   TRAIN=(--job.config_file configs/llama3_1b.toml --training.steps 30 --training.local_batch_size 4
          --training.global_batch_size 4 --training.seq_len 2048 --compile.enable true --metrics.log_freq 10
          --validation.enable false --checkpoint.enable false --metrics.enable_tensorboard false)
@@ -110,6 +119,8 @@ else
   MASK=(--device cpu --seq-len 256 --batch 1 --heads 2 --head-dim 16 --doc-len 64 --steps 1 --warmup 0)
   DS=(--model deepseek_v3 --flavor debugmodel --seq-len 32 --batch 2 --steps 2 --warmup 1 --device cpu)
   LINEAR=(--device cpu --seq 48 --heads 2 --dk 8 --dv 8 --chunk 16 --steps 1 --warmup 0 --scan-reps 2)
+  MODES=(--seq-len 32 --local-batch 2 --steps 1)
+  ONE_DEV=(--one-device cpu --seq-len 32 --local-batch 2 --steps 1)
   TRAIN=(--job.config_file configs/debug_model.toml --training.steps 3 --training.seq_len 32 --training.device cpu
          --training.local_batch_size 2 --metrics.log_freq 1 --validation.enable false
          --metrics.enable_tensorboard false)
@@ -147,6 +158,9 @@ mkdir -p "$OUT/deepseek_v3"
 run deepseek_v3 "$T_ROW" python scripts/benchmark.py "${DS[@]}" --json "$OUT/deepseek_v3/deepseek_v3.json"
 mkdir -p "$OUT/linear_bench"
 run linear_bench "$T_ROW" python scripts/linear_attention_bench.py "${LINEAR[@]}" --json "$OUT/linear_bench/linear.json"
+mkdir -p "$OUT/memory_modes"
+run memory_modes "$T_ROW" python scripts/memory_modes.py "${MODES[@]}" --json "$OUT/memory_modes/modes.json"
+run act_offload "$T_ROW" python scripts/memory_modes.py "${ONE_DEV[@]}" --json "$OUT/memory_modes/one_device.json"
 
 rcs=""; for k in "${!RC[@]}"; do rcs="$rcs$k=${RC[$k]} "; done
 python - "$OUT" "$rcs" <<'EOF'
@@ -186,11 +200,13 @@ ds = out / "deepseek_v3" / "deepseek_v3.json"
 ds = json.loads(ds.read_text()) if ds.exists() else None
 linear = out / "linear_bench" / "linear.json"
 linear = json.loads(linear.read_text()) if linear.exists() else None
+modes = {k: json.loads((out / "memory_modes" / f"{k}.json").read_text())
+         for k in ("modes", "one_device") if (out / "memory_modes" / f"{k}.json").exists()}
 summary = {"env": json.loads((out / "env.json").read_text()), "exit_codes": rcs, "rows": rows,
            "plain_tokens_per_s_by_batch": plain, "train_1b": [r for r in train if "loss" in r],
            "moe": json.loads(moe.read_text()) if moe.exists() else None, "muon_step": muon, "mask": mask,
            "train_gpt_oss": [r for r in gpt_oss if "loss" in r],
-           "deepseek_v3": ds, "linear": linear}
+           "deepseek_v3": ds, "linear": linear, "memory_modes": modes}
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
 print(f"{'row':<16} {'batch':>5} {'tokens/s':>10} {'MFU':>6} {'mem GiB':>8} {'x plain':>8}")
 for r in rows:
@@ -220,6 +236,9 @@ if summary["train_gpt_oss"]:
 if linear:
     print("linear_bench: tokens/s", {k: round(v["tokens_per_s"]) for k, v in linear["forms"]["rows"].items()},
           "max diff vs recurrent", linear["forms"]["max_output_diff_vs_recurrent"])
+for k, m in modes.items():
+    print(f"memory_modes {k} ({m['device']}): peak MiB",
+          {f"{r['mode']} r{r['rank']}": round(r["Total"], 1) for r in m["rows"]})
 print("exit codes:", rcs)
 EOF
 echo "== gpu_check done in $((SECONDS - START))s; results in $OUT"

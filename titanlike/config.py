@@ -132,6 +132,10 @@ class Training:
     # norms, tied copies across pipeline stages, torchft replica groups) compare a fingerprint of it; a mismatch
     # names the rank, the tensor and the step and stops the run unsaved (docs/fault_tolerance.md). 0: off
     sdc_check_interval: int = 0
+    # FSDP2's CPUOffloadPolicy: the sharded parameters, their gradients and the optimizer state live in host memory,
+    # the optimizer steps on the CPU, each group's parameters are copied to the device for its all-gather (needs
+    # FSDP / HSDP: data_parallel_shard_degree or data_parallel_replicate_degree > 1)
+    enable_cpu_offload: bool = False
 
 
 @dataclass
@@ -177,6 +181,9 @@ class Parallelism:
     data_parallel_replicate_degree: int = 1  # model copies (HSDP replicas); gradients all-reduced between them
     data_parallel_shard_degree: int = -1  # -1: whatever is left of the world size
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"  # default | always | never
+    # ZeRO-1 (Megatron's --use-distributed-optimizer): parameters and gradients replicated over the
+    # data_parallel_replicate_degree ranks (shard degree 1), AdamW's moments sharded over them
+    distributed_optimizer: bool = False
     tensor_parallel_degree: int = 1  # ranks splitting every matmul (innermost, keep within a node)
     enable_sequence_parallel: bool = False  # shard norms and residuals over the sequence under TP
     disable_loss_parallel: bool = False  # gather the logits instead of the vocab-parallel cross entropy
@@ -281,6 +288,9 @@ class Validation:
 class ActivationCheckpoint:
     mode: Literal["none", "full", "selective"] = "none"  # none | full | selective
     selective_ac_option: str = "op"  # "op" (save matmul/attention outputs) or an integer N (every N-th block)
+    # the tensors the blocks AC leaves alone save for the backward are copied to host memory in the forward and back
+    # to the device in the backward (torch's save_on_cpu, per block); not with tensor parallelism
+    offload: bool = False
 
 
 @dataclass

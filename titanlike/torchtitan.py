@@ -164,7 +164,7 @@ TORCHTITAN_KEYS: dict[str, Key] = {
     "training.seq_len": S(),
     "training.max_norm": S(),
     "training.steps": S(),
-    "training.enable_cpu_offload": Key(INERT, ok=(False,), note="FSDP CPU offload is not implemented"),
+    "training.enable_cpu_offload": S(),
     "training.dtype": S(),
     "training.mixed_precision_param": Key(
         MAPPED,

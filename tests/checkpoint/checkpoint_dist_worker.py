@@ -35,6 +35,7 @@ TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"]
 TIED = ["--model.tie_embeddings", "true", "--model.n_layers", "4", "--training.local_batch_size", "4"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
+ZERO1 = ["--parallelism.distributed_optimizer", "--parallelism.data_parallel_replicate_degree", "2"]
 ZBV = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
 GPT2 = ["--model.name", "gpt2"]  # tied embeddings, fused c_attn (chunk-sharded under TP)
 QWEN3 = ["--model.name", "qwen3"]  # tied embeddings, per-head q/k norms (replicated, gradients summed over tp)
@@ -64,6 +65,11 @@ CASES = [
     ("single", 1, [], None),
     ("single_from_fsdp2", 1, [], "fsdp2"),
     ("tp2", 2, TP2, None),
+    # ZeRO-1 (AdamW's moments sharded over the replicated ranks): saved at dp 2, resumed in one process; an fsdp2
+    # checkpoint resumed under ZeRO-1
+    ("zero1_dp2", 2, ZERO1, None),
+    ("single_from_zero1_dp2", 1, [], "zero1_dp2"),
+    ("zero1_dp2_from_fsdp2", 2, ZERO1, "fsdp2"),
     ("tp2_from_fsdp2", 2, TP2 + ["--checkpoint.checksum"], "fsdp2"),  # each rank verifies the entries it reads
     # step-6 is there too, with one weight changed in rank 0's data file: set aside, step-3 resumes
     ("tp2_from_corrupt_fsdp2", 2, TP2 + ["--checkpoint.checksum", "--checkpoint.on_corrupt", "previous"], "fsdp2"),

@@ -24,6 +24,8 @@ SAVE_STEP = 3
 RESHARDS = [
     ("fsdp4_from_tp2_fsdp2", "fsdp4", "tp2_fsdp2"),  # tp2 x fsdp2 -> fsdp4 (dp 2 -> 4)
     ("single_from_fsdp2", "single", "fsdp2"),  # fsdp2 (async saves) -> one process, no process group (dp 2 -> 1)
+    ("single_from_zero1_dp2", "single", "zero1_dp2"),  # ZeRO-1 (moments sharded over 2 replicas) -> one process
+    ("zero1_dp2_from_fsdp2", "zero1_dp2", "fsdp2"),  # fsdp2 -> ZeRO-1
     ("tp2_from_fsdp2", "tp2", "fsdp2"),  # fsdp2 -> tp2 (dp 2 -> 1), checksums verified by both ranks
     ("tp2_from_corrupt_fsdp2", "tp2", "fsdp2"),  # same, after setting aside a newer step-6 with a flipped bit
     ("pp2_fsdp2_from_tp2_fsdp2", "pp2_fsdp2", "tp2_fsdp2"),  # tp2 x fsdp2 -> pp2 x fsdp2

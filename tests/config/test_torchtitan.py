@@ -240,7 +240,6 @@ def test_a_file_with_every_key_at_torchtitans_default(tmp_path):
 def test_inert_keys_at_values_that_would_matter_are_refused_all_at_once(tmp_path):
     bad = {
         "parallelism.expert_tensor_parallel_degree": 2,
-        "training.enable_cpu_offload": True,
         "fault_tolerance.semi_sync_method": "streaming_diloco",
         "checkpoint.load_only": True,
         "memory_estimation.enable": True,

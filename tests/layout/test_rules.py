@@ -159,6 +159,9 @@ CASES = {
     "invariant_virtual_dp": (1, [*INV, "--training.virtual_dp_degree", "6"]),
     "invariant_batch": (1, [*INV, "--training.global_batch_size", "16"]),  # V 8 x local batch 4 = 32 per step
     "invariant_layout": (2, [*INV, "--parallelism.tensor_parallel_degree", "2"]),
+    "cpu_offload": (1, ["--training.enable_cpu_offload", "true"]),  # one process: no FSDP shards to offload
+    "zero1": (2, ["--parallelism.distributed_optimizer", "true"]),  # dp 2 by FSDP (shard 2): no replicas
+    "act_offload": (2, ["--activation_checkpoint.offload", "true", "--parallelism.tensor_parallel_degree", "2"]),
 }
 
 # further cases of a rule that guards several things
@@ -171,6 +174,21 @@ MORE_CASES = [
     ("model_shape", (1, [*MOE, "--model.top_k", "9"])),  # the MoE block's own checks (8 experts)
     # MTP: the weight set for a model without depths (read by nothing), depths beyond the sequence
     ("mtp_layout", (1, ["--training.mtp_loss_weight", "0.5"])),
+    ("cpu_offload", (4, ["--training.enable_cpu_offload", "true", *PP2])),  # FSDP 2 x pp 2: not wired yet
+    (
+        "zero1",
+        (
+            2,
+            [
+                "--parallelism.distributed_optimizer",
+                "true",
+                "--parallelism.data_parallel_replicate_degree",
+                "2",
+                "--optimizer.name",
+                "Muon",
+            ],
+        ),
+    ),
     ("sdc", (2, ["--parallelism.tensor_parallel_degree", "2", "--training.sdc_check_interval", "-1"])),
     ("sdc", (4, ["--training.sdc_check_interval", "2"])),  # FSDP over 4: every shard held once
     ("sdc", (2, ["--parallelism.pipeline_parallel_degree", "2", "--training.sdc_check_interval", "2"])),  # untied

@@ -202,6 +202,10 @@ def _ep(n, *more):
 
 
 SP = ("--parallelism.enable_sequence_parallel", "true")
+ZERO1 = ("--parallelism.distributed_optimizer", "true")
+CPU_OFFLOAD = ("--training.enable_cpu_offload", "true")
+ACT_OFFLOAD = ("--activation_checkpoint.offload", "true")
+AC_EVERY_2 = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2")
 NO_LP = ("--parallelism.disable_loss_parallel", "true")
 
 
@@ -232,6 +236,20 @@ LAYOUTS = [
     Layout("fsdp2_tied", 2, _dp(1, 2, 4), model="tied"),
     Layout("fsdp2_reshard_never", 2, ("--parallelism.fsdp_reshard_after_forward", "never", *_dp(1, 2, 4))),
     Layout("ddp2", 2, _dp(2, 1, 4)),
+    Layout("ddp2_zero1", 2, (*ZERO1, *_dp(2, 1, 4))),
+    Layout("ddp2_zero1_accum2", 2, (*ZERO1, *_dp(2, 1, 2))),
+    Layout("MUT ddp2_zero1 shards not all-gathered", 2, (*ZERO1, *_dp(2, 1, 4)), mutation="zero1_not_all_gathered"),
+    Layout("fsdp2_cpu_offload", 2, (*CPU_OFFLOAD, *_dp(1, 2, 4))),
+    Layout("ddp2_cpu_offload_accum2", 2, (*CPU_OFFLOAD, *_dp(2, 1, 2))),
+    Layout("fsdp2_act_offload", 2, (*ACT_OFFLOAD, *_dp(1, 2, 4))),
+    Layout("fsdp2_act_offload_ac_every2", 2, (*ACT_OFFLOAD, *AC_EVERY_2, *_dp(1, 2, 2))),
+    Layout(
+        "MUT fsdp2 offload stale device copy",
+        2,
+        (*CPU_OFFLOAD, *_dp(1, 2, 4)),
+        mutation="cpu_offload_stale_device_copy",
+    ),
+    Layout("MUT fsdp2 act offload stale tensor", 2, (*ACT_OFFLOAD, *_dp(1, 2, 4)), mutation="act_offload_stale"),
     Layout("tp2_sp_ac_selective_op", 2, _tp(2, *SP, "--activation_checkpoint.mode", "selective", *_dp(1, 1, 8))),
     Layout("MUT tp2 no f backward all-reduce", 2, _tp(2, *_dp(1, 1, 8)), mutation="tp_no_backward_reduce"),
     Layout("MUT tp2_sp no f backward reduce-scatter", 2, _tp(2, *SP, *_dp(1, 1, 8)), mutation="tp_no_backward_reduce"),
@@ -759,6 +777,82 @@ def _fsdp_average():
 
     with patched(fsdp, "_sum_gradients", lambda module: None):
         yield
+
+
+@contextlib.contextmanager
+def _act_offload_stale():
+    """The activation offload hands the backward a stale host copy: the first tensor packed with the same shape and
+    dtype (an earlier block's, or an earlier step's) instead of this one; the forward is untouched."""
+    import titanlike.parallel.activation_offload as ao
+
+    first: dict = {}
+
+    def stale(packed):
+        device, host = packed
+        return first.setdefault((tuple(host.shape), host.dtype), host).to(device)
+
+    with patched(ao, "_unpack", stale):
+        yield
+
+
+@contextlib.contextmanager
+def _cpu_offload_stale_device_copy():
+    """FSDP's CPU offload all-gathers a stale copy of the host shards: the updated shards are not moved to the
+    device again after the optimizer step (each group's first all-gather input is kept), so step 1 is right and
+    step 2 computes with the initial weights."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    prop = FSDPParam.all_gather_inputs
+    kept: dict = {}
+
+    def stale(self):
+        inputs = prop.fget(self)
+        if not self.offload_to_cpu:
+            return inputs
+        return kept.setdefault(id(self), [t.clone() for t in inputs])
+
+    with patched(FSDPParam, "all_gather_inputs", property(stale)):
+        yield
+
+
+@contextlib.contextmanager
+def _zero1_not_all_gathered():
+    """ZeRO-1 without the all-gather after the step: each rank keeps the update of its own rows of every parameter
+    (the rows whose moments it holds) and the old values of the others."""
+    import titanlike.parallel.zero as zero
+
+    original = zero.shard_optimizer_state
+
+    def local_rows_only(optimizer, mesh_dim=0):
+        original(optimizer, mesh_dim)
+        step = optimizer.step
+
+        def stepped(*args, **kwargs):
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.ndim]
+            before = [p.to_local().clone() for p in params]
+            out = step(*args, **kwargs)
+            with torch.no_grad():
+                for p, old in zip(params, before):
+                    mine = optimizer.state[p]["exp_avg"]
+                    rows = mine.to_local().shape[0]
+                    keep = torch.ones(p.shape[0], dtype=torch.bool)
+                    offset = _row_offset(mine, mesh_dim)
+                    keep[offset : offset + rows] = False
+                    p.to_local()[keep] = old[keep]
+            return out
+
+        optimizer.step = stepped
+        return optimizer
+
+    with patched(zero, "shard_optimizer_state", local_rows_only):
+        yield
+
+
+def _row_offset(sharded, mesh_dim: int) -> int:
+    """The first row of this rank's slice of a DTensor sharded on dim 0 over ``mesh_dim`` (torch.chunk's cut)."""
+    n, world = sharded.shape[0], sharded.device_mesh.size(mesh_dim)
+    per = -(-n // world)
+    return min(per * sharded.device_mesh.get_local_rank(mesh_dim), n)
 
 
 @contextlib.contextmanager
@@ -1465,6 +1559,9 @@ MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "init_ignores_shards": _init_ignores_shards,
     "init_strided_as_shard": _init_strided_as_shard,
     "fused_plain_colwise": _fused_plain_colwise,
+    "act_offload_stale": _act_offload_stale,
+    "zero1_not_all_gathered": _zero1_not_all_gathered,
+    "cpu_offload_stale_device_copy": _cpu_offload_stale_device_copy,
     "eval_keeps_unsharded": _eval_keeps_unsharded,
     "cp_kv_grad_not_reduced": _cp_kv_grad_not_reduced,
     "cp_chunks_wrong_order": _cp_chunks_wrong_order,
@@ -1801,7 +1898,8 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
         for part in built.model_parts:
             for name, p in part.named_parameters():
                 diffs["init"] = max(diffs["init"], _diff(p, start[name]))
-        muon_comms = _count_optimizer_comms(built.optimizer)  # Muon: what its last step sent (CommDebugMode)
+        zero1 = cfg.parallelism.distributed_optimizer
+        muon_comms = _count_optimizer_comms(built.optimizer, zero1)  # Muon: what its last step sent (CommDebugMode)
         expert_comms: dict[str, int] = {}
         for step in range(1, STEPS + 1):
             ref = records[step - 1]
@@ -1856,6 +1954,7 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
         "mutation": layout.mutation,
         "model": layout.model,
         "muon_stats": muon_stats if stats is not None else None,
+        "zero1": _zero1_report(built.optimizer, muon_comms, zero1),
         "expert_comms": expert_comms,
         "expert_mesh": _expert_mesh(built),
         **diffs,
@@ -1937,11 +2036,21 @@ def _counting_expert_comms(built: Built, counts: dict[str, int], on: bool) -> co
     return counting()
 
 
-def _count_optimizer_comms(optimizer) -> dict[str, int]:
-    """For Muon (an optimizer with ``stats``): every collective of each ``step`` call, counted by CommDebugMode
-    (the dict is refilled at each step, so after training it holds the last step's)."""
+def _zero1_report(optimizer, comms: dict[str, int], zero1: bool) -> dict | None:
+    """ZeRO-1: the fraction of the moments' elements this rank holds, the parameters, the last step's collectives."""
+    if not zero1:
+        return None
+    moments = [m for s in optimizer.state.values() for k, m in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    held = sum(m.to_local().numel() for m in moments) / sum(m.numel() for m in moments)
+    params = sum(1 for g in optimizer.param_groups for p in g["params"] if p.ndim)
+    return {"held": held, "params": params, "comms": dict(comms)}
+
+
+def _count_optimizer_comms(optimizer, zero1: bool = False) -> dict[str, int]:
+    """For Muon (an optimizer with ``stats``) and ZeRO-1: every collective of each ``step`` call, counted by
+    CommDebugMode (the dict is refilled at each step, so after training it holds the last step's)."""
     counts: dict[str, int] = {}
-    if getattr(optimizer, "stats", None) is None:
+    if getattr(optimizer, "stats", None) is None and not zero1:
         return counts
     from torch.distributed.tensor.debug import CommDebugMode
 

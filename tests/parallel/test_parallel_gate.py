@@ -18,6 +18,10 @@ EXPECTED_BREAK = {
     "loss_mean_per_rank": ("loss_step1", True),
     "fsdp_average": ("grad_norm", False),
     "fused_plain_colwise": ("loss_step1", True),
+    # offload: a stale saved tensor breaks only the backward; a stale device copy of the host shards, step 2 on
+    "act_offload_stale": ("grads", False),
+    "zero1_not_all_gathered": ("weights", False),
+    "cpu_offload_stale_device_copy": ("eval", False),
     "eval_keeps_unsharded": ("grad_norm", False),
     "cp_kv_grad_not_reduced": ("grads", False),
     "cp_chunks_wrong_order": ("loss_step1", True),
@@ -268,3 +272,16 @@ def test_grouped_query_fused_qkv_under_tp2_fsdp2(gate_results):
     # Mutation: the rows' gradient taken as Replicate (no Partial sum over tp): FSDP does not reduce it.
     mutation = probe["mutation no_partial_grad"]
     assert mutation["diff"] > BROKEN and mutation["loss_step1"] <= gate.TOL, mutation
+
+
+def test_zero1_holds_half_the_moments_and_all_gathers_twice_per_parameter(gate_results):
+    """ZeRO-1 at dp 2: each rank holds half of AdamW's moments (rows split by torch.chunk) and the step's only
+    collectives are two all-gathers per parameter (the sharded exp_avg and denominator of the replicated update);
+    the gradients' all-reduce is FSDP's, in the backward."""
+    world, results = gate_results
+    zero1 = {n: r for n, r in results["layouts"].items() if r.get("zero1") and not r["mutation"]}
+    assert (world == 2) == bool(zero1), sorted(zero1)
+    for name, r in zero1.items():
+        z = r["zero1"]
+        assert 0.45 < z["held"] <= 0.55, (name, z)
+        assert z["comms"] == {"c10d_functional.all_gather_into_tensor": 2 * z["params"]}, (name, z)

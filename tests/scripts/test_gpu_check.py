@@ -12,6 +12,15 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 
 
+def _memory_modes():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("memory_modes", REPO / "scripts" / "memory_modes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_gpu_check_dry_run_writes_every_row(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("MASTER_PORT", None)
@@ -41,6 +50,8 @@ def test_gpu_check_dry_run_writes_every_row(tmp_path):
             "train_gpt_oss",
             "deepseek_v3",
             "linear_bench",
+            "memory_modes",
+            "act_offload",
         )
     }, proc.stdout
     rows = {r["row"]: r for r in summary["rows"]}
@@ -67,6 +78,11 @@ def test_gpu_check_dry_run_writes_every_row(tmp_path):
     assert [r["step"] for r in summary["train_gpt_oss"]] == [1, 2]  # gpt-oss: window, sinks, block_causal
     linear = summary["linear"]  # Gated DeltaNet: chunked vs recurrent (no flash-linear-attention on CPU), the scan
     assert set(linear["forms"]["rows"]) == {"chunked", "recurrent"} and linear["scan"]["sent_bytes"] > 0
+    memory_modes = _memory_modes()
+    modes = summary["memory_modes"]  # every memory mode on 2 ranks, the activation modes in one process
+    assert {r["mode"] for r in modes["modes"]["rows"]} == set(memory_modes.MODES)
+    assert {r["mode"] for r in modes["one_device"]["rows"]} == set(memory_modes.ONE)
+    assert all(r["Total"] > 0 for m in modes.values() for r in m["rows"])
 
 
 def test_gpu_check_bad_argument_is_one_line(tmp_path):

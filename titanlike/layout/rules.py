@@ -127,6 +127,11 @@ RULES = {
     "invariant_layout": "training.layout_invariant on the layouts and features shown invariant (one process, FSDP, "
     "HSDP, pp with every schedule, alone or x FSDP; no tp / cp / ep, embeddings tied across stages, experts, MTP, "
     "Muon, torchft, float8, compile, AC or TE kernels yet)",
+    "cpu_offload": "training.enable_cpu_offload on a layout FSDP wraps (dp_shard x cp or dp_replicate > 1), without "
+    "pipeline parallelism, experts, float8 or layout_invariant",
+    "zero1": "parallelism.distributed_optimizer on replicated data parallelism only (data_parallel_replicate_degree > "
+    "1, shard degree 1, no tp / cp / pp / experts), with AdamW (foreach or for-loop), without CPU offload",
+    "act_offload": "activation_checkpoint.offload without tensor parallelism (its saved tensors are DTensors)",
     "export_model": "checkpoint.export_safetensors on models with a Hugging Face adapter that can express them "
     "(ModelSpec.hf_adapter, hf_export_violations: Qwen3-MoE's expert bias)",
 }
@@ -191,6 +196,8 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
         )
     out += [("mtp_layout", m) for m in _mtp_violations(cfg, args)]
     out += [("sdc", m) for m in sdc_violations(cfg, args)]
+    if not problems:
+        out += _offload_violations(cfg, spec, args, p.data_parallel_replicate_degree * dps * cp, tp, pp)
     dp = p.data_parallel_replicate_degree * dps
     if tp > 1:
         out += _tensor_parallel_violations(cfg, args, tp)
@@ -405,6 +412,67 @@ def _tensor_parallel_violations(cfg, args, tp: int) -> list[tuple[str, str]]:
             "te_tp",
             f"model.kernels=te does not combine with tensor_parallel_degree {tp} (TE modules are not "
             f"nn.Linear, so the TP plan cannot shard them); use model.kernels=torch or tp 1",
+        )
+    return out
+
+
+def _zero1_violations(cfg, spec, args, fsdp_ranks: int, tp: int, pp: int) -> list[tuple[str, str]]:
+    """ZeRO-1 (parallelism.distributed_optimizer): where it is wired and checked."""
+    p, key = cfg.parallelism, "parallelism.distributed_optimizer"
+    rep = p.data_parallel_replicate_degree
+    if rep < 2 or fsdp_ranks != rep:
+        why = f"data_parallel_replicate_degree {rep}" + ("" if rep > 1 else " (nothing to shard the state over)")
+        return [
+            (
+                "zero1",
+                f"{key} shards AdamW's state over replicated data-parallel ranks, and this layout has "
+                f"{why} with shard x cp degree {fsdp_ranks // max(rep, 1)}; set data_parallel_replicate_degree to "
+                f"the dp degree and data_parallel_shard_degree 1 (or use FSDP: {key} false)",
+            )
+        ]
+    other = [
+        (tp > 1, "tensor parallelism"),
+        (pp > 1, "pipeline parallelism"),
+        (bool(spec.num_experts(args)), "a model with experts"),
+        (cfg.optimizer.name != "AdamW", f"optimizer.name {cfg.optimizer.name}"),
+        (cfg.optimizer.implementation == "fused", "optimizer.implementation fused"),
+        (cfg.training.enable_cpu_offload, "training.enable_cpu_offload"),
+        (cfg.training.layout_invariant, "training.layout_invariant"),
+    ]
+    return [("zero1", f"{key} is not wired with {what} yet; turn it off") for bad, what in other if bad][:1]
+
+
+def _offload_violations(cfg, spec, args, fsdp_ranks: int, tp: int, pp: int) -> list[tuple[str, str]]:
+    """CPU offload (FSDP2's CPUOffloadPolicy) and activation offload: where they are wired and checked."""
+    out = []
+    if cfg.training.enable_cpu_offload:
+        fix = "turn training.enable_cpu_offload off"
+        if fsdp_ranks < 2:
+            out.append(
+                (
+                    "cpu_offload",
+                    f"training.enable_cpu_offload offloads FSDP's shards, and this layout has no "
+                    f"FSDP (data-parallel degree 1); raise data_parallel_shard_degree or {fix}",
+                )
+            )
+        elif pp > 1 or spec.num_experts(args) or cfg.float8.recipe or cfg.training.layout_invariant:
+            what = (
+                "pipeline parallelism"
+                if pp > 1
+                else "a model with experts"
+                if spec.num_experts(args)
+                else ("float8" if cfg.float8.recipe else "training.layout_invariant")
+            )
+            out.append(("cpu_offload", f"training.enable_cpu_offload is not wired with {what} yet; {fix}"))
+    if cfg.parallelism.distributed_optimizer:
+        out += _zero1_violations(cfg, spec, args, fsdp_ranks, tp, pp)
+    if cfg.activation_checkpoint.offload and tp > 1:
+        out.append(
+            (
+                "act_offload",
+                "activation_checkpoint.offload does not offload the DTensors tensor parallelism "
+                "saves; set tensor_parallel_degree 1 or turn activation_checkpoint.offload off",
+            )
         )
     return out
 

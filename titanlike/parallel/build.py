@@ -117,10 +117,16 @@ def build_parallel_model(
     on_meta = any(p.is_meta for p in model.parameters())
     model = parallelize_model(model, dims, cfg)
     loss = mtp_loss(ScaledLoss(build_loss_fn(cfg, dims)), model, cfg, dims)
+    # FSDP's CPU offload: the sharded parameters stay in host memory, the buffers (RoPE tables) go to the device
+    param_device = torch.device("cpu") if cfg.training.enable_cpu_offload else device
     if on_meta:
-        materialize(model, device, init_seed)
+        materialize(model, device, init_seed, param_device=param_device)
     else:
-        keeping_grad_hooks(model, lambda: model.to(device))
+        keeping_grad_hooks(model, lambda: model.to(param_device))
+        if param_device != device:
+            for module in model.modules():
+                for name, buf in module.named_buffers(recurse=False):
+                    setattr(module, name, buf.to(device))
     if precision_policy(cfg.training.dtype, dims, cfg.training.layout_invariant) == "autocast":
 
         def forward_context() -> contextlib.AbstractContextManager:

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from titanlike.layout import RESHARD_CHOICES
 from titanlike.layout import reshard_after_forward as reshard_policy
@@ -33,13 +33,21 @@ from titanlike.models import block_container_of, spec_for
 from titanlike.parallel.fused import fsdp_placement, prepare_fused_for_fsdp
 from titanlike.parallel.ties import tie_groups
 
-__all__ = ["apply_fsdp", "RESHARD_CHOICES"]
+__all__ = ["apply_fsdp", "offload_policy", "RESHARD_CHOICES"]
 
 
 def _sum_gradients(module: FSDPModule) -> None:
     """Reduce gradients with SUM (divide factor 1, no AVG / PREMUL_SUM ops: gloo has no PREMUL_SUM)."""
     module.set_gradient_divide_factor(1.0)
     module.set_force_sum_reduction_for_comms(True)
+
+
+def offload_policy(cpu_offload: bool, device_type: str) -> OffloadPolicy:
+    """FSDP2's offload policy: none, or host memory, pinned only for a CUDA mesh (pinning needs an accelerator; on a
+    CPU mesh the host is the device and FSDP's copies are no-ops)."""
+    if not cpu_offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device_type == "cuda")
 
 
 def runs_forward(module: nn.Module) -> bool:
@@ -110,6 +118,7 @@ def apply_fsdp(
     reshard_after_forward: str = "default",
     pp_enabled: bool = False,
     blocks: Iterable[nn.Module | Sequence[nn.Module]] | None = None,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2 over ``dp_mesh`` (1-D: FSDP, 2-D: HSDP); return it.
 
@@ -121,6 +130,10 @@ def apply_fsdp(
     purpose); ``blocks`` that put the names of a tied parameter in different groups are refused. Chunk-sharded fused
     projections (:class:`~titanlike.parallel.fused.FusedColwiseParallel`) are sharded on dim 1. Works on the meta
     device.
+
+    ``cpu_offload``: FSDP2's :class:`~torch.distributed.fsdp.CPUOffloadPolicy` for every group: the sharded
+    parameters, gradients (and so the optimizer state and step) in host memory, pinned when the mesh is CUDA's; the
+    sharded parameters must be materialised on the CPU (``titanlike.parallel.materialize``: ``param_device``).
     """
     if reshard_after_forward not in RESHARD_CHOICES:
         raise ValueError(f"reshard_after_forward must be one of {RESHARD_CHOICES}, got {reshard_after_forward!r}")
@@ -130,7 +143,11 @@ def apply_fsdp(
     def reshard(group: str) -> bool:
         return reshard_policy(reshard_after_forward, group, pp_enabled)
 
-    kw = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+    kw = dict(
+        mesh=dp_mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        offload_policy=offload_policy(cpu_offload, dp_mesh.device_type),
+    )
 
     prepare_fused_for_fsdp(model)
     kw["shard_placement_fn"] = fsdp_placement

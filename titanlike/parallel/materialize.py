@@ -66,11 +66,14 @@ def param_init_for(model: nn.Module):
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int | None) -> None:
-    """Allocate ``model``'s (this rank's) parameters on ``device``, keeping ties, compute its buffers, and fill the
-    parameters with the model's init from ``seed`` (None: leave them for a checkpoint load to write)."""
+def materialize(
+    model: nn.Module, device: torch.device, seed: int | None, param_device: torch.device | None = None
+) -> None:
+    """Allocate ``model``'s (this rank's) parameters on ``param_device`` (default ``device``; the CPU under FSDP's
+    CPU offload), keeping ties, compute its buffers on ``device``, and fill the parameters with the model's init
+    from ``seed`` (None: leave them for a checkpoint load to write)."""
     plan = param_init_for(model) if seed is not None else None
-    to_empty_keeping_ties(model, device)
+    to_empty_keeping_ties(model, param_device or device)
     init_buffers = getattr(model, "init_buffers", None)
     if init_buffers is not None:
         init_buffers(device)

@@ -37,6 +37,7 @@ from titanlike.layout import reshard_after_forward as reshard_policy
 from titanlike.loss import cross_entropy_loss
 from titanlike.models import spec_for
 from titanlike.parallel.activation_checkpoint import apply_ac
+from titanlike.parallel.activation_offload import apply_activation_offload
 from titanlike.parallel.compile import apply_compile
 from titanlike.parallel.dims import ParallelDims
 from titanlike.parallel.expert_parallel import (
@@ -63,7 +64,8 @@ def loss_group(dims: ParallelDims):
 
 
 def parallelize_model(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
-    """float8 (torchao) -> TP(+SP, loss parallel) -> CP -> activation checkpointing -> compile -> FSDP/HSDP, in
+    """float8 (torchao) -> TP(+SP, loss parallel) -> CP -> activation checkpointing (and offload) -> compile ->
+    FSDP/HSDP (CPU offload), in
     place; returns ``model``.
 
     ``model`` may be on the meta device (then allocate and fill it with ``titanlike.parallel.materialize``, or
@@ -86,6 +88,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
         apply_ep(model, dims.get_mesh("ep"))
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint)
+    if cfg.activation_checkpoint.offload:
+        apply_activation_offload(model)
     if cfg.compile.enable:
         apply_compile(model, cfg.compile)
     _apply_data_parallel(model, dims, cfg, has_experts)
@@ -153,6 +157,7 @@ def _apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg, has_experts:
             reduce_dtype=torch.float32 if mixed else None,
             reshard_after_forward=p.fsdp_reshard_after_forward,
             pp_enabled=dims.pp_enabled,
+            cpu_offload=cfg.training.enable_cpu_offload,
         )
 
 

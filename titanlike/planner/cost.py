@@ -159,6 +159,7 @@ def messages(layout: Layout, args, rank: int = 0) -> list[Message]:
         if layout.pp > 1:
             _pp_messages(tally, sid)
     _dp_messages(tally)
+    _zero1_messages(tally)
     _moe_balancing_messages(tally)
     _muon_messages(tally)
     return tally.messages()
@@ -421,6 +422,18 @@ def _dp_messages(tally: _Tally) -> None:
             grads, shard_grads = what.replace("params", "grads"), what.replace("params", "grad shards")
             add(fdim, "reduce_scatter", reduce_phase, padded * ds * lo.reduce_bytes, ds, grads, rs)
             add("dp_replicate", "all_reduce", reduce_phase, padded * lo.reduce_bytes, lo.dp_replicate, shard_grads, rs)
+
+
+def _zero1_messages(tally: _Tally) -> None:
+    """ZeRO-1 (parallelism.distributed_optimizer): the gradients' all-reduce over dp_replicate is FSDP's (above);
+    the optimizer step all-gathers two tensors of each parameter's size (AdamW's sharded exp_avg and denominator,
+    from which every rank applies the full update), in the parameters' dtype."""
+    lo = tally.lo
+    if not lo.distributed_optimizer:
+        return
+    for sid in tally.stage_ids:
+        n = sum(p.numel for p in tally.shards[sid])
+        tally.add("dp_replicate", "all_gather", "step", n * lo.param_bytes, lo.dp_replicate, "ZeRO-1 AdamW update", 2)
 
 
 def _moe_balancing_messages(tally: _Tally) -> None:

@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping
 
 from titanlike.planner.layout import Layout
-from titanlike.planner.memory import rank_state_memory
+from titanlike.planner.memory import rank_host_memory, rank_state_memory
 from titanlike.planner.plan import fmt_bytes
 
 __all__ = ["HOST_FRACTION", "host_memory_bytes", "host_memory_problem", "local_world_size"]
@@ -53,9 +53,10 @@ def host_memory_problem(
         c = layout.coords(rank)  # a rank's shards depend on its pp stage(s), tp rank and FSDP shard index only
         key = (c["pp"], c["tp"], layout.fsdp_shard_index(c))
         if key not in cache:
-            cache[key] = [
-                it for it in rank_state_memory(layout, args, rank) if not seed_only or it.name == "parameters"
-            ]
+            # (under CPU offload the state items are in rank_host_memory: on a CPU device the same memory)
+            state = [it for it in rank_state_memory(layout, args, rank) if it.bytes]
+            state += [it for it in rank_host_memory(layout, args, rank) if it.name != "offloaded activations"]
+            cache[key] = [it for it in state if not seed_only or it.name == "parameters"]
         return cache[key]
 
     worst_node, worst = None, 0.0

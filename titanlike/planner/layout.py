@@ -85,6 +85,11 @@ class Layout:
     # the all-to-all method gathers the document starts once per forward)
     cp_method: str = "allgather"
     documents: bool = False
+    # memory modes: ZeRO-1 (parallelism.distributed_optimizer), FSDP's CPU offload (training.enable_cpu_offload),
+    # activation offload (activation_checkpoint.offload)
+    distributed_optimizer: bool = False
+    cpu_offload: bool = False
+    act_offload: bool = False
 
     @classmethod
     def from_config(
@@ -150,6 +155,9 @@ class Layout:
             expert_imbalance=expert_imbalance,
             cp_method=p.context_parallel_method,
             documents=cfg.model.attn_mask_type == "block_causal",
+            distributed_optimizer=p.distributed_optimizer,
+            cpu_offload=t.enable_cpu_offload,
+            act_offload=cfg.activation_checkpoint.offload,
         )
 
     # ----------------------------------------------------------------------------------------- degrees

@@ -28,6 +28,7 @@ and recomputes one block at a time in the backward (a transient block's worth).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -54,6 +55,8 @@ __all__ = [
     "rank_memory",
     "rank_param_shards",
     "rank_state_memory",
+    "rank_host_memory",
+    "offloaded_activation_bytes",
     "unit_group",
 ]
 
@@ -573,6 +576,8 @@ def rank_state_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
         MemoryItem("gradients", n_local * pb, f"fp{8 * pb}, same shards"),
         _optimizer_item(layout, args, shards, n_local, n_tensors),
     ]
+    if layout.cpu_offload:  # FSDP's CPUOffloadPolicy: the three live in host memory (rank_host_memory)
+        items = [MemoryItem(it.name, 0.0, f"in host memory ({fmt_gib(it.bytes)}): {it.note}") for it in items]
     # Gathered parameters / unsharded gradients.
     stage_units = {
         s: [(k, ps) for k, ps in fsdp_units(layout, args, ps, layout.stages[s]) if unit_group(layout, ps)]
@@ -613,6 +618,13 @@ def _optimizer_item(layout: Layout, args, shards, n_local: int, n_tensors: int) 
     """AdamW's two moments (+ a float32 step) per parameter; under Muon one momentum buffer per matrix parameter
     (the sharding entries' matrices) and AdamW's state for the rest."""
     pb = layout.param_bytes
+    if layout.distributed_optimizer:  # ZeRO-1: the moments' rows split over the replicated ranks (torch.chunk)
+        r = layout.dp_replicate
+        return MemoryItem(
+            "optimizer",
+            2 * sum(-(-p.numel // r) for ps in shards.values() for p in ps) * pb + 4 * n_tensors,
+            f"AdamW exp_avg + exp_avg_sq sharded over dp_replicate {r} (ZeRO-1) (+ step scalars)",
+        )
     if layout.optimizer != "Muon":
         return MemoryItem("optimizer", 2 * n_local * pb + 4 * n_tensors, "AdamW exp_avg + exp_avg_sq (+ step scalars)")
     sharding = _spec(args).sharding_of(args)
@@ -623,6 +635,39 @@ def _optimizer_item(layout: Layout, args, shards, n_local: int, n_tensors: int) 
         n_muon * pb + 2 * (n_local - n_muon) * pb + 4 * (n_tensors - len(muon)),
         f"Muon momentum_buffer ({len(muon)} matrix parameters) + AdamW exp_avg + exp_avg_sq (+ step scalars)",
     )
+
+
+def rank_host_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
+    """What ``rank`` keeps in host memory under the offload modes: the parameter shards, their gradients and the
+    optimizer state (training.enable_cpu_offload, pinned on CUDA), and the saved activations of the blocks AC leaves
+    alone (activation_checkpoint.offload; the device keeps the block in flight)."""
+    items = []
+    if layout.cpu_offload:
+        off = dataclasses.replace(layout, cpu_offload=False)
+        items += [
+            it for it in rank_state_memory(off, args, rank) if it.name in ("parameters", "gradients", "optimizer")
+        ]
+    if layout.act_offload:
+        items.append(MemoryItem("offloaded activations", offloaded_activation_bytes(layout, args, rank)[0]))
+    return items
+
+
+def offloaded_activation_bytes(layout: Layout, args, rank: int = 0) -> tuple[float, float]:
+    """Activation offload: (the bytes the blocks AC leaves alone save, moved to the host; the largest such block's,
+    which stays on the device while it runs)."""
+    if not layout.act_offload:
+        return 0.0, 0.0
+    tokens = layout.microbatch_size * layout.local_seq_len
+    per_block = []
+    for s in layout.stage_ids(layout.coords(rank)["pp"]):
+        moe = moe_layers(args, layout.stages[s])
+        ids = [int(n.split(".")[1]) for n in layout.stages[s] if n.startswith("layers.")]
+        per_block += [
+            block_activation_bytes(layout, args, tokens, "none", moe.get(i), layer_id=i)
+            for i in ids
+            if layout.checkpointed(i) == "none"
+        ]
+    return float(sum(per_block)), float(max(per_block, default=0))
 
 
 def _is_matrix(sharding, p: ParamShard) -> bool:
@@ -664,6 +709,10 @@ def rank_activation_memory(layout: Layout, args, rank: int = 0) -> list[MemoryIt
                 for i in ids
             )
             transient = max(transient, recompute)
+    offloaded, in_flight = offloaded_activation_bytes(layout, args, rank)
+    if offloaded:  # (one microbatch in flight without pp; under pp every microbatch's blocks alike)
+        act -= sum(counts) * (offloaded - in_flight)
+        detail.append(f"offloaded to host {fmt_gib(offloaded)} per microbatch")
     ac = layout.ac_mode if layout.ac_mode != "selective" else f"selective {layout.ac_option}"
     sp = "on" if layout.sequence_parallel else "off"
     cp = f" (seq {layout.seq_len} / cp {layout.cp})" if layout.cp > 1 else ""

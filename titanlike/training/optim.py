@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titanlike.config import JobConfig
 
@@ -20,6 +21,9 @@ def build_optimizer(
     ``optimizer.name = "AdamW"``: one AdamW; norm weights and other 1-D parameters get no weight decay.
     ``optimizer.implementation=auto`` uses the fused kernel on CUDA and the foreach one elsewhere.
 
+    ``parallelism.distributed_optimizer``: AdamW's moments sharded over the replicated data-parallel ranks
+    (ZeRO-1, ``titanlike.parallel.zero``).
+
     ``"Muon"``: ``titanlike.parallel.muon.Muon`` on the matrices the model's sharding entries declare (or
     ``matrices``: ``{parameter: its matrices}``, for a module that is not a registered model), AdamW (as above,
     with ``optimizer.adamw_lr`` / ``adamw_weight_decay``) on every other parameter. Collective under a parallel
@@ -28,13 +32,21 @@ def build_optimizer(
     o = cfg.optimizer
     params = list({id(p): p for m in model_parts for p in m.parameters() if p.requires_grad}.values())
     impl = o.implementation
-    if impl == "auto":
-        impl = "fused" if params and params[0].device.type == "cuda" else "foreach"
+    # ZeRO-1 shards the moments of a layout's DTensor parameters; the one-device copy of such a layout (the gate's and
+    # titanlike.localize's reference) runs the same AdamW unsharded
+    zero1 = cfg.parallelism.distributed_optimizer and any(isinstance(p, DTensor) for p in params)
+    if impl == "auto":  # (the distributed optimizer's sharded moments go through DTensor's foreach ops)
+        impl = "fused" if params and params[0].device.type == "cuda" and not zero1 else "foreach"
     kwargs = {"fused": impl == "fused", "foreach": impl == "foreach"} if impl != "for-loop" else {"foreach": False}
     if o.name == "AdamW":
-        return torch.optim.AdamW(
+        opt = torch.optim.AdamW(
             _adamw_groups(params, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **kwargs
         )
+        if zero1:
+            from titanlike.parallel.zero import shard_optimizer_state
+
+            shard_optimizer_state(opt)
+        return opt
     from titanlike.parallel.muon import Muon, muon_matrices
 
     if matrices is None:

@@ -276,7 +276,8 @@ class Trainer:
                 raise ConfigError(str(e)) from None
 
     def _init_process_group(self) -> None:
-        """The default process group (nccl on CUDA, gloo otherwise) with the flight recorder on; a single process
+        """The default process group (nccl on CUDA, and gloo for CPU tensors under training.enable_cpu_offload; gloo
+        otherwise) with the flight recorder on; a single process
         starts none.
 
         ``comm.init_timeout_seconds`` bounds the start: the rendezvous and the creation of every group (ranks may
@@ -288,6 +289,10 @@ class Trainer:
             torch.cuda.set_device(self.device)
         hang.enable_flight_recorder()  # torch's record of every collective, for a hang report
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if backend == "nccl" and self.cfg.training.enable_cpu_offload:
+            # FSDP's CPU offload keeps the gradients on the host: the gradient-norm all-reduce of their DTensors runs
+            # on CPU tensors, which NCCL does not take (torchtitan does the same)
+            backend = "cuda:nccl,cpu:gloo"
         fault.init_process_group(backend, datetime.timedelta(seconds=self.cfg.comm.init_timeout_seconds))
 
     def _check_fault_tolerance(self) -> None:
