@@ -35,6 +35,10 @@
 #   linear_bench     scripts/linear_attention_bench.py: Gated DeltaNet fwd+bwd, chunked vs recurrent (vs the
 #                    flash-linear-attention kernel when installed), Qwen3-Next's cp bytes per layer kind, the scan on 2
 #                    gloo ranks ($OUT/linear_bench/linear.json; "linear" in summary.json)
+#   cp_allgather, cp_alltoall, cp_ring, cp_hybrid
+#                    scripts/cp_memory.py --methods <method>: each context-parallel method's activation memory per rank
+#                    and bytes sent per layer at cp 1 and 4 (hybrid: all-to-all groups of 2, a ring of 2), on gloo CPU
+#                    ranks beside the GPU (one GPU cannot host a multi-rank NCCL group); $OUT/cp_<method>.log
 # Writes $OUT/<row>.json (benchmark.py --json), $OUT/<row>.log, $OUT/train_1b/metrics.jsonl, $OUT/moe_bench/moe_bench.json,
 # $OUT/muon_step/muon.json, $OUT/mask_bench/mask.json, $OUT/linear_bench/linear.json, $OUT/env.json and $OUT/summary.json (every row's tokens/s, MFU,
 # memory and ratio to plain, the MoE ratio, Muon's step seconds against AdamW's, the mask ratio, and each step's exit
@@ -95,6 +99,7 @@ if [ "$DEVICE" = cuda ]; then
   MASK=(--device cuda)
   DS=(--model deepseek_v3 --flavor debugmodel --seq-len 2048 --batch 8 --steps 10 --warmup 3 --compile --device cuda)
   LINEAR=(--device cuda --seq 4096 --steps 2 --warmup 1)
+  CP=(--seq-len 8192 --cps 1,4)
   TRAIN=(--job.config_file configs/llama3_1b.toml --training.steps 30 --training.local_batch_size 4
          --training.global_batch_size 4 --training.seq_len 2048 --compile.enable true --metrics.log_freq 10
          --validation.enable false --checkpoint.enable false --metrics.enable_tensorboard false)
@@ -110,6 +115,7 @@ else
   MASK=(--device cpu --seq-len 256 --batch 1 --heads 2 --head-dim 16 --doc-len 64 --steps 1 --warmup 0)
   DS=(--model deepseek_v3 --flavor debugmodel --seq-len 32 --batch 2 --steps 2 --warmup 1 --device cpu)
   LINEAR=(--device cpu --seq 48 --heads 2 --dk 8 --dv 8 --chunk 16 --steps 1 --warmup 0 --scan-reps 2)
+  CP=(--seq-len 64 --cps 4)
   TRAIN=(--job.config_file configs/debug_model.toml --training.steps 3 --training.seq_len 32 --training.device cpu
          --training.local_batch_size 2 --metrics.log_freq 1 --validation.enable false
          --metrics.enable_tensorboard false)
@@ -147,6 +153,9 @@ mkdir -p "$OUT/deepseek_v3"
 run deepseek_v3 "$T_ROW" python scripts/benchmark.py "${DS[@]}" --json "$OUT/deepseek_v3/deepseek_v3.json"
 mkdir -p "$OUT/linear_bench"
 run linear_bench "$T_ROW" python scripts/linear_attention_bench.py "${LINEAR[@]}" --json "$OUT/linear_bench/linear.json"
+for method in allgather alltoall ring hybrid; do
+  run "cp_$method" "$T_ROW" python scripts/cp_memory.py "${CP[@]}" --methods "$method"
+done
 
 rcs=""; for k in "${!RC[@]}"; do rcs="$rcs$k=${RC[$k]} "; done
 python - "$OUT" "$rcs" <<'EOF'

@@ -41,6 +41,10 @@ def test_gpu_check_dry_run_writes_every_row(tmp_path):
             "train_gpt_oss",
             "deepseek_v3",
             "linear_bench",
+            "cp_allgather",
+            "cp_alltoall",
+            "cp_ring",
+            "cp_hybrid",
         )
     }, proc.stdout
     rows = {r["row"]: r for r in summary["rows"]}
