@@ -219,6 +219,7 @@ def test_hybrid_splits_the_cp_mesh_into_ring_and_all_to_all_groups():
     """``method="hybrid"``: the cp mesh split into (ring, all-to-all) groups, the all-to-all innermost (neighbouring
     cp ranks); each ring rank holds the two load-balanced chunks of every rank of its group; every softmax seam
     (with its window / sinks, the latent one) becomes the hybrid core, Gated DeltaNet keeps state passing."""
+    import gate
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -232,6 +233,11 @@ def test_hybrid_splits_the_cp_mesh_into_ring_and_all_to_all_groups():
     )
     from titanlike.parallel.state_passing import ContextParallelGatedDelta
 
+    names = {lo.name: lo.world_size for lo in gate.LAYOUTS if "hybrid" in lo.args}
+    for model in ("", "block_reset ", "gpt_oss ", "gpt_oss_block ", "ds_cp ", "ds_cp_block ", "qnext "):
+        assert names[f"hybrid {model}cp4_a2a2"] == 4  # in the shared 4-rank gate launch
+    assert names["hybrid cp4_a2a2_tp2_sp"] == 8
+    assert sum(n.startswith("MUT hybrid") for n in names) == 3
     assert hybrid_layout(2)(2, 0) == (0, 7, 1, 6) and hybrid_layout(2)(2, 1) == (2, 5, 3, 4)
     assert sorted(j for g in range(2) for j in hybrid_layout(4)(2, g)) == list(range(16))
     dist.init_process_group("fake", rank=2, world_size=4, store=FakeStore())
