@@ -2,7 +2,7 @@
 
     python scripts/cp_memory.py                       # debug model, 1 x 8192 tokens, cp 1 2 4
     python scripts/cp_memory.py --seq-len 16384 --cps 1,2,4,8
-    python scripts/cp_memory.py --methods allgather,alltoall,ring   # each cp method; + the bytes sent per layer
+    python scripts/cp_memory.py --methods allgather,alltoall,ring,hybrid   # each cp method; + the bytes sent per layer
 
 For each cp degree, ``cp`` processes each build the same debug model (float32), apply ``apply_cp`` (cp > 1), run
 the forward and the loss on their ``seq_len / cp`` tokens of one sequence, and count the bytes autograd holds for
@@ -17,7 +17,7 @@ the activation memory, which peaks there). The bytes are split by where they wer
 With ``--methods`` (parallelism.context_parallel_method) one row per method and cp, and a column of the bytes a rank
 sent per layer for the cp collectives over the forward and the backward (counted as they dispatch: an all-gather
 sends ``(cp - 1)`` x its input, a reduce-scatter or an all-to-all ``(cp - 1) / cp`` of it, a point-to-point send
-its tensor; max over ranks).
+its tensor; max over ranks). ``hybrid`` runs with all-to-all groups of 2 cp ranks (rows from cp 4).
 
 Prints one row per cp and the ratio to cp 1. Parameters and optimizer states are not activations (FSDP shards
 them over dp_shard x cp anyway); the peak of transient buffers inside one op is not counted.
@@ -34,6 +34,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MiB = 2**20
+
+
+HYBRID_A2A = 2  # the method "hybrid": all-to-all groups of 2 cp ranks (its rows from cp 4 on)
 
 
 def _free_port() -> int:
@@ -57,10 +60,15 @@ def _sent_counter():
             if name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "send"):
                 t = args[0][0] if name == "send" else args[0]
                 n = t.numel() * t.element_size()
+                g = self.cp
+                if name == "all_to_all_single":  # hybrid's all-to-alls span its groups, not the whole cp group
+                    from torch.distributed.distributed_c10d import _resolve_process_group
+
+                    g = _resolve_process_group(args[-1]).size()
                 self.bytes += {
-                    "all_gather_into_tensor": n * (self.cp - 1),
+                    "all_gather_into_tensor": n * (g - 1),
                     "send": n,
-                }.get(name, n * (self.cp - 1) // self.cp)
+                }.get(name, n * (g - 1) // g)
             return func(*args, **(kwargs or {}))
 
     del torch
@@ -89,15 +97,17 @@ def measure(flavor: str, seq_len: int, vocab: int, cp: int, rank: int, method: s
 
         from titanlike.parallel.context_parallel import (
             ContextParallelAttention,
+            HybridAttention,
             UlyssesAttention,
             apply_cp,
             cp_shard,
         )
         from titanlike.parallel.ring_attention import RingAttention
 
-        apply_cp(model, init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",)), method=method)
+        mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+        apply_cp(model, mesh, method=method, a2a_degree=HYBRID_A2A if method == "hybrid" else 1)
         x, y = cp_shard(x, cp, rank), cp_shard(y, cp, rank)
-        core_types = (ContextParallelAttention, UlyssesAttention, RingAttention)
+        core_types = (ContextParallelAttention, UlyssesAttention, RingAttention, HybridAttention)
     inside = [0]
     for m in model.modules():
         if isinstance(m, core_types):
@@ -166,7 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--cps", default="1,2,4")
-    ap.add_argument("--methods", default="", help="comma-separated cp methods, one row each (allgather,alltoall,ring)")
+    ap.add_argument(
+        "--methods",
+        default="",
+        help="comma-separated cp methods, one row each (allgather,alltoall,ring,hybrid: a2a 2, from cp 4)",
+    )
     a = ap.parse_args(argv)
     methods = [m for m in a.methods.split(",") if m]
     cps = [int(c) for c in a.cps.split(",")]
@@ -186,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     base = None
     for cp in cps:
-        for method in (methods if cp > 1 else methods[:1]) or [None]:
+        for method in ([m for m in methods if m != "hybrid" or cp > HYBRID_A2A] if cp > 1 else methods[:1]) or [None]:
             ranks = run(cp, a.flavor, a.seq_len, a.vocab, method or "allgather")
             row = {k: max(r[k] for r in ranks) for k in ("outside", "core", "sent")}
             row["total"] = max(r["outside"] + r["core"] for r in ranks)

@@ -34,6 +34,9 @@ WORLD = {"llama3_8b": 64, "llama3_70b": 256, "llama3_405b": 16384}
 GiB = 2**30
 
 
+HYBRID_A2A = 2  # the method "hybrid": all-to-all groups of 2 cp ranks, a ring across cp / 2 of them (from cp 4)
+
+
 def _plan(config: Path, seq: int, cp: int, vocab: int, world: int, method: str = "allgather", ac: str = ""):
     cfg = parse_config(
         [
@@ -48,6 +51,7 @@ def _plan(config: Path, seq: int, cp: int, vocab: int, world: int, method: str =
             "--training.global_batch_size",
             "-1",
             *(("--parallelism.context_parallel_method", method) if cp > 1 else ()),
+            *(("--parallelism.context_parallel_a2a_degree", str(HYBRID_A2A)) if method == "hybrid" else ()),
             *(("--activation_checkpoint.mode", ac) if ac else ()),
         ]
     )
@@ -108,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default="configs/llama3_8b.toml,configs/llama3_70b.toml,configs/llama3_405b.toml")
     ap.add_argument("--seq-lens", default="32768,65536,131072")
     ap.add_argument("--cps", default="1,2,4,8,16")
-    ap.add_argument("--methods", default="", help="comma-separated cp methods: one row each (allgather,alltoall,ring)")
+    ap.add_argument(
+        "--methods", default="", help="comma-separated cp methods: one row each (allgather,alltoall,ring,hybrid: a2a 2)"
+    )
     ap.add_argument(
         "--ac", default="", help="activation_checkpoint.mode for the --methods rows (default: the config's)"
     )

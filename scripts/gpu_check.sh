@@ -41,6 +41,10 @@
 #   act_offload      scripts/memory_modes.py --one-device cuda: one process, the 1B model in bf16 at 1 x 2048, the CUDA
 #                    allocator's peak with no offload / activation offload / full AC / offload + AC every 2
 #                    ($OUT/memory_modes/one_device.json; "memory_modes" in summary.json)
+#   cp_methods       scripts/cp_memory.py: each context-parallel method's (allgather, alltoall, ring, hybrid)
+#                    activation memory per rank and bytes sent per layer at cp 1 and 4 (hybrid: all-to-all groups of 2,
+#                    a ring of 2), on gloo CPU ranks beside the GPU (one GPU cannot host a multi-rank NCCL group);
+#                    $OUT/cp_methods.log
 # Writes $OUT/<row>.json (benchmark.py --json), $OUT/<row>.log, $OUT/train_1b/metrics.jsonl, $OUT/moe_bench/moe_bench.json,
 # $OUT/muon_step/muon.json, $OUT/mask_bench/mask.json, $OUT/linear_bench/linear.json, $OUT/env.json and $OUT/summary.json (every row's tokens/s, MFU,
 # memory and ratio to plain, the MoE ratio, Muon's step seconds against AdamW's, the mask ratio, and each step's exit
@@ -104,6 +108,7 @@ if [ "$DEVICE" = cuda ]; then
   MODES=(--seq-len 256 --local-batch 4 --steps 2)
   ONE_DEV=(--one-device cuda --config configs/llama3_1b.toml --seq-len 2048 --local-batch 1 --steps 2 --dtype bfloat16
            --vocab 128256)
+  CP=(--seq-len 8192 --cps 1,4)
   TRAIN=(--job.config_file configs/llama3_1b.toml --training.steps 30 --training.local_batch_size 4
          --training.global_batch_size 4 --training.seq_len 2048 --compile.enable true --metrics.log_freq 10
          --validation.enable false --checkpoint.enable false --metrics.enable_tensorboard false)
@@ -121,6 +126,7 @@ else
   LINEAR=(--device cpu --seq 48 --heads 2 --dk 8 --dv 8 --chunk 16 --steps 1 --warmup 0 --scan-reps 2)
   MODES=(--seq-len 32 --local-batch 2 --steps 1)
   ONE_DEV=(--one-device cpu --seq-len 32 --local-batch 2 --steps 1)
+  CP=(--seq-len 64 --cps 4)
   TRAIN=(--job.config_file configs/debug_model.toml --training.steps 3 --training.seq_len 32 --training.device cpu
          --training.local_batch_size 2 --metrics.log_freq 1 --validation.enable false
          --metrics.enable_tensorboard false)
@@ -161,6 +167,7 @@ run linear_bench "$T_ROW" python scripts/linear_attention_bench.py "${LINEAR[@]}
 mkdir -p "$OUT/memory_modes"
 run memory_modes "$T_ROW" python scripts/memory_modes.py "${MODES[@]}" --json "$OUT/memory_modes/modes.json"
 run act_offload "$T_ROW" python scripts/memory_modes.py "${ONE_DEV[@]}" --json "$OUT/memory_modes/one_device.json"
+run cp_methods "$T_ROW" python scripts/cp_memory.py "${CP[@]}" --methods allgather,alltoall,ring,hybrid
 
 rcs=""; for k in "${!RC[@]}"; do rcs="$rcs$k=${RC[$k]} "; done
 python - "$OUT" "$rcs" <<'EOF'

@@ -190,8 +190,10 @@ class Parallelism:
     loss_chunk_size: int = 0  # tokens per chunk of the cross entropy (0: all at once)
     context_parallel_degree: int = 1  # ranks splitting each sequence (load-balanced chunks)
     # allgather: K/V all-gathered | alltoall: Ulysses, the sequence split turned into a head split around attention |
-    # ring: K/V blocks passed around the cp group, merged by log-sum-exp
-    context_parallel_method: Literal["allgather", "alltoall", "ring"] = "allgather"
+    # ring: K/V blocks passed around the cp group, merged by log-sum-exp | hybrid: all-to-all inside groups of
+    # context_parallel_a2a_degree neighbouring cp ranks, a ring across the groups
+    context_parallel_method: Literal["allgather", "alltoall", "ring", "hybrid"] = "allgather"
+    context_parallel_a2a_degree: int = 1  # hybrid only: cp ranks per all-to-all group (1 < a2a < cp, dividing cp)
     pipeline_parallel_degree: int = 1  # pipeline ranks (outermost)
     # ranks splitting the routed experts (borrowed from dp_shard x cp; tokens moved by all-to-all; MoE models only)
     expert_parallel_degree: int = 1

@@ -217,7 +217,8 @@ TORCHTITAN_KEYS: dict[str, Key] = {
     "parallelism.context_parallel_rotate_method": Key(
         INERT,
         ok=("allgather",),
-        note="titanlike chooses its cp attention by parallelism.context_parallel_method (allgather | alltoall | ring)",
+        note="titanlike chooses its cp attention by parallelism.context_parallel_method "
+        "(allgather | alltoall | ring | hybrid)",
     ),
     "parallelism.expert_parallel_degree": S(),
     "parallelism.expert_tensor_parallel_degree": Key(INERT, ok=(1,), note=NO_MOE),

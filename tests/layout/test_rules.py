@@ -68,6 +68,8 @@ CASES = {
             "alltoall",
         ],
     ),
+    # hybrid with an all-to-all group of the whole cp group: the alltoall method
+    "cp_a2a_degree": (2, [*CP2, "--parallelism.context_parallel_method", "hybrid"]),
     "cp_float8": (2, [*CP2, "--float8.recipe", "tensorwise"]),
     "cp_schedule": (4, [*CP2, *ZB]),
     "cp_model": (2, ["--model.name", NO_CP.name, *CP2]),
@@ -166,6 +168,46 @@ CASES = {
 
 # further cases of a rule that guards several things
 MORE_CASES = [
+    # the a2a degree with another method (nothing would read it), one that does not divide cp, hybrid's head split
+    ("cp_a2a_degree", (2, [*CP2, "--parallelism.context_parallel_a2a_degree", "2"])),
+    (
+        "cp_a2a_degree",
+        (
+            6,
+            [
+                "--parallelism.context_parallel_degree",
+                "6",
+                "--training.seq_len",
+                "24",
+                "--parallelism.context_parallel_method",
+                "hybrid",
+                "--parallelism.context_parallel_a2a_degree",
+                "4",
+            ],
+        ),
+    ),
+    (
+        "cp_heads",
+        (
+            8,
+            [
+                "--parallelism.context_parallel_degree",
+                "8",
+                "--parallelism.context_parallel_method",
+                "hybrid",
+                "--parallelism.context_parallel_a2a_degree",
+                "4",
+                "--parallelism.tensor_parallel_degree",
+                "1",
+                "--model.n_heads",
+                "2",
+                "--model.n_kv_heads",
+                "2",
+                "--model.dim",
+                "32",
+            ],
+        ),
+    ),
     # layout invariance: dp 4 does not divide V 2; V set without layout_invariant (read by nothing); Muon, pp x tp
     ("invariant_virtual_dp", (4, [*INV, "--training.virtual_dp_degree", "2"])),
     ("invariant_virtual_dp", (1, ["--training.virtual_dp_degree", "16"])),

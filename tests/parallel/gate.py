@@ -197,6 +197,19 @@ def _ring(n, *more):
 CP_METHODS = (("a2a", _a2a), ("ring", _ring))
 
 
+def _hybrid(n, a2a, *more):
+    """Context parallelism by all-to-all inside groups of ``a2a`` cp ranks, a ring across the groups
+    (parallelism.context_parallel_method hybrid)."""
+    return _cp(
+        n,
+        "--parallelism.context_parallel_method",
+        "hybrid",
+        "--parallelism.context_parallel_a2a_degree",
+        str(a2a),
+        *more,
+    )
+
+
 def _ep(n, *more):
     return ("--parallelism.expert_parallel_degree", str(n), *more)
 
@@ -655,6 +668,21 @@ LAYOUTS = [
         )
     ],
     Layout("MUT ring cp4 a ring step skipped", 4, _ring(4, *_dp(1, 1, 8)), mutation="ring_step_skipped"),
+    # hybrid: all-to-all inside groups of 2, a ring across the 2 groups (each rank holds 4 chunks of 2 of the heads)
+    *[
+        Layout(f"hybrid {m + ' ' if m != 'gqa' else ''}cp4_a2a2", 4, _hybrid(4, 2, *_dp(1, 1, 8)), model=m)
+        for m in ("gqa", "block_reset", "gpt_oss", "gpt_oss_block", "ds_cp", "ds_cp_block", "qnext")
+    ],
+    Layout(
+        "MUT hybrid cp4_a2a2 heads scattered back in the wrong order",
+        4,
+        _hybrid(4, 2, *_dp(1, 1, 8)),
+        mutation="a2a_heads_order",
+    ),
+    Layout("MUT hybrid cp4_a2a2 a ring step skipped", 4, _hybrid(4, 2, *_dp(1, 1, 8)), mutation="ring_step_skipped"),
+    Layout(
+        "MUT hybrid cp4_a2a2 log-sum-exps merged by max", 4, _hybrid(4, 2, *_dp(1, 1, 8)), mutation="ring_merge_max"
+    ),
     Layout(
         "MUT a2a cp4 heads scattered back in the wrong order", 4, _a2a(4, *_dp(1, 1, 8)), mutation="a2a_heads_order"
     ),
@@ -662,6 +690,7 @@ LAYOUTS = [
     Layout("tp2_hsdp2x2", 8, _tp(2, *_dp(2, 2, 2))),
     Layout("tp2_sp_fsdp4", 8, _tp(2, *SP, *_dp(1, 4, 2))),
     Layout("cp2_tp2_fsdp2", 8, _cp(2, *_tp(2, *_dp(1, 2, 4)))),
+    Layout("hybrid cp4_a2a2_tp2_sp", 8, _hybrid(4, 2, *_tp(2, *SP, *_dp(1, 1, 8)))),
     Layout("gpt2 tp2_sp_hsdp2x2", 8, _tp(2, *SP, *_dp(2, 2, 2)), model="gpt2"),
     Layout("ds ep4_fsdp8", 8, _ep(4, *_dp(1, 8, 1)), model="ds"),
 ]

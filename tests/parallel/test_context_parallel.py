@@ -207,8 +207,54 @@ def test_context_parallel_method_swaps_the_softmax_seams_and_keeps_state_passing
         spec = get_spec("deepseek_v3")
         ds = apply_cp(spec.build_meta(spec.flavors["tiny"].replace(vocab_size=64)), mesh, method="ring")
         assert any(isinstance(m, RingLatentAttention) for m in ds.modules())
-        with pytest.raises(ValueError, match=r"^apply_cp: context_parallel_method 'hybrid' is not one of"):
-            apply_cp(get_spec("llama3").build_meta(tiny["llama3"]), mesh, method="hybrid")
+        with pytest.raises(ValueError, match=r"^apply_cp: context_parallel_method 'bogus' is not one of"):
+            apply_cp(get_spec("llama3").build_meta(tiny["llama3"]), mesh, method="bogus")
+        with pytest.raises(ValueError, match=r"^context_parallel_method hybrid: context_parallel_a2a_degree 2 must"):
+            apply_cp(get_spec("llama3").build_meta(tiny["llama3"]), mesh, method="hybrid", a2a_degree=2)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hybrid_splits_the_cp_mesh_into_ring_and_all_to_all_groups():
+    """``method="hybrid"``: the cp mesh split into (ring, all-to-all) groups, the all-to-all innermost (neighbouring
+    cp ranks); each ring rank holds the two load-balanced chunks of every rank of its group; every softmax seam
+    (with its window / sinks, the latent one) becomes the hybrid core, Gated DeltaNet keeps state passing."""
+    import gate
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from titanlike.models import get_spec
+    from titanlike.parallel.context_parallel import (
+        HybridAttention,
+        HybridLatentAttention,
+        apply_cp,
+        hybrid_layout,
+    )
+    from titanlike.parallel.state_passing import ContextParallelGatedDelta
+
+    names = {lo.name: lo.world_size for lo in gate.LAYOUTS if "hybrid" in lo.args}
+    for model in ("", "block_reset ", "gpt_oss ", "gpt_oss_block ", "ds_cp ", "ds_cp_block ", "qnext "):
+        assert names[f"hybrid {model}cp4_a2a2"] == 4  # in the shared 4-rank gate launch
+    assert names["hybrid cp4_a2a2_tp2_sp"] == 8
+    assert sum(n.startswith("MUT hybrid") for n in names) == 3
+    assert hybrid_layout(2)(2, 0) == (0, 7, 1, 6) and hybrid_layout(2)(2, 1) == (2, 5, 3, 4)
+    assert sorted(j for g in range(2) for j in hybrid_layout(4)(2, g)) == list(range(16))
+    dist.init_process_group("fake", rank=2, world_size=4, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+        models = {}
+        for name in ("gpt_oss", "deepseek_v3", "qwen3_next"):
+            spec = get_spec(name)
+            tiny = spec.flavors["tiny"].replace(vocab_size=64)
+            models[name] = apply_cp(spec.build_meta(tiny), mesh, method="hybrid", a2a_degree=2)
+        cores = [m for m in models["gpt_oss"].modules() if isinstance(m, HybridAttention)]
+        assert {c.window for c in cores} == {4, None} and all(c.sinks for c in cores)
+        core = cores[0]
+        assert core.a2a_mesh.mesh.tolist() == [2, 3] and core.ring_mesh.mesh.tolist() == [0, 2]  # cp rank 2
+        assert any(isinstance(m, HybridLatentAttention) for m in models["deepseek_v3"].modules())
+        kinds = [type(m) for m in models["qwen3_next"].modules()]
+        assert HybridAttention in kinds and ContextParallelGatedDelta in kinds
     finally:
         dist.destroy_process_group()
 

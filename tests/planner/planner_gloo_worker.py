@@ -197,6 +197,18 @@ CASES = {
         "--parallelism.context_parallel_method",
         "alltoall",
     ],
+    # hybrid: all-to-all in groups of 2 ranks, a ring across the 2 groups, under block_causal (the group's document
+    # starts gathered once per forward)
+    "hybrid_block_cp4_a2a2": [
+        "--parallelism.context_parallel_degree",
+        "4",
+        "--parallelism.context_parallel_method",
+        "hybrid",
+        "--parallelism.context_parallel_a2a_degree",
+        "2",
+        "--model.attn_mask_type",
+        "block_causal",
+    ],
 }
 MOE = ["--model.name", "qwen3_moe"]
 DS = [
@@ -365,6 +377,11 @@ def run_case(rank: int, name: str) -> dict:
         for g in rank_groups(dims, dim):
             if rank in g and len(g) > 1:
                 dim_of.setdefault(tuple(g), []).append(dim)
+    if dims.cp > 1 and cfg.parallelism.context_parallel_method == "hybrid":  # its all-to-all and ring groups: cp's
+        from titanlike.parallel.context_parallel import hybrid_meshes
+
+        for mesh in hybrid_meshes(dims.get_mesh("cp"), cfg.parallelism.context_parallel_a2a_degree):
+            dim_of.setdefault(tuple(dist.get_process_group_ranks(mesh.get_group())), []).append("cp")
     for dim in ("dp_shard_mod_ep", "dp_shard_cp_tp") if dims.ep > 1 else ():  # the experts' and MoE blocks' FSDP
         if dim != "dp_shard_cp_tp" or dims.ep_tp > 1:
             g = tuple(dist.get_process_group_ranks(dims.get_mesh(dim).get_group()))

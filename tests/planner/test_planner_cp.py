@@ -56,7 +56,8 @@ def test_suggest_tries_every_cp_method_and_ranks_them():
     plan = _plan(64, "allgather", *LONG)
     found, stats = suggest_layouts(plan.cfg, 64, H100, plan.args, global_batch=8)
     assert found and all(c.cp == 8 for c in found)
-    assert {c.cp_method for c in found} == {"allgather", "alltoall", "ring"}
+    hybrid = {"hybrid a2a 2", "hybrid a2a 4"}  # all-to-all groups of 2 or 4, a ring across 4 or 2 of them
+    assert {c.cp_method for c in found} == {"allgather", "alltoall", "ring", *hybrid}
     assert [c.step_time for c in found] == sorted(c.step_time for c in found)
     # the same layout both ways: the all-to-all holds less without AC (its K / V are 1 / cp of the whole
     # sequence's), the same under full AC (the block input only)
@@ -70,31 +71,37 @@ def test_suggest_tries_every_cp_method_and_ranks_them():
     a2a = next(c for c in found if c.cp_method == "alltoall")
     assert "--parallelism.context_parallel_method alltoall" in " ".join(a2a.overrides)
     text = plan_cli.render_suggestions(plan, top=len(found))
-    assert "cp 8 alltoall" in text and "cp 8 allgather" in text
-    # a head count cp cannot split: the all-to-all is illegal (rule cp_heads), the all-gather and the ring are ranked
+    assert "cp 8 alltoall" in text and "cp 8 allgather" in text and "cp 8 hybrid a2a 4" in text
+    h2 = next(c for c in found if c.cp_method == "hybrid a2a 2")
+    assert "--parallelism.context_parallel_a2a_degree 2" in " ".join(h2.overrides)
+    # a head count cp cannot split: the all-to-all is illegal (rule cp_heads), the all-gather, the ring and the
+    # hybrid's groups of 2 and 4 (which divide the 36 heads) are ranked
     odd = _plan(64, "allgather", *LONG, "--model.n_heads", "36", "--model.n_kv_heads", "4", "--model.dim", "4608")
     found, _ = suggest_layouts(odd.cfg, 64, H100, odd.args, global_batch=8)
-    assert found and {c.cp_method for c in found} == {"allgather", "ring"}
+    assert found and {c.cp_method for c in found} == {"allgather", "ring", *hybrid}
 
 
 def test_all_to_all_and_ring_block_activations_equal_the_dry_run_probe():
-    """One Qwen3 0.6B block (16 heads, 8 kv heads, q/k norms) at tp 2 x cp 4 under the all-to-all and the ring
-    cores, as the dry run's FakeTensorMode probe measures it: no gathered K / V without AC (the all-to-all kernel
-    holds the whole sequence of heads / cp heads: the size of the local tokens of every head; the ring its own
-    chunks' q, k, v), under op AC the four all-to-alls' outputs, or the ring's block scores and outputs."""
+    """One Qwen3 0.6B block (16 heads, 8 kv heads, q/k norms) at tp 2 x cp 4 under the all-to-all, the ring and the
+    hybrid (a2a 2 x ring 2) cores, as the dry run's FakeTensorMode probe measures it: no gathered K / V without AC
+    (the all-to-all kernel holds the whole sequence of heads / cp heads: the size of the local tokens of every head;
+    the ring its own chunks' q, k, v; the hybrid both), under op AC the four all-to-alls' outputs, or the ring's
+    block scores and outputs (the hybrid both)."""
     from titanlike.planner.dryrun import dry_run
     from titanlike.planner.layout import Layout
     from titanlike.planner.memory import block_activation_bytes
 
     for method, ac, mode in [
-        (m, ac, mode) for m in ("alltoall", "ring") for ac, mode in (("none", "none"), ("selective", "op"))
+        (m, ac, mode) for m in ("alltoall", "ring", "hybrid") for ac, mode in (("none", "none"), ("selective", "op"))
     ]:
+        a2a = ("--parallelism.context_parallel_a2a_degree", "2") if method == "hybrid" else ()
         cfg = parse_config(
             [
                 *("--model.name", "qwen3", "--model.flavor", "0.6B", "--training.seq_len", "512"),
                 *("--training.dtype", "bfloat16", "--training.local_batch_size", "1"),
                 *("--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree", "4"),
                 *("--parallelism.context_parallel_method", method, "--activation_checkpoint.mode", ac),
+                *a2a,
             ]
         )
         args = model_args_from_config(cfg)

@@ -42,7 +42,7 @@ def test_planner_matches_gloo_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     cases = json.loads(out.read_text())["cases"]
-    assert len(cases) == 23
+    assert len(cases) == 24
     for name, ranks in cases.items():
         assert sorted(ranks) == ["0", "1", "2", "3"], name
         for rank, r in ranks.items():
@@ -150,3 +150,9 @@ def test_planner_matches_gloo_runs(tmp_path):
     for rank, r in cases["ring_cp4"].items():
         assert r["measured"]["cp send any"] == [40, 40 * 1024], (rank, r["measured"])
         assert not any(k.startswith("cp all_") for k in r["measured"]), (rank, r["measured"])
+    # hybrid cp 4 = a2a 2 x ring 2 (each rank after the group's all-to-all: 8 tokens of 1 kv head x 16 = 1024 bytes
+    # per K or V): per block 4 + 4 all-to-alls, sends forward 1 hop of K and V, backward 2 of dK / dV and 1 of K / V
+    for rank, r in cases["hybrid_block_cp4_a2a2"].items():
+        assert r["measured"]["cp send any"] == [16, 16 * 1024], (rank, r["measured"])
+        assert r["measured"]["cp all_to_all forward"][0] == 8, (rank, r["measured"])
+        assert r["measured"]["cp all_gather forward"][0] == 1, (rank, r["measured"])

@@ -52,6 +52,7 @@ def test_gpu_check_dry_run_writes_every_row(tmp_path):
             "linear_bench",
             "memory_modes",
             "act_offload",
+            "cp_methods",
         )
     }, proc.stdout
     rows = {r["row"]: r for r in summary["rows"]}

@@ -73,7 +73,9 @@ RULES = {
     "cp_kernels": "context parallelism with model.kernels=torch",
     "cp_method_needs_cp": "parallelism.context_parallel_method other than allgather needs context_parallel_degree > 1",
     "cp_heads": "context_parallel_method alltoall: cp divides the query heads of a tp rank (kv heads cp does not "
-    "divide are repeated)",
+    "divide are repeated); hybrid: context_parallel_a2a_degree divides them",
+    "cp_a2a_degree": "parallelism.context_parallel_a2a_degree only with context_parallel_method hybrid, and there "
+    "strictly between 1 and cp, dividing cp",
     "cp_float8": "context parallelism without float8",
     "cp_schedule": "context parallelism without split-backward pipeline schedules",
     "cp_model": "context parallelism on models that declare it (ModelSpec.context_parallel: the shared attention and "
@@ -194,6 +196,7 @@ def rule_violations(cfg, world_size: int, args) -> list[tuple[str, str]]:
                 f"(cp 1 splits no sequence); remove it or raise the cp degree",
             )
         )
+    out += [("cp_a2a_degree", m) for m in _a2a_degree_problems(p, cp)]
     out += [("mtp_layout", m) for m in _mtp_violations(cfg, args)]
     out += [("sdc", m) for m in sdc_violations(cfg, args)]
     if not problems:
@@ -561,18 +564,45 @@ def _expert_violations(cfg, spec, args, dp_shard: int, cp: int, tp: int) -> list
     return out
 
 
+def _a2a_degree_problems(p, cp: int) -> list[str]:
+    """``context_parallel_a2a_degree``: read by the hybrid method only, which needs a group size strictly between
+    1 (the ring method) and cp (the alltoall method) that divides cp."""
+    a2a = p.context_parallel_a2a_degree
+    if p.context_parallel_method != "hybrid":
+        if a2a == 1:
+            return []
+        return [
+            f"parallelism.context_parallel_a2a_degree {a2a} is read by context_parallel_method hybrid only (method "
+            f"{p.context_parallel_method}); remove it or set context_parallel_method hybrid"
+        ]
+    if a2a == 1 or a2a == cp:
+        method = "ring" if a2a == 1 else "alltoall"
+        return [
+            f"parallelism.context_parallel_method hybrid with context_parallel_a2a_degree {a2a} (cp {cp}) is the "
+            f"{method} method; set context_parallel_method {method}, or an a2a degree strictly between 1 and cp"
+        ]
+    if a2a < 1 or cp % a2a:
+        return [
+            f"parallelism.context_parallel_a2a_degree {a2a} does not divide context_parallel_degree {cp} (groups of "
+            f"a2a cp ranks, a ring across cp / a2a of them); choose a divisor of {cp} between 2 and {cp // 2}"
+        ]
+    return []
+
+
 def _context_parallel_violations(cfg, cp: int, tp: int, args) -> list[tuple[str, str]]:
     p, t = cfg.parallelism, cfg.training
     out: list[tuple[str, str]] = []
     heads = getattr(args, "n_heads", None)
-    if p.context_parallel_method == "alltoall" and heads and heads % tp == 0 and (heads // tp) % cp:
+    split = {"alltoall": cp, "hybrid": p.context_parallel_a2a_degree}.get(p.context_parallel_method, 0)
+    if split > 1 and heads and heads % tp == 0 and (heads // tp) % split:
+        degree = "context_parallel_degree" if p.context_parallel_method == "alltoall" else "context_parallel_a2a_degree"
         out.append(
             (
                 "cp_heads",
-                f"parallelism.context_parallel_method alltoall: the {heads // tp} query heads of a tp rank "
-                f"(n_heads {heads} / tp {tp}) are not divisible by context_parallel_degree {cp} (the all-to-all "
-                f"hands each cp rank heads / cp of them); use context_parallel_method allgather or a cp degree "
-                f"that divides {heads // tp}",
+                f"parallelism.context_parallel_method {p.context_parallel_method}: the {heads // tp} query heads of a "
+                f"tp rank (n_heads {heads} / tp {tp}) are not divisible by {degree} {split} (the all-to-all "
+                f"hands each rank of its group heads / {split} of them); use context_parallel_method allgather or "
+                f"ring, or a {degree} that divides {heads // tp}",
             )
         )
     if t.seq_len % (2 * cp):

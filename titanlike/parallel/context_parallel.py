@@ -49,7 +49,7 @@ from titanlike.loss import shift_labels
 from titanlike.models.decoder import AttentionCore, LatentAttentionCore, Positions, SequenceWindow
 from titanlike.models.linear_attention import GatedDeltaCore, ShortConvCore
 from titanlike.models.masking import DocumentMask, window_keys, window_tail
-from titanlike.parallel.ring_attention import RingAttention, RingLatentAttention
+from titanlike.parallel.ring_attention import RingAttention, RingLatentAttention, ring_attention
 from titanlike.parallel.state_passing import ContextParallelGatedDelta, ContextParallelShortConv
 
 __all__ = [
@@ -57,6 +57,8 @@ __all__ = [
     "ContextParallelLatentAttention",
     "ContextParallelPositions",
     "ContextParallelWindow",
+    "HybridAttention",
+    "HybridLatentAttention",
     "METHODS",
     "UlyssesAttention",
     "UlyssesLatentAttention",
@@ -67,6 +69,8 @@ __all__ = [
     "cp_positions",
     "cp_shard",
     "cp_unshard",
+    "hybrid_layout",
+    "hybrid_meshes",
 ]
 
 
@@ -281,7 +285,7 @@ class ContextParallelLatentAttention(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------- all-to-all (Ulysses)
-METHODS = ("allgather", "alltoall", "ring")  # parallelism.context_parallel_method (what is implemented)
+METHODS = ("allgather", "alltoall", "ring", "hybrid")  # parallelism.context_parallel_method
 
 
 def ulysses_kv_heads(n_heads: int, n_kv_heads: int, cp: int) -> int:
@@ -317,23 +321,37 @@ def _all_to_all(t: Tensor, mesh: DeviceMesh) -> Tensor:
     return out.view(shape)
 
 
+def group_to_heads(x: Tensor, mesh: DeviceMesh) -> Tensor:
+    """The all-to-all over ``mesh`` (``n`` ranks): this rank's tokens of every head (batch, s, heads, d) -> every
+    rank's tokens of this rank's head group (batch, n s, heads / n, d), in rank order (rank 0's tokens, rank 1's,
+    ...)."""
+    n = mesh.size()
+    got = _all_to_all(_split_heads(x, n), mesh)  # (n, b, s, hc, d): index = the source rank (its two chunks)
+    n_, b, s, hc, d = got.shape
+    return got.permute(1, 0, 2, 3, 4).reshape(b, n * s, hc, d)
+
+
+def heads_to_group(y: Tensor, mesh: DeviceMesh) -> Tensor:
+    """The inverse of :func:`group_to_heads`: (batch, n s, heads / n, d) in rank order -> this rank's tokens of
+    every head (batch, s, heads, d)."""
+    n = mesh.size()
+    b, t, hc, d = y.shape
+    send = y.view(b, n, t // n, hc, d).transpose(0, 1).contiguous()  # (n, b, s, hc, d): to rank r
+    return _join_heads(_all_to_all(send, mesh))
+
+
 def seq_to_heads(x: Tensor, mesh: DeviceMesh) -> Tensor:
     """Ulysses' first all-to-all: this rank's tokens of every head (batch, s, heads, d) -> every token of this rank's
     head group (batch, cp s, heads / cp, d), in natural sequence order (the load-balanced chunks put back)."""
-    cp = mesh.size()
-    got = _all_to_all(_split_heads(x, cp), mesh)  # (cp, b, s, hc, d): index = the source rank (its two chunks)
-    cp_, b, s, hc, d = got.shape
-    return reorder_gathered(got.permute(1, 0, 2, 3, 4).reshape(b, cp * s, hc, d), cp)
+    return reorder_gathered(group_to_heads(x, mesh), mesh.size())
 
 
 def heads_to_seq(y: Tensor, mesh: DeviceMesh) -> Tensor:
     """Ulysses' second all-to-all, the inverse of :func:`seq_to_heads`: (batch, S, heads / cp, d) in natural order
     -> this rank's chunks of every head (batch, S / cp, heads, d)."""
     cp = mesh.size()
-    b, n, hc, d = y.shape
     ranked = torch.cat([cp_shard(y, cp, r) for r in range(cp)], dim=1)  # rank r's chunks at [r s, (r + 1) s)
-    send = ranked.view(b, cp, n // cp, hc, d).transpose(0, 1).contiguous()  # (cp, b, s, hc, d): to rank r
-    return _join_heads(_all_to_all(send, mesh))
+    return heads_to_group(ranked, mesh)
 
 
 def _whole_mask(mask: DocumentMask | None, mesh: DeviceMesh, seq_len: int, batch: int) -> DocumentMask | None:
@@ -417,6 +435,104 @@ class UlyssesLatentAttention(nn.Module):
         qh, kh, vh = (seq_to_heads(t, self.cp_mesh) for t in (q, k, v))
         whole = _whole_mask(mask, self.cp_mesh, qh.shape[1], q.shape[0])
         return heads_to_seq(AttentionCore.forward(self, qh, kh, vh, whole), self.cp_mesh)
+
+
+# ---------------------------------------------------------------------------------------------- hybrid
+def hybrid_layout(a2a: int):
+    """The chunks a ring rank holds under ``hybrid``: ring rank ``g`` is the all-to-all group of cp ranks
+    ``g a2a .. (g + 1) a2a - 1`` (all-to-all innermost), and after the group's all-to-all every rank of it holds the
+    two load-balanced chunks of each of them, in rank order. A ``layout(ring_size, ring_rank)`` for
+    ``titanlike.parallel.ring_attention`` (``cp = ring_size x a2a``)."""
+
+    def layout(ring_size: int, g: int) -> tuple[int, ...]:
+        return tuple(j for i in range(a2a) for j in chunk_ids(ring_size * a2a, g * a2a + i))
+
+    return layout
+
+
+def hybrid_meshes(cp_mesh: DeviceMesh, a2a: int) -> tuple[DeviceMesh, DeviceMesh]:
+    """(ring mesh, all-to-all mesh) of the 1-D cp mesh split into ``(cp / a2a, a2a)``, the all-to-all innermost
+    (neighbouring cp ranks, as tp is innermost overall: the all-to-all's traffic stays on the closest links)."""
+    cp = cp_mesh.size()
+    if a2a <= 1 or a2a >= cp or cp % a2a:
+        raise ValueError(
+            f"context_parallel_method hybrid: context_parallel_a2a_degree {a2a} must divide cp {cp} and lie strictly "
+            f"between 1 and cp (a2a 1 is the ring method, a2a = cp the alltoall method)"
+        )
+    split = cp_mesh._unflatten(0, (cp // a2a, a2a), ("cp_ring", "cp_a2a"))
+    return split["cp_ring"], split["cp_a2a"]
+
+
+def _group_starts(mask: DocumentMask | None, mesh: DeviceMesh) -> Tensor | None:
+    """The document starts of every token of this rank's all-to-all group, in rank order (the queries' rows after
+    :func:`group_to_heads`): one all-gather per forward, kept on ``mask`` (every layer and AC's recomputation reuse
+    it); None without documents."""
+    if mask is None or not mask.documents:
+        return None
+    key = ("cp_hybrid_group_starts", mesh.size())
+    if key not in mask._cache:
+        mask._cache[key] = _gather_seq(mask.starts, mesh)
+    return mask._cache[key]
+
+
+class HybridAttention(nn.Module):
+    """Context-parallel attention by all-to-all inside groups of ``a2a`` cp ranks and a ring across the groups
+    (Megatron-Core's hierarchical a2a + p2p), same interface as :class:`ContextParallelAttention`. The all-to-all
+    over the group (:func:`group_to_heads`) gives each rank ``heads / a2a`` heads of the group's ``2 a2a``
+    load-balanced chunks (kv heads the group size does not divide repeated first, :func:`ulysses_kv_heads`); the
+    ring over the ``cp / a2a`` ranks holding the same head group (``titanlike.parallel.ring_attention``,
+    :func:`hybrid_layout`) passes those keys / values around, masks from the chunks' global positions and the
+    group's document starts; the reverse all-to-all turns the output back. Sinks: this rank's head group's.
+    ``meshes``: (ring mesh, all-to-all mesh), :func:`hybrid_meshes`. Every cp rank must call it."""
+
+    attention_seam = True
+
+    def __init__(self, meshes: tuple[DeviceMesh, DeviceMesh], window: int | None = None, sinks: bool = False):
+        super().__init__()
+        self.ring_mesh, self.a2a_mesh = meshes
+        self.a2a, self.a2a_rank = self.a2a_mesh.size(), self.a2a_mesh.get_local_rank()
+        self.layout = hybrid_layout(self.a2a)
+        self.window, self.sinks = window, sinks
+
+    def extra_repr(self) -> str:
+        return f"a2a={self.a2a} x ring={self.ring_mesh.size()}, window={self.window}"
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask | None = None, sinks: Tensor | None = None
+    ) -> Tensor:
+        kv_heads = ulysses_kv_heads(q.shape[2], k.shape[2], self.a2a)
+        if kv_heads != k.shape[2]:
+            k = k.repeat_interleave(kv_heads // k.shape[2], dim=2)
+            v = v.repeat_interleave(kv_heads // v.shape[2], dim=2)
+        qh, kh, vh = (group_to_heads(t, self.a2a_mesh).transpose(1, 2) for t in (q, k, v))
+        own_sinks = None if sinks is None else _head_slice(sinks, self.a2a, self.a2a_rank)
+        starts = _group_starts(mask, self.a2a_mesh)
+        out = ring_attention(qh, kh, vh, self.ring_mesh, self.layout, starts, self.window, own_sinks)
+        return heads_to_group(out.transpose(1, 2), self.a2a_mesh)
+
+
+class HybridLatentAttention(nn.Module):
+    """:class:`HybridAttention` for the latent seam (multi-head latent attention): the latent expanded locally by the
+    model's up-projection (this rank's tokens), then the per-head queries, keys and values go through the group's
+    all-to-all and the ring across groups."""
+
+    window, sinks = None, False
+
+    def __init__(self, meshes: tuple[DeviceMesh, DeviceMesh]):
+        super().__init__()
+        self.ring_mesh, self.a2a_mesh = meshes
+        self.a2a = self.a2a_mesh.size()
+        self.layout = hybrid_layout(self.a2a)
+
+    def extra_repr(self) -> str:
+        return f"a2a={self.a2a} x ring={self.ring_mesh.size()} over the expanded latent's heads"
+
+    def forward(self, q: Tensor, latent: Tensor, k_rope: Tensor, expand, mask: DocumentMask | None = None) -> Tensor:
+        k, v = expand(latent, k_rope)
+        ulysses_kv_heads(q.shape[2], k.shape[2], self.a2a)  # every head its own key and value: the check only
+        qh, kh, vh = (group_to_heads(t, self.a2a_mesh).transpose(1, 2) for t in (q, k, v))
+        out = ring_attention(qh, kh, vh, self.ring_mesh, self.layout, _group_starts(mask, self.a2a_mesh))
+        return heads_to_group(out.transpose(1, 2), self.a2a_mesh)
 
 
 def chunk_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -533,13 +649,17 @@ _CP_MODULES = (
     UlyssesLatentAttention,
     RingAttention,
     RingLatentAttention,
+    HybridAttention,
+    HybridLatentAttention,
     ContextParallelPositions,
     ContextParallelGatedDelta,
     ContextParallelShortConv,
 )
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True, method: str = "allgather") -> nn.Module:
+def apply_cp(
+    model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True, method: str = "allgather", a2a_degree: int = 1
+) -> nn.Module:
     """Context parallelism over ``cp_mesh`` (1-D), in place; returns ``model``.
 
     Every attention seam (``titanlike.models.decoder.AttentionCore``, called as ``core(q, k, v)``) becomes a
@@ -551,8 +671,9 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True, m
     (the model has no positions, or feeds ``cp_positions`` to its position lookups itself). ``method``
     (``parallelism.context_parallel_method``): "allgather" (K/V all-gathered, the cores above), "alltoall" (the
     softmax seams become :class:`UlyssesAttention` / :class:`UlyssesLatentAttention`: all-to-all over heads) or
-    "ring" (``titanlike.parallel.ring_attention``: K/V blocks passed around the cp group); the linear-attention
-    seams pass state whatever the method. Call after tensor
+    "ring" (``titanlike.parallel.ring_attention``: K/V blocks passed around the cp group) or "hybrid" (all-to-all
+    inside groups of ``a2a_degree`` ranks, a ring across them: :class:`HybridAttention`); the linear-attention
+    seams pass state over the whole cp mesh whatever the method. Call after tensor
     parallelism and before activation checkpointing / compile / FSDP; the batches must be cut with :func:`cp_shard`.
     """
     if cp_mesh.ndim != 1:
@@ -583,8 +704,9 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True, m
             f"its RoPE / position lookups read), so its positions would restart on every cp rank; give it one, or "
             f"pass positions=False if it has no positions or feeds cp_positions to them itself"
         )
+    meshes = hybrid_meshes(cp_mesh, a2a_degree) if method == "hybrid" and cores else None
     for owner, child_name in cores:
-        setattr(owner, child_name, _cp_attention_core(getattr(owner, child_name), cp_mesh, method))
+        setattr(owner, child_name, _cp_attention_core(getattr(owner, child_name), cp_mesh, method, meshes))
     for owner, child_name in seams:
         setattr(owner, child_name, ContextParallelPositions(cp_mesh))
     for owner, child_name in windows:
@@ -599,9 +721,12 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, positions: bool = True, m
     return model
 
 
-def _cp_attention_core(core: nn.Module, cp_mesh: DeviceMesh, method: str) -> nn.Module:
+def _cp_attention_core(core: nn.Module, cp_mesh: DeviceMesh, method: str, meshes) -> nn.Module:
     """The context-parallel counterpart of one softmax attention seam (a ``LatentAttentionCore``: of the latent
-    seam) under ``method``, keeping its window and sinks."""
+    seam) under ``method``, keeping its window and sinks; ``meshes``: hybrid's (ring, all-to-all) meshes."""
+    if method == "hybrid":
+        latent = isinstance(core, LatentAttentionCore)
+        return HybridLatentAttention(meshes) if latent else HybridAttention(meshes, core.window, core.sinks)
     if isinstance(core, LatentAttentionCore):
         if method == "alltoall":
             return UlyssesLatentAttention(cp_mesh)

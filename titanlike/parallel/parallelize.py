@@ -77,7 +77,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
     if dims.cp_enabled:
         from titanlike.parallel.context_parallel import apply_cp
 
-        apply_cp(model, dims.get_mesh("cp"), method=cfg.parallelism.context_parallel_method)
+        p = cfg.parallelism
+        apply_cp(model, dims.get_mesh("cp"), method=p.context_parallel_method, a2a_degree=p.context_parallel_a2a_degree)
     # (a pipeline stage of dense blocks only holds no experts; a model without any is refused by the rule ep_model)
     has_experts = dims.ep_enabled and bool(experts_modules(model))
     if experts_modules(model) and (dims.cp_enabled or dims.ep_tp > 1):

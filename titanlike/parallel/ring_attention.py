@@ -80,10 +80,12 @@ def passed_on(kept: list[Tensor], arrived: list[Tensor]) -> list[Tensor]:
 
 def merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
     """Online softmax: the running ``out`` (rows' outputs) and ``lse`` (their log-sum-exps) merged with a block's.
-    A row the block does not reach (``lse_b = -inf``) keeps its own; the running one is finite (the diagonal
-    block comes first)."""
+    A row the block does not reach (``lse_b = -inf``) keeps its own; a row neither reaches yet (a rank holding more
+    than two chunks, :mod:`hybrid <titanlike.parallel.context_parallel>`'s groups, meets earlier blocks before the
+    diagonal one) stays at output 0, log-sum-exp ``-inf``."""
     new = torch.logaddexp(lse, lse_b)
-    return torch.exp(lse - new).unsqueeze(-1) * out + torch.exp(lse_b - new).unsqueeze(-1) * out_b, new
+    at = torch.where(torch.isinf(new), torch.zeros_like(new), new)  # a row neither block reaches yet stays (0, -inf)
+    return torch.exp(lse - at).unsqueeze(-1) * out + torch.exp(lse_b - at).unsqueeze(-1) * out_b, new
 
 
 class _Blocks:
@@ -142,18 +144,19 @@ def _fold(grad: Tensor, n_rep: int) -> Tensor:
 
 
 class _RingAttention(torch.autograd.Function):
-    """q (b, h, 2C, d), k / v (b, kv_h, 2C, d / dv) of this rank's two chunks -> (out (b, h, 2C, dv), lse (b, h,
-    2C)) over the whole sequence's keys (module docstring)."""
+    """q (b, h, nC, d), k / v (b, kv_h, nC, d / dv) of this rank's ``n = len(layout(cp, rank))`` chunks (two; a
+    hybrid group's ``2 x a2a``) -> (out (b, h, nC, dv), lse (b, h, nC)) over the whole sequence's keys (module
+    docstring)."""
 
     @staticmethod
     def forward(ctx, q, k, v, mesh, layout, starts, window):
         cp, rank = mesh.size(), mesh.get_local_rank()
         chunks = layout(cp, rank)
-        c, n_rep, scale = q.shape[2] // 2, q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
+        c, n_rep, scale = q.shape[2] // len(chunks), q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
         blocks = _Blocks(chunks, c, starts, window, q.device)
         ring = _Ring(mesh)
-        outs = [None, None]
-        lses = [None, None]
+        outs = [None] * len(chunks)
+        lses = [None] * len(chunks)
         kv = [k, v]
         for i in ring_steps(cp):
             pending = ring.start(kv) if i < cp - 1 else None  # the next pair travels while this one is used
@@ -183,7 +186,7 @@ class _RingAttention(torch.autograd.Function):
         mesh, layout, window = ctx.mesh, ctx.layout, ctx.window
         cp, rank = mesh.size(), mesh.get_local_rank()
         chunks = layout(cp, rank)
-        c, n_rep, scale = q.shape[2] // 2, q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
+        c, n_rep, scale = q.shape[2] // len(chunks), q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
         blocks = _Blocks(chunks, c, starts, window, q.device)
         ring = _Ring(mesh)
         grad_out = torch.zeros_like(out) if grad_out is None else grad_out
@@ -230,11 +233,12 @@ def ring_attention(
     window: int | None = None,
     sinks: Tensor | None = None,
 ) -> Tensor:
-    """Causal attention of this rank's ``q`` (batch, heads, 2C, d) over the whole sequence, its keys / values
-    ``k, v`` (batch, kv_heads, 2C, d) passed around the ring; ``layout(cp, rank)``: the two global chunks a cp rank
-    holds, in local order (``titanlike.parallel.context_parallel.chunk_ids``); ``starts`` (batch, 2C): the query
-    rows' document starts (None: no documents); ``window``: a sliding window; ``sinks`` (heads,): one sink logit per
-    head, merged into the final log-sum-exp. Returns (batch, heads, 2C, dv)."""
+    """Causal attention of this rank's ``q`` (batch, heads, nC, d) over the whole sequence, its keys / values
+    ``k, v`` (batch, kv_heads, nC, d) passed around the ring of ``mesh``; ``layout(ring_size, ring_rank)``: the
+    ``n`` global chunks a ring rank holds, in local order (``titanlike.parallel.context_parallel.chunk_ids``: two;
+    ``hybrid_layout``: the two of every rank of an all-to-all group); ``starts`` (batch, nC): the query rows'
+    document starts (None: no documents); ``window``: a sliding window; ``sinks`` (heads,): one sink logit per head,
+    merged into the final log-sum-exp. Returns (batch, heads, nC, dv)."""
     out, lse = _RingAttention.apply(q, k, v, mesh, layout, starts, window)
     if sinks is not None:
         out = out * torch.sigmoid(lse - sinks.to(lse.dtype).view(1, -1, 1)).unsqueeze(-1).to(out.dtype)

@@ -260,6 +260,9 @@ def _cp_messages(tally: _Tally, ids: list[int], depths: list[int] = ()) -> None:
     if lo.cp_method == "ring":
         _ring_cp_messages(tally, ids)
         return
+    if lo.cp_method == "hybrid":
+        _hybrid_cp_messages(tally, ids)
+        return
     latent = getattr(tally.args, "cp_gathered", None)  # MLA: the latent and the shared RoPE key, not K and V
     if latent:
         n, recomputed = len(ids), sum(map(tally.full_ac, ids))
@@ -334,6 +337,38 @@ def _all_to_all_cp_messages(tally: _Tally, ids: list[int]) -> None:
         add("cp", "all_to_all", "backward", size, lo.cp, f"recomputed {what} heads (full AC)", recomputed * passes)
     if lo.documents:
         add("cp", "all_gather", "forward", tally.b * lo.seq_len * 8, lo.cp, "document starts", passes)
+
+
+def _hybrid_cp_messages(tally: _Tally, ids: list[int]) -> None:
+    """Context parallel by ``hybrid`` (``titanlike.parallel.context_parallel.HybridAttention``), per softmax block
+    and pass: the all-to-all method's four all-to-alls forward and four backward (again the forward's under full AC)
+    inside the group of ``a = context_parallel_a2a_degree`` ranks (each sends ``(a - 1) / a`` of its local q, k, v,
+    output); then the ring method's sends over the ``cp / a`` groups, of the group's ``2 a`` chunks of ``heads / a``
+    heads: ``b s kv_w'`` numbers each of K and V (``kv_w'``: the kv width repeated to a multiple of ``a``; MLA: every
+    head), ``cp / a - 1`` times forward, dK / dV ``cp / a`` times home and K / V ``cp / a - 1`` times backward, the
+    forward's again under AC. Under block_causal the group's document starts are all-gathered once per forward. All
+    under dim ``cp`` (priced on the cp group's link)."""
+    lo, add, passes = tally.lo, tally.add, tally.passes
+    if not ids:
+        return
+    a, ring = lo.cp_a2a, lo.cp // lo.cp_a2a
+    local = tally.b * lo.local_seq_len * tally.a
+    n, recomputed = len(ids), sum(map(tally.full_ac, ids))
+    again = sum(tally.ac(i) != "none" for i in ids)
+    widths = cp_head_widths(lo, tally.args)
+    for what, width in widths.items():
+        size = local * width * (a - 1) // a
+        add("cp", "all_to_all", "forward", size, a, f"{what} heads of every block (group)", n * passes)
+        add("cp", "all_to_all", "backward", size, a, f"{what} head grads of every block (group)", n * passes)
+        add("cp", "all_to_all", "backward", size, a, f"recomputed {what} heads (full AC, group)", recomputed * passes)
+    for what in ("k", "v"):
+        size, name = local * widths[what], what.upper()
+        add("cp", "send", "forward", size, ring, f"{name} group blocks around the ring", (ring - 1) * n * passes)
+        add("cp", "send", "backward", size, ring, f"{name} group blocks again (backward)", (ring - 1) * n * passes)
+        add("cp", "send", "backward", size, ring, f"d{name} group blocks home", ring * n * passes)
+        add("cp", "send", "backward", size, ring, f"recomputed {name} group blocks (AC)", (ring - 1) * again * passes)
+    if lo.documents:
+        add("cp", "all_gather", "forward", tally.b * a * lo.local_seq_len * 8, a, "the group's document starts", passes)
 
 
 def _linear_cp_messages(tally: _Tally, linear: dict) -> None:
@@ -575,8 +610,9 @@ def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
     tp_s = dims["tp"].seconds if "tp" in dims else 0.0
     # synchronous inside attention (and the MoE aux loss's counts over cp x tp): on the critical path
     cp_s = sum(dims[d].seconds for d in ("cp", "cp_tp") if d in dims)
-    if lo.cp_method == "ring" and "cp" in dims:  # the next block's transfer runs under this block's attention
-        cp_s = max(0.0, cp_s - _ring_attention_seconds(lo, args, hw))
+    if lo.cp_method in ("ring", "hybrid") and "cp" in dims:  # the next block's transfer runs under this block's
+        ring_s = _send_seconds(lo, args, hw, rank)  # attention (hybrid: its sends; its all-to-alls are exposed)
+        cp_s -= ring_s - max(0.0, ring_s - _ring_attention_seconds(lo, args, hw))
     ep_s = dims["ep"].seconds if "ep" in dims else 0.0  # the MoE blocks wait for their tokens: on the critical path
     pp_s = dims["pp"].seconds if "pp" in dims else 0.0
     dp = [d for d in _DP_DIMS if d in dims]
@@ -620,6 +656,14 @@ def step_cost(layout: Layout, args, hw: Hardware, rank: int = 0) -> StepCost:
         optimizer_flops=ns,
         optimizer=optimizer,
     )
+
+
+def _send_seconds(lo: Layout, args, hw: Hardware, rank: int) -> float:
+    """Seconds of the cp ring's point-to-point sends in one step (the ring method's every cp message, hybrid's
+    sends across the groups), on the cp group's link."""
+    sends = [m for m in messages(lo, args, rank) if m.dim == "cp" and m.op == "send"]
+    bw = hw.link_bw(lo.groups["cp"].crosses_nodes)
+    return sum(m.wire_bytes for m in sends) / bw + sum(m.count for m in sends) * hw.latency_s
 
 
 def _ring_attention_seconds(lo: Layout, args, hw: Hardware) -> float:

@@ -153,7 +153,7 @@ def _probe_block(cfg: JobConfig, layout: Layout, args, dims, block) -> int:
     if layout.cp > 1:
         from titanlike.parallel.context_parallel import apply_cp
 
-        apply_cp(block, dims.get_mesh("cp"), method=layout.cp_method)
+        apply_cp(block, dims.get_mesh("cp"), method=layout.cp_method, a2a_degree=layout.cp_a2a)
     if layout.ac_mode != "none":
         apply_ac(block, cfg.activation_checkpoint)
     act = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}[layout.dtype]

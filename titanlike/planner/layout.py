@@ -81,9 +81,11 @@ class Layout:
     # mean (1: perfectly balanced, what the bias balancing steers to); scales that rank's all-to-all bytes and its
     # expert FLOPs
     expert_imbalance: float = 1.0
-    # parallelism.context_parallel_method (allgather | alltoall) and whether attention masks documents (block_causal:
-    # the all-to-all method gathers the document starts once per forward)
+    # parallelism.context_parallel_method (allgather | alltoall | ring | hybrid), hybrid's all-to-all group size
+    # (parallelism.context_parallel_a2a_degree) and whether attention masks documents (block_causal: the all-to-all
+    # method gathers the document starts once per forward)
     cp_method: str = "allgather"
+    cp_a2a: int = 1
     documents: bool = False
     # memory modes: ZeRO-1 (parallelism.distributed_optimizer), FSDP's CPU offload (training.enable_cpu_offload),
     # activation offload (activation_checkpoint.offload)
@@ -154,6 +156,7 @@ class Layout:
             attention_fraction=attention_fraction,
             expert_imbalance=expert_imbalance,
             cp_method=p.context_parallel_method,
+            cp_a2a=p.context_parallel_a2a_degree,
             documents=cfg.model.attn_mask_type == "block_causal",
             distributed_optimizer=p.distributed_optimizer,
             cpu_offload=t.enable_cpu_offload,

@@ -286,14 +286,21 @@ def unit_reshards(layout: Layout, kind: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------- activations
+def cp_a2a_group(layout: Layout) -> int:
+    """The ranks an all-to-all over heads spans: the whole cp group (``alltoall``), hybrid's groups of
+    ``context_parallel_a2a_degree`` (``hybrid``)."""
+    return layout.cp_a2a if layout.cp_method == "hybrid" else layout.cp
+
+
 def cp_head_widths(layout: Layout, args) -> dict[str, int]:
     """Numbers per token of one tp rank's query, key, value and output heads as an all-to-all over heads moves them
-    (``titanlike.parallel.context_parallel.UlyssesAttention``): the kv heads repeated to a multiple of cp where cp
-    does not divide them; MLA's per-head keys / values after the up-projection (qk_head_dim / v_head_dim wide)."""
+    (``titanlike.parallel.context_parallel.UlyssesAttention``, ``HybridAttention``): the kv heads repeated to a
+    multiple of the all-to-all group (:func:`cp_a2a_group`) where it does not divide them; MLA's per-head keys /
+    values after the up-projection (qk_head_dim / v_head_dim wide)."""
     from titanlike.parallel.context_parallel import ulysses_kv_heads
 
     heads = args.n_heads // layout.tp
-    kv = ulysses_kv_heads(heads, args.n_kv_heads // layout.tp, layout.cp)
+    kv = ulysses_kv_heads(heads, args.n_kv_heads // layout.tp, cp_a2a_group(layout))
     qk, vd = getattr(args, "qk_head_dim", args.head_dim), getattr(args, "v_head_dim", args.head_dim)
     return {"q": heads * qk, "k": kv * qk, "v": kv * vd, "out": heads * vd}
 
@@ -311,6 +318,10 @@ def cp_kv_bytes(layout: Layout, args, method: str | None = None) -> int:
     if method == "ring":  # one visiting pair of chunks (repeated to the heads) and the next pair arriving (kv heads)
         arriving = layout.microbatch_size * layout.local_seq_len * (args.n_kv_heads // layout.tp) * (qk + vd)
         return whole // layout.cp + arriving * layout.act_bytes
+    if method == "hybrid":  # a visiting group's 2 a2a chunks of heads / a2a heads and the next group's arriving
+        widths = cp_head_widths(layout, args)
+        arriving = layout.microbatch_size * layout.local_seq_len * (widths["k"] + widths["v"])
+        return whole // layout.cp + arriving * layout.act_bytes
     return whole // layout.cp if method == "alltoall" else whole
 
 
@@ -318,7 +329,7 @@ def _kept_kv_width(layout: Layout, args) -> int:
     """The K (and V) width per token, over every tp rank, that SDPA keeps for its backward: the kv heads (grouped-
     query attention reads them in place); every head's under the all-gather and ring context-parallel cores, which
     repeat them; a multiple of cp of them under the all-to-all."""
-    if layout.cp > 1 and layout.cp_method == "alltoall":
+    if layout.cp > 1 and layout.cp_method in ("alltoall", "hybrid"):
         return cp_head_widths(layout, args)["k"] * layout.tp
     return args.n_heads * args.head_dim if layout.cp > 1 else args.n_kv_heads * args.head_dim
 
@@ -336,15 +347,17 @@ def _cp_kernel_bytes(layout: Layout, args, mode: str) -> float:
     and a log-sum-exp in the activation dtype: the float32 log-sum-exp's excess only. Under selective op AC the
     checkpoint saves the matmul outputs inside it instead of an attention kernel's output: every visible block
     pair's scores and output (2 cp + 1 pairs of C x (C + v) per head under the causal mask; fewer under a window,
-    not counted)."""
+    not counted). Hybrid: the ring's, plus the all-to-all's q, k, v the ring function keeps (no AC: ``a q_w``) or the
+    four all-to-alls' outputs op AC saves (pinned against the dry run's probe)."""
     n, a, t = args.n_heads, layout.act_bytes, layout.tp
     q_w, kv_w = n * args.head_dim, args.n_kv_heads * args.head_dim
-    if layout.cp_method == "ring":
+    if layout.cp_method in ("ring", "hybrid"):  # hybrid: the same pairs per head, a ring rank holding more heads
         c_len, vd = layout.local_seq_len // 2, getattr(args, "v_head_dim", args.head_dim)
-        if mode == "none":
-            return (a - 4) * n / t
-        if mode == "op":
-            return (2 * layout.cp + 1) / 2 * a * n / t * (c_len + vd) - (a * q_w / t + 4 * n / t)
+        if mode == "none":  # hybrid: the ring function keeps the all-to-all's q, k, v, the local ones still kept
+            return (a - 4) * n / t + (a * q_w / t if layout.cp_method == "hybrid" else 0)
+        if mode == "op":  # hybrid: op AC saves its four all-to-alls' outputs too
+            saved = a * sum(cp_head_widths(layout, args).values()) if layout.cp_method == "hybrid" else 0
+            return (2 * layout.cp + 1) / 2 * a * n / t * (c_len + vd) - (a * q_w / t + 4 * n / t) + saved
         return 0.0
     if layout.cp_method == "alltoall":
         return a * (q_w / t if mode == "none" else sum(cp_head_widths(layout, args).values()) if mode == "op" else 0)

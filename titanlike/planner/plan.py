@@ -326,6 +326,19 @@ def _cp_ep_notes(plan: Plan) -> list[str]:
             f"numbers per token); K/V held per layer: {fmt_bytes(cp_kv_bytes(lo, plan.args))} (all-gather: "
             f"{fmt_bytes(cp_kv_bytes(lo, plan.args, 'allgather'))}); synchronous, so fully exposed"
         )
+    elif lo.cp > 1 and lo.cp_method == "hybrid":
+        widths = cp_head_widths(lo, plan.args)
+        local = lo.microbatch_size * lo.local_seq_len * lo.act_bytes
+        a = lo.cp_a2a
+        out.append(
+            f"  cp (hybrid: all-to-all in groups of {a}, a ring over {lo.cp // a} groups): per block 4 all-to-alls "
+            f"forward + 4 backward in the group ({fmt_bytes(sum(widths.values()) * local * (a - 1) // a)} sent per "
+            f"direction), then the group's K and V ({fmt_bytes(local * widths['k'])} each) sent {lo.cp // a - 1} "
+            f"times forward, dK, dV {lo.cp // a} times and K, V {lo.cp // a - 1} times backward; K/V held per "
+            f"layer: {fmt_bytes(cp_kv_bytes(lo, plan.args))} (all-gather: "
+            f"{fmt_bytes(cp_kv_bytes(lo, plan.args, 'allgather'))}); the all-to-alls exposed, the sends only beyond "
+            f"the attention compute"
+        )
     elif lo.cp > 1 and lo.cp_method == "ring":
         k = lo.microbatch_size * lo.local_seq_len * plan.args.n_kv_heads // t * plan.args.head_dim * lo.act_bytes
         out.append(

@@ -54,6 +54,19 @@ class Candidate:
     cp_method: str = "allgather"  # parallelism.context_parallel_method
 
 
+def _cp_method_sets(cp: int) -> list[dict]:
+    """The context-parallel methods tried for cp ranks: every method (hybrid with each all-to-all group size
+    strictly between 1 and cp that divides cp); only the default at cp 1."""
+    if cp == 1:
+        return [{"parallelism.context_parallel_method": "allgather"}]
+    out = [{"parallelism.context_parallel_method": m} for m in CP_METHODS if m != "hybrid"]
+    return out + [
+        {"parallelism.context_parallel_method": "hybrid", "parallelism.context_parallel_a2a_degree": a}
+        for a in _divisors(cp)
+        if 1 < a < cp
+    ]
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -88,7 +101,7 @@ def suggest_layouts(
     stats = {"layouts": 0, "illegal": 0, "out of memory": 0}
     found: list[Candidate] = []
     cp = cfg.parallelism.context_parallel_degree
-    cp_methods = [{"parallelism.context_parallel_method": m} for m in (CP_METHODS if cp > 1 else ("allgather",))]
+    cp_methods = _cp_method_sets(cp)
     world_size, full_world = world_size // cp, world_size  # the ranks the other degrees divide
     tps = [
         t
@@ -220,7 +233,7 @@ def _best(
                 lo.groups["tp"].crosses_nodes,
                 _overrides(cfg, sets),
                 lo.cp,
-                lo.cp_method,
+                lo.cp_method if lo.cp_method != "hybrid" else f"hybrid a2a {lo.cp_a2a}",
             )
     stats["out of memory" if legal else "illegal"] += 1
     return None
