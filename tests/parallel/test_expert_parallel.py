@@ -2,6 +2,8 @@
 in float64 (loss, gradients, weights, expert biases, aux loss), every planted mutation caught where it should be,
 the all-to-alls pinned with CommDebugMode, and apply_ep's refusals."""
 
+import contextlib
+
 import moe_ep_worker as worker
 import pytest
 import shared_launch
@@ -14,6 +16,8 @@ EXPECTED_BREAK = {
     "local_loads": "biases",  # step 1 is exact (the bias acts from step 2 on)
     "aux_per_rank": "grads_step1",  # the loss is the cross entropy: exact; the aux term's gradient is not
     "expert_fsdp_average": "grads_step1",
+    "capacity_short": "grads_step1",  # the forward too: two tokens read one output row
+    "padded_no_regroup": "grads_step1",  # rows computed by another rank's expert
 }
 STEP1_LOSS_EXACT = {"local_loads", "aux_per_rank", "expert_fsdp_average", "stale_splits"}
 
@@ -68,7 +72,9 @@ def test_every_mutation_breaks_where_it_should(results):
 def test_uneven_and_empty_splits_are_exercised(results):
     world, data = results
     cases = data["cases"]
-    assert all(r["max_split"] > r["min_split"] for r in cases.values())  # uneven everywhere
+    uneven = [r for r in cases.values() if r["dispatch"] == "uneven"]
+    assert all(r["max_split"] > r["min_split"] for r in uneven)  # uneven everywhere
+    assert all(r["max_split"] == -1 for r in cases.values() if r["dispatch"] == "padded")  # no split sizes at all
     if world == 2:
         assert cases["ep2 every token to rank 0's experts"]["min_split"] == 0  # rank 1's experts get nothing
     else:
@@ -92,6 +98,47 @@ def test_one_moe_layer_is_three_all_to_alls_forward_and_two_backward(results):
         total_sent += sent - received
     assert total_sent == 0  # every row sent is received once
     assert len({tuple(r["send"]) for r in data["probes"]["comms_per_rank"]}) > 1  # uneven splits
+
+
+def test_padded_dispatch_reads_nothing_on_the_host_and_moves_fixed_buffers(results):
+    """One MoE layer under ep with the padded dispatch, forward and backward, recorded (moe_ep_worker.HostReads): no
+    scalar read, no tolist / item, no op with a data-dependent shape; the uneven dispatch under the same recorder
+    reads its split sizes (the recorder records). Collectives: dispatch and combine forward, their transposes
+    backward, each sending this rank's full (experts x capacity) buffer whatever the routing."""
+    world, data = results
+    probe = data["probes"]["padded"]
+    assert probe["padded"]["host_reads"] == [], probe["padded"]
+    assert "Tensor.tolist" in probe["uneven"]["host_reads"], probe["uneven"]
+    capacity = (worker.BATCH // world) * worker.SEQ  # the rank's tokens (float64 aligns rows to 2: already even)
+    buffer = worker.DEEPSEEK.num_experts * capacity * worker.DIM * 8
+    assert probe["padded"]["comms"] == {"all_to_all_single": [4, 4 * buffer]}
+
+
+def test_padded_dispatch_on_one_process_is_exact_and_reads_nothing_on_the_host():
+    """ep 1: the padded buffers and their batched matmuls give the uneven dispatch's output and every gradient
+    (float64, the gpt-oss biased and clamped experts too), with no host read forward or backward."""
+    import torch
+
+    from titanlike.models.moe import MoE, set_expert_dispatch
+
+    for args in (worker.DEEPSEEK, worker.GPT_OSS):
+        torch.manual_seed(0)
+        blocks = {d: MoE(args.replace(aux_loss_coeff=0.0)).to(torch.float64) for d in ("uneven", "padded")}
+        for p in blocks["uneven"].parameters():
+            torch.nn.init.normal_(p, std=0.3)
+        blocks["padded"].load_state_dict(blocks["uneven"].state_dict())
+        set_expert_dispatch(blocks["padded"], "padded")
+        x = torch.randn(3, 10, worker.DIM, dtype=torch.float64)
+        outs, grads = {}, {}
+        for d, block in blocks.items():
+            xd = x.clone().requires_grad_()
+            with worker.HostReads() if d == "padded" else contextlib.nullcontext() as reads:
+                outs[d] = block(xd)
+                outs[d].pow(2).sum().backward()
+            grads[d] = [xd.grad] + [p.grad for p in block.parameters()]
+        assert reads.seen == []
+        assert (outs["padded"] - outs["uneven"]).abs().max() <= worker.TOL
+        assert all((a - b).abs().max() <= worker.TOL for a, b in zip(grads["padded"], grads["uneven"]))
 
 
 def test_apply_ep_refuses_what_it_cannot_do_in_one_line(results):
