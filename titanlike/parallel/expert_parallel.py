@@ -25,6 +25,13 @@ So one MoE layer costs **3 all-to-alls forward (counts, dispatch, combine) and 2
 dispatch and the combine: autograd's ``all_to_all_single`` backward is the all-to-all with the splits swapped),
 pinned by ``CommDebugMode`` in tests/parallel/test_expert_parallel.py.
 
+**The padded dispatch** (``GroupedExperts.dispatch == "padded"``, ``titanlike.models.moe.set_expert_dispatch``,
+``parallelism.expert_dispatch``): the block hands over a zero-padded ``(experts x capacity, dim)`` buffer, expert-major
+with a static capacity (the rank's tokens: dropless); one equal-split all-to-all of the whole buffer sends each ep rank
+its experts' slices, a static transpose turns the (source rank, local expert) blocks into (local expert, source
+rank) order, and the combine is the inverse transpose and the all-to-all back: **2 all-to-alls forward, 2 backward**,
+no counts exchange, no host read, every shape static (CUDA-graph friendly), at ``experts / top_k`` times the bytes.
+
 **Gradients.** A rank's expert shard gets its gradient from the rows it computed, i.e. from every token routed to
 its experts from every ep rank: the sum over the ep group happens in the all-to-all backward, with no reduction
 of the weights themselves. When ep borrows ranks from data parallelism (torchtitan's rule: ``ep`` divides
