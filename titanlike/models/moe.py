@@ -22,6 +22,13 @@ which other tokens share its batch or rank. The pairs are sorted by expert (``ar
 stable), computed group by group, and combined back per token in a fixed order (the ``top_k`` slots summed in
 order: no atomic scatter, deterministic on CUDA too).
 
+**Static shapes** (``set_expert_dispatch(model, "padded")``, ``parallelism.expert_dispatch``): instead of the
+expert-sorted rows, the experts get a zeroed ``(experts x capacity, dim)`` buffer, expert ``e``'s rows at the head of
+its slice, ``capacity`` the block's token count (no expert can get more: still dropless); they compute every row
+(batched matmuls, or the grouped matmul with static group ends) and each pair's output is read back from the row it
+was written to, so the padding never reaches an output or a gradient. No host read, no data-dependent shape, at
+``experts / top_k`` times the expert rows.
+
 **Grouped matrix multiply** (``experts_impl``): ``"loop"`` runs one matmul per expert on its rows (exact in every
 dtype); ``"grouped"`` runs ``torch._grouped_mm`` (2-D tokens x 3-D weights with int32 group end offsets). Its
 constraints, read in torch 2.13 (``torch/_meta_registrations.py``, ``aten/src/ATen/native/GroupedMMUtils.h``):
