@@ -175,3 +175,33 @@ def test_apply_expert_fsdp_refuses_a_model_without_experts():
 
     with pytest.raises(ValueError, match="apply_expert_fsdp: Linear has no GroupedExperts module"):
         apply_expert_fsdp(nn.Linear(2, 2), mesh=None)
+
+
+def test_padded_block_compiles_to_one_graph_and_the_uneven_one_cannot():
+    """The static shapes seen by torch.compile: the padded block (eval mode: the training-only load counter asks
+    autograd whether it runs in a backward, a graph break of its own) traces forward + backward as one graph with
+    static shapes (``fullgraph=True``, ``aot_eager``) and equals the eager block; the uneven one cannot (its split
+    sizes are data)."""
+    import torch
+
+    from titanlike.models.moe import MoE, set_expert_dispatch
+
+    errors = {}
+    for dispatch in ("padded", "uneven"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        block = MoE(worker.QWEN.replace(aux_loss_coeff=0.0)).eval()
+        for p in block.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+        set_expert_dispatch(block, dispatch)
+        compiled = torch.compile(block, backend="aot_eager", fullgraph=True, dynamic=False)
+        x = torch.randn(2, 8, worker.DIM, requires_grad=True)
+        try:
+            y = compiled(x)
+            y.sum().backward()
+            assert torch.equal(y, block(x)), dispatch
+        except Exception as e:  # noqa: BLE001 (dynamo's error types vary between torch versions)
+            errors[dispatch] = str(e)
+    torch._dynamo.reset()
+    assert "padded" not in errors, errors["padded"][:2000]
+    assert "data-dependent" in errors["uneven"], errors["uneven"][:2000]
