@@ -197,6 +197,9 @@ class Parallelism:
     pipeline_parallel_degree: int = 1  # pipeline ranks (outermost)
     # ranks splitting the routed experts (borrowed from dp_shard x cp; tokens moved by all-to-all; MoE models only)
     expert_parallel_degree: int = 1
+    # how rows reach the routed experts: uneven (each expert's exact rows; split sizes read on the host once per MoE
+    # layer) | padded (fixed-size per-expert buffers, no host read, static shapes; experts / top_k x the rows)
+    expert_dispatch: Literal["uneven", "padded"] = "uneven"
     pipeline_parallel_schedule: Literal[SCHEDULES] = "1F1B"  # a torch.distributed.pipelining schedule
     pipeline_parallel_microbatch_size: int = 1  # sequences per pipeline microbatch
     pipeline_parallel_layers_per_stage: int = 0  # 0: one stage per rank (two for V-shaped schedules)

@@ -155,6 +155,7 @@ CASES = {
     "ep_model": (2, EP2),  # llama3 has no experts
     "ep_experts": (4, [*MOE, "--parallelism.expert_parallel_degree", "4", "--model.num_experts", "6"]),
     "moe_tp": (2, [*MOE, "--parallelism.tensor_parallel_degree", "2"]),
+    "ep_dispatch": (1, ["--parallelism.expert_dispatch", "padded"]),
     "export_model": (1, [*MOE, "--checkpoint.enable", "--checkpoint.export_safetensors"]),
     "mtp_layout": (1, ["--model.name", "deepseek_v3", "--training.mtp_loss_weight", "-1"]),
     "sdc": (1, ["--training.sdc_check_interval", "5"]),  # one process: nothing to compare

@@ -214,6 +214,11 @@ def _ep(n, *more):
     return ("--parallelism.expert_parallel_degree", str(n), *more)
 
 
+def _padded(*more):
+    """The padded expert dispatch (static shapes, no host read: parallelism.expert_dispatch padded)."""
+    return ("--parallelism.expert_dispatch", "padded", *more)
+
+
 SP = ("--parallelism.enable_sequence_parallel", "true")
 ZERO1 = ("--parallelism.distributed_optimizer", "true")
 CPU_OFFLOAD = ("--training.enable_cpu_offload", "true")
@@ -371,6 +376,7 @@ LAYOUTS = [
     Layout("moe ep2 ac_full", 2, _ep(2, "--activation_checkpoint.mode", "full", *_dp(1, 2, 4)), model="moe"),
     # tp2 + SP: each tp rank routes its own part of the sequence, ep borrows the tp ranks
     Layout("moe tp2_sp_ep2", 2, _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="moe"),
+    Layout("moe tp2_sp_ep2 padded", 2, _padded(*_ep(2, *_tp(2, *SP, *_dp(1, 1, 8)))), model="moe"),
     Layout(
         "MUT moe tp2_sp_ep2 router not summed over tp",
         2,
@@ -393,6 +399,7 @@ LAYOUTS = [
     # qwen3_moe (ep borrowing dp_shard, or tp under SP), MTP on
     Layout("ds fsdp2", 2, _dp(1, 2, 4), model="ds"),
     Layout("ds ep2", 2, _ep(2, *_dp(1, 2, 4)), model="ds"),
+    Layout("ds ep2 padded", 2, _padded(*_ep(2, *_dp(1, 2, 4))), model="ds"),
     Layout("ds tp2_sp_ep2", 2, _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="ds"),
     Layout("ds_lite tp2_sp_ep2", 2, _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="ds_lite"),
     Layout("ds_block tp2_sp_ep2", 2, _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="ds_block"),

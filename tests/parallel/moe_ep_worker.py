@@ -42,8 +42,10 @@ from gate import patched
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 from tp_probe_worker import BytesCommDebugMode
 
+import titanlike.models.moe as moe_lib
 import titanlike.parallel.expert_parallel as epm
 from titanlike.init import init_parameters, normal, plan_from_patterns, trunc_normal
 from titanlike.loss import IGNORE_INDEX, ScaledLoss, cross_entropy_loss
@@ -56,6 +58,7 @@ from titanlike.models.moe import (
     param_init_patterns,
     reset_moe_stats,
     set_aux_loss_denominator,
+    set_expert_dispatch,
 )
 from titanlike.parallel import apply_fsdp, clip_grad_norm_, plain_clip_grad_norm_
 from titanlike.parallel.expert_parallel import (
@@ -105,6 +108,11 @@ def init_plan(args: MoEArgs):
             r"tok_embeddings\.weight": normal(1.0),
             r"output\.weight": trunc_normal(args.dim**-0.5),
             **param_init_patterns(r"layers\.(\d+)\.moe\."),
+            **(
+                {r"layers\.\d+\.moe\.(router\.gate\.bias|experts\.b[123])": normal(0.1)}
+                if args.expert_bias_terms
+                else {}
+            ),
         }
     )
 
@@ -118,6 +126,7 @@ class Case:
     split: str = "batch"  # batch | sequence
     bias_init: tuple[float, ...] | None = None  # a skewed starting bias (all tokens to some ranks' experts)
     mutation: str | None = None
+    dispatch: str = "uneven"  # the layout's expert dispatch (the single-device reference always runs "uneven")
 
 
 DEEPSEEK = MoEArgs(  # sigmoid + bias balancing + shared expert + group-limited routing, renormalised and scaled
@@ -138,6 +147,8 @@ QWEN = MoEArgs(  # softmax top-k renormalised, the sequence-wise aux loss, and t
     dim=DIM, hidden_dim=32, num_experts=8, top_k=2, route_norm=True, load_balance_coeff=0.05, aux_loss_coeff=0.01
 )
 SKEWED = DEEPSEEK.replace(num_groups=1, topk_groups=1, num_shared_experts=0)
+GPT_OSS = QWEN.replace(expert_bias_terms=True, activation="clamped_swiglu", router_bias=True, swiglu_limit=0.05)
+TO_0_AND_1 = (1.0, 1.0) + (0.0,) * 6  # every token picks experts 0 and 1: their padded buffers exactly full
 
 CASES = [
     Case("ep2 deepseek routing", 2, 2, DEEPSEEK),
@@ -147,10 +158,18 @@ CASES = [
     Case("MUT ep2 bias update from local loads", 2, 2, DEEPSEEK, mutation="local_loads"),
     Case("MUT ep2 aux loss normalised per rank", 2, 2, DEEPSEEK, mutation="aux_per_rank"),
     Case("MUT ep2 stale split sizes", 2, 2, DEEPSEEK, mutation="stale_splits"),
+    Case("ep2 padded deepseek routing", 2, 2, DEEPSEEK, dispatch="padded"),
+    Case("ep2 padded qwen routing (sequences split)", 2, 2, QWEN, split="sequence", dispatch="padded"),
+    Case("ep2 padded gpt-oss experts (biases and clamp)", 2, 2, GPT_OSS, dispatch="padded"),
+    Case("ep2 padded every token to experts 0 and 1", 2, 2, SKEWED, bias_init=TO_0_AND_1, dispatch="padded"),
+    Case("MUT ep2 padded capacity one row short", 2, 2, SKEWED, "batch", TO_0_AND_1, "capacity_short", "padded"),
+    Case("MUT ep2 padded blocks not regrouped", 2, 2, DEEPSEEK, mutation="padded_no_regroup", dispatch="padded"),
     Case("ep4 deepseek routing", 4, 4, DEEPSEEK),
+    Case("ep4 padded deepseek routing", 4, 4, DEEPSEEK, dispatch="padded"),
     Case("ep2 x expert fsdp2 (dp4)", 4, 2, DEEPSEEK),
     Case("ep2 x expert fsdp2, 6 experts (fsdp on dim 1)", 4, 2, QWEN.replace(num_experts=6)),
     Case("MUT ep2 x expert fsdp2 averaging", 4, 2, DEEPSEEK, mutation="expert_fsdp_average"),
+    Case("ep2 padded x expert fsdp2 (6 experts)", 4, 2, QWEN.replace(num_experts=6), dispatch="padded"),
 ]
 
 
@@ -167,8 +186,15 @@ def _stale_splits():
     return patched(ExpertParallel, "_exchange_counts", cached)
 
 
+def _capacity_short():
+    """The padded buffers one row short of the worst case (an expert that gets every token loses one)."""
+    return patched(moe_lib, "padded_capacity", lambda tokens, experts, dtype: tokens - 1)
+
+
 MUTATIONS = {
     "stale_splits": _stale_splits,
+    "capacity_short": _capacity_short,
+    "padded_no_regroup": lambda: patched(epm, "_swap_blocks", lambda x, outer, inner: x),
     "local_loads": lambda: patched(epm, "_all_reduce_loads", lambda loads, group: loads),
 }
 
@@ -236,6 +262,7 @@ def meshes(world: int, ep: int):
 def parallel_model(case: Case):
     ep_mesh, efsdp_mesh, dp_mesh = meshes(case.world, case.ep)
     model = build(case, "meta")
+    set_expert_dispatch(model, case.dispatch)
     apply_ep(model, ep_mesh)
     apply_expert_fsdp(model, efsdp_mesh)
     apply_fsdp(model, dp_mesh, blocks=list(model.layers.values()) + [model.output])
@@ -343,6 +370,7 @@ def run_case(case: Case, rank: int) -> dict:
         **diffs,
         **reference,
         "mutation": case.mutation,
+        "dispatch": case.dispatch,
         "error": error,
         "ok": diffs["init"] == 0.0 and all(v <= TOL for k, v in diffs.items() if k != "init"),
         "bias_range": float(biases(ref).max() - biases(ref).min()),
@@ -392,6 +420,59 @@ def probe_comms(rank: int, world: int) -> dict:
     }
 
 
+class HostReads(TorchDispatchMode):
+    """Records every host read of device data and every op whose output shape depends on data: the scalar reads
+    (``aten._local_scalar_dense``: ``item``, ``int(t)``, ``tolist``'s elements), ``nonzero`` and any op tagged
+    ``dynamic_output_shape`` / ``data_dependent_output``, plus every ``Tensor.tolist`` / ``Tensor.item`` call."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+        self._patches = contextlib.ExitStack()
+
+    def __enter__(self):
+        for name in ("tolist", "item"):
+            original = getattr(torch.Tensor, name)
+
+            def recording(t, *a, _name=name, _original=original, **k):
+                self.seen.append(f"Tensor.{_name}")
+                return _original(t, *a, **k)
+
+            self._patches.enter_context(patched(torch.Tensor, name, recording))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._patches.close()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tags = set(getattr(func, "tags", ()))
+        data_dependent = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output} & tags
+        if data_dependent or func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def moe_forward_backward(layer: nn.Module, rank: int, rows: int) -> None:
+    x = torch.randn(rows, SEQ, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    layer(x.requires_grad_()).sum().backward()
+
+
+def probe_padded(rank: int, world: int) -> dict:
+    """One MoE layer under ep with the padded dispatch: its host reads (none) and collectives, forward and backward,
+    and the same for the uneven dispatch (whose host reads show that the recorder records)."""
+    out = {}
+    for dispatch in ("padded", "uneven"):
+        layer = build(Case("probe", world, world, DEEPSEEK.replace(aux_loss_coeff=0.0))).layers["0"].moe
+        set_expert_dispatch(layer, dispatch)
+        apply_ep(layer, meshes(world, world)[0])
+        moe_forward_backward(layer, rank, BATCH // world)  # warm: lazy initialisations off the record
+        with HostReads() as reads, BytesCommDebugMode() as comms:
+            moe_forward_backward(layer, rank, BATCH // world)
+        out[dispatch] = {"host_reads": sorted(set(reads.seen)), "comms": comms.summary()}
+    return out
+
+
 def probe_refusals(world: int) -> dict:
     ep_mesh = meshes(world, world)[0]
     out = {}
@@ -416,6 +497,8 @@ def worker(rank: int, world: int, out: str, only: list[str] | None) -> None:
     # full_tensor() of the 2-D expert weights warns that it gathers one mesh dim at a time: expected here.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     probes = {} if only else {"comms": probe_comms(rank, world), "refusals": probe_refusals(world)}
+    if not only:
+        probes["padded"] = probe_padded(rank, world)
     results = {}
     for case in CASES:
         if case.world != world or (only and case.name not in only):

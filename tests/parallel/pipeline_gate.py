@@ -312,6 +312,7 @@ LAYOUTS += [
     ],
     _layout("moe pp2 ep2 1F1B", 4, (*EP2, *_pp(2, "1F1B", 4)), model="moe_deep"),
     _layout("moe pp2 ep2 Interleaved1F1B", 4, (*EP2, *_pp(2, "Interleaved1F1B", 4)), model="moe_deep"),
+    _layout("moe pp2 ep2 padded 1F1B", 4, gate._padded(*EP2, *_pp(2, "1F1B", 4)), model="moe_deep"),
     _layout(
         "MUT moe pp2 ep2 bias update from local loads",
         4,

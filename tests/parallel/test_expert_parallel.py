@@ -2,6 +2,8 @@
 in float64 (loss, gradients, weights, expert biases, aux loss), every planted mutation caught where it should be,
 the all-to-alls pinned with CommDebugMode, and apply_ep's refusals."""
 
+import contextlib
+
 import moe_ep_worker as worker
 import pytest
 import shared_launch
@@ -14,6 +16,8 @@ EXPECTED_BREAK = {
     "local_loads": "biases",  # step 1 is exact (the bias acts from step 2 on)
     "aux_per_rank": "grads_step1",  # the loss is the cross entropy: exact; the aux term's gradient is not
     "expert_fsdp_average": "grads_step1",
+    "capacity_short": "grads_step1",  # the forward too: two tokens read one output row
+    "padded_no_regroup": "grads_step1",  # rows computed by another rank's expert
 }
 STEP1_LOSS_EXACT = {"local_loads", "aux_per_rank", "expert_fsdp_average", "stale_splits"}
 
@@ -68,7 +72,9 @@ def test_every_mutation_breaks_where_it_should(results):
 def test_uneven_and_empty_splits_are_exercised(results):
     world, data = results
     cases = data["cases"]
-    assert all(r["max_split"] > r["min_split"] for r in cases.values())  # uneven everywhere
+    uneven = [r for r in cases.values() if r["dispatch"] == "uneven"]
+    assert all(r["max_split"] > r["min_split"] for r in uneven)  # uneven everywhere
+    assert all(r["max_split"] == -1 for r in cases.values() if r["dispatch"] == "padded")  # no split sizes at all
     if world == 2:
         assert cases["ep2 every token to rank 0's experts"]["min_split"] == 0  # rank 1's experts get nothing
     else:
@@ -92,6 +98,54 @@ def test_one_moe_layer_is_three_all_to_alls_forward_and_two_backward(results):
         total_sent += sent - received
     assert total_sent == 0  # every row sent is received once
     assert len({tuple(r["send"]) for r in data["probes"]["comms_per_rank"]}) > 1  # uneven splits
+
+
+def test_padded_dispatch_reads_nothing_on_the_host_and_moves_fixed_buffers(results):
+    """One MoE layer under ep with the padded dispatch, forward and backward, recorded (moe_ep_worker.HostReads): no
+    scalar read, no tolist / item, no op with a data-dependent shape; the uneven dispatch under the same recorder
+    reads its split sizes (the recorder records). Collectives: dispatch and combine forward, their transposes
+    backward, each sending this rank's full (experts x capacity) buffer whatever the routing."""
+    world, data = results
+    probe = data["probes"]["padded"]
+    assert probe["padded"]["host_reads"] == [], probe["padded"]
+    assert "Tensor.tolist" in probe["uneven"]["host_reads"], probe["uneven"]
+    capacity = (worker.BATCH // world) * worker.SEQ  # the rank's tokens (float64 aligns rows to 2: already even)
+    buffer = worker.DEEPSEEK.num_experts * capacity * worker.DIM * 8
+    assert probe["padded"]["comms"] == {"all_to_all_single": [4, 4 * buffer]}
+
+
+def test_padded_dispatch_on_one_process_is_exact_and_reads_nothing_on_the_host():
+    """ep 1: the padded buffers give the uneven dispatch's output and every gradient, with no host read forward or
+    backward: float64 batched matmuls (the gpt-oss biased and clamped experts too), and float32 through
+    ``torch._grouped_mm`` with the static group ends (bitwise: both paths multiply each row alike)."""
+    import torch
+
+    from titanlike.models.moe import MoE, set_expert_dispatch
+
+    cases = [(worker.DEEPSEEK, torch.float64, "loop"), (worker.GPT_OSS, torch.float64, "loop")]
+    cases.append((worker.QWEN, torch.float32, "grouped"))
+    for args, dtype, impl in cases:
+        torch.manual_seed(0)
+        args = args.replace(aux_loss_coeff=0.0)
+        blocks = {"uneven": MoE(args.replace(experts_impl="loop")), "padded": MoE(args.replace(experts_impl=impl))}
+        for p in blocks["uneven"].parameters():
+            torch.nn.init.normal_(p, std=0.3)
+        blocks["padded"].load_state_dict(blocks["uneven"].state_dict())
+        set_expert_dispatch(blocks["padded"], "padded")
+        x = torch.randn(3, 10, worker.DIM, dtype=dtype)
+        outs, grads = {}, {}
+        for d, block in blocks.items():
+            block.to(dtype)
+            xd = x.clone().requires_grad_()
+            with worker.HostReads() if d == "padded" else contextlib.nullcontext() as reads:
+                outs[d] = block(xd)
+                outs[d].pow(2).sum().backward()
+            grads[d] = [xd.grad] + [p.grad for p in block.parameters()]
+        assert reads.seen == [], (impl, reads.seen)
+        assert blocks["padded"].experts.resolved_impl(x) == impl
+        tol = worker.TOL if dtype == torch.float64 else 1e-6  # (float32: equal bitwise here; not promised)
+        assert (outs["padded"] - outs["uneven"]).abs().max() <= tol, impl
+        assert all((a - b).abs().max() <= tol for a, b in zip(grads["padded"], grads["uneven"])), impl
 
 
 def test_apply_ep_refuses_what_it_cannot_do_in_one_line(results):
@@ -121,3 +175,33 @@ def test_apply_expert_fsdp_refuses_a_model_without_experts():
 
     with pytest.raises(ValueError, match="apply_expert_fsdp: Linear has no GroupedExperts module"):
         apply_expert_fsdp(nn.Linear(2, 2), mesh=None)
+
+
+def test_padded_block_compiles_to_one_graph_and_the_uneven_one_cannot():
+    """The static shapes seen by torch.compile: the padded block (eval mode: the training-only load counter asks
+    autograd whether it runs in a backward, a graph break of its own) traces forward + backward as one graph with
+    static shapes (``fullgraph=True``, ``aot_eager``) and equals the eager block; the uneven one cannot (its split
+    sizes are data)."""
+    import torch
+
+    from titanlike.models.moe import MoE, set_expert_dispatch
+
+    errors = {}
+    for dispatch in ("padded", "uneven"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        block = MoE(worker.QWEN.replace(aux_loss_coeff=0.0)).eval()
+        for p in block.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+        set_expert_dispatch(block, dispatch)
+        compiled = torch.compile(block, backend="aot_eager", fullgraph=True, dynamic=False)
+        x = torch.randn(2, 8, worker.DIM, requires_grad=True)
+        try:
+            y = compiled(x)
+            y.sum().backward()
+            assert torch.equal(y, block(x)), dispatch
+        except Exception as e:  # noqa: BLE001 (dynamo's error types vary between torch versions)
+            errors[dispatch] = str(e)
+    torch._dynamo.reset()
+    assert "padded" not in errors, errors["padded"][:2000]
+    assert "data-dependent" in errors["uneven"], errors["uneven"][:2000]

@@ -153,6 +153,24 @@ def test_all_to_all_bytes_per_layer_and_the_assumed_imbalance():
         Layout.from_config(cfg, 16, args, 8, expert_imbalance=0.5)
 
 
+def test_padded_dispatch_moves_and_computes_every_experts_buffer():
+    """parallelism.expert_dispatch padded: no counts exchange; each dispatch / combine sends (ep-1)/ep of experts x
+    tokens rows (the imbalance does not matter: the buffers are the worst case), and every rank computes experts x
+    tokens rows, experts - top_k more per token than the routed ones."""
+    argv = ["--model.flavor", "30B-A3B", "--parallelism.expert_parallel_degree", "8"]
+    cfg, args = _config(argv)
+    padded_cfg, _ = _config([*argv, "--parallelism.expert_dispatch", "padded"])
+    hw = hardware_for("H100", gpus_per_node=8)
+    uneven = Layout.from_config(cfg, 16, args, 8)
+    padded = Layout.from_config(padded_cfg, 16, args, 8, expert_imbalance=1.5)
+    msgs = [m for m in messages(padded, args) if m.dim == "ep"]
+    assert msgs and not [m for m in msgs if "counts" in m.what]
+    assert {m.nbytes for m in msgs} == {2 * 1024 * args.num_experts * 7 // 8 * args.dim * 2}
+    assert sum(m.count for m in msgs) == 4 * 4 * padded.accum_steps  # 2 forward + 2 backward, 4 MoE layers
+    extra = 6 * 3 * args.dim * args.moe_hidden_dim * (args.num_experts - args.top_k) * 4 * uneven.tokens_per_step
+    assert step_cost(padded, args, hw).rank_flops == pytest.approx(step_cost(uneven, args, hw).rank_flops + extra / 16)
+
+
 def test_plan_text_shows_expert_memory_the_all_to_alls_and_the_ep_groups():
     argv = [
         "--model.name",

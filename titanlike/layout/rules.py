@@ -116,6 +116,7 @@ RULES = {
     "ep_degree": "expert_parallel_degree divides dp_shard x cp (the ranks it borrows)",
     "ep_model": "expert parallelism on models with experts (ModelSpec.num_experts)",
     "ep_experts": "expert_parallel_degree divides the number of experts",
+    "ep_dispatch": "parallelism.expert_dispatch padded on models with experts (ModelSpec.num_experts)",
     "moe_tp": "a model with experts under tp > 1 only with sequence parallelism and ep > 1 (ep borrows the tp ranks)",
     "mtp_layout": "training.mtp_loss_weight >= 0 (the multi-token-prediction depths' weight), set only for a model "
     "with MTP depths, and a sequence longer than the depths (depth k's targets are k tokens further ahead)",
@@ -550,6 +551,14 @@ def _expert_violations(cfg, spec, args, dp_shard: int, cp: int, tp: int) -> list
                 "ep_experts",
                 f"parallelism.expert_parallel_degree {ep} does not divide the {experts} experts of {spec.name}; "
                 f"choose a divisor of {experts}",
+            )
+        )
+    if cfg.parallelism.expert_dispatch != "uneven" and not experts:
+        out.append(
+            (
+                "ep_dispatch",
+                f"parallelism.expert_dispatch {cfg.parallelism.expert_dispatch}: {spec.name} has no experts to "
+                f"dispatch to; set expert_dispatch uneven or use a model with experts (qwen3_moe)",
             )
         )
     if experts and tp > 1 and (ep == 1 or not cfg.parallelism.enable_sequence_parallel):

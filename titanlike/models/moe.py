@@ -22,6 +22,13 @@ which other tokens share its batch or rank. The pairs are sorted by expert (``ar
 stable), computed group by group, and combined back per token in a fixed order (the ``top_k`` slots summed in
 order: no atomic scatter, deterministic on CUDA too).
 
+**Static shapes** (``set_expert_dispatch(model, "padded")``, ``parallelism.expert_dispatch``): instead of the
+expert-sorted rows, the experts get a zeroed ``(experts x capacity, dim)`` buffer, expert ``e``'s rows at the head of
+its slice, ``capacity`` the block's token count (no expert can get more: still dropless); they compute every row
+(batched matmuls, or the grouped matmul with static group ends) and each pair's output is read back from the row it
+was written to, so the padding never reaches an output or a gradient. No host read, no data-dependent shape, at
+``experts / top_k`` times the expert rows.
+
 **Grouped matrix multiply** (``experts_impl``): ``"loop"`` runs one matmul per expert on its rows (exact in every
 dtype); ``"grouped"`` runs ``torch._grouped_mm`` (2-D tokens x 3-D weights with int32 group end offsets). Its
 constraints, read in torch 2.13 (``torch/_meta_registrations.py``, ``aten/src/ATen/native/GroupedMMUtils.h``):
@@ -116,11 +123,17 @@ __all__ = [
     "param_init_patterns",
     "grouped_alignment",
     "pad_groups",
+    "EXPERT_DISPATCHES",
+    "set_expert_dispatch",
+    "padded_capacity",
 ]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 EXPERTS_IMPLS = ("auto", "grouped", "loop")
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
+# how the expert-sorted rows reach the experts: "uneven" (exact per-expert groups, sizes read on the host) or
+# "padded" (per-expert buffers of a static worst-case capacity, no host read; :func:`set_expert_dispatch`)
+EXPERT_DISPATCHES = ("uneven", "padded")
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # torch 2.13's _grouped_mm
 
 
@@ -351,6 +364,7 @@ class GroupedExperts(nn.Module):
                 "GroupedExperts impl 'grouped': biased / clamped experts run the loop; use 'loop' or 'auto'"
             )
         self.num_experts, self.impl = num_experts, impl
+        self.dispatch = "uneven"  # EXPERT_DISPATCHES; set by set_expert_dispatch (the MoE block reads it too)
         self.activation, self.alpha, self.limit = activation, alpha, limit
         # A swap point for another grouped matmul with ``torch._grouped_mm``'s calling convention, ``mm(a, b_t,
         # offs=offs)`` (a: rows, row-major; b_t: (experts, in, out), column-major per expert; offs: int32 group
@@ -398,6 +412,8 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if self.dispatch == "padded":
+            return self._padded(x, w1, w2, w3)
         if counts.numel() != w1.shape[0]:
             raise ValueError(
                 f"GroupedExperts: got token counts for {counts.numel()} experts but computes {w1.shape[0]}; "
@@ -412,6 +428,67 @@ class GroupedExperts(nn.Module):
         if _BALANCED[0]:  # every local expert the same rows, known from the shapes (no host read of the counts)
             return _loop_swiglu(x, [x.shape[0] // w1.shape[0]] * w1.shape[0], w1, w2, w3)
         return _loop_swiglu(x, counts, w1, w2, w3)
+
+    def _padded(self, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
+        """The padded dispatch's compute: ``x`` (local experts x R, dim), every local expert's R rows contiguous
+        (its valid rows, then zero rows); one batched matmul per projection (a grouped matmul with the static group
+        ends ``R, 2R, ...`` where :meth:`resolved_impl` picks it), every shape static. Padded rows give outputs that
+        nobody reads (so zero gradients); ``R`` is a multiple of the grouped matmul's row alignment
+        (:func:`padded_capacity`)."""
+        local = w1.shape[0]
+        if self.resolved_impl(x) == "grouped":
+            mm, rows = self.grouped_mm or torch._grouped_mm, x.shape[0] // local
+            offs = torch.arange(1, local + 1, device=x.device, dtype=torch.int32) * rows
+            w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
+            h = F.silu(mm(x, w1.transpose(-2, -1), offs=offs)) * mm(x, w3.transpose(-2, -1), offs=offs)
+            return mm(h, w2.transpose(-2, -1), offs=offs)
+        b1, b2, b3 = self._biases(w1, w2)
+        xb = x.view(local, x.shape[0] // local, x.shape[-1])
+        gate, up = torch.bmm(xb, w1.transpose(1, 2)), torch.bmm(xb, w3.transpose(1, 2))
+        if self.b1 is not None:
+            gate, up = gate + b1[:, None], up + b3[:, None]
+        out = torch.bmm(self._act(gate, up), w2.transpose(1, 2))
+        if self.b1 is not None:
+            out = out + b2[:, None]
+        return out.reshape(x.shape[0], out.shape[-1])
+
+
+def padded_capacity(tokens: int, experts: GroupedExperts, dtype: torch.dtype) -> int:
+    """Rows per (rank, expert) buffer of the padded dispatch: ``tokens`` (a token picks an expert at most once, so
+    no expert ever gets more of one rank's tokens: dropless), rounded up to the grouped matmul's row alignment."""
+    align = experts.grouped_mm_align or grouped_alignment(dtype)
+    return -(-tokens // align) * align
+
+
+def _padded_positions(idx: Tensor, order: Tensor, counts: Tensor, capacity: int) -> Tensor:
+    """Row of the (experts x capacity) buffer holding each expert-sorted (token, slot) pair: expert ``e``'s ``j``-th
+    row at ``e * capacity + j`` (device arithmetic only)."""
+    expert = idx.reshape(-1).index_select(0, order)
+    starts = counts.cumsum(0) - counts
+    return expert * capacity + torch.arange(order.numel(), device=order.device) - starts.index_select(0, expert)
+
+
+def _expert_counts(idx: Tensor, num_experts: int) -> Tensor:
+    """Rows per expert, ``num_experts`` of them whatever the ids (``bincount`` sizes its output from the largest id:
+    a host read)."""
+    ones = torch.ones(idx.numel(), dtype=torch.int64, device=idx.device)
+    return torch.zeros(num_experts, dtype=torch.int64, device=idx.device).scatter_add_(0, idx.reshape(-1), ones)
+
+
+def set_expert_dispatch(model: nn.Module, dispatch: str) -> None:
+    """How every MoE block of ``model`` hands its rows to the experts (``parallelism.expert_dispatch``):
+
+    * ``"uneven"``: the rows sorted by expert, each expert's exact group (sizes read on the host: the loop's splits,
+      the expert-parallel split sizes);
+    * ``"padded"``: a zeroed (experts, capacity, dim) buffer, expert ``e``'s rows first in its slice, capacity the
+      rank's tokens (:func:`padded_capacity`: dropless), the outputs read back at the same device-computed rows.
+      No host read and no data-dependent shape, forward or backward (CUDA-graph friendly); costs experts / top_k
+      times the rows in expert compute and (under expert parallelism) all-to-all bytes.
+    """
+    if dispatch not in EXPERT_DISPATCHES:
+        raise ValueError(f"expert dispatch must be one of {EXPERT_DISPATCHES}, got {dispatch!r}")
+    for m in moe_modules(model):
+        m.experts.dispatch = dispatch
 
 
 class _AddAuxGradient(torch.autograd.Function):
@@ -516,15 +593,25 @@ class MoE(nn.Module):
         flat = x.reshape(-1, dim)
         scores, idx, weights = self.router(flat, self.expert_bias)
         k = idx.shape[1]
+        padded = self.experts.dispatch == "padded"
         if _BALANCED[0]:  # round-robin routing: every expert the same rows (no data-dependent bincount)
             counts = idx.new_full((self.args.num_experts,), idx.numel() // self.args.num_experts)
+        elif padded:
+            counts = _expert_counts(idx, self.args.num_experts)
         else:
             counts = torch.bincount(idx.reshape(-1), minlength=self.args.num_experts)
         if _counting(self):
             self.last_load = counts.detach()
             self.expert_load += counts
         order = idx.reshape(-1).argsort(stable=True)  # (token, slot) pairs grouped by expert
-        routed = self.experts(flat.index_select(0, order // k), counts)
+        rows = flat.index_select(0, order // k)
+        if padded:  # each expert's rows at the head of its fixed-size slice of a zeroed buffer
+            capacity = padded_capacity(flat.shape[0], self.experts, flat.dtype)
+            at = _padded_positions(idx, order, counts, capacity)
+            buffer = rows.new_zeros(self.args.num_experts * capacity, dim).index_copy(0, at, rows)
+            routed = self.experts(buffer, counts).index_select(0, at)
+        else:
+            routed = self.experts(rows, counts)
         out = self.combine(routed, weights, order).view(bsz, seqlen, dim)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)

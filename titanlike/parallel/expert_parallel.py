@@ -25,6 +25,13 @@ So one MoE layer costs **3 all-to-alls forward (counts, dispatch, combine) and 2
 dispatch and the combine: autograd's ``all_to_all_single`` backward is the all-to-all with the splits swapped),
 pinned by ``CommDebugMode`` in tests/parallel/test_expert_parallel.py.
 
+**The padded dispatch** (``GroupedExperts.dispatch == "padded"``, ``titanlike.models.moe.set_expert_dispatch``,
+``parallelism.expert_dispatch``): the block hands over a zero-padded ``(experts x capacity, dim)`` buffer, expert-major
+with a static capacity (the rank's tokens: dropless); one equal-split all-to-all of the whole buffer sends each ep rank
+its experts' slices, a static transpose turns the (source rank, local expert) blocks into (local expert, source
+rank) order, and the combine is the inverse transpose and the all-to-all back: **2 all-to-alls forward, 2 backward**,
+no counts exchange, no host read, every shape static (CUDA-graph friendly), at ``experts / top_k`` times the bytes.
+
 **Gradients.** A rank's expert shard gets its gradient from the rows it computed, i.e. from every token routed to
 its experts from every ep rank: the sum over the ep group happens in the all-to-all backward, with no reduction
 of the weights themselves. When ep borrows ranks from data parallelism (torchtitan's rule: ``ep`` divides
@@ -103,6 +110,11 @@ def regroup_order(counts: Tensor, total: int | None = None) -> Tensor:
     return starts_t[block] + within
 
 
+def _swap_blocks(x: Tensor, outer: int, inner: int) -> Tensor:
+    """Rows laid out as (outer, inner, r) blocks reordered to (inner, outer, r) (a static transpose, no index)."""
+    return x.view(outer, inner, x.shape[0] // (outer * inner), x.shape[-1]).transpose(0, 1).reshape(x.shape)
+
+
 def _inverse(order: Tensor) -> Tensor:
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
@@ -131,6 +143,8 @@ class ExpertParallel(ParallelStyle):
         ep = mesh.size()
         if counts.numel() % ep:
             raise ValueError(f"ExpertParallel: {counts.numel()} experts do not divide over ep {ep}")
+        if module.dispatch == "padded":
+            return self._dispatch_padded(x, counts, mesh)
         received = self._exchange_counts(counts, mesh)
         send = counts.view(ep, -1).sum(dim=1).tolist()
         recv = received.sum(dim=1).tolist()
@@ -145,7 +159,19 @@ class ExpertParallel(ParallelStyle):
         self._pending.append((send, recv, order))
         return x.index_select(0, order), received.sum(dim=0)
 
+    @staticmethod
+    def _dispatch_padded(x: Tensor, counts: Tensor, mesh: DeviceMesh):
+        """The padded dispatch: ``x`` is (experts x capacity, dim), expert-major; one equal-split all-to-all sends
+        each ep rank its experts' slices, and the received (source rank, local expert) blocks are regrouped to
+        (local expert, source rank) so each local expert's ``ep x capacity`` rows are contiguous."""
+        ep, local = mesh.size(), counts.numel() // mesh.size()
+        got = funcol.all_to_all_single_autograd(x.contiguous(), None, None, mesh)
+        return _swap_blocks(got, ep, local), counts
+
     def _combine(self, module: nn.Module, out: Tensor, mesh: DeviceMesh) -> Tensor:
+        if module.dispatch == "padded":  # the inverse regrouping, then the all-to-all back (equal splits)
+            back = _swap_blocks(out, module.num_experts // mesh.size(), mesh.size())
+            return funcol.all_to_all_single_autograd(back.contiguous(), None, None, mesh)
         send, recv, order = self._pending.pop()
         out = out.index_select(0, _inverse(order))
         return funcol.all_to_all_single_autograd(out, send, recv, mesh)

@@ -36,6 +36,7 @@ from titanlike.layout import float8_backend, loss_parallel_enabled, precision_po
 from titanlike.layout import reshard_after_forward as reshard_policy
 from titanlike.loss import cross_entropy_loss
 from titanlike.models import spec_for
+from titanlike.models.moe import set_expert_dispatch
 from titanlike.parallel.activation_checkpoint import apply_ac
 from titanlike.parallel.activation_offload import apply_activation_offload
 from titanlike.parallel.compile import apply_compile
@@ -85,6 +86,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
         # the aux loss of a sequence split over cp (and tp, when the MoE blocks route each tp rank's own tokens)
         # counts the whole sequence's tokens
         set_aux_sequence_group(model, dims.get_mesh("cp_tp" if dims.ep_tp > 1 else "cp").get_group())
+    if experts_modules(model):
+        set_expert_dispatch(model, cfg.parallelism.expert_dispatch)
     if has_experts:
         apply_ep(model, dims.get_mesh("ep"))
     if cfg.activation_checkpoint.mode != "none":

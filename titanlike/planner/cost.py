@@ -393,12 +393,14 @@ def _ep_messages(tally: _Tally, moe) -> None:
     lo, add, passes = tally.lo, tally.add, tally.passes
     routed = tally.b * tally.s // (tally.t if lo.ep_tp > 1 else 1)  # its SP shard when ep borrows tp
     off = (lo.ep - 1) / lo.ep
+    padded = lo.expert_dispatch == "padded"  # every expert's buffer of the rank's tokens rows, no counts exchange
     for i, m in moe.items():
-        rows = round(routed * m.top_k * off * lo.expert_imbalance)
+        rows = round(routed * off * (m.num_experts if padded else m.top_k * lo.expert_imbalance))
         repeat = 1 + tally.full_ac(i)  # full AC reruns the forward's three
         for phase, n, again in (("forward", passes, ""), ("backward", (repeat - 1) * passes, ", full AC")):
             counts = "MoE token counts per expert" + (" (recomputed)" if again else "")
-            add("ep", "all_to_all", phase, m.num_experts * 8 * off, lo.ep, counts, n)
+            if not padded:
+                add("ep", "all_to_all", phase, m.num_experts * 8 * off, lo.ep, counts, n)
             add("ep", "all_to_all", phase, rows * tally.h * tally.a, lo.ep, _dispatch_what(m, lo, again), 2 * n)
         add("ep", "all_to_all", "backward", rows * tally.h * tally.a, lo.ep, "MoE dispatch / combine grads", 2 * passes)
 
@@ -501,6 +503,9 @@ def _muon_messages(tally: _Tally) -> None:
 def _dispatch_what(m, lo: Layout, recomputed: str = "") -> str:
     imbalance = f", busiest rank x{lo.expert_imbalance:g}" if lo.expert_imbalance != 1 else ", balanced"
     again = " recomputed" if recomputed else ""
+    if lo.expert_dispatch == "padded":
+        off_rank = f"{lo.ep - 1}/{lo.ep} off-rank"
+        return f"MoE padded dispatch / combine buffers{again} ({m.num_experts} experts x tokens, {off_rank})"
     return f"MoE dispatch / combine rows{again} (top-{m.top_k}, {lo.ep - 1}/{lo.ep} off-rank{imbalance})"
 
 
@@ -568,9 +573,11 @@ def _rank_flops(lo: Layout, args) -> float:
         for sid in lo.stage_ids(pp_rank):
             tr, rc = _stage_flops_per_token(lo, args, lo.stages[sid])
             train, recompute = train + tr, recompute + rc
-            if lo.ep > 1:  # the busiest expert-parallel rank computes imbalance x the mean of the routed rows
+            padded = lo.expert_dispatch == "padded"  # every rank computes experts x tokens rows, whatever the load
+            if lo.ep > 1 or padded:  # else the busiest expert-parallel rank: imbalance x the mean of the routed rows
                 for i, m in moe_layers(args, lo.stages[sid]).items():
-                    routed = 6 * 3 * m.dim * m.hidden_dim * m.top_k * (lo.expert_imbalance - 1)
+                    extra = m.num_experts - m.top_k if padded else m.top_k * (lo.expert_imbalance - 1)
+                    routed = 6 * 3 * m.dim * m.hidden_dim * extra
                     train += routed
                     recompute += routed / 3 if lo.checkpointed(i) == "full" else 0
         per_rank.append((train + recompute) * tokens / (lo.dp * lo.cp * lo.tp))

@@ -81,6 +81,9 @@ class Layout:
     # mean (1: perfectly balanced, what the bias balancing steers to); scales that rank's all-to-all bytes and its
     # expert FLOPs
     expert_imbalance: float = 1.0
+    # parallelism.expert_dispatch: "padded" moves and computes every expert's worst-case buffer (experts x the rank's
+    # tokens rows per MoE layer, whatever the load) instead of the routed rows
+    expert_dispatch: str = "uneven"
     # parallelism.context_parallel_method (allgather | alltoall | ring | hybrid), hybrid's all-to-all group size
     # (parallelism.context_parallel_a2a_degree) and whether attention masks documents (block_causal: the all-to-all
     # method gathers the document starts once per forward)
@@ -155,6 +158,7 @@ class Layout:
             muon_bucket_mb=cfg.optimizer.muon_bucket_mb,
             attention_fraction=attention_fraction,
             expert_imbalance=expert_imbalance,
+            expert_dispatch=p.expert_dispatch,
             cp_method=p.context_parallel_method,
             cp_a2a=p.context_parallel_a2a_degree,
             documents=cfg.model.attn_mask_type == "block_causal",
