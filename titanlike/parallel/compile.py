@@ -21,18 +21,30 @@ import torch
 from torch import nn
 
 from titanlike.models import block_container_of, spec_for
-from titanlike.models.moe import MoE
+from titanlike.models.moe import GroupedExperts, MoE
 
 __all__ = ["apply_compile", "compiled_blocks"]
 
 
 def _fullgraph(block: nn.Module) -> bool:
-    """Whether dynamo captures ``block`` as one graph (``fullgraph=True``, a graph break is an error): every block
-    but one holding Transformer Engine modules, whose custom kernels make dynamo break the graph around them. An MoE
-    block is captured whole too: its expert counts have a static shape (``expert_counts``) and the rows per expert,
-    read on the host for the split, become unbacked symbolic sizes (``capture_scalar_outputs``, set by
-    :func:`apply_compile`), so neither breaks the graph nor recompiles when the routing changes."""
-    return not any(type(m).__module__.startswith("transformer_engine") for m in block.modules())
+    """Whether dynamo captures ``block`` as one graph (``fullgraph=True``, a graph break is an error).
+
+    Yes for every block but two kinds: one holding Transformer Engine modules (their custom kernels make dynamo
+    break the graph around them), and an MoE block under expert parallelism (its experts already sharded by
+    ``apply_ep``, which runs before this): the dispatch reads the exchanged split sizes on the host and checks
+    them, and the FSDP groups that come with it inside the block (the experts' own, and the MoE block's under ep
+    borrowing tp) run dynamo-disabled hooks; dynamo breaks the graph there and compiles the rest. A single-device or
+    data-parallel MoE block is captured whole: its expert counts have a static shape (``expert_counts``) and the
+    rows per expert, read on the host for the split, become unbacked symbolic sizes (``capture_scalar_outputs``,
+    set by :func:`apply_compile`), so they neither break the graph nor recompile when the routing changes."""
+    return not any(
+        type(m).__module__.startswith("transformer_engine") or (isinstance(m, GroupedExperts) and _sharded(m.w1))
+        for m in block.modules()
+    )
+
+
+def _sharded(w) -> bool:
+    return hasattr(w, "to_local")  # a DTensor (the model side imports nothing of torch.distributed either)
 
 
 def compiled_blocks(model: nn.Module) -> list[nn.Module]:
@@ -66,6 +78,10 @@ def apply_compile(model: nn.Module, compile_config) -> nn.Module:
         # the MoE blocks' rows per expert (a host read, ``.tolist()``) traced as unbacked symbolic sizes: no graph
         # break there, no guard on their values (a process-wide dynamo setting, read when a block is traced)
         torch._dynamo.config.capture_scalar_outputs = True
+        # and under activation checkpointing its load counters and aux-loss sum (attribute and buffer updates) are
+        # not replayed by the recomputation, as in eager (the block counts nothing inside the backward)
+        if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # torch >= 2.12
+            torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for block in blocks:
         if getattr(block, "_compiled_call_impl", None) is not None:
             raise ValueError(f"block {type(block).__name__} is already compiled")
