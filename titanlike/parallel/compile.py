@@ -1,11 +1,11 @@
 """``torch.compile`` per transformer block, in place, parameter names unchanged.
 
-Each block of ``model.layers`` is compiled with :meth:`nn.Module.compile` (``fullgraph=True``, except for blocks
-holding Transformer Engine modules, whose custom kernels make dynamo break the graph around them, or an MoE block,
-whose routing does): the module
+Each block of the model's block container, and each block its output modules run (DeepSeek-V3's MTP depths), is
+compiled with :meth:`nn.Module.compile` (``fullgraph=True`` in every family, MoE blocks included, except for blocks
+holding Transformer Engine modules and MoE blocks under expert parallelism: :func:`_fullgraph`): the module
 keeps its identity and its parameter names, unlike ``torch.compile(block)``, which returns an
 ``OptimizedModule`` that prefixes every name with ``_orig_mod.``. All blocks share one code object, and
-dynamo lifts their parameters to graph inputs, so one compilation serves every block of the same shape.
+dynamo lifts their parameters to graph inputs, so one compilation serves every block of the same kind.
 
 Order (``parallelize_model``): tensor parallelism, then activation checkpointing, then this, then FSDP.
 Compiling after AC lets dynamo trace ``torch.utils.checkpoint`` (including selective op-level policies) into
@@ -80,7 +80,7 @@ def apply_compile(model: nn.Module, compile_config) -> nn.Module:
         torch._dynamo.config.capture_scalar_outputs = True
         # and under activation checkpointing its load counters and aux-loss sum (attribute and buffer updates) are
         # not replayed by the recomputation, as in eager (the block counts nothing inside the backward)
-        if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # torch >= 2.12
+        if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # where torch has it
             torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for block in blocks:
         if getattr(block, "_compiled_call_impl", None) is not None:
