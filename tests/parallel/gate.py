@@ -38,6 +38,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from hf_models import HF_CONFIGS, hf_folder  # noqa: E402
 from torch import nn  # noqa: E402
+from torch._dynamo.utils import counters as dynamo_counters  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
@@ -238,6 +239,15 @@ def _dp(replicate, shard, local_batch):
     )
 
 
+COMPILED = ("--compile.enable", "true", "--compile.backend", "aot_eager")
+COMPILED_LAYOUTS = (
+    ("tp2_sp", _tp(2, *SP, *_dp(1, 1, 8)), "gqa"),
+    ("fsdp2", _dp(1, 2, 4), "gqa"),
+    ("cp2", _cp(2, *_dp(1, 1, 8)), "gqa"),
+    ("moe fsdp2", _dp(1, 2, 4), "moe"),
+    ("moe tp2_sp_ep2", _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))), "moe"),
+)
+
 LAYOUTS = [
     # 2 ranks
     Layout("tp2", 2, _tp(2, *_dp(1, 1, 8))),
@@ -377,6 +387,10 @@ LAYOUTS = [
     # tp2 + SP: each tp rank routes its own part of the sequence, ep borrows the tp ranks
     Layout("moe tp2_sp_ep2", 2, _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))), model="moe"),
     Layout("moe tp2_sp_ep2 padded", 2, _padded(*_ep(2, *_tp(2, *SP, *_dp(1, 1, 8)))), model="moe"),
+    # compiled blocks (fullgraph, backend aot_eager: dynamo's capture, AOT autograd's joint graph and partition; no
+    # code generation, whose breaks and recompiles are decided by dynamo alike): equal to one device, and
+    # test_parallel_gate.py asserts the graph breaks and that nothing compiles after the second step
+    *(Layout(f"compile {name}", 2, (*args, *COMPILED), model=model) for name, args, model in COMPILED_LAYOUTS),
     Layout(
         "MUT moe tp2_sp_ep2 router not summed over tp",
         2,
@@ -1937,9 +1951,10 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
         zero1 = cfg.parallelism.distributed_optimizer
         muon_comms = _count_optimizer_comms(built.optimizer, zero1)  # Muon: what its last step sent (CommDebugMode)
         expert_comms: dict[str, int] = {}
+        compiled = _compile_counts_start(cfg)
         for step in range(1, STEPS + 1):
             ref = records[step - 1]
-            with _counting_expert_comms(built, expert_comms, step == 1):
+            with _counting_expert_comms(built, expert_comms, step == 1 and compiled is None):
                 res = train_step(
                     built.model_parts,
                     built.optimizer,
@@ -1966,6 +1981,8 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
                     diffs["weights"] = max(diffs["weights"], _diff(p, ref.weights[name]))
                 for name, b in expert_biases(part).items():
                     diffs["biases"] = max(diffs["biases"], _max_abs(b, ref.biases[name]))
+            if compiled is not None:
+                compiled["graphs"].append(dynamo_counters["stats"]["unique_graphs"])
             if step == 1 and built.eval_sum is not None:
                 diffs["eval"] = abs(built.eval_sum(*step_batch(cfg, STEPS + 1)) - ctx.reference_eval(layout, cfg))
             if layout.mutation and step < STEPS and _broken_on_some_rank(diffs):
@@ -1993,6 +2010,7 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
         "zero1": _zero1_report(built.optimizer, muon_comms, zero1),
         "expert_comms": expert_comms,
         "expert_mesh": _expert_mesh(built),
+        "compile": _compile_counts_end(compiled),
         **diffs,
         **checks,
         "ok": diffs["init"] == 0.0
@@ -2004,6 +2022,31 @@ def run_layout(layout: Layout, ctx: Context) -> dict:
         "steps": step,  # STEPS, or fewer for a mutation that broke the gate earlier
         "seconds": round(time.perf_counter() - t0, 2),
     }
+
+
+def _compile_counts_start(cfg) -> dict | None:
+    """For a compiled layout: dynamo's counters cleared (its caches too, so the layout compiles its own graphs) and
+    a record of the graphs compiled so far after each step; None for an eager layout."""
+    if not cfg.compile.enable:
+        return None
+    torch._dynamo.reset()
+    dynamo_counters.clear()
+    return {"graphs": []}
+
+
+def _compile_counts_end(compiled: dict | None) -> dict | None:
+    """Graph breaks and graphs compiled per step, the max over the ranks (each rank compiles its own blocks)."""
+    if compiled is None:
+        return None
+    breaks = sum(dynamo_counters["graph_break"].values())
+    values = torch.tensor([breaks, *compiled["graphs"]], dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    breaks, *graphs = (int(v) for v in values.tolist())
+    reasons: dict[str, int] = {}  # this rank's, by their first line
+    for reason, n in dynamo_counters["graph_break"].items():
+        first = reason.strip().splitlines()[0]
+        reasons[first] = reasons.get(first, 0) + n
+    return {"graph_breaks": breaks, "graphs_after_step": graphs, "break_reasons": reasons}
 
 
 def _broken_on_some_rank(diffs: dict[str, float]) -> bool:

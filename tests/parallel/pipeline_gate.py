@@ -133,6 +133,9 @@ LAYOUTS = [
     _layout("pp2 1F1B tied", 2, _pp(2, "1F1B", 8, 2), model="deep_tied"),
     _layout("pp2 ZBVZeroBubble tied", 2, _pp(2, "ZBVZeroBubble", 8, 2), model="deep_tied"),
     _layout("pp2 1F1B accum2", 2, _pp(2, "1F1B", 4, 2)),
+    # compiled blocks (fullgraph, aot_eager; test_pipeline_gate.py asserts no graph break, nothing compiled after
+    # step 2)
+    _layout("compile pp2 1F1B", 2, _pp(2, "1F1B", 8, 2, *gate.COMPILED)),
     # A breadth-first schedule runs fewer microbatches than ranks (layout rule pp_microbatches, ScheduleFacts).
     _layout("pp2 LoopedBFS 1 microbatch", 2, _pp(2, "LoopedBFS", 2, 2)),
     _layout(

@@ -122,6 +122,7 @@ __all__ = [
     "init_moe_buffers",
     "param_init_patterns",
     "grouped_alignment",
+    "expert_counts",
     "pad_groups",
     "EXPERT_DISPATCHES",
     "set_expert_dispatch",
@@ -263,6 +264,14 @@ def _limit_to_top_groups(choice: Tensor, num_groups: int, topk_groups: int) -> T
     return grouped.masked_fill(~keep[..., None], float("-inf")).view(n, e)
 
 
+def expert_counts(idx: Tensor, num_experts: int) -> Tensor:
+    """(num_experts,) int64: how many of the picked expert ids ``idx`` name each expert. A scatter-add of ones
+    rather than ``bincount``, whose output length depends on the ids' values: this one's is static, so
+    ``torch.compile`` captures it in the block's graph."""
+    flat = idx.reshape(-1)
+    return flat.new_zeros(num_experts).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def grouped_alignment(dtype: torch.dtype) -> int:
     """Rows (and ``dim`` / ``hidden_dim`` elements) per 16 bytes: what ``torch._grouped_mm`` aligns to."""
     return 16 // torch.empty((), dtype=dtype).element_size()
@@ -289,13 +298,24 @@ def pad_groups(x: Tensor, counts: Tensor, align: int) -> tuple[Tensor, Tensor, T
     return padded, rows, ends.to(torch.int32)
 
 
+def _split_sizes(counts: Tensor, rows: int) -> list[int]:
+    """The rows per expert on the host (one synchronisation), with what a compiled block needs to know of them:
+    under ``torch.compile`` (``capture_scalar_outputs``) they are unbacked symbolic sizes, and these checks let the
+    split trace without a graph break or a guard on their values."""
+    sizes = counts.tolist()
+    for size in sizes:
+        torch._check(size >= 0)
+    torch._check(sum(sizes) == rows)
+    return sizes
+
+
 def _loop_swiglu(x: Tensor, counts: Tensor | list[int], w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
     """One SwiGLU per expert on its rows (every expert, empty groups too, so every weight gets a gradient). The
     weights are ``unbind``-ed once: indexing ``w[e]`` per expert makes each expert's backward write a full-size zero
     gradient (E times the weight's memory traffic: 110 vs 35 ms forward + backward for 16 experts, 2048 rows, dim
     128, hidden 256, float32, one CPU thread)."""
     outs = []
-    sizes = counts if isinstance(counts, list) else counts.tolist()
+    sizes = counts if isinstance(counts, list) else _split_sizes(counts, x.shape[0])
     for rows, a, b, c in zip(torch.split(x, sizes), w1.unbind(0), w2.unbind(0), w3.unbind(0)):
         outs.append((F.silu(rows @ a.T) * (rows @ c.T)) @ b.T)
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
@@ -313,7 +333,7 @@ def _loop_biased(x: Tensor, counts: Tensor | list[int], ws: tuple[Tensor, ...], 
     """:func:`_loop_swiglu` with a bias on every projection and any gated activation ``act(gate, up)``: ``ws`` =
     (w1, w2, w3, b1, b2, b3), biases (experts, out features)."""
     outs = []
-    sizes = counts if isinstance(counts, list) else counts.tolist()
+    sizes = counts if isinstance(counts, list) else _split_sizes(counts, x.shape[0])
     for rows, a, b, c, ba, bb, bc in zip(torch.split(x, sizes), *(w.unbind(0) for w in ws)):
         outs.append(act(rows @ a.T + ba, rows @ c.T + bc) @ b.T + bb)
     return torch.cat(outs) if outs else x.new_zeros(0, ws[1].shape[1])
@@ -468,13 +488,6 @@ def _padded_positions(idx: Tensor, order: Tensor, counts: Tensor, capacity: int)
     return expert * capacity + torch.arange(order.numel(), device=order.device) - starts.index_select(0, expert)
 
 
-def _expert_counts(idx: Tensor, num_experts: int) -> Tensor:
-    """Rows per expert, ``num_experts`` of them whatever the ids (``bincount`` sizes its output from the largest id:
-    a host read)."""
-    ones = torch.ones(idx.numel(), dtype=torch.int64, device=idx.device)
-    return torch.zeros(num_experts, dtype=torch.int64, device=idx.device).scatter_add_(0, idx.reshape(-1), ones)
-
-
 def set_expert_dispatch(model: nn.Module, dispatch: str) -> None:
     """How every MoE block of ``model`` hands its rows to the experts (``parallelism.expert_dispatch``):
 
@@ -507,8 +520,10 @@ class _AddAuxGradient(torch.autograd.Function):
 
 
 def _in_backward() -> bool:
-    """True inside an autograd backward pass (an activation-checkpointing recomputation runs there)."""
-    return torch._C._current_graph_task_id() != -1
+    """True inside an autograd backward pass (an activation-checkpointing recomputation runs there). False while
+    ``torch.compile`` traces a block: its forward is traced once, in the forward, and a checkpoint inside the compiled
+    block is recomputed by the compiled backward, not by running this code again."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 _STATS_PAUSED = [0]
@@ -596,10 +611,8 @@ class MoE(nn.Module):
         padded = self.experts.dispatch == "padded"
         if _BALANCED[0]:  # round-robin routing: every expert the same rows (no data-dependent bincount)
             counts = idx.new_full((self.args.num_experts,), idx.numel() // self.args.num_experts)
-        elif padded:
-            counts = _expert_counts(idx, self.args.num_experts)
         else:
-            counts = torch.bincount(idx.reshape(-1), minlength=self.args.num_experts)
+            counts = expert_counts(idx, self.args.num_experts)
         if _counting(self):
             self.last_load = counts.detach()
             self.expert_load += counts

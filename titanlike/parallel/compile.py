@@ -1,11 +1,11 @@
 """``torch.compile`` per transformer block, in place, parameter names unchanged.
 
-Each block of ``model.layers`` is compiled with :meth:`nn.Module.compile` (``fullgraph=True``, except for blocks
-holding Transformer Engine modules, whose custom kernels make dynamo break the graph around them, or an MoE block,
-whose routing does): the module
+Each block of the model's block container, and each block its output modules run (DeepSeek-V3's MTP depths), is
+compiled with :meth:`nn.Module.compile` (``fullgraph=True`` in every family, MoE blocks included, except for blocks
+holding Transformer Engine modules and MoE blocks under expert parallelism: :func:`_fullgraph`): the module
 keeps its identity and its parameter names, unlike ``torch.compile(block)``, which returns an
 ``OptimizedModule`` that prefixes every name with ``_orig_mod.``. All blocks share one code object, and
-dynamo lifts their parameters to graph inputs, so one compilation serves every block of the same shape.
+dynamo lifts their parameters to graph inputs, so one compilation serves every block of the same kind.
 
 Order (``parallelize_model``): tensor parallelism, then activation checkpointing, then this, then FSDP.
 Compiling after AC lets dynamo trace ``torch.utils.checkpoint`` (including selective op-level policies) into
@@ -17,19 +17,51 @@ feed and leave the blocks): compiled blocks returning plain local tensors fail i
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from titanlike.models import block_container_of
-from titanlike.models.moe import MoE
+from titanlike.models import block_container_of, spec_for
+from titanlike.models.moe import GroupedExperts, MoE
 
-__all__ = ["apply_compile"]
+__all__ = ["apply_compile", "compiled_blocks"]
 
 
 def _fullgraph(block: nn.Module) -> bool:
-    """Whether dynamo can capture ``block`` as one graph: not with Transformer Engine modules inside, nor with an
-    MoE block (its routing has data-dependent shapes: ``bincount``, the expert-sorted rows, and under expert
-    parallelism the split sizes read on the host; dynamo breaks the graph there and compiles the rest)."""
-    return not any(type(m).__module__.startswith("transformer_engine") or isinstance(m, MoE) for m in block.modules())
+    """Whether dynamo captures ``block`` as one graph (``fullgraph=True``, a graph break is an error).
+
+    Yes for every block but two kinds: one holding Transformer Engine modules (their custom kernels make dynamo
+    break the graph around them), and an MoE block under expert parallelism (its experts already sharded by
+    ``apply_ep``, which runs before this): the dispatch reads the exchanged split sizes on the host and checks
+    them, and the FSDP groups that come with it inside the block (the experts' own, and the MoE block's under ep
+    borrowing tp) run dynamo-disabled hooks; dynamo breaks the graph there and compiles the rest. A single-device or
+    data-parallel MoE block is captured whole: its expert counts have a static shape (``expert_counts``) and the
+    rows per expert, read on the host for the split, become unbacked symbolic sizes (``capture_scalar_outputs``,
+    set by :func:`apply_compile`), so they neither break the graph nor recompile when the routing changes."""
+    return not any(
+        type(m).__module__.startswith("transformer_engine") or (isinstance(m, GroupedExperts) and _sharded(m.w1))
+        for m in block.modules()
+    )
+
+
+def _sharded(w) -> bool:
+    return hasattr(w, "to_local")  # a DTensor (the model side imports nothing of torch.distributed either)
+
+
+def compiled_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks :func:`apply_compile` compiles: every block of ``model``'s block container, then the blocks its
+    output modules run (the spec's ``prediction_blocks``: DeepSeek-V3's MTP depths) that this model or pipeline
+    stage holds."""
+    layers = block_container_of(model)
+    if layers is None:
+        raise ValueError(
+            f"compile needs a model with a block container (its spec's, or .layers), got {type(model).__name__}"
+        )
+    blocks = list(layers.values())
+    spec, args = spec_for(model), getattr(model, "args", None)
+    if spec is not None and args is not None:
+        held = dict(model.named_modules())
+        blocks += [held[fqn] for fqn in spec.prediction_blocks(args) if fqn in held]
+    return blocks
 
 
 def apply_compile(model: nn.Module, compile_config) -> nn.Module:
@@ -41,12 +73,16 @@ def apply_compile(model: nn.Module, compile_config) -> nn.Module:
     """
     if not compile_config.enable:
         return model
-    layers = block_container_of(model)
-    if layers is None:
-        raise ValueError(
-            f"compile needs a model with a block container (its spec's, or .layers), got {type(model).__name__}"
-        )
-    for block in layers.values():
+    blocks = compiled_blocks(model)
+    if any(isinstance(m, MoE) for block in blocks for m in block.modules()):
+        # the MoE blocks' rows per expert (a host read, ``.tolist()``) traced as unbacked symbolic sizes: no graph
+        # break there, no guard on their values (a process-wide dynamo setting, read when a block is traced)
+        torch._dynamo.config.capture_scalar_outputs = True
+        # and under activation checkpointing its load counters and aux-loss sum (attribute and buffer updates) are
+        # not replayed by the recomputation, as in eager (the block counts nothing inside the backward)
+        if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # where torch has it
+            torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    for block in blocks:
         if getattr(block, "_compiled_call_impl", None) is not None:
             raise ValueError(f"block {type(block).__name__} is already compiled")
         block.compile(backend=compile_config.backend, fullgraph=_fullgraph(block))

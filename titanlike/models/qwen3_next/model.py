@@ -315,7 +315,11 @@ class GatedDeltaNet(nn.Module):
             .view(bsz, seqlen, -1, 2 * dk + 2 * rep * dv)
             .split([2 * dk + rep * dv, rep * dv], dim=-1)
         )
-        b, a = self.in_proj_ba(x).view(bsz, seqlen, -1, 2 * rep).split([rep, rep], dim=-1)
+        # sliced, not split: split's backward concatenates the two gradients, which arrive here channels-last
+        # strided (transposed by the delta rule) and keep that layout through the concatenation, whose following
+        # view then fails in a compiled backward (torch 2.13 traces the concatenation contiguous)
+        ba = self.in_proj_ba(x).view(bsz, seqlen, -1, 2 * rep)
+        b, a = ba[..., :rep], ba[..., rep:]
         taps = self.conv_core(qkv.reshape(bsz, seqlen, -1), self.kernel, mask)
         mixed = F.silu(self.conv(taps)).view(bsz, seqlen, -1, 2 * dk + rep * dv)
         q, k, v = mixed.split([dk, dk, rep * dv], dim=-1)
