@@ -3,10 +3,17 @@ file:line), and a training step that reads nothing on the host: the non-finite s
 weights, AdamW / Muon state and the LR schedule exactly as the host-side skip did."""
 
 import copy
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from data_files import documents
+from dist_utils import worker_env
 
 from titanlike.config import load_config
 from titanlike.loss import ScaledLoss, cross_entropy_loss
@@ -152,3 +159,55 @@ def test_step_numbers_are_read_once_and_together():
         assert [r.loss for r in results] == [0.0, 1.0, 2.0] and results[2].tokens == 16 and not results[0].skipped
     assert [r.op for r in reads.reads] == ["Tensor.tolist"]
     assert copy.copy(results[1]).grad_norm == 2.0
+
+
+WORKER = Path(__file__).with_name("host_reads_worker.py")
+
+
+def _expected_moe_floor(layers: int) -> Counter:
+    """qwen3_moe under ep 2, per step (one microbatch): per MoE layer, the dispatch's send / receive split sizes
+    (two ``tolist``), the all-to-alls of the dispatch and the combine given them as Python lists, and the grouped
+    expert loop's per-expert split (one ``tolist``)."""
+    out: Counter = Counter()
+    for layer in range(layers):
+        module = f"forward layers.{layer}.moe.experts"
+        out[("tolist", "expert_parallel.py:135 (_dispatch)", module)] += 1
+        out[("tolist", "expert_parallel.py:136 (_dispatch)", module)] += 1
+        out[("split sizes", "expert_parallel.py:143 (_dispatch)", module)] += 1
+        out[("split sizes", "expert_parallel.py:151 (_combine)", module)] += 1
+        out[("tolist", "moe.py:285 (_loop_swiglu)", module)] += 1
+    return out
+
+
+def _key(read: str) -> tuple[str, str, str]:
+    kind = read.split(" (")[0]
+    where = read.split(" at ")[1].split(" [")[0]
+    return kind, "/".join(where.split("/")[-1:]), read.split(" [")[1].rstrip("]") if " [" in read else ""
+
+
+def test_the_trainer_reads_nothing_on_the_host_between_log_steps(tmp_path):
+    """2 ranks, 7 steps, metrics.log_freq 10 (steps 1 and 7 log): llama under FSDP reads nothing in steps 2-5, and
+    exactly the planted ``.item()`` in step 6, named by its file:line, function and module; qwen3_moe under ep 2
+    reads exactly today's dispatch floor in steps 2-6 (:func:`_expected_moe_floor`), each read named."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(documents(40, seed=5)))
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), str(tmp_path), "--data.path", str(corpus)],
+        cwd=Path(__file__).resolve().parents[2],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    logs = "".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob("*/rank*.log")))
+    assert proc.returncode == 0, proc.stderr[-3000:] + logs
+    for rank in (0, 1):
+        llama = json.loads((tmp_path / "llama_fsdp2" / f"reads_rank{rank}.json").read_text())
+        assert len(llama) == 7 and llama[1:5] == [[]] * 4, llama[1:5]
+        (planted,) = llama[5]
+        assert planted.startswith("item (aten._local_scalar_dense) at ") and "(planted_forward)" in planted, planted
+        assert "host_reads_worker.py:" in planted and "[forward layers.0." in planted, planted
+        assert llama[0] and llama[6]  # the log steps read (the step numbers, the end-of-step agreement)
+        moe = json.loads((tmp_path / "qwen3_moe_ep2" / f"reads_rank{rank}.json").read_text())
+        for step in range(2, 7):
+            assert Counter(_key(r) for r in moe[step - 1]) == _expected_moe_floor(2), (step, moe[step - 1])

@@ -16,7 +16,8 @@ What is recorded:
   explicitly; ``.cpu()`` of a tensor already on the host counts too: on a GPU it would be a transfer);
 * ``object collective``: ``all_gather_object``, ``broadcast_object_list``, ``gather_object``,
   ``scatter_object_list`` (they pickle through the host);
-* ``split sizes``: ``all_to_all_single`` given its split sizes as Python lists (the shapes of an uneven exchange
+* ``split sizes``: ``all_to_all_single`` (``torch.distributed``'s or the functional collectives', autograd too) given
+  its split sizes as Python lists (the shapes of an uneven exchange
   known on the host: the sizes were read from a tensor, counted where they were read, and the collective is named).
 
 The recording runs under a ``TorchDispatchMode``, which sees the ops of DTensor, FSDP and the pipeline schedules too
@@ -169,6 +170,11 @@ def _list_splits(*args, **kwargs) -> bool:
     return any(isinstance(s, list | tuple) for s in splits)
 
 
+def _funcol_list_splits(*args, **kwargs) -> bool:
+    splits = list(args[1:3]) + [kwargs.get("output_split_sizes"), kwargs.get("input_split_sizes")]
+    return any(isinstance(s, list | tuple) for s in splits)
+
+
 @contextlib.contextmanager
 def _patched(record) -> Iterator[None]:
     """Tensor.tolist / cpu / numpy and the object collectives (which the dispatch mode cannot see as reads)."""
@@ -189,6 +195,10 @@ def _patched(record) -> Iterator[None]:
             for name in _OBJECT_COLLECTIVES:
                 patch(owner, name, "object collective", name)
             patch(owner, "all_to_all_single", "split sizes", "all_to_all_single", _list_splits)
+        from torch.distributed import _functional_collectives as funcol
+
+        for name in ("all_to_all_single", "all_to_all_single_autograd"):
+            patch(funcol, name, "split sizes", f"funcol.{name}", _funcol_list_splits)
     try:
         yield
     finally:
