@@ -9,7 +9,8 @@ trainer's phase (``titanlike.hang``), so a step's budget can be asserted on a CP
 What is recorded:
 
 * ``item``: ``aten._local_scalar_dense``: ``t.item()``, ``bool(t)``, ``int(t)``, ``float(t)``, ``if t:`` (not
-  torch.optim's read of its own step count, a host tensor by design unless ``capturable``);
+  torch.optim's read of its own step count, a host tensor by design unless ``capturable``, nor a tensor marked with
+  :func:`on_the_host`);
 * ``data-dependent shape``: ``nonzero``, ``masked_select``, ``unique``, boolean-mask indexing and ``repeat_interleave``
   without ``output_size`` (their output's size is read from the device);
 * ``tolist`` / ``cpu`` / ``numpy``: the methods themselves (on a CPU they copy nothing, so they are intercepted
@@ -130,13 +131,24 @@ def _phase() -> str:
     return f"{w.phase}{' ' + w.module if w.module else ''}" if w.phase not in ("start", "") else ""
 
 
+def on_the_host(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t`` as a host tensor by design (a CPU tensor also when the model runs on a GPU: a flag all-reduced on
+    gloo): reading it waits for no device work, so the counter does not record its reads. Returns ``t``."""
+    t._titanlike_on_the_host = True
+    return t
+
+
+def _host_by_design(t) -> bool:
+    return isinstance(t, torch.Tensor) and getattr(t, "_titanlike_on_the_host", False)
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, record):
         super().__init__()
         self.record = record
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in _SCALAR and not _optimizer_step_count(args[0]):
+        if func in _SCALAR and not (_host_by_design(args[0]) or _optimizer_step_count(args[0])):
             self.record("item", "aten._local_scalar_dense")
         elif func in _DATA_SHAPED or (func is _aten.repeat_interleave.Tensor and not (kwargs or {}).get("output_size")):
             self.record("data-dependent shape", f"aten.{func.__name__}")
@@ -153,7 +165,7 @@ class _Mode(TorchDispatchMode):
 
 def _wrap(original, record, kind: str, op: str, check=None):
     def wrapper(*args, **kwargs):
-        if check is None or check(*args, **kwargs):
+        if (check is None or check(*args, **kwargs)) and not (args and _host_by_design(args[0])):
             record(kind, op)
         _STATE.depth += 1
         try:

@@ -291,6 +291,8 @@ class Trainer:
         hang.enable_flight_recorder()  # torch's record of every collective, for a hang report
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         fault.init_process_group(backend, datetime.timedelta(seconds=self.cfg.comm.init_timeout_seconds))
+        # the exit-signal agreement of every step, on host tensors: a gloo group beside nccl (none needed on gloo)
+        self.host_group = dist.new_group(backend="gloo") if backend == "nccl" else None
 
     def _check_fault_tolerance(self) -> None:
         """[fault_tolerance]: every problem of the section in one line, torchft installed, the lighthouse reachable
@@ -788,9 +790,9 @@ class Trainer:
                         break
                 self.step += 1
                 pending.append((self.step, self._run_step(data_iter)))
-                res, signum = pending[-1][1], 0
-                if self._settle_due():  # the steps' numbers read on the host here only (log and save steps)
-                    signum = self._settle(pending, exit_signals, losses, rate, imbalance)
+                res, signum = pending[-1][1], self._agree_on_exit_signal(exit_signals)
+                if signum or self._settle_due():  # the steps' numbers read on the host here only (log, save steps)
+                    self._settle(pending, losses, rate, imbalance)
                     pending = []
                 if not res.committed:  # a replica group failed in the step: redone with the groups that are left
                     self.step -= 1
@@ -950,13 +952,26 @@ class Trainer:
             or bool(self.sentinel and self.sentinel.due(step, False))
         )
 
-    def _settle(self, pending, exit_signals, losses: list[float], rate, imbalance) -> int:
-        """The steps since the last settled one, on the host: their numbers in one read, the end-of-step agreement
-        (``_end_of_step``), then the token count, the losses, the MoE imbalance watch and the skipped steps, in step
-        order. Returns the number of an exit signal some rank received (0: none)."""
+    def _agree_on_exit_signal(self, exit_signals) -> int:
+        """The number of an exit signal some rank received (0: none), agreed by every rank at the end of every step
+        (then every rank stops after the same step): one all-reduce (MAX) of one host tensor, on gloo (a group of
+        its own beside nccl), so that it waits for no device work."""
+        if not self.distributed:
+            return exit_signals.received
+        from titanlike.training.host_reads import on_the_host
+
+        flag = on_the_host(torch.tensor(exit_signals.received))
+        with self._op(f"the end of step {self.step}"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=getattr(self, "host_group", None))
+        return int(flag.item())
+
+    def _settle(self, pending, losses: list[float], rate, imbalance) -> None:
+        """The steps since the last settled one, on the host: their numbers in one read, the non-finite-parameter
+        check (``_end_of_step``), then the token count, the losses, the MoE imbalance watch and the skipped steps,
+        in step order."""
         StepResult.read_together([r for _, r in pending])
         with self._op(f"the end of step {self.step}"):
-            signum = self._end_of_step(pending, exit_signals)
+            self._end_of_step(pending)
         for step, res in pending:
             if not res.committed:
                 continue
@@ -968,7 +983,6 @@ class Trainer:
                 print(warning, flush=True)
             if res.skipped:
                 self._count_skipped_step(res, step)
-        return signum
 
     def _count_skipped_step(self, res, step: int) -> None:
         """A non-finite loss or gradient norm skipped the update: say so, and stop past training.max_nonfinite_steps."""
@@ -1073,14 +1087,12 @@ class Trainer:
         return fault.job_operation(self, what)
 
     @torch.no_grad()
-    def _end_of_step(self, pending, exit_signals) -> int:
-        """The end of the steps since the last settled one, on every rank alike: one all-reduce (MAX) of two
-        numbers. (1) Whether an update whose loss and gradient norm were finite left a parameter non-finite (AdamW
-        still can, e.g. 0/0 with optimizer.eps = 0 on rows that got no gradient; a skipped step changes nothing, so
-        a non-finite parameter is always such an update's): one fused norm over the local tensors (non-finite when
-        an element is), the names gathered only when it trips; a non-finite update cannot be undone without a copy
-        of the state, so the run stops before saving it. (2) The number of an exit signal some rank received (0:
-        none), so that every rank stops after the same step. Returns (2)."""
+    def _end_of_step(self, pending) -> None:
+        """Whether an update whose loss and gradient norm were finite left a parameter non-finite (AdamW still can,
+        e.g. 0/0 with optimizer.eps = 0 on rows that got no gradient; a skipped step changes nothing, so a
+        non-finite parameter is always such an update's), on every rank alike: one fused norm over the local
+        tensors (non-finite when an element is) and one all-reduce (MAX), the names gathered only when it trips; a
+        non-finite update cannot be undone without a copy of the state, so the run stops before saving it."""
         from torch.distributed.tensor import DTensor
 
         named = [
@@ -1089,10 +1101,10 @@ class Trainer:
             for n, p in part.named_parameters()
         ]
         bad = fault.first_non_finite(named)
-        flags = torch.tensor([0 if bad is None else 1, exit_signals.received], device=self.device)
+        flag = torch.tensor(0 if bad is None else 1, device=self.device)
         if self.distributed:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        nonfinite, signum = (int(v) for v in flags.tolist())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        nonfinite = int(flag.item())
         if nonfinite:
             names = [bad]
             if self.distributed:
@@ -1109,7 +1121,6 @@ class Trainer:
                 f"({steps}); it is not saved (resume from the last checkpoint; check optimizer.eps = "
                 f"{self.cfg.optimizer.eps:g} and optimizer.lr)"
             )
-        return signum
 
     def _log_epochs(self, before: list[int], position: int) -> list[int]:
         """Rank 0 says when a source ran out and started its next epoch (a new order of its windows)."""
