@@ -93,8 +93,8 @@ class StepResult:
         return int(self.host()[2])
 
     @property
-    def skipped(self) -> bool:  # True when loss or grad norm was not finite and the update was skipped
-        return bool(self.host()[3])
+    def skipped(self) -> bool:  # True when loss or grad norm was not finite (or the step not committed): no update
+        return not self.committed or bool(self.host()[3])
 
     @property
     def mtp(self) -> list[float] | None:  # a model with MTP depths: each depth's loss over the global batch's tokens
@@ -295,14 +295,10 @@ def skip_on_device(optimizer: torch.optim.Optimizer, skipped: torch.Tensor) -> N
 
 
 def _takes_found_inf(optimizer) -> bool:
-    from torch.distributed.tensor import DTensor
-
+    """Fused Adam / AdamW (the default on CUDA): the kernel skips on ``found_inf``, DTensor parameters too (a plain
+    scalar flag, the same on every rank)."""
     groups = optimizer.param_groups
-    return (
-        type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
-        and all(g.get("fused") for g in groups)
-        and not any(isinstance(p, DTensor) for g in groups for p in g["params"])
-    )
+    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and all(g.get("fused") for g in groups)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
