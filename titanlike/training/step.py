@@ -277,8 +277,9 @@ def skip_on_device(optimizer: torch.optim.Optimizer, skipped: torch.Tensor) -> N
     momentum) exactly as they were when the device flag ``skipped`` is 1, without reading it on the host: fused
     Adam / AdamW take it as their ``found_inf`` (as ``torch.amp.GradScaler`` passes it: the kernel skips the update
     and takes the step count back); any other optimizer steps and then has what it changed put back with
-    ``torch.where`` from a copy taken before (one copy of the parameters and their state per step). State the step
-    created goes back to zeros, its initial value (AdamW's and Muon's)."""
+    ``torch.where`` from a copy taken before (the parameters and their state copied every step into buffers kept
+    between steps: one more copy of them in memory). State the step created goes back to zeros, its initial value
+    (AdamW's and Muon's)."""
     if _takes_found_inf(optimizer):
         optimizer.grad_scale, optimizer.found_inf = None, skipped.to(torch.float32)
         try:
@@ -287,11 +288,22 @@ def skip_on_device(optimizer: torch.optim.Optimizer, skipped: torch.Tensor) -> N
             del optimizer.grad_scale, optimizer.found_inf
         return
     tensors = _updated_tensors(optimizer)
-    before = [t.clone() for t in tensors]
+    before = _copy_buffers(optimizer, tensors)
+    torch._foreach_copy_(before, tensors)
     optimizer.step()
     restore_where(skipped, tensors, before)
     for t in _updated_tensors(optimizer)[len(tensors) :]:  # state created by this step: its zeros when skipped
         restore_where(skipped, [t], [torch.zeros_like(t)])
+
+
+def _copy_buffers(optimizer, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The buffers ``skip_on_device`` copies ``tensors`` into, kept on the optimizer from step to step (allocating
+    them every step cost a third more on a CPU); new ones when the tensors changed (the first step's new state)."""
+    key = tuple(id(t) for t in tensors)
+    cached = getattr(optimizer, "_skip_copy", None)
+    if cached is None or cached[0] != key:
+        cached = optimizer._skip_copy = (key, [torch.empty_like(t) for t in tensors])
+    return cached[1]
 
 
 def _takes_found_inf(optimizer) -> bool:
@@ -316,8 +328,12 @@ def _updated_tensors(optimizer) -> list[torch.Tensor]:
 @torch.no_grad()
 def restore_where(skipped: torch.Tensor, tensors: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> None:
     """Each of ``tensors`` back to its ``before`` where the device flag ``skipped`` is set (no host read)."""
+    flags: dict[torch.device, torch.Tensor] = {}
     for t, b in zip(tensors, before):
-        t.copy_(torch.where(skipped.to(device=t.device, dtype=torch.bool), b, t))
+        flag = flags.get(t.device)
+        if flag is None:
+            flag = flags[t.device] = skipped.to(device=t.device, dtype=torch.bool)
+        torch.where(flag, b, t, out=t)
 
 
 def _moe_end_step(moe, model_parts, skipped: torch.Tensor):
