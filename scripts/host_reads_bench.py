@@ -2,6 +2,7 @@
 
     python scripts/host_reads_bench.py                        # 20 steps of the debug model, this tree vs 89619ef
     python scripts/host_reads_bench.py --before main --runs 5 --steps 20
+    python scripts/host_reads_bench.py --optimizer.implementation fused     # any further option goes to train.py
 
 The earlier commit is extracted with ``git archive`` into a temporary folder. The runs alternate (before, after,
 before, ...) so that a shared machine's load falls on both alike; each run is ``python train.py`` of the debug config
@@ -23,8 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def one_run(tree: Path, steps: int, log_freq: int, dump: Path) -> float:
-    argv = [sys.executable, "train.py", "--training.steps", str(steps), "--validation.enable", "false"]
+def one_run(tree: Path, steps: int, log_freq: int, dump: Path, extra: list[str]) -> float:
+    argv = [sys.executable, "train.py", *extra, "--training.steps", str(steps), "--validation.enable", "false"]
     argv += ["--metrics.log_freq", str(log_freq), "--job.dump_folder", str(dump)]
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     out = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
@@ -40,7 +41,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--runs", type=int, default=3, help="runs of each tree")
     ap.add_argument("--log-freq", type=int, default=10)
-    args = ap.parse_args()
+    args, extra = ap.parse_known_args()  # the rest: train.py options for both trees
     with tempfile.TemporaryDirectory() as tmp:
         before = Path(tmp) / "before"
         before.mkdir()
@@ -49,7 +50,7 @@ def main() -> None:
         times: dict[str, list[float]] = {"before": [], "after": []}
         for i in range(args.runs):
             for name, tree in (("before", before), ("after", REPO)):
-                times[name].append(one_run(tree, args.steps, args.log_freq, Path(tmp) / f"{name}{i}"))
+                times[name].append(one_run(tree, args.steps, args.log_freq, Path(tmp) / f"{name}{i}", extra))
                 print(f"run {i + 1} {name:6s} {times[name][-1]:.3f}s per step", flush=True)
     b, a = statistics.median(times["before"]), statistics.median(times["after"])
     print(f"median s/step: before ({args.before}) {b:.3f}  after {a:.3f}  after/before {a / b:.3f}")
