@@ -355,7 +355,7 @@ class ExpertBalancing:
             for m in parts:
                 reset_moe_stats(m)
         if self.pp_group is None:
-            return {"aux_loss": aux.cpu(), "loads": loads.cpu()}
+            return {"aux_loss": aux, "loads": loads}  # on the device: read when the trainer logs them
         # every stage's rows into one (layers, 1 + experts) table, summed over the pipeline (one row per pp rank)
         device = next(t for m in self.model_parts for t in (*m.parameters(), *m.buffers())).device
         table = torch.zeros(len(self.layers), 1 + self.num_experts, dtype=torch.float64, device=device)
@@ -363,5 +363,4 @@ class ExpertBalancing:
             table[rows, 0] = aux.to(torch.float64).to(device)
             table[rows, 1:] = loads.to(torch.float64).to(device)
         dist.all_reduce(table, group=self.pp_group)
-        table = table.cpu()
         return {"aux_loss": table[:, 0], "loads": table[:, 1:].round().to(torch.int64)}

@@ -2,8 +2,8 @@
 job is about to be stopped (Slurm's ``--signal``, a preemption, ``scancel``, a Kubernetes eviction) or the user's
 Ctrl-C becomes a checkpoint of the step being trained instead of lost work.
 
-The handler only records the signal. At the end of every step the ranks agree whether any of them got one, in the
-all-reduce the step already does for its finite check (:meth:`Trainer._end_of_step`, no extra collective); then every
+The handler only records the signal. At the end of every step the ranks agree whether any of them got one, in one
+all-reduce of a host tensor on gloo that waits for no device work (:meth:`Trainer._agree_on_exit_signal`); then every
 rank has finished the same step, the job saves it synchronously (even with ``checkpoint.async_mode = "async"``) and
 exits with :data:`EXIT_PREEMPTED`, which a requeue script tests; the same command resumes at that step.
 

@@ -23,10 +23,7 @@ This module is used by the trainer and, unchanged, by the numerics tests.
 from __future__ import annotations
 
 import contextlib
-import math
-import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -55,16 +52,53 @@ def count_tokens(micro_batches: Sequence[Sequence[torch.Tensor]], dp_group=None)
     return n
 
 
-@dataclass
 class StepResult:
-    loss: float  # mean CE over the global batch's tokens, identical on every rank
-    grad_norm: float  # global gradient norm before clipping, identical on every rank
-    tokens: int  # non-ignored tokens of the global batch
-    skipped: bool  # True when loss or grad norm was not finite and the update was skipped
-    moe: dict | None = None  # a model with MoE blocks: the aux loss per layer and the global expert loads
-    mtp: list[float] | None = None  # a model with MTP depths: each depth's loss over the global batch's tokens
-    committed: bool = True  # replica groups (fault_tolerance): False when the step failed and nothing was updated
-    lr: float | None = None  # the learning rate of this step's update (read before the scheduler steps)
+    """One step's numbers. ``loss``, ``grad_norm``, ``tokens``, ``skipped`` and ``mtp`` stay on the device until one
+    of them is first read (one device-to-host copy for all of them, then kept): a step the trainer does not log reads
+    nothing on the host. ``read_together`` reads the numbers of many steps in one copy."""
+
+    def __init__(self, numbers: torch.Tensor, *, moe=None, committed: bool = True, lr: float | None = None):
+        self.numbers = numbers  # float64 on the device: loss, grad norm, tokens, skipped (1.0 / 0.0), MTP losses
+        self.moe = moe  # a model with MoE blocks: the aux loss per layer and the global expert loads
+        self.committed = committed  # replica groups (fault_tolerance): False when the step failed, nothing updated
+        self.lr = lr  # the learning rate of this step's update (read before the scheduler steps)
+        self._host: list[float] | None = None
+
+    @staticmethod
+    def read_together(results: Sequence[StepResult]) -> None:
+        """Read the numbers of every result not read yet in one device-to-host copy."""
+        todo = [r for r in results if r._host is None]
+        widths = {r.numbers.numel() for r in todo}
+        if len(widths) == 1:  # one stack (the steps of a run have the same MTP depths)
+            for r, row in zip(todo, torch.stack([r.numbers for r in todo]).tolist()):
+                r._host = row
+        for r in todo:
+            r.host()
+
+    def host(self) -> list[float]:
+        if self._host is None:
+            self._host = self.numbers.tolist()
+        return self._host
+
+    @property
+    def loss(self) -> float:  # mean CE over the global batch's tokens, identical on every rank
+        return self.host()[0]
+
+    @property
+    def grad_norm(self) -> float:  # global gradient norm before clipping, identical on every rank
+        return self.host()[1]
+
+    @property
+    def tokens(self) -> int:  # non-ignored tokens of the global batch
+        return int(self.host()[2])
+
+    @property
+    def skipped(self) -> bool:  # True when loss or grad norm was not finite (or the step not committed): no update
+        return not self.committed or bool(self.host()[3])
+
+    @property
+    def mtp(self) -> list[float] | None:  # a model with MTP depths: each depth's loss over the global batch's tokens
+        return self.host()[4:] or None
 
 
 def forward_backward(
@@ -209,33 +243,15 @@ def train_step(
     if replicas is not None:
         total = replicas.sum_gradients(total)
     params = [p for m in model_parts for p in m.parameters()]
-    loss_value, norm_value, mtp_values = _read_step_numbers(total, clip_fn(params, max_norm), mtp)
-    finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+    norm = torch.as_tensor(clip_fn(params, max_norm), dtype=torch.float64, device=total.device)
+    skipped = (~(torch.isfinite(total) & torch.isfinite(norm))).to(torch.float64)  # decided on the device
+    numbers = torch.cat([torch.stack([total, norm, tokens.to(torch.float64).reshape(()), skipped]), mtp])
     lr = float(optimizer.param_groups[0]["lr"])  # the rate this update uses (the scheduler moves it on below)
     if replicas is not None and not replicas.should_commit():
-        return StepResult(
-            loss=loss_value, grad_norm=norm_value, tokens=int(tokens), skipped=True, committed=False, lr=lr
-        )
-    _update(optimizer, lr_scheduler, finite)
-    moe_stats = moe.end_step(update=finite) if moe is not None else None
-    return StepResult(
-        loss=loss_value,
-        grad_norm=norm_value,
-        tokens=int(tokens),
-        skipped=not finite,
-        moe=moe_stats,
-        mtp=mtp_values or None,
-        lr=lr,
-    )
-
-
-def _read_step_numbers(total: torch.Tensor, norm, mtp: torch.Tensor) -> tuple[float, float, list[float]]:
-    """The step's loss, gradient norm and MTP depth losses on the host: one device-to-host copy for all of them (one
-    host sync per step, not two)."""
-    loss_value, norm_value, *mtp_values = torch.cat(
-        [torch.stack([total, torch.as_tensor(norm, dtype=torch.float64, device=total.device)]), mtp]
-    ).tolist()
-    return loss_value, norm_value, mtp_values
+        return StepResult(numbers, committed=False, lr=lr)
+    _update(optimizer, lr_scheduler, skipped)
+    moe_stats = _moe_end_step(moe, model_parts, skipped) if moe is not None else None
+    return StepResult(numbers, moe=moe_stats, lr=lr)
 
 
 def _check_loss(loss) -> None:
@@ -249,19 +265,88 @@ def _check_loss(loss) -> None:
         )
 
 
-def _update(optimizer: torch.optim.Optimizer, lr_scheduler, finite: bool) -> None:
-    """The optimizer step (only when the loss and the norm are finite) and the LR schedule's (always)."""
-    if finite:
-        optimizer.step()
-    if lr_scheduler is not None and finite:
+def _update(optimizer: torch.optim.Optimizer, lr_scheduler, skipped: torch.Tensor) -> None:
+    """The optimizer step, a no-op on the device when ``skipped`` (1.0: the loss or the norm was not finite), and
+    the LR schedule's step (always: the learning rate follows the step number, which counts skipped steps too)."""
+    skip_on_device(optimizer, skipped)
+    if lr_scheduler is not None:
         lr_scheduler.step()
-    elif lr_scheduler is not None:
-        # A skipped update still advances the schedule: the learning rate follows the step number, which counts
-        # skipped steps too. torch warns that the scheduler stepped before the optimizer when the very first update
-        # is the one skipped; that order is intended here.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-            lr_scheduler.step()
+
+
+def skip_on_device(optimizer: torch.optim.Optimizer, skipped: torch.Tensor) -> None:
+    """``optimizer.step()`` that leaves every weight and every optimizer state (AdamW's moments and ``step``, Muon's
+    momentum) exactly as they were when the device flag ``skipped`` is 1, without reading it on the host: fused
+    Adam / AdamW take it as their ``found_inf`` (as ``torch.amp.GradScaler`` passes it: the kernel skips the update
+    and takes the step count back); any other optimizer steps and then has what it changed put back with
+    ``torch.where`` from a copy taken before (the parameters and their state copied every step into buffers kept
+    between steps: one more copy of them in memory). State the step created goes back to zeros, its initial value
+    (AdamW's and Muon's)."""
+    if _takes_found_inf(optimizer):
+        optimizer.grad_scale, optimizer.found_inf = None, skipped.to(torch.float32)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+        return
+    tensors = _updated_tensors(optimizer)
+    before = _copy_buffers(optimizer, tensors)
+    torch._foreach_copy_(before, tensors)
+    optimizer.step()
+    restore_where(skipped, tensors, before)
+    for t in _updated_tensors(optimizer)[len(tensors) :]:  # state created by this step: its zeros when skipped
+        restore_where(skipped, [t], [torch.zeros_like(t)])
+
+
+def _copy_buffers(optimizer, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The buffers ``skip_on_device`` copies ``tensors`` into, kept on the optimizer from step to step (allocating
+    them every step cost a third more on a CPU); new ones when the tensors changed (the first step's new state)."""
+    key = tuple(id(t) for t in tensors)
+    cached = getattr(optimizer, "_skip_copy", None)
+    if cached is None or cached[0] != key:
+        cached = optimizer._skip_copy = (key, [torch.empty_like(t) for t in tensors])
+    return cached[1]
+
+
+def _takes_found_inf(optimizer) -> bool:
+    """Fused Adam / AdamW (the default on CUDA): the kernel skips on ``found_inf``, DTensor parameters too (a plain
+    scalar flag, the same on every rank)."""
+    groups = optimizer.param_groups
+    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and all(g.get("fused") for g in groups)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _updated_tensors(optimizer) -> list[torch.Tensor]:
+    """The local tensors an optimizer step may change: each parameter with a gradient, then its state tensors (new
+    state last: the order is stable across the step)."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    state = [_local(v) for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    return [_local(p.detach()) for p in params] + state
+
+
+@torch.no_grad()
+def restore_where(skipped: torch.Tensor, tensors: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> None:
+    """Each of ``tensors`` back to its ``before`` where the device flag ``skipped`` is set (no host read)."""
+    flags: dict[torch.device, torch.Tensor] = {}
+    for t, b in zip(tensors, before):
+        flag = flags.get(t.device)
+        if flag is None:
+            flag = flags[t.device] = skipped.to(device=t.device, dtype=torch.bool)
+        torch.where(flag, b, t, out=t)
+
+
+def _moe_end_step(moe, model_parts, skipped: torch.Tensor):
+    """The MoE step's end (``ExpertBalancing.end_step``): the expert biases updated from the global loads, put back
+    when the step was skipped (a skipped step moves no bias)."""
+    from titanlike.models.moe import moe_modules
+
+    biases = [_local(m.expert_bias) for part in model_parts for m in moe_modules(part) if m.expert_bias is not None]
+    before = [b.clone() for b in biases]
+    stats = moe.end_step(update=True)
+    restore_where(skipped, biases, before)
+    return stats
 
 
 def _mtp_losses(loss: ScaledLoss, device, dp_group, pp_group) -> torch.Tensor:

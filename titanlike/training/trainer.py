@@ -56,7 +56,7 @@ from titanlike.training.metrics import (
     write_expert_load_picture,
 )
 from titanlike.training.optim import build_lr_scheduler, build_optimizer
-from titanlike.training.step import eval_loss_sum, train_step
+from titanlike.training.step import StepResult, eval_loss_sum, train_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -294,6 +294,8 @@ class Trainer:
             # on CPU tensors, which NCCL does not take (torchtitan does the same)
             backend = "cuda:nccl,cpu:gloo"
         fault.init_process_group(backend, datetime.timedelta(seconds=self.cfg.comm.init_timeout_seconds))
+        # the exit-signal agreement of every step, on host tensors: a gloo group beside nccl (none needed on gloo)
+        self.host_group = dist.new_group(backend="gloo") if backend == "nccl" else None
 
     def _check_fault_tolerance(self) -> None:
         """[fault_tolerance]: every problem of the section in one line, torchft installed, the lighthouse reachable
@@ -777,6 +779,7 @@ class Trainer:
         epochs = self.corpus.epochs(loader_position(self.dataloader))
         data_iter = iter(self.dataloader)
         losses: list[float] = []
+        pending: list[tuple[int, StepResult]] = []  # (step, result): numbers still on the device
         exit_signals = self._install_exit_signals()
         with (
             exit_signals,
@@ -789,23 +792,19 @@ class Trainer:
                     if self.step >= cfg.training.steps:
                         break
                 self.step += 1
-                res, signum = self._run_step(data_iter, exit_signals)
+                pending.append((self.step, self._run_step(data_iter)))
+                res, signum = pending[-1][1], self._agree_on_exit_signal(exit_signals)
+                if signum or self._settle_due():  # the steps' numbers read on the host here only (log, save steps)
+                    self._settle(pending, losses, rate, imbalance)
+                    pending = []
                 if not res.committed:  # a replica group failed in the step: redone with the groups that are left
                     self.step -= 1
                     if signum:
                         self._stop_on_exit_signal(signum, exit_signals, losses)
                     continue
-                rate.throughput.add(res.tokens)
-                self.tokens_seen += res.tokens
-                losses.append(res.loss)
-                warning = imbalance.update(res.moe, self.step) if res.moe is not None else None
-                if warning and self.rank == 0:
-                    print(warning, flush=True)
                 position = loader_position(self.dataloader)
                 epochs = self._log_epochs(epochs, position)
-                if res.skipped:
-                    self._count_skipped_step(res)
-                if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps or self.step == 1:
+                if self._log_due():
                     self._log_step(logger, res, rate, position)
                 self._maybe_validate(logger)
                 self._maybe_evaluate(logger)
@@ -907,8 +906,8 @@ class Trainer:
             last_logged=self.step,
         )
 
-    def _run_step(self, data_iter, exit_signals):
-        """One optimizer step on every rank, its end-of-step check and float8 scales; returns (result, signal)."""
+    def _run_step(self, data_iter) -> StepResult:
+        """One optimizer step on every rank and its float8 scales (nothing read on the host: see ``_settle``)."""
         cfg = self.cfg
         hang.WHERE.step = self.step
         with self._op(f"training step {self.step}"):
@@ -932,27 +931,75 @@ class Trainer:
                 reduction=self.reduction,
             )
             hang.set_where("end of step", "")
-            signum = self._end_of_step(res, exit_signals)
             if self.float8_precompute:
                 from titanlike.kernels.float8 import precompute_float8_scales
 
                 for m in self.model_parts:
                     precompute_float8_scales(m)
-        return res, signum
+        return res
 
-    def _count_skipped_step(self, res) -> None:
+    def _log_due(self) -> bool:
+        """Every metrics.log_freq steps, the first and the last."""
+        step = self.step
+        return step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps or step == 1
+
+    def _settle_due(self) -> bool:
+        """Whether this step reads the numbers of the steps since the last one that did: a log step, the last step,
+        a step about to be saved or checked by the sentinel, every step of replica groups (they read anyway)."""
+        cfg, step = self.cfg, self.step
+        last = step == cfg.training.steps
+        return (
+            self._log_due()
+            or self.replicas is not None
+            or bool(self.checkpointer and self.checkpointer.save_due(step, last))
+            or bool(self.sentinel and self.sentinel.due(step, False))
+        )
+
+    def _agree_on_exit_signal(self, exit_signals) -> int:
+        """The number of an exit signal some rank received (0: none), agreed by every rank at the end of every step
+        (then every rank stops after the same step): one all-reduce (MAX) of one host tensor, on gloo (a group of
+        its own beside nccl), so that it waits for no device work."""
+        if not self.distributed:
+            return exit_signals.received
+        from titanlike.training.host_reads import on_the_host
+
+        flag = on_the_host(torch.tensor(exit_signals.received))
+        with self._op(f"the end of step {self.step}"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=getattr(self, "host_group", None))
+        return int(flag.item())
+
+    def _settle(self, pending, losses: list[float], rate, imbalance) -> None:
+        """The steps since the last settled one, on the host: their numbers in one read, the non-finite-parameter
+        check (``_end_of_step``), then the token count, the losses, the MoE imbalance watch and the skipped steps,
+        in step order."""
+        StepResult.read_together([r for _, r in pending])
+        with self._op(f"the end of step {self.step}"):
+            self._end_of_step(pending)
+        for step, res in pending:
+            if not res.committed:
+                continue
+            rate.throughput.add(res.tokens)
+            self.tokens_seen += res.tokens
+            losses.append(res.loss)
+            warning = imbalance.update(res.moe, step) if res.moe is not None else None
+            if warning and self.rank == 0:
+                print(warning, flush=True)
+            if res.skipped:
+                self._count_skipped_step(res, step)
+
+    def _count_skipped_step(self, res, step: int) -> None:
         """A non-finite loss or gradient norm skipped the update: say so, and stop past training.max_nonfinite_steps."""
         self.nonfinite_steps += 1
         limit = self.cfg.training.max_nonfinite_steps
         if self.rank == 0:
             print(
-                f"step {self.step}: non-finite loss {res.loss} or grad norm {res.grad_norm}: update "
+                f"step {step}: non-finite loss {res.loss} or grad norm {res.grad_norm}: update "
                 f"skipped ({self.nonfinite_steps} of at most {limit})",
                 flush=True,
             )
         if self.nonfinite_steps >= limit:
             raise NonFiniteError(
-                f"stopping at step {self.step}: {self.nonfinite_steps} non-finite steps "
+                f"stopping at step {step}: {self.nonfinite_steps} non-finite steps "
                 f"skipped, training.max_nonfinite_steps={limit}"
             )
 
@@ -1043,27 +1090,24 @@ class Trainer:
         return fault.job_operation(self, what)
 
     @torch.no_grad()
-    def _end_of_step(self, res, exit_signals) -> int:
-        """The end of a step, on every rank alike: one all-reduce (MAX) of two numbers. (1) Whether an update whose
-        loss and gradient norm were finite left a parameter non-finite (AdamW still can, e.g. 0/0 with optimizer.eps
-        = 0 on rows that got no gradient): one fused norm over the local tensors (non-finite when an element is),
-        the names gathered only when it trips; a non-finite update cannot be undone without a copy of the state,
-        so the run stops before saving it. (2) The number of an exit signal some rank received (0: none), so that
-        every rank stops after the same step. Returns (2)."""
+    def _end_of_step(self, pending) -> None:
+        """Whether an update whose loss and gradient norm were finite left a parameter non-finite (AdamW still can,
+        e.g. 0/0 with optimizer.eps = 0 on rows that got no gradient; a skipped step changes nothing, so a
+        non-finite parameter is always such an update's), on every rank alike: one fused norm over the local
+        tensors (non-finite when an element is) and one all-reduce (MAX), the names gathered only when it trips; a
+        non-finite update cannot be undone without a copy of the state, so the run stops before saving it."""
         from torch.distributed.tensor import DTensor
 
-        named = []
-        if not res.skipped:
-            named = [
-                (n, p.to_local() if isinstance(p, DTensor) else p)
-                for part in self.model_parts
-                for n, p in part.named_parameters()
-            ]
+        named = [
+            (n, p.to_local() if isinstance(p, DTensor) else p)
+            for part in self.model_parts
+            for n, p in part.named_parameters()
+        ]
         bad = fault.first_non_finite(named)
-        flags = torch.tensor([0 if bad is None else 1, exit_signals.received], device=self.device)
+        flag = torch.tensor(0 if bad is None else 1, device=self.device)
         if self.distributed:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        nonfinite, signum = (int(v) for v in flags.tolist())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        nonfinite = int(flag.item())
         if nonfinite:
             names = [bad]
             if self.distributed:
@@ -1071,13 +1115,15 @@ class Trainer:
                 dist.all_gather_object(names, bad)
             rank, name = next((r, n) for r, n in enumerate(names) if n is not None)
             where = f" on rank {rank}" if self.distributed else ""
+            updated = [(s, r) for s, r in pending if r.committed and not r.skipped] or pending
+            (first, res), last = updated[0], updated[-1][0]
+            steps = f"step {first}" if first == last else f"steps {first} to {last} (checked at log steps)"
             raise NonFiniteError(
                 f"stopping at step {self.step}: the optimizer update made parameter '{name}' non-finite{where} "
-                f"although the loss ({res.loss:.4g}) and the gradient norm ({res.grad_norm:.4g}) were finite; it is "
-                f"not saved (resume from the last checkpoint; check optimizer.eps = {self.cfg.optimizer.eps:g} and "
-                f"optimizer.lr)"
+                f"although the loss ({res.loss:.4g}) and the gradient norm ({res.grad_norm:.4g}) were finite "
+                f"({steps}); it is not saved (resume from the last checkpoint; check optimizer.eps = "
+                f"{self.cfg.optimizer.eps:g} and optimizer.lr)"
             )
-        return signum
 
     def _log_epochs(self, before: list[int], position: int) -> list[int]:
         """Rank 0 says when a source ran out and started its next epoch (a new order of its windows)."""
