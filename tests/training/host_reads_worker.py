@@ -35,6 +35,8 @@ COMMON = [
     "10",
     "--validation.enable",
     "false",
+    "--optimizer.implementation",
+    "fused",  # the GPU's default: the skip flag goes into the kernel (on a CPU, foreach AdamW reads it once a step)
 ]
 JOBS = {
     "llama_fsdp2": ["--model.name", "llama3", "--model.n_layers", "2"],
@@ -45,6 +47,16 @@ JOBS = {
         "2",
         "--parallelism.expert_parallel_degree",
         "2",
+    ],
+    "qwen3_moe_ep2_padded": [
+        "--model.name",
+        "qwen3_moe",
+        "--model.n_layers",
+        "2",
+        "--parallelism.expert_parallel_degree",
+        "2",
+        "--parallelism.expert_dispatch",
+        "padded",
     ],
 }
 

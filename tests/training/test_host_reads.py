@@ -15,6 +15,7 @@ import torch.distributed as dist
 from data_files import documents
 from dist_utils import worker_env
 
+import titanlike.training.step as step_module
 from titanlike.config import load_config
 from titanlike.loss import ScaledLoss, cross_entropy_loss
 from titanlike.models import FLAVORS, Transformer
@@ -116,13 +117,14 @@ def _reference_step(m, opt, sched, x, loss):
 
 
 @pytest.mark.parametrize("optimizer", ["foreach", "fused", "muon"])
-def test_the_device_side_skip_leaves_what_the_host_side_skip_left(optimizer):
+def test_the_device_side_skip_leaves_what_the_host_side_skip_left(optimizer, monkeypatch):
     """Four steps, the second one's loss NaN (planted): weights, every optimizer state tensor (AdamW's step count
     included) and the learning rate equal the host-side skip's bit for bit; past the first step (Muon's plan), the
     step reads nothing on the host."""
     argv = ["--optimizer.lr", "0.01", "--training.steps", "4", "--lr_scheduler.warmup_steps", "2"]
     argv += ["--optimizer.name", "Muon"] if optimizer == "muon" else ["--optimizer.implementation", optimizer]
     cfg = load_config(argv)
+    monkeypatch.setattr(step_module, "COPY_ON_CPU", True)  # the accelerator's copy-and-restore path, on this CPU
     runs = []
     for device_side in (True, False):
         m = _model()
@@ -152,6 +154,24 @@ def test_the_device_side_skip_leaves_what_the_host_side_skip_left(optimizer):
     assert sched.last_epoch == sched0.last_epoch and opt.param_groups[0]["lr"] == opt0.param_groups[0]["lr"]
 
 
+def test_on_a_cpu_a_foreach_step_reads_the_skip_flag_once():
+    """Without fused AdamW on a CPU the skip is read on the host (no copy of the weights and state): one read, in
+    skip_on_device, and the weights of a NaN step untouched."""
+    cfg = load_config(["--optimizer.implementation", "foreach"])
+    m = _model()
+    opt = build_optimizer([m], cfg)
+    before = [p.detach().clone() for p in m.parameters()]
+    for scale in (float("nan"), 1.0):
+        x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+        loss = ScaledLoss(lambda lg, lb, s=scale: cross_entropy_loss(lg, lb, reduction="sum") * s)
+        with count_host_reads() as reads:
+            r = train_step([m], opt, [(x, x)], loss, max_norm=1.0, clip_fn=plain_clip_grad_norm_)
+        assert [(h.kind, h.where.split("(")[-1]) for h in reads.reads] == [("item", "skip_on_device)")], reads.summary()
+        if scale != scale:
+            assert r.skipped and all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
+    assert not r.skipped and not all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
+
+
 def test_step_numbers_are_read_once_and_together():
     results = [StepResult(torch.tensor([float(i), 2.0, 16.0, 0.0], dtype=torch.float64)) for i in range(3)]
     with count_host_reads() as reads:
@@ -164,18 +184,31 @@ def test_step_numbers_are_read_once_and_together():
 WORKER = Path(__file__).with_name("host_reads_worker.py")
 
 
+def _source_line(path: str, text: str) -> int:
+    """The line number of the first line of titanlike/``path`` holding ``text`` (the reads are named by file:line)."""
+    lines = (Path(__file__).resolve().parents[2] / "titanlike" / path).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line)
+
+
 def _expected_moe_floor(layers: int) -> Counter:
     """qwen3_moe under ep 2, per step (one microbatch): per MoE layer, the dispatch's send / receive split sizes
     (two ``tolist``), the all-to-alls of the dispatch and the combine given them as Python lists, and the grouped
-    expert loop's per-expert split (one ``tolist``)."""
+    expert loop's per-expert split (one ``tolist``, in ``_split_sizes``)."""
+    ep, moe = "parallel/expert_parallel.py", "models/moe.py"
+    sites = [
+        (
+            "tolist",
+            f"expert_parallel.py:{_source_line(ep, 'send = counts.view(ep, -1).sum(dim=1).tolist()')} (_dispatch)",
+        ),
+        ("tolist", f"expert_parallel.py:{_source_line(ep, 'recv = received.sum(dim=1).tolist()')} (_dispatch)"),
+        ("split sizes", f"expert_parallel.py:{_source_line(ep, 'autograd(x, recv, send, mesh)')} (_dispatch)"),
+        ("split sizes", f"expert_parallel.py:{_source_line(ep, 'autograd(out, send, recv, mesh)')} (_combine)"),
+        ("tolist", f"moe.py:{_source_line(moe, 'sizes = counts.tolist()')} (_split_sizes)"),
+    ]
     out: Counter = Counter()
     for layer in range(layers):
-        module = f"forward layers.{layer}.moe.experts"
-        out[("tolist", "expert_parallel.py:135 (_dispatch)", module)] += 1
-        out[("tolist", "expert_parallel.py:136 (_dispatch)", module)] += 1
-        out[("split sizes", "expert_parallel.py:143 (_dispatch)", module)] += 1
-        out[("split sizes", "expert_parallel.py:151 (_combine)", module)] += 1
-        out[("tolist", "moe.py:285 (_loop_swiglu)", module)] += 1
+        for kind, where in sites:
+            out[(kind, where, f"forward layers.{layer}.moe.experts")] += 1
     return out
 
 
@@ -211,3 +244,5 @@ def test_the_trainer_reads_nothing_on_the_host_between_log_steps(tmp_path):
         moe = json.loads((tmp_path / "qwen3_moe_ep2" / f"reads_rank{rank}.json").read_text())
         for step in range(2, 7):
             assert Counter(_key(r) for r in moe[step - 1]) == _expected_moe_floor(2), (step, moe[step - 1])
+        padded = json.loads((tmp_path / "qwen3_moe_ep2_padded" / f"reads_rank{rank}.json").read_text())
+        assert padded[1:6] == [[]] * 5, padded[1:6]  # the static-shape dispatch: nothing between log steps
