@@ -528,6 +528,8 @@ def config_help(section: str | None = None) -> str:
         )
     out = [
         "usage: python train.py [--job.config_file FILE] [--section.key VALUE ...]   (torchrun for several ranks)",
+        "       python train.py --nproc_per_node N [options]   (N local ranks: torchrun's agent, the config checked "
+        "first, the workers' exit code)",
         "       python train.py --help [SECTION]   (one section: " + ", ".join(sections) + ")",
         "Values: defaults < the TOML file < the command line (--section.key value, --section.key=value; a bare",
         "--flag is true; lists: comma-separated, strings ';'-separated, signal names either). Bad input exits 2 with",
