@@ -28,6 +28,9 @@ SP = ("--parallelism.enable_sequence_parallel", "true")
 CP = ("--parallelism.context_parallel_degree", "2")
 A2A = (*CP, "--parallelism.context_parallel_method", "alltoall")
 RING = (*CP, "--parallelism.context_parallel_method", "ring")
+ZERO1 = ("--parallelism.distributed_optimizer", "true")
+CPU_OFFLOAD = ("--training.enable_cpu_offload", "true")
+ACT_OFFLOAD = ("--activation_checkpoint.offload", "true")
 
 
 def dp(replicate: int, shard: int, local: int) -> tuple[str, ...]:
@@ -197,6 +200,11 @@ CASES = {
     "MUT qnext fsdp2 beta not a sigmoid": (2, (*QNEXT, *dp(1, 2, 4)), "delta_beta_raw"),
     "MUT qnext ep2 shared-expert gate missing": (2, (*QNEXT, *EP, *dp(1, 2, 4)), "no_shared_gate"),
     "MUT qnext tp2_sp_ep2 delta norm ReplicateParallel": (2, (*QNEXT, *TP_SP_EP), "qk_norm_replicated"),
+    # the memory modes: ZeRO-1's update, FSDP's CPU offload, activation offload
+    "ddp2 zero1": (2, (*ZERO1, *dp(2, 1, 4)), None),
+    "MUT ddp2 zero1 shards not all-gathered": (2, (*ZERO1, *dp(2, 1, 4)), "zero1_not_all_gathered"),
+    "MUT fsdp2 cpu offload stale device copy": (2, (*CPU_OFFLOAD, *dp(1, 2, 4)), "cpu_offload_stale_device_copy"),
+    "MUT fsdp2 act offload stale tensor": (2, (*ACT_OFFLOAD, *dp(1, 2, 4)), "act_offload_stale"),
 }
 # mutations of the gates no case localises: name -> why (test_localize_mutations.test_every_mutation_has_a_case)
 NOT_LOCALISED: dict[str, str] = {}
