@@ -4,9 +4,10 @@ tests/training/test_host_reads.py::test_the_trainer_reads_nothing_on_the_host_be
     python tests/training/host_reads_worker.py OUT_DIR [train.py options ...]
 
 Jobs (each into OUT_DIR/NAME): ``llama_fsdp2`` (llama debugmodel, FSDP over 2 ranks) with a ``.item()`` planted in
-the first block's forward at step 6, and ``qwen3_moe_ep2`` (expert parallelism 2, today's dispatch). Both run 7 steps
-with ``metrics.log_freq 10``: steps 1 and 7 are log steps. Each rank writes ``reads_rank<r>.json``: for every step,
-the reads recorded from the start of that step's ``_run_step`` to the start of the next (``str(HostRead)``).
+the first block's forward at step 6, ``qwen3_moe_ep2`` (expert parallelism 2, the uneven dispatch) and
+``qwen3_moe_ep2_padded`` (the padded one). Each runs 7 steps with ``metrics.log_freq 10``: steps 1 and 7 are log
+steps. Each rank writes ``reads_rank<r>.json``: for every step, the reads recorded from the start of that step's
+``_run_step`` to the start of the next (``str(HostRead)``).
 """
 
 from __future__ import annotations
@@ -48,17 +49,8 @@ JOBS = {
         "--parallelism.expert_parallel_degree",
         "2",
     ],
-    "qwen3_moe_ep2_padded": [
-        "--model.name",
-        "qwen3_moe",
-        "--model.n_layers",
-        "2",
-        "--parallelism.expert_parallel_degree",
-        "2",
-        "--parallelism.expert_dispatch",
-        "padded",
-    ],
 }
+JOBS["qwen3_moe_ep2_padded"] = [*JOBS["qwen3_moe_ep2"], "--parallelism.expert_dispatch", "padded"]
 
 
 def plant_a_read() -> None:
