@@ -223,6 +223,11 @@ def expert_fsdp_placement(experts: GroupedExperts, mesh_size: int) -> Shard:
     return Shard(expert_fsdp_dim(_local_experts(experts), mesh_size))
 
 
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's local shard (the tensor itself otherwise), to be written in place."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def _local_experts(experts: GroupedExperts) -> int:
     w = experts.w1
     return w.to_local().shape[0] if isinstance(w, DTensor) else w.shape[0]
@@ -342,16 +347,24 @@ class ExpertBalancing:
         for m in self.model_parts:
             set_aux_loss_denominator(m, sequences)
 
-    def end_step(self, update: bool = True) -> dict:
+    def end_step(self, skipped: Tensor | None = None) -> dict:
+        """The biases updated from the global loads (kept as they were where the device flag ``skipped`` is set: a
+        skipped step moves no bias, decided without a host read), the aux losses and loads for the log."""
         parts = [m for m in self.model_parts if moe_modules(m)]
         rows = [self.layers.index(n) for m in parts for n, mod in m.named_modules() if isinstance(mod, MoE)]
         if parts:
             aux = torch.cat([aux_losses(m) for m in parts])
             aux = _all_reduce_sum(aux, self.group)
-            if update:
-                loads = torch.cat([sync_expert_biases(m, self.group) for m in parts])
-            else:
-                loads = _all_reduce_loads(torch.cat([expert_loads(m).clone() for m in parts]), self.group)
+            biases = (
+                []
+                if skipped is None
+                else [_local(mod.expert_bias) for m in parts for mod in moe_modules(m) if mod.expert_bias is not None]
+            )
+            before = [b.clone() for b in biases]
+            loads = torch.cat([sync_expert_biases(m, self.group) for m in parts])
+            with torch.no_grad():
+                for b, kept in zip(biases, before):
+                    torch.where(skipped.to(device=b.device, dtype=torch.bool), kept, b, out=b)
             for m in parts:
                 reset_moe_stats(m)
         if self.pp_group is None:

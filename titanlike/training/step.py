@@ -251,7 +251,7 @@ def train_step(
     if replicas is not None and not replicas.should_commit():
         return StepResult(numbers, committed=False, lr=lr)
     _update(optimizer, lr_scheduler, skipped)
-    moe_stats = _moe_end_step(moe, model_parts, skipped) if moe is not None else None
+    moe_stats = moe.end_step(skipped) if moe is not None else None
     return StepResult(numbers, moe=moe_stats, lr=lr)
 
 
@@ -294,13 +294,13 @@ def skip_on_device(optimizer: torch.optim.Optimizer, skipped: torch.Tensor) -> N
         finally:
             del optimizer.grad_scale, optimizer.found_inf
         return
-    tensors = _updated_tensors(optimizer)
-    if not (COPY_ON_CPU or any(t.device.type != "cpu" for t in tensors)):
+    if skipped.device.type == "cpu" and not COPY_ON_CPU:
         # On a CPU the host read stalls no queue, and the copy cost a sixth of a 20-step debug run (foreach AdamW):
         # the flag is read and the step taken or not, as a host-side skip does.
         if not bool(skipped):
             optimizer.step()
         return
+    tensors = _updated_tensors(optimizer)
     before = _copy_buffers(optimizer, tensors)
     torch._foreach_copy_(before, tensors)
     optimizer.step()
@@ -350,18 +350,6 @@ def restore_where(skipped: torch.Tensor, tensors: Sequence[torch.Tensor], before
         if flag is None:
             flag = flags[t.device] = skipped.to(device=t.device, dtype=torch.bool)
         torch.where(flag, b, t, out=t)
-
-
-def _moe_end_step(moe, model_parts, skipped: torch.Tensor):
-    """The MoE step's end (``ExpertBalancing.end_step``): the expert biases updated from the global loads, put back
-    when the step was skipped (a skipped step moves no bias)."""
-    from titanlike.models.moe import moe_modules
-
-    biases = [_local(m.expert_bias) for part in model_parts for m in moe_modules(part) if m.expert_bias is not None]
-    before = [b.clone() for b in biases]
-    stats = moe.end_step(update=True)
-    restore_where(skipped, biases, before)
-    return stats
 
 
 def _mtp_losses(loss: ScaledLoss, device, dp_group, pp_group) -> torch.Tensor:
