@@ -58,13 +58,9 @@ def launch(nproc: int, argv: list[str], script: str) -> int:
     except ChildFailedError as e:
         return _failed(e)
     except SignalException as e:  # the job was signalled: the workers got it too and said what they did
-        saves = cfg.checkpoint.enable and any(signal.Signals[s] == e.sigval for s in _exit_signal_names(cfg))
+        saves = cfg.checkpoint.enable and e.sigval in {signal.Signals[s] for s in cfg.checkpoint.exit_signals}
         return EXIT_PREEMPTED if saves else 128 + int(e.sigval)
     return 0
-
-
-def _exit_signal_names(cfg) -> list[str]:
-    return [s if s.startswith("SIG") else f"SIG{s}" for s in cfg.checkpoint.exit_signals]
 
 
 def _failed(e) -> int:
