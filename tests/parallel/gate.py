@@ -140,6 +140,8 @@ MODELS = {
     "gpt_oss_block": ("--model.name", "gpt_oss", "--model.attn_mask_type", "block_causal"),
     # a window wider than a cp chunk (6 - 1 > 16 / 4): cp gathers every key and masks
     "gpt_oss_wide": ("--model.name", "gpt_oss", "--model.sliding_window", "6"),
+    # a window of 2 (one chunk at cp 4): the ring's windowed layer needs steps 0, 1 and 3 only (step 2 not sent)
+    "gpt_oss_narrow": ("--model.name", "gpt_oss", "--model.sliding_window", "2"),
     # DeepSeek-V3 (tiny: dim 64, MLA with the q low-rank path (4 heads, latent 32 + shared RoPE key 8, nope 16,
     # v 16), a dense first layer then MoE (8 experts, sigmoid + the correction-bias update, 4 groups / top-2, route
     # scale 2.5, one shared expert), one MTP depth (its block MoE) weighted 0.3): lite = a plain query projection and
@@ -575,6 +577,20 @@ LAYOUTS = [
     Layout("MUT ring cp2 log-sum-exps merged by max", 2, _ring(2, *_dp(1, 1, 8)), mutation="ring_merge_max"),
     Layout("MUT ring cp2 dK / dV not passed home", 2, _ring(2, *_dp(1, 1, 8)), mutation="ring_grads_kept"),
     Layout(
+        "MUT ring gpt_oss cp2 a window step skipped",
+        2,
+        _ring(2, *_dp(1, 1, 8)),
+        model="gpt_oss",
+        mutation="ring_window_step_skipped",
+    ),
+    Layout(
+        "MUT ring ds_cp cp2 visiting up-projection grads dropped",
+        2,
+        _ring(2, *_dp(1, 1, 8)),
+        model="ds_cp",
+        mutation="ring_latent_weight_dropped",
+    ),
+    Layout(
         "MUT ring gpt_oss_block cp2 sinks dropped",
         2,
         _ring(2, *_dp(1, 1, 8)),
@@ -689,6 +705,17 @@ LAYOUTS = [
         )
     ],
     Layout("MUT ring cp4 a ring step skipped", 4, _ring(4, *_dp(1, 1, 8)), mutation="ring_step_skipped"),
+    # the ring's windowed layer at cp 4 with a window of one chunk: steps 0, 1 and 3 (step 2 never sent); MLA's
+    # latent ring under FSDP (the up-projection's gradients of the visiting blocks reduce-scattered over dp x cp)
+    Layout("ring gpt_oss_narrow cp4", 4, _ring(4, *_dp(1, 1, 8)), model="gpt_oss_narrow"),
+    Layout(
+        "MUT ring gpt_oss_narrow cp4 a window step skipped",
+        4,
+        _ring(4, *_dp(1, 1, 8)),
+        model="gpt_oss_narrow",
+        mutation="ring_window_step_skipped",
+    ),
+    Layout("ring ds_cp cp2_fsdp2", 4, _ring(2, *_dp(1, 2, 4)), model="ds_cp"),
     # hybrid: all-to-all inside groups of 2, a ring across the 2 groups (each rank holds 4 chunks of 2 of the heads)
     *[
         Layout(f"hybrid {m + ' ' if m != 'gqa' else ''}cp4_a2a2", 4, _hybrid(4, 2, *_dp(1, 1, 8)), model=m)
@@ -996,7 +1023,34 @@ def _ring_step_skipped():
     """Ring attention: the last ring step skipped (each rank never sees one rank's keys and values)."""
     import titanlike.parallel.ring_attention as ra
 
-    with patched(ra, "ring_steps", lambda cp: range(cp - 1)):
+    original = ra.ring_steps
+    with patched(ra, "ring_steps", lambda cp, layout, c, window: original(cp, layout, c, window)[:-1]):
+        yield
+
+
+@contextlib.contextmanager
+def _ring_window_step_skipped():
+    """Ring attention: a sliding-window layer's last needed step skipped (the wrap-around one: chunk
+    ``2 cp - 1 - r`` never sees the end of chunk ``2 cp - 2 - r`` on rank ``r + 1``); full layers keep theirs."""
+    import titanlike.parallel.ring_attention as ra
+
+    original = ra.ring_steps
+
+    def ring_steps(cp, layout, c, window):
+        steps = original(cp, layout, c, window)
+        return steps if window is None else steps[:-1]
+
+    with patched(ra, "ring_steps", ring_steps):
+        yield
+
+
+@contextlib.contextmanager
+def _ring_latent_weight_dropped():
+    """Ring attention over MLA's latent: the up-projection's weight gradient of the visiting blocks dropped (only
+    this rank's own tokens' reach it; the forward is exact)."""
+    import titanlike.parallel.ring_attention as ra
+
+    with patched(ra, "visiting_weight_grads", lambda grads: tuple(None for _ in grads)):
         yield
 
 
@@ -1622,6 +1676,8 @@ MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "ring_merge_max": _ring_merge_max,
     "ring_grads_kept": _ring_grads_kept,
     "ring_no_sinks": _ring_no_sinks,
+    "ring_window_step_skipped": _ring_window_step_skipped,
+    "ring_latent_weight_dropped": _ring_latent_weight_dropped,
     "cp_rope_local": _cp_rope_local,
     "cp_tokens_per_rank": _cp_tokens_per_rank,
     "tp_no_backward_reduce": _tp_no_backward_reduce,
@@ -2101,7 +2157,11 @@ def _counting_expert_comms(built: Built, counts: dict[str, int], on: bool) -> co
     # autograd.grad backward refuses)
     # (nor on a model with MTP depths: they call the embedding and the head a second time in the forward, which
     # CommDebugMode's module tracker cannot follow, torch 2.13: IndexError in _fw_set_module_hook)
+    # (nor under ring attention over MLA's latent: it calls the up-projection once per ring step, the same failure)
+    from titanlike.parallel.ring_attention import RingLatentAttention
+
     mtp = any(len(getattr(m, "mtp", None) or ()) for m in built.model_parts)
+    mtp = mtp or any(isinstance(x, RingLatentAttention) for m in built.model_parts for x in m.modules())
     if not on or mtp or built.step_kwargs.get("moe") is None or built.step_kwargs.get("pp_schedule") is not None:
         return contextlib.nullcontext()
     from torch.distributed.tensor.debug import CommDebugMode

@@ -37,6 +37,9 @@ EXPECTED_BREAK = {
     "ring_merge_max": ("loss_step1", True),
     "ring_grads_kept": ("grads", False),
     "ring_no_sinks": ("loss_step1", True),
+    # a windowed layer's needed step skipped; the visiting latent blocks' up-projection weight gradients dropped
+    "ring_window_step_skipped": ("loss_step1", True),
+    "ring_latent_weight_dropped": ("grads", False),
     # document masking: a cp rank attending across documents, positions running on across documents
     "mask_cp_rank": ("loss_step1", True),
     "mask_no_reset": ("loss_step1", True),
