@@ -185,6 +185,12 @@ CASES = {
     "MUT ring cp2 log-sum-exps merged by max": (2, (*RING, *dp(1, 1, 8)), "ring_merge_max"),
     "MUT ring cp2 dK / dV not passed home": (2, (*RING, *dp(1, 1, 8)), "ring_grads_kept"),
     "MUT ring gpt_oss_block cp2 sinks dropped": (2, (*GPT_OSS, *BLOCK, *RING, *dp(1, 1, 8)), "ring_no_sinks"),
+    "MUT ring gpt_oss cp2 a window step skipped": (2, (*GPT_OSS, *RING, *dp(1, 1, 8)), "ring_window_step_skipped"),
+    "MUT ring ds_cp cp2 visiting up-projection grads dropped": (
+        2,
+        (*DS_NO_MTP, *RING, *dp(1, 1, 8)),
+        "ring_latent_weight_dropped",
+    ),
     # Qwen3-Next: the linear attention's cp state passing, the gated delta rule, the shared expert's gate
     "qnext_block cp2": (2, (*QNEXT, *BLOCK, *CP, *dp(1, 1, 8)), None),
     "qnext tp2_sp_ep2": (2, (*QNEXT, *TP_SP_EP), None),

@@ -110,6 +110,8 @@ EXPECTED = {
     "MUT ring cp2 log-sum-exps merged by max": ("layers.0.attention.sdpa", "forward", 1),
     "MUT ring cp2 dK / dV not passed home": ("layers.1.attention.sdpa", "backward", 1),
     "MUT ring gpt_oss_block cp2 sinks dropped": ("layers.0.attention.sdpa", "forward", 1),
+    "MUT ring gpt_oss cp2 a window step skipped": ("layers.0.attention.sdpa", "forward", 1),
+    "MUT ring ds_cp cp2 visiting up-projection grads dropped": ("layers.0.attention.wkv_b", "gradient", 1),
     "qnext_block cp2": None,
     "qnext tp2_sp_ep2": None,
     "MUT qnext cp2 state not passed": ("layers.0.linear_attn.core", "forward", 1),

@@ -283,40 +283,60 @@ def _cp_messages(tally: _Tally, ids: list[int], depths: list[int] = ()) -> None:
         add("cp", "all_gather", "backward", kv, lo.cp, "recomputed K and V (full AC)", 2 * recomputed * passes)
 
 
+def ring_hops(lo: Layout, args, i: int) -> int:
+    """The transfers of one softmax block ``i`` under the ring (``titanlike.parallel.ring_attention.ring_steps``,
+    less its own step): ``cp - 1`` for causal full attention, fewer for a sliding-window layer (a window within a
+    chunk: 2); hybrid: over its ``cp / a2a`` groups, each holding ``2 a2a`` chunks."""
+    from titanlike.parallel.context_parallel import chunk_ids, hybrid_layout
+    from titanlike.parallel.ring_attention import ring_steps
+
+    window = getattr(args, "window_of", lambda i: None)(i)
+    if lo.cp_method == "hybrid":
+        ring, layout = lo.cp // lo.cp_a2a, hybrid_layout(lo.cp_a2a)
+    else:
+        ring, layout = lo.cp, chunk_ids
+    return len(ring_steps(ring, layout, lo.seq_len // (2 * lo.cp), window)) - 1
+
+
+def _ring_sends(tally: _Tally, ids: list[int], payload: dict[str, int], ring: int, whose: str) -> None:
+    """The ring's sends per block and pass (``payload``: what travels, numbers per token of the rank's tokens;
+    ``whose``: "" for the rank's, "group " for hybrid's group's): forward one per step the block needs
+    (:func:`ring_hops`), backward the same again and the gradients as many (straight home); recomputation (full or
+    selective op AC: the ring function is rerun, its sends are not saved outputs) repeats the forward's."""
+    lo, add, passes = tally.lo, tally.add, tally.passes
+    local = tally.b * lo.local_seq_len * tally.a
+    hops = {i: ring_hops(lo, tally.args, i) for i in ids}
+    n = sum(hops.values())
+    again = sum(h for i, h in hops.items() if tally.ac(i) != "none")
+    for what, width in payload.items():
+        size = local * width
+        add("cp", "send", "forward", size, ring, f"{what} {whose}blocks to the ranks that need them", n * passes)
+        add("cp", "send", "backward", size, ring, f"{what} {whose}blocks again (backward)", n * passes)
+        add("cp", "send", "backward", size, ring, f"d{what} {whose}blocks home", n * passes)
+        add("cp", "send", "backward", size, ring, f"recomputed {what} {whose}blocks (AC)", again * passes)
+
+
 def _ring_cp_messages(tally: _Tally, ids: list[int]) -> None:
     """Context parallel by a ring of K/V blocks (``titanlike.parallel.ring_attention``), per softmax block and pass:
-    this rank's K and V (its two chunks, kv heads; MLA: the expanded per-head keys and values) sent to the next cp
-    rank ``cp - 1`` times forward; backward the K / V gradients ``cp`` times (home again) and K and V ``cp - 1``
-    times; recomputation (full or selective op AC: the ring function is rerun, its sends are not saved outputs)
-    repeats the forward's."""
-    lo, add, passes = tally.lo, tally.add, tally.passes
-    if not ids:
-        return
-    local = tally.b * lo.local_seq_len * tally.a
-    n = len(ids)
-    again = sum(tally.ac(i) != "none" for i in ids)
-    for what in ("k", "v"):
-        size = local * _ring_width(tally, what)
-        add("cp", "send", "forward", size, lo.cp, f"{what.upper()} blocks around the ring", (lo.cp - 1) * n * passes)
-        add("cp", "send", "backward", size, lo.cp, f"{what.upper()} blocks again (backward)", (lo.cp - 1) * n * passes)
-        add("cp", "send", "backward", size, lo.cp, f"d{what.upper()} blocks home", lo.cp * n * passes)
-        add(
-            "cp",
-            "send",
-            "backward",
-            size,
-            lo.cp,
-            f"recomputed {what.upper()} blocks (AC)",
-            (lo.cp - 1) * again * passes,
-        )
+    this rank's K and V (its two chunks, kv heads; MLA: the latent and the shared RoPE key, ``args.cp_gathered``)
+    sent to the rank of each step the block needs (:func:`_ring_sends`)."""
+    if ids:
+        _ring_sends(tally, ids, ring_payload(tally.args, tally.t), tally.lo.cp, "")
 
 
-def _ring_width(tally: _Tally, what: str) -> int:
-    """Numbers per token of this tp rank's keys (``k``) or values (``v``) as the ring moves them: kv heads x the
-    head dim (MLA: every head, qk_head_dim / v_head_dim wide)."""
-    args = tally.args
+def ring_payload(args, tp: int) -> dict[str, int]:
+    """What the ring method moves per token of a rank (numbers): this tp rank's K and V (kv heads x the head dim);
+    MLA the latent and the shared RoPE key (``args.cp_gathered``, replicated over tp)."""
+    latent = getattr(args, "cp_gathered", None)
+    if latent:
+        return dict(latent)
+    return {"K": _ring_width(args, tp, "k"), "V": _ring_width(args, tp, "v")}
+
+
+def _ring_width(args, tp: int, what: str) -> int:
+    """Numbers per token of this tp rank's keys (``k``) or values (``v``): kv heads x the head dim."""
     dim = getattr(args, "qk_head_dim", args.head_dim) if what == "k" else getattr(args, "v_head_dim", args.head_dim)
-    return args.n_kv_heads // tally.t * dim
+    return args.n_kv_heads // tp * dim
 
 
 def _all_to_all_cp_messages(tally: _Tally, ids: list[int]) -> None:
@@ -345,28 +365,23 @@ def _hybrid_cp_messages(tally: _Tally, ids: list[int]) -> None:
     inside the group of ``a = context_parallel_a2a_degree`` ranks (each sends ``(a - 1) / a`` of its local q, k, v,
     output); then the ring method's sends over the ``cp / a`` groups, of the group's ``2 a`` chunks of ``heads / a``
     heads: ``b s kv_w'`` numbers each of K and V (``kv_w'``: the kv width repeated to a multiple of ``a``; MLA: every
-    head), ``cp / a - 1`` times forward, dK / dV ``cp / a`` times home and K / V ``cp / a - 1`` times backward, the
-    forward's again under AC. Under block_causal the group's document starts are all-gathered once per forward. All
-    under dim ``cp`` (priced on the cp group's link)."""
+    head, expanded before the all-to-all), once per step the block needs (:func:`ring_hops`: ``cp / a - 1`` under
+    causal full attention) forward, K / V again and dK / dV home as often backward, the forward's again under AC.
+    Under block_causal the group's document starts are all-gathered once per forward. All under dim ``cp`` (priced
+    on the cp group's link)."""
     lo, add, passes = tally.lo, tally.add, tally.passes
     if not ids:
         return
     a, ring = lo.cp_a2a, lo.cp // lo.cp_a2a
     local = tally.b * lo.local_seq_len * tally.a
     n, recomputed = len(ids), sum(map(tally.full_ac, ids))
-    again = sum(tally.ac(i) != "none" for i in ids)
     widths = cp_head_widths(lo, tally.args)
     for what, width in widths.items():
         size = local * width * (a - 1) // a
         add("cp", "all_to_all", "forward", size, a, f"{what} heads of every block (group)", n * passes)
         add("cp", "all_to_all", "backward", size, a, f"{what} head grads of every block (group)", n * passes)
         add("cp", "all_to_all", "backward", size, a, f"recomputed {what} heads (full AC, group)", recomputed * passes)
-    for what in ("k", "v"):
-        size, name = local * widths[what], what.upper()
-        add("cp", "send", "forward", size, ring, f"{name} group blocks around the ring", (ring - 1) * n * passes)
-        add("cp", "send", "backward", size, ring, f"{name} group blocks again (backward)", (ring - 1) * n * passes)
-        add("cp", "send", "backward", size, ring, f"d{name} group blocks home", ring * n * passes)
-        add("cp", "send", "backward", size, ring, f"recomputed {name} group blocks (AC)", (ring - 1) * again * passes)
+    _ring_sends(tally, ids, {"K": widths["k"], "V": widths["v"]}, ring, "group ")
     if lo.documents:
         add("cp", "all_gather", "forward", tally.b * a * lo.local_seq_len * 8, a, "the group's document starts", passes)
 

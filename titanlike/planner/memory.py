@@ -310,13 +310,16 @@ def cp_kv_bytes(layout: Layout, args, method: str | None = None) -> int:
     context-parallel ``method`` (default: the layout's), as the cores run it (kv heads repeated to the query heads;
     MLA's per-head keys and values expanded): ``allgather`` the whole sequence's K and V of this tp rank's heads;
     ``alltoall`` the whole sequence's of ``heads / cp`` of them (1 / cp of that); ``ring`` one visiting pair of
-    chunks of every head (1 / cp) and the next pair arriving meanwhile (kv heads)."""
+    chunks of every head (1 / cp) and the next pair arriving meanwhile (kv heads; MLA: the latent and the RoPE
+    key, each visiting block expanded where it is used)."""
     heads = args.n_heads // layout.tp
     qk, vd = getattr(args, "qk_head_dim", args.head_dim), getattr(args, "v_head_dim", args.head_dim)
     whole = layout.microbatch_size * layout.seq_len * heads * (qk + vd) * layout.act_bytes
     method = method or layout.cp_method
-    if method == "ring":  # one visiting pair of chunks (repeated to the heads) and the next pair arriving (kv heads)
-        arriving = layout.microbatch_size * layout.local_seq_len * (args.n_kv_heads // layout.tp) * (qk + vd)
+    if method == "ring":  # one visiting pair of chunks (repeated to the heads) and the next pair arriving (kv heads;
+        latent = getattr(args, "cp_gathered", None)  # MLA: the latent and the RoPE key, expanded where used)
+        width = sum(w for _, w in latent) if latent else (args.n_kv_heads // layout.tp) * (qk + vd)
+        arriving = layout.microbatch_size * layout.local_seq_len * width
         return whole // layout.cp + arriving * layout.act_bytes
     if method == "hybrid":  # a visiting group's 2 a2a chunks of heads / a2a heads and the next group's arriving
         widths = cp_head_widths(layout, args)

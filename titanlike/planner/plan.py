@@ -10,7 +10,7 @@ from titanlike.config import JobConfig, setting_problems
 from titanlike.layout import FLATTENED, MESH_DIMS, describe_split, layout_violations
 from titanlike.models import get_spec
 from titanlike.models.masking import cp_gathered_tokens
-from titanlike.planner.cost import StepCost, messages, step_cost
+from titanlike.planner.cost import StepCost, messages, ring_hops, ring_payload, step_cost
 from titanlike.planner.dryrun import DryRun, dry_run
 from titanlike.planner.hardware import GiB, Hardware
 from titanlike.planner.layout import Layout
@@ -340,11 +340,15 @@ def _cp_ep_notes(plan: Plan) -> list[str]:
             f"the attention compute"
         )
     elif lo.cp > 1 and lo.cp_method == "ring":
-        k = lo.microbatch_size * lo.local_seq_len * plan.args.n_kv_heads // t * plan.args.head_dim * lo.act_bytes
+        local = lo.microbatch_size * lo.local_seq_len * lo.act_bytes
+        payload = ring_payload(plan.args, t)
+        sizes = ", ".join(f"{what} {fmt_bytes(local * width)}" for what, width in payload.items())
+        hops = sorted({ring_hops(lo, plan.args, i) for i in range(plan.args.n_layers)}, reverse=True)
         out.append(
-            f"  cp (ring): per block this rank's K and V ({fmt_bytes(k)} each) sent to the next cp rank {lo.cp - 1} "
-            f"times forward; backward dK, dV {lo.cp} times (home) and K, V {lo.cp - 1} times again; K/V held per "
-            f"layer: {fmt_bytes(cp_kv_bytes(lo, plan.args))} (all-gather: "
+            f"  cp (ring): per block this rank's {' and '.join(payload)} ({sizes}) sent to the rank of each step the "
+            f"block needs ({' or '.join(map(str, hops))} of {lo.cp - 1}: a sliding window within a chunk needs 2) "
+            f"forward; backward as many again and their gradients straight home; K/V held per layer: "
+            f"{fmt_bytes(cp_kv_bytes(lo, plan.args))} (all-gather: "
             f"{fmt_bytes(cp_kv_bytes(lo, plan.args, 'allgather'))}); each transfer overlaps the previous block's "
             f"attention: exposed only beyond the attention compute"
         )
