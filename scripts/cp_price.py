@@ -3,6 +3,8 @@
     python scripts/cp_price.py                                     # 32k, 64k, 128k x cp 1, 2, 4, 8, 16
     python scripts/cp_price.py --configs configs/llama3_8b.toml --seq-lens 131072 --cps 4,8
     python scripts/cp_price.py --methods allgather,alltoall,ring   # each context-parallel method side by side
+    python scripts/cp_price.py --configs configs/deepseek_v3_671b.toml --methods allgather,ring \
+        --extra "--parallelism.pipeline_parallel_schedule 1F1B"      # MLA's latent ring (DualPipeV refuses cp)
 
 Each config keeps its own layout (tp, pp, schedule, AC, world size) with ``training.seq_len`` set, one sequence
 per data-parallel rank and microbatch, ``model.max_seq_len`` raised to fit, and ``context_parallel_degree`` taken
@@ -30,14 +32,14 @@ from titanlike.planner.memory import cp_kv_bytes  # noqa: E402
 from titanlike.planner.plan import fmt_bytes, fmt_seconds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-WORLD = {"llama3_8b": 64, "llama3_70b": 256, "llama3_405b": 16384}
+WORLD = {"llama3_8b": 64, "llama3_70b": 256, "llama3_405b": 16384, "deepseek_v3_671b": 1024, "gpt_oss_120b": 128}
 GiB = 2**30
 
 
 HYBRID_A2A = 2  # the method "hybrid": all-to-all groups of 2 cp ranks, a ring across cp / 2 of them (from cp 4)
 
 
-def _plan(config: Path, seq: int, cp: int, vocab: int, world: int, method: str = "allgather", ac: str = ""):
+def _plan(config: Path, seq: int, cp: int, vocab: int, world: int, method: str = "allgather", ac: str = "", extra=()):
     cfg = parse_config(
         [
             "--job.config_file",
@@ -53,6 +55,7 @@ def _plan(config: Path, seq: int, cp: int, vocab: int, world: int, method: str =
             *(("--parallelism.context_parallel_method", method) if cp > 1 else ()),
             *(("--parallelism.context_parallel_a2a_degree", str(HYBRID_A2A)) if method == "hybrid" else ()),
             *(("--activation_checkpoint.mode", ac) if ac else ()),
+            *extra,
         ]
     )
     if cfg.parallelism.pipeline_parallel_degree == 1:
@@ -70,8 +73,8 @@ def _per_block(plan, args) -> float:
     return sum(m.wire_bytes for m in cp_msgs) / max(blocks * lo.accum_steps * lo.n_microbatches, 1)
 
 
-def method_row(config: Path, seq: int, cp: int, vocab: int, world: int, method: str, ac: str = "") -> str:
-    plan, args = _plan(config, seq, cp, vocab, world, method, ac)
+def method_row(config: Path, seq: int, cp: int, vocab: int, world: int, method: str, ac: str = "", extra=()) -> str:
+    plan, args = _plan(config, seq, cp, vocab, world, method, ac, extra)
     head = f"{config.stem:<12}{seq:>8,}{cp:>4} {method:<10}"
     if not plan.legal:
         return f"{head}  illegal: {plan.violations[0][:90]}"
@@ -86,8 +89,8 @@ def method_row(config: Path, seq: int, cp: int, vocab: int, world: int, method: 
     )
 
 
-def row(config: Path, seq: int, cp: int, vocab: int, world: int) -> str:
-    plan, args = _plan(config, seq, cp, vocab, world)
+def row(config: Path, seq: int, cp: int, vocab: int, world: int, extra=()) -> str:
+    plan, args = _plan(config, seq, cp, vocab, world, extra=extra)
     head = f"{config.stem:<12}{seq:>8,}{cp:>4}"
     if not plan.legal:
         return f"{head}  illegal: {plan.violations[0][:90]}"
@@ -118,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--ac", default="", help="activation_checkpoint.mode for the --methods rows (default: the config's)"
     )
+    ap.add_argument("--extra", default="", help="more config overrides, e.g. a pipeline schedule cp supports")
     a = ap.parse_args(argv)
+    extra = a.extra.split()
     methods = [m for m in a.methods.split(",") if m]
     from titanlike.data import build_tokenizer
 
@@ -148,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         for seq in map(int, a.seq_lens.split(",")):
             for cp in map(int, a.cps.split(",")):
                 if not methods:
-                    print(row(config, seq, cp, vocab, world), flush=True)
+                    print(row(config, seq, cp, vocab, world, extra), flush=True)
                 for method in methods if cp > 1 else methods[:1]:
-                    print(method_row(config, seq, cp, vocab, world, method, a.ac), flush=True)
+                    print(method_row(config, seq, cp, vocab, world, method, a.ac, extra), flush=True)
     return 0
 
 

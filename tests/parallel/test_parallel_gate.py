@@ -199,6 +199,9 @@ def test_matrix_covers_the_required_layouts():
         "moe cp2_ep2",
         "moe ep2_fsdp4",
         *[f"{m} {k}" for m in ("gpt_oss", "gpt_oss_block") for k in ("tp2_sp_ep2", "fsdp2", "cp2", "ep2")],
+        "ring gpt_oss_narrow cp4",  # the ring's windowed layer skipping a step
+        "ring ds_cp cp2_fsdp2",  # the latent ring's visiting weight gradients under FSDP
+        "ring ds_cp_block cp2_tp2_sp_ep2",  # ... under tp (wkv_b column-sharded)
     ]
     assert all(n in by_name for n in required)
     assert {layout.mutation for layout in gate.LAYOUTS if layout.mutation} == set(EXPECTED_BREAK)
