@@ -302,4 +302,6 @@ def test_all_to_all_and_ring_layouts_are_in_the_shared_gate_launches():
         "ring_merge_max",
         "ring_grads_kept",
         "ring_no_sinks",
+        "ring_window_step_skipped",
+        "ring_latent_weight_dropped",
     }
