@@ -124,3 +124,46 @@ def test_ring_sends_k_and_v_blocks_and_hides_them_under_the_attention():
     d = ring.cost.dims["cp"]
     assert d.exposed < d.seconds  # the transfers overlap the attention compute
     assert "cp (ring): per block this rank's K and V" in render_plan(ring)
+
+
+def _config_plan(config: str, world: int, vocab: int, *argv: str):
+    cfg = parse_config(["--job.config_file", config, "--training.global_batch_size", "-1", *argv])
+    return make_plan(cfg, world, H100, model_args_from_config(cfg, vocab), run_dry=False)
+
+
+def test_ring_steps_a_window_needs_and_the_planner_prices_them():
+    """The ring's static steps: every one for causal full attention; a window within a chunk only the neighbours'
+    (steps 1 and cp - 1), under the ring's layout and hybrid's groups alike. gpt-oss-120b at 32k, cp 8 (chunks of
+    2048, window 128): its windowed layers send K / V 2 times per pass where the full ones send them 7 times."""
+    from titanlike.parallel.context_parallel import chunk_ids, hybrid_layout
+    from titanlike.parallel.ring_attention import ring_steps
+
+    assert ring_steps(8, chunk_ids, 2048, None) == tuple(range(8))
+    assert ring_steps(8, chunk_ids, 2048, 128) == ring_steps(8, chunk_ids, 2048, 2048) == (0, 1, 7)
+    assert ring_steps(8, chunk_ids, 2048, 4096) == (0, 1, 2, 6, 7)  # a window of two chunks
+    assert ring_steps(4, hybrid_layout(2), 2048, 128) == (0, 1, 3)  # cp 8 = a2a 2 x ring 4
+    argv = ("--training.seq_len", "32768", "--model.max_seq_len", "32768", "--parallelism.context_parallel_degree")
+    plan = _config_plan(
+        "configs/gpt_oss_120b.toml", 128, 201088, *argv, "8", "--parallelism.context_parallel_method", "ring"
+    )
+    assert plan.legal and plan.args.window_of(0) == 128 and plan.args.window_of(1) is None
+    fwd = [m for m in messages(plan.layout, plan.args) if m.dim == "cp" and m.phase == "forward"]
+    k = 4 * 32768 // 8 * 8 * 64 * 2  # the microbatch of 4 of this rank's 4096 tokens, 8 kv heads of 64, bf16
+    assert plan.layout.microbatch_size == 4 and plan.layout.accum_steps == 1
+    assert {m.nbytes for m in fwd} == {k} and sum(m.count for m in fwd) == 2 * (18 * 2 + 18 * 7)  # K and V
+    assert "(7 or 2 of 7: a sliding window within a chunk needs 2)" in render_plan(plan)
+
+
+def test_ring_moves_mlas_latent_not_the_expanded_heads():
+    """DeepSeek-V3 under the ring: the latent (512) and the shared RoPE key (64) per token travel, not 128 heads'
+    keys (192) and values (128); the K/V a layer holds is one visiting block of every head plus the arriving latent."""
+    argv = ("--training.seq_len", "32768", "--model.max_seq_len", "32768", "--parallelism.context_parallel_degree")
+    schedule = ("--parallelism.pipeline_parallel_schedule", "1F1B", "--parallelism.context_parallel_method", "ring")
+    plan = _config_plan("configs/deepseek_v3_671b.toml", 1024, 129280, *argv, "4", *schedule)
+    assert plan.legal
+    sends = [m for m in messages(plan.layout, plan.args) if m.dim == "cp"]
+    local = 32768 // 4 * 2  # bytes per number of this rank's 8192 tokens (microbatch 1, bf16)
+    assert {m.op for m in sends} == {"send"} and {m.nbytes for m in sends} == {local * 512, local * 64}
+    whole = 32768 * 128 * (192 + 128) * 2
+    assert cp_kv_bytes(plan.layout, plan.args) == whole // 4 + local * 576
+    assert "cp (ring): per block this rank's MLA latent and MLA shared RoPE key" in render_plan(plan)
