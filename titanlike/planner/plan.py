@@ -333,8 +333,9 @@ def _cp_ep_notes(plan: Plan) -> list[str]:
         out.append(
             f"  cp (hybrid: all-to-all in groups of {a}, a ring over {lo.cp // a} groups): per block 4 all-to-alls "
             f"forward + 4 backward in the group ({fmt_bytes(sum(widths.values()) * local * (a - 1) // a)} sent per "
-            f"direction), then the group's K and V ({fmt_bytes(local * widths['k'])} each) sent {lo.cp // a - 1} "
-            f"times forward, dK, dV {lo.cp // a} times and K, V {lo.cp // a - 1} times backward; K/V held per "
+            f"direction), then the group's K and V ({fmt_bytes(local * widths['k'])} each) sent once per step the "
+            f"block needs ({' or '.join(map(str, _ring_hops(plan)))} of {lo.cp // a - 1}) forward, K, V and dK, dV as "
+            f"often backward; K/V held per "
             f"layer: {fmt_bytes(cp_kv_bytes(lo, plan.args))} (all-gather: "
             f"{fmt_bytes(cp_kv_bytes(lo, plan.args, 'allgather'))}); the all-to-alls exposed, the sends only beyond "
             f"the attention compute"
@@ -343,7 +344,7 @@ def _cp_ep_notes(plan: Plan) -> list[str]:
         local = lo.microbatch_size * lo.local_seq_len * lo.act_bytes
         payload = ring_payload(plan.args, t)
         sizes = ", ".join(f"{what} {fmt_bytes(local * width)}" for what, width in payload.items())
-        hops = sorted({ring_hops(lo, plan.args, i) for i in range(plan.args.n_layers)}, reverse=True)
+        hops = _ring_hops(plan)
         out.append(
             f"  cp (ring): per block this rank's {' and '.join(payload)} ({sizes}) sent to the rank of each step the "
             f"block needs ({' or '.join(map(str, hops))} of {lo.cp - 1}: a sliding window within a chunk needs 2) "
@@ -562,6 +563,11 @@ def render_plan(plan: Plan) -> str:
         if plan.dry is not None:
             lines += _dry(plan)
     return "\n".join(lines)
+
+
+def _ring_hops(plan) -> list[int]:
+    """The ring's steps beyond a block's own, over the model's layers (a sliding-window layer needs fewer)."""
+    return sorted({ring_hops(plan.layout, plan.args, i) for i in range(plan.args.n_layers)}, reverse=True)
 
 
 def _window_note(args, lo, kv: float) -> str:
