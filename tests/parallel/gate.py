@@ -831,15 +831,15 @@ def _fsdp_average():
 
 @contextlib.contextmanager
 def _act_offload_stale():
-    """The activation offload hands the backward a stale host copy: the first tensor packed with the same shape and
-    dtype (an earlier block's, or an earlier step's) instead of this one; the forward is untouched."""
+    """The activation offload hands the backward a stale saved tensor: the first one unpacked with the same shape
+    and dtype (an earlier block's, or an earlier step's) instead of this one; the forward is untouched."""
     import titanlike.parallel.activation_offload as ao
 
     first: dict = {}
 
-    def stale(packed):
-        device, host = packed
-        return first.setdefault((tuple(host.shape), host.dtype), host).to(device)
+    def stale(saved):
+        tensor = ao.unpack_to_device(saved)
+        return first.setdefault((tuple(tensor.shape), tensor.dtype), tensor)
 
     with patched(ao, "_unpack", stale):
         yield
