@@ -41,6 +41,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 
+import torch
+
 __all__ = [
     "Colwise",
     "Entry",
@@ -59,6 +61,7 @@ __all__ = [
     "check_sharding",
     "entry_for",
     "float8_patterns",
+    "local_tensor",
     "matches",
     "muon_patterns",
     "param_dims",
@@ -341,3 +344,18 @@ def check_sharding(sharding: Mapping[str, Entry], module_fqns: Iterable[str]) ->
         if len(hits) > 1:
             out.append(f"module '{f}' is matched by {len(hits)} sharding patterns ({', '.join(hits)})")
     return out
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of a sharded tensor: a DTensor's local tensor, else ``t`` itself.
+
+    Where autograd records through it (grad mode on and ``t`` requiring grad: an expert weight in the MoE forward)
+    ``DTensor.to_local()``, differentiable; otherwise the DTensor's own local tensor, the same object on every call
+    (buffers keyed by it stay valid across steps, in-place writes land in the shard), which is what ``to_local()``
+    returns under ``torch.no_grad`` too. Duck-typed, so that the models, which import nothing of torch.distributed,
+    can call it."""
+    if not hasattr(t, "_local_tensor"):
+        return t
+    if t.requires_grad and torch.is_grad_enabled():
+        return t.to_local()
+    return t._local_tensor
