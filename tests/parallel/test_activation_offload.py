@@ -44,10 +44,15 @@ class _Trace:
         self.hosts: dict[str, list[weakref.ref]] = {}
         self.live_at_unpack: list[tuple[str, set[str]]] = []
         self.prefetched: list[bool] = []
+        self.params_kept = 0
         pack, fetch, unpack = ao.pack_to_host, ao._fetch, ao._unpack
 
         def traced_pack(tensor):
             saved = pack(tensor)
+            if isinstance(tensor, torch.nn.Parameter):  # a weight: kept as it is, not copied
+                assert saved is tensor
+                self.params_kept += 1
+                return saved
             self.hosts.setdefault(saved.block, []).append(weakref.ref(saved.host))
             return saved
 
@@ -56,6 +61,8 @@ class _Trace:
             fetch(rec)
 
         def traced_unpack(saved):
+            if isinstance(saved, torch.Tensor):
+                return unpack(saved)
             self.events.append(("unpack", saved.block))
             self.prefetched.append(saved.on_device is not None)
             self.live_at_unpack.append((saved.block, self.live()))
@@ -106,6 +113,7 @@ def test_each_block_prefetched_when_the_backward_reaches_the_next(monkeypatch):
     trace = _Trace(monkeypatch)
     loss = _loss(model, _tokens())
     assert trace.events == [] and trace.live() == {"0", "1", "2", "3"}  # the forward keeps every copy on the host
+    assert trace.params_kept > 0  # the blocks' weights, saved by their matmuls, are not copied
     loss.backward()
     # the last block's hook brings back its own tensors and block 2's; each next hook the block before
     assert trace.backward_order() == [

@@ -7,7 +7,8 @@ Parameter names and the module objects do not change.
 
 - **Forward**: each saved tensor is copied to host memory (pinned, non-blocking on CUDA: the host does not wait for
   the copy) and filed under the block's *record* (one per block per forward, so every microbatch has its own); the
-  record points back at the record of the offloaded block that ran before it in the same forward.
+  record points back at the record of the offloaded block that ran before it in the same forward. Parameters (the
+  weights a matmul saves) are kept as they are, as torchtitan and Megatron do: they stay on the device anyway.
 - **Backward**: a hook on the block's output gradient fires when the backward reaches block ``i``, before any of
   its backward ops run. It brings back block ``i``'s record (already done by block ``i + 1``'s hook, unless ``i`` is
   the last block) and the previous block's, ``i - 1``, which the backward runs next: on CUDA the host-to-device
@@ -102,8 +103,12 @@ _current: list[_Record] = []  # the record of the block whose forward is running
 _streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def pack_to_host(tensor: torch.Tensor) -> _Saved:
-    """A host copy of a saved tensor (pinned when it lives on CUDA), filed under the running block's record."""
+def pack_to_host(tensor: torch.Tensor) -> _Saved | torch.Tensor:
+    """A host copy of a saved tensor (pinned when it lives on CUDA), filed under the running block's record; a
+    parameter (a weight a matmul saves) is kept as it is: it stays on the device anyway (FSDP frees and gathers its
+    unsharded copy itself)."""
+    if isinstance(tensor, nn.Parameter):
+        return tensor
     pin = tensor.device.type == "cuda" and not tensor.is_sparse
     host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin)
     host.copy_(tensor, non_blocking=pin)
@@ -114,9 +119,11 @@ def pack_to_host(tensor: torch.Tensor) -> _Saved:
     return saved
 
 
-def unpack_to_device(saved: _Saved) -> torch.Tensor:
+def unpack_to_device(saved: _Saved | torch.Tensor) -> torch.Tensor:
     """The device tensor of ``saved``: the one its block's prefetch brought back (the compute stream waits on its
-    copy), or a copy made now when no prefetch reached it."""
+    copy), or a copy made now when no prefetch reached it (a parameter: itself)."""
+    if isinstance(saved, torch.Tensor):
+        return saved
     if saved.on_device is None:
         saved.bring_back()
     elif saved.event is not None:
