@@ -347,15 +347,11 @@ def check_sharding(sharding: Mapping[str, Entry], module_fqns: Iterable[str]) ->
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of a sharded tensor: a DTensor's local tensor, else ``t`` itself.
+    """What this rank holds of a sharded tensor: a DTensor's ``to_local()``, else ``t`` itself.
 
-    Where autograd records through it (grad mode on and ``t`` requiring grad: an expert weight in the MoE forward)
-    ``DTensor.to_local()``, differentiable; otherwise the DTensor's own local tensor, the same object on every call
-    (buffers keyed by it stay valid across steps, in-place writes land in the shard), which is what ``to_local()``
-    returns under ``torch.no_grad`` too. Duck-typed, so that the models, which import nothing of torch.distributed,
-    can call it."""
-    if not hasattr(t, "_local_tensor"):
-        return t
-    if t.requires_grad and torch.is_grad_enabled():
-        return t.to_local()
-    return t._local_tensor
+    In grad mode that is a differentiable view, a new one at each call (an expert weight in the MoE forward);
+    under ``torch.no_grad`` it is the DTensor's own local tensor, the same object at every call, for any tensor but
+    a parameter (``p.detach()``, optimizer state, buffers): call it there where identity matters (buffers keyed by
+    the tensors) or where the shard is written in place. Duck-typed, so that the models, which import nothing of
+    torch.distributed, can call it."""
+    return t.to_local() if hasattr(t, "to_local") else t

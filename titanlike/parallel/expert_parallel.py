@@ -351,16 +351,17 @@ class ExpertBalancing:
         if parts:
             aux = torch.cat([aux_losses(m) for m in parts])
             aux = _all_reduce_sum(aux, self.group)
-            biases = (
-                []
-                if skipped is None
-                else [
-                    local_tensor(mod.expert_bias)
-                    for m in parts
-                    for mod in moe_modules(m)
-                    if mod.expert_bias is not None
-                ]
-            )
+            with torch.no_grad():  # the DTensors' own local tensors, written in place below
+                biases = (
+                    []
+                    if skipped is None
+                    else [
+                        local_tensor(mod.expert_bias)
+                        for m in parts
+                        for mod in moe_modules(m)
+                        if mod.expert_bias is not None
+                    ]
+                )
             before = [b.clone() for b in biases]
             loads = torch.cat([sync_expert_biases(m, self.group) for m in parts])
             with torch.no_grad():

@@ -330,6 +330,7 @@ def _takes_found_inf(optimizer) -> bool:
     return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and all(g.get("fused") for g in groups)
 
 
+@torch.no_grad()  # a DTensor's own local tensor (the same object every step: _copy_buffers keys by it)
 def _updated_tensors(optimizer) -> list[torch.Tensor]:
     """The local tensors an optimizer step may change: each parameter with a gradient, then its state tensors (new
     state last: the order is stable across the step)."""
