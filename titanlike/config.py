@@ -293,8 +293,8 @@ class Validation:
 class ActivationCheckpoint:
     mode: Literal["none", "full", "selective"] = "none"  # none | full | selective
     selective_ac_option: str = "op"  # "op" (save matmul/attention outputs) or an integer N (every N-th block)
-    # the tensors the blocks AC leaves alone save for the backward are copied to host memory in the forward and back
-    # to the device in the backward (torch's save_on_cpu, per block); not with tensor parallelism
+    # the tensors the blocks AC leaves alone save for the backward are copied to host memory in the forward and
+    # prefetched back to the device one block ahead in the backward (per block); not with tensor parallelism
     offload: bool = False
 
 

@@ -41,6 +41,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 
+import torch
+
 __all__ = [
     "Colwise",
     "Entry",
@@ -59,6 +61,7 @@ __all__ = [
     "check_sharding",
     "entry_for",
     "float8_patterns",
+    "local_tensor",
     "matches",
     "muon_patterns",
     "param_dims",
@@ -341,3 +344,14 @@ def check_sharding(sharding: Mapping[str, Entry], module_fqns: Iterable[str]) ->
         if len(hits) > 1:
             out.append(f"module '{f}' is matched by {len(hits)} sharding patterns ({', '.join(hits)})")
     return out
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of a sharded tensor: a DTensor's ``to_local()``, else ``t`` itself.
+
+    In grad mode that is a differentiable view, a new one at each call (an expert weight in the MoE forward);
+    under ``torch.no_grad`` it is the DTensor's own local tensor, the same object at every call, for any tensor but
+    a parameter (``p.detach()``, optimizer state, buffers): call it there where identity matters (buffers keyed by
+    the tensors) or where the shard is written in place. Duck-typed, so that the models, which import nothing of
+    torch.distributed, can call it."""
+    return t.to_local() if hasattr(t, "to_local") else t

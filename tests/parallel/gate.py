@@ -858,15 +858,18 @@ def _fsdp_average():
 
 @contextlib.contextmanager
 def _act_offload_stale():
-    """The activation offload hands the backward a stale host copy: the first tensor packed with the same shape and
-    dtype (an earlier block's, or an earlier step's) instead of this one; the forward is untouched."""
+    """The activation offload hands the backward a stale saved tensor: the first one brought back from the host
+    with the same shape and dtype (an earlier block's, or an earlier step's) instead of this one; the forward is
+    untouched (the parameters, kept as they are, stay right)."""
     import titanlike.parallel.activation_offload as ao
 
     first: dict = {}
 
-    def stale(packed):
-        device, host = packed
-        return first.setdefault((tuple(host.shape), host.dtype), host).to(device)
+    def stale(saved):
+        tensor = ao.unpack_to_device(saved)
+        if isinstance(saved, torch.Tensor):
+            return tensor
+        return first.setdefault((tuple(tensor.shape), tensor.dtype), tensor)
 
     with patched(ao, "_unpack", stale):
         yield

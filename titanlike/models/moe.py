@@ -100,6 +100,7 @@ from torch import Tensor, nn
 from titanlike.init import Init, init_parameters, trunc_normal
 from titanlike.models.decoder import DecoderBlock
 from titanlike.models.layers import FeedForward, RMSNorm, compute_dtype
+from titanlike.sharding import local_tensor
 
 __all__ = [
     "MoEDecoderBlock",
@@ -351,12 +352,6 @@ def _grouped_swiglu(
     return mm(h, w2.transpose(-2, -1), offs=offs).index_select(0, rows)
 
 
-def _local(w: Tensor) -> Tensor:
-    """The part of a weight this process computes with: a sharded tensor's local shard (expert parallelism hands
-    the block DTensors sharded over experts; the model imports nothing of torch.distributed), else the weight."""
-    return w.to_local() if hasattr(w, "to_local") else w
-
-
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts as stacked weights; ``forward(x, counts)`` maps the expert-sorted rows ``x``
     (M, dim), ``counts[e]`` rows per expert, to their outputs (M, dim). The unit expert parallelism wraps: it
@@ -404,7 +399,7 @@ class GroupedExperts(nn.Module):
         """The local (b1, b2, b3), zeros when the experts have none."""
         if self.b1 is None:
             return w1.new_zeros(w1.shape[:2]), w2.new_zeros(w2.shape[:2]), w1.new_zeros(w1.shape[:2])
-        return _local(self.b1), _local(self.b2), _local(self.b3)
+        return local_tensor(self.b1), local_tensor(self.b2), local_tensor(self.b3)
 
     def _act(self, gate: Tensor, up: Tensor) -> Tensor:
         if self.activation == "clamped_swiglu":
@@ -431,7 +426,7 @@ class GroupedExperts(nn.Module):
         return "grouped" if why is None and x.is_cuda and x.dtype != torch.float32 else "loop"
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
         if self.dispatch == "padded":
             return self._padded(x, w1, w2, w3)
         if counts.numel() != w1.shape[0]:

@@ -79,6 +79,7 @@ from titanlike.models.moe import (
     update_expert_biases,
 )
 from titanlike.parallel.fsdp import _sum_gradients
+from titanlike.sharding import local_tensor
 
 __all__ = [
     "ExpertParallel",
@@ -223,11 +224,6 @@ def expert_fsdp_placement(experts: GroupedExperts, mesh_size: int) -> Shard:
     return Shard(expert_fsdp_dim(_local_experts(experts), mesh_size))
 
 
-def _local(t: Tensor) -> Tensor:
-    """A DTensor's local shard (the tensor itself otherwise), to be written in place."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def _local_experts(experts: GroupedExperts) -> int:
     w = experts.w1
     return w.to_local().shape[0] if isinstance(w, DTensor) else w.shape[0]
@@ -355,11 +351,17 @@ class ExpertBalancing:
         if parts:
             aux = torch.cat([aux_losses(m) for m in parts])
             aux = _all_reduce_sum(aux, self.group)
-            biases = (
-                []
-                if skipped is None
-                else [_local(mod.expert_bias) for m in parts for mod in moe_modules(m) if mod.expert_bias is not None]
-            )
+            with torch.no_grad():  # the DTensors' own local tensors, written in place below
+                biases = (
+                    []
+                    if skipped is None
+                    else [
+                        local_tensor(mod.expert_bias)
+                        for m in parts
+                        for mod in moe_modules(m)
+                        if mod.expert_bias is not None
+                    ]
+                )
             before = [b.clone() for b in biases]
             loads = torch.cat([sync_expert_biases(m, self.group) for m in parts])
             with torch.no_grad():

@@ -45,7 +45,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from titanlike.layout.muon import lr_ratio, ns_flops, plan_buckets
 from titanlike.models import spec_for
-from titanlike.sharding import Box, Matrices, entry_for, whole_matrix
+from titanlike.sharding import Box, Matrices, entry_for, local_tensor, whole_matrix
 
 __all__ = ["NS_COEFFICIENTS", "Muon", "MuonStats", "muon_matrices", "newton_schulz"]
 
@@ -298,10 +298,6 @@ def _matrix_shape(param: Tensor, box: Box) -> tuple[int, int]:
     return box[-2][1] - box[-2][0], box[-1][1] - box[-1][0]
 
 
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 # ------------------------------------------------------------------------------------------------- the optimizer
 class Muon(torch.optim.Optimizer):
     """torch.optim.Muon's update for the matrices, distributed as the module docstring says, and torch.optim.AdamW
@@ -455,7 +451,7 @@ class Muon(torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                grad, buf = _local(p.grad), _local(state["momentum_buffer"])
+                grad, buf = local_tensor(p.grad), local_tensor(state["momentum_buffer"])
                 buf.lerp_(grad, 1 - g["momentum"])
                 updates[p] = grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
         if self._plan is None:
@@ -577,8 +573,8 @@ def _apply(results: list[tuple[_Matrix, Tensor]], params: list[Tensor], opt: Muo
     ``param.mul_(1 - lr * wd)``, ``param.add_(O, alpha=-adjusted_lr)``, on the local shard)."""
     for p in params:
         g = opt.param_groups[opt._group_index[p]]
-        _local(p).mul_(1 - g["lr"] * g["weight_decay"])
+        local_tensor(p).mul_(1 - g["lr"] * g["weight_decay"])
     for m, block in results:
         g = opt.param_groups[m.group_index]
         alpha = -g["lr"] * lr_ratio(g["adjust_lr_fn"], m.rows, m.cols)
-        _narrow(_local(m.param), [(s, e - s) for s, e in m.mine.block]).add_(block, alpha=alpha)
+        _narrow(local_tensor(m.param), [(s, e - s) for s, e in m.mine.block]).add_(block, alpha=alpha)

@@ -478,14 +478,13 @@ def _dp_messages(tally: _Tally) -> None:
 
 def _zero1_messages(tally: _Tally) -> None:
     """ZeRO-1 (parallelism.distributed_optimizer): the gradients' all-reduce over dp_replicate is FSDP's (above);
-    the optimizer step all-gathers two tensors of each parameter's size (AdamW's sharded exp_avg and denominator,
-    from which every rank applies the full update), in the parameters' dtype."""
+    the optimizer step updates each rank's rows and all-gathers every parameter once, in the parameters' dtype."""
     lo = tally.lo
     if not lo.distributed_optimizer:
         return
     for sid in tally.stage_ids:
         n = sum(p.numel for p in tally.shards[sid])
-        tally.add("dp_replicate", "all_gather", "step", n * lo.param_bytes, lo.dp_replicate, "ZeRO-1 AdamW update", 2)
+        tally.add("dp_replicate", "all_gather", "step", n * lo.param_bytes, lo.dp_replicate, "ZeRO-1 AdamW update", 1)
 
 
 def _moe_balancing_messages(tally: _Tally) -> None:

@@ -656,7 +656,7 @@ def _optimizer_item(layout: Layout, args, shards, n_local: int, n_tensors: int) 
 def rank_host_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
     """What ``rank`` keeps in host memory under the offload modes: the parameter shards, their gradients and the
     optimizer state (training.enable_cpu_offload, pinned on CUDA), and the saved activations of the blocks AC leaves
-    alone (activation_checkpoint.offload; the device keeps the block in flight)."""
+    alone (activation_checkpoint.offload; the device keeps the two blocks in flight)."""
     items = []
     if layout.cpu_offload:
         off = dataclasses.replace(layout, cpu_offload=False)
@@ -669,8 +669,8 @@ def rank_host_memory(layout: Layout, args, rank: int = 0) -> list[MemoryItem]:
 
 
 def offloaded_activation_bytes(layout: Layout, args, rank: int = 0) -> tuple[float, float]:
-    """Activation offload: (the bytes the blocks AC leaves alone save, moved to the host; the largest such block's,
-    which stays on the device while it runs)."""
+    """Activation offload: (the bytes the blocks AC leaves alone save, moved to the host; the two largest such
+    blocks', on the device together in the backward: the block it runs and the one brought back ahead of it)."""
     if not layout.act_offload:
         return 0.0, 0.0
     tokens = layout.microbatch_size * layout.local_seq_len
@@ -683,7 +683,7 @@ def offloaded_activation_bytes(layout: Layout, args, rank: int = 0) -> tuple[flo
             for i in ids
             if layout.checkpointed(i) == "none"
         ]
-    return float(sum(per_block)), float(max(per_block, default=0))
+    return float(sum(per_block)), float(sum(sorted(per_block)[-2:]))
 
 
 def _is_matrix(sharding, p: ParamShard) -> bool:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from titanlike.errors import ConfigError
 from titanlike.fault import ReportedError
+from titanlike.sharding import local_tensor
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
@@ -171,12 +172,6 @@ def check_runtime(cfg) -> None:
             f"{ft.connect_timeout_seconds} s ({e.strerror or e} after {time.perf_counter() - t0:.1f} s); start it "
             f"first (scripts/ft_lighthouse.sh) or fix the address"
         ) from None
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class ReplicaGroups:
@@ -377,7 +372,7 @@ class ReplicaGroups:
 
         if self.semi_sync is not None:
             return total
-        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
@@ -460,8 +455,8 @@ class ReplicaGroups:
         same layout loads them)."""
         opt = self.optimizer
         return {
-            "params": [_local(p.detach()) for p in self.params],
-            "optimizer": [{k: _local(v) for k, v in opt.state.get(p, {}).items()} for p in self.params],
+            "params": [local_tensor(p.detach()) for p in self.params],
+            "optimizer": [{k: local_tensor(v) for k, v in opt.state.get(p, {}).items()} for p in self.params],
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "train_state": self.train_state.state_dict(),
@@ -479,7 +474,7 @@ class ReplicaGroups:
                 f"groups must run the same model and layout"
             )
         for p, src in zip(self.params, state["params"]):
-            _local(p).copy_(src)
+            local_tensor(p).copy_(src)
         for p, src in zip(self.params, state["optimizer"]):
             self.optimizer.state[p] = {
                 k: DTensor.from_local(

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from titanlike import fault
 from titanlike.parallel.replica_check import FINGERPRINT, disagreeing, fingerprint, gathered
+from titanlike.sharding import local_tensor
 
 __all__ = ["CorruptionError", "Sentinel"]
 
@@ -59,12 +60,6 @@ class CheckCost:
     groups: list[str]
 
 
-def _local(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class Sentinel:
     """Built once the model, optimizer and replica groups exist; :meth:`due` and :meth:`check` are called by the
     trainer after each committed step."""
@@ -83,11 +78,11 @@ class Sentinel:
     # ------------------------------------------------------------------ what to compare
     def _state_of(self, name: str, p) -> list[tuple[str, torch.Tensor]]:
         """A parameter's local tensor and its optimizer state of the same shape (AdamW's moments)."""
-        local = _local(p.detach())
+        local = local_tensor(p.detach())
         out = [(f"parameter '{name}'", local)]
         for k, v in sorted(self.optimizer.state.get(p, {}).items()):
-            if isinstance(v, torch.Tensor) and _local(v).shape == local.shape:
-                out.append((f"optimizer state '{name}' ({k})", _local(v)))
+            if isinstance(v, torch.Tensor) and local_tensor(v).shape == local.shape:
+                out.append((f"optimizer state '{name}' ({k})", local_tensor(v)))
         return out
 
     def _comparisons(self) -> list[_Comparison]:
@@ -144,7 +139,7 @@ class Sentinel:
         """Copies of a tied weight on this rank itself (two stages of one rank): compared directly."""
         for mine, _ in getattr(self.pp, "tied_sets", None) or []:
             for p in mine[1:]:
-                if not torch.equal(_local(p.detach()), _local(mine[0].detach())):
+                if not torch.equal(local_tensor(p.detach()), local_tensor(mine[0].detach())):
                     return "the two copies of a tied weight on this rank"
         return None
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from titanlike.loss import IGNORE_INDEX, ScaledLoss
 from titanlike.parallel.coverage import check_dp_coverage
+from titanlike.sharding import local_tensor
 
 
 def model_kwargs(micro_batch: Sequence[torch.Tensor]) -> dict:
@@ -329,16 +330,15 @@ def _takes_found_inf(optimizer) -> bool:
     return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and all(g.get("fused") for g in groups)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
+@torch.no_grad()  # a DTensor's own local tensor (the same object every step: _copy_buffers keys by it)
 def _updated_tensors(optimizer) -> list[torch.Tensor]:
     """The local tensors an optimizer step may change: each parameter with a gradient, then its state tensors (new
     state last: the order is stable across the step)."""
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    state = [_local(v) for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
-    return [_local(p.detach()) for p in params] + state
+    state = [
+        local_tensor(v) for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)
+    ]
+    return [local_tensor(p.detach()) for p in params] + state
 
 
 @torch.no_grad()

@@ -41,12 +41,9 @@ from titanlike.parallel import clip
 from titanlike.parallel.pipeline.build import build_stage, module_owner
 from titanlike.parallel.replica_check import checks_paused
 from titanlike.parallel.ties import parameter_names
+from titanlike.sharding import local_tensor
 
 __all__ = ["PipelineParallel", "local_copy", "make_pipeline"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class _Stage(PipelineStage):
@@ -174,7 +171,7 @@ class PipelineParallel:
                 elif s + 1 in modules:
                     carry = out
                 else:
-                    out = _local(out).contiguous()
+                    out = local_tensor(out).contiguous()
                     dist.send_object_list(
                         [(tuple(out.shape), out.dtype)], dst=self.stage_rank(s + 1), group=self.pp_group, device=device
                     )
@@ -197,7 +194,7 @@ class PipelineParallel:
             for p in params:
                 if p.grad is None:  # this copy's stage did not use it: the other copies' gradients still count
                     p.grad = torch.zeros_like(p)
-            grads = [_local(p.grad) for p in params]
+            grads = [local_tensor(p.grad) for p in params]
             total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
             if group is not None:
                 dist.all_reduce(total, group=group)
@@ -244,7 +241,7 @@ def _check_tied_layout(names: list[str], mine: list[nn.Parameter], group) -> Non
     would be wrong."""
 
     def layout(p):
-        return (tuple(map(str, p.placements)) if isinstance(p, DTensor) else None, tuple(_local(p).shape))
+        return (tuple(map(str, p.placements)) if isinstance(p, DTensor) else None, tuple(local_tensor(p).shape))
 
     seen = [layout(p) for p in mine]
     if group is not None:
