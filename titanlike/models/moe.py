@@ -353,8 +353,10 @@ def _grouped_swiglu(
 
 def _local(w: Tensor) -> Tensor:
     """The part of a weight this process computes with: a sharded tensor's local shard (expert parallelism hands
-    the block DTensors sharded over experts; the model imports nothing of torch.distributed), else the weight."""
-    return w.to_local() if hasattr(w, "to_local") else w
+    the block DTensors sharded over experts; the model imports nothing of torch.distributed), else the weight.
+    Told apart by the shard it holds (``_local_tensor``): dynamo answers ``hasattr(w, "to_local")`` False for a
+    DTensor (torch 2.13), so a compiled block would compute with the whole DTensor."""
+    return w.to_local() if hasattr(w, "_local_tensor") else w
 
 
 class GroupedExperts(nn.Module):
