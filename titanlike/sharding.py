@@ -353,5 +353,6 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     under ``torch.no_grad`` it is the DTensor's own local tensor, the same object at every call, for any tensor but
     a parameter (``p.detach()``, optimizer state, buffers): call it there where identity matters (buffers keyed by
     the tensors) or where the shard is written in place. Duck-typed, so that the models, which import nothing of
-    torch.distributed, can call it."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    torch.distributed, can call it; told apart by the shard it holds (``_local_tensor``): inside a compiled block
+    dynamo answers ``hasattr(dtensor, "to_local")`` False (torch 2.13), which would compute with the whole DTensor."""
+    return t.to_local() if hasattr(t, "_local_tensor") else t

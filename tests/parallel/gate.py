@@ -246,8 +246,24 @@ COMPILED_LAYOUTS = (
     ("tp2_sp", _tp(2, *SP, *_dp(1, 1, 8)), "gqa"),
     ("fsdp2", _dp(1, 2, 4), "gqa"),
     ("cp2", _cp(2, *_dp(1, 1, 8)), "gqa"),
-    ("moe fsdp2", _dp(1, 2, 4), "moe"),
+    # MoE under ep: both dispatches (fewer graph breaks with the padded one, test_parallel_gate.py's COMPILE_BREAKS);
+    # MoE under fsdp 2 without ep: pipeline_gate.py's "compile moe pp2 fsdp2 1F1B"
     ("moe tp2_sp_ep2", _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))), "moe"),
+    ("moe tp2_sp_ep2 padded", _padded(*_ep(2, *_tp(2, *SP, *_dp(1, 1, 8)))), "moe"),
+)
+# 4 ranks: every other family's blocks under cp 2 x tp 2 + SP (x ep 2 where the blocks hold experts) in one layout
+# (their fsdp 2 and pp 2: tests/parallel/pipeline_gate.py's compiled pp 2 x fsdp 2 layouts)
+COMPILED_FAMILIES = (
+    ("gpt2", "gpt2", False),
+    ("qwen3", "qwen3", False),
+    ("moe", "moe", True),
+    ("gpt_oss", "gpt_oss", True),
+    ("ds", "ds", True),
+    ("qnext", "qnext", True),
+)
+COMPILED_LAYOUTS_4 = tuple(
+    (f"{name} cp2_tp2_sp{'_ep2' if ep else ''}", (_ep(2) if ep else ()) + _cp(2, *_tp(2, *SP, *_dp(1, 1, 8))), model)
+    for name, model, ep in COMPILED_FAMILIES
 )
 
 LAYOUTS = [
@@ -659,6 +675,7 @@ LAYOUTS = [
         mutation="moe_expert_fsdp_average",
     ),
     Layout("ds tp2_sp_fsdp2_ep2", 4, _ep(2, *_tp(2, *SP, *_dp(1, 2, 4))), model="ds"),
+    *(Layout(f"compile {name}", 4, (*args, *COMPILED), model=model) for name, args, model in COMPILED_LAYOUTS_4),
     Layout("ds_cp_block cp2_tp2_sp_ep2", 4, _ep(2, *_cp(2, *_tp(2, *SP, *_dp(1, 1, 8)))), model="ds_cp_block"),
     Layout("ds_block cp2_tp2_sp_ep2", 4, _ep(2, *_cp(2, *_tp(2, *SP, *_dp(1, 1, 8)))), model="ds_block"),
     *[Layout(f"{m} tp2_fsdp2", 4, _tp(2, *_dp(1, 2, 4)), model=m) for m in HF_CONFIGS if m != "hf_phi3_mha"],
@@ -2090,21 +2107,44 @@ def _compile_counts_start(cfg) -> dict | None:
         return None
     torch._dynamo.reset()
     dynamo_counters.clear()
+    _count_logged_breaks()
+    _LOGGED_BREAKS.clear()
     return {"graphs": []}
 
 
+# Every graph break dynamo logs (TORCH_LOGS=graph_breaks lists the same): counters["graph_break"] leaves out some
+# (torch 2.13: a data-dependent branch on a traced value, as the uneven expert dispatch's split-size check)
+_LOGGED_BREAKS: list[str] = []
+
+
+def _count_logged_breaks() -> None:
+    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+
+    log = InstructionTranslatorBase.log_graph_break
+    if getattr(log, "_gate_counting", False):
+        return
+
+    def counting(self, code_options, reason, exc):
+        if not exc.logged:
+            _LOGGED_BREAKS.append(reason.strip().splitlines()[0])
+        return log(self, code_options, reason, exc)
+
+    counting._gate_counting = True
+    InstructionTranslatorBase.log_graph_break = counting
+
+
 def _compile_counts_end(compiled: dict | None) -> dict | None:
-    """Graph breaks and graphs compiled per step, the max over the ranks (each rank compiles its own blocks)."""
+    """Graph breaks (every one dynamo logs) and graphs compiled per step, the max over the ranks (each rank compiles
+    its own blocks)."""
     if compiled is None:
         return None
-    breaks = sum(dynamo_counters["graph_break"].values())
+    breaks = max(len(_LOGGED_BREAKS), sum(dynamo_counters["graph_break"].values()))
     values = torch.tensor([breaks, *compiled["graphs"]], dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     breaks, *graphs = (int(v) for v in values.tolist())
     reasons: dict[str, int] = {}  # this rank's, by their first line
-    for reason, n in dynamo_counters["graph_break"].items():
-        first = reason.strip().splitlines()[0]
-        reasons[first] = reasons.get(first, 0) + n
+    for first in _LOGGED_BREAKS:
+        reasons[first] = reasons.get(first, 0) + 1
     return {"graph_breaks": breaks, "graphs_after_step": graphs, "break_reasons": reasons}
 
 

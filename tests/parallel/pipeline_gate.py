@@ -126,6 +126,15 @@ def _layout(name, world, args, model="deep", mutation=None) -> Layout:
     return Layout(name, world, args, model=model, kind="pp", mutation=mutation)
 
 
+# the families compiled under pp 2 x fsdp 2 (llama: "compile pp2 1F1B" and gate.py's "compile fsdp2")
+COMPILED_FAMILIES = (
+    ("gpt2", "gpt2_deep"),
+    ("qwen3", "qwen3_deep"),
+    ("moe", "moe_deep"),
+    ("gpt_oss", "gpt_oss_deep"),
+    ("ds", "ds_deep"),
+    ("qnext", "qnext_deep"),
+)
 HAND = "tok_embeddings,layers.0;layers.1,layers.2,layers.3;layers.4,layers.5,layers.6;layers.7,norm,output"
 LAYOUTS = [
     # 2 ranks: pure pp 2, 8 blocks, 8 rows -> 4 microbatches of 2.
@@ -204,6 +213,12 @@ LAYOUTS = [
     _layout("pp4 DualPipeV tied", 4, _pp(4, "DualPipeV", 8), model="deep_tied"),
     *[_layout(f"pp2 fsdp2 {s}", 4, _pp(2, s, 4)) for s in ("1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")],
     _layout("pp2 fsdp2 1F1B tied accum2", 4, _pp(2, "1F1B", 2), model="deep_tied"),
+    # every family's blocks compiled (fullgraph, aot_eager) inside pp 2 x fsdp 2 stages: the MoE blocks without
+    # expert parallelism (their experts FSDP-sharded like any weight) compile whole as well
+    *[
+        _layout(f"compile {name} pp2 fsdp2 1F1B", 4, _pp(2, "1F1B", 4, 1, *gate.COMPILED), model=model)
+        for name, model in COMPILED_FAMILIES
+    ],
     _layout("pp2 tp2 1F1B", 4, _tp2(*_pp(2, "1F1B", 8, 2))),
     _layout("pp2 tp2_sp Interleaved1F1B", 4, _tp2(*SP, *_pp(2, "Interleaved1F1B", 8, 2))),
     _layout("pp2 tp2_sp DualPipeV tied", 4, _tp2(*SP, *_pp(2, "DualPipeV", 8, 2)), model="deep_tied"),

@@ -85,6 +85,12 @@ def _family_step(model, tokens):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _process_settings() -> tuple:
+    """The process-wide dynamo settings an MoE block is traced under (titanlike.parallel.compile._dynamo_settings)."""
+    config = torch._dynamo.config
+    return config.capture_scalar_outputs, getattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint", None)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_compiles_whole_and_matches_eager(family):
     """Each family's blocks (DeepSeek-V3's MTP depth included) compiled with ``fullgraph=True``: no graph
@@ -107,7 +113,9 @@ def test_every_family_compiles_whole_and_matches_eager(family):
     torch._dynamo.reset()
     counters.clear()
     backend = os.environ.get("TITANLIKE_COMPILE_BACKEND", FAMILIES[family])  # inductor for all: the docs' table
+    before = _process_settings()
     apply_compile(model, Compile(enable=True, backend=backend))
+    assert _process_settings() == before  # the MoE blocks' dynamo settings patched around their calls only
     graphs = []
     for step in range(3):
         tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(step))
@@ -119,6 +127,7 @@ def test_every_family_compiles_whole_and_matches_eager(family):
         graphs.append(counters["stats"]["unique_graphs"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert graphs[0] >= 1 and graphs[2] == graphs[1], graphs  # nothing compiled after the second step
+    assert _process_settings() == before
     for a, b in zip(moe_modules(ref), moe_modules(model)):
         assert torch.equal(a.expert_load, b.expert_load) and torch.equal(a.last_load, b.last_load)
         assert (a.aux_loss_sum is None) == (b.aux_loss_sum is None)

@@ -1,8 +1,8 @@
 """``torch.compile`` per transformer block, in place, parameter names unchanged.
 
 Each block of the model's block container, and each block its output modules run (DeepSeek-V3's MTP depths), is
-compiled with :meth:`nn.Module.compile` (``fullgraph=True`` in every family, MoE blocks included, except for blocks
-holding Transformer Engine modules and MoE blocks under expert parallelism: :func:`_fullgraph`): the module
+compiled as :meth:`nn.Module.compile` does (``fullgraph=True`` in every family, MoE blocks included, except for
+blocks holding Transformer Engine modules and MoE blocks under expert parallelism: :func:`_fullgraph`): the module
 keeps its identity and its parameter names, unlike ``torch.compile(block)``, which returns an
 ``OptimizedModule`` that prefixes every name with ``_orig_mod.``. All blocks share one code object, and
 dynamo lifts their parameters to graph inputs, so one compilation serves every block of the same kind.
@@ -31,12 +31,16 @@ def _fullgraph(block: nn.Module) -> bool:
 
     Yes for every block but two kinds: one holding Transformer Engine modules (their custom kernels make dynamo
     break the graph around them), and an MoE block under expert parallelism (its experts already sharded by
-    ``apply_ep``, which runs before this): the dispatch reads the exchanged split sizes on the host and checks
-    them, and the FSDP groups that come with it inside the block (the experts' own, and the MoE block's under ep
-    borrowing tp) run dynamo-disabled hooks; dynamo breaks the graph there and compiles the rest. A single-device or
+    ``apply_ep``, which runs before this), whatever the dispatch: the FSDP groups that come with ep inside the block
+    (the experts' own, over the ranks holding the same experts, and the MoE block's under ep borrowing tp) run
+    FSDP2's forward hooks, which torch 2.13 always hides from dynamo (``torch._dynamo.disable``, no setting traces
+    them), so dynamo breaks the graph there and compiles the rest. The uneven dispatch breaks it once more where it
+    reads the exchanged split sizes on the host and checks them; the padded one (``parallelism.expert_dispatch
+    padded``) has no host read, only the hooks' breaks (docs/performance.md has the counts). A single-device or
     data-parallel MoE block is captured whole: its expert counts have a static shape (``expert_counts``) and the
     rows per expert, read on the host for the split, become unbacked symbolic sizes (``capture_scalar_outputs``,
-    set by :func:`apply_compile`), so they neither break the graph nor recompile when the routing changes."""
+    patched around the block's call by :func:`apply_compile`), so they neither break the graph nor recompile when
+    the routing changes."""
     return not any(
         type(m).__module__.startswith("transformer_engine") or (isinstance(m, GroupedExperts) and _sharded(m.w1))
         for m in block.modules()
@@ -74,16 +78,35 @@ def apply_compile(model: nn.Module, compile_config) -> nn.Module:
     if not compile_config.enable:
         return model
     blocks = compiled_blocks(model)
-    if any(isinstance(m, MoE) for block in blocks for m in block.modules()):
-        # the MoE blocks' rows per expert (a host read, ``.tolist()``) traced as unbacked symbolic sizes: no graph
-        # break there, no guard on their values (a process-wide dynamo setting, read when a block is traced)
-        torch._dynamo.config.capture_scalar_outputs = True
-        # and under activation checkpointing its load counters and aux-loss sum (attribute and buffer updates) are
-        # not replayed by the recomputation, as in eager (the block counts nothing inside the backward)
-        if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # where torch has it
-            torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    settings = _dynamo_settings(blocks)
     for block in blocks:
         if getattr(block, "_compiled_call_impl", None) is not None:
             raise ValueError(f"block {type(block).__name__} is already compiled")
-        block.compile(backend=compile_config.backend, fullgraph=_fullgraph(block))
+        # as ``nn.Module.compile`` (the module keeps its identity and parameter names), the dynamo settings patched
+        # around each call only: dynamo reads them when it traces (resumed frames after a break included), and the
+        # rest of the process keeps its own
+        compiled = torch.compile(block._call_impl, backend=compile_config.backend, fullgraph=_fullgraph(block))
+        block._compiled_call_impl = _scoped(compiled, settings) if settings else compiled
     return model
+
+
+def _dynamo_settings(blocks: list[nn.Module]) -> dict[str, bool]:
+    """The dynamo settings the blocks are traced under, none but for MoE blocks: their rows per expert (a host read,
+    ``.tolist()``) traced as unbacked symbolic sizes (``capture_scalar_outputs``: no graph break there, no guard on
+    their values), and under activation checkpointing their load counters and aux-loss sum (attribute and buffer
+    updates) not replayed by the recomputation, as in eager (the block counts nothing inside the backward;
+    ``skip_fwd_side_effects_in_bwd_under_checkpoint``, where torch has it)."""
+    if not any(isinstance(m, MoE) for block in blocks for m in block.modules()):
+        return {}
+    settings = {"capture_scalar_outputs": True}
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        settings["skip_fwd_side_effects_in_bwd_under_checkpoint"] = True
+    return settings
+
+
+def _scoped(compiled, settings: dict[str, bool]):
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(settings):
+            return compiled(*args, **kwargs)
+
+    return call
