@@ -712,6 +712,7 @@ LAYOUTS = [
         mutation="a2a_heads_order",
     ),
     Layout("hybrid cp4_a2a2 ac_full", 4, _hybrid(4, 2, "--activation_checkpoint.mode", "full", *_dp(1, 1, 8))),
+    Layout("hybrid gpt_oss cp4_a2a2_ep2", 4, _ep(2, *_hybrid(4, 2, *_dp(1, 1, 8))), model="gpt_oss"),
     Layout("MUT hybrid cp4_a2a2 a ring step skipped", 4, _hybrid(4, 2, *_dp(1, 1, 8)), mutation="ring_step_skipped"),
     Layout(
         "MUT hybrid cp4_a2a2 log-sum-exps merged by max", 4, _hybrid(4, 2, *_dp(1, 1, 8)), mutation="ring_merge_max"

@@ -321,6 +321,23 @@ LAYOUTS += [
         for name, method in (("a2a", "alltoall"), ("ring", "ring"))
         for m in ("deep_tied", "block_deep", "gpt_oss_block_deep", "ds_deep_nomtp")
     ],
+    # the split-backward (zero-bubble) schedules with each method (each backward as an input-gradient pass, through
+    # the attention's backward collectives, and a later weight-gradient pass)
+    *[
+        _layout(
+            f"{name} {m} cp2 pp2 {s}",
+            4,
+            ("--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", method)
+            + _pp(2, s, 8, 2),
+            model=m,
+        )
+        for name, method, m, s in (
+            ("allgather", "allgather", "deep_tied", "ZBVZeroBubble"),
+            ("allgather", "allgather", "block_deep", "InterleavedZeroBubble"),
+            ("a2a", "alltoall", "gpt_oss_block_deep", "ZBVZeroBubble"),
+            ("ring", "ring", "ds_deep_nomtp", "DualPipeV"),
+        )
+    ],
     # hybrid (all-to-all inside pairs of cp ranks, a ring across the 2 pairs) inside every stage: cp 4 x pp 2, the
     # ring's point-to-point exchange on the cp ring group, the pipeline's on the pp group
     *[
