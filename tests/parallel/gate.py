@@ -247,10 +247,11 @@ COMPILED_LAYOUTS = (
     ("moe fsdp2", _dp(1, 2, 4), "moe"),
     ("moe tp2_sp_ep2", _ep(2, *_tp(2, *SP, *_dp(1, 1, 8))), "moe"),
 )
-# the other context-parallel methods compiled (the ring's point-to-point exchange an opaque custom op in the graph):
+# the other context-parallel methods compiled (the ring's point-to-point exchange an opaque custom op in the graph,
+# titanlike/parallel/p2p.py; the all-to-all's whole-sequence document mask and window built inside the block):
 # (name, world size, args, model), each in its world size's launch
 CP_COMPILED_LAYOUTS = (
-    ("a2a cp2", 2, _a2a(2, *_dp(1, 1, 8)), "gqa"),
+    ("a2a gpt_oss_block cp2", 2, _a2a(2, *_dp(1, 1, 8)), "gpt_oss_block"),
     ("ring cp2", 2, _ring(2, *_dp(1, 1, 8)), "gqa"),
     ("hybrid cp4_a2a2", 4, _hybrid(4, 2, *_dp(1, 1, 8)), "gqa"),
 )

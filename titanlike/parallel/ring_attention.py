@@ -26,12 +26,12 @@ core does.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+
+from titanlike.parallel.p2p import exchange_start, exchange_wait
 
 __all__ = ["RingAttention", "RingLatentAttention", "merge", "passed_on", "ring_attention", "ring_steps"]
 
@@ -45,9 +45,8 @@ def _is_shape_only(t: Tensor) -> bool:
 
 class _Ring:
     """The cp group's ring: post the send of ``tensors`` to the next rank and the receive of as many from the
-    previous one; :meth:`wait` returns what arrived. The exchange is two opaque custom ops (``titanlike::ring_start``
-    posts it, ``titanlike::ring_wait`` waits for it, :func:`_ring_start`): a compiled block holds them whole, with
-    no graph break, and the transfer still overlaps the block's compute between them."""
+    previous one; :meth:`wait` returns what arrived. The exchange is ``titanlike.parallel.p2p``'s (opaque custom
+    ops: a compiled block holds the ring whole)."""
 
     def __init__(self, mesh: DeviceMesh):
         self.group = mesh.get_group()
@@ -58,57 +57,12 @@ class _Ring:
     def start(self, tensors: list[Tensor]):
         if _is_shape_only(tensors[0]):
             return None, [t.clone() for t in tensors]
-        return _ring_start([t.contiguous() for t in tensors], self.group.group_name, self.next, self.prev), tensors
+        return exchange_start(tensors, self.group, self.next, self.prev), tensors
 
     @staticmethod
     def wait(pending) -> list[Tensor]:
         token, sent = pending
-        return sent if token is None else _ring_wait(token, sent)
-
-
-# the exchanges in flight: token -> (the works, the tensors sent, the receive buffers)
-_IN_FLIGHT: dict[int, tuple[list, list[Tensor], list[Tensor]]] = {}
-_TOKENS = itertools.count()
-
-
-def _contiguous_like(t: Tensor) -> Tensor:
-    """A receive buffer: contiguous whatever the strides of what was sent (the real and the fake op agree)."""
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
-
-
-@torch.library.custom_op("titanlike::ring_start", mutates_args=())
-def _ring_start(tensors: list[Tensor], group_name: str, next_rank: int, prev_rank: int) -> Tensor:
-    """Post the sends of ``tensors`` to global rank ``next_rank`` and as many receives from ``prev_rank`` over the
-    process group ``group_name``; returns a token (an int64 scalar) for :func:`_ring_wait`. Opaque to dynamo, whose
-    tracing of ``batch_isend_irecv`` is experimental (TORCHDYNAMO_ENABLE_P2P_COMPILATION, torch 2.13)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    group = _resolve_process_group(group_name)
-    recv = [_contiguous_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t, next_rank, group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, t, prev_rank, group) for t in recv]
-    key = next(_TOKENS)
-    _IN_FLIGHT[key] = (dist.batch_isend_irecv(ops), tensors, recv)
-    return torch.tensor(key, dtype=torch.int64)
-
-
-@_ring_start.register_fake
-def _(tensors, group_name, next_rank, prev_rank):
-    return torch.empty((), dtype=torch.int64)
-
-
-@torch.library.custom_op("titanlike::ring_wait", mutates_args=())
-def _ring_wait(token: Tensor, like: list[Tensor]) -> list[Tensor]:
-    """Wait for the exchange ``token`` stands for; returns what arrived (shaped as ``like``, what was sent)."""
-    works, _, recv = _IN_FLIGHT.pop(int(token))
-    for w in works:
-        w.wait()
-    return recv
-
-
-@_ring_wait.register_fake
-def _(token, like):
-    return [_contiguous_like(t) for t in like]
+        return sent if token is None else exchange_wait(token, sent)
 
 
 def ring_steps(cp: int) -> range:
