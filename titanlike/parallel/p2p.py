@@ -1,16 +1,17 @@
 """Point-to-point exchanges a compiled block can hold: two opaque custom ops.
 
-``exchange_start(tensors, group, send_to, recv_from)`` posts the sends of ``tensors`` to global rank ``send_to``
-and as many receives from ``recv_from`` over ``group`` (one ``batch_isend_irecv``) and returns a token;
-``exchange_wait(token, like)`` waits for them and returns what arrived (contiguous tensors shaped as ``like``).
-The compute between the two overlaps the transfer where the backend is asynchronous.
+:func:`exchange_start` posts the sends of ``tensors`` to global rank ``send_to`` and as many receives from
+``recv_from`` over ``group`` (one ``batch_isend_irecv``); :func:`exchange_wait` waits for them and returns what
+arrived (contiguous tensors shaped as what was sent). The compute between the two overlaps the transfer where the
+backend is asynchronous.
 
 Why custom ops: dynamo traces ``batch_isend_irecv`` only behind the experimental
 ``TORCHDYNAMO_ENABLE_P2P_COMPILATION`` (torch 2.13) and breaks the graph otherwise (an error under
-``fullgraph=True``); a ``torch.library`` custom op is one opaque node of the graph (its fake implementation gives
-the shapes), called alike from eager code and from a traced autograd function (the ring attention's forward and
-backward, ``titanlike.parallel.ring_attention``). Every rank of the group must run the same exchanges in the same
-order, as with any collective.
+``fullgraph=True``). Traced (the ring attention's autograd function inside a compiled block,
+``titanlike.parallel.ring_attention``), the exchange is a ``torch.library`` custom op, one opaque node of the graph
+(its fake implementation gives the shapes), posting it and returning a token, and a second one waiting for it;
+eager code posts the same exchange directly. Every rank of the group must run the same exchanges in the same order,
+as with any collective.
 """
 
 from __future__ import annotations
@@ -37,13 +38,8 @@ def _buffer_like(t: Tensor) -> Tensor:
 def _start(tensors: list[Tensor], group_name: str, send_to: int, recv_from: int) -> Tensor:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    group = _resolve_process_group(group_name)
-    sent = [t.contiguous() for t in tensors]
-    recv = [_buffer_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t, send_to, group) for t in sent]
-    ops += [dist.P2POp(dist.irecv, t, recv_from, group) for t in recv]
-    key = next(_TOKENS)
-    _IN_FLIGHT[key] = (dist.batch_isend_irecv(ops), sent, recv)  # the sent tensors kept alive until the wait
+    key = next(_TOKENS)  # the sent tensors kept alive until the wait
+    _IN_FLIGHT[key] = exchange_start(tensors, _resolve_process_group(group_name), send_to, recv_from)
     return torch.tensor(key, dtype=torch.int64)
 
 
@@ -54,10 +50,7 @@ def _(tensors, group_name, send_to, recv_from):
 
 @torch.library.custom_op("titanlike::p2p_exchange_wait", mutates_args=())
 def _wait(token: Tensor, like: list[Tensor]) -> list[Tensor]:
-    works, _, recv = _IN_FLIGHT.pop(int(token))
-    for w in works:
-        w.wait()
-    return recv
+    return exchange_wait(_IN_FLIGHT.pop(int(token)), like)
 
 
 @_wait.register_fake
@@ -65,12 +58,26 @@ def _(token, like):
     return [_buffer_like(t) for t in like]
 
 
-def exchange_start(tensors: list[Tensor], group: dist.ProcessGroup, send_to: int, recv_from: int) -> Tensor:
+def exchange_start(tensors: list[Tensor], group: dist.ProcessGroup, send_to: int, recv_from: int):
     """Post the sends of ``tensors`` to global rank ``send_to`` and the receives of as many from ``recv_from``
-    over ``group``; returns the token :func:`exchange_wait` takes."""
-    return _start(list(tensors), group.group_name, send_to, recv_from)
+    over ``group``; returns what :func:`exchange_wait` takes. Traced by dynamo: the custom op (a token); eager: the
+    works and buffers themselves, as before any compile (so eager dispatch modes, the byte counters of the planner's
+    gloo pins and ``scripts/cp_memory.py``, see every send)."""
+    if torch.compiler.is_compiling():
+        return _start(list(tensors), group.group_name, send_to, recv_from)
+    sent = [t.contiguous() for t in tensors]
+    recv = [_buffer_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, send_to, group) for t in sent]
+    ops += [dist.P2POp(dist.irecv, t, recv_from, group) for t in recv]
+    return dist.batch_isend_irecv(ops), sent, recv
 
 
-def exchange_wait(token: Tensor, like: list[Tensor]) -> list[Tensor]:
-    """What arrived for the exchange ``token`` stands for (``like``: what was sent, for the shapes)."""
-    return _wait(token, list(like))
+def exchange_wait(pending, like: list[Tensor]) -> list[Tensor]:
+    """What arrived for the exchange ``pending`` (:func:`exchange_start`'s) stands for (``like``: what was sent, for
+    the shapes)."""
+    if isinstance(pending, Tensor):
+        return _wait(pending, list(like))
+    works, _, recv = pending
+    for w in works:
+        w.wait()
+    return recv

@@ -45,8 +45,8 @@ def _is_shape_only(t: Tensor) -> bool:
 
 class _Ring:
     """The cp group's ring: post the send of ``tensors`` to the next rank and the receive of as many from the
-    previous one; :meth:`wait` returns what arrived. The exchange is ``titanlike.parallel.p2p``'s (opaque custom
-    ops: a compiled block holds the ring whole)."""
+    previous one; :meth:`wait` returns what arrived. The exchange is ``titanlike.parallel.p2p``'s (traced: opaque
+    custom ops, so a compiled block holds the ring whole)."""
 
     def __init__(self, mesh: DeviceMesh):
         self.group = mesh.get_group()
@@ -61,8 +61,8 @@ class _Ring:
 
     @staticmethod
     def wait(pending) -> list[Tensor]:
-        token, sent = pending
-        return sent if token is None else exchange_wait(token, sent)
+        exchange, sent = pending
+        return sent if exchange is None else exchange_wait(exchange, sent)
 
 
 def ring_steps(cp: int) -> range:
