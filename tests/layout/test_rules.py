@@ -71,7 +71,6 @@ CASES = {
     # hybrid with an all-to-all group of the whole cp group: the alltoall method
     "cp_a2a_degree": (2, [*CP2, "--parallelism.context_parallel_method", "hybrid"]),
     "cp_float8": (2, [*CP2, "--float8.recipe", "tensorwise"]),
-    "cp_schedule": (4, [*CP2, *ZB]),
     "cp_model": (2, ["--model.name", NO_CP.name, *CP2]),
     "te_model": (1, [*GPT2, "--model.kernels", "te"]),
     "float8_model": (1, [*GPT2, "--float8.recipe", "tensorwise"]),

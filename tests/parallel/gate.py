@@ -265,6 +265,14 @@ COMPILED_LAYOUTS_4 = tuple(
     (f"{name} cp2_tp2_sp{'_ep2' if ep else ''}", (_ep(2) if ep else ()) + _cp(2, *_tp(2, *SP, *_dp(1, 1, 8))), model)
     for name, model, ep in COMPILED_FAMILIES
 )
+# the other context-parallel methods compiled (the ring's point-to-point exchange an opaque custom op in the graph,
+# titanlike/parallel/p2p.py; the all-to-all's whole-sequence document mask and window built inside the block):
+# (name, world size, args, model), each in its world size's launch
+CP_COMPILED_LAYOUTS = (
+    ("a2a gpt_oss_block cp2", 2, _a2a(2, *_dp(1, 1, 8)), "gpt_oss_block"),
+    ("ring cp2", 2, _ring(2, *_dp(1, 1, 8)), "gqa"),
+    ("hybrid cp4_a2a2", 4, _hybrid(4, 2, *_dp(1, 1, 8)), "gqa"),
+)
 
 LAYOUTS = [
     # 2 ranks
@@ -409,6 +417,10 @@ LAYOUTS = [
     # code generation, whose breaks and recompiles are decided by dynamo alike): equal to one device, and
     # test_parallel_gate.py asserts the graph breaks and that nothing compiles after the second step
     *(Layout(f"compile {name}", 2, (*args, *COMPILED), model=model) for name, args, model in COMPILED_LAYOUTS),
+    *(
+        Layout(f"compile {name}", world, (*args, *COMPILED), model=model)
+        for name, world, args, model in CP_COMPILED_LAYOUTS
+    ),
     Layout(
         "MUT moe tp2_sp_ep2 router not summed over tp",
         2,
@@ -744,6 +756,8 @@ LAYOUTS = [
         _hybrid(4, 2, *_dp(1, 1, 8)),
         mutation="a2a_heads_order",
     ),
+    Layout("hybrid cp4_a2a2 ac_full", 4, _hybrid(4, 2, "--activation_checkpoint.mode", "full", *_dp(1, 1, 8))),
+    Layout("hybrid gpt_oss cp4_a2a2_ep2", 4, _ep(2, *_hybrid(4, 2, *_dp(1, 1, 8))), model="gpt_oss"),
     Layout("MUT hybrid cp4_a2a2 a ring step skipped", 4, _hybrid(4, 2, *_dp(1, 1, 8)), mutation="ring_step_skipped"),
     Layout(
         "MUT hybrid cp4_a2a2 log-sum-exps merged by max", 4, _hybrid(4, 2, *_dp(1, 1, 8)), mutation="ring_merge_max"
@@ -756,6 +770,7 @@ LAYOUTS = [
     Layout("tp2_sp_fsdp4", 8, _tp(2, *SP, *_dp(1, 4, 2))),
     Layout("cp2_tp2_fsdp2", 8, _cp(2, *_tp(2, *_dp(1, 2, 4)))),
     Layout("hybrid cp4_a2a2_tp2_sp", 8, _hybrid(4, 2, *_tp(2, *SP, *_dp(1, 1, 8)))),
+    Layout("hybrid cp4_a2a2_fsdp2", 8, _hybrid(4, 2, *_dp(1, 2, 4))),
     Layout("gpt2 tp2_sp_hsdp2x2", 8, _tp(2, *SP, *_dp(2, 2, 2)), model="gpt2"),
     Layout("ds ep4_fsdp8", 8, _ep(4, *_dp(1, 8, 1)), model="ds"),
 ]

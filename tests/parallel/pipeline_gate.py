@@ -300,6 +300,14 @@ LAYOUTS += [
 # Qwen3-MoE stages: experts split over ep (borrowed from dp_shard) inside each stage, the trainer's bias update and
 # aux loss per stage; the 8-rank pp x ep x fsdp layout shards the experts with FSDP over the remaining 2 ranks.
 EP2 = ("--parallelism.expert_parallel_degree", "2")
+HYBRID4 = (
+    "--parallelism.context_parallel_degree",
+    "4",
+    "--parallelism.context_parallel_method",
+    "hybrid",
+    "--parallelism.context_parallel_a2a_degree",
+    "2",
+)
 LAYOUTS += [
     _layout("moe pp2 1F1B", 2, _pp(2, "1F1B", 8, 2), model="moe_deep"),
     _layout("moe pp2 ZBVZeroBubble", 2, _pp(2, "ZBVZeroBubble", 8, 2), model="moe_deep"),
@@ -327,6 +335,35 @@ LAYOUTS += [
         )
         for name, method in (("a2a", "alltoall"), ("ring", "ring"))
         for m in ("deep_tied", "block_deep", "gpt_oss_block_deep", "ds_deep_nomtp")
+    ],
+    # the split-backward (zero-bubble) schedules with each method (each backward as an input-gradient pass, through
+    # the attention's backward collectives, and a later weight-gradient pass)
+    *[
+        _layout(
+            f"{name} {m} cp2 pp2 {s}",
+            4,
+            ("--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", method)
+            + _pp(2, s, 8, 2),
+            model=m,
+        )
+        for name, method, m, s in (
+            ("allgather", "allgather", "deep_tied", "ZBVZeroBubble"),
+            ("allgather", "allgather", "block_deep", "InterleavedZeroBubble"),
+            ("a2a", "alltoall", "gpt_oss_block_deep", "ZBVZeroBubble"),
+            ("ring", "ring", "ds_deep_nomtp", "DualPipeV"),
+        )
+    ],
+    # hybrid (all-to-all inside pairs of cp ranks, a ring across the 2 pairs) inside every stage: cp 4 x pp 2, the
+    # ring's point-to-point exchange on the cp ring group, the pipeline's on the pp group
+    *[
+        _layout(f"hybrid {m} cp4_a2a2 pp2 {s}", 8, HYBRID4 + _pp(2, s, 8, 2), model=m)
+        for m, s in (
+            ("deep_tied", "1F1B"),
+            ("block_deep", "1F1B"),
+            ("gpt_oss_block_deep", "1F1B"),
+            ("ds_deep_nomtp", "1F1B"),
+            ("deep_tied", "ZBVZeroBubble"),
+        )
     ],
     _layout("moe pp2 ep2 1F1B", 4, (*EP2, *_pp(2, "1F1B", 4)), model="moe_deep"),
     _layout("moe pp2 ep2 Interleaved1F1B", 4, (*EP2, *_pp(2, "Interleaved1F1B", 4)), model="moe_deep"),

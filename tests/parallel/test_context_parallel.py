@@ -77,11 +77,9 @@ def test_cp_layout_rules_are_reported_together():
     text = "\n".join(layout_violations(cfg, 16, args))
     assert "the 10 tokens of a cp rank are not divisible by tensor_parallel_degree 4" in text
     p.tensor_parallel_degree, p.enable_sequence_parallel, cfg.training.seq_len = 1, False, 64
-    p.pipeline_parallel_degree, p.pipeline_parallel_schedule = 2, "ZBVZeroBubble"
-    text = "\n".join(layout_violations(cfg, 8, args))
-    assert "ZBVZeroBubble is not supported with context parallelism" in text
-    p.pipeline_parallel_schedule = "1F1B"
-    assert not [v for v in layout_violations(cfg, 8, args) if "context" in v]
+    for schedule in ("1F1B", "ZBVZeroBubble"):  # every schedule, the split-backward ones too (the pipeline gate)
+        p.pipeline_parallel_degree, p.pipeline_parallel_schedule = 2, schedule
+        assert not [v for v in layout_violations(cfg, 8, args) if "context" in v]
 
 
 def test_train_py_refuses_a_bad_cp_layout_in_one_line(tmp_path):
@@ -305,3 +303,41 @@ def test_all_to_all_and_ring_layouts_are_in_the_shared_gate_launches():
         "ring_window_step_skipped",
         "ring_latent_weight_dropped",
     }
+
+
+@pytest.mark.parametrize("documents", [True, False])
+def test_whole_sequence_mask_is_the_document_mask_built_lazily(documents):
+    """The all-to-all's whole-sequence mask (built inside the attention seam, so inside a compiled block) holds every
+    field the constructor sets and attends as the eagerly built mask does, with and without a sliding window; and
+    it compiles as one graph where the constructor's host read of the positions would break it."""
+    import dataclasses
+
+    from torch._dynamo.utils import counters
+
+    from titanlike.models.masking import DocumentMask
+    from titanlike.parallel.context_parallel import _whole_sequence_mask
+
+    torch.manual_seed(0)
+    b, s, windows = 2, 12, (None, 3)
+    starts = torch.tensor([[0] * 5 + [5] * 7, [0] * 12]) if documents else torch.zeros(b, s, dtype=torch.int64)
+    positions = torch.arange(s)
+    local = DocumentMask(starts[:, :6], positions[:6], windows=windows, documents=documents)
+    eager = DocumentMask(starts, positions, backend=local.backend, windows=windows, documents=documents)
+    lazy = _whole_sequence_mask(starts, positions, local)
+    assert {f.name for f in dataclasses.fields(DocumentMask)} <= set(vars(lazy)), "a field the helper does not set"
+    assert not lazy._cache
+    q, k, v = (torch.randn(b, 4, s, 8, dtype=torch.float64) for _ in range(3))
+
+    def attend(mask, q, k, v):
+        return torch.stack([mask.attend(q, k, v, window=w) for w in windows])
+
+    expected = attend(eager, q, k, v)
+    assert torch.equal(attend(lazy, q, k, v), expected)
+
+    def whole(starts, q, k, v):
+        return attend(_whole_sequence_mask(starts, torch.arange(s), local), q, k, v)
+
+    counters.clear()
+    compiled = torch.compile(whole, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(starts, q, k, v), expected, rtol=0, atol=1e-12)
+    assert not counters["graph_break"]

@@ -152,3 +152,15 @@ def test_uneven_layouts_split_unevenly():
         "pp2 fsdp2 InterleavedZeroBubble uneven 5 layers 1+1": [1, 2, 2, 0],
         "ds_block pp2 DualPipeV uneven head and MTP alone": [2, 1, 1, 0],
     }
+
+
+def test_every_cp_method_runs_inside_pipeline_stages():
+    """alltoall, ring and hybrid inside pp 2 stages for Llama (causal, tied), Llama block_causal, gpt-oss (window +
+    sinks, block_causal) and DeepSeek-V3 (MLA) with 1F1B, and every method with a split-backward schedule."""
+    names = {layout.name for layout in pipeline_gate.LAYOUTS}
+    models = ("deep_tied", "block_deep", "gpt_oss_block_deep", "ds_deep_nomtp")
+    for method, cp in (("a2a", "cp2"), ("ring", "cp2"), ("hybrid", "cp4_a2a2")):
+        assert {f"{method} {m} {cp} pp2 1F1B" for m in models} <= names, method
+    split = [s for s in pipeline_gate.SCHEDULES if s in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")]
+    for method in ("allgather", "a2a", "ring", "hybrid"):
+        assert any(n.startswith(f"{method} ") and n.split()[-1] in split for n in names), method

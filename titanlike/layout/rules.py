@@ -77,7 +77,6 @@ RULES = {
     "cp_a2a_degree": "parallelism.context_parallel_a2a_degree only with context_parallel_method hybrid, and there "
     "strictly between 1 and cp, dividing cp",
     "cp_float8": "context parallelism without float8",
-    "cp_schedule": "context parallelism without split-backward pipeline schedules",
     "cp_model": "context parallelism on models that declare it (ModelSpec.context_parallel: the shared attention and "
     "position seams)",
     "te_model": "Transformer Engine kernels on models that declare a TE-swappable norm (ModelSpec.te_norm)",
@@ -645,16 +644,6 @@ def _context_parallel_violations(cfg, cp: int, tp: int, args) -> list[tuple[str,
                 "cp_float8",
                 f"float8.recipe={cfg.float8.recipe} with context_parallel_degree {cp}: float8 training is not "
                 f"proven under context parallelism; leave float8.recipe empty or set cp 1",
-            )
-        )
-    sched = p.pipeline_parallel_schedule
-    if p.pipeline_parallel_degree > 1 and schedule_facts(sched).split_backward:
-        out.append(
-            (
-                "cp_schedule",
-                f"parallelism.pipeline_parallel_schedule {sched} is not supported with context parallelism (its "
-                f"split backward is unverified with the K/V reduce-scatter); use "
-                f"{', '.join(n for n in SCHEDULES if not schedule_facts(n).split_backward)}",
             )
         )
     return out

@@ -362,14 +362,25 @@ def _whole_mask(mask: DocumentMask | None, mesh: DeviceMesh, seq_len: int, batch
         return None
     key = ("cp_whole_sequence", seq_len)
     if key not in mask._cache:
-        positions = torch.arange(seq_len, device=mask.starts.device)
+        device = mask.starts.device
         if mask.documents:
             starts = gather_window(mask.starts, mesh)
-            whole = DocumentMask(starts, positions, backend=mask.backend, windows=mask.windows)
         else:
-            whole = DocumentMask.causal(batch, positions, mask.windows, backend=mask.backend)
-        mask._cache[key] = whole
+            starts = torch.zeros(batch, seq_len, dtype=torch.int64, device=device)
+        mask._cache[key] = _whole_sequence_mask(starts, torch.arange(seq_len, device=device), mask)
     return mask._cache[key]
+
+
+def _whole_sequence_mask(starts: Tensor, positions: Tensor, local: DocumentMask) -> DocumentMask:
+    """The :class:`DocumentMask` of the whole sequence (``positions`` 0 .. S-1, ``starts`` (batch, S)) with
+    ``local``'s backend, windows and documents flag, its masks built at their first ``attend`` (cached on it as
+    usual) rather than at construction: the constructor reads the positions on the host to find their contiguous
+    runs, which a compiled block cannot do without a graph break (an error under ``fullgraph``); here the one run
+    is known. Built inside the attention seam, so inside a compiled block."""
+    whole = DocumentMask.__new__(DocumentMask)
+    whole.starts, whole.positions, whole.backend = starts, positions, local.backend
+    whole.windows, whole.documents, whole._cache = local.windows, local.documents, {}
+    return whole
 
 
 def _head_slice(t: Tensor, cp: int, rank: int) -> Tensor:

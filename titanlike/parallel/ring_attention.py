@@ -41,6 +41,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from titanlike.parallel.p2p import exchange_start, exchange_wait
+
 __all__ = [
     "RingAttention",
     "RingLatentAttention",
@@ -62,7 +64,8 @@ def _is_shape_only(t: Tensor) -> bool:
 
 class _Shift:
     """Direct shifts over the cp group: :meth:`start` posts the send of ``tensors`` to rank ``r + i`` and the
-    receive of as many from ``r - i``; :meth:`wait` returns what arrived."""
+    receive of as many from ``r - i``; :meth:`wait` returns what arrived. The exchange is
+    ``titanlike.parallel.p2p``'s (traced: opaque custom ops, so a compiled block holds the ring whole)."""
 
     def __init__(self, mesh: DeviceMesh):
         self.group = mesh.get_group()
@@ -73,19 +76,13 @@ class _Shift:
 
     def start(self, tensors: list[Tensor], i: int):
         if _is_shape_only(tensors[0]):
-            return None, [t.clone() for t in tensors], []
-        sent = [t.contiguous() for t in tensors]
-        recv = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t, self._peer(i), self.group) for t in sent]
-        ops += [dist.P2POp(dist.irecv, t, self._peer(-i), self.group) for t in recv]
-        return dist.batch_isend_irecv(ops), recv, sent
+            return None, [t.clone() for t in tensors]
+        return exchange_start(tensors, self.group, self._peer(i), self._peer(-i)), tensors
 
     @staticmethod
     def wait(pending) -> list[Tensor]:
-        works, recv, _ = pending
-        for w in works or ():
-            w.wait()
-        return recv
+        exchange, sent = pending
+        return sent if exchange is None else exchange_wait(exchange, sent)
 
 
 def ring_steps(cp: int, layout, c: int, window: int | None) -> tuple[int, ...]:
