@@ -208,6 +208,8 @@ MORE_CASES = [
             ],
         ),
     ),
+    # activation offload inside compiled blocks (dynamo does not trace the saved-tensor hooks)
+    ("act_offload", (1, ["--activation_checkpoint.offload", "true", "--compile.enable", "true"])),
     # layout invariance: dp 4 does not divide V 2; V set without layout_invariant (read by nothing); Muon, pp x tp
     ("invariant_virtual_dp", (4, [*INV, "--training.virtual_dp_degree", "2"])),
     ("invariant_virtual_dp", (1, ["--training.virtual_dp_degree", "16"])),

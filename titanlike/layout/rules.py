@@ -133,7 +133,8 @@ RULES = {
     "pipeline parallelism, experts, float8 or layout_invariant",
     "zero1": "parallelism.distributed_optimizer on replicated data parallelism only (data_parallel_replicate_degree > "
     "1, shard degree 1, no tp / cp / pp / experts), with AdamW (foreach or for-loop), without CPU offload",
-    "act_offload": "activation_checkpoint.offload without tensor parallelism (its saved tensors are DTensors)",
+    "act_offload": "activation_checkpoint.offload without tensor parallelism (its saved tensors are DTensors) or "
+    "compile (dynamo does not trace its saved-tensor hooks)",
     "export_model": "checkpoint.export_safetensors on models with a Hugging Face adapter that can express them "
     "(ModelSpec.hf_adapter, hf_export_violations: Qwen3-MoE's expert bias)",
 }
@@ -475,6 +476,14 @@ def _offload_violations(cfg, spec, args, fsdp_ranks: int, tp: int, pp: int) -> l
                 "act_offload",
                 "activation_checkpoint.offload does not offload the DTensors tensor parallelism "
                 "saves; set tensor_parallel_degree 1 or turn activation_checkpoint.offload off",
+            )
+        )
+    if cfg.activation_checkpoint.offload and cfg.compile.enable:
+        out.append(
+            (
+                "act_offload",
+                "activation_checkpoint.offload cannot run inside compiled blocks (dynamo does not trace its "
+                "saved-tensor hooks, torch 2.13); turn compile.enable or activation_checkpoint.offload off",
             )
         )
     return out
