@@ -53,6 +53,28 @@ def test_compiled_blocks_match_eager_and_keep_names():
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+def test_compiled_blocks_under_full_checkpointing_match_eager():
+    """Full AC (every block checkpointed, no context function) inside compiled blocks: captured whole (dynamo
+    refuses checkpoint's default ``context_fn`` passed explicitly, so full AC passes none), equal to eager in
+    float64."""
+    torch.manual_seed(0)
+    ref = Transformer(FLAVORS["tiny"].replace(vocab_size=64)).double()
+    ref.init_weights()
+    model = copy.deepcopy(ref)
+    apply_ac(model, ActivationCheckpoint(mode="full"))
+    apply_compile(model, Compile(enable=True, backend="aot_eager"))
+    counters.clear()
+    tokens = torch.randint(0, 64, (2, 17))
+    ref_loss, ref_grads = _loss_and_grads(ref, tokens)
+    for _ in range(2):
+        loss, grads = _loss_and_grads(model, tokens)
+        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-12)
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=0, atol=1e-12, msg=name)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
 def test_fullgraph_except_around_transformer_engine_modules():
     block = Transformer(FLAVORS["tiny"].replace(vocab_size=64)).layers["0"]
     assert _fullgraph(block)

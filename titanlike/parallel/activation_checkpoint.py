@@ -117,6 +117,8 @@ class _Checkpointed:
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
             return super().forward(*args, **kwargs)
+        if self._ac_context_fn is noop_context_fn:  # full AC: no context_fn (dynamo refuses the default passed in)
+            return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
         return checkpoint(super().forward, *args, use_reentrant=False, context_fn=self._ac_context_fn, **kwargs)
 
 
