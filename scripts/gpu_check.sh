@@ -45,6 +45,12 @@
 #                    activation memory per rank and bytes sent per layer at cp 1 and 4 (hybrid: all-to-all groups of 2,
 #                    a ring of 2), on gloo CPU ranks beside the GPU (one GPU cannot host a multi-rank NCCL group);
 #                    $OUT/cp_methods.log
+#   host_reads       scripts/host_reads_step.py: train.py's steps (the 1B config, compiled blocks, fused AdamW, 7 steps
+#                    logging at 1 and 7) with every device-to-host read counted per step and named: the steps between
+#                    the log steps must read nothing, the precondition of capturing a step as a CUDA graph
+#                    ($OUT/host_reads/reads.json)
+#   pp_uneven        scripts/plan.py: DeepSeek-V3 671B's 61 layers split unevenly over 8 pipeline stages (the planner's
+#                    split line; no device)
 # Writes $OUT/<row>.json (benchmark.py --json), $OUT/<row>.log, $OUT/train_1b/metrics.jsonl, $OUT/moe_bench/moe_bench.json,
 # $OUT/muon_step/muon.json, $OUT/mask_bench/mask.json, $OUT/linear_bench/linear.json, $OUT/env.json and $OUT/summary.json (every row's tokens/s, MFU,
 # memory and ratio to plain, the MoE ratio, Muon's step seconds against AdamW's, the mask ratio, and each step's exit
@@ -115,6 +121,9 @@ if [ "$DEVICE" = cuda ]; then
   GPT_OSS=(--job.config_file configs/debug_model.toml --model.name gpt_oss --model.flavor debugmodel
            --model.attn_mask_type block_causal --training.steps 10 --training.dtype bfloat16 --compile.enable true
            --metrics.log_freq 1 --validation.enable false --checkpoint.enable false --metrics.enable_tensorboard false)
+  HOST=(--job.config_file configs/llama3_1b.toml --training.steps 7 --training.local_batch_size 4
+        --training.global_batch_size 4 --training.seq_len 2048 --compile.enable true --checkpoint.enable false
+        --metrics.enable_tensorboard false)
 else
   COMMON=(--flavor tiny --seq-len 32 --steps 2 --warmup 1 --loss-chunk 16 --device cpu)
   F8=(--float8-emulate)
@@ -134,7 +143,14 @@ else
            --model.attn_mask_type block_causal --training.steps 2 --training.seq_len 64 --training.device cpu
            --training.local_batch_size 2 --metrics.log_freq 1 --validation.enable false
            --metrics.enable_tensorboard false)
+  HOST=(--job.config_file configs/debug_model.toml --training.seq_len 32 --training.device cpu
+        --training.local_batch_size 2 --metrics.enable_tensorboard false)
 fi
+# the uneven pipeline split (the planner, no device): DeepSeek-V3 671B's 61 layers on 8 stages, 512 GPUs (on 256 the
+# planner validates the layout but the stages' memory does not fit an H100: exit 1)
+PLAN=(--world-size 512 --job.config_file configs/debug_model.toml --model.name deepseek_v3 --model.flavor 671B
+      --parallelism.pipeline_parallel_degree 8 --parallelism.expert_parallel_degree 32 --training.local_batch_size 8
+      --training.global_batch_size 512 --no-dry-run)
 
 declare -A RC
 run() {  # name, timeout, command...: bounded by what is left of the budget
@@ -168,6 +184,10 @@ mkdir -p "$OUT/memory_modes"
 run memory_modes "$T_ROW" python scripts/memory_modes.py "${MODES[@]}" --json "$OUT/memory_modes/modes.json"
 run act_offload "$T_ROW" python scripts/memory_modes.py "${ONE_DEV[@]}" --json "$OUT/memory_modes/one_device.json"
 run cp_methods "$T_ROW" python scripts/cp_memory.py "${CP[@]}" --methods allgather,alltoall,ring,hybrid
+mkdir -p "$OUT/host_reads"
+run host_reads "$T_ROW" python scripts/host_reads_step.py "${HOST[@]}" --job.dump_folder "$OUT/host_reads" \
+    --json "$OUT/host_reads/reads.json"
+run pp_uneven "$T_ROW" python scripts/plan.py "${PLAN[@]}"
 
 rcs=""; for k in "${!RC[@]}"; do rcs="$rcs$k=${RC[$k]} "; done
 python - "$OUT" "$rcs" <<'EOF'
@@ -207,13 +227,16 @@ ds = out / "deepseek_v3" / "deepseek_v3.json"
 ds = json.loads(ds.read_text()) if ds.exists() else None
 linear = out / "linear_bench" / "linear.json"
 linear = json.loads(linear.read_text()) if linear.exists() else None
+reads = out / "host_reads" / "reads.json"
+reads = [{"step": r["step"], "reads": len(r["reads"]), "seconds": r["seconds"], "first": r["reads"][:1]}
+         for r in json.loads(reads.read_text())["steps"]] if reads.exists() else None
 modes = {k: json.loads((out / "memory_modes" / f"{k}.json").read_text())
          for k in ("modes", "one_device") if (out / "memory_modes" / f"{k}.json").exists()}
 summary = {"env": json.loads((out / "env.json").read_text()), "exit_codes": rcs, "rows": rows,
            "plain_tokens_per_s_by_batch": plain, "train_1b": [r for r in train if "loss" in r],
            "moe": json.loads(moe.read_text()) if moe.exists() else None, "muon_step": muon, "mask": mask,
            "train_gpt_oss": [r for r in gpt_oss if "loss" in r],
-           "deepseek_v3": ds, "linear": linear, "memory_modes": modes}
+           "deepseek_v3": ds, "linear": linear, "memory_modes": modes, "host_reads": reads}
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
 print(f"{'row':<16} {'batch':>5} {'tokens/s':>10} {'MFU':>6} {'mem GiB':>8} {'x plain':>8}")
 for r in rows:

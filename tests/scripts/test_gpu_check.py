@@ -53,6 +53,8 @@ def test_gpu_check_dry_run_writes_every_row(tmp_path):
             "memory_modes",
             "act_offload",
             "cp_methods",
+            "host_reads",
+            "pp_uneven",
         )
     }, proc.stdout
     rows = {r["row"]: r for r in summary["rows"]}
@@ -84,6 +86,11 @@ def test_gpu_check_dry_run_writes_every_row(tmp_path):
     assert {r["mode"] for r in modes["modes"]["rows"]} == set(memory_modes.MODES)
     assert {r["mode"] for r in modes["one_device"]["rows"]} == set(memory_modes.ONE)
     assert all(r["Total"] > 0 for m in modes.values() for r in m["rows"])
+    # the trainer's reads per step (7 steps logging at 1 and 7): nothing between the log steps
+    reads = summary["host_reads"]
+    assert [r["step"] for r in reads] == list(range(1, 8)) and reads[0]["reads"] > 0 and reads[-1]["reads"] > 0
+    assert all(r["reads"] == 0 for r in reads[1:-1]), reads
+    assert "pipeline split: blocks per stage 8 8 8 8 8 7 7 7" in (tmp_path / "pp_uneven.log").read_text()
 
 
 def test_gpu_check_bad_argument_is_one_line(tmp_path):
