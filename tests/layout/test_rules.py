@@ -150,6 +150,18 @@ CASES = {
     "zb_reshard": (2, [*ZB, "--parallelism.fsdp_reshard_after_forward", "always"]),
     "zb_op_ac": (2, [*ZB, "--activation_checkpoint.mode", "selective"]),
     "zb_compile": (2, [*ZB, "--compile.enable"]),
+    "zb_latent_ring": (
+        4,
+        [
+            *ZB,
+            "--model.name",
+            "deepseek_v3",
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.context_parallel_method",
+            "ring",
+        ],
+    ),
     "ep_degree": (4, [*MOE, "--parallelism.expert_parallel_degree", "3"]),
     "ep_model": (2, EP2),  # llama3 has no experts
     "ep_experts": (4, [*MOE, "--parallelism.expert_parallel_degree", "4", "--model.num_experts", "6"]),

@@ -112,6 +112,8 @@ RULES = {
     "zb_reshard": "split-backward schedules with fsdp_reshard_after_forward != always",
     "zb_op_ac": "split-backward schedules without op-level selective AC",
     "zb_compile": "split-backward schedules without compiled blocks",
+    "zb_latent_ring": "split-backward schedules without the ring method on multi-head latent attention (its "
+    "up-projection's weight gradients are computed in the input-gradient pass)",
     "ep_degree": "expert_parallel_degree divides dp_shard x cp (the ranks it borrows)",
     "ep_model": "expert parallelism on models with experts (ModelSpec.num_experts)",
     "ep_experts": "expert_parallel_degree divides the number of experts",
@@ -669,7 +671,7 @@ def _pipeline_violations(cfg, args, pp: int) -> list[tuple[str, str]]:
         _stage_count_violations(cfg, n_stages, pp)
         + _layer_split_violations(cfg, args, n_stages)
         + _microbatch_violations(cfg, n_stages, pp)
-        + _split_backward_violations(cfg)
+        + _split_backward_violations(cfg, args)
     )
 
 
@@ -776,7 +778,7 @@ def _microbatch_violations(cfg, n_stages: int, pp: int) -> list[tuple[str, str]]
     return [("pp_microbatches", message)]
 
 
-def _split_backward_violations(cfg) -> list[tuple[str, str]]:
+def _split_backward_violations(cfg, args) -> list[tuple[str, str]]:
     """Split-backward (zero-bubble) schedules run each backward as an input-gradient and a later weight-gradient
     pass over the same graph (retain_graph); these features assume one backward per forward."""
     p = cfg.parallelism
@@ -800,6 +802,15 @@ def _split_backward_violations(cfg) -> list[tuple[str, str]]:
                 f"activation_checkpoint: op-level selective checkpointing allows one backward per region, "
                 f"{sched} runs two; use mode 'full', selective_ac_option N (every N-th block) or another "
                 f"schedule",
+            )
+        )
+    if p.context_parallel_degree > 1 and p.context_parallel_method == "ring" and getattr(args, "cp_gathered", None):
+        out.append(
+            (
+                "zb_latent_ring",
+                f"context_parallel_method ring on {cfg.model.name}'s latent attention computes the up-projection's "
+                f"weight gradients with the input gradients, which {sched} splits; use context_parallel_method "
+                f"allgather, alltoall or hybrid, or {_schedules(lambda f: not f.split_backward)}",
             )
         )
     if cfg.compile.enable:
